@@ -1,0 +1,18 @@
+"""eksft-nb: a Jupyter-native control plane for fault-tolerant FSDP training with NVIDIA NVRx.
+
+``%load_ext eksft_nb`` registers the ``%%ftrain`` / ``%ftrain`` magics; ``launch()`` and ``attach()``
+are the same reach from plain Python.
+"""
+
+from .errors import EksftError, JobError, SpecError
+from .job import Job, attach, launch
+from .spec import JobSpec
+
+__all__ = ["EksftError", "Job", "JobError", "JobSpec", "SpecError", "attach", "launch", "load_ipython_extension"]
+__version__ = "0.1.0"
+
+
+def load_ipython_extension(ipython):
+    from .magics import register
+
+    register(ipython)

@@ -1,0 +1,20 @@
+"""Backends: where a job's ranks run. ``get_backend("local" | "eks")``."""
+
+from __future__ import annotations
+
+from ..errors import SpecError
+from .base import Backend, EventSource, JobSummary
+
+__all__ = ["Backend", "EventSource", "JobSummary", "get_backend"]
+
+
+def get_backend(name: str, **kwargs: object) -> Backend:
+    if name == "local":
+        from .local import LocalBackend
+
+        return LocalBackend(**kwargs)  # type: ignore[arg-type]
+    if name == "eks":
+        from .eks import EksBackend
+
+        return EksBackend(**kwargs)  # type: ignore[arg-type]
+    raise SpecError(f"unknown backend {name!r}", "use --backend local or --backend eks")

@@ -1,0 +1,191 @@
+"""The local backend: real ranks on this machine (CPU/gloo, or NCCL on GPUs), one folder per job.
+
+A job runs under a detached supervisor (its own session), so it survives the kernel or shell that
+launched it; any process can attach to it by name through its folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ..checkpoints import CheckpointInfo, list_checkpoints, verify
+from ..control import FaultCommand, submit
+from ..errors import JobError
+from ..events import EventTail
+from ..jobdir import JobDir, jobs_root
+from ..launch import Ports, launcher_argv, rank_env
+from ..monitor import JobMonitor
+from ..runtime.quiet import quiet_env
+from ..spec import JobSpec
+from . import procs
+from .base import Backend, JobSummary
+
+# launcher and library lines a user does not need (shown with --debug)
+_NOISE = re.compile(
+    r"\[ft_launcher\d*@|\[RankMonServer|NVML|Health check|socket\.cpp|waitForInput|pynvml|FutureWarning|"
+    r"^\*+$|OMP_NUM_THREADS|Rendezvous info|--rdzv-backend|^\s+(entrypoint|min_nodes|max_nodes|nproc_per_node|"
+    r"run_id|rdzv_backend|rdzv_endpoint|rdzv_configs|max_restarts|restart_policy|monitor_interval|log_dir|"
+    r"metrics_cfg)\s+:|^\[rank\d+\]:\s+(File |\^|Traceback|\s)|^\s*$|inprocess|GLHF|resource_tracker|leaked semaphore|warnings\.warn\(")
+
+
+class LocalBackend(Backend):
+    name = "local"
+
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = Path(root) if root else jobs_root()
+
+    def _jd(self, name: str) -> JobDir:
+        return JobDir.existing(name, self.root)
+
+    # ---- launch -------------------------------------------------------------------------------
+    def render(self, spec: JobSpec) -> str:
+        spec.validate()
+        jd = JobDir.for_name(spec.name, self.root)
+        ports = Ports(29500, 29501, 29502)
+        lines = [f"# job folder: {jd.path}", "# environment of each launcher (ports are picked free at launch):"]
+        for k, v in rank_env(spec, ports=ports, job_attempt=0, job_dir=str(jd.path)).items():
+            lines.append(f"{k}={v}")
+        for node in range(spec.nnodes):
+            argv = launcher_argv(spec, node_rank=node, rdzv_host="127.0.0.1", ports=ports, run_id=spec.name)
+            lines.append(" \\\n    ".join(argv))
+        return "\n".join(lines)
+
+    def launch(self, spec: JobSpec, faults: list[FaultCommand] | None = None) -> None:
+        spec.validate()
+        if spec.backend != "local":
+            raise JobError(f"spec {spec.name!r} is for backend {spec.backend!r}", "launch it with that backend")
+        jd = JobDir.for_name(spec.name, self.root)
+        if jd.path.exists():
+            raise JobError(f"a job named {spec.name!r} already exists in {self.root}",
+                           f"choose another --name, or remove it with `python -m eksft_nb rm {spec.name}`")
+        faults = [f.validate(spec.world_size, spec.nnodes) for f in faults or []]
+        if spec.script and not Path(spec.script).is_file():
+            raise JobError(f"training script {spec.script} does not exist", "check the --script path")
+        _check_resume_source(spec, jd)
+        jd.create(spec)
+        for f in faults:
+            submit(jd.pending, f)
+        self._start_supervisor(jd)
+
+    def _start_supervisor(self, jd: JobDir) -> None:
+        err = open(jd.logs / "supervisor.err", "ab")
+        env = quiet_env(dict(os.environ))
+        proc = subprocess.Popen([sys.executable, "-m", "eksft_nb.backends.supervisor", str(jd.path)],
+                                stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=env,
+                                start_new_session=True, close_fds=True)
+        proc.wait(timeout=30)  # the intermediate process exits once the daemon has forked
+        deadline = time.time() + 30
+        while not jd.supervisor() and time.time() < deadline:
+            time.sleep(0.05)
+        if not jd.supervisor():
+            raise JobError(f"the supervisor of {jd.name} did not start", f"see {jd.logs / 'supervisor.err'}")
+
+    # ---- queries -------------------------------------------------------------------------------
+    def jobs(self) -> list[JobSummary]:
+        found = [p for p in self.root.glob("*") if (p / "spec.json").is_file()] if self.root.is_dir() else []
+        found.sort(key=lambda p: p.stat().st_mtime)
+        return [self.state(p.name) for p in found]
+
+    def spec(self, name: str) -> JobSpec:
+        return self._jd(name).spec()
+
+    def state(self, name: str) -> JobSummary:
+        jd = self._jd(name)
+        sup = jd.supervisor()
+        state = sup.get("state", "starting")
+        if state in ("starting", "running") and sup.get("pid") and not procs.alive(sup["pid"]):
+            return JobSummary(name, self.name, "lost", "the supervisor is gone (the machine restarted, or it "
+                              f"was killed); see {jd.logs / 'supervisor.err'}")
+        return JobSummary(name, self.name, state, sup.get("reason", ""))
+
+    def events(self, name: str) -> EventTail:
+        return EventTail(self._jd(name).events_path)
+
+    def checkpoints(self, name: str) -> list[CheckpointInfo]:
+        jd = self._jd(name)
+        return list_checkpoints(jd.ckpt_dir(jd.spec()))
+
+    def logs(self, name: str, lines: int = 200, debug: bool = False) -> str:
+        jd = self._jd(name)
+        out: list[str] = []
+        narrative = jd.logs / "supervisor.log"
+        if narrative.exists():
+            out += [f"[eksft] {line}" for line in narrative.read_text().splitlines()]
+        for log in sorted(jd.logs.glob("launcher-*.log"), key=lambda p: p.stat().st_mtime):
+            text = log.read_text(errors="replace").splitlines()
+            out += text if debug else [line for line in text if not _NOISE.search(line)]
+        if debug and (jd.logs / "supervisor.err").exists():
+            out += (jd.logs / "supervisor.err").read_text(errors="replace").splitlines()
+        return "\n".join(out[-lines:])
+
+    # ---- control -------------------------------------------------------------------------------
+    def inject(self, name: str, command: FaultCommand) -> FaultCommand:
+        jd = self._jd(name)
+        spec = jd.spec()
+        status = self.state(name)
+        if status.state not in ("starting", "running"):
+            raise JobError(f"job {name!r} is {status.state}: faults only go to a running job",
+                           "launch a new job (or resume this one from a checkpoint) and inject into that")
+        mon = JobMonitor()
+        mon.update(EventTail(jd.events_path).read())
+        command.validate(spec.world_size, spec.nnodes, current_step=mon.last_step if command.step else None)
+        submit(jd.pending, command)
+        return command
+
+    def stop(self, name: str, timeout: float = 60.0) -> None:
+        jd = self._jd(name)
+        sup = jd.supervisor()
+        pids = [l["pid"] for l in sup.get("launchers", [])]
+        mon = JobMonitor()
+        mon.update(EventTail(jd.events_path).read())
+        pids += list(mon.rank_pids.values())
+        if sup.get("pid") and procs.alive(sup["pid"]):
+            procs.terminate(sup["pid"])
+            procs.wait_gone([sup["pid"]], timeout)
+        if sup.get("job_uid"):
+            procs.kill_marked(sup["job_uid"])
+        for l in sup.get("launchers", []):
+            procs.kill_group(l["pgid"], 9)
+        if sup.get("pid"):
+            pids.append(sup["pid"])
+        left = procs.wait_gone(pids, 10)
+        if left:
+            raise JobError(f"processes {left} of job {name!r} did not exit", "kill them with `kill -9`")
+        if jd.supervisor().get("state") in ("starting", "running"):  # the supervisor could not record it
+            from ..jobdir import atomic_write
+            atomic_write(jd.supervisor_path, json.dumps({**jd.supervisor(), "state": "stopped",
+                                                         "reason": "stopped by the user"}))
+
+    def remove(self, name: str) -> None:
+        status = self.state(name)
+        if status.state in ("starting", "running"):
+            raise JobError(f"job {name!r} is still running", f"stop it first: `python -m eksft_nb stop {name}`")
+        shutil.rmtree(self._jd(name).path)
+
+
+def _check_resume_source(spec: JobSpec, jd: JobDir) -> None:
+    """A resume that names a step or a folder must point at a committed checkpoint that verifies."""
+    if spec.resume in ("latest", "none"):
+        return
+    if spec.resume.startswith("step:"):
+        root = jd.ckpt_dir(spec)
+        infos = [i for i in list_checkpoints(root) if i.step == spec.resume_step]
+        avail = ", ".join(str(i.step) for i in list_checkpoints(root) if i.state == "committed") or "none"
+        where = f"in {root}"
+    else:
+        path = Path(spec.resume).expanduser()
+        infos = [i for i in list_checkpoints(path.parent) if i.path == path]
+        avail = ", ".join(str(i.path) for i in list_checkpoints(path.parent) if i.state == "committed") or "none"
+        where = f"at {path}"
+    if not infos:
+        raise JobError(f"no checkpoint {where} (committed: {avail})", "pick one listed by `python -m eksft_nb ckpts NAME`")
+    reason = verify(infos[0])
+    if reason:
+        raise JobError(f"checkpoint {infos[0].path} cannot be used: {reason}", "pick an older committed checkpoint")

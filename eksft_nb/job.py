@@ -1,0 +1,142 @@
+"""The Python API: ``launch(spec)`` and ``attach(name)`` return a :class:`Job`."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from .backends import Backend, get_backend
+from .checkpoints import CheckpointInfo, verify
+from .control import FaultCommand
+from .errors import JobError
+from .goodput import Goodput, compute
+from .monitor import JobMonitor
+from .spec import JobSpec
+
+
+class Job:
+    """A handle on a job, by name. Cheap to create; any number can exist for the same job."""
+
+    def __init__(self, name: str, backend: Backend) -> None:
+        self.name, self.backend = name, backend
+        self.monitor = JobMonitor()
+        self._events = backend.events(name)
+
+    def __repr__(self) -> str:
+        return f"Job({self.name!r}, backend={self.backend.name!r}, state={self.state!r})"
+
+    def refresh(self) -> JobMonitor:
+        """Fold in the events that arrived since the last call."""
+        self.monitor.update(self._events.read())
+        return self.monitor
+
+    @property
+    def spec(self) -> JobSpec:
+        return self.backend.spec(self.name)
+
+    @property
+    def state(self) -> str:
+        mon = self.refresh()
+        if mon.finished:
+            return mon.state
+        backend_state = self.backend.state(self.name).state
+        return backend_state if backend_state in ("lost", "stopped", "failed", "starting") else mon.state
+
+    def inject(self, fault: str, rank: int | None = None, step: int | None = None, node: int = 0,
+               **params: Any) -> FaultCommand:
+        """Inject a fault: now (``step=None``) or at the start of ``step``."""
+        return self.backend.inject(self.name, FaultCommand(fault, rank=rank, step=step, node=node, params=params))
+
+    def checkpoints(self) -> list[CheckpointInfo]:
+        return self.backend.checkpoints(self.name)
+
+    def resume(self, step: int | None = None, name: str | None = None, **changes: Any) -> Job:
+        """Start a new job from one of this job's committed checkpoints (default: the newest).
+
+        The new job gets its own name and checkpoint folder; this job's checkpoints stay as they are.
+        ``changes`` are dotted spec fields to change, e.g. ``**{"steps": 200}``.
+        """
+        committed = [c for c in self.checkpoints() if c.state == "committed"]
+        if not committed:
+            raise JobError(f"job {self.name!r} has no committed checkpoint", "wait for its first save, or launch anew")
+        if step is None:
+            info = committed[-1]
+        else:
+            info = next((c for c in committed if c.step == step), None)
+            if info is None:
+                raise JobError(f"job {self.name!r} has no committed checkpoint at step {step}",
+                               f"pick one of: {', '.join(str(c.step) for c in committed)}")
+        reason = verify(info) if Path(info.path).exists() else None
+        if reason:
+            raise JobError(f"checkpoint at step {info.step} cannot be used: {reason}", "pick another step")
+        spec = self.spec.replace(**{"name": name or _next_name(self.backend, f"{self.name}-from-{info.step}"),
+                                    "resume": str(info.path), "checkpoint.dir": None, **changes})
+        self.backend.launch(spec)
+        return Job(spec.name, self.backend)
+
+    def stop(self, timeout: float = 60.0) -> None:
+        self.backend.stop(self.name, timeout)
+
+    def logs(self, lines: int = 200, debug: bool = False) -> str:
+        return self.backend.logs(self.name, lines, debug)
+
+    def goodput(self) -> Goodput:
+        return compute(self.refresh())
+
+    def wait(self, timeout: float = 600.0, poll: float = 0.5) -> str:
+        """Block until the job ends; return its final state."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            state = self.state
+            if state in ("succeeded", "failed", "stopped", "lost"):
+                return state
+            time.sleep(poll)
+        raise TimeoutError(f"job {self.name} still {self.state} after {timeout:.0f}s")
+
+    def summary(self) -> dict[str, Any]:
+        mon = self.refresh()
+        gp = compute(mon)
+        return {
+            "name": self.name, "backend": self.backend.name, "state": self.state, "reason": mon.reason,
+            "steps_done": mon.max_step, "total_steps": mon.total_steps,
+            "restarts": mon.restarts_by_level(),
+            "restart_events": [{k: r[k] for k in ("level", "cause", "blame_rank", "downtime_s", "detection_s",
+                                                  "rolled_back_steps", "resumed_step")} for r in mon.restarts],
+            "checkpoints_committed": sum(c.state == "committed" for c in mon.checkpoints.values()),
+            "goodput": gp.to_dict(), "digest": mon.digest,
+        }
+
+    def dashboard(self) -> Any:
+        from .dashboard import Dashboard
+
+        return Dashboard(self)
+
+
+def launch(spec: JobSpec | None = None, faults: list[FaultCommand | str] | None = None, **fields: Any) -> Job:
+    """Launch a job from a spec (or from spec fields, dotted for nested ones) and return its handle."""
+    from .control import parse_fault
+
+    spec = (spec or JobSpec()).replace(**fields) if fields else (spec or JobSpec())
+    spec.validate()
+    backend = get_backend(spec.backend)
+    commands = [parse_fault(f) if isinstance(f, str) else f for f in faults or []]
+    backend.launch(spec, commands)
+    return Job(spec.name, backend)
+
+
+def attach(name: str, backend: str = "local") -> Job:
+    """A handle on an existing job (from any process, after a kernel restart too)."""
+    b = get_backend(backend)
+    b.spec(name)  # raises a clear error for an unknown name
+    return Job(name, b)
+
+
+def _next_name(backend: Backend, base: str) -> str:
+    taken = {j.name for j in backend.jobs()}
+    if base not in taken:
+        return base
+    n = 2
+    while f"{base}-{n}" in taken:
+        n += 1
+    return f"{base}-{n}"

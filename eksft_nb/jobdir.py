@@ -1,0 +1,119 @@
+"""The job folder: everything a local job owns, in one private directory.
+
+Layout (root: ``$EKSFT_HOME/jobs``, default ``~/.eksft/jobs``)::
+
+    <root>/<name>/
+        spec.json          the JobSpec this job runs
+        events.jsonl       telemetry (see events.py)
+        supervisor.json    pid, process group and state of the detached supervisor
+        logs/              supervisor.log, launcher-<attempt>-<node>.log, per-rank logs
+        control/pending/   fault commands waiting to fire; control/fired/ marks the ones that did
+        progress/          per-rank progress beacons (last step, where the main thread is)
+        ckpt/              step_<N>/ checkpoints (unless checkpoint.dir points elsewhere)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import JobError
+from .spec import JobSpec
+
+
+def eksft_home() -> Path:
+    return Path(os.environ.get("EKSFT_HOME", Path.home() / ".eksft")).expanduser()
+
+
+def jobs_root() -> Path:
+    return eksft_home() / "jobs"
+
+
+def atomic_write(path: Path, text: str, mode: int = 0o600) -> None:
+    """Write a file so that readers see the old content or the new one, never a torn mix."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class JobDir:
+    path: Path
+
+    @classmethod
+    def for_name(cls, name: str, root: Path | None = None) -> JobDir:
+        return cls((root or jobs_root()) / name)
+
+    @classmethod
+    def existing(cls, name: str, root: Path | None = None) -> JobDir:
+        jd = cls.for_name(name, root)
+        if not jd.spec_path.is_file():
+            known = ", ".join(sorted(p.name for p in (root or jobs_root()).glob("*") if (p / "spec.json").is_file()))
+            raise JobError(f"no job named {name!r} under {jd.path.parent}",
+                           f"pick one of: {known}" if known else "launch one first with `python -m eksft_nb run`")
+        return jd
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def spec_path(self) -> Path:
+        return self.path / "spec.json"
+
+    @property
+    def events_path(self) -> Path:
+        return self.path / "events.jsonl"
+
+    @property
+    def supervisor_path(self) -> Path:
+        return self.path / "supervisor.json"
+
+    @property
+    def logs(self) -> Path:
+        return self.path / "logs"
+
+    @property
+    def pending(self) -> Path:
+        return self.path / "control" / "pending"
+
+    @property
+    def fired(self) -> Path:
+        return self.path / "control" / "fired"
+
+    @property
+    def progress(self) -> Path:
+        return self.path / "progress"
+
+    def ckpt_dir(self, spec: JobSpec) -> Path:
+        return Path(spec.checkpoint.dir).expanduser() if spec.checkpoint.dir else self.path / "ckpt"
+
+    def create(self, spec: JobSpec) -> None:
+        """Make the private folder tree and write the spec (fails if the job exists)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            self.path.mkdir(mode=0o700)
+        except FileExistsError:
+            raise JobError(f"a job named {self.name!r} already exists in {self.path.parent}",
+                           f"choose another --name, or remove it with `python -m eksft_nb rm {self.name}`") from None
+        for sub in (self.logs, self.pending, self.fired, self.progress):
+            sub.mkdir(parents=True, mode=0o700)
+        os.chmod(self.path / "control", 0o700)
+        self.ckpt_dir(spec).mkdir(parents=True, exist_ok=True, mode=0o700)
+        atomic_write(self.spec_path, spec.to_json())
+
+    def spec(self) -> JobSpec:
+        return JobSpec.from_json(self.spec_path.read_text())
+
+    def supervisor(self) -> dict[str, Any]:
+        try:
+            return json.loads(self.supervisor_path.read_text())
+        except (FileNotFoundError, ValueError):
+            return {}

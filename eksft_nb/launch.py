@@ -1,0 +1,74 @@
+"""The launch line: one ft_launcher command per node, derived from the job spec.
+
+The local supervisor runs it as a process; the EKS backend puts the same argv in the pod spec. So
+what runs on a laptop is what runs on the cluster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .spec import JobSpec
+
+TRAINER_MODULE = "eksft_nb.runtime.train"
+SCRIPT_MODULE = "eksft_nb.runtime.script"
+
+
+@dataclass(frozen=True)
+class Ports:
+    """TCP ports one launch uses on the rank-0 host."""
+
+    rdzv: int      # c10d rendezvous (ft_launcher)
+    store: int     # the trainer's process-group store (in-process restart)
+    wrapper: int   # inprocess.Wrapper's store
+
+    @classmethod
+    def from_base(cls, base: int) -> Ports:
+        return cls(base, base + 1, base + 2)
+
+
+def launcher_argv(spec: JobSpec, *, node_rank: int, rdzv_host: str, ports: Ports, run_id: str,
+                  log_dir: str | None = None) -> list[str]:
+    """``ft_launcher ...`` for one node (argv[0] is the bare command name)."""
+    ft = spec.ft
+    argv = [
+        "ft_launcher",
+        f"--nnodes={spec.nnodes}", f"--nproc-per-node={spec.nproc_per_node}", f"--node-rank={node_rank}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_host}:{ports.rdzv}", f"--rdzv-id={run_id}",
+        f"--max-restarts={ft.max_injob_restarts}", "--monitor-interval=1",
+        "--term-timeout=5", "--workers-stop-timeout=5",
+        f"--ft-initial-rank-heartbeat-timeout={ft.initial_heartbeat_timeout:g}",
+        f"--ft-rank-heartbeat-timeout={ft.heartbeat_timeout:g}",
+        "--ft-workload-check-interval=1", "--ft-enable-nic-monitor=false",
+    ]
+    sections = {"step": ft.step_timeout, "checkpoint": ft.checkpoint_timeout}
+    sections = {k: v for k, v in sections.items() if v is not None}
+    if sections:
+        argv.append("--ft-rank-section-timeouts=" + ",".join(f"{k}:{v:g}" for k, v in sections.items()))
+    if log_dir:
+        argv.append(f"--log-dir={log_dir}")
+    if spec.script:
+        argv += ["-m", SCRIPT_MODULE, spec.script, *spec.script_args]
+    else:
+        argv += ["-m", TRAINER_MODULE]
+    return argv
+
+
+def rank_env(spec: JobSpec, *, ports: Ports, job_attempt: int, job_dir: str | None = None,
+             spec_path: str | None = None, events_stdout: bool = False) -> dict[str, str]:
+    """Environment for the launcher and (inherited) its ranks."""
+    env = {
+        "EKSFT_JOB": spec.name,
+        "EKSFT_JOB_ATTEMPT": str(job_attempt),
+        "EKSFT_STORE_PORT": str(ports.store),
+        "OMP_NUM_THREADS": str(spec.threads_per_rank),
+    }
+    if spec.ft.inprocess:
+        env["EKSFT_WRAPPER_PORT"] = str(ports.wrapper)
+    if job_dir:
+        env["EKSFT_JOB_DIR"] = job_dir
+    if spec_path:
+        env["EKSFT_SPEC"] = spec_path
+    if events_stdout:
+        env["EKSFT_EVENTS_STDOUT"] = "1"
+    return env

@@ -1,0 +1,166 @@
+"""JobMonitor: folds a job's event stream into the state that the CLI, the dashboard and the
+supervisor read (steps, checkpoints, restarts, faults, outcome). Feed it events in order with
+:meth:`update`; it keeps per-step data compactly and never re-reads what it has seen."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .events import Event
+
+
+@dataclass
+class CheckpointRecord:
+    step: int
+    mode: str = ""
+    t_begin: float | None = None
+    t_staged: float | None = None
+    t_done: float | None = None
+    state: str = "in-flight"   # in-flight | committed | failed | rejected
+    blocked_s: float | None = None
+    background_s: float | None = None
+    bytes: int | None = None
+    path: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class StepSeries:
+    """Columnar per-step data (one entry per executed step, re-executions included)."""
+
+    step: list[int] = field(default_factory=list)
+    t: list[float] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)
+    step_time: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.step)
+
+
+@dataclass
+class JobMonitor:
+    name: str = ""
+    total_steps: int | None = None
+    world_size: int | None = None
+    backend: str = ""
+    t_start: float | None = None
+    t_end: float | None = None
+    state: str = "pending"        # pending | running | recovering | succeeded | failed | stopped
+    reason: str = ""
+    steps: StepSeries = field(default_factory=StepSeries)
+    checkpoints: dict[int, CheckpointRecord] = field(default_factory=dict)
+    restarts: list[dict[str, Any]] = field(default_factory=list)
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    faults: list[dict[str, Any]] = field(default_factory=list)
+    rank_errors: list[dict[str, Any]] = field(default_factory=list)
+    resumes: list[dict[str, Any]] = field(default_factory=list)
+    rank_pids: dict[int, int] = field(default_factory=dict)
+    digest: str | None = None
+    checkpoint_stall_s: float = 0.0
+    last_event_t: float | None = None
+    n_events: int = 0
+
+    def update(self, events: Iterable[Event]) -> list[Event]:
+        """Fold events in; return them (handy for chaining)."""
+        events = list(events)
+        for e in events:
+            self.n_events += 1
+            self.last_event_t = e.t
+            handler = getattr(self, f"_on_{e.kind}", None)
+            if handler is not None:
+                handler(e)
+        return events
+
+    # -- derived views --
+    @property
+    def last_step(self) -> int:
+        return self.steps.step[-1] if self.steps.step else 0
+
+    @property
+    def max_step(self) -> int:
+        return max(self.steps.step) if self.steps.step else 0
+
+    @property
+    def last_committed(self) -> CheckpointRecord | None:
+        done = [c for c in self.checkpoints.values() if c.state == "committed"]
+        return max(done, key=lambda c: c.step) if done else None
+
+    def restarts_by_level(self) -> dict[str, int]:
+        out = {"inprocess": 0, "injob": 0, "job": 0}
+        for r in self.restarts:
+            out[r["level"]] = out.get(r["level"], 0) + 1
+        return out
+
+    @property
+    def finished(self) -> bool:
+        return self.state in ("succeeded", "failed", "stopped")
+
+    # -- handlers --
+    def _on_job_start(self, e: Event) -> None:
+        self.name = e.job
+        self.t_start = self.t_start or e.t
+        self.total_steps, self.world_size, self.backend = e["steps"], e["world_size"], e["backend"]
+        self.state = "running"
+
+    def _on_rank_start(self, e: Event) -> None:
+        self.rank_pids[e.rank] = e["pid"]
+        if self.state in ("pending", "recovering"):
+            self.state = "running"
+        self.t_start = self.t_start or e.t
+
+    def _on_step(self, e: Event) -> None:
+        s = self.steps
+        s.step.append(e["step"])
+        s.t.append(e.t)
+        s.loss.append(e["loss"])
+        s.step_time.append(e["step_time"])
+        s.tokens.append(e["tokens"])
+        if self.state == "recovering":
+            self.state = "running"
+
+    def _on_checkpoint(self, e: Event) -> None:
+        step, phase = e["step"], e["phase"]
+        rec = self.checkpoints.get(step)
+        if phase == "begin" or rec is None:
+            rec = self.checkpoints[step] = CheckpointRecord(step, mode=e.get("mode", ""), t_begin=e.t)
+        if phase == "staged":
+            rec.t_staged, rec.blocked_s, rec.bytes = e.t, e.get("blocked_s"), e.get("bytes")
+            self.checkpoint_stall_s += rec.blocked_s or 0.0
+        elif phase == "committed":
+            # sync saves block for all of it; async ones only for staging plus any wait at the end
+            self.checkpoint_stall_s += max(0.0, (e.get("blocked_s") or 0.0) - (rec.blocked_s or 0.0))
+            rec.state, rec.t_done, rec.path = "committed", e.t, e.get("path")
+            rec.blocked_s, rec.background_s, rec.bytes = e.get("blocked_s"), e.get("background_s"), e.get("bytes")
+            if rec.t_staged is None:
+                rec.t_staged = (rec.t_begin or e.t) + (rec.blocked_s or 0.0)
+        elif phase in ("failed", "rejected"):
+            rec.state, rec.t_done = phase, e.t
+            rec.error = e.get("error") or e.get("reason")
+
+    def _on_fault(self, e: Event) -> None:
+        self.faults.append({"t": e.t, "fault": e["fault"], "rank": e["target_rank"], "step": e["at_step"],
+                            "id": e["id"], **{k: v for k, v in e.data.items() if k in ("node", "path")}})
+
+    def _on_rank_error(self, e: Event) -> None:
+        self.rank_errors.append({"t": e.t, "rank": e.rank, "error": e["error"], "step": e["step"],
+                                 "origin": e["origin"]})
+
+    def _on_failure(self, e: Event) -> None:
+        self.failures.append({"t": e.t, **e.data})
+        self.state = "recovering"
+
+    def _on_restart(self, e: Event) -> None:
+        self.restarts.append({"t": e.t, **e.data})
+
+    def _on_resume(self, e: Event) -> None:
+        self.resumes.append({"t": e.t, **e.data})
+
+    def _on_rank_end(self, e: Event) -> None:
+        self.digest = e.get("digest", self.digest)
+
+    def _on_job_end(self, e: Event) -> None:
+        self.state, self.reason, self.t_end = e["state"], e["reason"], e.t
+        self.digest = e.get("digest", self.digest)

@@ -1,0 +1,208 @@
+"""What a rank process has at hand: telemetry, NVRx heartbeats, fault commands, a progress beacon.
+
+The built-in trainer uses it, and so can a user script::
+
+    from eksft_nb.runtime import session
+    s = session()                      # reads the launcher's and eksft's environment
+    for step in range(1, steps + 1):
+        s.step_begin(step)             # fires due fault commands, opens the "step" section
+        loss = train_one_step()
+        s.step_end(step, loss=loss.item(), tokens=n_tokens, step_time=dt)   # heartbeat + event
+
+One :class:`Session` lives for the whole rank process (across in-process restarts).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..control import CommandInbox, FaultCommand
+from ..events import EventWriter
+from ..jobdir import JobDir
+from ..spec import JobSpec
+
+
+class InjectedFault(RuntimeError):
+    """The exception raised by the ``exception`` fault."""
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    node: int
+    injob_restart: int
+    job_attempt: int
+
+    @classmethod
+    def from_env(cls) -> RankInfo:
+        env = os.environ
+        return cls(rank=int(env.get("RANK", 0)), local_rank=int(env.get("LOCAL_RANK", 0)),
+                   world_size=int(env.get("WORLD_SIZE", 1)), node=int(env.get("GROUP_RANK", 0)),
+                   injob_restart=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+                   job_attempt=int(env.get("EKSFT_JOB_ATTEMPT", 0)))
+
+
+class Session:
+    """Per-rank helpers. Create it with :func:`eksft_nb.runtime.session`."""
+
+    def __init__(self, spec: JobSpec, job_dir: Path | None, info: RankInfo) -> None:
+        self.spec, self.info = spec, info
+        self.job_dir = JobDir(job_dir) if job_dir else None
+        self.rank = info.rank
+        self.inprocess_iteration = 0
+        events_path = self.job_dir.events_path if self.job_dir else None
+        self.events = EventWriter(events_path, spec.name, info.rank,
+                                  to_stdout=os.environ.get("EKSFT_EVENTS_STDOUT") == "1")
+        self.inbox = (CommandInbox(self.job_dir.pending, self.job_dir.fired, "rank") if self.job_dir else None)
+        self.ft = _ft_client()
+        self.sections = spec.ft.step_timeout is not None
+        self.step_entered = 0
+        self.step_done = 0
+        self.t_done = time.time()
+        self._slow_until, self._slow_delay = 0, 0.0
+        self.on_save_failure: list[Any] = []   # callbacks for the save-failure fault
+        self._beacon = _Beacon(self) if self.job_dir else None
+
+    # -- telemetry --
+    def emit(self, kind: str, **data: Any) -> None:
+        self.events.emit(kind, **data)
+
+    def rank_start(self, start_step: int, **extra: Any) -> None:
+        self.step_done = self.step_entered = start_step
+        self.emit("rank_start", pid=os.getpid(), host=socket.gethostname(), job_attempt=self.info.job_attempt,
+                  injob_restart=self.info.injob_restart, inprocess_iteration=self.inprocess_iteration,
+                  world_size=self.info.world_size, start_step=start_step, **extra)
+
+    def heartbeat(self) -> None:
+        if self.ft is not None:
+            self.ft.send_heartbeat()
+
+    def section(self, name: str, open_: bool) -> None:
+        if self.ft is not None:
+            (self.ft.start_section if open_ else self.ft.end_section)(name)
+
+    # -- the step protocol --
+    def step_begin(self, step: int) -> None:
+        self.step_entered = step
+        if self.inbox is not None:
+            for cmd in self.inbox.poll():
+                if cmd.rank == self.rank and (cmd.step is None or cmd.step <= step) and self.inbox.take(cmd):
+                    self._fire(cmd, step)
+        if step < self._slow_until:
+            time.sleep(self._slow_delay)
+        if self.sections:
+            self.section("step", True)
+
+    def step_end(self, step: int, loss: float, tokens: int, step_time: float) -> None:
+        if self.sections:
+            self.section("step", False)
+        self.heartbeat()
+        self.step_done, self.t_done = step, time.time()
+        if self.rank == 0:
+            self.emit("step", step=step, loss=float(loss), tokens=int(tokens), step_time=float(step_time))
+
+    # -- faults --
+    def _fire(self, cmd: FaultCommand, step: int) -> None:
+        self.emit("fault", fault=cmd.fault, id=cmd.id, target_rank=cmd.rank, at_step=step, params=cmd.params)
+        if cmd.fault == "exception":
+            raise InjectedFault(f"injected exception on rank {self.rank} at step {step}")
+        if cmd.fault == "hang":
+            while True:  # an in-process restart interrupts this with an asynchronous exception
+                time.sleep(0.05)
+        if cmd.fault == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if cmd.fault == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(60)
+        if cmd.fault == "segfault":
+            ctypes.string_at(0)
+        if cmd.fault == "slow-rank":
+            self._slow_until = step + int(cmd.params["duration"])
+            self._slow_delay = float(cmd.params["delay"])
+        if cmd.fault == "save-failure":
+            for callback in self.on_save_failure:
+                callback()
+
+    def close(self) -> None:
+        if self._beacon is not None:
+            self._beacon.stop()
+        if self.ft is not None:
+            self.ft.shutdown_workload_monitoring()
+        self.events.close()
+
+
+class _Beacon(threading.Thread):
+    """Writes ``progress/rank-<r>.json`` once a second: the last step entered and done, and whether
+    the main thread is waiting inside torch.distributed (so a hang can be blamed on the rank that
+    is *not* waiting for its peers)."""
+
+    def __init__(self, session: Session) -> None:
+        super().__init__(daemon=True, name="eksft-beacon")
+        self.session = session
+        self.path = session.job_dir.progress / f"rank-{session.rank}.json"
+        self.main = threading.main_thread().ident
+        self._halt = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        while not self._halt.wait(1.0):
+            s = self.session
+            frame = sys._current_frames().get(self.main)
+            where, waiting = "", False
+            if frame is not None:
+                where = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} {frame.f_code.co_name}"
+                f = frame
+                while f is not None:
+                    if "/torch/distributed/" in f.f_code.co_filename.replace("\\", "/"):
+                        waiting = True
+                        break
+                    f = f.f_back
+            record = {"rank": s.rank, "pid": os.getpid(), "t": time.time(), "step_entered": s.step_entered,
+                      "step_done": s.step_done, "t_done": s.t_done, "where": where, "in_collective": waiting,
+                      "inprocess_iteration": s.inprocess_iteration, "injob_restart": s.info.injob_restart}
+            tmp = self.path.with_suffix(".tmp")
+            try:
+                tmp.write_text(json.dumps(record))
+                os.replace(tmp, self.path)
+            except OSError:
+                pass
+
+    def stop(self) -> None:
+        self._halt.set()
+
+
+def _ft_client() -> Any:
+    """NVRx's rank monitor client when running under ft_launcher, else None."""
+    if not os.environ.get("FT_RANK_MONITOR_IPC_SOCKET"):
+        return None
+    from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
+
+    client = RankMonitorClient()
+    client.init_workload_monitoring()
+    return client
+
+
+_SESSION: Session | None = None
+
+
+def session() -> Session:
+    """The process-wide session, built from the environment that eksft's launcher sets."""
+    global _SESSION
+    if _SESSION is None:
+        job_dir = os.environ.get("EKSFT_JOB_DIR")
+        spec_path = os.environ.get("EKSFT_SPEC") or (str(Path(job_dir) / "spec.json") if job_dir else None)
+        spec = JobSpec.load(spec_path) if spec_path else JobSpec()
+        _SESSION = Session(spec, Path(job_dir) if job_dir else None, RankInfo.from_env())
+    return _SESSION

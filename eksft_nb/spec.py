@@ -1,0 +1,371 @@
+"""The job spec: one dataclass that describes a training job completely.
+
+The magic, the CLI, the local launcher and the Kubernetes manifests are all derived from
+:class:`JobSpec`. Every user-settable field carries its command-line flag and help text in the
+field metadata, so ``%%ftrain --help`` and ``python -m eksft_nb run --help`` list the same options.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+import yaml
+
+from .errors import SpecError
+
+DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+BACKENDS = ("local", "eks")
+
+
+def opt(default: Any, flag: str, help: str, **kw: Any) -> Any:
+    """A dataclass field with its command-line flag and help text."""
+    meta = {"flag": flag, "help": help}
+    if callable(default) and not isinstance(default, (str, int, float, bool)):
+        return field(default_factory=default, metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)
+
+
+# name -> (vocab, d_model, n_layers, n_heads)
+MODEL_PRESETS: dict[str, tuple[int, int, int, int]] = {
+    "tiny": (512, 64, 2, 4),          # ~0.1M params: tests, seconds per run
+    "small": (2048, 128, 2, 4),       # ~0.9M params: the CPU demo
+    "medium": (8192, 256, 4, 8),      # ~7M params
+    "gpt2-125m": (50304, 768, 12, 12),
+    "gpt-1b": (50304, 2048, 16, 16),
+    "gpt-8b": (128256, 4096, 32, 32),
+}
+
+
+@dataclass
+class ModelConfig:
+    """A GPT-style decoder: a preset, optionally with explicit dimensions on top."""
+
+    preset: str = opt("small", "--model", f"model preset: {', '.join(MODEL_PRESETS)}")
+    vocab: int | None = opt(None, "--vocab", "vocabulary size (overrides the preset)")
+    d_model: int | None = opt(None, "--d-model", "hidden size (overrides the preset)")
+    n_layers: int | None = opt(None, "--n-layers", "number of decoder blocks (overrides the preset)")
+    n_heads: int | None = opt(None, "--n-heads", "attention heads (overrides the preset)")
+
+    def dims(self) -> tuple[int, int, int, int]:
+        """(vocab, d_model, n_layers, n_heads) after applying the overrides to the preset."""
+        v, d, n, h = MODEL_PRESETS[self.preset]
+        return (self.vocab or v, self.d_model or d, self.n_layers or n, self.n_heads or h)
+
+    def n_params(self) -> int:
+        v, d, n, _ = self.dims()
+        return v * d + n * (12 * d * d + 13 * d) + 2 * d + d * v
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = opt(None, "--ckpt-dir", "checkpoint folder (default: <job folder>/ckpt; /checkpoints/<name> on EKS)")
+    every: int = opt(10, "--ckpt-every", "save every N steps (0: never)")
+    mode: Literal["async", "sync"] = opt("async", "--ckpt-mode", "async: overlap saving with training; sync: block")
+    keep_last: int = opt(3, "--keep-last", "committed checkpoints to keep (>= 2, so a bad save never leaves none)")
+
+
+@dataclass
+class FaultToleranceConfig:
+    inprocess: bool = opt(True, "--inprocess", "in-process restart (inprocess.Wrapper) for exceptions and hangs")
+    max_injob_restarts: int = opt(3, "--max-injob-restarts", "ft_launcher worker-group restarts per launch")
+    max_job_restarts: int = opt(2, "--max-job-restarts", "times the supervisor relaunches a dead launcher")
+    heartbeat_timeout: float = opt(15.0, "--heartbeat-timeout", "seconds without a rank heartbeat before ft_launcher restarts the group")
+    initial_heartbeat_timeout: float = opt(120.0, "--initial-heartbeat-timeout", "seconds allowed for start-up before the first heartbeat")
+    step_timeout: float | None = opt(None, "--step-timeout", "section timeout for one training step, seconds (none: heartbeats only)")
+    checkpoint_timeout: float | None = opt(None, "--checkpoint-timeout", "section timeout for a checkpoint save, seconds")
+    soft_timeout: float = opt(4.0, "--soft-timeout", "in-process: seconds without progress before a rank is interrupted")
+    hard_timeout: float = opt(8.0, "--hard-timeout", "in-process: seconds without progress before a rank is killed")
+    collective_timeout: float = opt(3.0, "--collective-timeout", "process-group timeout while in-process restart is on (gloo cannot be aborted: this bounds recovery)")
+    progress_patience: int = opt(3, "--progress-patience", "give up after this many restarts in a row that resume from the same checkpoint")
+
+
+@dataclass
+class EksConfig:
+    """Where and how the job runs on Amazon EKS (ignored by the local backend)."""
+
+    namespace: str = opt("default", "--namespace", "Kubernetes namespace")
+    image: str = opt("", "--image", "container image with eksft-nb installed")
+    kind: Literal["job", "jobset", "pytorchjob"] = opt("job", "--kind", "workload kind: job (Indexed Job), jobset or pytorchjob")
+    gpus_per_node: int = opt(8, "--gpus-per-node", "nvidia.com/gpu per pod (0: CPU pods)")
+    efa_per_node: int = opt(0, "--efa-per-node", "vpc.amazonaws.com/efa devices per pod (0: no EFA)")
+    instance_type: str | None = opt(None, "--instance-type", "node.kubernetes.io/instance-type to schedule on")
+    checkpoint_pvc: str = opt("fsx-claim", "--pvc", "PersistentVolumeClaim (FSx for Lustre) mounted at /checkpoints")
+    create_pvc: bool = opt(False, "--create-pvc", "also render the FSx for Lustre PVC and StorageClass")
+    storage_class: str = opt("fsx-sc", "--storage-class", "StorageClass of the checkpoint PVC")
+    storage_size: str = opt("1200Gi", "--storage-size", "size of the checkpoint PVC")
+    shm_size: str | None = opt(None, "--shm-size", "memory-backed /dev/shm size (default: sized for checkpoint staging)")
+    cpu: str | None = opt(None, "--cpu", "CPU request per pod")
+    memory: str | None = opt(None, "--memory", "memory request per pod")
+    context: str | None = opt(None, "--context", "kubeconfig context (default: current, or in-cluster)")
+    k8s_version: str = opt("1.33", "--k8s-version", "Kubernetes version the manifests are validated against")
+    port: int = opt(29500, "--rdzv-port", "rendezvous port on rank 0's pod")
+
+
+@dataclass
+class JobSpec:
+    """Everything needed to run one fault-tolerant FSDP training job."""
+
+    name: str = opt("ftrain", "--name", "job name: a DNS-1123 label, since it becomes a Kubernetes name and a folder")
+    backend: Literal["local", "eks"] = opt("local", "--backend", "local (ranks on this machine) or eks")
+    nnodes: int = opt(1, "--nnodes", "nodes (one ft_launcher each)")
+    nproc_per_node: int = opt(2, "--nproc-per-node", "ranks per node")
+    steps: int = opt(100, "--steps", "training steps")
+    model: ModelConfig = opt(ModelConfig, "", "")
+    batch: int = opt(8, "--batch", "sequences per rank per step")
+    seq: int = opt(64, "--seq", "tokens per sequence")
+    lr: float = opt(3e-3, "--lr", "AdamW learning rate")
+    seed: int = opt(0, "--seed", "seed for weights and data (same seed, same result)")
+    device: Literal["auto", "cpu", "cuda"] = opt("auto", "--device", "auto: CUDA+NCCL when GPUs exist, else CPU+gloo")
+    threads_per_rank: int = opt(1, "--threads-per-rank", "CPU threads per rank (torch.set_num_threads)")
+    checkpoint: CheckpointConfig = opt(CheckpointConfig, "", "")
+    ft: FaultToleranceConfig = opt(FaultToleranceConfig, "", "")
+    resume: str = opt("latest", "--resume", "latest | none | step:N | a checkpoint folder")
+    script: str | None = opt(None, "--script", "a training script to run instead of the built-in trainer")
+    script_args: list[str] = opt(list, "--script-args", "arguments for --script (one string, shell-split)")
+    eks: EksConfig = opt(EksConfig, "", "")
+
+    # ---- validation -------------------------------------------------------------------------
+    def validate(self) -> JobSpec:
+        """Raise :class:`SpecError` on the first invalid field; return self when all is well."""
+        n = self.name
+        if not isinstance(n, str) or len(n) > 63 or not DNS1123_LABEL.match(n):
+            raise SpecError(
+                f"invalid job name {n!r} (it must be a DNS-1123 label: lower-case letters, digits and '-', "
+                "starting and ending with a letter or digit, at most 63 characters)",
+                f"use e.g. --name {_suggest_name(n)}",
+            )
+        if self.backend not in BACKENDS:
+            raise SpecError(f"unknown backend {self.backend!r}", f"use --backend {' or --backend '.join(BACKENDS)}")
+        for fname, minimum in (("nnodes", 1), ("nproc_per_node", 1), ("steps", 1), ("batch", 1), ("seq", 2),
+                               ("threads_per_rank", 1)):
+            _require_int(self, fname, minimum)
+        _require_int(self, "seed", 0)
+        if not isinstance(self.lr, (int, float)) or not self.lr > 0:
+            raise SpecError(f"lr must be a positive number, got {self.lr!r}", "use e.g. --lr 3e-3")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise SpecError(f"unknown device {self.device!r}", "use --device auto, cpu or cuda")
+        m = self.model
+        if m.preset not in MODEL_PRESETS:
+            raise SpecError(f"unknown model preset {m.preset!r}", f"use --model {_closest(m.preset, MODEL_PRESETS)}")
+        for fname in ("vocab", "d_model", "n_layers", "n_heads"):
+            if getattr(m, fname) is not None:
+                _require_int(m, fname, 1, prefix="model.")
+        vocab, d, _, h = m.dims()
+        if d % h:
+            raise SpecError(f"d_model {d} is not divisible by n_heads {h}", "choose --n-heads that divides --d-model")
+        if vocab < 16:
+            raise SpecError(f"vocab {vocab} is too small for the built-in data (needs >= 16)", "use --vocab 16 or more")
+        c = self.checkpoint
+        _require_int(c, "every", 0, prefix="checkpoint.")
+        _require_int(c, "keep_last", 2, prefix="checkpoint.",
+                     why=" (one fewer than two could leave no loadable checkpoint while a save is in flight)")
+        if c.mode not in ("async", "sync"):
+            raise SpecError(f"unknown checkpoint mode {c.mode!r}", "use --ckpt-mode async or --ckpt-mode sync")
+        f = self.ft
+        for fname in ("max_injob_restarts", "max_job_restarts"):
+            _require_int(f, fname, 0, prefix="ft.")
+        _require_int(f, "progress_patience", 1, prefix="ft.")
+        for fname in ("heartbeat_timeout", "initial_heartbeat_timeout", "soft_timeout", "hard_timeout",
+                      "collective_timeout", "step_timeout", "checkpoint_timeout"):
+            v = getattr(f, fname)
+            if v is None and fname in ("step_timeout", "checkpoint_timeout"):
+                continue
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+                raise SpecError(f"ft.{fname} must be a positive number of seconds, got {v!r}",
+                                f"set {_flag_of(FaultToleranceConfig, fname)} to e.g. 10")
+        if f.inprocess and not f.soft_timeout < f.hard_timeout:
+            raise SpecError(f"soft timeout ({f.soft_timeout}s) must be shorter than hard timeout ({f.hard_timeout}s)",
+                            "raise --hard-timeout or lower --soft-timeout")
+        if f.inprocess and f.hard_timeout >= f.heartbeat_timeout:
+            raise SpecError(
+                f"in-process hard timeout ({f.hard_timeout}s) must be shorter than the heartbeat timeout "
+                f"({f.heartbeat_timeout}s), or ft_launcher restarts the group before in-process restart can act",
+                "raise --heartbeat-timeout or lower --hard-timeout")
+        r = self.resume
+        if not isinstance(r, str) or not (r in ("latest", "none") or re.fullmatch(r"step:\d+", r) or "/" in r):
+            raise SpecError(f"invalid resume {r!r}", "use --resume latest, none, step:N or a checkpoint folder path")
+        if self.script is not None and not isinstance(self.script, str):
+            raise SpecError(f"script must be a path, got {self.script!r}", "use --script path/to/train.py")
+        if not isinstance(self.script_args, list) or not all(isinstance(a, str) for a in self.script_args):
+            raise SpecError("script_args must be a list of strings", "use --script-args '--foo 1 --bar 2'")
+        e = self.eks
+        if e.kind not in ("job", "jobset", "pytorchjob"):
+            raise SpecError(f"unknown EKS workload kind {e.kind!r}", "use --kind job, jobset or pytorchjob")
+        _require_int(e, "gpus_per_node", 0, prefix="eks.")
+        _require_int(e, "efa_per_node", 0, prefix="eks.")
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def resume_step(self) -> int | None:
+        """N for ``resume="step:N"``, else None."""
+        return int(self.resume.split(":", 1)[1]) if self.resume.startswith("step:") else None
+
+    def digest(self) -> str:
+        """A short content hash: two specs with the same digest train the same thing."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
+
+    # ---- serialisation ----------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> JobSpec:
+        """Build a spec from a (possibly partial) dict; unknown keys are an error."""
+        return _from_dict(cls, data, "")
+
+    @classmethod
+    def from_json(cls, text: str) -> JobSpec:
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_yaml(cls, text: str) -> JobSpec:
+        data = yaml.safe_load(text) or {}
+        if not isinstance(data, dict):
+            raise SpecError("a job spec file must hold a mapping", "write it as 'key: value' lines")
+        return cls.from_dict(data)
+
+    @classmethod
+    def load(cls, path: str | Path) -> JobSpec:
+        p = Path(path)
+        if not p.is_file():
+            raise SpecError(f"spec file {p} does not exist", "check the path")
+        text = p.read_text()
+        return cls.from_json(text) if p.suffix == ".json" else cls.from_yaml(text)
+
+    def replace(self, **changes: Any) -> JobSpec:
+        """A copy with dotted-path changes applied, e.g. ``replace(**{"checkpoint.every": 5})``."""
+        data = self.to_dict()
+        for path, value in changes.items():
+            node = data
+            *parents, leaf = path.split(".")
+            for p in parents:
+                node = node[p]
+            node[leaf] = value
+        return JobSpec.from_dict(data)
+
+
+# ---- option table shared by the CLI and the magic ------------------------------------------
+
+@dataclass(frozen=True)
+class SpecOption:
+    """One command-line option and the spec field it sets."""
+
+    path: str           # dotted path in the spec, e.g. "checkpoint.every"
+    flag: str           # e.g. "--ckpt-every"
+    type: type          # int, float, str or bool
+    optional: bool      # None is an accepted value
+    choices: tuple[str, ...] | None
+    help: str
+    default: Any
+
+
+def spec_options() -> list[SpecOption]:
+    """Every user-settable spec field, in declaration order."""
+    return list(_walk_options(JobSpec, "", JobSpec()))
+
+
+def _walk_options(cls: type, prefix: str, instance: Any) -> Iterator[SpecOption]:
+    hints = get_type_hints(cls)
+    for f in fields(cls):
+        value = getattr(instance, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _walk_options(type(value), f"{prefix}{f.name}.", value)
+            continue
+        base, optional, choices = _unwrap(hints[f.name])
+        yield SpecOption(f"{prefix}{f.name}", f.metadata["flag"], base, optional, choices, f.metadata["help"], value)
+
+
+def _unwrap(tp: Any) -> tuple[type, bool, tuple[str, ...] | None]:
+    optional = False
+    args = get_args(tp)
+    if get_origin(tp) is not None and type(None) in args and get_origin(tp) is not Literal:
+        optional = True
+        tp = next(a for a in args if a is not type(None))
+    if get_origin(tp) is Literal:
+        return str, optional, tuple(get_args(tp))
+    if get_origin(tp) is list:
+        return list, optional, None
+    return tp, optional, None
+
+
+def parse_option_value(option: SpecOption, raw: str) -> Any:
+    """Convert a command-line string to the field's type, with a clear error."""
+    if option.optional and raw.lower() in ("none", "null", ""):
+        return None
+    try:
+        if option.type is bool:
+            if raw.lower() in ("1", "true", "yes", "on"):
+                return True
+            if raw.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if option.type is list:
+            import shlex
+            return shlex.split(raw)
+        value = option.type(raw)
+    except ValueError:
+        raise SpecError(f"{option.flag} expects {option.type.__name__}, got {raw!r}",
+                        f"write e.g. {option.flag} {option.default if option.default is not None else 1}") from None
+    if option.choices and value not in option.choices:
+        raise SpecError(f"{option.flag} must be one of {', '.join(option.choices)}, got {raw!r}",
+                        f"use {option.flag} {_closest(raw, option.choices)}")
+    return value
+
+
+# ---- helpers --------------------------------------------------------------------------------
+
+def _from_dict(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise SpecError(f"{prefix.rstrip('.') or 'spec'} must be a mapping, got {type(data).__name__}",
+                        "write it as nested keys")
+    known = {f.name: f for f in fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in known:
+            raise SpecError(f"unknown spec field {prefix}{key!r}",
+                            f"did you mean {prefix}{_closest(key, known)}? (see --help for all fields)")
+        default = known[key].default_factory() if known[key].default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(default):
+            value = _from_dict(type(default), value or {}, f"{prefix}{key}.")
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def _require_int(obj: Any, fname: str, minimum: int, prefix: str = "", why: str = "") -> None:
+    v = getattr(obj, fname)
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        flag = _flag_of(type(obj), fname)
+        raise SpecError(f"{prefix}{fname} must be an integer >= {minimum}, got {v!r}{why}",
+                        f"use e.g. {flag} {max(minimum, 1)}")
+
+
+def _flag_of(cls: type, fname: str) -> str:
+    return next(f.metadata["flag"] for f in fields(cls) if f.name == fname)
+
+
+def _closest(word: str, candidates: Any) -> str:
+    match = difflib.get_close_matches(str(word), list(candidates), n=1, cutoff=0.0)
+    return match[0] if match else next(iter(candidates))
+
+
+def _suggest_name(name: Any) -> str:
+    s = re.sub(r"[^a-z0-9-]+", "-", str(name).lower()).strip("-")[:63].strip("-")
+    return s or "my-job"
