@@ -1,10 +1,10 @@
 """Fault commands: what can be injected into a running job, validated before anything is written.
 
-A command is a JSON file in ``control/pending/``. Rank faults are fired by the target rank at the
-start of the chosen step (or the next step, for "now"); node faults (``kill-launcher``,
-``corrupt-checkpoint``) by the supervisor. Whoever fires a command first creates
-``control/fired/<id>`` exclusively, so a fault fires exactly once even when a restart rolls the
-job back past its step.
+A command is a JSON file in ``control/pending/``. The ranks poll the folder (one ``stat`` per step)
+and fire a fault at the start of the chosen step, or of the next step for "now", so faults land
+exactly where asked: rank faults on the target rank, ``kill-launcher`` on local rank 0 of the target
+node, ``corrupt-checkpoint`` on rank 0. Whoever fires a command creates ``control/fired/<id>``
+exclusively, so a fault fires exactly once even when a restart rolls the job back past its step.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ FAULTS: dict[str, tuple[str, str]] = {
     "slow-rank": ("rank", "the rank sleeps `delay` seconds per step for `duration` steps (a straggler)"),
     "save-failure": ("rank", "the rank's next checkpoint write fails; training continues, the save is retried"),
     "kill-launcher": ("node", "the node's ft_launcher and all its ranks die at once (a node is lost)"),
-    "corrupt-checkpoint": ("node", "flip bytes in the latest committed checkpoint (resume must skip it)"),
+    "corrupt-checkpoint": ("job", "flip bytes in the latest committed checkpoint (resume must skip it)"),
 }
 
 
@@ -73,7 +73,8 @@ class FaultCommand:
                 raise ControlError(f"rank {self.rank!r} is out of range for a job of {world_size} ranks",
                                    f"use --rank between 0 and {world_size - 1}")
         elif self.rank is not None:
-            raise ControlError(f"{self.fault} targets a node, not a rank", "use --node instead of --rank")
+            raise ControlError(f"{self.fault} does not target a rank", "leave out --rank" +
+                               (" and use --node" if self.scope == "node" else ""))
         if isinstance(self.node, bool) or not isinstance(self.node, int) or not 0 <= self.node < nnodes:
             raise ControlError(f"node {self.node!r} is out of range for a job of {nnodes} node(s)",
                                f"use --node between 0 and {nnodes - 1}")
@@ -104,7 +105,7 @@ def parse_fault(text: str) -> FaultCommand:
     except ValueError:
         raise ControlError(f"cannot parse fault {text!r}",
                            "write kind[:rank][@step], e.g. exception:0@15 or kill-launcher@60") from None
-    if kind in FAULTS and FAULTS[kind][0] == "node":
+    if kind in FAULTS and FAULTS[kind][0] != "rank":
         return FaultCommand(kind, step=at, node=rank_or_node or 0)
     return FaultCommand(kind, rank=rank_or_node, step=at)
 
@@ -125,15 +126,15 @@ def claim(fired: Path, command: FaultCommand) -> bool:
 
 
 class CommandInbox:
-    """Rank- or supervisor-side view of the pending commands, re-read only when the folder changes."""
+    """A rank's view of the pending commands, re-read only when the folder changes."""
 
-    def __init__(self, pending: Path, fired: Path, scope: str) -> None:
-        self.pending, self.fired, self.scope = pending, fired, scope
+    def __init__(self, pending: Path, fired: Path) -> None:
+        self.pending, self.fired = pending, fired
         self._mtime = -1
         self._commands: dict[str, FaultCommand] = {}
 
     def poll(self) -> list[FaultCommand]:
-        """Commands of this scope that have not fired yet (cheap when nothing changed: one stat)."""
+        """Commands that have not fired yet (cheap when nothing changed: one stat)."""
         try:
             mtime = os.stat(self.pending).st_mtime_ns
         except FileNotFoundError:
@@ -146,7 +147,7 @@ class CommandInbox:
                         cmd = FaultCommand.from_json(p.read_text())
                     except (ValueError, TypeError, ControlError):
                         continue
-                    if cmd.fault in FAULTS and cmd.scope == self.scope:
+                    if cmd.fault in FAULTS:
                         self._commands[p.stem] = cmd
             for cid in [c for c in self._commands if (self.fired / c).exists()]:
                 del self._commands[cid]

@@ -70,7 +70,7 @@ class Job:
         reason = verify(info) if Path(info.path).exists() else None
         if reason:
             raise JobError(f"checkpoint at step {info.step} cannot be used: {reason}", "pick another step")
-        spec = self.spec.replace(**{"name": name or _next_name(self.backend, f"{self.name}-from-{info.step}"),
+        spec = self.spec.replace(**{"name": name or _next_name(self.backend, self.name, f"-from-{info.step}"),
                                     "resume": str(info.path), "checkpoint.dir": None, **changes})
         self.backend.launch(spec)
         return Job(spec.name, self.backend)
@@ -104,6 +104,8 @@ class Job:
             "restart_events": [{k: r[k] for k in ("level", "cause", "blame_rank", "downtime_s", "detection_s",
                                                   "rolled_back_steps", "resumed_step")} for r in mon.restarts],
             "checkpoints_committed": sum(c.state == "committed" for c in mon.checkpoints.values()),
+            "checkpoints_rejected": [{"step": c.step, "reason": c.error} for c in mon.checkpoints.values()
+                                     if c.state == "rejected"],
             "goodput": gp.to_dict(), "digest": mon.digest,
         }
 
@@ -132,11 +134,13 @@ def attach(name: str, backend: str = "local") -> Job:
     return Job(name, b)
 
 
-def _next_name(backend: Backend, base: str) -> str:
+def _next_name(backend: Backend, name: str, suffix: str) -> str:
+    """``name + suffix`` (shortened to stay a 63-character DNS label), made unique with -2, -3..."""
     taken = {j.name for j in backend.jobs()}
-    if base not in taken:
-        return base
-    n = 2
-    while f"{base}-{n}" in taken:
+    n = 1
+    while True:
+        tail = suffix if n == 1 else f"{suffix}-{n}"
+        candidate = name[: 63 - len(tail)].rstrip("-") + tail
+        if candidate not in taken:
+            return candidate
         n += 1
-    return f"{base}-{n}"

@@ -129,13 +129,15 @@ class LocalBackend(Backend):
     def inject(self, name: str, command: FaultCommand) -> FaultCommand:
         jd = self._jd(name)
         spec = jd.spec()
+        command.validate(spec.world_size, spec.nnodes)
         status = self.state(name)
         if status.state not in ("starting", "running"):
-            raise JobError(f"job {name!r} is {status.state}: faults only go to a running job",
+            raise JobError(f"job {name!r} has already ended ({status.state}): faults only go to a running job",
                            "launch a new job (or resume this one from a checkpoint) and inject into that")
-        mon = JobMonitor()
-        mon.update(EventTail(jd.events_path).read())
-        command.validate(spec.world_size, spec.nnodes, current_step=mon.last_step if command.step else None)
+        if command.step is not None:
+            mon = JobMonitor()
+            mon.update(EventTail(jd.events_path).read())
+            command.validate(spec.world_size, spec.nnodes, current_step=mon.last_step)
         submit(jd.pending, command)
         return command
 

@@ -1,10 +1,10 @@
 """The detached job supervisor: the job-level tier of fault tolerance for local jobs.
 
 It runs in its own session (it outlives the notebook kernel or shell that launched it), starts one
-``ft_launcher`` per node, and watches three sources: the launchers' logs (in-job restarts, hang
-detection), the job's events (steps, in-process restarts, checkpoints) and the control folder
-(node faults). It relaunches when a launcher dies, emits the ``failure``/``restart`` events with
-cause, blamed rank and timings, and gives up with a reason when restarts stop making progress.
+``ft_launcher`` per node, and watches two sources: the launchers' logs (in-job restarts, hang
+detection) and the job's events (steps, in-process restarts, checkpoints). It relaunches when a
+launcher dies, emits the ``failure``/``restart`` events with cause, blamed rank and timings, and
+gives up with a reason when restarts stop making progress.
 
 Run as ``python -m eksft_nb.backends.supervisor JOB_DIR`` (the local backend does this).
 """
@@ -24,8 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..checkpoints import list_checkpoints
-from ..control import CommandInbox, FaultCommand
 from ..events import EventTail, EventWriter
 from ..jobdir import JobDir, atomic_write
 from ..launch import Ports, launcher_argv, rank_env
@@ -76,7 +74,6 @@ class Supervisor:
         self.events = EventWriter(self.jd.events_path, self.spec.name, rank=None)
         self.tail = EventTail(self.jd.events_path)
         self.mon = JobMonitor()
-        self.inbox = CommandInbox(self.jd.pending, self.jd.fired, "node")
         self.log = open(self.jd.logs / "supervisor.log", "a", buffering=1)
         self.attempt = 0
         self.nodes: list[Node] = []
@@ -182,12 +179,17 @@ class Supervisor:
             self._on_event(event)
         for node in self.nodes:
             self._read_launcher_log(node)
-        for cmd in self.inbox.poll():
-            if (cmd.step is None or self.mon.last_step >= cmd.step) and self.inbox.take(cmd):
-                self._fire(cmd)
 
     def _on_event(self, e: Any) -> None:
-        if e.kind == "fault" and e.rank is not None:
+        if e.kind == "fault":
+            target = f"rank {e['target_rank']}" if e["target_rank"] is not None else f"node {e.get('node', 0)}"
+            self.say(f"fault injected: {e['fault']} on {target} at step {e['at_step']}")
+        elif e.kind == "checkpoint" and e["phase"] in ("failed", "rejected"):
+            self.say(f"checkpoint {e['step']} {e['phase']}: {e.get('error') or e.get('reason')}")
+        elif e.kind == "resume":
+            skipped = "".join(f"; skipped step {x['step']} ({x['reason']})" for x in e["skipped"])
+            self.say(f"resuming from checkpoint step {e['step']} (loaded in {e['load_s']:.1f}s){skipped}")
+        if e.kind == "fault" and e["target_rank"] is not None:
             self.recent_faults.append({"t": e.t, "fault": e["fault"], "rank": e["target_rank"]})
         elif e.kind == "rank_error":
             self.recent_errors.append({"t": e.t, "rank": e.rank, "origin": e["origin"], "error": e["error"],
@@ -334,31 +336,6 @@ class Supervisor:
 
     def _rank_of_pid(self, pid: int, fallback: int) -> int:
         return next((r for r, p in self.mon.rank_pids.items() if p == pid), fallback)
-
-    # ---- node faults --------------------------------------------------------------------------
-    def _fire(self, cmd: FaultCommand) -> None:
-        step = self.mon.last_step
-        if cmd.fault == "kill-launcher":
-            node = self.nodes[cmd.node]
-            self.events.emit("fault", fault=cmd.fault, id=cmd.id, target_rank=None, at_step=step, node=cmd.node)
-            self.say(f"injecting kill-launcher: SIGKILL to node {cmd.node} (ft_launcher pid {node.pid} and its ranks)")
-            procs.kill_group(node.pid, signal.SIGKILL)
-            procs.kill_marked(self.job_uid, node.tag)
-        elif cmd.fault == "corrupt-checkpoint":
-            committed = [i for i in list_checkpoints(self.jd.ckpt_dir(self.spec)) if i.state == "committed"]
-            if not committed:
-                self.say("corrupt-checkpoint: no committed checkpoint yet, nothing corrupted")
-                return
-            target = committed[-1]
-            victim = max((f for f in target.path.iterdir() if f.suffix == ".distcp"), key=lambda f: f.stat().st_size)
-            with open(victim, "r+b") as f:
-                f.seek(victim.stat().st_size // 2)
-                chunk = f.read(64)
-                f.seek(victim.stat().st_size // 2)
-                f.write(bytes(b ^ 0xFF for b in chunk))
-            self.events.emit("fault", fault=cmd.fault, id=cmd.id, target_rank=None, at_step=step,
-                             path=str(victim), checkpoint_step=target.step)
-            self.say(f"injecting corrupt-checkpoint: flipped 64 bytes in {victim}")
 
     # ---- processes ----------------------------------------------------------------------------
     def _kill_everything(self) -> None:

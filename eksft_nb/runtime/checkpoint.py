@@ -39,7 +39,8 @@ from ..checkpoints import COMMIT, list_checkpoints, sha256_file, step_dir
 
 # ---- safe loading ---------------------------------------------------------------------------
 
-_SAFE_GLOBALS = {("collections", "OrderedDict"), ("torch", "Size"), ("torch.serialization", "_get_layout")}
+_SAFE_GLOBALS = {("collections", "OrderedDict"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+                 ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
 _SAFE_TORCH_ATTRS = (torch.dtype, torch.layout, torch.memory_format)
 
 
@@ -87,6 +88,8 @@ def load(path: Path, state: dict[str, Any], group: dist.ProcessGroup | None) -> 
     """Load a DCP checkpoint into ``state`` in place (tensors are filled, plain values replaced)."""
     import torch.distributed.checkpoint as dcp
 
+    with open(Path(path) / ".metadata", "rb") as f:  # fail with the reason, before any collective
+        _MetadataUnpickler(f).load()
     reader, planner = _reader_and_planner(path)
     dcp.load(state, storage_reader=reader, planner=planner, process_group=group)
 

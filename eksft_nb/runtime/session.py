@@ -65,7 +65,7 @@ class Session:
         events_path = self.job_dir.events_path if self.job_dir else None
         self.events = EventWriter(events_path, spec.name, info.rank,
                                   to_stdout=os.environ.get("EKSFT_EVENTS_STDOUT") == "1")
-        self.inbox = (CommandInbox(self.job_dir.pending, self.job_dir.fired, "rank") if self.job_dir else None)
+        self.inbox = CommandInbox(self.job_dir.pending, self.job_dir.fired) if self.job_dir else None
         self.ft = _ft_client()
         self.sections = spec.ft.step_timeout is not None
         self.step_entered = 0
@@ -98,7 +98,7 @@ class Session:
         self.step_entered = step
         if self.inbox is not None:
             for cmd in self.inbox.poll():
-                if cmd.rank == self.rank and (cmd.step is None or cmd.step <= step) and self.inbox.take(cmd):
+                if self._mine(cmd) and (cmd.step is None or cmd.step <= step) and self.inbox.take(cmd):
                     self._fire(cmd, step)
         if step < self._slow_until:
             time.sleep(self._slow_delay)
@@ -114,8 +114,21 @@ class Session:
             self.emit("step", step=step, loss=float(loss), tokens=int(tokens), step_time=float(step_time))
 
     # -- faults --
+    def _mine(self, cmd: FaultCommand) -> bool:
+        if cmd.scope == "rank":
+            return cmd.rank == self.rank
+        if cmd.scope == "node":
+            return cmd.node == self.info.node and self.info.local_rank == 0
+        return self.rank == 0
+
     def _fire(self, cmd: FaultCommand, step: int) -> None:
-        self.emit("fault", fault=cmd.fault, id=cmd.id, target_rank=cmd.rank, at_step=step, params=cmd.params)
+        extra = {"node": cmd.node} if cmd.scope == "node" else {}
+        if cmd.fault == "corrupt-checkpoint":
+            extra = self._corrupt_latest_checkpoint()
+        self.emit("fault", fault=cmd.fault, id=cmd.id, target_rank=cmd.rank, at_step=step, params=cmd.params,
+                  **extra)
+        if cmd.fault == "kill-launcher":  # the whole node: ft_launcher's process group, this rank included
+            os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)
         if cmd.fault == "exception":
             raise InjectedFault(f"injected exception on rank {self.rank} at step {step}")
         if cmd.fault == "hang":
@@ -134,6 +147,23 @@ class Session:
         if cmd.fault == "save-failure":
             for callback in self.on_save_failure:
                 callback()
+
+    def _corrupt_latest_checkpoint(self) -> dict[str, Any]:
+        """Flip 64 bytes in the middle of the largest shard of the newest committed checkpoint."""
+        from ..checkpoints import list_checkpoints
+
+        root = Path(self.spec.checkpoint.dir).expanduser() if self.spec.checkpoint.dir else self.job_dir.path / "ckpt"
+        committed = [i for i in list_checkpoints(root) if i.state == "committed"]
+        if not committed:
+            return {"path": None, "note": "no committed checkpoint yet: nothing corrupted"}
+        victim = max(committed[-1].path.glob("*.distcp"), key=lambda f: f.stat().st_size)
+        middle = victim.stat().st_size // 2
+        with open(victim, "r+b") as f:
+            f.seek(middle)
+            chunk = f.read(64)
+            f.seek(middle)
+            f.write(bytes(b ^ 0xFF for b in chunk))
+        return {"path": str(victim), "checkpoint_step": committed[-1].step}
 
     def close(self) -> None:
         if self._beacon is not None:

@@ -116,7 +116,10 @@ class Trainer:
         base = dist.TCPStore(env["MASTER_ADDR"], int(env["EKSFT_STORE_PORT"]), world, is_master=rank == 0,
                              multi_tenant=True, wait_for_workers=False, use_libuv=True,
                              timeout=datetime.timedelta(minutes=5))
-        store = dist.PrefixStore(f"eksft/{s.info.injob_restart}/{self.call_wrapper.iteration}", base)
+        # rank 0 hosts the store, so it is new for every worker-group incarnation; the prefix needs only
+        # the (collective) in-process iteration. TORCHELASTIC_RESTART_COUNT differs between nodes once a
+        # membership change restarted some of them, so it must not be part of any shared key.
+        store = dist.PrefixStore(f"eksft/{self.call_wrapper.iteration}", base)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=spec.ft.collective_timeout))
         return store
@@ -132,7 +135,7 @@ class Trainer:
         """Load the checkpoint rank 0 picks (all ranks, collectively); return the step to continue after."""
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        key = f"resume/{self.s.info.job_attempt}/{self.s.info.injob_restart}/{self.s.inprocess_iteration}"
+        key = f"resume/{self.s.inprocess_iteration}"  # the store is per incarnation (see _init_process_group)
         if self.rank == 0:
             try:
                 info, skipped = choose_resume(self.s, ckpt_root(self.s))
@@ -225,11 +228,22 @@ def run(call_wrapper: Any = None) -> None:
         trainer = Trainer(s, call_wrapper)
         trainer.train()
     except BaseException as e:
-        s.emit("rank_error", error=f"{type(e).__name__}: {e}"[:500], step=s.step_entered, origin=_origin(e))
+        s.emit("rank_error", error=f"{type(e).__name__}: {e}"[:500], step=s.step_entered, origin=_origin(e),
+               waiting=_raised_in_collective(e))
         if trainer is not None and call_wrapper is None:
             trainer.close()
         raise  # in-process restart: the Wrapper's abort tears the process group down
     trainer.close()
+
+
+def _raised_in_collective(e: BaseException) -> bool:
+    """Whether the exception surfaced while this rank was inside torch.distributed (waiting for peers)."""
+    tb = e.__traceback__
+    while tb is not None:
+        if "/torch/distributed/" in tb.tb_frame.f_code.co_filename.replace("\\", "/"):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _origin(e: BaseException) -> str:

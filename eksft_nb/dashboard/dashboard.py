@@ -1,0 +1,206 @@
+"""The live dashboard of one job: header, one plotly figure, goodput, controls, checkpoints, log.
+
+A background thread in the kernel folds new events in and refreshes the widgets at most once per
+``interval`` seconds; it stops once the job has ended. Everything it shows comes from the job's
+event stream and folder, so a dashboard made after a kernel restart shows the whole history.
+"""
+
+from __future__ import annotations
+
+import html
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import ipywidgets as w
+
+from ..errors import EksftError
+from ..goodput import compute
+from ..job import Job
+from .figure import TrainingFigure
+from .parts import CheckpointTable, FaultControls, GoodputBar, Header, LogTail
+from .series import Throttle
+
+ENDED = ("succeeded", "failed", "stopped", "lost")
+
+
+class Dashboard(w.VBox):
+    """Watch and steer one job. ``Dashboard(job)`` shows its history at once and then follows it live.
+
+    ``interval``: seconds between refreshes (the throttle); ``slow_interval``: seconds between the
+    costlier refreshes (goodput, checkpoint listing, log); ``tail``/``budget``: points per series
+    kept in full / at most before older history is thinned; ``live=False``: no thread (call
+    :meth:`update` yourself).
+    """
+
+    def __init__(self, job: Job, *, interval: float = 0.5, slow_interval: float = 2.0, tail: int = 500,
+                 budget: int = 3000, log_lines: int = 40, live: bool = True) -> None:
+        self.job = Job(job.name, job.backend)   # a handle of our own: its monitor is fed by our thread only
+        self.interval, self.slow_interval = interval, slow_interval
+        self._options = {"interval": interval, "slow_interval": slow_interval, "tail": tail, "budget": budget,
+                         "log_lines": log_lines}
+        self._lock = threading.RLock()
+        self._halt = threading.Event()
+        self._next_slow = 0.0
+        self.throttle = Throttle(interval)
+        self.updates = 0
+        spec = self.job.spec
+
+        self.header = Header(job=job.name, backend=job.backend.name, total=spec.steps, origin=_origin(spec.resume))
+        self.figure = TrainingFigure(tail=tail, budget=budget)
+        self.goodput = GoodputBar()
+        self.controls = FaultControls(world_size=spec.world_size, nnodes=spec.nnodes)
+        self.stop_button = w.Button(description="Stop job", button_style="danger", icon="stop").add_class("eksft-stop")
+        self.message = w.HTML().add_class("eksft-message")
+        self.checkpoints = CheckpointTable(self.resume)
+        self.log_tail = LogTail(lines=log_lines)
+        self.resumed = w.VBox().add_class("eksft-resumed")
+
+        self.controls.inject.on_click(self._inject_clicked)
+        self.stop_button.on_click(lambda _b: self.stop())
+        self.log_tail.observe(lambda _c: self._refresh_log() if self.log_tail.is_open else None, "selected_index")
+
+        self._fold()                            # the whole history so far, before the figure exists
+        figure = self.figure.build()
+        figure.add_class("eksft-figure")
+        super().__init__([self.header, figure, self.goodput,
+                          w.HBox([self.controls, self.stop_button], layout=w.Layout(flex_flow="row wrap")),
+                          self.message, self.checkpoints, self.log_tail, self.resumed])
+        self.add_class("eksft-dashboard")
+        self.add_class(f"eksft-job-{job.name}")
+        self.ended = self.update()
+        self._thread: threading.Thread | None = None
+        if live and not self.ended:
+            self._thread = threading.Thread(target=self._run, name=f"eksft-dashboard-{job.name}", daemon=True)
+            self._thread.start()
+
+    # ---- live updates --------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._halt.wait(self.throttle.delay()):
+            self.throttle.mark()
+            try:
+                if self.update():
+                    return
+            except Exception as e:  # the loop must survive a torn read or a vanished folder
+                self._say(f"dashboard update failed: {type(e).__name__}: {e}", error=True)
+                self._halt.wait(self.slow_interval)
+
+    def _fold(self) -> str:
+        mon = self.job.refresh()
+        state = self.job.state
+        self.figure.ingest(mon)
+        return state
+
+    def update(self) -> bool:
+        """Fold in the new events and refresh what changed; True once the job has ended."""
+        with self._lock:
+            self.updates += 1
+            state = self._fold()
+            mon = self.job.monitor
+            ended = state in ENDED
+            self.figure.push()
+            committed = mon.last_committed
+            h = self.header
+            h.state, h.step, h.total = state, mon.last_step, mon.total_steps or h.total
+            h.restarts = mon.restarts_by_level()
+            h.last_checkpoint = committed.step if committed else None
+            now = time.monotonic()
+            if ended or now >= self._next_slow:
+                self._next_slow = now + self.slow_interval
+                gp = compute(mon)
+                h.goodput = gp.goodput if mon.t_start else None
+                self.goodput.seconds = gp.seconds()
+                self._refresh_checkpoints()
+                if self.log_tail.is_open or ended:
+                    self._refresh_log()
+            if ended:
+                self.controls.inject.disabled = self.stop_button.disabled = True
+                if mon.reason and state != "succeeded":
+                    self._say(f"{self.job.name} {state}: {mon.reason}", error=True)
+            return ended
+
+    def _refresh_checkpoints(self) -> None:
+        records = self.job.monitor.checkpoints
+        rows = []
+        for info in self.job.checkpoints():
+            rec = records.get(info.step)
+            timed = rec is not None and rec.state == "committed"
+            rows.append({"step": info.step, "state": info.state, "mib": info.bytes / 2**20, "time": info.time,
+                         "blocked": rec.blocked_s if timed else None, "background": rec.background_s if timed else None,
+                         "note": info.reason})
+        self.checkpoints.rows = rows
+
+    def _refresh_log(self) -> None:
+        self.log_tail.text = self.job.logs(lines=self.log_tail.lines)
+
+    def close(self) -> None:
+        """Stop following the job (the job itself keeps running) and close the widgets."""
+        self._halt.set()
+        for child in getattr(self, "resumed", w.VBox()).children:  # (absent if __init__ failed)
+            child.close()
+        super().close()
+
+    # ---- controls ------------------------------------------------------------------------------
+    def _inject_clicked(self, _button: Any) -> None:
+        try:
+            kwargs = self.controls.command()
+        except EksftError as e:
+            self._say(str(e), error=True)
+            return
+        self.inject(**kwargs)
+
+    def inject(self, fault: str, **kwargs: Any) -> None:
+        """Inject a fault into the job (what the Inject button does); the outcome shows in the message line."""
+        try:
+            cmd = self.job.inject(fault, **kwargs)
+        except EksftError as e:
+            self._say(str(e), error=True)
+            return
+        target = f"rank {cmd.rank}" if cmd.rank is not None else f"node {cmd.node}"
+        when = f"at step {cmd.step}" if cmd.step is not None else "now"
+        self._say(f"injected {cmd.fault} into {target} ({when})")
+
+    def resume(self, step: int) -> Dashboard | None:
+        """Start a new job from the checkpoint at ``step`` and show its dashboard below this one."""
+        try:
+            new = self.job.resume(step=step)
+        except EksftError as e:
+            self._say(str(e), error=True)
+            return None
+        child = Dashboard(new, **self._options)
+        old, self.resumed.children = self.resumed.children, (child,)
+        for dash in old:
+            dash.close()
+        self._say(f"resumed from the checkpoint at step {step} as {new.name}: it starts at step {step + 1}")
+        return child
+
+    def stop(self) -> None:
+        """Stop the job (in the background: stopping takes a few seconds)."""
+        self.stop_button.disabled = True
+        self._say(f"stopping {self.job.name}…")
+
+        def run() -> None:
+            try:
+                self.job.stop()
+            except EksftError as e:
+                self._say(str(e), error=True)
+                self.stop_button.disabled = False
+                return
+            self._say(f"stopped {self.job.name}; nothing of it keeps running")
+
+        threading.Thread(target=run, daemon=True).start()
+
+    def _say(self, text: str, error: bool = False) -> None:
+        with self._lock:
+            color = "#d62728" if error else "#333"
+            self.message.value = f"<span style='color:{color};font-size:13px'>{html.escape(text)}</span>"
+
+
+def _origin(resume: str) -> str:
+    """'resumed from JOB step N' for a job started from another job's checkpoint folder, else ''."""
+    if resume in ("latest", "none") or resume.startswith("step:"):
+        return ""
+    path = Path(resume)
+    step = path.name.removeprefix("step_").lstrip("0") or "0"
+    return f"resumed from {path.parent.parent.name} step {step}"

@@ -1,0 +1,176 @@
+"""The dashboard's one plotly ``FigureWidget``: four rows on a shared timeline (seconds since the
+job started) — throughput, loss, checkpoint saves (blocked vs background), faults and restarts.
+
+Each plotted quantity is a :class:`~eksft_nb.dashboard.series.Series` drawn by two traces
+(history and tail); :meth:`TrainingFigure.push` sends only the parts that changed, in one message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from ..monitor import JobMonitor
+from .series import Series
+
+LANES = ("fault", "in-process", "in-job", "job")
+LEVEL_LANE = {"inprocess": "in-process", "injob": "in-job", "job": "job"}
+COLORS = {"tokens/s": "#1f77b4", "loss": "#ff7f0e", "blocked": "#d62728", "background": "#2ca02c",
+          "faults": "#7f7f7f", "restarts": "#9467bd"}
+ROW_TITLES = ("throughput (tokens/s)", "loss",
+              "checkpoint saves: training blocked (red) vs writing in the background (green), seconds",
+              "faults and restarts (line: downtime until the first step after recovery)")
+
+
+def _f32(values: list[Any]) -> np.ndarray:
+    return np.asarray(values, dtype=np.float32)
+
+
+def _i32(values: list[Any]) -> np.ndarray:
+    return np.asarray(values, dtype=np.int32)
+
+
+class TrainingFigure:
+    """Folds a :class:`JobMonitor` into bounded series and draws them in one ``FigureWidget``.
+
+    Call :meth:`ingest` with the monitor whenever it has new events, then :meth:`push` to send what
+    changed; :attr:`widget` exists once :meth:`build` has run (so a long history is sent once).
+    """
+
+    def __init__(self, tail: int = 500, budget: int = 3000) -> None:
+        kw = {"tail": tail, "budget": budget}
+        self.series: dict[str, Series] = {
+            "tokens/s": Series(("x", "y", "step"), key=("y",), join=True, **kw),
+            "loss": Series(("x", "y", "step"), key=("y",), join=True, **kw),
+            "checkpoints": Series(("x", "blocked", "background", "step"), key=("blocked", "background"), **kw),
+            "faults": Series(("x", "lane", "text"), **kw),
+            "restarts": Series(("x", "lane", "downtime", "text", "hover"), key=("downtime",), **kw),
+        }
+        self.t0: float | None = None
+        self.widget: go.FigureWidget | None = None
+        self.traces: dict[tuple[str, str], list[Any]] = {}
+        self._seen_steps = self._seen_restarts = self._seen_faults = 0
+        self._seen_saves: set[tuple[int, float]] = set()
+
+    # ---- data --------------------------------------------------------------------------------
+    def ingest(self, mon: JobMonitor) -> None:
+        """Append what the monitor learned since the last call."""
+        if self.t0 is None:
+            self.t0 = mon.t_start or (mon.steps.t[0] if len(mon.steps) else None)
+            if self.t0 is None:
+                return
+        t0, s = self.t0, mon.steps
+        for i in range(self._seen_steps, len(s)):
+            x = s.t[i] - t0
+            self.series["tokens/s"].append(x, s.tokens[i] / max(s.step_time[i], 1e-9), s.step[i])
+            self.series["loss"].append(x, s.loss[i], s.step[i])
+        self._seen_steps = len(s)
+        saves = [c for c in mon.checkpoints.values()
+                 if c.state == "committed" and (c.step, c.t_done) not in self._seen_saves]
+        for c in sorted(saves, key=lambda c: c.t_begin or c.t_done or 0.0):
+            self._seen_saves.add((c.step, c.t_done))
+            self.series["checkpoints"].append((c.t_begin or c.t_done or t0) - t0, c.blocked_s or 0.0,
+                                              c.background_s or 0.0, c.step)
+        for f in mon.faults[self._seen_faults:]:
+            target = f"rank {f['rank']}" if f["rank"] is not None else f"node {f.get('node', 0)}"
+            self.series["faults"].append(f["t"] - t0, "fault", f"{f['fault']} {target}")
+        self._seen_faults = len(mon.faults)
+        for r in mon.restarts[self._seen_restarts:]:
+            self.series["restarts"].append(r["fault_time"] - t0, LEVEL_LANE.get(r["level"], r["level"]),
+                                           r["downtime_s"], restart_label(r), restart_hover(r))
+        self._seen_restarts = len(mon.restarts)
+
+    # ---- drawing -----------------------------------------------------------------------------
+    def build(self) -> go.FigureWidget:
+        """Create the widget with everything ingested so far."""
+        fig = make_subplots(rows=4, cols=1, shared_xaxes=True, vertical_spacing=0.06,
+                            row_heights=[0.3, 0.24, 0.24, 0.22], subplot_titles=ROW_TITLES)
+        order: list[tuple[str, str]] = []
+        for name, series in self.series.items():
+            for part in ("history", "tail"):
+                for style, props in zip(self._styles(name, part), self._props(name, getattr(series, part))):
+                    row = style.pop("row")
+                    fig.add_trace(style.pop("cls")(**style).update(props), row=row, col=1)
+                    order.append((name, part))
+            series.take_dirty()
+        fig.update_layout(height=680, margin=dict(l=60, r=20, t=40, b=40), template="plotly_white",
+                          barmode="stack", bargap=0.0, uirevision="eksft", hovermode="closest",
+                          legend=dict(orientation="h", x=1, xanchor="right", y=1.06, font=dict(size=11)))
+        fig.update_annotations(font_size=12)
+        fig.update_yaxes(row=4, col=1, type="category", categoryorder="array", categoryarray=list(LANES),
+                         range=[-0.5, len(LANES) - 0.5], fixedrange=True)
+        fig.update_yaxes(row=3, col=1, rangemode="tozero")
+        fig.update_xaxes(row=4, col=1, title_text="seconds since the job started")
+        self.widget = go.FigureWidget(fig)
+        for (key, trace) in zip(order, self.widget.data):
+            self.traces.setdefault(key, []).append(trace)
+        return self.widget
+
+    def push(self) -> bool:
+        """Send the changed parts (one update message); False if nothing changed."""
+        if self.widget is None:
+            return False
+        changes = [(name, part) for name, series in self.series.items() for part in sorted(series.take_dirty())]
+        if not changes:
+            return False
+        with self.widget.batch_update():
+            for name, part in changes:
+                for trace, props in zip(self.traces[(name, part)],
+                                        self._props(name, getattr(self.series[name], part))):
+                    trace.update(props)
+        return True
+
+    @staticmethod
+    def _styles(name: str, part: str) -> list[dict[str, Any]]:
+        """Static trace attributes (type, row, colours, hover) of one part of a series."""
+        color = COLORS.get(name)
+        if name in ("tokens/s", "loss"):
+            unit = "tok/s" if name == "tokens/s" else "loss"
+            fmt = ",.0f" if name == "tokens/s" else ".4f"
+            return [dict(cls=go.Scatter, row=1 if name == "tokens/s" else 2, name=name,
+                         mode="lines", line=dict(color=color, width=1.5), showlegend=False, legendgroup=name,
+                         meta=part, hovertemplate=f"step %{{customdata}}<br>%{{y:{fmt}}} {unit}<extra></extra>")]
+        if name == "checkpoints":
+            return [dict(cls=go.Bar, row=3, name=lane, marker=dict(color=COLORS[lane], line=dict(width=0)),
+                         legendgroup=lane, showlegend=part == "history", meta=part,
+                         hovertemplate=f"save of step %{{customdata}}: {what} %{{y:.3f}} s<extra></extra>")
+                    for lane, what in (("blocked", "training blocked"), ("background", "written in background"))]
+        if name == "faults":
+            return [dict(cls=go.Scatter, row=4, name=name, mode="markers+text", showlegend=False, meta=part,
+                         marker=dict(symbol="triangle-down", size=10, color=color), textposition="top right",
+                         textfont=dict(size=10, color=color), hovertemplate="injected %{text}<extra></extra>")]
+        return [dict(cls=go.Scatter, row=4, name=name, mode="markers+text", showlegend=False, meta=part,
+                     marker=dict(symbol="diamond", size=10, color=color), textposition="top right",
+                     textfont=dict(size=10, color=color), hovertemplate="%{hovertext}<extra></extra>",
+                     error_x=dict(type="data", symmetric=False, width=0, thickness=3, color=color))]
+
+    @staticmethod
+    def _props(name: str, cols: dict[str, list[Any]]) -> list[dict[str, Any]]:
+        """The data attributes of one part of a series (numbers as typed arrays: sent as binary)."""
+        x = _f32(cols["x"])
+        if name in ("tokens/s", "loss"):
+            return [dict(x=x, y=_f32(cols["y"]), customdata=_i32(cols["step"]))]
+        if name == "checkpoints":
+            step = _i32(cols["step"])
+            return [dict(x=x, y=_f32(cols["blocked"]), customdata=step),
+                    dict(x=x, y=_f32(cols["background"]), customdata=step)]
+        if name == "faults":
+            return [dict(x=x, y=list(cols["lane"]), text=list(cols["text"]))]
+        down = _f32(cols["downtime"])
+        return [dict(x=x, y=list(cols["lane"]), text=list(cols["text"]), hovertext=list(cols["hover"]),
+                     error_x=dict(array=down, arrayminus=np.zeros_like(down)))]
+
+
+def restart_label(r: dict[str, Any]) -> str:
+    """The text next to a restart marker: cause and downtime (its lane is the level)."""
+    return f"{r['cause']} · {r['downtime_s']:.1f}s down"
+
+
+def restart_hover(r: dict[str, Any]) -> str:
+    blamed = "-" if r.get("blame_rank") is None else f"rank {r['blame_rank']}"
+    return (f"<b>{LEVEL_LANE.get(r['level'], r['level'])} restart</b>: {r['cause']}<br>blamed: {blamed}<br>"
+            f"detected after {r['detection_s']:.1f}s, down {r['downtime_s']:.1f}s<br>"
+            f"resumed from step {r['resumed_step']}, {r['rolled_back_steps']} steps rolled back")

@@ -1,0 +1,224 @@
+"""The dashboard's small widgets. Each renders its traitlets; setting a trait to the value it
+already has sends nothing, so the live loop can assign every tick. CSS classes (``eksft-*``)
+let a browser test find each piece."""
+
+from __future__ import annotations
+
+import html
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ipywidgets as w
+from traitlets import Dict, Float, Int, List, Unicode, observe
+
+from ..control import FAULTS
+from ..errors import ControlError
+from ..goodput import CATEGORIES
+
+STATE_COLORS = {"running": "#2ca02c", "recovering": "#ff7f0e", "succeeded": "#1f77b4", "failed": "#d62728",
+                "lost": "#d62728", "stopped": "#7f7f7f", "starting": "#7f7f7f", "pending": "#7f7f7f"}
+GOODPUT_COLORS = {"productive": "#2ca02c", "checkpoint_stall": "#d62728", "restart_downtime": "#9467bd",
+                  "recomputed": "#ff7f0e", "startup": "#bcbd22", "other": "#c7c7c7"}
+LEVEL_NAMES = {"inprocess": "in-process", "injob": "in-job", "job": "job"}
+
+
+class Header(w.VBox):
+    """Name, backend and state; a step progress bar; restarts by level, last committed checkpoint, goodput."""
+
+    job = Unicode()
+    backend = Unicode()
+    origin = Unicode()                       # "resumed from <job> step N", or ""
+    state = Unicode("pending")
+    step = Int(0)
+    total = Int(1)
+    restarts = Dict()
+    last_checkpoint = Int(None, allow_none=True)
+    goodput = Float(None, allow_none=True)
+
+    def __init__(self, **kwargs: Any) -> None:
+        self._title = w.HTML().add_class("eksft-title")
+        self._progress = w.IntProgress(min=0, layout=w.Layout(width="320px")).add_class("eksft-progress")
+        self._step = w.HTML().add_class("eksft-step")
+        self._facts = w.HTML().add_class("eksft-facts")
+        super().__init__([self._title, w.HBox([self._progress, self._step, self._facts],
+                                              layout=w.Layout(align_items="center", grid_gap="14px"))], **kwargs)
+        self.add_class("eksft-header")
+        self._render()
+
+    @observe("job", "backend", "origin", "state", "step", "total", "restarts", "last_checkpoint", "goodput")
+    def _render(self, _change: Any = None) -> None:
+        color = STATE_COLORS.get(self.state, "#7f7f7f")
+        origin = f" · <i>{html.escape(self.origin)}</i>" if self.origin else ""
+        self._title.value = (f"<b style='font-size:15px'>{html.escape(self.job)}</b> · {html.escape(self.backend)}"
+                             f" · <span class='eksft-state' style='color:white;background:{color};padding:1px 7px;"
+                             f"border-radius:8px'>{html.escape(self.state)}</span>{origin}")
+        self._progress.max = max(self.total, 1)
+        self._progress.value = min(self.step, self._progress.max)
+        self._step.value = f"step <b>{self.step}</b> / {self.total}"
+        restarts = " · ".join(f"{LEVEL_NAMES.get(k, k)} {v}" for k, v in self.restarts.items()) or "none"
+        ckpt = "-" if self.last_checkpoint is None else f"step {self.last_checkpoint}"
+        goodput = "-" if self.goodput is None else f"{100 * self.goodput:.1f}%"
+        self._facts.value = (f"restarts: <span class='eksft-restarts'>{restarts}</span> &nbsp;|&nbsp; "
+                             f"last checkpoint: <span class='eksft-last-ckpt'>{ckpt}</span> &nbsp;|&nbsp; "
+                             f"goodput: <span class='eksft-goodput'>{goodput}</span>")
+
+
+class GoodputBar(w.HTML):
+    """Where the wall time went, as one stacked bar with a legend (see :mod:`eksft_nb.goodput`)."""
+
+    seconds = Dict()
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_class("eksft-goodput-bar")
+        self._render()
+
+    @observe("seconds")
+    def _render(self, _change: Any = None) -> None:
+        total = sum(self.seconds.values())
+        if total <= 0:
+            self.value = "<div style='color:#777'>goodput: waiting for the first step</div>"
+            return
+        bar, legend = [], []
+        for cat in CATEGORIES:
+            sec = self.seconds.get(cat, 0.0)
+            pct = 100 * sec / total
+            label = cat.replace("_", " ")
+            bar.append(f"<div title='{label}: {sec:.1f}s ({pct:.1f}%)' style='width:{pct:.3f}%;"
+                       f"background:{GOODPUT_COLORS[cat]}'></div>")
+            legend.append(f"<span class='eksft-gp-{cat}'><span style='color:{GOODPUT_COLORS[cat]}'>■</span> "
+                          f"{label} {sec:.1f}s ({pct:.0f}%)</span>")
+        self.value = ("<div style='font-size:12px'><b>wall time</b> " + f"{total:.1f}s:&nbsp; " + " &nbsp;".join(legend)
+                      + "</div><div style='display:flex;height:12px;border-radius:3px;overflow:hidden;"
+                      "margin-top:3px'>" + "".join(bar) + "</div>")
+
+
+class FaultControls(w.HBox):
+    """Fault type, target (rank, or node for node faults), when (``now`` or a step) and Inject."""
+
+    world_size = Int(1)
+    nnodes = Int(1)
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.fault = w.Dropdown(options=list(FAULTS), value="exception", description="fault",
+                                layout=w.Layout(width="230px")).add_class("eksft-fault")
+        self.target = w.Dropdown(description="rank", layout=w.Layout(width="150px")).add_class("eksft-rank")
+        self.when = w.Text(value="now", description="when", placeholder="now or a step",
+                           layout=w.Layout(width="170px")).add_class("eksft-when")
+        self.inject = w.Button(description="Inject", button_style="warning", icon="bolt").add_class("eksft-inject")
+        super().__init__([self.fault, self.target, self.when, self.inject], **kwargs)
+        self.add_class("eksft-controls")
+        self.fault.observe(self._retarget, "value")
+        self._retarget()
+
+    @observe("world_size", "nnodes")
+    def _retarget(self, _change: Any = None) -> None:
+        node = FAULTS[self.fault.value][0] == "node"
+        self.target.description = "node" if node else "rank"
+        self.target.options = [(str(i), i) for i in range(self.nnodes if node else self.world_size)]
+        self.target.value = 0
+
+    def command(self) -> dict[str, Any]:
+        """Keyword arguments for :meth:`Job.inject` from the current choices."""
+        when = self.when.value.strip().lower()
+        step: int | None = None
+        if when not in ("", "now"):
+            try:
+                step = int(when.removeprefix("step").strip())
+            except ValueError:
+                raise ControlError(f"cannot read when={self.when.value!r}",
+                                   "write now, or the step to fire at (e.g. 120)") from None
+        fault = self.fault.value
+        if FAULTS[fault][0] == "node":
+            return {"fault": fault, "node": self.target.value, "step": step}
+        return {"fault": fault, "rank": self.target.value, "step": step}
+
+
+class CheckpointTable(w.VBox):
+    """One row per checkpoint on disk, newest first, with Resume-from-here on the committed ones.
+
+    The row widgets are made once and reused (``max_rows`` of them), so a long job that saves
+    thousands of times creates no new widgets."""
+
+    rows = List()            # dicts: step, state, mib, time, blocked, background, note
+
+    def __init__(self, on_resume: Callable[[int], None], max_rows: int = 20, **kwargs: Any) -> None:
+        self.on_resume = on_resume
+        self._slots = [_CheckpointRow(self._clicked) for _ in range(max_rows)]
+        self._more = w.HTML()
+        head = w.HTML("<div style='font-size:12px;color:#555'><b>checkpoints</b> (newest first; a job "
+                      "resumed from one starts at the step after it)</div>")
+        super().__init__([head, *self._slots, self._more], **kwargs)
+        self.add_class("eksft-ckpt-table")
+        self._render()
+
+    def _clicked(self, step: int) -> None:
+        self.on_resume(step)
+
+    @observe("rows")
+    def _render(self, _change: Any = None) -> None:
+        shown = sorted(self.rows, key=lambda r: -r["step"])[: len(self._slots)]
+        for slot, row in zip(self._slots, shown + [None] * (len(self._slots) - len(shown))):
+            slot.show(row)
+        hidden = len(self.rows) - len(shown)
+        self._more.value = (f"<i style='font-size:12px'>and {hidden} older</i>" if hidden else
+                            "" if self.rows else "<i style='font-size:12px;color:#777'>none yet</i>")
+
+
+class _CheckpointRow(w.HBox):
+    def __init__(self, on_click: Callable[[int], None]) -> None:
+        self.step: int | None = None
+        self.button = w.Button(description="Resume from here", icon="play",
+                               layout=w.Layout(width="150px", height="26px")).add_class("eksft-resume")
+        self.button.on_click(lambda _b: on_click(self.step) if self.step is not None else None)
+        self.text = w.HTML()
+        super().__init__([self.button, self.text], layout=w.Layout(align_items="center", display="none"))
+        self.add_class("eksft-ckpt-row")
+
+    def show(self, r: dict[str, Any] | None) -> None:
+        if r is None:
+            self.layout.display, self.step = "none", None
+            return
+        if self.step != r["step"]:
+            if self.step is not None:
+                self.button.remove_class(f"eksft-resume-{self.step}")
+            self.button.add_class(f"eksft-resume-{r['step']}")
+        self.step = r["step"]
+        self.layout.display = "flex"
+        self.button.layout.visibility = "visible" if r["state"] == "committed" else "hidden"
+        cell = "padding:0 10px 0 0"
+        when = time.strftime("%H:%M:%S", time.localtime(r["time"])) if r.get("time") else "-"
+        timing = ("" if r.get("blocked") is None else
+                  f"blocked {r['blocked']:.3f}s, background {r.get('background') or 0.0:.3f}s")
+        color = {"committed": "#2ca02c", "rejected": "#d62728"}.get(r["state"], "#7f7f7f")
+        self.text.value = (f"<span style='font-family:monospace;font-size:12px'><span style='{cell}'>step "
+                           f"<b>{r['step']}</b></span><span style='{cell};color:{color}'>{r['state']}</span>"
+                           f"<span style='{cell}'>{r['mib']:.2f} MiB</span><span style='{cell}'>{when}</span>"
+                           f"<span style='{cell}'>{timing}</span><span style='color:#d62728'>"
+                           f"{html.escape(r.get('note') or '')}</span></span>")
+
+
+class LogTail(w.Accordion):
+    """The last lines of the job's log, folded away until opened."""
+
+    text = Unicode()
+    lines = Int(40)
+
+    def __init__(self, lines: int = 40) -> None:
+        self._pre = w.HTML()
+        super().__init__([self._pre], selected_index=None)
+        self.add_class("eksft-logs")
+        self.lines = lines
+        self._render()
+
+    @property
+    def is_open(self) -> bool:
+        return self.selected_index == 0
+
+    @observe("text", "lines")
+    def _render(self, _change: Any = None) -> None:
+        kept = [line[:300] for line in self.text.splitlines()[-self.lines:]]
+        self.set_title(0, f"log (last {len(kept)} lines)")
+        self._pre.value = ("<pre style='font-size:11px;line-height:1.25;max-height:320px;overflow:auto;margin:0'>"
+                           + html.escape("\n".join(kept)) + "</pre>")

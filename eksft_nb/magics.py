@@ -1,0 +1,239 @@
+"""``%%ftrain`` (launch a job and show its dashboard) and ``%ftrain`` (act on jobs), for IPython.
+
+``%load_ext eksft_nb`` registers them. The cell magic's options are the job spec's fields (the same
+flags as ``python -m eksft_nb run``); an empty cell runs the built-in trainer, a cell with Python
+code runs that code as the training script on every rank. Mistakes show as one line (what is
+wrong, what to write instead) and launch nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic_arguments import MagicArgumentParser, argument, argument_group, magic_arguments
+from IPython.display import display
+
+from . import cli
+from .backends import get_backend
+from .control import FAULTS, parse_fault
+from .errors import EksftError
+from .job import Job, attach, launch
+from .jobdir import atomic_write, eksft_home
+from .spec import JobSpec, _closest, spec_options
+
+GROUPS = {"": "job", "model.": "model", "checkpoint.": "checkpoints", "ft.": "fault tolerance", "eks.": "EKS"}
+LINE_USAGE = """\
+%ftrain list                          jobs and their state
+%ftrain attach NAME                   show the dashboard of a job (its whole history, then live)
+%ftrain inject [NAME] FAULT [--rank R] [--step S] [--node N] [--delay D] [--duration N]
+%ftrain ckpts [NAME]                  checkpoints: committed, incomplete, rejected
+%ftrain resume [NAME] [--step S] [--as NEW] [--steps N]   a new job from a checkpoint, with its dashboard
+%ftrain logs [NAME] [-n LINES] [--debug]
+%ftrain summary [NAME]                restarts, goodput, final digest
+%ftrain stop [NAME]                   stop a job; nothing of it keeps running
+NAME defaults to the job this notebook launched, attached or resumed last."""
+
+
+def _spec_arguments(func: Callable[..., Any]) -> Callable[..., Any]:
+    """One ``magic_arguments`` option per job-spec field, grouped by section, in declaration order."""
+    decorators: list[Callable[[Any], Any]] = [
+        argument("--spec", dest="spec_file", help="a YAML or JSON job spec; the options below override it"),
+        argument("--fault", action="append", default=[], metavar="KIND[:RANK][@STEP]",
+                 help=f"schedule a fault, e.g. sigkill:1@30 (kinds: {', '.join(FAULTS)})"),
+        argument("--dry-run", action="store_true", help="show what would run (EKS: the manifests); launch nothing"),
+    ]
+    group = None
+    for opt in sorted(spec_options(), key=lambda o: list(GROUPS).index(_section(o.path))):
+        if GROUPS[_section(opt.path)] != group:
+            group = GROUPS[_section(opt.path)]
+            decorators.append(argument_group(f"{group} (job spec fields)"))
+        if opt.type is bool:
+            decorators.append(argument(opt.flag, dest=opt.path, action=argparse.BooleanOptionalAction,
+                                       default=argparse.SUPPRESS, help=f"{opt.help} (default: {opt.default})"))
+        else:
+            choices = f" {{{','.join(opt.choices)}}}" if opt.choices else ""
+            decorators.append(argument(opt.flag, dest=opt.path, default=argparse.SUPPRESS,
+                                       metavar=opt.flag[2:].upper(), help=f"{opt.help}{choices} (default: {opt.default})"))
+    for deco in reversed(decorators):  # magic_arguments reads them bottom-up
+        func = deco(func)
+    return func
+
+
+def _section(path: str) -> str:
+    return path.rsplit(".", 1)[0] + "." if "." in path else ""
+
+
+def _line_parser() -> MagicArgumentParser:
+    p = MagicArgumentParser(prog="%ftrain", add_help=False)
+    sub = p.add_subparsers(dest="command", parser_class=MagicArgumentParser)
+    sub.add_parser("list")
+    sub.add_parser("attach").add_argument("name")
+    for name in ("stop", "ckpts", "summary"):
+        sub.add_parser(name).add_argument("name", nargs="?")
+    inj = sub.add_parser("inject")
+    inj.add_argument("target", nargs="+", metavar="[NAME] FAULT")
+    inj.add_argument("--rank", type=int)
+    inj.add_argument("--step", type=int)
+    inj.add_argument("--node", type=int, default=0)
+    inj.add_argument("--delay", type=float)
+    inj.add_argument("--duration", type=int)
+    res = sub.add_parser("resume")
+    res.add_argument("name", nargs="?")
+    res.add_argument("--step", type=int)
+    res.add_argument("--as", dest="new_name")
+    res.add_argument("--steps", type=int)
+    logs = sub.add_parser("logs")
+    logs.add_argument("name", nargs="?")
+    logs.add_argument("-n", "--lines", type=int, default=200)
+    logs.add_argument("--debug", action="store_true")
+    return p
+
+
+@magics_class
+class FtrainMagics(Magics):
+    """``%%ftrain [options]`` launches; ``%ftrain COMMAND`` lists, attaches, injects, resumes, stops."""
+
+    def __init__(self, shell: Any) -> None:
+        super().__init__(shell)
+        self.job: Job | None = None          # the job the line magic acts on when no NAME is given
+        self.line_parser = _line_parser()
+
+    @line_cell_magic
+    def ftrain(self, line: str, cell: str | None = None) -> None:
+        try:
+            if cell is None:
+                self._line(line)
+            else:
+                self._cell(line, cell)
+        except EksftError as e:
+            raise UsageError(f"{e.problem}\n  → {e.fix}" if e.fix else e.problem) from None
+
+    # ---- %%ftrain ----------------------------------------------------------------------------
+    def _cell(self, line: str, cell: str) -> None:
+        parser = _cell_magic.parser
+        if {"-h", "--help"} & set(line.split()):
+            print(parser.format_help())
+            return
+        args = _parse(parser, line, "%%ftrain")
+        base = JobSpec.load(args.spec_file) if args.spec_file else None
+        spec = cli.spec_from_args(args, base)
+        faults = [parse_fault(f) for f in args.fault]
+        if cell.strip():
+            if spec.script:
+                raise UsageError("the cell has code and --script names a script too\n"
+                                 "  → leave the cell empty to run --script, or drop --script to run the cell")
+            spec = spec.replace(script=str(save_script(cell))).validate()
+        backend = get_backend(spec.backend)
+        if args.dry_run:
+            print(backend.render(spec))
+            return
+        self.job = launch(spec, faults)
+        display(self.job.dashboard())
+
+    # ---- %ftrain -----------------------------------------------------------------------------
+    def _line(self, line: str) -> None:
+        tokens = line.split()
+        if not tokens or tokens[0] in ("-h", "--help", "help"):
+            print(LINE_USAGE)
+            return
+        args = _parse(self.line_parser, line, "%ftrain")
+        if args.command is None:
+            raise UsageError(f"unknown command {tokens[0]!r}\n{LINE_USAGE}")
+        cmd = args.command
+        if cmd == "list":
+            cli.cmd_list(argparse.Namespace(json=False))
+        elif cmd == "attach":
+            self.job = attach(args.name)
+            display(self.job.dashboard())
+        elif cmd == "inject":
+            if len(args.target) > 2:
+                raise UsageError("inject takes [NAME] FAULT\n  → e.g. %ftrain inject sigkill --rank 1")
+            job = self._job(args.target[0] if len(args.target) == 2 else None)
+            params = {k: v for k, v in (("delay", args.delay), ("duration", args.duration)) if v is not None}
+            c = job.inject(args.target[-1], rank=args.rank, step=args.step, node=args.node, **params)
+            target = f"rank {c.rank}" if c.rank is not None else f"node {c.node}"
+            print(f"injected {c.fault} into {job.name} ({target}, {'at step %d' % c.step if c.step else 'now'})")
+        elif cmd == "resume":
+            changes = {"steps": args.steps} if args.steps else {}
+            self.job = self._job(args.name).resume(step=args.step, name=args.new_name, **changes)
+            display(self.job.dashboard())
+        elif cmd == "stop":
+            job = self._job(args.name)
+            job.stop()
+            print(f"stopped {job.name}; nothing of it keeps running")
+        elif cmd == "logs":
+            print(self._job(args.name).logs(args.lines, args.debug))
+        else:  # ckpts, summary
+            getattr(cli, f"cmd_{cmd}")(argparse.Namespace(name=self._job(args.name).name, json=False))
+
+    def _job(self, name: str | None) -> Job:
+        if name:
+            return attach(name)
+        if self.job is None:
+            raise UsageError("no job yet in this notebook\n  → launch one with %%ftrain, or name it: %ftrain attach NAME")
+        return self.job
+
+
+@magic_arguments(name="%ftrain")
+@_spec_arguments
+def _cell_magic(line: str) -> None:
+    """Launch a fault-tolerant training job and show its live dashboard (the cell returns at once).
+
+    An empty cell runs the built-in trainer; Python code in the cell is the training script, run on
+    every rank under ft_launcher (``from eksft_nb.runtime import session`` gives it heartbeats, step
+    telemetry and fault commands; a script that knows nothing of eksft-nb runs too).
+    """
+
+
+def _parse(parser: MagicArgumentParser, line: str, prog: str) -> argparse.Namespace:
+    """Parse a magic line; argparse's complaints become one line that says what to write instead."""
+    try:
+        return parser.parse_argstring(line)
+    except UsageError as e:
+        message = str(e)
+        flags = list(parser._option_string_actions)
+        for action in parser._subparsers._group_actions if parser._subparsers else ():
+            for sub in action.choices.values():
+                flags += list(sub._option_string_actions)
+        if "unrecognized arguments:" in message:
+            bad = message.split("unrecognized arguments:", 1)[1].split()
+            unknown = next((b for b in bad if b.startswith("-")), bad[0] if bad else "")
+            hint = f"did you mean {_closest(unknown.split('=')[0], flags)}?" if unknown.startswith("-") else \
+                "quote values that contain spaces"
+            raise UsageError(f"{prog} does not understand {unknown!r}\n  → {hint} ({prog} --help lists every option)") from None
+        raise UsageError(f"{message}\n  → {prog} --help lists every option") from None
+
+
+def save_script(code: str) -> Path:
+    """Write a cell's code where every rank can read it; the file is named by its content, so
+    re-running a cell never rewrites the script of a job that is still running."""
+    root = eksft_home() / "scripts"
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path = root / f"cell-{hashlib.sha256(code.encode()).hexdigest()[:16]}.py"
+    if not path.exists():
+        atomic_write(path, code)
+    return path
+
+
+def blank_body(lines: list[str]) -> list[str]:
+    """Input transformer: IPython refuses a cell magic with an empty body, but ``%%ftrain`` alone
+    means "the built-in trainer", so such a cell gets a blank body."""
+    if lines and re.match(r"%%ftrain(\s|$)", lines[0]) and not "".join(lines[1:]).strip():
+        return [lines[0].rstrip("\n") + "\n", "\n"]
+    return lines
+
+
+def register(ipython: Any) -> None:
+    ipython.register_magics(FtrainMagics)
+    if blank_body not in ipython.input_transformers_cleanup:
+        ipython.input_transformers_cleanup.append(blank_body)
+
+
+FtrainMagics.ftrain.__doc__ = f"{_cell_magic.__doc__}\n\nLine magic:\n{LINE_USAGE}"

@@ -1,0 +1,112 @@
+"""Checkpoints in one process (world size 1): staging, commit records, verification, safe loading."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from eksft_nb.checkpoints import list_checkpoints, verify
+from eksft_nb.runtime.checkpoint import CheckpointManager, load
+
+
+@pytest.fixture(scope="module")
+def group() -> Any:
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
+    yield dist.new_group(backend="gloo")
+    dist.destroy_process_group()
+
+
+def _manager(root: Path, group: Any, mode: str, events: list) -> CheckpointManager:
+    return CheckpointManager(root, rank=0, world_size=1, group=group, every=5, mode=mode, keep_last=2,
+                             emit=lambda kind, **data: events.append(data))
+
+
+def _state(model: torch.nn.Module, step: int) -> dict[str, Any]:
+    return {"model": model.state_dict(), "progress": {"step": torch.tensor(step)}}
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_save_is_the_state_at_save_time_and_loads_bit_exact(tmp_path: Path, group: Any, mode: str) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    events: list = []
+    mgr = _manager(tmp_path, group, mode, events)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    mgr.maybe_save(5, lambda: _state(model, 5))
+    with torch.no_grad():  # training goes on while the async writer works: it must not see this
+        for p in model.parameters():
+            p.add_(1.0)
+    mgr.finish()
+    [info] = list_checkpoints(tmp_path)
+    assert info.state == "committed" and info.step == 5 and info.world_size == 1
+    assert set(info.files) >= {".metadata", "__0_0.distcp"} and all(f["sha256"] for f in info.files.values())
+    assert verify(info) is None
+    phases = [e["phase"] for e in events]
+    assert phases[0] == "begin" and phases[-1] == "committed"
+    assert events[-1]["blocked_s"] >= 0 and events[-1]["bytes"] > 0
+    target = _state(torch.nn.Linear(64, 64), 0)
+    load(info.path, target, group)
+    assert int(target["progress"]["step"]) == 5
+    for k, v in expected.items():
+        assert torch.equal(target["model"][k], v), k
+
+
+def test_corruption_is_detected_with_the_file_named(tmp_path: Path, group: Any) -> None:
+    model = torch.nn.Linear(16, 16)
+    mgr = _manager(tmp_path, group, "async", [])
+    mgr.maybe_save(5, lambda: _state(model, 5))
+    mgr.finish()
+    [info] = list_checkpoints(tmp_path)
+    shard = info.path / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert verify(info) == "checksum mismatch in __0_0.distcp"
+    shard.write_bytes(bytes(data[:-1]))
+    assert "has" in verify(info) and "commit record says" in verify(info)
+
+
+def test_a_failed_write_is_reported_and_retried_at_the_next_step(tmp_path: Path, group: Any) -> None:
+    model = torch.nn.Linear(16, 16)
+    events: list = []
+    mgr = _manager(tmp_path, group, "async", events)
+    mgr.fail_next_write = True
+    mgr.maybe_save(5, lambda: _state(model, 5))
+    mgr.maybe_save(6, lambda: _state(model, 6), last=True)  # finalizes the failure, then retries
+    failed = [e for e in events if e["phase"] == "failed"]
+    assert failed and "injected save failure" in failed[0]["error"]
+    committed = [i.step for i in list_checkpoints(tmp_path) if i.state == "committed"]
+    assert committed == [6]
+
+
+def test_old_checkpoints_are_pruned_to_keep_last(tmp_path: Path, group: Any) -> None:
+    model = torch.nn.Linear(8, 8)
+    mgr = _manager(tmp_path, group, "sync", [])
+    for step in (5, 10, 15, 20):
+        mgr.maybe_save(step, lambda s=step: _state(model, s))
+    assert [i.step for i in list_checkpoints(tmp_path)] == [15, 20]
+
+
+class _Evil:
+    def __reduce__(self) -> tuple:
+        return (os.system, (f"touch {_Evil.marker}",))
+
+
+def test_loading_refuses_metadata_that_would_run_code(tmp_path: Path, group: Any) -> None:
+    model = torch.nn.Linear(8, 8)
+    mgr = _manager(tmp_path, group, "sync", [])
+    mgr.maybe_save(5, lambda: _state(model, 5))
+    [info] = list_checkpoints(tmp_path)
+    _Evil.marker = str(tmp_path / "pwned")
+    (info.path / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    with pytest.raises(Exception, match="refusing to load posix.system"):
+        load(info.path, _state(torch.nn.Linear(8, 8), 0), group)
+    assert not (tmp_path / "pwned").exists()
