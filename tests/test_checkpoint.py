@@ -40,7 +40,7 @@ def test_save_is_the_state_at_save_time_and_loads_bit_exact(tmp_path: Path, grou
     events: list = []
     mgr = _manager(tmp_path, group, mode, events)
     expected = {k: v.clone() for k, v in model.state_dict().items()}
-    mgr.maybe_save(5, lambda: _state(model, 5))
+    mgr.maybe_save(5, _state(model, 5))
     with torch.no_grad():  # training goes on while the async writer works: it must not see this
         for p in model.parameters():
             p.add_(1.0)
@@ -62,7 +62,7 @@ def test_save_is_the_state_at_save_time_and_loads_bit_exact(tmp_path: Path, grou
 def test_corruption_is_detected_with_the_file_named(tmp_path: Path, group: Any) -> None:
     model = torch.nn.Linear(16, 16)
     mgr = _manager(tmp_path, group, "async", [])
-    mgr.maybe_save(5, lambda: _state(model, 5))
+    mgr.maybe_save(5, _state(model, 5))
     mgr.finish()
     [info] = list_checkpoints(tmp_path)
     shard = info.path / "__0_0.distcp"
@@ -79,8 +79,8 @@ def test_a_failed_write_is_reported_and_retried_at_the_next_step(tmp_path: Path,
     events: list = []
     mgr = _manager(tmp_path, group, "async", events)
     mgr.fail_next_write = True
-    mgr.maybe_save(5, lambda: _state(model, 5))
-    mgr.maybe_save(6, lambda: _state(model, 6), last=True)  # finalizes the failure, then retries
+    mgr.maybe_save(5, _state(model, 5))
+    mgr.maybe_save(6, _state(model, 6), last=True)  # finalizes the failure, then retries
     failed = [e for e in events if e["phase"] == "failed"]
     assert failed and "injected save failure" in failed[0]["error"]
     committed = [i.step for i in list_checkpoints(tmp_path) if i.state == "committed"]
@@ -91,8 +91,33 @@ def test_old_checkpoints_are_pruned_to_keep_last(tmp_path: Path, group: Any) -> 
     model = torch.nn.Linear(8, 8)
     mgr = _manager(tmp_path, group, "sync", [])
     for step in (5, 10, 15, 20):
-        mgr.maybe_save(step, lambda s=step: _state(model, s))
+        mgr.maybe_save(step, _state(model, step))
     assert [i.step for i in list_checkpoints(tmp_path)] == [15, 20]
+
+
+def test_restore_loads_the_newest_checkpoint_that_verifies(tmp_path: Path, group: Any) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16)
+    events: list = []
+    mgr = _manager(tmp_path, group, "sync", events)
+    mgr.maybe_save(5, {"model": model, "step": 5})
+    at_5 = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    mgr.maybe_save(10, {"model": model, "step": 10})
+    newest = list_checkpoints(tmp_path)[-1]
+    (newest.path / "__0_0.distcp").write_bytes(b"garbage")
+
+    fresh = torch.nn.Linear(16, 16)
+    step = _manager(tmp_path, group, "sync", events).restore({"model": fresh}, "latest", restarting=True)
+    assert step == 5
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in at_5.items())
+    rejected = [e for e in events if e.get("phase") == "rejected"]
+    assert rejected[0]["step"] == 10 and "commit record says" in rejected[0]["reason"]
+    resumed = [e for e in events if "skipped" in e][0]
+    assert resumed["step"] == 5 and resumed["skipped"][0]["step"] == 10
+    assert list_checkpoints(tmp_path)[-1].state == "rejected"
+    assert _manager(tmp_path, group, "sync", []).restore({"model": fresh}, "none") == 0
 
 
 class _Evil:
@@ -103,7 +128,7 @@ class _Evil:
 def test_loading_refuses_metadata_that_would_run_code(tmp_path: Path, group: Any) -> None:
     model = torch.nn.Linear(8, 8)
     mgr = _manager(tmp_path, group, "sync", [])
-    mgr.maybe_save(5, lambda: _state(model, 5))
+    mgr.maybe_save(5, _state(model, 5))
     [info] = list_checkpoints(tmp_path)
     _Evil.marker = str(tmp_path / "pwned")
     (info.path / ".metadata").write_bytes(pickle.dumps(_Evil()))

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checkpoints import COMMIT, list_checkpoints, sha256_file, step_dir
+from ..checkpoints import COMMIT, CheckpointInfo, list_checkpoints, reject, sha256_file, step_dir, verify
+from ..errors import JobError
 
 # ---- safe loading ---------------------------------------------------------------------------
 
@@ -106,6 +107,8 @@ class Stager:
     def stage(self, state: Any, prefix: str = "") -> Any:
         from torch.distributed.tensor import DTensor
 
+        if _is_stateful(state):
+            return self.stage(state.state_dict(), prefix)
         if isinstance(state, dict):
             return {k: self.stage(v, f"{prefix}/{k}") for k, v in state.items()}
         if isinstance(state, list):
@@ -174,6 +177,7 @@ class _AsyncWriter:
 
         _get_write_results_queue()
         cls.caller = PersistentAsyncCaller()
+        cls.caller.rank = int(os.environ.get("RANK", 0))  # so it needs no process group yet
         cls.caller.schedule_async_call(AsyncRequest(_noop, (), []))
         cls.outstanding = 1
         atexit.register(cls.stop)
@@ -226,6 +230,12 @@ class _AsyncWriter:
                 pass
 
 
+def start_writer() -> None:
+    """Start this process's async checkpoint writer now: it spawns and imports torch in the
+    background while the trainer sets up, instead of delaying the first save."""
+    _AsyncWriter.start()
+
+
 # ---- the manager ----------------------------------------------------------------------------
 
 @dataclass
@@ -234,25 +244,25 @@ class _Pending:
     path: Path
     writer: Any
     plan: tuple
-    t_begin: float
     t_staged: float
     blocked_s: float
-    bytes: int
 
 
 class CheckpointManager:
     """Saves, commits, prunes and restores checkpoints for one rank.
 
     Call :meth:`maybe_save` at every step boundary on every rank (it is collective), and
-    :meth:`finish` before exiting. ``emit(kind, **fields)`` receives checkpoint events.
+    :meth:`finish` before exiting. ``emit(kind, **fields)`` receives checkpoint events;
+    ``keepalive()`` is called while a save waits on the writer (heartbeats, in-process pings).
     """
 
     def __init__(self, root: Path, *, rank: int, world_size: int, group: dist.ProcessGroup | None,
                  every: int, mode: str, keep_last: int, emit: Callable[..., Any],
-                 atomic: Callable[[], Any] | None = None) -> None:
+                 atomic: Callable[[], Any] | None = None, keepalive: Callable[[], Any] | None = None) -> None:
         self.root, self.rank, self.world_size, self.group = Path(root), rank, world_size, group
         self.every, self.mode, self.keep_last, self.emit = every, mode, keep_last, emit
         self.atomic = atomic
+        self.keepalive = keepalive or (lambda: None)
         self.pending: _Pending | None = None
         self.retry = False
         self.fail_next_write = False
@@ -265,16 +275,22 @@ class CheckpointManager:
             self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
 
     # -- saving --
-    def maybe_save(self, step: int, state: Callable[[], dict[str, Any]], last: bool = False) -> None:
-        """Finalize a finished async save, then save if this step is due (or a failed save needs a retry)."""
+    def due(self, step: int, last: bool = False) -> bool:
+        """Whether :meth:`maybe_save` will start a save at this step."""
+        return ((self.every > 0 and step % self.every == 0) or self.retry or last) and step != self.last_committed
+
+    def maybe_save(self, step: int, state: dict[str, Any], last: bool = False) -> None:
+        """Finalize a finished async save, then save if this step is due (or a failed save needs a retry).
+
+        ``state`` maps names to tensors, plain values or objects with ``state_dict()`` /
+        ``load_state_dict()`` (see :class:`ModelState`); it is read only when a save starts."""
         if self.pending is not None:
             self._finalize_if_done(blocking=last)
-        due = self.every > 0 and step % self.every == 0
-        if (due or self.retry or last) and step != self.last_committed:
+        if self.due(step, last):
             if self.pending is not None:  # the previous save is still writing: wait (counts as blocked)
                 self._finalize_if_done(blocking=True)
             self.retry = False
-            self._save(step, state())
+            self._save(step, state)
             if last and self.pending is not None:
                 self._finalize_if_done(blocking=True)
 
@@ -301,13 +317,12 @@ class CheckpointManager:
         except Exception as e:  # noqa: BLE001
             error = f"{type(e).__name__}: {e}"
         errors = self._gather(error)
-        nbytes = _tensor_bytes(state)
         if any(errors):
             self._failed(step, errors)
         else:
             files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
                      for p in path.iterdir() if p.is_file()} if self.rank == 0 else {}
-            self._commit(step, path, files, blocked_s=time.perf_counter() - t0, background_s=0.0, nbytes=nbytes)
+            self._commit(step, path, files, blocked_s=time.perf_counter() - t0, background_s=0.0)
 
     def _save_async(self, step: int, path: Path, state: dict[str, Any], t0: float) -> None:
         from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
@@ -325,14 +340,14 @@ class CheckpointManager:
         request = AsyncRequest(write_shard, (transforms, self.rank, args[1], args[2], manifest, fail), [])
         _AsyncWriter.schedule(request)
         t_staged = time.perf_counter()
-        nbytes = _tensor_bytes(staged)
-        self.pending = _Pending(step, path, writer, plan, t0, t_staged, t_staged - t0, nbytes)
-        self.emit("checkpoint", phase="staged", step=step, blocked_s=t_staged - t0, bytes=nbytes)
+        self.pending = _Pending(step, path, writer, plan, t_staged, t_staged - t0)
+        self.emit("checkpoint", phase="staged", step=step, blocked_s=t_staged - t0, bytes=_tensor_bytes(staged))
 
     def _finalize_if_done(self, blocking: bool) -> None:
         """Commit the pending async save once every rank's write is done (collective)."""
         p = self.pending
         t_wait = time.perf_counter()
+        last_alive = t_wait
         while True:
             flag = torch.tensor([1 if _AsyncWriter.done_locally() else 0], dtype=torch.int32)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
@@ -340,6 +355,9 @@ class CheckpointManager:
                 break
             if not blocking:
                 return
+            if time.perf_counter() - last_alive > 0.5:  # waiting on the writer is progress, not a hang
+                self.keepalive()
+                last_alive = time.perf_counter()
             time.sleep(0.01)
         waited = time.perf_counter() - t_wait if blocking else 0.0
         self.pending = None
@@ -364,20 +382,19 @@ class CheckpointManager:
             meta = p.path / ".metadata"
             files[".metadata"] = {"size": meta.stat().st_size, "sha256": sha256_file(meta)}
         self._commit(p.step, p.path, files, blocked_s=p.blocked_s + waited,
-                     background_s=time.perf_counter() - p.t_staged, nbytes=p.bytes)
+                     background_s=time.perf_counter() - p.t_staged)
 
     def _gather(self, error: str | None) -> list[str | None]:
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, error, group=self.group)
         return gathered
 
-    def _commit(self, step: int, path: Path, files: dict[str, Any], *, blocked_s: float, background_s: float,
-                nbytes: int) -> None:
+    def _commit(self, step: int, path: Path, files: dict[str, Any], *, blocked_s: float, background_s: float) -> None:
         self.last_committed = step
         if self.rank != 0:
             return
         record = {"step": step, "world_size": self.world_size, "time": time.time(), "mode": self.mode,
-                  "bytes": sum(f["size"] for f in files.values()), "state_bytes": nbytes, "files": files}
+                  "bytes": sum(f["size"] for f in files.values()), "files": files}
         ctx = self.atomic() if self.atomic else _null()
         with ctx:
             tmp = path / (COMMIT + ".tmp")
@@ -408,6 +425,85 @@ class CheckpointManager:
     def finish(self) -> None:
         if self.pending is not None:
             self._finalize_if_done(blocking=True)
+
+    # -- restoring --
+    def restore(self, state: dict[str, Any], resume: str = "latest", restarting: bool = False) -> int:
+        """Load the checkpoint to start from into ``state`` (collective); return its step, 0 if none.
+
+        Rank 0 picks it (see :func:`choose_resume`), verifying checksums and skipping, with the
+        reason, any checkpoint that does not verify; every rank then loads its shards."""
+        choice: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                info, skipped = choose_resume(self.root, resume, restarting, self.emit)
+                choice[0] = {"path": str(info.path) if info else None, "step": info.step if info else 0,
+                             "skipped": skipped}
+            except JobError as e:
+                choice[0] = {"error": e}
+        dist.broadcast_object_list(choice, src=0, group=self.group)
+        picked = choice[0]
+        if "error" in picked:
+            raise picked["error"]
+        if picked["path"] is None:
+            return 0
+        t0 = time.perf_counter()
+        load(Path(picked["path"]), state, self.group)
+        if Path(picked["path"]).parent == self.root:
+            self.last_committed = picked["step"]
+        self.emit("resume", step=picked["step"], path=picked["path"], load_s=time.perf_counter() - t0,
+                  skipped=picked["skipped"])
+        return picked["step"]
+
+
+def choose_resume(root: Path, resume: str, restarting: bool,
+                  emit: Callable[..., Any]) -> tuple[CheckpointInfo | None, list[dict[str, Any]]]:
+    """The checkpoint to start from, and the ones skipped on the way (with reasons).
+
+    A job that has committed checkpoints of its own (or is restarting) resumes from its newest one
+    that verifies. Otherwise ``resume`` decides: latest, none, step:N or a checkpoint folder."""
+    skipped: list[dict[str, Any]] = []
+    own = [i for i in reversed(list_checkpoints(root)) if i.state == "committed"]
+    if resume.startswith("step:"):
+        want = int(resume.split(":")[1])
+        candidates = [i for i in own if i.step >= want] if restarting else [i for i in own if i.step == want]
+    elif resume not in ("latest", "none"):
+        external = Path(resume).expanduser()
+        candidates = own + [i for i in list_checkpoints(external.parent) if i.path == external]
+    elif resume == "none" and not restarting:
+        candidates = []
+    else:
+        candidates = own
+    for info in candidates:
+        reason = verify(info)
+        if reason is None:
+            return info, skipped
+        skipped.append({"step": info.step, "path": str(info.path), "reason": reason})
+        if info.path.parent == root:
+            reject(info, reason)
+        emit("checkpoint", phase="rejected", step=info.step, path=str(info.path), reason=reason)
+    if resume.startswith("step:") and not restarting:
+        raise JobError(f"checkpoint step {resume.split(':')[1]} is not available in {root}",
+                       "list them with `python -m eksft_nb ckpts NAME` and pick a committed one")
+    return None, skipped
+
+
+class ModelState:
+    """A model and its optimizer as one checkpointable object (FSDP2, DDP or plain modules):
+    sharded state dicts on save, resharding loads on restore."""
+
+    def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+        self.model, self.optim = model, optim
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(self.model, self.optim)
+        return {"model": msd, "optim": osd}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 class _FailingWriter:
@@ -440,6 +536,10 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
 def _tensor_bytes(state: Any) -> int:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..control import CommandInbox, FaultCommand
+from ..errors import JobError
 from ..events import EventWriter
 from ..jobdir import JobDir
 from ..spec import JobSpec
@@ -74,6 +75,42 @@ class Session:
         self._slow_until, self._slow_delay = 0, 0.0
         self.on_save_failure: list[Any] = []   # callbacks for the save-failure fault
         self._beacon = _Beacon(self) if self.job_dir else None
+
+    @property
+    def restarting(self) -> bool:
+        """Whether this incarnation follows a failure (at any level): it must resume, whatever
+        ``spec.resume`` says."""
+        return self.info.injob_restart > 0 or self.info.job_attempt > 0 or self.inprocess_iteration > 0
+
+    def checkpoint_dir(self) -> Path:
+        if self.spec.checkpoint.dir:
+            return Path(self.spec.checkpoint.dir).expanduser()
+        if self.job_dir is None:
+            raise JobError("no checkpoint folder", "set checkpoint.dir in the spec, or run under eksft (EKSFT_JOB_DIR)")
+        return self.job_dir.path / "ckpt"
+
+    def checkpoints(self, group: Any = None, atomic: Any = None, keepalive: Any = None) -> Any:
+        """A :class:`~eksft_nb.runtime.checkpoint.CheckpointManager` for this job (folder, interval,
+        mode and retention from the spec). ``group``: a gloo process group for checkpoint
+        collectives (default: a new one over all ranks). Rank 0 reports for the collective saves."""
+        import datetime
+
+        import torch.distributed as dist
+
+        from .checkpoint import CheckpointManager
+
+        if group is None:
+            group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=10))
+        c = self.spec.checkpoint
+        manager = CheckpointManager(self.checkpoint_dir(), rank=dist.get_rank(), world_size=dist.get_world_size(),
+                                    group=group, every=c.every, mode=c.mode, keep_last=c.keep_last,
+                                    emit=self._checkpoint_emit, atomic=atomic, keepalive=keepalive or self.heartbeat)
+        self.on_save_failure = [lambda: setattr(manager, "fail_next_write", True)]
+        return manager
+
+    def _checkpoint_emit(self, kind: str, **data: Any) -> None:
+        if self.rank == 0 or data.get("phase") in ("failed", "rejected"):
+            self.emit(kind, **data)
 
     # -- telemetry --
     def emit(self, kind: str, **data: Any) -> None:
@@ -152,8 +189,7 @@ class Session:
         """Flip 64 bytes in the middle of the largest shard of the newest committed checkpoint."""
         from ..checkpoints import list_checkpoints
 
-        root = Path(self.spec.checkpoint.dir).expanduser() if self.spec.checkpoint.dir else self.job_dir.path / "ckpt"
-        committed = [i for i in list_checkpoints(root) if i.state == "committed"]
+        committed = [i for i in list_checkpoints(self.checkpoint_dir()) if i.state == "committed"]
         if not committed:
             return {"path": None, "note": "no committed checkpoint yet: nothing corrupted"}
         victim = max(committed[-1].path.glob("*.distcp"), key=lambda f: f.stat().st_size)

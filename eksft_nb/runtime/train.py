@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import json
 import os
 import time
 from pathlib import Path
@@ -27,67 +26,24 @@ quiet_process()
 import torch
 import torch.distributed as dist
 
-from .. import checkpoints as ckpt_store
-from ..errors import JobError
-from . import checkpoint as ckpt_lib
+from .checkpoint import ModelState, start_writer
 from .data import SyntheticCorpus
 from .model import build_model, loss_fn
 from .session import Session, session
-
-
-def ckpt_root(s: Session) -> Path:
-    if s.spec.checkpoint.dir:
-        return Path(s.spec.checkpoint.dir).expanduser()
-    if s.job_dir is None:
-        raise JobError("no checkpoint folder", "set checkpoint.dir in the spec or EKSFT_JOB_DIR")
-    return s.job_dir.path / "ckpt"
-
-
-def choose_resume(s: Session, root: Path) -> tuple[ckpt_store.CheckpointInfo | None, list[dict[str, Any]]]:
-    """Rank 0: the checkpoint to start from, and the ones skipped on the way (with reasons).
-
-    A job that has committed checkpoints of its own (or is restarting) resumes from its newest one
-    that verifies. Otherwise ``spec.resume`` decides: latest, none, step:N or a folder.
-    """
-    skipped: list[dict[str, Any]] = []
-    own = [i for i in reversed(ckpt_store.list_checkpoints(root)) if i.state == "committed"]
-    restarting = s.info.injob_restart > 0 or s.info.job_attempt > 0 or s.inprocess_iteration > 0
-    resume = s.spec.resume
-    if resume.startswith("step:"):
-        want = int(resume.split(":")[1])
-        candidates = [i for i in own if i.step >= want] if restarting else [i for i in own if i.step == want]
-    elif resume not in ("latest", "none"):
-        external = Path(resume).expanduser()
-        found = [i for i in ckpt_store.list_checkpoints(external.parent) if i.path == external]
-        candidates = own + found
-    elif resume == "none" and not restarting:
-        candidates = []
-    else:
-        candidates = own
-    for info in candidates:
-        reason = ckpt_store.verify(info)
-        if reason is None:
-            return info, skipped
-        skipped.append({"step": info.step, "path": str(info.path), "reason": reason})
-        if info.path.parent == root:
-            ckpt_store.reject(info, reason)
-        s.emit("checkpoint", phase="rejected", step=info.step, path=str(info.path), reason=reason)
-    if resume.startswith("step:") and not restarting:
-        raise JobError(f"checkpoint step {resume.split(':')[1]} is not available in {root}",
-                       "list them with `python -m eksft_nb ckpts NAME` and pick a committed one")
-    return None, skipped
 
 
 class Trainer:
     def __init__(self, s: Session, call_wrapper: Any = None) -> None:
         self.s, self.spec, self.call_wrapper = s, s.spec, call_wrapper
         spec = self.spec
+        if spec.checkpoint.mode == "async":
+            start_writer()
         use_cuda = spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available())
         self.device = torch.device("cuda", s.info.local_rank) if use_cuda else torch.device("cpu")
         if use_cuda:
             torch.cuda.set_device(self.device)
         torch.set_num_threads(spec.threads_per_rank)
-        self.store = self._init_process_group("nccl" if use_cuda else "gloo")
+        self._init_process_group("nccl" if use_cuda else "gloo")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if self.world != spec.world_size:
             raise RuntimeError(f"world size {self.world} != spec {spec.world_size}: restarting the whole group")
@@ -97,20 +53,19 @@ class Trainer:
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=spec.lr)
         self.data = SyntheticCorpus(vocab, spec.seq, spec.batch, spec.seed, self.rank)
         self.step = 0
-        self.ckpt = ckpt_lib.CheckpointManager(
-            ckpt_root(s), rank=self.rank, world_size=self.world, group=self.ckpt_group,
-            every=spec.checkpoint.every, mode=spec.checkpoint.mode, keep_last=spec.checkpoint.keep_last,
-            emit=s.emit if self.rank == 0 else _rank_emit(s), atomic=call_wrapper.atomic if call_wrapper else None)
-        s.on_save_failure = [self._fail_next_save]
+        self.state = {"train": ModelState(self.model, self.optim), "data": self.data}
+        self.ckpt = s.checkpoints(self.ckpt_group, atomic=call_wrapper.atomic if call_wrapper else None,
+                                  keepalive=self._keepalive)
 
-    def _fail_next_save(self) -> None:
-        self.ckpt.fail_next_write = True
+    def _keepalive(self) -> None:
+        self.s.heartbeat()
+        if self.call_wrapper is not None:
+            self.call_wrapper.ping()
 
-    def _init_process_group(self, backend: str) -> Any:
-        spec, s = self.spec, self.s
+    def _init_process_group(self, backend: str) -> None:
         if self.call_wrapper is None:
             dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
-            return dist.distributed_c10d._get_default_store()
+            return
         env = os.environ
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
         base = dist.TCPStore(env["MASTER_ADDR"], int(env["EKSFT_STORE_PORT"]), world, is_master=rank == 0,
@@ -121,54 +76,13 @@ class Trainer:
         # membership change restarted some of them, so it must not be part of any shared key.
         store = dist.PrefixStore(f"eksft/{self.call_wrapper.iteration}", base)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=spec.ft.collective_timeout))
-        return store
-
-    def state(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        msd, osd = get_state_dict(self.model, self.optim)
-        return {"model": msd, "optim": osd,
-                "progress": {"step": torch.tensor(self.step), "data_position": torch.tensor(self.data.position)}}
-
-    def restore(self) -> int:
-        """Load the checkpoint rank 0 picks (all ranks, collectively); return the step to continue after."""
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        key = f"resume/{self.s.inprocess_iteration}"  # the store is per incarnation (see _init_process_group)
-        if self.rank == 0:
-            try:
-                info, skipped = choose_resume(self.s, ckpt_root(self.s))
-                choice = {"path": str(info.path) if info else None, "step": info.step if info else 0,
-                          "skipped": skipped}
-            except JobError as e:
-                choice = {"error": str(e)}
-            self.store.set(key, json.dumps(choice))
-        else:
-            self.store.wait([key], datetime.timedelta(minutes=10))
-            choice = json.loads(self.store.get(key))
-        if "error" in choice:
-            raise JobError(choice["error"])
-        if choice["path"] is None:
-            return 0
-        t0 = time.perf_counter()
-        state = self.state()
-        ckpt_lib.load(Path(choice["path"]), state, self.ckpt_group)
-        set_state_dict(self.model, self.optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        self.data.load_state_dict({"position": int(state["progress"]["data_position"])})
-        step = int(state["progress"]["step"])
-        self.ckpt.last_committed = step if Path(choice["path"]).parent == ckpt_root(self.s) else None
-        if self.rank == 0:
-            self.s.emit("resume", step=step, path=choice["path"], load_s=time.perf_counter() - t0,
-                        skipped=choice["skipped"])
-        return step
+                                timeout=datetime.timedelta(seconds=self.spec.ft.collective_timeout))
 
     def train(self) -> None:
         s, spec = self.s, self.spec
-        self.step = self.restore()
+        self.step = self.ckpt.restore(self.state, spec.resume, s.restarting)
         s.rank_start(self.step, device=str(self.device))
         tokens_per_step = spec.batch * spec.seq * self.world
-        every = spec.checkpoint.every
         for step in range(self.step + 1, spec.steps + 1):
             s.step_begin(step)
             t0 = time.perf_counter()
@@ -183,7 +97,7 @@ class Trainer:
             if self.call_wrapper is not None:
                 self.call_wrapper.ping()
             self.step = step
-            saving = (every and step % every == 0) or step == spec.steps or self.ckpt.retry
+            saving = self.ckpt.due(step, last=step == spec.steps)
             if saving and spec.ft.checkpoint_timeout is not None:
                 s.section("checkpoint", True)
             self.ckpt.maybe_save(step, self.state, last=step == spec.steps)
@@ -210,14 +124,6 @@ class Trainer:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _rank_emit(s: Session) -> Any:
-    """Non-zero ranks report only checkpoint problems (rank 0 speaks for the collective save)."""
-    def emit(kind: str, **data: Any) -> None:
-        if data.get("phase") in ("failed", "rejected"):
-            s.emit(kind, **data)
-    return emit
 
 
 def run(call_wrapper: Any = None) -> None:
