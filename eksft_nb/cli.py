@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     stop.add_argument("name")
     rm = sub.add_parser("rm", help="delete a finished job's folder (checkpoints included)")
     rm.add_argument("name")
+    metrics = sub.add_parser("metrics", help="serve Prometheus metrics of jobs (all, or the ones named)")
+    metrics.add_argument("names", nargs="*", metavar="NAME")
+    metrics.add_argument("--port", type=int, default=9400)
+    metrics.add_argument("--addr", default="127.0.0.1", help="address to listen on (default: loopback only)")
     return p
 
 
@@ -273,6 +277,15 @@ def cmd_rm(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_metrics(args: argparse.Namespace) -> int:
+    from .metrics import serve
+
+    for name in args.names:
+        attach(name)  # unknown names fail before anything listens
+    serve(args.names, args.port, args.addr)
+    return 0
+
+
 COMMANDS = {"run": cmd_run, "watch": cmd_watch, "list": cmd_list, "status": cmd_status, "summary": cmd_summary,
             "ckpts": cmd_ckpts, "logs": cmd_logs, "inject": cmd_inject, "resume": cmd_resume, "stop": cmd_stop,
-            "rm": cmd_rm}
+            "rm": cmd_rm, "metrics": cmd_metrics}

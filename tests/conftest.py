@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -27,9 +26,11 @@ def eksft_home() -> Path:
     shutil.rmtree(home, ignore_errors=True)
 
 
-def run_cli(*args: str, timeout: float = 300) -> "subprocess.CompletedProcess[str]":
-    """Run ``python -m eksft_nb ARGS`` as a user would; returns the completed process."""
-    import subprocess
+@pytest.fixture(scope="session")
+def finished_job(eksft_home: Path) -> str:
+    """A short job that ran to completion (12 steps, checkpoints every 5)."""
+    from jobs import run_job
 
-    return subprocess.run([sys.executable, "-m", "eksft_nb", *args], capture_output=True, text=True,
-                           timeout=timeout, env=dict(os.environ))
+    summary = run_job("finished", "--steps", "12", "--ckpt-every", "5")
+    assert summary["state"] == "succeeded", summary
+    return "finished"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from eksft_nb.jobdir import jobs_root
-from jobs import cli, events, run_job
+from jobs import cli, events
 
 
 def snapshot(root: Path | None = None) -> dict[str, float]:
@@ -17,13 +17,6 @@ def snapshot(root: Path | None = None) -> dict[str, float]:
     if not root.exists():
         return {}
     return {str(p): p.stat().st_mtime for p in root.rglob("*")}
-
-
-@pytest.fixture(scope="module")
-def finished_job() -> str:
-    summary = run_job("finished", "--steps", "12", "--ckpt-every", "5")
-    assert summary["state"] == "succeeded"
-    return "finished"
 
 
 def assert_rejected(args: list[str], *expected: str, watch: Path | None = None) -> None:

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-_EXPORTS = {"CheckpointManager": ".checkpoint", "InjectedFault": ".session", "Session": ".session",
-            "session": ".session"}
-__all__ = list(_EXPORTS)
+# imported here (no torch in it) so that ``session`` is the function even once the submodule of the
+# same name is loaded: a lazy attribute would be shadowed by the submodule
+from .session import InjectedFault, Session, session
+
+_EXPORTS = {"CheckpointManager": ".checkpoint"}
+__all__ = ["CheckpointManager", "InjectedFault", "Session", "session"]
 
 
 def __getattr__(name: str) -> Any:

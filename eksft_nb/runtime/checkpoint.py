@@ -265,6 +265,7 @@ class CheckpointManager:
         self.keepalive = keepalive or (lambda: None)
         self.pending: _Pending | None = None
         self.retry = False
+        self.deferred = False
         self.fail_next_write = False
         self.last_committed: int | None = None
         self.stager = _STAGER
@@ -276,23 +277,32 @@ class CheckpointManager:
 
     # -- saving --
     def due(self, step: int, last: bool = False) -> bool:
-        """Whether :meth:`maybe_save` will start a save at this step."""
-        return ((self.every > 0 and step % self.every == 0) or self.retry or last) and step != self.last_committed
+        """Whether this step calls for a save (it may still be deferred, see :meth:`maybe_save`)."""
+        scheduled = self.every > 0 and step % self.every == 0
+        return (scheduled or self.retry or self.deferred or last) and step != self.last_committed
 
     def maybe_save(self, step: int, state: dict[str, Any], last: bool = False) -> None:
         """Finalize a finished async save, then save if this step is due (or a failed save needs a retry).
 
-        ``state`` maps names to tensors, plain values or objects with ``state_dict()`` /
-        ``load_state_dict()`` (see :class:`ModelState`); it is read only when a save starts."""
+        When a save is due while the previous one is still being written, it is deferred to the next
+        step boundary instead of blocking training: on slow storage saves come as often as the writer
+        allows. Only the last save waits (and is retried at once if it fails). ``state`` maps names to tensors, plain values or objects
+        with ``state_dict()`` / ``load_state_dict()`` (see :class:`ModelState`); it is read only when a
+        save starts."""
         if self.pending is not None:
             self._finalize_if_done(blocking=last)
-        if self.due(step, last):
-            if self.pending is not None:  # the previous save is still writing: wait (counts as blocked)
-                self._finalize_if_done(blocking=True)
-            self.retry = False
+        if not self.due(step, last):
+            return
+        if self.pending is not None:  # every rank agreed on this in _finalize_if_done
+            self.deferred = True
+            return
+        for _ in range(3 if last else 1):  # the last save has no next step to retry at: retry now
+            self.retry = self.deferred = False
             self._save(step, state)
             if last and self.pending is not None:
                 self._finalize_if_done(blocking=True)
+            if not self.retry:
+                break
 
     def _save(self, step: int, state: dict[str, Any]) -> None:
         path = step_dir(self.root, step)
@@ -445,6 +455,8 @@ class CheckpointManager:
         if "error" in picked:
             raise picked["error"]
         if picked["path"] is None:
+            if picked["skipped"]:  # every candidate was rejected: say so, then start fresh
+                self.emit("resume", step=0, path="", load_s=0.0, skipped=picked["skipped"])
             return 0
         t0 = time.perf_counter()
         load(Path(picked["path"]), state, self.group)

@@ -66,15 +66,19 @@ class Session:
         events_path = self.job_dir.events_path if self.job_dir else None
         self.events = EventWriter(events_path, spec.name, info.rank,
                                   to_stdout=os.environ.get("EKSFT_EVENTS_STDOUT") == "1")
-        self.inbox = CommandInbox(self.job_dir.pending, self.job_dir.fired) if self.job_dir else None
-        self.ft = _ft_client()
+        # EKSFT_INSTRUMENT=0 turns off step events, the beacon, fault polling and heartbeats: only the
+        # overhead benchmark uses it, to measure what they cost
+        self.instrumented = os.environ.get("EKSFT_INSTRUMENT", "1") != "0"
+        live = self.instrumented and self.job_dir is not None
+        self.inbox = CommandInbox(self.job_dir.pending, self.job_dir.fired) if live else None
+        self.ft = _ft_client() if self.instrumented else None
         self.sections = spec.ft.step_timeout is not None
         self.step_entered = 0
         self.step_done = 0
         self.t_done = time.time()
         self._slow_until, self._slow_delay = 0, 0.0
         self.on_save_failure: list[Any] = []   # callbacks for the save-failure fault
-        self._beacon = _Beacon(self) if self.job_dir else None
+        self._beacon = _Beacon(self) if live else None
 
     @property
     def restarting(self) -> bool:
@@ -116,11 +120,15 @@ class Session:
     def emit(self, kind: str, **data: Any) -> None:
         self.events.emit(kind, **data)
 
-    def rank_start(self, start_step: int, **extra: Any) -> None:
+    def rank_start(self, start_step: int, t_enter: float | None = None, **extra: Any) -> None:
+        """Report that this rank is ready to train from ``start_step``. ``t_enter``: when this
+        incarnation began (process start, or re-entry after an in-process restart), so recovery
+        time can be split into relaunch and set-up."""
         self.step_done = self.step_entered = start_step
         self.emit("rank_start", pid=os.getpid(), host=socket.gethostname(), job_attempt=self.info.job_attempt,
                   injob_restart=self.info.injob_restart, inprocess_iteration=self.inprocess_iteration,
-                  world_size=self.info.world_size, start_step=start_step, **extra)
+                  world_size=self.info.world_size, start_step=start_step,
+                  t_enter=t_enter if t_enter is not None else _process_start(), **extra)
 
     def heartbeat(self) -> None:
         if self.ft is not None:
@@ -147,7 +155,7 @@ class Session:
             self.section("step", False)
         self.heartbeat()
         self.step_done, self.t_done = step, time.time()
-        if self.rank == 0:
+        if self.rank == 0 and self.instrumented:
             self.emit("step", step=step, loss=float(loss), tokens=int(tokens), step_time=float(step_time))
 
     # -- faults --
@@ -247,6 +255,12 @@ class _Beacon(threading.Thread):
 
     def stop(self) -> None:
         self._halt.set()
+
+
+def _process_start() -> float:
+    import psutil
+
+    return psutil.Process().create_time()
 
 
 def _ft_client() -> Any:

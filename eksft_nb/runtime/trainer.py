@@ -1,0 +1,169 @@
+"""The built-in trainer (see :mod:`eksft_nb.runtime.train` for the entry point)."""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint import ModelState
+from .data import SyntheticCorpus
+from .model import build_model, loss_fn
+from .session import Session, session
+
+
+class Trainer:
+    def __init__(self, s: Session, call_wrapper: Any = None, t_enter: float | None = None) -> None:
+        self.s, self.spec, self.call_wrapper, self.t_enter = s, s.spec, call_wrapper, t_enter
+        spec = self.spec
+        use_cuda = spec.device == "cuda" or (spec.device == "auto" and torch.cuda.is_available())
+        self.device = torch.device("cuda", s.info.local_rank) if use_cuda else torch.device("cpu")
+        if use_cuda:
+            torch.cuda.set_device(self.device)
+        torch.set_num_threads(spec.threads_per_rank)
+        self._init_process_group("nccl" if use_cuda else "gloo")
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if self.world != spec.world_size:
+            raise RuntimeError(f"world size {self.world} != spec {spec.world_size}: restarting the whole group")
+        self.ckpt_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=10))
+        vocab, d_model, n_layers, n_heads = spec.model.dims()
+        self.model = build_model(vocab, d_model, n_layers, n_heads, spec.seq, spec.seed, self.device, fsdp=True)
+        self.optim = torch.optim.AdamW(self.model.parameters(), lr=spec.lr)
+        self.data = SyntheticCorpus(vocab, spec.seq, spec.batch, spec.seed, self.rank)
+        self.step = 0
+        self.state = {"train": ModelState(self.model, self.optim), "data": self.data}
+        self.ckpt = s.checkpoints(self.ckpt_group, atomic=call_wrapper.atomic if call_wrapper else None,
+                                  keepalive=self._keepalive)
+
+    def _keepalive(self) -> None:
+        self.s.heartbeat()
+        if self.call_wrapper is not None:
+            self.call_wrapper.ping()
+
+    def _init_process_group(self, backend: str) -> None:
+        if self.call_wrapper is None:
+            dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+            return
+        env = os.environ
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        base = dist.TCPStore(env["MASTER_ADDR"], int(env["EKSFT_STORE_PORT"]), world, is_master=rank == 0,
+                             multi_tenant=True, wait_for_workers=False, use_libuv=True,
+                             timeout=datetime.timedelta(minutes=5))
+        # rank 0 hosts the store, so it is new for every worker-group incarnation; the prefix needs only
+        # the (collective) in-process iteration. TORCHELASTIC_RESTART_COUNT differs between nodes once a
+        # membership change restarted some of them, so it must not be part of any shared key.
+        store = dist.PrefixStore(f"eksft/{self.call_wrapper.iteration}", base)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=self.spec.ft.collective_timeout))
+
+    def train(self) -> None:
+        s, spec = self.s, self.spec
+        self.step = self.ckpt.restore(self.state, spec.resume, s.restarting)
+        s.rank_start(self.step, t_enter=self.t_enter, device=str(self.device))
+        tokens_per_step = spec.batch * spec.seq * self.world
+        first, t_loop = self.step + 1, time.perf_counter()
+        for step in range(first, spec.steps + 1):
+            s.step_begin(step)
+            t0 = time.perf_counter()
+            tokens = self.data.next_batch().to(self.device)
+            loss = loss_fn(self.model, tokens)
+            loss.backward()
+            self.optim.step()
+            self.optim.zero_grad(set_to_none=True)
+            mean = loss.detach().float().clone()
+            dist.all_reduce(mean)
+            s.step_end(step, mean.item() / self.world, tokens_per_step, time.perf_counter() - t0)
+            if self.call_wrapper is not None:
+                self.call_wrapper.ping()
+            self.step = step
+            saving = self.ckpt.due(step, last=step == spec.steps)
+            if saving and spec.ft.checkpoint_timeout is not None:
+                s.section("checkpoint", True)
+            self.ckpt.maybe_save(step, self.state, last=step == spec.steps)
+            if saving:
+                if spec.ft.checkpoint_timeout is not None:
+                    s.section("checkpoint", False)
+                s.heartbeat()
+        self.ckpt.finish()
+        loop_s = time.perf_counter() - t_loop
+        digest = self.digest()
+        if self.rank == 0:
+            s.emit("rank_end", final_step=self.step, digest=digest, steps_run=self.step - first + 1, loop_s=loop_s)
+        dist.barrier()
+
+    def digest(self) -> str:
+        """SHA-256 over the full parameters in name order (collective)."""
+        h = hashlib.sha256()
+        for name, p in sorted(self.model.named_parameters()):
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            if self.rank == 0:
+                h.update(name.encode())
+                h.update(full.detach().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()[:16]
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run(call_wrapper: Any = None) -> None:
+    s = session()
+    s.inprocess_iteration = call_wrapper.iteration if call_wrapper is not None else 0
+    t_enter = time.time() if s.inprocess_iteration > 0 else None  # else: the process start
+    trainer = None
+    try:
+        trainer = Trainer(s, call_wrapper, t_enter)
+        trainer.train()
+    except BaseException as e:
+        s.emit("rank_error", error=f"{type(e).__name__}: {e}"[:500], step=s.step_entered, origin=_origin(e),
+               waiting=_raised_in_collective(e))
+        if trainer is not None and call_wrapper is None:
+            trainer.close()
+        raise  # in-process restart: the Wrapper's abort tears the process group down
+    trainer.close()
+
+
+def _raised_in_collective(e: BaseException) -> bool:
+    """Whether the exception surfaced while this rank was inside torch.distributed (waiting for peers)."""
+    tb = e.__traceback__
+    while tb is not None:
+        if "/torch/distributed/" in tb.tb_frame.f_code.co_filename.replace("\\", "/"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _origin(e: BaseException) -> str:
+    """Who caused it: this rank ("fault", "exception"), or a peer ("peer": a collective failed or
+    the in-process monitor interrupted this rank)."""
+    from .session import InjectedFault
+
+    if isinstance(e, InjectedFault):
+        return "fault"
+    name = type(e).__name__
+    text = str(e)
+    if name == "RankShouldRestart":
+        return "interrupted"
+    if "Connection closed by peer" in text or "Timed out" in text or "timed out" in text or name == "DistBackendError":
+        return "peer"
+    return "exception"
+
+
+def wrapper_kwargs(s: Session) -> dict[str, Any]:
+    ft = s.spec.ft
+    td = datetime.timedelta
+    logdir = (s.job_dir.path / "logs") if s.job_dir else Path("/tmp")
+    return dict(
+        store_kwargs={"port": int(os.environ["EKSFT_WRAPPER_PORT"]), "timeout": td(seconds=300)},
+        soft_timeout=td(seconds=ft.soft_timeout), hard_timeout=td(seconds=ft.hard_timeout),
+        heartbeat_timeout=td(seconds=max(ft.hard_timeout + 2, 10)),
+        barrier_timeout=td(seconds=max(ft.hard_timeout * 4, 120)),
+        completion_timeout=td(seconds=max(ft.hard_timeout * 4, 120)),
+        monitor_process_logfile=str((logdir / "inprocess-monitor-{rank}.log").absolute()),
+    )

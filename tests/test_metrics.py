@@ -1,0 +1,50 @@
+"""Prometheus export: the metrics a scrape returns come from the job's events."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from eksft_nb.job import attach
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_scrape_reports_steps_restarts_checkpoints_and_goodput(finished_job: str) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "eksft_nb", "metrics", finished_job, "--port", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline, body = time.time() + 30, ""
+        while time.time() < deadline and not body:
+            try:
+                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            except OSError:
+                time.sleep(0.2)
+    finally:
+        server.terminate()
+        server.wait(10)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(body) for s in family.samples}
+    job = (("job", finished_job),)
+    mon = attach(finished_job).refresh()
+    assert samples[("eksft_step", job)] == mon.last_step == 12
+    assert samples[("eksft_last_checkpoint_step", job)] == 12
+    assert samples[("eksft_running", job)] == 0
+    assert samples[("eksft_restarts_total", (("job", finished_job), ("level", "injob")))] == 0
+    assert 0 < samples[("eksft_goodput_ratio", job)] < 1
+    assert samples[("eksft_time_seconds", (("category", "productive"), ("job", finished_job)))] > 0
+
+
+def test_unknown_jobs_are_refused_before_listening() -> None:
+    proc = subprocess.run([sys.executable, "-m", "eksft_nb", "metrics", "nope"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "no job named 'nope'" in proc.stderr
