@@ -60,7 +60,10 @@ def compute(mon: JobMonitor, now: float | None = None) -> Goodput:
     downtime = sum(r["downtime_s"] for r in mon.restarts)
     if mon.state == "recovering" and mon.failures and not mon.finished:
         downtime += max(0.0, end - mon.failures[-1]["fault_time"])
-    startup = max(0.0, (s.t[0] - s.step_time[0]) - mon.t_start) if len(s) else wall - downtime
+    # start-up ends at the first step, or at the first fault if one came before any step
+    ends = [s.t[0] - s.step_time[0]] if len(s) else [end]
+    ends += [f["fault_time"] for f in mon.failures[:1]]
+    startup = min(wall, max(0.0, min(ends) - mon.t_start))
     stall = mon.checkpoint_stall_s
     other = max(0.0, wall - productive - recomputed - downtime - startup - stall)
     return Goodput(wall, productive, stall, downtime, recomputed, startup, other)

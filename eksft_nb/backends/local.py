@@ -66,8 +66,10 @@ class LocalBackend(Backend):
             raise JobError(f"a job named {spec.name!r} already exists in {self.root}",
                            f"choose another --name, or remove it with `python -m eksft_nb rm {spec.name}`")
         faults = [f.validate(spec.world_size, spec.nnodes) for f in faults or []]
-        if spec.script and not Path(spec.script).is_file():
-            raise JobError(f"training script {spec.script} does not exist", "check the --script path")
+        if spec.script:
+            if not Path(spec.script).is_file():
+                raise JobError(f"training script {spec.script} does not exist", "check the --script path")
+            spec = spec.replace(script=str(Path(spec.script).resolve()))  # ranks run in the job folder
         _check_resume_source(spec, jd)
         jd.create(spec)
         for f in faults:

@@ -35,6 +35,7 @@ POLL_S = 0.2
 _WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
 _FT_TIMEOUT = re.compile(r"FT timeout elapsed")
 _ATTEMPTS = re.compile(r"Worker group (\w+)\. (\d+)/(\d+) attempts left")
+_LOGGED_AT = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})\]")
 
 
 @dataclass
@@ -85,6 +86,8 @@ class Supervisor:
         self.give_up: str | None = None
         self.stop_requested = False
         self.t_start = time.time()
+        self.last_alive = self.t_start
+        self.folder_inode = os.stat(self.jd.path).st_ino
 
     # ---- lifecycle ----------------------------------------------------------------------
     def run(self) -> int:
@@ -105,6 +108,12 @@ class Supervisor:
         self.say(f"job {state}: {reason}")
         self._write_state(state, reason)
         return 0 if state == "succeeded" else 1
+
+    def _folder_is_mine(self) -> bool:
+        try:
+            return os.stat(self.jd.path).st_ino == self.folder_inode
+        except FileNotFoundError:
+            return False
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.stop_requested = True
@@ -137,6 +146,9 @@ class Supervisor:
             if self.stop_requested:
                 self.say("stop requested: terminating the launchers")
                 return "stopped", "stopped by the user"
+            if not self._folder_is_mine():
+                self._kill_everything()
+                sys.exit(1)  # the job folder was deleted or replaced: nobody to report to
             if self.give_up:
                 return "failed", self.give_up
             codes = [n.popen.poll() for n in self.nodes]
@@ -144,6 +156,8 @@ class Supervisor:
                 self._pump()
                 if self.mon.digest is not None or self.mon.last_step >= self.spec.steps:
                     return "succeeded", f"all {self.spec.steps} steps done"
+                if self.spec.script:  # a user script's own loop decides when it is done; ft_launcher says it was
+                    return "succeeded", "the script exited 0 on every rank"
                 return "failed", "the launchers exited before training finished (see `logs --debug`)"
             dead = [(n, c) for n, c in zip(self.nodes, codes) if c not in (None, 0)]
             if dead:
@@ -204,8 +218,11 @@ class Supervisor:
                                         self._blame_from_ranks(), self._fault_time(), e.t, self.mon.last_step,
                                         self.incarnation))
                 self.incarnation = inc
+            self.last_alive = max(self.last_alive, e.t)
             if self.incident is not None and e.rank == 0:
                 self.incident.resumed_step = e["start_step"]
+                if self.spec.script and not len(self.mon.steps) and inc > self.incident.opened_in:
+                    self._close(e.t)  # a script that reports no steps has recovered once it runs again
         elif e.kind == "step":
             if self.incident is not None and e.t > self.incident.detected_at:
                 self._close(e.t - e["step_time"])
@@ -229,13 +246,13 @@ class Supervisor:
                 self._open(Incident("injob", f"hang: no heartbeat from rank {blame} for "
                                     f"{self.spec.ft.heartbeat_timeout:g}s (ft_launcher timeout)" if blame is not None
                                     else "hang detected by ft_launcher's heartbeat timeout",
-                                    blame, self._fault_time(), time.time(), self.mon.last_step, self.incarnation))
+                                    blame, self._fault_time(), _logged_at(line), self.mon.last_step, self.incarnation))
             elif m := _WORKER_FAILED.search(line):
                 code, local_rank, pid = int(m.group(1)), int(m.group(2)), int(m.group(3))
                 if self.incident is None:
                     rank = self._rank_of_pid(pid, node.index * self.spec.nproc_per_node + local_rank)
                     self._open(Incident("injob", self._cause_from_exit(rank, code), self._blame(rank),
-                                        self._fault_time(), time.time(), self.mon.last_step, self.incarnation))
+                                        self._fault_time(), _logged_at(line), self.mon.last_step, self.incarnation))
             elif m := _ATTEMPTS.search(line):
                 self.say(f"ft_launcher restarts the worker group ({m.group(2)}/{m.group(3)} in-job restarts left)")
 
@@ -279,7 +296,9 @@ class Supervisor:
         return self._last_progress_time()
 
     def _last_progress_time(self) -> float:
-        return self.mon.steps.t[-1] if self.mon.steps.t else self.t_start
+        """The last moment the job was known to be fine: its last step, or (before any step of this
+        incarnation) the last rank start or recovery."""
+        return max([self.t_start, self.last_alive, *self.mon.steps.t[-1:]])
 
     def _cause_from_ranks(self, fallback: str) -> str:
         if self.recent_faults:
@@ -303,9 +322,9 @@ class Supervisor:
                 return found[0]
         return None
 
-    def _blame(self, fallback: int | None) -> int | None:
-        blamed = self._blame_from_ranks()
-        return blamed if blamed is not None else fallback
+    def _blame(self, exited: int) -> int:
+        """A rank's process failed: blame the target of an injected fault, else that rank."""
+        return self.recent_faults[0]["rank"] if self.recent_faults else exited
 
     def _blame_from_beacons(self) -> int | None:
         """The rank that is not waiting for its peers inside a collective (else the least advanced)."""
@@ -362,6 +381,16 @@ class Supervisor:
 
     def say(self, message: str) -> None:
         self.log.write(f"{time.strftime('%H:%M:%S')} {message}\n")
+
+
+def _logged_at(line: str) -> float:
+    """When ft_launcher logged ``line`` (its own timestamp: this supervisor reads the log up to a poll
+    later, and by then the launcher may already be restarting the group); now if it carries none."""
+    now = time.time()
+    m = _LOGGED_AT.match(line)
+    if m is None:
+        return now
+    return min(now, time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000)
 
 
 def _free_ports(n: int) -> list[int]:

@@ -21,11 +21,13 @@ and plain values.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import io
 import json
 import os
 import pickle
 import shutil
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -160,6 +162,19 @@ def _noop(*_: Any) -> None:
     return None
 
 
+@contextlib.contextmanager
+def _light_main() -> Any:
+    """Make the spawned writer processes import this module as their main instead of the training
+    script: a spawned child re-runs ``__main__``, and a script without an ``if __name__ ==
+    "__main__"`` guard would start training again inside it."""
+    script_main = sys.modules["__main__"]
+    sys.modules["__main__"] = sys.modules[__name__]
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = script_main
+
+
 class _AsyncWriter:
     """One NVRx persistent writer per rank process, shared across in-process restarts."""
 
@@ -175,10 +190,11 @@ class _AsyncWriter:
         from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest, PersistentAsyncCaller
         from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import _get_write_results_queue
 
-        _get_write_results_queue()
-        cls.caller = PersistentAsyncCaller()
-        cls.caller.rank = int(os.environ.get("RANK", 0))  # so it needs no process group yet
-        cls.caller.schedule_async_call(AsyncRequest(_noop, (), []))
+        with _light_main():
+            _get_write_results_queue()
+            cls.caller = PersistentAsyncCaller()
+            cls.caller.rank = int(os.environ.get("RANK", 0))  # so it needs no process group yet
+            cls.caller.schedule_async_call(AsyncRequest(_noop, (), []))
         cls.outstanding = 1
         atexit.register(cls.stop)
 
