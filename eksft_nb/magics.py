@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import re
+import shlex
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from IPython.display import display
 
 from . import cli
 from .backends import get_backend
-from .control import FAULTS, parse_fault
+from .control import FAULTS, FaultCommand, parse_fault
 from .errors import EksftError
 from .job import Job, attach, launch
 from .jobdir import atomic_write, eksft_home
@@ -42,7 +43,7 @@ NAME defaults to the job this notebook launched, attached or resumed last."""
 
 
 def _spec_arguments(func: Callable[..., Any]) -> Callable[..., Any]:
-    """One ``magic_arguments`` option per job-spec field, grouped by section, in declaration order."""
+    """One ``magic_arguments`` option per job-spec field (grouped by section), after the run options."""
     decorators: list[Callable[[Any], Any]] = [
         argument("--spec", dest="spec_file", help="a YAML or JSON job spec; the options below override it"),
         argument("--fault", action="append", default=[], metavar="KIND[:RANK][@STEP]",
@@ -117,22 +118,12 @@ class FtrainMagics(Magics):
 
     # ---- %%ftrain ----------------------------------------------------------------------------
     def _cell(self, line: str, cell: str) -> None:
-        parser = _cell_magic.parser
         if {"-h", "--help"} & set(line.split()):
-            print(parser.format_help())
+            print(_cell_magic.parser.format_help())
             return
-        args = _parse(parser, line, "%%ftrain")
-        base = JobSpec.load(args.spec_file) if args.spec_file else None
-        spec = cli.spec_from_args(args, base)
-        faults = [parse_fault(f) for f in args.fault]
-        if cell.strip():
-            if spec.script:
-                raise UsageError("the cell has code and --script names a script too\n"
-                                 "  → leave the cell empty to run --script, or drop --script to run the cell")
-            spec = spec.replace(script=str(save_script(cell))).validate()
-        backend = get_backend(spec.backend)
-        if args.dry_run:
-            print(backend.render(spec))
+        spec, faults, dry_run = parse_cell(line, cell)
+        if dry_run:
+            print(get_backend(spec.backend).render(spec))
             return
         self.job = launch(spec, faults)
         display(self.job.dashboard())
@@ -159,7 +150,8 @@ class FtrainMagics(Magics):
             params = {k: v for k, v in (("delay", args.delay), ("duration", args.duration)) if v is not None}
             c = job.inject(args.target[-1], rank=args.rank, step=args.step, node=args.node, **params)
             target = f"rank {c.rank}" if c.rank is not None else f"node {c.node}"
-            print(f"injected {c.fault} into {job.name} ({target}, {'at step %d' % c.step if c.step else 'now'})")
+            when = f"at step {c.step}" if c.step is not None else "now"
+            print(f"injected {c.fault} into {job.name} ({target}, {when})")
         elif cmd == "resume":
             changes = {"steps": args.steps} if args.steps else {}
             self.job = self._job(args.name).resume(step=args.step, name=args.new_name, **changes)
@@ -192,16 +184,33 @@ def _cell_magic(line: str) -> None:
     """
 
 
+def parse_cell(line: str, cell: str) -> tuple[JobSpec, list[FaultCommand], bool]:
+    """What a ``%%ftrain`` cell asks for: the validated spec, the scheduled faults, and whether it is a dry run.
+
+    Raises :class:`UsageError` or :class:`EksftError` with one line that says what to write instead.
+    """
+    args = _parse(_cell_magic.parser, line, "%%ftrain")
+    base = JobSpec.load(args.spec_file) if args.spec_file else None
+    spec = cli.spec_from_args(args, base)
+    if cell.strip():
+        if spec.script:
+            raise UsageError("the cell has code and --script names a script too\n"
+                             "  → leave the cell empty to run --script, or drop --script to run the cell")
+        spec = spec.replace(script=str(save_script(cell))).validate()
+    faults = [parse_fault(f).validate(spec.world_size, spec.nnodes) for f in args.fault]
+    return spec, faults, args.dry_run
+
+
 def _parse(parser: MagicArgumentParser, line: str, prog: str) -> argparse.Namespace:
     """Parse a magic line; argparse's complaints become one line that says what to write instead."""
     try:
-        return parser.parse_argstring(line)
+        return parser.parse_args(shlex.split(line))  # as in a shell: quotes group words and go away
+    except ValueError as e:
+        raise UsageError(f"cannot split {prog} {line}: {e}\n  → close the quote") from None
     except UsageError as e:
         message = str(e)
-        flags = list(parser._option_string_actions)
-        for action in parser._subparsers._group_actions if parser._subparsers else ():
-            for sub in action.choices.values():
-                flags += list(sub._option_string_actions)
+        subparsers = parser._subparsers._group_actions[0].choices.values() if parser._subparsers else ()
+        flags = [f for p in (parser, *subparsers) for f in p._option_string_actions]
         if "unrecognized arguments:" in message:
             bad = message.split("unrecognized arguments:", 1)[1].split()
             unknown = next((b for b in bad if b.startswith("-")), bad[0] if bad else "")

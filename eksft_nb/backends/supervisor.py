@@ -188,11 +188,14 @@ class Supervisor:
 
     # ---- one poll ---------------------------------------------------------------------------
     def _pump(self) -> None:
+        self._read_events()
+        for node in self.nodes:
+            self._read_launcher_log(node)
+
+    def _read_events(self) -> None:
         for event in self.tail.read():  # one at a time: incidents see the state just before each event
             self.mon.update([event])
             self._on_event(event)
-        for node in self.nodes:
-            self._read_launcher_log(node)
 
     def _on_event(self, e: Any) -> None:
         if e.kind == "fault":
@@ -241,6 +244,8 @@ class Supervisor:
             return
         node.offset += end + 1
         for line in chunk[: end + 1].decode(errors="replace").splitlines():
+            if self.incident is None and (_FT_TIMEOUT.search(line) or _WORKER_FAILED.search(line)):
+                self._read_events()  # a rank may have reported the fault just before it died
             if _FT_TIMEOUT.search(line) and self.incident is None:
                 blame = self._blame_from_beacons()
                 self._open(Incident("injob", f"hang: no heartbeat from rank {blame} for "

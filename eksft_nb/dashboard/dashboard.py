@@ -37,7 +37,7 @@ class Dashboard(w.VBox):
     def __init__(self, job: Job, *, interval: float = 0.5, slow_interval: float = 2.0, tail: int = 500,
                  budget: int = 3000, log_lines: int = 40, live: bool = True) -> None:
         self.job = Job(job.name, job.backend)   # a handle of our own: its monitor is fed by our thread only
-        self.interval, self.slow_interval = interval, slow_interval
+        self.slow_interval = slow_interval
         self._options = {"interval": interval, "slow_interval": slow_interval, "tail": tail, "budget": budget,
                          "log_lines": log_lines}
         self._lock = threading.RLock()
@@ -69,7 +69,8 @@ class Dashboard(w.VBox):
                           self.message, self.checkpoints, self.log_tail, self.resumed])
         self.add_class("eksft-dashboard")
         self.add_class(f"eksft-job-{job.name}")
-        self.ended = self.update()
+        self.ended = False
+        self.update()
         self._thread: threading.Thread | None = None
         if live and not self.ended:
             self._thread = threading.Thread(target=self._run, name=f"eksft-dashboard-{job.name}", daemon=True)
@@ -115,9 +116,11 @@ class Dashboard(w.VBox):
                 if self.log_tail.is_open or ended:
                     self._refresh_log()
             if ended:
+                self.ended = True
                 self.controls.inject.disabled = self.stop_button.disabled = True
-                if mon.reason and state != "succeeded":
-                    self._say(f"{self.job.name} {state}: {mon.reason}", error=True)
+                if state in ("failed", "lost"):
+                    self._say(f"{self.job.name} {state}: {mon.reason or self.job.backend.state(self.job.name).detail}",
+                              error=True)
             return ended
 
     def _refresh_checkpoints(self) -> None:
@@ -137,9 +140,7 @@ class Dashboard(w.VBox):
     def close(self) -> None:
         """Stop following the job (the job itself keeps running) and close the widgets."""
         self._halt.set()
-        for child in getattr(self, "resumed", w.VBox()).children:  # (absent if __init__ failed)
-            child.close()
-        super().close()
+        _close_tree(self)
 
     # ---- controls ------------------------------------------------------------------------------
     def _inject_clicked(self, _button: Any) -> None:
@@ -195,6 +196,16 @@ class Dashboard(w.VBox):
         with self._lock:
             color = "#d62728" if error else "#333"
             self.message.value = f"<span style='color:{color};font-size:13px'>{html.escape(text)}</span>"
+
+
+def _close_tree(widget: w.Widget) -> None:
+    """Close a widget and everything inside it (closing a box alone leaves its children open)."""
+    for child in getattr(widget, "children", ()):
+        if isinstance(child, Dashboard):
+            child.close()  # also stops its thread
+        else:
+            _close_tree(child)
+    w.Widget.close(widget)
 
 
 def _origin(resume: str) -> str:

@@ -16,6 +16,7 @@ from plotly.subplots import make_subplots
 from ..monitor import JobMonitor
 from .series import Series
 
+WIDTH = 840
 LANES = ("fault", "in-process", "in-job", "job")
 LEVEL_LANE = {"inprocess": "in-process", "injob": "in-job", "job": "job"}
 COLORS = {"tokens/s": "#1f77b4", "loss": "#ff7f0e", "blocked": "#d62728", "background": "#2ca02c",
@@ -47,13 +48,14 @@ class TrainingFigure:
             "loss": Series(("x", "y", "step"), key=("y",), join=True, **kw),
             "checkpoints": Series(("x", "blocked", "background", "step"), key=("blocked", "background"), **kw),
             "faults": Series(("x", "lane", "text"), **kw),
-            "restarts": Series(("x", "lane", "downtime", "text", "hover"), key=("downtime",), **kw),
+            "restarts": Series(("x", "lane", "downtime", "text", "hover", "where"), key=("downtime",), **kw),
         }
         self.t0: float | None = None
         self.widget: go.FigureWidget | None = None
         self.traces: dict[tuple[str, str], list[Any]] = {}
         self._seen_steps = self._seen_restarts = self._seen_faults = 0
         self._seen_saves: set[tuple[int, float]] = set()
+        self._per_lane: dict[str, int] = {}
 
     # ---- data --------------------------------------------------------------------------------
     def ingest(self, mon: JobMonitor) -> None:
@@ -65,6 +67,9 @@ class TrainingFigure:
         t0, s = self.t0, mon.steps
         for i in range(self._seen_steps, len(s)):
             x = s.t[i] - t0
+            if i and s.step[i] != s.step[i - 1] + 1:  # a restart rolled back or resumed: break the lines
+                for name in ("tokens/s", "loss"):
+                    self.series[name].append((s.t[i - 1] - t0 + x) / 2, float("nan"), s.step[i])
             self.series["tokens/s"].append(x, s.tokens[i] / max(s.step_time[i], 1e-9), s.step[i])
             self.series["loss"].append(x, s.loss[i], s.step[i])
         self._seen_steps = len(s)
@@ -79,8 +84,11 @@ class TrainingFigure:
             self.series["faults"].append(f["t"] - t0, "fault", f"{f['fault']} {target}")
         self._seen_faults = len(mon.faults)
         for r in mon.restarts[self._seen_restarts:]:
-            self.series["restarts"].append(r["fault_time"] - t0, LEVEL_LANE.get(r["level"], r["level"]),
-                                           r["downtime_s"], restart_label(r), restart_hover(r))
+            lane = LEVEL_LANE.get(r["level"], r["level"])
+            self._per_lane[lane] = self._per_lane.get(lane, 0) + 1
+            where = "top right" if self._per_lane[lane] % 2 else "bottom right"  # neighbours in a lane alternate
+            self.series["restarts"].append(r["fault_time"] - t0, lane, r["downtime_s"], restart_label(r),
+                                           restart_hover(r), where)
         self._seen_restarts = len(mon.restarts)
 
     # ---- drawing -----------------------------------------------------------------------------
@@ -96,9 +104,9 @@ class TrainingFigure:
                     fig.add_trace(style.pop("cls")(**style).update(props), row=row, col=1)
                     order.append((name, part))
             series.take_dirty()
-        fig.update_layout(height=680, margin=dict(l=60, r=20, t=40, b=40), template="plotly_white",
-                          barmode="stack", bargap=0.0, uirevision="eksft", hovermode="closest",
-                          legend=dict(orientation="h", x=1, xanchor="right", y=1.06, font=dict(size=11)))
+        # a fixed width: plotly sizes a widget before it is on the page, so it cannot fit its container
+        fig.update_layout(width=WIDTH, height=680, margin=dict(l=60, r=20, t=40, b=40), template="plotly_white",
+                          barmode="stack", bargap=0.0, uirevision="eksft", hovermode="closest", showlegend=False)
         fig.update_annotations(font_size=12)
         fig.update_yaxes(row=4, col=1, type="category", categoryorder="array", categoryarray=list(LANES),
                          range=[-0.5, len(LANES) - 0.5], fixedrange=True)
@@ -128,23 +136,20 @@ class TrainingFigure:
         """Static trace attributes (type, row, colours, hover) of one part of a series."""
         color = COLORS.get(name)
         if name in ("tokens/s", "loss"):
-            unit = "tok/s" if name == "tokens/s" else "loss"
-            fmt = ",.0f" if name == "tokens/s" else ".4f"
-            return [dict(cls=go.Scatter, row=1 if name == "tokens/s" else 2, name=name,
-                         mode="lines", line=dict(color=color, width=1.5), showlegend=False, legendgroup=name,
-                         meta=part, hovertemplate=f"step %{{customdata}}<br>%{{y:{fmt}}} {unit}<extra></extra>")]
+            value = "%{y:,.0f} tok/s" if name == "tokens/s" else "loss %{y:.4f}"
+            return [dict(cls=go.Scatter, row=1 if name == "tokens/s" else 2, name=name, meta=part, mode="lines",
+                         line=dict(color=color, width=1.5),
+                         hovertemplate=f"step %{{customdata}}<br>{value}<extra></extra>")]
         if name == "checkpoints":
-            return [dict(cls=go.Bar, row=3, name=lane, marker=dict(color=COLORS[lane], line=dict(width=0)),
-                         legendgroup=lane, showlegend=part == "history", meta=part,
+            return [dict(cls=go.Bar, row=3, name=lane, meta=part, marker=dict(color=COLORS[lane], line=dict(width=0)),
                          hovertemplate=f"save of step %{{customdata}}: {what} %{{y:.3f}} s<extra></extra>")
                     for lane, what in (("blocked", "training blocked"), ("background", "written in background"))]
+        marker = {"faults": "triangle-down", "restarts": "diamond"}[name]
+        style = dict(cls=go.Scatter, row=4, name=name, meta=part, mode="markers+text",
+                     marker=dict(symbol=marker, size=10, color=color), textfont=dict(size=10, color=color))
         if name == "faults":
-            return [dict(cls=go.Scatter, row=4, name=name, mode="markers+text", showlegend=False, meta=part,
-                         marker=dict(symbol="triangle-down", size=10, color=color), textposition="top right",
-                         textfont=dict(size=10, color=color), hovertemplate="injected %{text}<extra></extra>")]
-        return [dict(cls=go.Scatter, row=4, name=name, mode="markers+text", showlegend=False, meta=part,
-                     marker=dict(symbol="diamond", size=10, color=color), textposition="top right",
-                     textfont=dict(size=10, color=color), hovertemplate="%{hovertext}<extra></extra>",
+            return [dict(style, textposition="top right", hovertemplate="injected %{text}<extra></extra>")]
+        return [dict(style, hovertemplate="%{hovertext}<extra></extra>",
                      error_x=dict(type="data", symmetric=False, width=0, thickness=3, color=color))]
 
     @staticmethod
@@ -161,7 +166,7 @@ class TrainingFigure:
             return [dict(x=x, y=list(cols["lane"]), text=list(cols["text"]))]
         down = _f32(cols["downtime"])
         return [dict(x=x, y=list(cols["lane"]), text=list(cols["text"]), hovertext=list(cols["hover"]),
-                     error_x=dict(array=down, arrayminus=np.zeros_like(down)))]
+                     textposition=list(cols["where"]), error_x=dict(array=down, arrayminus=np.zeros_like(down)))]
 
 
 def restart_label(r: dict[str, Any]) -> str:

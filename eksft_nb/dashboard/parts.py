@@ -38,11 +38,12 @@ class Header(w.VBox):
 
     def __init__(self, **kwargs: Any) -> None:
         self._title = w.HTML().add_class("eksft-title")
-        self._progress = w.IntProgress(min=0, layout=w.Layout(width="320px")).add_class("eksft-progress")
+        self._progress = w.IntProgress(min=0, layout=w.Layout(width="260px")).add_class("eksft-progress")
         self._step = w.HTML().add_class("eksft-step")
         self._facts = w.HTML().add_class("eksft-facts")
-        super().__init__([self._title, w.HBox([self._progress, self._step, self._facts],
-                                              layout=w.Layout(align_items="center", grid_gap="14px"))], **kwargs)
+        row = w.HBox([self._progress, self._step, self._facts],
+                     layout=w.Layout(align_items="center", flex_flow="row wrap", grid_gap="0 16px"))
+        super().__init__([self._title, row], **kwargs)
         self.add_class("eksft-header")
         self._render()
 
@@ -55,13 +56,14 @@ class Header(w.VBox):
                              f"border-radius:8px'>{html.escape(self.state)}</span>{origin}")
         self._progress.max = max(self.total, 1)
         self._progress.value = min(self.step, self._progress.max)
-        self._step.value = f"step <b>{self.step}</b> / {self.total}"
+        self._step.value = f"<span style='white-space:nowrap'>step <b>{self.step}</b> / {self.total}</span>"
         restarts = " · ".join(f"{LEVEL_NAMES.get(k, k)} {v}" for k, v in self.restarts.items()) or "none"
         ckpt = "-" if self.last_checkpoint is None else f"step {self.last_checkpoint}"
         goodput = "-" if self.goodput is None else f"{100 * self.goodput:.1f}%"
-        self._facts.value = (f"restarts: <span class='eksft-restarts'>{restarts}</span> &nbsp;|&nbsp; "
-                             f"last checkpoint: <span class='eksft-last-ckpt'>{ckpt}</span> &nbsp;|&nbsp; "
-                             f"goodput: <span class='eksft-goodput'>{goodput}</span>")
+        self._facts.value = (f"<span style='white-space:nowrap'>restarts: <span class='eksft-restarts'>{restarts}"
+                             "</span></span> &nbsp;|&nbsp; <span style='white-space:nowrap'>last checkpoint: "
+                             f"<span class='eksft-last-ckpt'>{ckpt}</span></span> &nbsp;|&nbsp; "
+                             f"<span style='white-space:nowrap'>goodput: <span class='eksft-goodput'>{goodput}</span></span>")
 
 
 class GoodputBar(w.HTML):
@@ -101,11 +103,12 @@ class FaultControls(w.HBox):
     nnodes = Int(1)
 
     def __init__(self, **kwargs: Any) -> None:
-        self.fault = w.Dropdown(options=list(FAULTS), value="exception", description="fault",
-                                layout=w.Layout(width="230px")).add_class("eksft-fault")
-        self.target = w.Dropdown(description="rank", layout=w.Layout(width="150px")).add_class("eksft-rank")
-        self.when = w.Text(value="now", description="when", placeholder="now or a step",
-                           layout=w.Layout(width="170px")).add_class("eksft-when")
+        short = {"description_width": "initial"}
+        self.fault = w.Dropdown(options=list(FAULTS), value="exception", description="fault", style=short,
+                                layout=w.Layout(width="210px")).add_class("eksft-fault")
+        self.target = w.Dropdown(description="rank", style=short, layout=w.Layout(width="100px")).add_class("eksft-rank")
+        self.when = w.Text(value="now", description="when", placeholder="now or a step", style=short,
+                           layout=w.Layout(width="150px")).add_class("eksft-when")
         self.inject = w.Button(description="Inject", button_style="warning", icon="bolt").add_class("eksft-inject")
         super().__init__([self.fault, self.target, self.when, self.inject], **kwargs)
         self.add_class("eksft-controls")
@@ -115,6 +118,7 @@ class FaultControls(w.HBox):
     @observe("world_size", "nnodes")
     def _retarget(self, _change: Any = None) -> None:
         node = FAULTS[self.fault.value][0] == "node"
+        self.fault.tooltip = FAULTS[self.fault.value][1]
         self.target.description = "node" if node else "rank"
         self.target.options = [(str(i), i) for i in range(self.nnodes if node else self.world_size)]
         self.target.value = 0
@@ -170,7 +174,7 @@ class _CheckpointRow(w.HBox):
     def __init__(self, on_click: Callable[[int], None]) -> None:
         self.step: int | None = None
         self.button = w.Button(description="Resume from here", icon="play",
-                               layout=w.Layout(width="150px", height="26px")).add_class("eksft-resume")
+                               layout=w.Layout(width="170px", height="26px")).add_class("eksft-resume")
         self.button.on_click(lambda _b: on_click(self.step) if self.step is not None else None)
         self.text = w.HTML()
         super().__init__([self.button, self.text], layout=w.Layout(align_items="center", display="none"))

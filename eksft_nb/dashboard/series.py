@@ -20,7 +20,7 @@ class Series:
     """Columns of equal length (``x`` first), split into history and tail.
 
     ``key`` names the numeric columns whose sum decides which points survive thinning (their
-    minimum and maximum per bucket); with no key every other point is kept. ``join`` repeats the
+    minimum and maximum per bucket); with no key, evenly spaced points survive. ``join`` repeats the
     last history point at the start of the tail so a line has no gap between the two traces.
     """
 
@@ -33,10 +33,6 @@ class Series:
         self.tail: dict[str, list[Any]] = {c: [] for c in self.columns}
         self.appended = 0                 # points ever appended
         self.dirty: set[str] = set()      # parts changed since take_dirty(): "tail", "history"
-
-    def __len__(self) -> int:
-        """Points held (history + tail, the joining duplicate included)."""
-        return len(self.history[self.columns[0]]) + len(self.tail[self.columns[0]])
 
     def append(self, *values: Any) -> None:
         for c, v in zip(self.columns, values, strict=True):

@@ -1,0 +1,111 @@
+"""Every tutorial notebook runs end to end (nbclient, a real kernel, real jobs), and does what it teaches."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+import eksft_nb
+from conftest import REPO
+
+NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+_RUNS: dict[str, tuple[Any, Path]] = {}
+
+pytestmark = pytest.mark.slow
+
+
+def executed(path: Path, tmp_root: Path) -> tuple[Any, Path]:
+    """Run a notebook once per session (its jobs land in the session's EKSFT_HOME) and save it."""
+    if path.stem not in _RUNS:
+        nb = nbformat.read(path, as_version=4)
+        NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(tmp_root)}}).execute()
+        out = tmp_root / path.name
+        nbformat.write(nb, out)
+        _RUNS[path.stem] = (nb, out)
+    return _RUNS[path.stem]
+
+
+def text(nb: Any) -> str:
+    """Everything the code cells printed or returned, as text."""
+    parts = []
+    for cell in nb.cells:
+        for o in cell.get("outputs", []):
+            parts.append(o.get("text") or o.get("data", {}).get("text/plain", ""))
+    return "\n".join(parts)
+
+
+def dashboards(nb: Any) -> list[str]:
+    """Model ids of the widget views the notebook displayed."""
+    return [o["data"]["application/vnd.jupyter.widget-view+json"]["model_id"] for c in nb.cells
+            for o in c.get("outputs", []) if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+
+
+def check_quickstart(nb: Any) -> None:
+    job = eksft_nb.attach("quickstart")
+    s = job.summary()
+    assert s["state"] == "succeeded" and s["steps_done"] == 200
+    levels = [r["level"] for r in s["restart_events"]]
+    assert "inprocess" in levels and "injob" in levels                   # the exception, then the killed rank
+    assert {("exception", 0, 50), ("sigkill", 1, 120)} <= {(f["fault"], f["rank"], f["step"]) for f in job.monitor.faults}
+    assert "job quickstart: succeeded (all 200 steps done)" in text(nb)
+    assert len(dashboards(nb)) == 1
+
+
+def check_overlap(nb: Any) -> None:
+    from statistics import median
+
+    blocked = {}
+    for name in ("overlap-async", "overlap-sync"):
+        job = eksft_nb.attach(name)
+        assert job.state == "succeeded"
+        blocked[name] = median(c.blocked_s for c in job.refresh().checkpoints.values() if c.state == "committed")
+    assert blocked["overlap-async"] < blocked["overlap-sync"]
+    assert "an async save blocks training" in text(nb) and len(dashboards(nb)) == 2
+
+
+def check_resume(nb: Any) -> None:
+    from eksft_nb.backends.local import LocalBackend
+
+    out = text(nb)
+    assert "cannot be used: checksum mismatch" in out
+    (name,) = [j.name for j in LocalBackend().jobs() if j.name.startswith("resume-demo-from-")]
+    step = int(name.rsplit("-", 1)[1])
+    resumed = eksft_nb.attach(name).refresh()
+    assert resumed.state == "succeeded" and resumed.steps.step[0] == step + 1 and resumed.last_step == 60
+    assert f"{name}: steps {step + 1} to 60" in out
+    assert resumed.digest == eksft_nb.attach("resume-demo").refresh().digest  # nothing lost by going back
+
+
+CHECKS: dict[str, Callable[[Any], None]] = {"01_quickstart": check_quickstart, "02_checkpoint_overlap": check_overlap,
+                                             "03_resume": check_resume}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_runs_end_to_end(path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    nb, _ = executed(path, tmp_path_factory.mktemp("notebooks"))
+    errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert errors == []
+    CHECKS.get(path.stem, lambda nb: None)(nb)
+
+
+def test_quickstart_saved_after_a_full_run_is_under_8_mb(tmp_path_factory: pytest.TempPathFactory) -> None:
+    nb, saved = executed(REPO / "notebooks" / "01_quickstart.ipynb", tmp_path_factory.mktemp("notebooks"))
+    size = saved.stat().st_size
+    state = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    figures = [m for m in state.values() if "_py2js_update" in m["state"]]
+    assert len(figures) == 1                                             # one plotly bundle, not one per panel
+    assert size < 8 * 2**20, f"{size / 2**20:.1f} MB"
+    rest = size - len(json.dumps(figures[0]["state"].get("_esm", "")))
+    assert rest < 1 * 2**20, f"{rest / 2**20:.2f} MB besides the plotly bundle"
+
+
+def test_committed_notebooks_are_light() -> None:
+    for path in NOTEBOOKS:
+        assert path.stat().st_size < 100_000, path
+        assert "widgets" not in nbformat.read(path, as_version=4).metadata, path  # no saved widget state
