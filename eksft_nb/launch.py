@@ -27,9 +27,13 @@ class Ports:
         return cls(base, base + 1, base + 2)
 
 
-def launcher_argv(spec: JobSpec, *, node_rank: int, rdzv_host: str, ports: Ports, run_id: str,
+def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports: Ports, run_id: str,
                   log_dir: str | None = None) -> list[str]:
-    """``ft_launcher ...`` for one node (argv[0] is the bare command name)."""
+    """``ft_launcher ...`` for one node (argv[0] is the bare command name).
+
+    ``node_rank`` may be a Kubernetes reference such as ``"$(EKSFT_NODE_RANK)"``, which the kubelet
+    fills in per pod, so every pod of a workload shares one launch line.
+    """
     ft = spec.ft
     argv = [
         "ft_launcher",

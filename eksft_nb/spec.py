@@ -66,7 +66,7 @@ class ModelConfig:
 
 @dataclass
 class CheckpointConfig:
-    dir: str | None = opt(None, "--ckpt-dir", "checkpoint folder (default: <job folder>/ckpt; /checkpoints/<name> on EKS)")
+    dir: str | None = opt(None, "--ckpt-dir", "checkpoint folder (default: <job folder>/ckpt; /checkpoints/<name>/ckpt on EKS)")
     every: int = opt(10, "--ckpt-every", "save every N steps (0: never)")
     mode: Literal["async", "sync"] = opt("async", "--ckpt-mode", "async: overlap saving with training; sync: block")
     keep_last: int = opt(3, "--keep-last", "committed checkpoints to keep (>= 2, so a bad save never leaves none)")
@@ -101,6 +101,8 @@ class EksConfig:
     create_pvc: bool = opt(False, "--create-pvc", "also render the FSx for Lustre PVC and StorageClass")
     storage_class: str = opt("fsx-sc", "--storage-class", "StorageClass of the checkpoint PVC")
     storage_size: str = opt("1200Gi", "--storage-size", "size of the checkpoint PVC")
+    fsx_subnet: str | None = opt(None, "--fsx-subnet", "subnet of the FSx file system the StorageClass provisions (--create-pvc)")
+    fsx_security_groups: str | None = opt(None, "--fsx-security-groups", "comma-separated security groups for FSx (--create-pvc; must allow Lustre, TCP 988)")
     shm_size: str | None = opt(None, "--shm-size", "memory-backed /dev/shm size (default: sized for checkpoint staging)")
     cpu: str | None = opt(None, "--cpu", "CPU request per pod")
     memory: str | None = opt(None, "--memory", "memory request per pod")
@@ -201,6 +203,7 @@ class JobSpec:
             raise SpecError(f"unknown EKS workload kind {e.kind!r}", "use --kind job, jobset or pytorchjob")
         _require_int(e, "gpus_per_node", 0, prefix="eks.")
         _require_int(e, "efa_per_node", 0, prefix="eks.")
+        _require_int(e, "port", 1024, prefix="eks.")
         return self
 
     @property

@@ -43,6 +43,21 @@ def main() -> None:
             run()
     finally:
         s.close()
+    exit_cleanly()
+
+
+def exit_cleanly() -> None:
+    """End a rank that finished: Python's exit handlers run (the checkpoint writer stops), then the
+    process leaves without tearing down the interpreter. That teardown destroys torch.distributed's
+    C++ objects and now and then aborts ("terminate called without an active exception"); ft_launcher
+    would take the finished rank for a failed one and restart the worker group."""
+    import atexit
+    import sys
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

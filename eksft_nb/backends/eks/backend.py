@@ -1,0 +1,309 @@
+"""EksBackend: a job's lifecycle on Amazon EKS, through the official ``kubernetes`` client.
+
+A job is a handful of namespaced objects named after it: a ConfigMap (its record: the spec as
+submitted, the spec the ranks read, scheduled faults, a user script), a headless Service (Indexed
+Job only) and the workload (Job, JobSet or PyTorchJob). The job folder and its checkpoints live on
+the FSx volume at ``/checkpoints/<name>``. Any notebook or shell attaches by name: all state is in
+the cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from ...checkpoints import CheckpointInfo, list_checkpoints
+from ...control import FaultCommand
+from ...errors import JobError
+from ...events import LOG_PREFIX
+from ...spec import JobSpec
+from ..base import Backend, JobSummary
+from ..local import _NOISE
+from . import checks, names, schemas
+from .cluster import ApiError, Cluster, explain
+from .inpod import NOT_HERE
+from .pods import PodState, parse_time, pod_state
+from .render import Manifests, render
+from .stream import EksEvents, workload_outcome
+
+INPOD = ["python", "-m", "eksft_nb.backends.eks.inpod"]
+CONFIGMAP, SERVICE, POD, PVC = (names.KINDS[k] for k in ("ConfigMap", "Service", "Pod", "PersistentVolumeClaim"))
+
+
+class EksBackend(Backend):
+    """Jobs in one namespace of one cluster.
+
+    ``namespace``/``context`` default to ``$EKSFT_NAMESPACE``/``$EKSFT_CONTEXT``, then to the
+    kubeconfig's current context (or the in-cluster service account). A launched job's spec picks
+    its own (``--namespace``, ``--context``). ``checkpoints_mount`` (``$EKSFT_CHECKPOINTS_MOUNT``)
+    is where this machine mounts the FSx volume, if it does; otherwise checkpoints are listed from
+    inside a running pod.
+    """
+
+    name = "eks"
+
+    def __init__(self, namespace: str | None = None, context: str | None = None, *,
+                 api_client: client.ApiClient | None = None, checkpoints_mount: str | None = None,
+                 request_timeout: float = 30.0) -> None:
+        self.namespace = namespace or os.environ.get("EKSFT_NAMESPACE")
+        self.context = context or os.environ.get("EKSFT_CONTEXT")
+        self.mount = checkpoints_mount or os.environ.get("EKSFT_CHECKPOINTS_MOUNT")
+        self.timeout = request_timeout
+        self._api_client = api_client
+        self._clusters: dict[tuple[str | None, str | None], Cluster] = {}
+        self._where: dict[str, tuple[str | None, str | None]] = {}   # jobs launched here: (context, namespace)
+
+    def _cluster(self, context: str | None = None, namespace: str | None = None) -> Cluster:
+        key = (context or self.context, namespace or self.namespace)
+        if key not in self._clusters:
+            if self._api_client is not None:
+                self._clusters[key] = Cluster(self._api_client, key[1] or "default", self.timeout)
+            else:
+                self._clusters[key] = Cluster.connect(key[0], key[1], self.timeout)
+        return self._clusters[key]
+
+    def _job(self, name: str) -> tuple[Cluster, JobSpec, dict[str, Any]]:
+        """The job's cluster, spec and record (its ConfigMap)."""
+        cluster = self._cluster(*self._where.get(name, (None, None)))
+        record = cluster.get(CONFIGMAP, name)
+        if record is None or (record["metadata"].get("labels") or {}).get(names.JOB_LABEL) != name:
+            raise JobError(f"no EKS job named {name!r} in namespace {cluster.namespace}",
+                           "check the name, --namespace and --context (EksBackend().jobs() lists them)")
+        data = record.get("data") or {}
+        return cluster, JobSpec.from_json(data.get(names.SUBMITTED_SPEC) or data[names.POD_SPEC]), record
+
+    # ---- launch ---------------------------------------------------------------------------------------
+    def manifests(self, spec: JobSpec, faults: list[FaultCommand] | None = None) -> Manifests:
+        """Check the spec, render every manifest and validate it against its schema."""
+        checks.check(spec.validate())
+        m = render(spec, faults)
+        schemas.validate_all(m.all(), spec.eks.k8s_version)
+        return m
+
+    def render(self, spec: JobSpec) -> str:
+        return self.manifests(spec).to_yaml()
+
+    def launch(self, spec: JobSpec, faults: list[FaultCommand] | None = None) -> None:
+        """Submit the job. Submitting the same spec again is a no-op (objects that exist with this
+        spec are kept); if any object cannot be created, those created so far are removed."""
+        spec.validate()
+        if spec.backend != "eks":
+            raise JobError(f"spec {spec.name!r} is for backend {spec.backend!r}", "launch it with --backend eks")
+        faults = [f.validate(spec.world_size, spec.nnodes) for f in faults or []]
+        m = self.manifests(spec, faults)
+        cluster = self._cluster(spec.eks.context, spec.eks.namespace)
+        if not spec.eks.create_pvc and cluster.get(PVC, spec.eks.checkpoint_pvc) is None:
+            raise JobError(f"the checkpoint volume claim {spec.eks.checkpoint_pvc!r} does not exist in namespace "
+                           f"{cluster.namespace}", "create it (FSx for Lustre, ReadWriteMany: see the README) or add "
+                           "--create-pvc with --fsx-subnet and --fsx-security-groups")
+        submit(cluster, m.job)
+        self._where[spec.name] = (spec.eks.context, spec.eks.namespace)
+
+    # ---- queries --------------------------------------------------------------------------------------
+    def jobs(self) -> list[JobSummary]:
+        cluster = self._cluster()
+        records = cluster.list(CONFIGMAP, f"{names.MANAGED_BY}={names.MANAGER}")
+        records.sort(key=lambda r: r["metadata"].get("creationTimestamp") or "")
+        return [self.state(r["metadata"]["labels"][names.JOB_LABEL]) for r in records
+                if names.JOB_LABEL in (r["metadata"].get("labels") or {})]
+
+    def spec(self, name: str) -> JobSpec:
+        return self._job(name)[1]
+
+    def state(self, name: str) -> JobSummary:
+        cluster, spec, _ = self._job(name)
+        obj = cluster.get(names.workload(spec), name)
+        if obj is None or obj["metadata"].get("deletionTimestamp"):
+            return JobSummary(name, self.name, "stopped", "stopped: its workload was deleted")
+        outcome = workload_outcome(obj)
+        if outcome:
+            return JobSummary(name, self.name, *outcome)
+        pods = sorted((pod_state(p, names.container(spec)) for p in cluster.list(POD, names.selector(name))),
+                      key=lambda p: (p.node is None, p.node or 0))
+        stuck = next((p for p in pods if p.stuck), None)
+        if stuck:
+            return JobSummary(name, self.name, "failed", f"{stuck.label}: {stuck.reason} (stop the job, fix it and "
+                              "launch again)")
+        waiting = sorted((p for p in pods if p.phase == "pending" and not p.deleting),
+                         key=lambda p: p.reason in ("", "ContainerCreating", "PodInitializing"))   # telling ones first
+        if not pods or waiting or len(pods) < spec.nnodes:
+            detail = (f"{waiting[0].label}: {self._pending_reason(cluster, waiting[0])}" if waiting
+                      else f"{len(pods)} of {spec.nnodes} pods created")
+            return JobSummary(name, self.name, "starting", detail)
+        failed = next((p for p in pods if p.failed), None)
+        return JobSummary(name, self.name, "running", f"recovering: {failed.label}: {failed.reason}" if failed else "")
+
+    def _pending_reason(self, cluster: Cluster, pod: PodState) -> str:
+        """Why a pod waits: its status, or else the newest warning about it (e.g. a volume that cannot mount)."""
+        if pod.reason not in ("", "ContainerCreating", "PodInitializing"):
+            return pod.reason
+        events = cluster.request("GET", f"/api/v1/namespaces/{cluster.namespace}/events", f"list the events of {pod.name}",
+                                 query={"fieldSelector": f"involvedObject.name={pod.name}"}).get("items", [])
+        warnings = [e for e in events if e.get("type") == "Warning"]
+        if warnings:
+            newest = max(warnings, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+            return f"{newest.get('reason')}: {newest.get('message', '').strip()}"
+        return pod.reason or "starting"
+
+    def events(self, name: str) -> EksEvents:
+        cluster, spec, record = self._job(name)
+        return EksEvents(cluster, spec, parse_time(record["metadata"].get("creationTimestamp")) or time.time())
+
+    def checkpoints(self, name: str) -> list[CheckpointInfo]:
+        """The job's checkpoints, with their paths as the pods see them (what ``resume`` needs)."""
+        cluster, spec, _ = self._job(name)
+        pod_root = PurePosixPath(names.ckpt_dir(spec))
+        if self.mount and Path(self.mount, pod_root.relative_to(names.CKPT_MOUNT)).is_dir():
+            local = Path(self.mount, pod_root.relative_to(names.CKPT_MOUNT))
+            infos = list_checkpoints(local)
+            for info in infos:
+                info.path = Path(pod_root / info.path.name)
+            return infos
+        pod = self._running_pods(cluster, spec, "list its checkpoints")[0]
+        code, out = cluster.exec(pod, names.container(spec), INPOD + ["ckpts"])
+        if code != 0:
+            raise JobError(f"listing checkpoints in pod {pod} failed: {out.strip()[-300:]}",
+                           "check that the image has the same eksft-nb version")
+        return [CheckpointInfo(d["step"], Path(d["path"]), d["state"], d["bytes"], d["time"], d["world_size"], d["reason"])
+                for d in json.loads(out.strip().splitlines()[-1])]
+
+    def logs(self, name: str, lines: int = 200, debug: bool = False) -> str:
+        cluster, spec, _ = self._job(name)
+        out = []
+        pods = sorted(cluster.list(POD, names.selector(name)), key=lambda p: p["metadata"].get("creationTimestamp") or "")
+        for pod in pods:
+            state = pod_state(pod, names.container(spec))
+            try:
+                text = cluster.core.read_namespaced_pod_log(state.name, cluster.namespace, container=names.container(spec),
+                                                            tail_lines=lines, _request_timeout=cluster.timeout)
+            except ApiException as e:
+                if e.status == 400:  # not started yet
+                    continue
+                raise explain(e, f"read the log of pod {state.name}", cluster) from None
+            tag = f"[node {state.node}] " if state.node is not None else f"[{state.name}] "
+            out += [tag + line for line in text.splitlines()
+                    if debug or not (LOG_PREFIX in line or _NOISE.search(line))]
+        return "\n".join(out[-lines:])
+
+    # ---- control ----------------------------------------------------------------------------------------
+    def inject(self, name: str, command: FaultCommand) -> FaultCommand:
+        """Queue a fault command in the job folder, from inside a running pod (the ranks fire it)."""
+        cluster, spec, _ = self._job(name)
+        command.validate(spec.world_size, spec.nnodes)
+        pod = self._running_pods(cluster, spec, "deliver the fault")[0]
+        code, out = cluster.exec(pod, names.container(spec), INPOD + ["inject", command.to_json()])
+        if code != 0:
+            raise JobError(f"queueing the fault in pod {pod} failed: {out.strip()[-300:]}",
+                           "check that the image has the same eksft-nb version")
+        return command
+
+    def signal(self, name: str, rank: int, signame: str = "SIGKILL") -> str:
+        """Signal a rank process directly (wherever it runs); returns its pod's name."""
+        cluster, spec, _ = self._job(name)
+        if not 0 <= rank < spec.world_size:
+            raise JobError(f"rank {rank} is out of range for a job of {spec.world_size} ranks",
+                           f"use a rank between 0 and {spec.world_size - 1}")
+        for pod in self._running_pods(cluster, spec, "signal a rank"):
+            code, out = cluster.exec(pod, names.container(spec), INPOD + ["signal", str(rank), signame])
+            if code == 0:
+                return pod
+            if code != NOT_HERE:
+                raise JobError(f"signalling rank {rank} in pod {pod} failed: {out.strip()[-300:]}",
+                               "check the signal name (e.g. SIGKILL, SIGTERM, SIGUSR1)")
+        raise JobError(f"rank {rank} of job {name} is not running in any pod right now",
+                       "retry in a few seconds (it may be restarting)")
+
+    def lose_node(self, name: str, node: int) -> str:
+        """Delete the pod of ``node`` at once, as if its node were lost; returns the pod's name.
+
+        The pod is first marked with the fault, so every watcher reports it as injected."""
+        cluster, spec, _ = self._job(name)
+        pods = [pod_state(p, names.container(spec)) for p in cluster.list(POD, names.selector(name))]
+        target = next((p for p in pods if p.node == node and not p.deleting and p.phase != "succeeded"), None)
+        if target is None:
+            raise JobError(f"job {name} has no live pod for node {node}",
+                           f"pick a node between 0 and {spec.nnodes - 1} whose pod runs")
+        note = {"fault": "node-loss", "id": uuid.uuid4().hex[:12], "node": node, "t": time.time()}
+        cluster.patch(POD, target.name, {"metadata": {"annotations": {names.FAULT_ANNOTATION: json.dumps(note)}}})
+        cluster.delete(POD, target.name, propagation="Background", grace=0)
+        return target.name
+
+    def stop(self, name: str, timeout: float = 60.0) -> None:
+        """Delete the workload (its pods first) and the Service; keep the record (the ConfigMap)."""
+        cluster, spec, _ = self._job(name)
+        cluster.delete(names.workload(spec), name, propagation="Foreground")
+        cluster.delete(SERVICE, name)
+        deadline = time.time() + timeout
+        while (left := cluster.list(POD, names.selector(name))) and time.time() < deadline:
+            time.sleep(1.0)
+        if left:
+            raise JobError(f"{len(left)} pod(s) of job {name} still exist after {timeout:g}s "
+                           f"({', '.join(p['metadata']['name'] for p in left)})",
+                           "their node may be unreachable: check `kubectl get pods -l eksft.io/job=NAME -o wide`")
+
+    def remove(self, name: str) -> None:
+        """Forget a job that no longer runs (its folder and checkpoints on the volume stay)."""
+        cluster, _, _ = self._job(name)
+        status = self.state(name)
+        if status.state in ("starting", "running"):
+            raise JobError(f"job {name!r} is still {status.state}", "stop it first")
+        cluster.delete(SERVICE, name)
+        cluster.delete(CONFIGMAP, name)
+
+    def _running_pods(self, cluster: Cluster, spec: JobSpec, purpose: str) -> list[str]:
+        pods = [pod_state(p, names.container(spec)) for p in cluster.list(POD, names.selector(spec.name))]
+        running = [p.name for p in sorted(pods, key=lambda p: p.node or 0) if p.phase == "running" and not p.deleting]
+        if not running:
+            raise JobError(f"job {spec.name} has no running pod to {purpose}",
+                           "retry once it runs" + (", or set EKSFT_CHECKPOINTS_MOUNT to where the FSx volume is "
+                                                   "mounted here" if "checkpoints" in purpose else ""))
+        return running
+
+
+def submit(cluster: Cluster, objects: list[dict[str, Any]]) -> None:
+    """Create ``objects`` in order. One that exists already is fine if it is this job's (same spec
+    digest) or a shared volume claim; any other failure removes what this call created, so nothing
+    is left half-created."""
+    created: list[dict[str, Any]] = []
+    try:
+        for obj in objects:
+            try:
+                cluster.create(obj)
+                created.append(obj)
+            except ApiError as e:
+                if e.status != 409:
+                    raise
+                _check_existing(cluster, obj)
+    except JobError as e:
+        left = []
+        for obj in reversed(created):
+            try:
+                cluster.delete(names.KINDS[obj["kind"]], obj["metadata"]["name"], propagation="Background")
+            except JobError:
+                left.append(f"{obj['kind']} {obj['metadata']['name']}")
+        if left:
+            raise JobError(f"{e.problem}; could not remove what was created ({', '.join(left)})",
+                           f"{e.fix}; then delete those with kubectl") from None
+        raise
+
+
+def _check_existing(cluster: Cluster, obj: dict[str, Any]) -> None:
+    kind, name = names.KINDS[obj["kind"]], obj["metadata"]["name"]
+    if kind is PVC:
+        return  # the checkpoint volume is shared by jobs
+    existing = cluster.get(kind, name) or {}
+    meta = existing.get("metadata") or {}
+    job = (meta.get("labels") or {}).get(names.JOB_LABEL)
+    if job != name:
+        raise ApiError(f"a {obj['kind']} named {name!r} already exists in namespace {cluster.namespace} and is not "
+                       "an eksft job", "choose another --name", 409)
+    if (meta.get("annotations") or {}).get(names.DIGEST) != obj["metadata"]["annotations"][names.DIGEST]:
+        raise ApiError(f"job {name!r} already exists in namespace {cluster.namespace} with a different spec",
+                       "choose another --name, or stop and remove that job first", 409)

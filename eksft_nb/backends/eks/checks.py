@@ -1,0 +1,163 @@
+"""EKS-specific checks of a job spec: everything the cluster would reject, or accept and then never
+run, fails here first with one line naming the problem and the fix."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import kubernetes_validate
+from kubernetes_validate.utils import all_versions
+
+from ...errors import SpecError
+from ...spec import DNS1123_LABEL, JobSpec
+from . import names
+
+GiB = 1 << 30
+MAX_GPUS_PER_NODE = 8      # no EC2 instance type has more NVIDIA GPUs
+MAX_EFA_PER_NODE = 32      # p5.48xlarge, the most EFA interfaces of any instance type
+CONFIGMAP_LIMIT = 1 << 20  # the API server's limit on a ConfigMap (spec + script)
+
+# instance type -> (NVIDIA GPUs, EFA interfaces)
+INSTANCE_TYPES: dict[str, tuple[int, int]] = {
+    "p4d.24xlarge": (8, 4),
+    "p4de.24xlarge": (8, 4),
+    "p5.48xlarge": (8, 32),
+    "p5e.48xlarge": (8, 32),
+    "p5en.48xlarge": (8, 16),
+    "g5.48xlarge": (8, 1),
+    "g6.48xlarge": (8, 1),
+}
+
+_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+_FACTORS = {None: 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
+            "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+
+
+def quantity(value: str, flag: str) -> float:
+    """A Kubernetes quantity ("16Gi", "500m", "2") as a number, or a SpecError naming the flag."""
+    m = _QUANTITY.match(str(value).strip())
+    if not m:
+        raise SpecError(f"{flag} {value!r} is not a Kubernetes quantity",
+                        f"write e.g. {flag} {'4 (or 500m)' if flag == '--cpu' else '16Gi'}")
+    return float(m.group(1)) * _FACTORS[m.group(2)]
+
+
+def gib(n_bytes: float) -> str:
+    return f"{max(1, math.ceil(n_bytes / GiB))}Gi"
+
+
+def default_shm(spec: JobSpec) -> str:
+    """/dev/shm per pod: the node's share of the checkpointed state (fp32 weights and two AdamW
+    moments, 12 bytes per parameter), staged once into shared memory by the async checkpoint
+    writer, with 50% headroom, plus 1 GiB for NCCL (256 MiB for CPU pods)."""
+    state_bytes = 12 * spec.model.n_params() / spec.nnodes
+    base = GiB if spec.eks.gpus_per_node else GiB / 4
+    return gib(1.5 * state_bytes + base)
+
+
+def shm_size(spec: JobSpec) -> str:
+    return spec.eks.shm_size or default_shm(spec)
+
+
+def check(spec: JobSpec) -> JobSpec:
+    """Raise SpecError on the first EKS-specific problem; return the spec when all is well."""
+    e = spec.eks
+    if not e.image or any(c.isspace() for c in e.image):
+        raise SpecError(f"container image {e.image!r} is missing or invalid",
+                        "use --image REGISTRY/REPO:TAG, an image with eksft-nb installed (see the README)")
+    if not DNS1123_LABEL.match(e.namespace or "") or len(e.namespace) > 63:
+        raise SpecError(f"namespace {e.namespace!r} is not a DNS-1123 label", "use e.g. --namespace training")
+    if not e.checkpoint_pvc:
+        raise SpecError("no checkpoint PVC name: ranks save to a shared FSx for Lustre volume",
+                        "use --pvc NAME (an existing ReadWriteMany claim), or add --create-pvc to render one")
+    if not _DNS1123_SUBDOMAIN.match(e.checkpoint_pvc) or len(e.checkpoint_pvc) > 253:
+        raise SpecError(f"checkpoint PVC name {e.checkpoint_pvc!r} is not a valid Kubernetes name",
+                        "use lower-case letters, digits, '-' and '.', e.g. --pvc fsx-claim")
+    longest = names.longest_host(spec)
+    if len(longest) > 63:
+        room = 63 - (len(longest) - len(spec.name))
+        raise SpecError(f"job name {spec.name!r} is too long for --kind {e.kind} with {spec.nnodes} nodes: the pod "
+                        f"host name {longest!r} would exceed 63 characters",
+                        f"use a --name of at most {room} characters")
+    _check_devices(spec)
+    _check_sizes(spec)
+    if not 1024 <= e.port <= 65533:
+        raise SpecError(f"rendezvous port {e.port} is out of range (it and the next two ports are used)",
+                        "use --rdzv-port between 1024 and 65533, e.g. 29500")
+    if spec.checkpoint.dir and not _under(spec.checkpoint.dir, names.CKPT_MOUNT):
+        raise SpecError(f"checkpoint folder {spec.checkpoint.dir} is not on the shared volume, so a pod that is "
+                        "replaced loses it", f"use a folder under {names.CKPT_MOUNT}, or leave --ckpt-dir unset")
+    if spec.resume not in ("latest", "none") and not spec.resume.startswith("step:") \
+            and not _under(spec.resume, names.CKPT_MOUNT):
+        raise SpecError(f"resume checkpoint {spec.resume} is not on the shared volume the pods mount",
+                        f"pick a checkpoint under {names.CKPT_MOUNT} (list them with `ckpts NAME`)")
+    if spec.script:
+        script = Path(spec.script).expanduser()
+        if not script.is_file():
+            raise SpecError(f"training script {spec.script} does not exist", "check the --script path")
+        if script.stat().st_size > CONFIGMAP_LIMIT // 2:
+            raise SpecError(f"training script {spec.script} is larger than {CONFIGMAP_LIMIT // 2 >> 10} KiB, too "
+                            "large for the job's ConfigMap", "bake it into the image and pass its path in the image")
+    oldest, latest = (_minor(v) for v in (all_versions()[0], kubernetes_validate.latest_version()))
+    if not re.fullmatch(r"1\.\d+", e.k8s_version) or not oldest <= _minor(e.k8s_version) <= latest:
+        raise SpecError(f"cannot validate for Kubernetes {e.k8s_version!r}",
+                        f"use --k8s-version 1.{oldest} to 1.{latest}: your cluster's (`kubectl version`)")
+    return spec
+
+
+def _check_devices(spec: JobSpec) -> None:
+    e = spec.eks
+    gpus, efa = e.gpus_per_node, e.efa_per_node
+    known = INSTANCE_TYPES.get(e.instance_type or "")
+    max_gpus, max_efa = known or (MAX_GPUS_PER_NODE, MAX_EFA_PER_NODE)
+    where = e.instance_type if known else "an EC2 instance"
+    if gpus > max_gpus:
+        raise SpecError(f"{gpus} GPUs per node: {where} has at most {max_gpus}",
+                        f"use --gpus-per-node {max_gpus} or fewer (and more --nnodes)")
+    if efa > max_efa:
+        raise SpecError(f"{efa} EFA devices per node: {where} has at most {max_efa}",
+                        f"use --efa-per-node {max_efa} or fewer")
+    if gpus and spec.nproc_per_node > gpus:
+        raise SpecError(f"{spec.nproc_per_node} ranks per node but only {gpus} GPUs per pod (one GPU per rank)",
+                        f"use --nproc-per-node {gpus}, or --gpus-per-node {min(spec.nproc_per_node, max_gpus)}")
+    if gpus and spec.device == "cpu":
+        raise SpecError("--device cpu with GPU pods wastes the GPUs", "use --device auto, or --gpus-per-node 0")
+    if not gpus and spec.device == "cuda":
+        raise SpecError("--device cuda needs GPUs in the pods", f"add --gpus-per-node {spec.nproc_per_node}")
+    if efa and not gpus:
+        raise SpecError("EFA devices are only used by NCCL on GPU pods (CPU ranks talk over TCP)",
+                        "use --efa-per-node 0 with --gpus-per-node 0")
+
+
+def _check_sizes(spec: JobSpec) -> None:
+    e = spec.eks
+    shm = quantity(shm_size(spec), "--shm-size")
+    if e.cpu is not None and quantity(e.cpu, "--cpu") < spec.nproc_per_node * spec.threads_per_rank * 0.5:
+        raise SpecError(f"--cpu {e.cpu} is too little for {spec.nproc_per_node} ranks of {spec.threads_per_rank} "
+                        "thread(s)", f"use --cpu {spec.nproc_per_node * spec.threads_per_rank} or more")
+    if e.memory is not None and quantity(e.memory, "--memory") < shm + GiB:
+        raise SpecError(f"--memory {e.memory} does not cover the {shm_size(spec)} memory-backed /dev/shm (it counts "
+                        "against the pod's memory) plus 1Gi for the ranks",
+                        f"use --memory {gib(shm + 4 * GiB)} or more, or a smaller --shm-size")
+    if e.create_pvc:
+        size = quantity(e.storage_size, "--storage-size")
+        if size != 1200 * GiB and (size < 2400 * GiB or size % (2400 * GiB)):
+            raise SpecError(f"FSx for Lustre cannot be {e.storage_size}: it comes in 1200Gi or multiples of 2400Gi",
+                            "use --storage-size 1200Gi, 2400Gi, 4800Gi, ...")
+        if not e.fsx_subnet or not e.fsx_security_groups:
+            raise SpecError("--create-pvc provisions a new FSx file system, which needs a subnet and security groups",
+                            "add --fsx-subnet subnet-... (the GPU nodes' subnet) and --fsx-security-groups sg-..."
+                            " (allowing TCP 988 from the nodes)")
+        if not _DNS1123_SUBDOMAIN.match(e.storage_class):
+            raise SpecError(f"StorageClass name {e.storage_class!r} is invalid", "use e.g. --storage-class fsx-sc")
+
+
+def _minor(version: str) -> int:
+    return int(version.split(".")[1])
+
+
+def _under(path: str, root: str) -> bool:
+    return Path(path).is_absolute() and (Path(path) == Path(root) or Path(root) in Path(path).parents)

@@ -1,0 +1,123 @@
+"""What a pod's status means for the job: one :class:`PodState` per pod, in words a user can act on."""
+
+from __future__ import annotations
+
+import calendar
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from . import names
+
+IMAGE_ERRORS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
+CONFIG_ERRORS = ("CreateContainerConfigError", "CreateContainerError", "RunContainerError")
+# a container that waits with one of these will not start until someone fixes something
+STUCK = ("ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull") + CONFIG_ERRORS
+
+
+@dataclass(frozen=True)
+class PodState:
+    name: str
+    uid: str
+    node: int | None      # node index (Job completion index, PyTorchJob replica)
+    phase: str            # pending | running | succeeded | failed
+    reason: str = ""      # why, in one line (empty when nothing is wrong)
+    failed: bool = False  # the node failed: its launcher died, it was OOM-killed, evicted, lost...
+    stuck: bool = False   # waiting on something that needs a fix (image, configuration)
+    deleting: bool = False
+    exit_code: int | None = None
+    ended_at: float | None = None   # when the container ended, or the pod's deletion began
+    restarts: int = 0     # container restarts in place (PyTorchJob)...
+    last_exit: str = ""   # ...and how the previous one ended
+
+    @property
+    def label(self) -> str:
+        return f"pod {self.name}" + (f" (node {self.node})" if self.node is not None else "")
+
+
+def pod_state(pod: dict[str, Any], container: str) -> PodState:
+    meta, status = pod.get("metadata", {}), pod.get("status") or {}
+    base = dict(name=meta.get("name", "?"), uid=meta.get("uid", ""), node=node_index(pod),
+                deleting=bool(meta.get("deletionTimestamp")))
+    statuses = {c["name"]: c for c in status.get("containerStatuses") or []}
+    main = statuses.get(container, {})
+    terminated = (main.get("state") or {}).get("terminated") or {}
+    last = (main.get("lastState") or {}).get("terminated") or {}
+    base.update(restarts=main.get("restartCount", 0), last_exit=describe_exit(last) if last else "",
+                ended_at=parse_time(terminated.get("finishedAt") or meta.get("deletionTimestamp")))
+    disruption = next((c for c in status.get("conditions") or [] if c.get("type") == "DisruptionTarget"
+                       and c.get("status") == "True"), None)
+    if status.get("reason") == "Evicted":
+        return PodState(**base, phase="failed", failed=True, reason=f"evicted: {status.get('message', '')}".strip())
+    if disruption or status.get("reason") == "NodeLost":
+        why = f"{disruption.get('reason')}: {disruption.get('message', '')}" if disruption else "its node is unreachable"
+        return PodState(**base, phase="failed", failed=True, reason=f"disrupted ({why.strip()})")
+    for init in status.get("initContainerStatuses") or []:
+        problem = _container_problem(init, "the prepare step")
+        if problem:
+            return PodState(**base, **problem)
+    problem = _container_problem(main, "ft_launcher")
+    if problem:
+        return PodState(**base, **problem)
+    if "terminated" in (main.get("state") or {}):
+        return PodState(**base, phase="succeeded", exit_code=0)
+    if "running" in (main.get("state") or {}):
+        return PodState(**base, phase="running")
+    if status.get("phase") == "Succeeded":
+        return PodState(**base, phase="succeeded", exit_code=0)
+    scheduled = next((c for c in status.get("conditions") or [] if c.get("type") == "PodScheduled"), None)
+    if scheduled and scheduled.get("status") == "False":
+        return PodState(**base, phase="pending", reason=f"not scheduled: {scheduled.get('message') or scheduled.get('reason')}")
+    waiting = (main.get("state") or {}).get("waiting") or {}
+    return PodState(**base, phase="pending", reason=waiting.get("reason", ""))
+
+
+def _container_problem(c: dict[str, Any], who: str) -> dict[str, Any] | None:
+    state = c.get("state") or {}
+    waiting, terminated = state.get("waiting") or {}, state.get("terminated") or {}
+    if waiting.get("reason") in IMAGE_ERRORS:
+        return dict(phase="pending", stuck=waiting["reason"] in STUCK,
+                    reason=f"image {c.get('image', '')} cannot be pulled ({waiting['reason']}: {waiting.get('message', '')})")
+    if waiting.get("reason") in CONFIG_ERRORS:
+        return dict(phase="pending", stuck=True, reason=f"{waiting['reason']}: {waiting.get('message', '')}")
+    if waiting.get("reason") == "CrashLoopBackOff":
+        last = (c.get("lastState") or {}).get("terminated") or {}
+        return dict(phase="failed", failed=True, exit_code=last.get("exitCode"),
+                    reason=f"{who} keeps failing ({describe_exit(last)}), restarting with back-off")
+    if terminated and terminated.get("exitCode", 0) != 0:
+        return dict(phase="failed", failed=True, exit_code=terminated.get("exitCode"),
+                    reason=f"{who} {describe_exit(terminated)}")
+    return None
+
+
+def describe_exit(terminated: dict[str, Any]) -> str:
+    code, reason = terminated.get("exitCode"), terminated.get("reason", "")
+    if reason == "OOMKilled":
+        text = "was OOM-killed (the pod reached its memory limit: raise --memory)"
+    elif isinstance(code, int) and code > 128 and code - 128 in signal.Signals._value2member_map_:
+        text = f"was killed ({signal.Signals(code - 128).name}, exit {code})"
+    else:
+        text = f"exited with code {code}"
+    message = (terminated.get("message") or "").strip().splitlines()
+    return text + (f": {message[-1][:200]}" if message else "")
+
+
+def parse_time(stamp: str | None) -> float | None:
+    """An API timestamp ("2026-01-02T03:04:05Z", fractions allowed) as epoch seconds."""
+    if not stamp:
+        return None
+    whole, _, fraction = stamp.rstrip("Z").partition(".")
+    return calendar.timegm(time.strptime(whole, "%Y-%m-%dT%H:%M:%S")) + float(f"0.{fraction or 0}")
+
+
+def node_index(pod: dict[str, Any]) -> int | None:
+    meta = pod.get("metadata", {})
+    value = (meta.get("annotations") or {}).get(names.COMPLETION_INDEX)
+    if value is not None and value.isdigit():
+        return int(value)
+    labels = meta.get("labels") or {}
+    kind, index = labels.get("training.kubeflow.org/replica-type"), labels.get("training.kubeflow.org/replica-index")
+    if kind and index and index.isdigit():
+        return int(index) + (0 if kind.lower() == "master" else 1)
+    return None

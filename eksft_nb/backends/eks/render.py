@@ -1,0 +1,293 @@
+"""The Kubernetes manifests of a job, derived from its spec.
+
+Every pod runs the same ``ft_launcher`` line as a local launcher (``launch.launcher_argv``), with
+the rendezvous on node 0's stable DNS name: the pods of an Indexed Job (or JobSet) have host names
+``<job>-<index>`` and a headless Service as their subdomain, so no pod sleeps or polls DNS to find
+node 0. Job folders and checkpoints live on an FSx for Lustre volume at ``/checkpoints``; the async
+checkpoint writer stages state in a memory-backed ``/dev/shm`` sized for it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ...control import FaultCommand
+from ...launch import Ports, launcher_argv, rank_env
+from ...runtime.quiet import quiet_env
+from ...spec import JobSpec
+from . import checks, names
+
+# what the control plane calls, and nothing else: (api group, resource, verbs)
+CONTROL_RULES: list[tuple[str, str, list[str]]] = [
+    ("", "configmaps", ["get", "list", "create", "delete"]),     # the job record: spec, faults, user script
+    ("", "services", ["get", "create", "delete"]),               # the headless Service that names node 0
+    ("", "pods", ["get", "list", "watch", "patch", "delete"]),   # watch pods; mark and delete one to lose a node
+    ("", "pods/log", ["get"]),                                   # stream the ranks' telemetry
+    # exec (control commands, signals, checkpoint listing) is a WebSocket upgrade of a GET: older API
+    # servers authorize it as `get`, newer ones (the WebSocket exec hardening) as `create`
+    ("", "pods/exec", ["get", "create"]),
+    ("", "events", ["list"]),                                    # explain pods stuck in Pending
+]
+
+
+@dataclass
+class Manifests:
+    """``admin``: applied once per namespace by a cluster admin (RBAC for the control plane, the FSx
+    StorageClass). ``job``: what launching submits, in order, the workload last."""
+
+    admin: list[dict[str, Any]] = field(default_factory=list)
+    job: list[dict[str, Any]] = field(default_factory=list)
+
+    def all(self) -> list[dict[str, Any]]:
+        return self.admin + self.job
+
+    def to_yaml(self) -> str:
+        """One YAML stream, ``kubectl apply -f`` ready, with a comment heading each group."""
+        admin = "RBAC for the eksft control plane" + (
+            " and the FSx StorageClass" if any(m["kind"] == "StorageClass" for m in self.admin) else "")
+        heads = {0: f"# applied once per namespace by an admin: {admin}\n",
+                 len(self.admin): "# submitted by `run --backend eks`, in this order\n"}
+        return "---\n".join(heads.get(i, "") + _dump(m) for i, m in enumerate(self.all()))
+
+    def workload(self) -> dict[str, Any]:
+        return self.job[-1]
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the spec, a script) as literal blocks, and no YAML aliases, so the dry
+    run reads well."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+_Dumper.add_representer(str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None))
+
+
+def _dump(obj: dict[str, Any]) -> str:
+    return yaml.dump(obj, Dumper=_Dumper, sort_keys=False, width=1000)
+
+
+def render(spec: JobSpec, faults: list[FaultCommand] | None = None) -> Manifests:
+    """All manifests of a job (the spec must have passed ``spec.validate()`` and ``checks.check``)."""
+    m = Manifests(admin=control_rbac(spec))
+    if spec.eks.create_pvc:
+        m.admin.append(storage_class(spec))
+        m.job.append(checkpoint_pvc(spec))
+    m.job.append(config_map(spec, faults or []))
+    if spec.eks.kind == "job":
+        m.job.append(headless_service(spec))
+    m.job.append({"job": indexed_job, "jobset": jobset, "pytorchjob": pytorchjob}[spec.eks.kind](spec))
+    return m
+
+
+def pod_view(spec: JobSpec) -> JobSpec:
+    """The spec as the ranks read it: a user script points at its copy in the ConfigMap."""
+    if not spec.script:
+        return spec
+    return spec.replace(script=f"{names.CONFIG_MOUNT}/{script_key(spec)}")
+
+
+def script_key(spec: JobSpec) -> str:
+    """The script's file name, as a ConfigMap key (and so its file name in the pods)."""
+    key = re.sub(r"[^-._a-zA-Z0-9]", "_", Path(str(spec.script)).name)
+    return key if key not in (names.POD_SPEC, names.SUBMITTED_SPEC, names.FAULTS) else f"script-{key}"
+
+
+def _meta(spec: JobSpec, name: str) -> dict[str, Any]:
+    return {"name": name, "namespace": spec.eks.namespace, "labels": names.labels(spec),
+            "annotations": {names.DIGEST: spec.digest()}}
+
+
+# ---- the job -----------------------------------------------------------------------------------
+
+def config_map(spec: JobSpec, faults: list[FaultCommand]) -> dict[str, Any]:
+    data = {names.POD_SPEC: pod_view(spec).to_json(), names.FAULTS: json.dumps([json.loads(f.to_json()) for f in faults])}
+    if spec.script:  # the ranks run the ConfigMap's copy; the record keeps the submitted path
+        data[names.SUBMITTED_SPEC] = spec.to_json()
+        data[script_key(spec)] = Path(spec.script).expanduser().read_text()
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(spec, spec.name), "data": data}
+
+
+def headless_service(spec: JobSpec) -> dict[str, Any]:
+    """Gives each pod ``<host>.<job>.<namespace>.svc`` in DNS, published before the pods are ready."""
+    ports = Ports.from_base(spec.eks.port)
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(spec, spec.name),
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                     "selector": {names.JOB_LABEL: spec.name},
+                     "ports": [{"name": n, "port": p, "targetPort": p}
+                               for n, p in (("rdzv", ports.rdzv), ("store", ports.store), ("wrapper", ports.wrapper))]}}
+
+
+def indexed_job(spec: JobSpec) -> dict[str, Any]:
+    """Pods are replaced one index at a time (up to max_job_restarts each); a replacement rejoins
+    the rendezvous under the same host name. The job fails once any index runs out of retries."""
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": _meta(spec, spec.name),
+            "spec": {"completionMode": "Indexed", "completions": spec.nnodes, "parallelism": spec.nnodes,
+                     "backoffLimitPerIndex": spec.ft.max_job_restarts, "maxFailedIndexes": 0,
+                     "podReplacementPolicy": "Failed",
+                     "template": pod_template(spec, subdomain=spec.name, attempt_from=names.INDEX_FAILURES)}}
+
+
+def jobset(spec: JobSpec) -> dict[str, Any]:
+    """Any failed pod restarts the whole set (up to max_job_restarts), like the local supervisor."""
+    child = {"completionMode": "Indexed", "completions": spec.nnodes, "parallelism": spec.nnodes,
+             "backoffLimit": 0, "template": pod_template(spec, attempt_from=names.JOBSET_RESTARTS)}
+    return {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": _meta(spec, spec.name),
+            "spec": {"failurePolicy": {"maxRestarts": spec.ft.max_job_restarts},
+                     "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True,
+                                 "subdomain": spec.name},
+                     "replicatedJobs": [{"name": "node", "replicas": 1,
+                                         "template": {"metadata": {"labels": names.labels(spec)}, "spec": child}}]}}
+
+
+def pytorchjob(spec: JobSpec) -> dict[str, Any]:
+    """Master and workers restart in place on failure (the operator's OnFailure policy)."""
+    template = pod_template(spec, node_rank="$(RANK)")
+    replicas = {"Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": template}}
+    if spec.nnodes > 1:
+        replicas["Worker"] = {"replicas": spec.nnodes - 1, "restartPolicy": "OnFailure", "template": template}
+    return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": _meta(spec, spec.name),
+            "spec": {"nprocPerNode": str(spec.nproc_per_node),
+                     "runPolicy": {"backoffLimit": spec.ft.max_job_restarts, "cleanPodPolicy": "Running"},
+                     "pytorchReplicaSpecs": replicas}}
+
+
+# ---- the pod -----------------------------------------------------------------------------------
+
+def pod_template(spec: JobSpec, *, subdomain: str | None = None, attempt_from: str | None = None,
+                 node_rank: str = "$(EKSFT_NODE_RANK)") -> dict[str, Any]:
+    e = spec.eks
+    view = pod_view(spec)
+    argv = launcher_argv(view, node_rank=node_rank, rdzv_host=names.rank0_host(spec),
+                         ports=Ports.from_base(e.port), run_id=spec.name)
+    env = container_env(spec, attempt_from)
+    mounts = [{"name": "checkpoints", "mountPath": names.CKPT_MOUNT},
+              {"name": "config", "mountPath": names.CONFIG_MOUNT, "readOnly": True}]
+    trainer: dict[str, Any] = {
+        "name": names.container(spec), "image": e.image, "command": argv[:1], "args": argv[1:], "env": env,
+        "ports": [{"name": n, "containerPort": p} for n, p in
+                  zip(("rdzv", "store", "wrapper"), (e.port, e.port + 1, e.port + 2))],
+        "volumeMounts": mounts + [{"name": "shm", "mountPath": names.SHM_MOUNT}],
+    }
+    if amounts := resources(spec):
+        trainer["resources"] = amounts
+    if e.efa_per_node:
+        trainer["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}  # EFA registers pinned memory
+    prepare = {"name": "prepare", "image": e.image, "env": env, "volumeMounts": mounts,
+               "command": ["python", "-m", "eksft_nb.backends.eks.inpod", "prepare"]}
+    pod: dict[str, Any] = {"restartPolicy": "Never"} if spec.eks.kind != "pytorchjob" else {}
+    if subdomain:
+        pod["subdomain"] = subdomain
+    pod.update({
+        # the pods need no Kubernetes API; the pause container as PID 1 lets a node fault kill
+        # ft_launcher (PID 1 ignores SIGKILL from inside its container) and reaps NVRx's helpers
+        "automountServiceAccountToken": False, "enableServiceLinks": False, "shareProcessNamespace": True,
+        "terminationGracePeriodSeconds": 30,
+        "initContainers": [prepare], "containers": [trainer],
+        "volumes": [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": e.checkpoint_pvc}},
+                    {"name": "config", "configMap": {"name": spec.name}},
+                    {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": checks.shm_size(spec)}}],
+    })
+    if e.instance_type:
+        pod["nodeSelector"] = {"node.kubernetes.io/instance-type": e.instance_type}
+    taints = (["nvidia.com/gpu"] if e.gpus_per_node else []) + (["vpc.amazonaws.com/efa"] if e.efa_per_node else [])
+    if taints:
+        pod["tolerations"] = [{"key": t, "operator": "Exists", "effect": "NoSchedule"} for t in taints]
+    return {"metadata": {"labels": names.labels(spec), "annotations": {names.DIGEST: spec.digest()}}, "spec": pod}
+
+
+def container_env(spec: JobSpec, attempt_from: str | None) -> list[dict[str, Any]]:
+    """The launcher's environment: the local one (``launch.rank_env``) with per-pod values from the
+    pod's annotations, events on stdout (the pod logs carry them), and the NCCL/EFA settings."""
+    env: list[dict[str, Any]] = []
+    if attempt_from:
+        env.append(_field_env("EKSFT_NODE_RANK", f"metadata.annotations['{names.COMPLETION_INDEX}']"))
+        env.append(_field_env("EKSFT_JOB_ATTEMPT", f"metadata.annotations['{attempt_from}']"))
+    values = rank_env(pod_view(spec), ports=Ports.from_base(spec.eks.port), job_attempt=0,
+                      job_dir=names.job_dir(spec), spec_path=f"{names.CONFIG_MOUNT}/{names.POD_SPEC}",
+                      events_stdout=True)
+    if attempt_from:
+        del values["EKSFT_JOB_ATTEMPT"]
+    values = quiet_env(values)
+    values.update(nccl_env(spec))
+    env += [{"name": k, "value": v} for k, v in values.items()]
+    return env
+
+
+def nccl_env(spec: JobSpec) -> dict[str, str]:
+    e = spec.eks
+    if not e.gpus_per_node:
+        return {}
+    env = {"NCCL_DEBUG": "WARN", "NCCL_SOCKET_IFNAME": "^docker,lo,veth"}
+    if spec.ft.inprocess:  # let inprocess.Wrapper see NCCL errors as exceptions it can restart from
+        env.update({"TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "NCCL_NVLS_ENABLE": "0"})
+    if e.efa_per_node:
+        env.update({"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1",
+                    "RDMAV_FORK_SAFE": "1", "FI_LOG_LEVEL": "warn"})
+    return env
+
+
+def resources(spec: JobSpec) -> dict[str, Any]:
+    e = spec.eks
+    amounts: dict[str, Any] = {}
+    if e.gpus_per_node:
+        amounts["nvidia.com/gpu"] = str(e.gpus_per_node)
+    if e.efa_per_node:
+        amounts["vpc.amazonaws.com/efa"] = str(e.efa_per_node)
+    if e.cpu:
+        amounts["cpu"] = e.cpu
+    if e.memory:
+        amounts["memory"] = e.memory
+    return {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {}
+
+
+def _field_env(name: str, path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+# ---- shared and admin manifests ---------------------------------------------------------------
+
+def checkpoint_pvc(spec: JobSpec) -> dict[str, Any]:
+    e = spec.eks
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": {"name": e.checkpoint_pvc, "namespace": e.namespace, "labels": {names.MANAGED_BY: names.MANAGER}},
+            "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": e.storage_class,
+                     "resources": {"requests": {"storage": e.storage_size}}}}
+
+
+def storage_class(spec: JobSpec) -> dict[str, Any]:
+    """Dynamic FSx for Lustre provisioning through the FSx CSI driver."""
+    e = spec.eks
+    return {"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass",
+            "metadata": {"name": e.storage_class, "labels": {names.MANAGED_BY: names.MANAGER}},
+            "provisioner": "fsx.csi.aws.com",
+            "parameters": {"subnetId": e.fsx_subnet or "", "securityGroupIds": e.fsx_security_groups or "",
+                           "deploymentType": "PERSISTENT_2", "perUnitStorageThroughput": "250"},
+            "mountOptions": ["flock"], "reclaimPolicy": "Retain"}
+
+
+def control_rbac(spec: JobSpec) -> list[dict[str, Any]]:
+    """A ServiceAccount for a notebook running in the cluster, and a Role granting exactly the
+    calls the control plane makes (bind it to your IAM-mapped user or group as well)."""
+    ns = spec.eks.namespace
+    w = names.workload(spec)
+    meta = {"name": names.CONTROL, "namespace": ns, "labels": {names.MANAGED_BY: names.MANAGER}}
+    rules = [{"apiGroups": [w.group], "resources": [w.plural], "verbs": ["get", "create", "delete"]}]
+    rules += [{"apiGroups": [g], "resources": [r], "verbs": v} for g, r, v in CONTROL_RULES]
+    # the checkpoint volume is checked before submitting (and created with --create-pvc)
+    rules.append({"apiGroups": [""], "resources": ["persistentvolumeclaims"],
+                  "verbs": ["get", "create"] if spec.eks.create_pvc else ["get"]})
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta, "rules": rules},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta,
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": names.CONTROL},
+         "subjects": [{"kind": "ServiceAccount", "name": names.CONTROL, "namespace": ns}]},
+    ]

@@ -1,0 +1,377 @@
+"""A Kubernetes API for tests: kmock's emulator over loopback HTTP, completed where the official
+client needs it, plus the parts of the job controller and kubelet that the EKS backend observes.
+
+- :class:`KubeEmulator` adds to kmock's ``KubernetesEmulator``: server-filled metadata and 201 on
+  create, label/field selectors on list and watch, ``timeoutSeconds`` on watch, garbage collection
+  of owned pods, pod logs (follow streams included), exec over the WebSocket v4 channel protocol
+  (the command really runs, in a :class:`eks_pods.LocalPod`), and failure injection that answers
+  before any side effect (an injected 500 on create stores nothing).
+- :func:`running` serves it on 127.0.0.1 from a background thread, for the synchronous client.
+- :class:`Controllers` plays the Job controller and the kubelet through the real client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime
+import itertools
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp.web
+import kmock
+import psutil
+from kubernetes import client
+
+from eks_pods import LocalPod
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class Injected:
+    """Answer matching requests with an error status and/or after a delay, ``times`` times."""
+
+    method: str
+    path_part: str
+    status: int | None = None
+    delay: float = 0.0
+    times: int = 1
+    message: str = "injected"
+
+    def matches(self, request: kmock.Request) -> bool:
+        return self.times > 0 and request.method.value.upper() == self.method and self.path_part in str(request.url.path)
+
+
+@dataclass
+class PodLog:
+    lines: list[str] = field(default_factory=list)
+    done: bool = False
+
+
+def _get(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = obj.get(part) if isinstance(obj, dict) else None
+    return obj
+
+
+def matches(obj: dict[str, Any], params: Any) -> bool:
+    """Equality label and field selectors (``a=b,c!=d``), which is all the backend uses."""
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    for key, source in (("labelSelector", lambda k: labels.get(k)), ("fieldSelector", lambda k: _get(obj, k))):
+        for term in filter(None, (params.get(key) or "").split(",")):
+            k, op, v = (term.partition("!=") if "!=" in term else term.replace("==", "=").partition("="))
+            value = source(k)
+            if (op == "!=" and str(value) == v) or (op == "=" and (value is None or str(value) != v)):
+                return False
+    return True
+
+
+class KubeEmulator(kmock.KubernetesEmulator):
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self.versions = itertools.count(1)
+        self.logs: dict[tuple[str, str], PodLog] = {}
+        self.injected: list[Injected] = []
+        self.exec_calls: list[tuple[str, str, list[str]]] = []
+        self.exec_in: Callable[[str, str, list[str]], tuple[str, int]] | None = None
+        self.closing = False
+
+    @property
+    def requests(self) -> list[kmock.Request]:
+        return list(self._requests)
+
+    def inject(self, method: str, path_part: str, **kw: Any) -> Injected:
+        rule = Injected(method.upper(), path_part, **kw)
+        self.injected.append(rule)
+        return rule
+
+    async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        rule = next((r for r in self.injected if r.matches(request)), None)
+        if rule is not None:
+            rule.times -= 1
+            await asyncio.sleep(rule.delay)
+            if rule.status:
+                return await self._render_error(kmock.KubernetesError(status=rule.status, reason="Injected",
+                                                                      message=rule.message))
+        if request.subresource == "exec":
+            return await self._serve_exec(request)
+        if request.subresource == "log":
+            return await self._serve_log(request)
+        if request.action == kmock.action.CREATE and isinstance(request.data, dict):
+            meta = request.data.setdefault("metadata", {})
+            meta.setdefault("namespace", request.namespace)
+            meta.update(uid=str(uuid.uuid4()), creationTimestamp=now(), resourceVersion=str(next(self.versions)))
+        if request.action == kmock.action.DELETE and request.name and request.resource.plural != "pods":
+            await self._collect_owned(request)
+        return await super()._handle(request)
+
+    async def _serve_create(self, request: kmock.Request) -> Any:
+        return kmock.Response(status=201, payload=await super()._serve_create(request))
+
+    async def _serve_list(self, request: kmock.Request) -> Any:
+        result = await super()._serve_list(request)
+        result["items"] = [o for o in result["items"] if matches(o, request.params)]
+        return result
+
+    async def _serve_watch(self, request: kmock.Request) -> Any:
+        timeout = float(request.params.get("timeoutSeconds") or 0) or None
+        events = aiter(super()._serve_watch(request))
+        try:
+            async with asyncio.timeout(timeout):
+                async for event in events:
+                    if not isinstance(event, dict) or matches(event.get("object") or {}, request.params):
+                        yield event
+        except TimeoutError:
+            return
+        finally:
+            await events.aclose()
+
+    async def _collect_owned(self, request: kmock.Request) -> None:
+        """Garbage collection: deleting a workload deletes the pods it owns."""
+        owner = next((o.raw for (res, ns, name), o in self.objects.items() if res == request.resource
+                      and ns == request.namespace and name == request.name and not o.deleted), None)
+        if owner is None:
+            return
+        uid = owner["metadata"]["uid"]
+        for (res, ns, name), obj in list(self.objects.items()):
+            if res.plural != "pods" or obj.deleted:
+                continue
+            if any(r.get("uid") == uid for r in (obj.raw.get("metadata") or {}).get("ownerReferences") or []):
+                raw = obj.raw
+                obj.delete()
+                self.logs.setdefault((ns, name), PodLog()).done = True
+                await self._buses[res].put({"type": "DELETED", "object": raw})
+
+    async def _serve_log(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        log = self.logs.get((request.namespace, request.name))
+        if log is None:
+            return await self._render_error(kmock.KubernetesError(
+                status=400, reason="BadRequest", message=f'container in pod "{request.name}" is waiting to start'))
+        follow = request.params.get("follow") == "true"
+        response = aiohttp.web.StreamResponse(status=200, headers={"Content-Type": "text/plain"})
+        await response.prepare(request._raw_request)
+        lines = log.lines if follow else log.lines[-int(request.params.get("tailLines") or len(log.lines) or 1):]
+        sent = 0
+        while True:
+            for line in lines[sent:]:
+                await response.write(line.encode() + b"\n")
+            sent = len(lines)
+            if not follow or (log.done and sent == len(log.lines)) or self.closing:
+                break
+            await asyncio.sleep(0.02)
+        await response.write_eof()
+        return response
+
+    async def _serve_exec(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        raw = request._raw_request
+        argv = raw.query.getall("command", [])
+        self.exec_calls.append((request.namespace, request.name, argv))
+        ws = aiohttp.web.WebSocketResponse(protocols=("v4.channel.k8s.io",))
+        await ws.prepare(raw)
+        out, code = await asyncio.to_thread(self.exec_in, request.name, raw.query.get("container", ""), argv) \
+            if self.exec_in else ("", 0)
+        if out:
+            await ws.send_bytes(b"\x01" + out.encode())
+        status = {"metadata": {}, "status": "Success"} if code == 0 else {
+            "metadata": {}, "status": "Failure", "reason": "NonZeroExitCode",
+            "message": f"command terminated with non-zero exit code: {code}",
+            "details": {"causes": [{"reason": "ExitCode", "message": str(code)}]}}
+        await ws.send_bytes(b"\x03" + json.dumps(status).encode())
+        await ws.close()
+        return ws
+
+
+@dataclass
+class Kube:
+    """A running emulator: ``url`` to point clients at, ``emulator`` to inspect and steer it."""
+
+    emulator: KubeEmulator
+    url: str
+    loop: asyncio.AbstractEventLoop
+
+    def api_client(self) -> client.ApiClient:
+        cfg = client.Configuration()
+        cfg.host = self.url
+        cfg.retries = False
+        return client.ApiClient(cfg)
+
+    def kubeconfig(self, path: Path, namespace: str = "default") -> Path:
+        """A kubeconfig whose context ``kmock`` points at this server, as `aws eks update-kubeconfig` writes one."""
+        path.write_text(json.dumps({
+            "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
+            "clusters": [{"name": "kmock", "cluster": {"server": self.url}}],
+            "users": [{"name": "tester", "user": {"token": "test-token"}}],
+            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "tester", "namespace": namespace}}],
+        }))
+        return path
+
+
+@contextlib.contextmanager
+def running() -> Iterator[Kube]:
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    box: dict[str, Any] = {}
+
+    async def serve() -> None:
+        box["stop"] = asyncio.Event()
+        try:
+            async with KubeEmulator() as emulator, kmock.Server(emulator, port=None) as server:
+                emulator.resources.load_bundled()
+                box["kube"] = Kube(emulator, f"http://{server.host}:{server.port}", loop)
+                ready.set()
+                await box["stop"].wait()
+                emulator.closing = True
+                runner = getattr(server.server, "runner", None)
+                if runner is not None and hasattr(runner, "_shutdown_timeout"):
+                    runner._shutdown_timeout = 0.5   # open watch/follow streams would hold it 60 s
+        except BaseException as e:
+            box["error"] = e
+            ready.set()
+            raise
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True, name="kmock")
+    thread.start()
+    if not ready.wait(10) or "error" in box:
+        raise RuntimeError(f"kmock did not start: {box.get('error')!r}")
+    try:
+        yield box["kube"]
+    finally:
+        loop.call_soon_threadsafe(box["stop"].set)
+        thread.join(10)
+        loop.close()
+
+
+class Controllers:
+    """The Job controller and the kubelet, as far as the backend can see them, through the real client."""
+
+    def __init__(self, kube: Kube, namespace: str, root: Path) -> None:
+        self.kube, self.ns, self.root = kube, namespace, root
+        self.api = kube.api_client()
+        self.core = client.CoreV1Api(self.api)
+        self.custom = client.CustomObjectsApi(self.api)
+        self.pods: dict[str, LocalPod] = {}
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.exit_codes: dict[str, int] = {}
+        kube.emulator.exec_in = self._exec
+
+    def create_pods(self, job: str, workload: tuple[str, str, str] = ("batch", "v1", "jobs"),
+                    failures: int = 0, hosts: dict[str, str] | None = None) -> list[str]:
+        """The pods of an Indexed Job (or a JobSet's one child job), from its template, Pending."""
+        owner = self.custom.get_namespaced_custom_object(*workload[:2], self.ns, workload[2], job)
+        spec = owner["spec"]
+        template = spec["template"] if "template" in spec else spec["replicatedJobs"][0]["template"]["spec"]["template"]
+        count = spec.get("completions") or spec["replicatedJobs"][0]["template"]["spec"]["completions"]
+        config = self.core.read_namespaced_config_map(job, self.ns).data
+        names = []
+        for index in range(count):
+            name = f"{job}-{index}-{uuid.uuid4().hex[:5]}"
+            annotations = {**template["metadata"].get("annotations", {}),
+                           "batch.kubernetes.io/job-completion-index": str(index),
+                           "batch.kubernetes.io/job-index-failure-count": str(failures)}
+            pod = {"apiVersion": "v1", "kind": "Pod",
+                   "metadata": {"name": name, "labels": {**template["metadata"]["labels"], "job-name": job},
+                                "annotations": annotations,
+                                "ownerReferences": [{"apiVersion": owner["apiVersion"], "kind": owner["kind"],
+                                                     "name": job, "uid": owner["metadata"]["uid"]}]},
+                   "spec": {**template["spec"], "hostname": f"{job}-{index}"},
+                   "status": {"phase": "Pending"}}
+            self.core.create_namespaced_pod(self.ns, pod)
+            self.pods[name] = LocalPod(template, name, self.root, config, annotations, hosts or {})
+            names.append(name)
+        return names
+
+    def status(self, pod: str, phase: str, container: dict[str, Any] | None = None, **extra: Any) -> None:
+        status: dict[str, Any] = {"phase": phase, **extra}
+        if container is not None:
+            status["containerStatuses"] = [{"name": "trainer", "image": "img", "imageID": "img@sha256:0",
+                                            "restartCount": 0, "ready": True, "state": container}]
+        self.core.patch_namespaced_pod_status(pod, self.ns, {"status": status})
+
+    def run(self, pod: str) -> None:
+        self.kube.emulator.logs.setdefault((self.ns, pod), PodLog())
+        self.status(pod, "Running", {"running": {"startedAt": now()}})
+
+    def log(self, pod: str, *lines: str) -> None:
+        self.kube.emulator.logs.setdefault((self.ns, pod), PodLog()).lines.extend(lines)
+
+    def exit(self, pod: str, code: int = 0, reason: str = "Completed") -> None:
+        self.kube.emulator.logs.setdefault((self.ns, pod), PodLog()).done = True
+        self.status(pod, "Succeeded" if code == 0 else "Failed",
+                    {"terminated": {"exitCode": code, "reason": reason, "finishedAt": now()}})
+
+    def finish(self, job: str, condition: str = "Complete", reason: str = "", message: str = "",
+               workload: tuple[str, str, str] = ("batch", "v1", "jobs")) -> None:
+        self.custom.patch_namespaced_custom_object_status(*workload[:2], self.ns, workload[2], job, {"status": {
+            "conditions": [{"type": condition, "status": "True", "reason": reason, "message": message}]}})
+
+    def start_job(self, job: str, hosts: dict[str, str]) -> threading.Thread:
+        """Run the job's pods as local processes: the init container, then the trainer. Their output
+        becomes the pod logs (paths as the pod sees them), their exit codes the pods' states, and the
+        Job completes when every pod has succeeded. Returns the thread that finishes it."""
+        pods = self.create_pods(job, hosts=hosts)
+        threads = [threading.Thread(target=self._run_pod, args=(name,), daemon=True) for name in pods]
+        for t in threads:
+            t.start()
+
+        def finish() -> None:
+            for t in threads:
+                t.join()
+            ok = all(self.exit_codes[name] == 0 for name in pods)
+            self.finish(job, "Complete" if ok else "Failed", "" if ok else "FailedIndexes")
+
+        done = threading.Thread(target=finish, daemon=True)
+        done.start()
+        return done
+
+    def _run_pod(self, name: str) -> None:
+        pod, log = self.pods[name], self.root / f"{name}.log"
+        prepared = pod.run("prepare", timeout=120)
+        if prepared.returncode:
+            self.log(name, *(prepared.stdout + prepared.stderr).splitlines())
+            self.exit_codes[name] = prepared.returncode
+            self.exit(name, prepared.returncode, "Error")
+            return
+        self.run(name)
+        proc = pod.start("trainer", log)
+        self.procs.append(proc)
+        with open(log, "rb") as out:
+            pending = b""
+            while True:
+                exited = proc.poll() is not None   # before reading: whatever it wrote is then in the file
+                chunk = out.read()
+                pending += chunk
+                *lines, pending = pending.split(b"\n")
+                self.log(name, *(pod.to_pod_paths(x.decode(errors="replace")) for x in lines))
+                if exited and not chunk:
+                    break
+                if not chunk:
+                    time.sleep(0.05)
+        self.exit_codes[name] = proc.returncode
+        self.exit(name, proc.returncode, "Completed" if proc.returncode == 0 else "Error")
+
+    def close(self) -> None:
+        """End every process the pods started (ranks and their helpers included)."""
+        for proc in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        root = str(self.root)
+        for proc in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                if proc.environ().get("EKSFT_JOB_DIR", "").startswith(root):
+                    proc.kill()
+
+    def _exec(self, pod: str, container: str, argv: list[str]) -> tuple[str, int]:
+        done = self.pods[pod].run(container, argv, timeout=60)
+        return self.pods[pod].to_pod_paths(done.stdout + done.stderr), done.returncode

@@ -1,0 +1,86 @@
+"""Local replay: the pods of a job submitted through the EKS backend, run here as local processes
+with their rendered command, args and environment (rank 0's DNS name mapped to 127.0.0.1).
+
+It proves the manifest's launch line trains (2 pods x 1 rank), survives a SIGKILL of a rank through
+ft_launcher, and resumes from a checkpoint as a new job, with the dashboard's monitor fed by the
+streamed pod logs all along."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from eks_kube import Controllers, Kube, running
+
+from eksft_nb.backends.eks import EksBackend, names
+from eksft_nb.control import parse_fault
+from eksft_nb.job import Job
+from eksft_nb.spec import JobSpec
+
+pytestmark = pytest.mark.slow
+
+
+def free_port_base() -> int:
+    """A port with the next two free as well (the rendezvous, store and in-process ports)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        try:
+            for port in (base + 1, base + 2):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Kube, EksBackend, Controllers]:
+    with running() as kube:
+        monkeypatch.setenv("KUBECONFIG", str(kube.kubeconfig(tmp_path / "kubeconfig")))
+        ctl = Controllers(kube, "default", tmp_path / "cluster")
+        # this machine mounts the FSx volume too, so checkpoints are listed after the pods are gone
+        backend = EksBackend(context="kmock", checkpoints_mount=str(ctl.root / "volumes" / "fsx-claim"))
+        backend._cluster().create({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                                   "metadata": {"name": "fsx-claim", "namespace": "default"},
+                                   "spec": {"accessModes": ["ReadWriteMany"],
+                                            "resources": {"requests": {"storage": "1200Gi"}}}})
+        try:
+            yield kube, backend, ctl
+        finally:
+            ctl.close()
+
+
+def test_rendered_pods_train_survive_a_sigkill_and_resume(cluster: tuple[Kube, EksBackend, Controllers]) -> None:
+    kube, backend, ctl = cluster
+    # in-job restart only (in-process restart has its own tests), and checkpoints committed before the
+    # next step (async ones commit a little later), so the step it resumes from is known
+    spec = JobSpec(name="replay", backend="eks", nnodes=2, nproc_per_node=1, steps=16).replace(**{
+        "eks.image": "local", "eks.gpus_per_node": 0, "eks.port": free_port_base(), "model.preset": "tiny",
+        "checkpoint.every": 4, "checkpoint.mode": "sync", "ft.inprocess": False})
+    backend.launch(spec, faults=[parse_fault("sigkill:1@10")])
+    ctl.start_job("replay", hosts={names.rank0_host(spec): "127.0.0.1"})
+    job = Job("replay", backend)
+    deadline = time.time() + 240
+    while job.refresh().last_step < 1 and time.time() < deadline:
+        time.sleep(0.2)
+    injected = job.inject("slow-rank", rank=0, delay=0.01, duration=1)   # at run time, exec'd into a pod
+
+    assert job.wait(timeout=300, poll=0.5) == "succeeded", backend.logs("replay", debug=True)
+    mon = job.monitor
+    assert mon.max_step == 16 and mon.digest and mon.state == "succeeded"
+    assert {f["fault"] for f in mon.faults} == {"sigkill", "slow-rank"} and injected.id in {f["id"] for f in mon.faults}
+    [restart] = mon.restarts
+    assert (restart["level"], restart["cause"], restart["blame_rank"], restart["resumed_step"]) == (
+        "injob", "injected sigkill on rank 1", 1, 8)
+    assert mon.resumes[-1]["path"] == "/checkpoints/replay/ckpt/step_00000008"   # as the pods see it
+
+    resumed = job.resume(step=8)
+    ctl.start_job(resumed.name, hosts={names.rank0_host(resumed.spec): "127.0.0.1"})
+    assert resumed.wait(timeout=300, poll=0.5) == "succeeded", backend.logs(resumed.name, debug=True)
+    assert resumed.name == "replay-from-8" and resumed.monitor.resumes[0]["step"] == 8
+    assert resumed.monitor.steps.step[0] == 9 and resumed.monitor.max_step == 16
+    assert resumed.monitor.digest == mon.digest   # the same parameters, bit for bit

@@ -1,0 +1,162 @@
+"""What pod and workload states mean for a job, and the events the EKS stream derives from them
+(fed the way the watch and the log followers feed it, without a server)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from eksft_nb.backends.eks.pods import pod_state
+from eksft_nb.backends.eks.stream import Tracker, workload_outcome
+from eksft_nb.events import LOG_PREFIX, make
+from eksft_nb.spec import JobSpec
+
+T0 = 1_800_000_000.0
+
+
+def stamp(t: float) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
+
+
+def pod(state: dict[str, Any] | None = None, *, name: str = "demo-1-abcde", node: int = 1, restarts: int = 0,
+        last: dict[str, Any] | None = None, init: dict[str, Any] | None = None, **status: Any) -> dict[str, Any]:
+    container = {"name": "trainer", "image": "img:1", "restartCount": restarts, "state": state or {"running": {}}}
+    if last:
+        container["lastState"] = {"terminated": last}
+    body = {"phase": "Running", "containerStatuses": [container], **status}
+    if init:
+        body["initContainerStatuses"] = [{"name": "prepare", "image": "img:1", "state": init}]
+    return {"metadata": {"name": name, "uid": f"uid-{name}-{node}",
+                         "annotations": {"batch.kubernetes.io/job-completion-index": str(node)}},
+            "spec": {"hostname": f"demo-{node}"}, "status": body}
+
+
+@pytest.mark.parametrize("status,phase,failed,stuck,reason", [
+    (pod(), "running", False, False, ""),
+    (pod({"terminated": {"exitCode": 137, "reason": "OOMKilled"}}), "failed", True, False,
+     "ft_launcher was OOM-killed (the pod reached its memory limit: raise --memory)"),
+    (pod({"terminated": {"exitCode": 137, "reason": "Error"}}), "failed", True, False,
+     "ft_launcher was killed (SIGKILL, exit 137)"),
+    (pod({"waiting": {"reason": "CrashLoopBackOff"}}, last={"exitCode": 1, "message": "boom\nValueError: bad"}),
+     "failed", True, False, "ft_launcher keeps failing (exited with code 1: ValueError: bad), restarting with back-off"),
+    (pod({"waiting": {"reason": "PodInitializing"}}, phase="Pending",
+         init={"terminated": {"exitCode": 1, "message": "/checkpoints/demo holds a different job named demo"}}),
+     "failed", True, False, "the prepare step exited with code 1: /checkpoints/demo holds a different job named demo"),
+    (pod({"waiting": {"reason": "ImagePullBackOff", "message": "not found"}}, phase="Pending"), "pending", False, True,
+     "image img:1 cannot be pulled (ImagePullBackOff: not found)"),
+    (pod({"waiting": {"reason": "CreateContainerConfigError", "message": 'secret "hf" not found'}}, phase="Pending"),
+     "pending", False, True, 'CreateContainerConfigError: secret "hf" not found'),
+    (pod(conditions=[{"type": "DisruptionTarget", "status": "True", "reason": "DeletionByTaintManager",
+                      "message": "Taint manager: deleting due to NoExecute taint"}]), "failed", True, False,
+     "disrupted (DeletionByTaintManager: Taint manager: deleting due to NoExecute taint)"),
+    (pod(phase="Failed", reason="Evicted", message="The node was low on resource: ephemeral-storage."), "failed", True,
+     False, "evicted: The node was low on resource: ephemeral-storage."),
+])
+def test_pod_states_in_words(status: dict, phase: str, failed: bool, stuck: bool, reason: str) -> None:
+    ps = pod_state(status, "trainer")
+    assert (ps.phase, ps.failed, ps.stuck, ps.reason) == (phase, failed, stuck, reason)
+
+
+def test_pytorchjob_pods_are_numbered_master_first() -> None:
+    master = {"metadata": {"name": "demo-master-0", "labels": {"training.kubeflow.org/replica-type": "master",
+                                                               "training.kubeflow.org/replica-index": "0"}}}
+    worker = {"metadata": {"name": "demo-worker-1", "labels": {"training.kubeflow.org/replica-type": "worker",
+                                                               "training.kubeflow.org/replica-index": "1"}}}
+    assert (pod_state(master, "pytorch").node, pod_state(worker, "pytorch").node) == (0, 2)
+
+
+@pytest.mark.parametrize("kind,condition,reason,outcome", [
+    ("Job", "Complete", "", ("succeeded", "all pods finished")),
+    ("Job", "Failed", "FailedIndexes", ("failed", "a node failed more often than max_job_restarts allows "
+                                                  "(FailedIndexes: Job has failed indexes)")),
+    ("JobSet", "Completed", "", ("succeeded", "all pods finished")),
+    ("JobSet", "Failed", "ReachedMaxRestarts", ("failed", "a node failed more often than max_job_restarts allows "
+                                                          "(ReachedMaxRestarts: Job has failed indexes)")),
+    ("PyTorchJob", "Succeeded", "", ("succeeded", "all pods finished")),
+    ("PyTorchJob", "Failed", "PyTorchJobFailed", ("failed", "the workload failed (PyTorchJobFailed: Job has failed "
+                                                            "indexes)")),
+])
+def test_workload_outcomes(kind: str, condition: str, reason: str, outcome: tuple) -> None:
+    obj = {"kind": kind, "status": {"conditions": [
+        {"type": "Suspended", "status": "False"},
+        {"type": condition, "status": "True", "reason": reason, "message": "Job has failed indexes" if reason else ""}]}}
+    assert workload_outcome(obj) == outcome
+    obj["status"]["conditions"][1]["status"] = "False"
+    assert workload_outcome(obj) is None
+
+
+def line(kind: str, rank: int | None, t: float, **data: Any) -> str:
+    return LOG_PREFIX + make(kind, "demo", rank, t=t, **data).to_json()
+
+
+def step(s: int, t: float) -> str:
+    return line("step", 0, t, step=s, loss=1.0, tokens=64, step_time=0.5)
+
+
+def rank_start(rank: int, t: float, attempt: int = 0, injob: int = 0, start: int = 0, pid: int = 10) -> str:
+    return line("rank_start", rank, t, pid=pid, host="h", job_attempt=attempt, injob_restart=injob,
+                inprocess_iteration=0, world_size=2, start_step=start)
+
+
+def tracker(kind: str = "job") -> Tracker:
+    spec = JobSpec(name="demo", backend="eks", nnodes=2, nproc_per_node=1, steps=10).replace(**{"eks.kind": kind})
+    return Tracker(spec, created=T0, server="https://eks.example")
+
+
+def test_a_pytorchjob_pod_restarted_in_place_is_a_job_restart() -> None:
+    tr = tracker("pytorchjob")
+    tr.feed(("line", "demo-master-0", rank_start(0, T0 + 1)))
+    tr.feed(("line", "demo-master-0", step(1, T0 + 2)))
+    p = pod(restarts=1, last={"exitCode": 1, "reason": "Error"}, name="demo-worker-0")
+    p["spec"] = {}
+    p["metadata"]["labels"] = {"training.kubeflow.org/replica-type": "worker", "training.kubeflow.org/replica-index": "0"}
+    p["status"]["containerStatuses"][0]["name"] = "pytorch"
+    tr.feed(("pod", "MODIFIED", p, False))
+    tr.feed(("pod", "MODIFIED", p, False))   # seen again: still one failure
+    tr.feed(("line", "demo-master-0", rank_start(0, T0 + 20, injob=1)))
+    tr.feed(("line", "demo-master-0", step(1, T0 + 22)))
+    events = tr.take()
+    failures = [e for e in events if e.kind == "failure"]
+    assert [e["cause"] for e in failures] == ["pod demo-worker-0 (node 1): ft_launcher exited with code 1, "
+                                              "restarted in place"]
+    [restart] = [e for e in events if e.kind == "restart"]
+    assert (restart["level"], restart["resumed_step"]) == ("job", 0)
+
+
+def test_a_node_fault_names_the_pod_it_took_down() -> None:
+    tr = tracker()
+    tr.feed(("line", "demo-1-abcde", line("fault", 1, T0 + 5, fault="kill-launcher", id="k1", target_rank=None,
+                                           at_step=3, node=1)))
+    tr.feed(("pod", "MODIFIED", pod({"terminated": {"exitCode": 137, "reason": "Error",
+                                                    "finishedAt": stamp(T0 + 6)}}), False))
+    [failure] = [e for e in tr.take() if e.kind == "failure"]
+    assert (failure["level"], failure["cause"], failure["fault_time"], failure["detected_at"]) == (
+        "job", "injected kill-launcher on node 1 (demo-1-abcde)", T0 + 5, T0 + 6)
+
+
+def test_stopping_is_not_a_failure() -> None:
+    tr = tracker()
+    tr.feed(("line", "demo-0-aaaaa", step(1, T0 + 1)))
+    tr.feed(("pod", "DELETED", pod(), True))   # the watcher saw the workload being deleted
+    tr.feed(("workload", None))
+    tr.finish(T0 + 10)
+    events = tr.take()
+    assert [e.kind for e in events] == ["job_start", "step", "job_end"]
+    assert (events[-1]["state"], events[-1]["final_step"]) == ("stopped", 1)
+
+
+def test_a_late_reader_dates_an_old_failure_by_the_pod() -> None:
+    """Attached after the fact: the failed pod is listed before the logs are replayed."""
+    tr = tracker()
+    tr.feed(("pod", "ADDED", pod({"terminated": {"exitCode": 1, "reason": "Error",
+                                                 "finishedAt": stamp(T0 + 30)}}), False))
+    for s, t in ((1, T0 + 10), (2, T0 + 20)):       # before the failure: the incident stays open
+        tr.feed(("line", "demo-0-aaaaa", step(s, t)))
+    tr.feed(("line", "demo-0-aaaaa", rank_start(0, T0 + 40, attempt=1, start=2)))
+    tr.feed(("line", "demo-0-aaaaa", step(3, T0 + 45)))
+    [restart] = [e for e in tr.take() if e.kind == "restart"]
+    assert (restart["level"], restart["detection_s"], restart["downtime_s"], restart["resumed_step"]) == (
+        "job", 0.0, 14.5, 2)
