@@ -265,7 +265,7 @@ def test_pod_failures_become_failure_and_restart_events(kube: Kube, backend: Eks
     assert deleted == pods[0] and pods[0] not in stored(kube, "pods")
     wait_for(lambda: len(job.refresh().failures) == 3, what="the node loss")
     assert job.monitor.faults[-1]["fault"] == "node-loss" and job.monitor.faults[-1]["node"] == 0
-    assert job.monitor.failures[-1]["cause"] == f"injected node-loss on node 0 ({pods[0]})"
+    assert job.monitor.failures[-1]["cause"] == f"injected node-loss on node 0: pod {pods[0]} (node 0) was deleted: its node is lost"
 
 
 def test_a_pod_that_cannot_start_says_why(kube: Kube, backend: EksBackend, ctl: Controllers) -> None:

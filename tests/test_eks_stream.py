@@ -134,7 +134,8 @@ def test_a_node_fault_names_the_pod_it_took_down() -> None:
                                                     "finishedAt": stamp(T0 + 6)}}), False))
     [failure] = [e for e in tr.take() if e.kind == "failure"]
     assert (failure["level"], failure["cause"], failure["fault_time"], failure["detected_at"]) == (
-        "job", "injected kill-launcher on node 1 (demo-1-abcde)", T0 + 5, T0 + 6)
+        "job", "injected kill-launcher on node 1: pod demo-1-abcde (node 1): ft_launcher was killed (SIGKILL, exit 137)",
+        T0 + 5, T0 + 6)
 
 
 def test_stopping_is_not_a_failure() -> None:

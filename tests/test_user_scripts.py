@@ -30,7 +30,7 @@ def test_a_script_that_knows_nothing_of_eksft_still_shows_restarts_exit_codes_an
     assert summary["state"] == "succeeded", summary
     [restart] = summary["restart_events"]
     assert restart["level"] == "injob" and restart["blame_rank"] == 1
-    assert "exited with code 3" in restart["cause"]
+    assert restart["cause"] == "rank 1 failed: exit code 3"
     starts = events("unaware", "rank_start")
     assert {(e.rank, e["injob_restart"]) for e in starts} == {(0, 0), (1, 0), (0, 1), (1, 1)}
     logs = cli("logs", "unaware").stdout

@@ -27,6 +27,7 @@ from typing import Any
 from ..events import EventTail, EventWriter
 from ..jobdir import JobDir, atomic_write
 from ..launch import Ports, launcher_argv, rank_env
+from ..incidents import Incidents
 from ..monitor import JobMonitor
 from ..runtime.quiet import quiet_env
 from . import procs
@@ -52,20 +53,6 @@ class Node:
 
 
 @dataclass
-class Incident:
-    """A failure being recovered from: opened at detection, closed by the first step after it."""
-
-    level: str
-    cause: str
-    blame_rank: int | None
-    fault_time: float
-    detected_at: float
-    last_step: int
-    opened_in: tuple[int, int, int]       # (job attempt, in-job restart, in-process iteration)
-    resumed_step: int | None = None
-
-
-@dataclass
 class Supervisor:
     jd: JobDir
     job_uid: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
@@ -78,15 +65,10 @@ class Supervisor:
         self.log = open(self.jd.logs / "supervisor.log", "a", buffering=1)
         self.attempt = 0
         self.nodes: list[Node] = []
-        self.incident: Incident | None = None
-        self.incarnation = (0, 0, 0)
-        self.recent_faults: list[dict[str, Any]] = []   # rank faults since the last step
-        self.recent_errors: list[dict[str, Any]] = []   # rank errors since the last step
-        self.stuck_at: list[int | None] = []             # newest committed step at each failure
-        self.give_up: str | None = None
         self.stop_requested = False
         self.t_start = time.time()
-        self.last_alive = self.t_start
+        self.incidents = Incidents(self.mon, self.events.emit, self.t_start, say=self.say,
+                                   patience=self.spec.ft.progress_patience, steps_expected=not self.spec.script)
         self.folder_inode = os.stat(self.jd.path).st_ino
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -149,8 +131,8 @@ class Supervisor:
             if not self._folder_is_mine():
                 self._kill_everything()
                 sys.exit(1)  # the job folder was deleted or replaced: nobody to report to
-            if self.give_up:
-                return "failed", self.give_up
+            if self.incidents.give_up:
+                return "failed", self.incidents.give_up
             codes = [n.popen.poll() for n in self.nodes]
             if all(c == 0 for c in codes):
                 self._pump()
@@ -172,14 +154,11 @@ class Supervisor:
             cause = (f"ft_launcher on node {node.index} gave up (exit {code}) after "
                      f"{self.spec.ft.max_injob_restarts} in-job restarts")
         self.say(cause)
-        kill = next((f for f in reversed(self.mon.faults) if f["fault"] == "kill-launcher"), None)
-        fault_time = kill["t"] if kill and detected - kill["t"] < 60 else self._last_progress_time()
         self._kill_everything()
         self._pump()
-        self._open(Incident("job", cause, None, fault_time, detected, self.mon.last_step,
-                            self.incarnation), force=True)
-        if self.give_up:
-            return "failed", self.give_up
+        self.incidents.node_failed(cause, detected)
+        if self.incidents.give_up:
+            return "failed", self.incidents.give_up
         if self.attempt >= self.spec.ft.max_job_restarts:
             return "failed", f"{cause}; no job restarts left (max_job_restarts={self.spec.ft.max_job_restarts})"
         self.attempt += 1
@@ -206,31 +185,7 @@ class Supervisor:
         elif e.kind == "resume":
             skipped = "".join(f"; skipped step {x['step']} ({x['reason']})" for x in e["skipped"])
             self.say(f"resuming from checkpoint step {e['step']} (loaded in {e['load_s']:.1f}s){skipped}")
-        if e.kind == "fault" and e["target_rank"] is not None:
-            self.recent_faults.append({"t": e.t, "fault": e["fault"], "rank": e["target_rank"]})
-        elif e.kind == "rank_error":
-            self.recent_errors.append({"t": e.t, "rank": e.rank, "origin": e["origin"], "error": e["error"],
-                                       "waiting": e.get("waiting", False)})
-        elif e.kind == "rank_start":
-            inc = (e["job_attempt"], e["injob_restart"], e["inprocess_iteration"])
-            if inc > self.incarnation:
-                if inc[:2] == self.incarnation[:2] and self.incident is None:
-                    self._open_inprocess(e.t)
-                elif self.incident is None:
-                    self._open(Incident("injob", self._cause_from_ranks("the worker group was restarted"),
-                                        self._blame_from_ranks(), self._fault_time(), e.t, self.mon.last_step,
-                                        self.incarnation))
-                self.incarnation = inc
-            self.last_alive = max(self.last_alive, e.t)
-            if self.incident is not None and e.rank == 0:
-                self.incident.resumed_step = e["start_step"]
-                if self.spec.script and not len(self.mon.steps) and inc > self.incident.opened_in:
-                    self._close(e.t)  # a script that reports no steps has recovered once it runs again
-        elif e.kind == "step":
-            if self.incident is not None and e.t > self.incident.detected_at:
-                self._close(e.t - e["step_time"])
-            self.recent_faults.clear()
-            self.recent_errors.clear()
+        self.incidents.observe(e)
 
     def _read_launcher_log(self, node: Node) -> None:
         try:
@@ -244,98 +199,22 @@ class Supervisor:
             return
         node.offset += end + 1
         for line in chunk[: end + 1].decode(errors="replace").splitlines():
-            if self.incident is None and (_FT_TIMEOUT.search(line) or _WORKER_FAILED.search(line)):
+            hang, failed = _FT_TIMEOUT.search(line), _WORKER_FAILED.search(line)
+            if (hang or failed) and self.incidents.incident is None:
                 self._read_events()  # a rank may have reported the fault just before it died
-            if _FT_TIMEOUT.search(line) and self.incident is None:
-                blame = self._blame_from_beacons()
-                self._open(Incident("injob", f"hang: no heartbeat from rank {blame} for "
-                                    f"{self.spec.ft.heartbeat_timeout:g}s (ft_launcher timeout)" if blame is not None
-                                    else "hang detected by ft_launcher's heartbeat timeout",
-                                    blame, self._fault_time(), _logged_at(line), self.mon.last_step, self.incarnation))
-            elif m := _WORKER_FAILED.search(line):
-                code, local_rank, pid = int(m.group(1)), int(m.group(2)), int(m.group(3))
-                if self.incident is None:
-                    rank = self._rank_of_pid(pid, node.index * self.spec.nproc_per_node + local_rank)
-                    self._open(Incident("injob", self._cause_from_exit(rank, code), self._blame(rank),
-                                        self._fault_time(), _logged_at(line), self.mon.last_step, self.incarnation))
+                if hang:
+                    self.incidents.hang(_logged_at(line), self.spec.ft.heartbeat_timeout, self._stuck_rank())
+                else:
+                    code, local_rank, pid = int(failed.group(1)), int(failed.group(2)), int(failed.group(3))
+                    rank = next((r for r, p in self.mon.rank_pids.items() if p == pid),
+                                node.index * self.spec.nproc_per_node + local_rank)
+                    self.incidents.worker_failed(rank, code, _logged_at(line))
             elif m := _ATTEMPTS.search(line):
                 self.say(f"ft_launcher restarts the worker group ({m.group(2)}/{m.group(3)} in-job restarts left)")
 
-    # ---- incidents --------------------------------------------------------------------------
-    def _open_inprocess(self, t: float) -> None:
-        errors = self.recent_errors
-        detected = max((x["t"] for x in errors), default=t)
-        self._open(Incident("inprocess", self._cause_from_ranks("the wrapped training function was restarted"),
-                            self._blame_from_ranks(), self._fault_time(), detected, self.mon.last_step,
-                            self.incarnation))
-
-    def _open(self, incident: Incident, force: bool = False) -> None:
-        if self.incident is not None and not force:
-            return
-        self.incident = incident
-        committed = self.mon.last_committed
-        self.stuck_at.append(committed.step if committed else None)
-        self.events.emit("failure", level=incident.level, cause=incident.cause, blame_rank=incident.blame_rank,
-                         fault_time=incident.fault_time, detected_at=incident.detected_at)
-        who = f" (blamed: rank {incident.blame_rank})" if incident.blame_rank is not None else ""
-        self.say(f"{incident.level} failure at step {incident.last_step}: {incident.cause}{who}")
-        n = self.spec.ft.progress_patience
-        if len(self.stuck_at) >= n and len(set(self.stuck_at[-n:])) == 1:
-            where = f"checkpoint step {self.stuck_at[-1]}" if self.stuck_at[-1] is not None else "the start"
-            self.give_up = (f"no progress: {n} restarts in a row resumed from {where} and failed before a newer "
-                            f"checkpoint was committed (last cause: {incident.cause})")
-
-    def _close(self, first_step_start: float) -> None:
-        i, self.incident = self.incident, None
-        resumed = i.resumed_step if i.resumed_step is not None else 0
-        self.events.emit("restart", level=i.level, cause=i.cause, blame_rank=i.blame_rank, fault_time=i.fault_time,
-                         detection_s=max(0.0, i.detected_at - i.fault_time),
-                         downtime_s=max(0.0, first_step_start - i.fault_time),
-                         rolled_back_steps=max(0, i.last_step - resumed), resumed_step=resumed)
-        self.say(f"recovered ({i.level}): resumed from step {resumed}, "
-                 f"{first_step_start - i.fault_time:.1f}s after the fault")
-
-    def _fault_time(self) -> float:
-        if self.recent_faults:
-            return self.recent_faults[0]["t"]
-        return self._last_progress_time()
-
-    def _last_progress_time(self) -> float:
-        """The last moment the job was known to be fine: its last step, or (before any step of this
-        incarnation) the last rank start or recovery."""
-        return max([self.t_start, self.last_alive, *self.mon.steps.t[-1:]])
-
-    def _cause_from_ranks(self, fallback: str) -> str:
-        if self.recent_faults:
-            f = self.recent_faults[0]
-            return f"injected {f['fault']} on rank {f['rank']}"
-        own = [x for x in self.recent_errors if x["origin"] in ("fault", "exception")]
-        if own:
-            return f"rank {own[0]['rank']} raised {own[0]['error'][:160]}"
-        hung = [x for x in self.recent_errors if x["origin"] == "interrupted" and not x["waiting"]]
-        if hung:
-            return f"rank {hung[0]['rank']} stopped making progress (in-process soft timeout)"
-        return fallback
-
-    def _blame_from_ranks(self) -> int | None:
-        if self.recent_faults:
-            return self.recent_faults[0]["rank"]
-        for pick in (lambda x: x["origin"] in ("fault", "exception"),
-                     lambda x: x["origin"] == "interrupted" and not x["waiting"]):
-            found = [x["rank"] for x in self.recent_errors if pick(x)]
-            if found:
-                return found[0]
-        return None
-
-    def _blame(self, exited: int) -> int:
-        """A rank's process failed: blame the target of an injected fault, else that rank."""
-        return self.recent_faults[0]["rank"] if self.recent_faults else exited
-
-    def _blame_from_beacons(self) -> int | None:
-        """The rank that is not waiting for its peers inside a collective (else the least advanced)."""
-        injected = self._blame_from_ranks()
-        if injected is not None:
-            return injected
+    def _stuck_rank(self) -> int | None:
+        """From the progress beacons: the rank not waiting for its peers in a collective (else the
+        least advanced one)."""
         beacons = []
         for p in self.jd.progress.glob("rank-*.json"):
             try:
@@ -344,22 +223,8 @@ class Supervisor:
                 continue
         if not beacons:
             return None
-        not_waiting = [b for b in beacons if not b.get("in_collective")]
-        pool = not_waiting or beacons
+        pool = [b for b in beacons if not b.get("in_collective")] or beacons
         return min(pool, key=lambda b: (b.get("step_done", 0), b.get("t_done", 0)))["rank"]
-
-    def _cause_from_exit(self, rank: int, code: int) -> str:
-        if self.recent_faults:
-            f = self.recent_faults[0]
-            return f"injected {f['fault']} on rank {f['rank']}"
-        if code < 0:
-            return f"rank {rank} died ({signal.Signals(-code).name})"
-        errors = [x for x in self.recent_errors if x["rank"] == rank]
-        detail = f": {errors[0]['error'][:160]}" if errors else ""
-        return f"rank {rank} exited with code {code}{detail}"
-
-    def _rank_of_pid(self, pid: int, fallback: int) -> int:
-        return next((r for r, p in self.mon.rank_pids.items() if p == pid), fallback)
 
     # ---- processes ----------------------------------------------------------------------------
     def _kill_everything(self) -> None:

@@ -13,6 +13,7 @@ import runpy
 import sys
 
 from .quiet import quiet_process
+from .train import exit_cleanly
 
 
 def main() -> None:
@@ -34,11 +35,12 @@ def main() -> None:
         s.close()
         raise
     except BaseException as e:
-        s.emit("rank_error", error=f"{type(e).__name__}: {e}"[:500], step=s.step_entered or None, origin="exception")
+        s.rank_error(e)
         s.close()
         raise
     s.emit("rank_end", final_step=s.step_done, exit_code=0)
     s.close()
+    exit_cleanly()
 
 
 if __name__ == "__main__":

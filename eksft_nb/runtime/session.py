@@ -130,6 +130,11 @@ class Session:
                   world_size=self.info.world_size, start_step=start_step,
                   t_enter=t_enter if t_enter is not None else _process_start(), **extra)
 
+    def rank_error(self, e: BaseException) -> None:
+        """Report the exception this rank is failing with, and whose it is (see :func:`error_origin`)."""
+        self.emit("rank_error", error=f"{type(e).__name__}: {e}"[:500], step=self.step_entered or None,
+                  origin=error_origin(e), waiting=raised_in_collective(e))
+
     def heartbeat(self) -> None:
         if self.ft is not None:
             self.ft.send_heartbeat()
@@ -255,6 +260,31 @@ class _Beacon(threading.Thread):
 
     def stop(self) -> None:
         self._halt.set()
+
+
+def raised_in_collective(e: BaseException) -> bool:
+    """Whether the exception surfaced while this rank was inside torch.distributed (waiting for peers)."""
+    tb = e.__traceback__
+    while tb is not None:
+        if "/torch/distributed/" in tb.tb_frame.f_code.co_filename.replace("\\", "/"):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def error_origin(e: BaseException) -> str:
+    """Whose failure it is: this rank's ("fault" injected, "exception" of its own), a peer's ("peer":
+    a collective failed because another rank went away or stalled), or the in-process monitor's
+    ("interrupted": this rank or a peer stopped making progress)."""
+    if isinstance(e, InjectedFault):
+        return "fault"
+    name, text = type(e).__name__, str(e)
+    if name == "RankShouldRestart":
+        return "interrupted"
+    if name == "DistBackendError" or any(s in text for s in ("Connection closed by peer", "Connection reset by peer",
+                                                             "Timed out", "timed out")):
+        return "peer"
+    return "exception"
 
 
 def _process_start() -> float:

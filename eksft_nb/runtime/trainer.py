@@ -121,38 +121,11 @@ def run(call_wrapper: Any = None) -> None:
         trainer = Trainer(s, call_wrapper, t_enter)
         trainer.train()
     except BaseException as e:
-        s.emit("rank_error", error=f"{type(e).__name__}: {e}"[:500], step=s.step_entered, origin=_origin(e),
-               waiting=_raised_in_collective(e))
+        s.rank_error(e)
         if trainer is not None and call_wrapper is None:
             trainer.close()
         raise  # in-process restart: the Wrapper's abort tears the process group down
     trainer.close()
-
-
-def _raised_in_collective(e: BaseException) -> bool:
-    """Whether the exception surfaced while this rank was inside torch.distributed (waiting for peers)."""
-    tb = e.__traceback__
-    while tb is not None:
-        if "/torch/distributed/" in tb.tb_frame.f_code.co_filename.replace("\\", "/"):
-            return True
-        tb = tb.tb_next
-    return False
-
-
-def _origin(e: BaseException) -> str:
-    """Who caused it: this rank ("fault", "exception"), or a peer ("peer": a collective failed or
-    the in-process monitor interrupted this rank)."""
-    from .session import InjectedFault
-
-    if isinstance(e, InjectedFault):
-        return "fault"
-    name = type(e).__name__
-    text = str(e)
-    if name == "RankShouldRestart":
-        return "interrupted"
-    if "Connection closed by peer" in text or "Timed out" in text or "timed out" in text or name == "DistBackendError":
-        return "peer"
-    return "exception"
 
 
 def wrapper_kwargs(s: Session) -> dict[str, Any]:

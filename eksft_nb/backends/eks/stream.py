@@ -17,10 +17,8 @@ from __future__ import annotations
 import json
 import queue
 import re
-import signal
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import urllib3
@@ -28,6 +26,7 @@ from kubernetes import watch
 from kubernetes.client.rest import ApiException
 
 from ...events import Event, decode, make
+from ...incidents import Incidents
 from ...monitor import JobMonitor
 from ...spec import JobSpec
 from . import names
@@ -57,19 +56,6 @@ def workload_outcome(obj: dict[str, Any]) -> tuple[str, str] | None:
     return None
 
 
-@dataclass
-class Incident:
-    """A failure being recovered from: opened at detection, closed by the first step after it."""
-
-    level: str
-    cause: str
-    blame_rank: int | None
-    fault_time: float
-    detected_at: float
-    last_step: int
-    resumed_step: int | None = None
-
-
 class Tracker:
     """Turns fetched items (workload states, pod states, log lines) into the job's events."""
 
@@ -82,12 +68,9 @@ class Tracker:
         self.outcome: tuple[str, str] | None = None
         self.outcome_at = 0.0
         self.ended = False
-        self.incident: Incident | None = None
-        self.recent_faults: list[dict[str, Any]] = []
-        self.recent_errors: list[dict[str, Any]] = []
+        self.incidents = Incidents(self.mon, self._emit, created)
         self.counted: set[str] = set()                 # pod failures already reported (uid, restarts)
         self.fault_seen: set[str] = set()              # pods whose fault annotation was reported
-        self.incarnation: dict[int, tuple[int, int, int]] = {}
         self.rank_of: dict[tuple[str, int], int] = {}  # (pod, pid) -> rank
         self.open_logs: set[Any] = set()
         self.rank_ended = False                        # a rank_end arrived (the digest, for the trainer)
@@ -138,7 +121,6 @@ class Tracker:
             fault = json.loads(note)
             self._emit("fault", t=fault["t"], fault=fault["fault"], id=fault["id"], target_rank=None,
                        at_step=self.mon.last_step, node=fault["node"], pod=meta.get("name"))
-            self.recent_faults.append({"t": fault["t"], "fault": fault["fault"], "node": fault["node"]})
         if ending or self.outcome is not None:
             return
         ps = pod_state(pod, self.container)
@@ -153,31 +135,21 @@ class Tracker:
             self._open_node_incident(ps, f"{ps.label}: ft_launcher {ps.last_exit}, restarted in place", None)
 
     def _open_node_incident(self, ps: PodState, cause: str, ended_at: float | None) -> None:
-        """A node (pod) failed: the job-level tier, as when the local supervisor relaunches."""
-        node_fault = next((f for f in reversed(self.recent_faults) if "node" in f), None)
-        if node_fault:
-            cause = f"injected {node_fault['fault']} on node {node_fault['node']} ({ps.name})"
-        # the container's end (or the pod's deletion) is when it failed, and Kubernetes reports it at once
-        detected = ended_at or time.time()
-        fault_time = node_fault["t"] if node_fault else (ended_at or self._last_progress())
-        self._open(Incident("job", cause, None, fault_time, detected, self.mon.last_step), force=True)
+        """A node (pod) failed: the job-level tier, as when the local supervisor relaunches. The
+        container's end (or the pod's deletion) is when it failed, and Kubernetes reports it at once."""
+        self.incidents.node_failed(cause, ended_at or time.time(), ended_at)
 
     def on_line(self, pod: str, text: str) -> None:
         event = decode(text)
         if event is not None:
-            self._on_rank_event(event, pod)
             self._fold(event)
+            self._on_rank_event(event, pod)
             return
         if m := WORKER_FAILED.search(text):
             code, pid = int(m.group(1)), int(m.group(3))
-            rank = self.rank_of.get((pod, pid))
-            self._open(Incident("injob", self._cause_from_exit(rank, code), self._blame(rank), self._fault_time(),
-                                time.time(), self.mon.last_step))
+            self.incidents.worker_failed(self.rank_of.get((pod, pid)), code, time.time())
         elif FT_TIMEOUT.search(text):
-            blame = self._blame(None)
-            self._open(Incident("injob", f"hang: no heartbeat from rank {blame} (ft_launcher timeout)"
-                                if blame is not None else "hang detected by ft_launcher's heartbeat timeout",
-                                blame, self._fault_time(), time.time(), self.mon.last_step))
+            self.incidents.hang(time.time())
 
     def finish(self, now: float) -> None:
         """``job_end`` once the workload has ended and its pods' logs are read (or stopped coming)."""
@@ -191,84 +163,12 @@ class Tracker:
         self._emit("job_end", state=state, reason=reason, final_step=self.mon.last_step, digest=self.mon.digest,
                    restarts=self.mon.restarts_by_level())
 
-    # ---- incidents -----------------------------------------------------------------------------------
     def _on_rank_event(self, e: Event, pod: str) -> None:
-        if e.kind == "fault":
-            target = {"rank": e["target_rank"]} if e["target_rank"] is not None else {"node": e.get("node", 0)}
-            self.recent_faults.append({"t": e.t, "fault": e["fault"], **target})
-        elif e.kind == "rank_error":
-            self.recent_errors.append({"t": e.t, "rank": e.rank, "origin": e["origin"], "error": e["error"]})
-        elif e.kind == "rank_start" and e.rank is not None:
+        if e.kind == "rank_start" and e.rank is not None:
             self.rank_of[(pod, e["pid"])] = e.rank
-            now = (e["job_attempt"], e["injob_restart"], e["inprocess_iteration"])
-            before = self.incarnation.get(e.rank)
-            self.incarnation[e.rank] = now
-            if before is not None and now != before and self.incident is None:
-                same_process = now[:2] == before[:2]
-                detected = max((x["t"] for x in self.recent_errors), default=e.t)
-                self._open(Incident("inprocess" if same_process else "injob",
-                                    self._cause_from_ranks("the wrapped training function was restarted"
-                                                           if same_process else "the worker group was restarted"),
-                                    self._blame(None), self._fault_time(), detected, self.mon.last_step))
-            if self.incident is not None and e.rank == 0:
-                self.incident.resumed_step = e["start_step"]
         elif e.kind == "rank_end":
             self.rank_ended = True
-        elif e.kind == "step":
-            started = e.t - e["step_time"]
-            if self.incident is not None and e.t > self.incident.detected_at:
-                self._close(started)
-            # forget what a whole step has run after; pods' logs arrive interleaved, so not simply all
-            self.recent_faults = [f for f in self.recent_faults if f["t"] >= started]
-            self.recent_errors = [x for x in self.recent_errors if x["t"] >= started]
-
-    def _open(self, incident: Incident, force: bool = False) -> None:
-        if self.incident is not None and not force:
-            return
-        self.incident = incident
-        self._emit("failure", level=incident.level, cause=incident.cause, blame_rank=incident.blame_rank,
-                   fault_time=incident.fault_time, detected_at=incident.detected_at)
-
-    def _close(self, first_step_start: float) -> None:
-        i, self.incident = self.incident, None
-        resumed = i.resumed_step or 0
-        self._emit("restart", level=i.level, cause=i.cause, blame_rank=i.blame_rank, fault_time=i.fault_time,
-                   detection_s=max(0.0, i.detected_at - i.fault_time),
-                   downtime_s=max(0.0, first_step_start - i.fault_time),
-                   rolled_back_steps=max(0, i.last_step - resumed), resumed_step=resumed)
-
-    def _last_progress(self) -> float:
-        return self.mon.steps.t[-1] if self.mon.steps.t else self.created
-
-    def _fault_time(self) -> float:
-        return self.recent_faults[0]["t"] if self.recent_faults else self._last_progress()
-
-    def _cause_from_ranks(self, fallback: str) -> str:
-        rank_faults = [f for f in self.recent_faults if "rank" in f]
-        if rank_faults:
-            return f"injected {rank_faults[0]['fault']} on rank {rank_faults[0]['rank']}"
-        own = [x for x in self.recent_errors if x["origin"] in ("fault", "exception")]
-        if own:
-            return f"rank {own[0]['rank']} raised {own[0]['error'][:160]}"
-        if any(x["origin"] == "interrupted" for x in self.recent_errors):
-            return "a rank stopped making progress (in-process soft timeout)"
-        return fallback
-
-    def _cause_from_exit(self, rank: int | None, code: int) -> str:
-        rank_faults = [f for f in self.recent_faults if "rank" in f]
-        if rank_faults:
-            return f"injected {rank_faults[0]['fault']} on rank {rank_faults[0]['rank']}"
-        who = f"rank {rank}" if rank is not None else "a rank"
-        if code < 0 and -code in signal.Signals._value2member_map_:
-            return f"{who} died ({signal.Signals(-code).name})"
-        return f"{who} exited with code {code}"
-
-    def _blame(self, fallback: int | None) -> int | None:
-        rank_faults = [f for f in self.recent_faults if "rank" in f]
-        if rank_faults:
-            return rank_faults[0]["rank"]
-        own = [x["rank"] for x in self.recent_errors if x["origin"] in ("fault", "exception")]
-        return own[0] if own else fallback
+        self.incidents.observe(e)
 
 
 class EksEvents:

@@ -1,0 +1,187 @@
+"""Incidents: what a job's ranks and launchers report, turned into ``failure`` and ``restart`` events.
+
+Shared by the local supervisor (which reads ft_launcher's log and the job's events file) and the EKS
+backend (which reads pod states and pod logs). A failure opens an incident when it is detected, with
+its level (in-process, in-job, job), cause and blamed rank; the first step after recovery closes it
+with the detection time, the downtime and the steps rolled back. Optionally, it gives up when
+restarts stop making progress.
+
+Blame, in order: the target of an injected fault; a rank that raised on its own; a rank that was
+interrupted while *not* waiting for its peers (a hang); the rank whose process died; a hint from the
+caller (the local supervisor's progress beacons).
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .events import Event
+from .monitor import JobMonitor
+
+NODE_FAULT_WINDOW_S = 60.0
+
+
+@dataclass
+class Incident:
+    level: str
+    cause: str
+    blame_rank: int | None
+    fault_time: float
+    detected_at: float
+    last_step: int
+    resumed_step: int | None = None
+
+
+class Incidents:
+    """Incident bookkeeping for one job.
+
+    ``emit(kind, **fields)`` publishes ``failure``/``restart`` events; ``say(text)`` narrates (the
+    supervisor's log). ``patience``: give up (see :attr:`give_up`) after this many incidents in a
+    row that happened with the same newest committed checkpoint. ``steps_expected``: False for a
+    user script that may report no steps, whose recovery then ends when its ranks start again.
+    """
+
+    def __init__(self, mon: JobMonitor, emit: Callable[..., Any], t_start: float, *,
+                 say: Callable[[str], Any] = lambda text: None, patience: int | None = None,
+                 steps_expected: bool = True) -> None:
+        self.mon, self.emit, self.say = mon, emit, say
+        self.patience, self.steps_expected = patience, steps_expected
+        self.incident: Incident | None = None
+        self.recent_faults: list[dict[str, Any]] = []   # rank faults since a step ran after them
+        self.recent_errors: list[dict[str, Any]] = []   # rank errors, likewise
+        self.incarnation: dict[int, tuple[int, int, int]] = {}  # rank -> (job attempt, in-job, in-process)
+        self.last_alive = t_start
+        self.stuck_at: list[int | None] = []
+        self.give_up: str | None = None
+
+    # ---- inputs --------------------------------------------------------------------------------
+    def observe(self, e: Event) -> None:
+        """A rank's event (call after the monitor has folded it in)."""
+        if e.kind == "fault" and e["target_rank"] is not None:
+            self.recent_faults.append({"t": e.t, "fault": e["fault"], "rank": e["target_rank"]})
+        elif e.kind == "rank_error":
+            self.recent_errors.append({"t": e.t, "rank": e.rank, "origin": e["origin"], "error": e["error"],
+                                       "waiting": e.get("waiting", False)})
+        elif e.kind == "rank_start" and e.rank is not None:
+            self.last_alive = max(self.last_alive, e.t)
+            now = (e["job_attempt"], e["injob_restart"], e["inprocess_iteration"])
+            before = self.incarnation.get(e.rank)
+            self.incarnation[e.rank] = now
+            if before is not None and now != before and self.incident is None:
+                same_process = now[:2] == before[:2]
+                detected = max((x["t"] for x in self.recent_errors), default=e.t)
+                fallback = "the wrapped training function was restarted" if same_process else \
+                    "the worker group was restarted"
+                self.open(Incident("inprocess" if same_process else "injob", self.cause_from_ranks(fallback),
+                                   self.blame(), self.fault_time(), detected, self.mon.last_step))
+            if self.incident is not None and e.rank == 0:
+                self.incident.resumed_step = e["start_step"]
+                if not self.steps_expected and not len(self.mon.steps) and e.t > self.incident.detected_at:
+                    self.close(e.t)  # a script that reports no steps has recovered once it runs again
+        elif e.kind == "step":
+            started = e.t - e["step_time"]
+            if self.incident is not None and e.t > self.incident.detected_at:
+                self.close(started)
+            # forget what a whole step ran after (by time: several pods' logs arrive interleaved)
+            self.recent_faults = [f for f in self.recent_faults if f["t"] >= started]
+            self.recent_errors = [x for x in self.recent_errors if x["t"] >= started]
+
+    def worker_failed(self, rank: int | None, code: int, at: float) -> None:
+        """ft_launcher saw a rank's process exit with ``code`` (negative: a signal)."""
+        own = [x for x in self.recent_errors if x["origin"] in ("fault", "exception")]
+        if own and not self.recent_faults:  # ft_launcher may notice a peer's consequent failure first
+            rank = own[0]["rank"]
+        self.open(Incident("injob", self.cause_from_exit(rank, code), self.blame(rank), self.fault_time(), at,
+                           self.mon.last_step))
+
+    def hang(self, at: float, timeout_s: float | None = None, hint: int | None = None) -> None:
+        """ft_launcher's heartbeat or section timeout fired; ``hint``: who looked stuck to the caller."""
+        blame = self.blame(hint)
+        if blame is None:
+            cause = "hang detected by ft_launcher's heartbeat timeout"
+        else:
+            waited = f" for {timeout_s:g}s" if timeout_s else ""
+            cause = f"hang: no heartbeat from rank {blame}{waited} (ft_launcher timeout)"
+        self.open(Incident("injob", cause, blame, self.fault_time(), at, self.mon.last_step))
+
+    def node_failed(self, cause: str, detected: float, ended_at: float | None = None) -> None:
+        """A node (a launcher, a pod) is gone: the job-level tier recovers by relaunching it."""
+        node_fault = next((f for f in reversed(self.mon.faults)
+                           if f.get("node") is not None and detected - f["t"] < NODE_FAULT_WINDOW_S), None)
+        if node_fault:
+            cause = f"injected {node_fault['fault']} on node {node_fault['node']}: {cause}"
+        fault_time = node_fault["t"] if node_fault else (ended_at or self.last_progress())
+        self.open(Incident("job", cause, None, fault_time, detected, self.mon.last_step), force=True)
+
+    # ---- incidents -----------------------------------------------------------------------------
+    def open(self, incident: Incident, force: bool = False) -> None:
+        if self.incident is not None and not force:
+            return
+        self.incident = incident
+        committed = self.mon.last_committed
+        self.stuck_at.append(committed.step if committed else None)
+        self.emit("failure", level=incident.level, cause=incident.cause, blame_rank=incident.blame_rank,
+                  fault_time=incident.fault_time, detected_at=incident.detected_at)
+        who = f" (blamed: rank {incident.blame_rank})" if incident.blame_rank is not None else ""
+        self.say(f"{incident.level} failure at step {incident.last_step}: {incident.cause}{who}")
+        n = self.patience
+        if n and len(self.stuck_at) >= n and len(set(self.stuck_at[-n:])) == 1:
+            where = f"checkpoint step {self.stuck_at[-1]}" if self.stuck_at[-1] is not None else "the start"
+            self.give_up = (f"no progress: {n} restarts in a row resumed from {where} and failed before a newer "
+                            f"checkpoint was committed (last cause: {incident.cause})")
+
+    def close(self, first_step_start: float) -> None:
+        i, self.incident = self.incident, None
+        resumed = i.resumed_step or 0
+        downtime = max(0.0, first_step_start - i.fault_time)
+        self.emit("restart", level=i.level, cause=i.cause, blame_rank=i.blame_rank, fault_time=i.fault_time,
+                  detection_s=max(0.0, i.detected_at - i.fault_time), downtime_s=downtime,
+                  rolled_back_steps=max(0, i.last_step - resumed), resumed_step=resumed)
+        self.last_alive = max(self.last_alive, first_step_start)
+        self.say(f"recovered ({i.level}): resumed from step {resumed}, {downtime:.1f}s after the fault")
+
+    # ---- attribution ---------------------------------------------------------------------------
+    def last_progress(self) -> float:
+        """The last moment the job was known to be fine: its last step, or a later rank start."""
+        return max([self.last_alive, *self.mon.steps.t[-1:]])
+
+    def fault_time(self) -> float:
+        return self.recent_faults[0]["t"] if self.recent_faults else self.last_progress()
+
+    def cause_from_ranks(self, fallback: str) -> str:
+        if faults := self.recent_faults:
+            return f"injected {faults[0]['fault']} on rank {faults[0]['rank']}"
+        own = [x for x in self.recent_errors if x["origin"] in ("fault", "exception")]
+        if own:
+            return f"rank {own[0]['rank']} raised {own[0]['error'][:160]}"
+        hung = [x for x in self.recent_errors if x["origin"] == "interrupted" and not x["waiting"]]
+        if hung:
+            return f"rank {hung[0]['rank']} stopped making progress (in-process soft timeout)"
+        return fallback
+
+    def cause_from_exit(self, rank: int | None, code: int) -> str:
+        """Why a rank's process ended: an injected fault, the error it reported, or its exit status."""
+        if faults := self.recent_faults:
+            return f"injected {faults[0]['fault']} on rank {faults[0]['rank']}"
+        who = f"rank {rank}" if rank is not None else "a rank"
+        errors = [x for x in self.recent_errors if x["rank"] == rank]
+        if errors:
+            return f"{who} failed: {errors[0]['error'][:160]}"
+        if code < 0 and -code in signal.Signals._value2member_map_:
+            return f"{who} died ({signal.Signals(-code).name})"
+        return f"{who} exited with code {code}"
+
+    def blame(self, fallback: int | None = None) -> int | None:
+        if faults := self.recent_faults:
+            return faults[0]["rank"]
+        if fallback is not None:
+            return fallback
+        for pick in (lambda x: x["origin"] in ("fault", "exception"),
+                     lambda x: x["origin"] == "interrupted" and not x["waiting"]):
+            found = [x["rank"] for x in self.recent_errors if pick(x)]
+            if found:
+                return found[0]
+        return None
