@@ -54,20 +54,23 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--json", action="store_true", help="print the final summary as JSON")
     add_spec_options(run)
 
-    sub.add_parser("list", help="list jobs").add_argument("--json", action="store_true")
+    where = argparse.ArgumentParser(add_help=False)
+    where.add_argument("--backend", choices=("local", "eks"), default="local",
+                       help="where the job runs (eks: the kubeconfig's current context and namespace)")
+    sub.add_parser("list", help="list jobs", parents=[where]).add_argument("--json", action="store_true")
     for name, helptext in (("status", "state and progress of a job"), ("summary", "steps, restarts, goodput, digest"),
                            ("ckpts", "checkpoints of a job")):
-        sp = sub.add_parser(name, help=helptext)
+        sp = sub.add_parser(name, help=helptext, parents=[where])
         sp.add_argument("name")
         sp.add_argument("--json", action="store_true")
-    watch = sub.add_parser("watch", help="follow a running job (re-attach)")
+    watch = sub.add_parser("watch", help="follow a running job (re-attach)", parents=[where])
     watch.add_argument("name")
-    logs = sub.add_parser("logs", help="the job's log (library noise filtered unless --debug)")
+    logs = sub.add_parser("logs", help="the job's log (library noise filtered unless --debug)", parents=[where])
     logs.add_argument("name")
     logs.add_argument("-n", "--lines", type=int, default=200)
     logs.add_argument("--debug", action="store_true", help="show everything, launcher and library lines included")
 
-    inj = sub.add_parser("inject", help="inject a fault into a running job")
+    inj = sub.add_parser("inject", help="inject a fault into a running job", parents=[where])
     inj.add_argument("name")
     inj.add_argument("fault", help=f"one of: {', '.join(FAULTS)}")
     inj.add_argument("--rank", type=int, help="target rank (rank faults; default 0)")
@@ -76,16 +79,17 @@ def build_parser() -> argparse.ArgumentParser:
     inj.add_argument("--delay", type=float, help="slow-rank: seconds added per step")
     inj.add_argument("--duration", type=int, help="slow-rank: for this many steps")
 
-    res = sub.add_parser("resume", help="start a new job from a checkpoint of this one")
+    res = sub.add_parser("resume", help="start a new job from a checkpoint of this one", parents=[where])
     res.add_argument("name")
     res.add_argument("--step", type=int, help="checkpoint step (default: the newest committed)")
     res.add_argument("--as", dest="new_name", help="name of the new job (default: NAME-from-STEP)")
     res.add_argument("--steps", type=int, help="train to this many steps in total")
     res.add_argument("--detach", action="store_true")
 
-    stop = sub.add_parser("stop", help="stop a job; nothing of it keeps running")
+    stop = sub.add_parser("stop", help="stop a job; nothing of it keeps running", parents=[where])
     stop.add_argument("name")
-    rm = sub.add_parser("rm", help="delete a finished job's folder (checkpoints included)")
+    rm = sub.add_parser("rm", help="delete a finished job (its folder or workload; checkpoints included)",
+                        parents=[where])
     rm.add_argument("name")
     metrics = sub.add_parser("metrics", help="serve Prometheus metrics of jobs (all, or the ones named)")
     metrics.add_argument("names", nargs="*", metavar="NAME")
@@ -127,7 +131,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
-    return follow(attach(args.name))
+    return follow(attach(args.name, args.backend))
 
 
 def follow(job: Job, as_json: bool = False) -> int:
@@ -197,12 +201,15 @@ def format_summary(s: dict[str, Any]) -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    jobs = get_backend("local").jobs()
+    jobs = get_backend(args.backend).jobs()
     if args.json:
         print(json.dumps([j.__dict__ for j in jobs], indent=2))
     elif not jobs:
         print("no jobs yet: launch one with `python -m eksft_nb run`")
     for j in jobs if not args.json else []:
+        if args.backend != "local":  # reading every remote job's logs would take long: state only
+            print(f"{j.name:<32}{j.state:<11}{j.detail}")
+            continue
         job = attach(j.name)
         mon = job.refresh()
         print(f"{j.name:<32}{job.state:<11}{mon.max_step:>7}/{mon.total_steps or job.spec.steps:<7}"
@@ -211,7 +218,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    job = attach(args.name)
+    job = attach(args.name, args.backend)
     s = job.summary()
     committed = job.monitor.last_committed
     s["last_checkpoint"] = committed.step if committed else None
@@ -225,13 +232,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_summary(args: argparse.Namespace) -> int:
-    s = attach(args.name).summary()
+    s = attach(args.name, args.backend).summary()
     print(json.dumps(s, indent=2) if args.json else format_summary(s))
     return 0
 
 
 def cmd_ckpts(args: argparse.Namespace) -> int:
-    infos = attach(args.name).checkpoints()
+    infos = attach(args.name, args.backend).checkpoints()
     if args.json:
         print(json.dumps([i.to_dict() for i in infos], indent=2))
         return 0
@@ -245,13 +252,13 @@ def cmd_ckpts(args: argparse.Namespace) -> int:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    print(attach(args.name).logs(args.lines, args.debug))
+    print(attach(args.name, args.backend).logs(args.lines, args.debug))
     return 0
 
 
 def cmd_inject(args: argparse.Namespace) -> int:
     params = {k: v for k, v in (("delay", args.delay), ("duration", args.duration)) if v is not None}
-    cmd = attach(args.name).inject(args.fault, rank=args.rank, step=args.step, node=args.node, **params)
+    cmd = attach(args.name, args.backend).inject(args.fault, rank=args.rank, step=args.step, node=args.node, **params)
     target = f"rank {cmd.rank}" if cmd.rank is not None else f"node {cmd.node}"
     when = f"at step {cmd.step}" if cmd.step is not None else "now"
     print(f"injected {cmd.fault} into {args.name} ({target}, {when}); id {cmd.id}")
@@ -260,19 +267,19 @@ def cmd_inject(args: argparse.Namespace) -> int:
 
 def cmd_resume(args: argparse.Namespace) -> int:
     changes = {"steps": args.steps} if args.steps else {}
-    job = attach(args.name).resume(step=args.step, name=args.new_name, **changes)
+    job = attach(args.name, args.backend).resume(step=args.step, name=args.new_name, **changes)
     print(f"launched {job.name} from {args.name}'s checkpoint")
     return 0 if args.detach else follow(job)
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    attach(args.name).stop()
+    attach(args.name, args.backend).stop()
     print(f"stopped {args.name}; no process of it is left")
     return 0
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    get_backend("local").remove(args.name)  # type: ignore[attr-defined]
+    get_backend(args.backend).remove(args.name)  # type: ignore[attr-defined]
     print(f"removed {args.name}")
     return 0
 

@@ -32,14 +32,15 @@ from .spec import JobSpec, _closest, spec_options
 GROUPS = {"": "job", "model.": "model", "checkpoint.": "checkpoints", "ft.": "fault tolerance", "eks.": "EKS"}
 LINE_USAGE = """\
 %ftrain list                          jobs and their state
-%ftrain attach NAME                   show the dashboard of a job (its whole history, then live)
+%ftrain attach NAME [--backend eks]   show the dashboard of a job (its whole history, then live)
 %ftrain inject [NAME] FAULT [--rank R] [--step S] [--node N] [--delay D] [--duration N]
 %ftrain ckpts [NAME]                  checkpoints: committed, incomplete, rejected
 %ftrain resume [NAME] [--step S] [--as NEW] [--steps N]   a new job from a checkpoint, with its dashboard
 %ftrain logs [NAME] [-n LINES] [--debug]
 %ftrain summary [NAME]                restarts, goodput, final digest
 %ftrain stop [NAME]                   stop a job; nothing of it keeps running
-NAME defaults to the job this notebook launched, attached or resumed last."""
+NAME defaults to the job this notebook launched, attached or resumed last; --backend eks (any command)
+reaches jobs on the cluster of the kubeconfig's current context."""
 
 
 def _spec_arguments(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -74,23 +75,26 @@ def _section(path: str) -> str:
 def _line_parser() -> MagicArgumentParser:
     p = MagicArgumentParser(prog="%ftrain", add_help=False)
     sub = p.add_subparsers(dest="command", parser_class=MagicArgumentParser)
-    sub.add_parser("list")
-    sub.add_parser("attach").add_argument("name")
+    where = MagicArgumentParser(add_help=False)
+    where.add_argument("--backend", choices=("local", "eks"), default=None,
+                       help="where the job runs (default: local, or the current job's)")
+    sub.add_parser("list", parents=[where])
+    sub.add_parser("attach", parents=[where]).add_argument("name")
     for name in ("stop", "ckpts", "summary"):
-        sub.add_parser(name).add_argument("name", nargs="?")
-    inj = sub.add_parser("inject")
+        sub.add_parser(name, parents=[where]).add_argument("name", nargs="?")
+    inj = sub.add_parser("inject", parents=[where])
     inj.add_argument("target", nargs="+", metavar="[NAME] FAULT")
     inj.add_argument("--rank", type=int)
     inj.add_argument("--step", type=int)
     inj.add_argument("--node", type=int, default=0)
     inj.add_argument("--delay", type=float)
     inj.add_argument("--duration", type=int)
-    res = sub.add_parser("resume")
+    res = sub.add_parser("resume", parents=[where])
     res.add_argument("name", nargs="?")
     res.add_argument("--step", type=int)
     res.add_argument("--as", dest="new_name")
     res.add_argument("--steps", type=int)
-    logs = sub.add_parser("logs")
+    logs = sub.add_parser("logs", parents=[where])
     logs.add_argument("name", nargs="?")
     logs.add_argument("-n", "--lines", type=int, default=200)
     logs.add_argument("--debug", action="store_true")
@@ -139,14 +143,14 @@ class FtrainMagics(Magics):
             raise UsageError(f"unknown command {tokens[0]!r}\n{LINE_USAGE}")
         cmd = args.command
         if cmd == "list":
-            cli.cmd_list(argparse.Namespace(json=False))
+            cli.cmd_list(argparse.Namespace(json=False, backend=args.backend or "local"))
         elif cmd == "attach":
-            self.job = attach(args.name)
+            self.job = attach(args.name, args.backend or "local")
             display(self.job.dashboard())
         elif cmd == "inject":
             if len(args.target) > 2:
                 raise UsageError("inject takes [NAME] FAULT\n  → e.g. %ftrain inject sigkill --rank 1")
-            job = self._job(args.target[0] if len(args.target) == 2 else None)
+            job = self._job(args.target[0] if len(args.target) == 2 else None, args.backend)
             params = {k: v for k, v in (("delay", args.delay), ("duration", args.duration)) if v is not None}
             c = job.inject(args.target[-1], rank=args.rank, step=args.step, node=args.node, **params)
             target = f"rank {c.rank}" if c.rank is not None else f"node {c.node}"
@@ -154,20 +158,21 @@ class FtrainMagics(Magics):
             print(f"injected {c.fault} into {job.name} ({target}, {when})")
         elif cmd == "resume":
             changes = {"steps": args.steps} if args.steps else {}
-            self.job = self._job(args.name).resume(step=args.step, name=args.new_name, **changes)
+            self.job = self._job(args.name, args.backend).resume(step=args.step, name=args.new_name, **changes)
             display(self.job.dashboard())
         elif cmd == "stop":
-            job = self._job(args.name)
+            job = self._job(args.name, args.backend)
             job.stop()
             print(f"stopped {job.name}; nothing of it keeps running")
         elif cmd == "logs":
-            print(self._job(args.name).logs(args.lines, args.debug))
+            print(self._job(args.name, args.backend).logs(args.lines, args.debug))
         else:  # ckpts, summary
-            getattr(cli, f"cmd_{cmd}")(argparse.Namespace(name=self._job(args.name).name, json=False))
+            job = self._job(args.name, args.backend)
+            getattr(cli, f"cmd_{cmd}")(argparse.Namespace(name=job.name, json=False, backend=job.backend.name))
 
-    def _job(self, name: str | None) -> Job:
+    def _job(self, name: str | None, backend: str | None = None) -> Job:
         if name:
-            return attach(name)
+            return attach(name, backend or "local")
         if self.job is None:
             raise UsageError("no job yet in this notebook\n  → launch one with %%ftrain, or name it: %ftrain attach NAME")
         return self.job

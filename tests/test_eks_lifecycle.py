@@ -384,3 +384,10 @@ def test_the_cli_submits_to_the_kubeconfig_context(kube: Kube, backend: EksBacke
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("launched from-cli: 2 ranks (2x1)")
     assert stored(kube, "jobs") == ["from-cli"] and backend.spec("from-cli").eks.context == "kmock"
+    listed = cli("list", "--backend", "eks", timeout=60)
+    assert listed.returncode == 0 and "from-cli" in listed.stdout, listed.stderr
+    stopped = cli("stop", "from-cli", "--backend", "eks", timeout=120)
+    assert stopped.returncode == 0, stopped.stderr
+    assert stored(kube, "jobs") == []
+    missing = cli("status", "nope", "--backend", "eks", timeout=60)
+    assert missing.returncode == 2 and "nope" in missing.stderr

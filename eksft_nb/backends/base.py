@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Protocol
@@ -10,6 +11,19 @@ from ..checkpoints import CheckpointInfo
 from ..control import FaultCommand
 from ..events import Event
 from ..spec import JobSpec
+
+
+# launcher and library lines a user does not need (shown with --debug)
+_NOISE = re.compile(
+    r"\[ft_launcher\d*@|\[RankMonServer|NVML|Health check|socket\.cpp|waitForInput|pynvml|FutureWarning|"
+    r"^\*+$|OMP_NUM_THREADS|Rendezvous info|--rdzv-backend|^\s+(entrypoint|min_nodes|max_nodes|nproc_per_node|"
+    r"run_id|rdzv_backend|rdzv_endpoint|rdzv_configs|max_restarts|restart_policy|monitor_interval|log_dir|"
+    r"metrics_cfg)\s+:|^\[rank\d+\]:\s+(File |\^|Traceback|\s)|^\s*$|inprocess|GLHF|resource_tracker|leaked semaphore|warnings\.warn\(")
+
+
+def is_noise(line: str) -> bool:
+    """A launcher or library line a user does not need to read (``logs --debug`` shows them)."""
+    return _NOISE.search(line) is not None
 
 
 class EventSource(Protocol):

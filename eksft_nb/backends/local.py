@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -25,15 +24,7 @@ from ..monitor import JobMonitor
 from ..runtime.quiet import quiet_env
 from ..spec import JobSpec
 from . import procs
-from .base import Backend, JobSummary
-
-# launcher and library lines a user does not need (shown with --debug)
-_NOISE = re.compile(
-    r"\[ft_launcher\d*@|\[RankMonServer|NVML|Health check|socket\.cpp|waitForInput|pynvml|FutureWarning|"
-    r"^\*+$|OMP_NUM_THREADS|Rendezvous info|--rdzv-backend|^\s+(entrypoint|min_nodes|max_nodes|nproc_per_node|"
-    r"run_id|rdzv_backend|rdzv_endpoint|rdzv_configs|max_restarts|restart_policy|monitor_interval|log_dir|"
-    r"metrics_cfg)\s+:|^\[rank\d+\]:\s+(File |\^|Traceback|\s)|^\s*$|inprocess|GLHF|resource_tracker|leaked semaphore|warnings\.warn\(")
-
+from .base import Backend, JobSummary, is_noise
 
 class LocalBackend(Backend):
     name = "local"
@@ -122,7 +113,7 @@ class LocalBackend(Backend):
             out += [f"[eksft] {line}" for line in narrative.read_text().splitlines()]
         for log in sorted(jd.logs.glob("launcher-*.log"), key=lambda p: p.stat().st_mtime):
             text = log.read_text(errors="replace").splitlines()
-            out += text if debug else [line for line in text if not _NOISE.search(line)]
+            out += text if debug else [line for line in text if not is_noise(line)]
         if debug and (jd.logs / "supervisor.err").exists():
             out += (jd.logs / "supervisor.err").read_text(errors="replace").splitlines()
         return "\n".join(out[-lines:])

@@ -49,10 +49,12 @@ class RankInfo:
     @classmethod
     def from_env(cls) -> RankInfo:
         env = os.environ
-        return cls(rank=int(env.get("RANK", 0)), local_rank=int(env.get("LOCAL_RANK", 0)),
-                   world_size=int(env.get("WORLD_SIZE", 1)), node=int(env.get("GROUP_RANK", 0)),
-                   injob_restart=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
-                   job_attempt=int(env.get("EKSFT_JOB_ATTEMPT", 0)))
+        def number(key: str, default: int) -> int:  # unset or empty (an absent pod annotation): the default
+            return int(env.get(key) or default)
+
+        return cls(rank=number("RANK", 0), local_rank=number("LOCAL_RANK", 0), world_size=number("WORLD_SIZE", 1),
+                   node=number("GROUP_RANK", 0), injob_restart=number("TORCHELASTIC_RESTART_COUNT", 0),
+                   job_attempt=number("EKSFT_JOB_ATTEMPT", 0))
 
 
 class Session:

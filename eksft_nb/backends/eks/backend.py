@@ -24,8 +24,7 @@ from ...control import FaultCommand
 from ...errors import JobError
 from ...events import LOG_PREFIX
 from ...spec import JobSpec
-from ..base import Backend, JobSummary
-from ..local import _NOISE
+from ..base import Backend, JobSummary, is_noise
 from . import checks, names, schemas
 from .cluster import ApiError, Cluster, explain
 from .inpod import NOT_HERE
@@ -189,7 +188,7 @@ class EksBackend(Backend):
                 raise explain(e, f"read the log of pod {state.name}", cluster) from None
             tag = f"[node {state.node}] " if state.node is not None else f"[{state.name}] "
             out += [tag + line for line in text.splitlines()
-                    if debug or not (LOG_PREFIX in line or _NOISE.search(line))]
+                    if debug or not (LOG_PREFIX in line or is_noise(line))]
         return "\n".join(out[-lines:])
 
     # ---- control ----------------------------------------------------------------------------------------
