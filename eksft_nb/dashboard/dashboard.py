@@ -15,6 +15,7 @@ from typing import Any
 
 import ipywidgets as w
 
+from ..checkpoints import CheckpointInfo
 from ..errors import EksftError
 from ..goodput import compute
 from ..job import Job
@@ -125,8 +126,13 @@ class Dashboard(w.VBox):
 
     def _refresh_checkpoints(self) -> None:
         records = self.job.monitor.checkpoints
+        try:
+            infos = self.job.checkpoints()
+        except EksftError as e:  # e.g. an EKS job whose pods are gone: what its events said was committed
+            infos = [CheckpointInfo(r.step, Path(r.path or ""), r.state, r.bytes or 0, r.t_done, reason=e.problem)
+                     for r in sorted(records.values(), key=lambda r: r.step) if r.state == "committed"]
         rows = []
-        for info in self.job.checkpoints():
+        for info in infos:
             rec = records.get(info.step)
             timed = rec is not None and rec.state == "committed"
             rows.append({"step": info.step, "state": info.state, "mib": info.bytes / 2**20, "time": info.time,
