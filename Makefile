@@ -37,7 +37,7 @@ demo: setup
 	  --fault exception:0@15 --fault sigkill:1@30 --fault hang:0@45 --fault kill-launcher@60
 
 lab: demo
-	$(VENV)/bin/jupyter lab --ServerApp.root_dir=notebooks --port=$(LAB_PORT) $(if $(filter 0,$(shell id -u)),--allow-root,) \
+	$(VENV)/bin/jupyter lab --port=$(LAB_PORT) $(if $(filter 0,$(shell id -u)),--allow-root,) \
 	  notebooks/01_quickstart.ipynb
 
 test: setup chromium
