@@ -186,6 +186,11 @@ class JobSpec:
         if f.inprocess and not f.soft_timeout < f.hard_timeout:
             raise SpecError(f"soft timeout ({f.soft_timeout}s) must be shorter than hard timeout ({f.hard_timeout}s)",
                             "raise --hard-timeout or lower --soft-timeout")
+        if f.inprocess and f.collective_timeout >= f.hard_timeout:
+            raise SpecError(
+                f"collective timeout ({f.collective_timeout}s) must be shorter than the in-process hard timeout "
+                f"({f.hard_timeout}s), or a rank waiting on a failed peer is killed instead of restarted in place",
+                "lower --collective-timeout or raise --hard-timeout")
         if f.inprocess and f.hard_timeout >= f.heartbeat_timeout:
             raise SpecError(
                 f"in-process hard timeout ({f.hard_timeout}s) must be shorter than the heartbeat timeout "

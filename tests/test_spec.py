@@ -27,6 +27,7 @@ def test_json_and_yaml_round_trip_keep_every_field() -> None:
     ({"model.d_model": 100, "model.n_heads": 3}, "not divisible by n_heads 3", "--n-heads"),
     ({"ft.soft_timeout": 9.0, "ft.hard_timeout": 8.0}, "soft timeout (9.0s) must be shorter", "--hard-timeout"),
     ({"resume": "yesterday"}, "invalid resume 'yesterday'", "step:N"),
+    ({"ft.collective_timeout": 9.0}, "collective timeout (9.0s) must be shorter", "--collective-timeout"),
 ])
 def test_invalid_fields_name_the_problem_and_the_fix(changes: dict, problem: str, fix: str) -> None:
     with pytest.raises(SpecError) as err:
