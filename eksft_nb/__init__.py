@@ -4,7 +4,6 @@
 are the same reach from plain Python.
 """
 
-from . import launch as _launch_line  # noqa: F401  (the submodule, loaded first: below, ``launch`` is the function)
 from .errors import EksftError, JobError, SpecError
 from .job import Job, attach, launch
 from .spec import JobSpec

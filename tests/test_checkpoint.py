@@ -59,6 +59,27 @@ def test_save_is_the_state_at_save_time_and_loads_bit_exact(tmp_path: Path, grou
         assert torch.equal(target["model"][k], v), k
 
 
+def test_saves_that_reuse_the_cached_plan_load_bit_exact(tmp_path: Path, group: Any) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    mgr = _manager(tmp_path, group, "async", [])
+    for step in (5, 10, 15, 20):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(step)
+        expected = {k: v.clone() for k, v in model.state_dict().items()}
+        mgr.maybe_save(step, _state(model, step))
+        mgr.finish()
+    assert mgr.plan_cache.validated_cache_reuse  # the later saves skipped planning
+    [*_, info] = list_checkpoints(tmp_path)
+    assert info.step == 20 and verify(info) is None
+    target = _state(torch.nn.Linear(64, 64), 0)
+    load(info.path, target, group)
+    assert int(target["progress"]["step"]) == 20
+    for k, v in expected.items():
+        assert torch.equal(target["model"][k], v), k
+
+
 def test_corruption_is_detected_with_the_file_named(tmp_path: Path, group: Any) -> None:
     model = torch.nn.Linear(16, 16)
     mgr = _manager(tmp_path, group, "async", [])

@@ -11,7 +11,7 @@ from jobs import cli
 
 from eksft_nb.backends.eks import EksBackend, checks, names, schemas
 from eksft_nb.errors import SpecError
-from eksft_nb.launch import Ports, launcher_argv
+from eksft_nb.launcher import Ports, launcher_argv
 from eksft_nb.spec import JobSpec
 
 IMAGE = "123456789012.dkr.ecr.us-west-2.amazonaws.com/eksft-nb:0.1.0"

@@ -19,7 +19,7 @@ from ..control import FaultCommand, submit
 from ..errors import JobError
 from ..events import EventTail
 from ..jobdir import JobDir, jobs_root
-from ..launch import Ports, launcher_argv, rank_env
+from ..launcher import Ports, launcher_argv, rank_env
 from ..monitor import JobMonitor
 from ..runtime.quiet import quiet_env
 from ..spec import JobSpec

@@ -26,7 +26,7 @@ from typing import Any
 
 from ..events import EventTail, EventWriter
 from ..jobdir import JobDir, atomic_write
-from ..launch import Ports, launcher_argv, rank_env
+from ..launcher import Ports, launcher_argv, rank_env
 from ..incidents import Incidents
 from ..monitor import JobMonitor
 from ..runtime.quiet import quiet_env

@@ -3,7 +3,8 @@
 A save has three stages, like torchtitan's and Megatron's async checkpointing:
 
 1. **stage** (blocks training): the state is copied into shared-memory buffers that are allocated
-   once and reused, the DCP save plan is agreed on a checkpoint-only gloo group, and the write is
+   once and reused, the DCP save plan is agreed on a checkpoint-only gloo group (NVRx caches it
+   once two saves agree, so later saves skip that collective), and the write is
    handed to NVRx's ``PersistentAsyncCaller`` (a spawned writer process per rank). Training never
    races the writer: on CPU a "copy to host" is a no-op, so without staging the writer would read
    parameters that the next optimizer step is already changing.
@@ -285,6 +286,7 @@ class CheckpointManager:
         self.fail_next_write = False
         self.last_committed: int | None = None
         self.stager = _STAGER
+        self.plan_cache: Any = None  # NVRx's plan cache: once two saves agree, later ones skip the planning collective
         _AsyncWriter.drain()
         if mode == "async":
             _AsyncWriter.start()
@@ -353,12 +355,18 @@ class CheckpointManager:
     def _save_async(self, step: int, path: Path, state: dict[str, Any], t0: float) -> None:
         from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
         from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
-        from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import (
+            CheckpointMetadataCache,
+            save_state_dict_async_plan,
+        )
         from torch.distributed.checkpoint import DefaultSavePlanner
 
         staged = self.stager.stage(state)
         writer = FileSystemWriterAsync(str(path), thread_count=1)
-        plan = save_state_dict_async_plan(staged, writer, self.group, 0, planner=DefaultSavePlanner())
+        if self.plan_cache is None:
+            self.plan_cache = CheckpointMetadataCache()
+        plan = save_state_dict_async_plan(staged, writer, self.group, 0, planner=DefaultSavePlanner(),
+                                          enable_cache=True, metadata_cache=self.plan_cache)
         _, _, args = writer.get_save_function_and_args()
         fail, self.fail_next_write = self.fail_next_write, False
         manifest = str(path / f"manifest-{self.rank}.json")

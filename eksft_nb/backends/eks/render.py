@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from ...control import FaultCommand
-from ...launch import Ports, launcher_argv, rank_env
+from ...launcher import Ports, launcher_argv, rank_env
 from ...runtime.quiet import quiet_env
 from ...spec import JobSpec
 from . import checks, names

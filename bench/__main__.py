@@ -1,0 +1,67 @@
+"""``python -m bench [--quick] [--only PART ...]``: run the benchmarks, print the tables, write JSON."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from .common import REPO, machine, private_home
+
+PARTS = ("ckpt", "recovery", "goodput", "overhead", "dashboard")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="short jobs, fewer repeats, 100 MB only (a few minutes)")
+    p.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS), metavar="PART",
+                   help=f"run only these parts ({', '.join(PARTS)})")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="folder for the JSON results")
+    args = p.parse_args(argv)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"bench-{'quick-' if args.quick else ''}{time.strftime('%Y%m%d-%H%M%S')}.json"
+    results: dict[str, Any] = {"quick": args.quick, "machine": machine(), "parts": {}, "errors": {}}
+    t0 = time.time()
+    try:
+        with private_home() as home:
+            results["home"] = str(home)
+            for name in args.only:
+                run_part(name, args.quick, results)
+                write(path, results)  # what was measured survives a later crash
+    except Exception as e:  # noqa: BLE001 - stopping the jobs failed: said, and the results are still written
+        traceback.print_exc()
+        results["errors"]["cleanup"] = f"{type(e).__name__}: {e}"
+    results["wall_s"] = round(time.time() - t0, 1)
+    results["machine_after"] = {"load_avg": machine()["load_avg"]}
+    write(path, results)
+    print(f"results: {path}  ({results['wall_s']:.0f} s)")
+    return 1 if results["errors"] else 0
+
+
+def run_part(name: str, quick: bool, results: dict[str, Any]) -> None:
+    print(f"== {name} ...", flush=True)
+    started = time.time()
+    try:
+        part = importlib.import_module(f"bench.{name}")
+        result = part.run(quick)
+    except Exception as e:  # noqa: BLE001 - reported in the output and the JSON; the other parts still run
+        traceback.print_exc()
+        results["errors"][name] = f"{type(e).__name__}: {e}"
+        return
+    result["wall_s"] = round(time.time() - started, 1)
+    results["parts"][name] = result
+    print(part.report(result), flush=True)
+
+
+def write(path: Path, results: dict[str, Any]) -> None:
+    path.write_text(json.dumps(results, indent=1, allow_nan=False, default=str))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

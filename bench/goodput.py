@@ -1,0 +1,79 @@
+"""Part 3, goodput: a job that runs for a fixed wall time with a fault every ``period`` seconds
+(kinds in turn), for async vs sync checkpoints and in-process restart on vs off. Goodput and its
+breakdown come from :mod:`eksft_nb.goodput`, over the events up to the end of the window."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from eksft_nb.events import read_all
+from eksft_nb.goodput import CATEGORIES, compute
+from eksft_nb.jobdir import JobDir
+from eksft_nb.job import launch
+from eksft_nb.monitor import JobMonitor
+from eksft_nb.spec import JobSpec
+
+from .common import fmt, load_avg, table
+
+CONFIGS = {
+    "async ckpt, in-process on": {"checkpoint.mode": "async", "ft.inprocess": True},
+    "sync ckpt, in-process on": {"checkpoint.mode": "sync", "ft.inprocess": True},
+    "async ckpt, in-process off": {"checkpoint.mode": "async", "ft.inprocess": False},
+    "sync ckpt, in-process off": {"checkpoint.mode": "sync", "ft.inprocess": False},
+}
+FAULTS = (("exception", 0), ("sigkill", 1), ("hang", 0), ("kill-launcher", None))
+# the demo's job (small model, a save every 10 steps), made to run until stopped
+SPEC = {"model.preset": "small", "steps": 1_000_000, "checkpoint.every": 10, "ft.max_injob_restarts": 20,
+        "ft.max_job_restarts": 20}
+
+
+def run(quick: bool) -> dict[str, Any]:
+    duration, period = (30.0, 15.0) if quick else (600.0, 120.0)
+    configs = {}
+    for i, (label, changes) in enumerate(CONFIGS.items()):
+        configs[label] = window(f"goodput-{i}", changes, duration, period)
+    return {"duration_s": duration, "fault_period_s": period, "faults": [f for f, _ in FAULTS],
+            "configs": configs}
+
+
+def window(name: str, changes: dict[str, Any], duration: float, period: float) -> dict[str, Any]:
+    """Run one configuration for ``duration`` seconds, injecting a fault every ``period`` seconds."""
+    before = load_avg()
+    job = launch(JobSpec().replace(name=name, **SPEC, **changes).validate())
+    t0 = time.time()
+    fired = []
+    try:
+        for k in range(1, math.ceil(duration / period)):  # at period, 2 period, ... before the end
+            time.sleep(max(0.0, t0 + k * period - time.time()))
+            kind, rank = FAULTS[(k - 1) % len(FAULTS)]
+            job.inject(kind, rank=rank)
+            fired.append(kind)
+        time.sleep(max(0.0, t0 + duration - time.time()))
+        t_end = time.time()
+    finally:
+        job.stop()
+    mon = JobMonitor()
+    mon.update(e for e in read_all(JobDir.for_name(name).events_path) if e.t <= t_end)
+    gp = compute(mon, now=t_end)
+    return {"goodput": gp.goodput, "seconds": gp.seconds(), "percent": gp.percentages(), "wall_s": gp.wall_s,
+            "faults_injected": fired, "faults_fired": len(mon.faults), "restarts": mon.restarts_by_level(),
+            "final_step": mon.max_step, "steps_executed": len(mon.steps),
+            "checkpoints_committed": sum(c.state == "committed" for c in mon.checkpoints.values()),
+            "load_avg_before": before, "load_avg_after": load_avg()}
+
+
+def report(result: dict[str, Any]) -> str:
+    rows = []
+    for label, c in result["configs"].items():
+        pct = c["percent"]
+        r = c["restarts"]
+        rows.append([label, fmt(100 * c["goodput"], ".1f", " %"), *[fmt(pct[k], ".1f") for k in CATEGORIES],
+                     f"{r['inprocess']}/{r['injob']}/{r['job']}", str(c["final_step"]),
+                     f"{c['load_avg_before'][0]}->{c['load_avg_after'][0]}"])
+    title = (f"3. goodput: {result['duration_s']:.0f} s per configuration, a fault every {result['fault_period_s']:.0f} s "
+             f"({', '.join(result['faults'])} in turn); % of wall time")
+    header = ["configuration", "goodput", *[k.replace("_", " ") for k in CATEGORIES], "restarts ip/ij/job",
+              "final step", "load"]
+    return table(title, header, rows)

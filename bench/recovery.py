@@ -1,0 +1,235 @@
+"""Part 2, recovery: from a fault to the first step completed after recovery, split into phases,
+per fault type and level, for eksft and for the plain-torchrun baseline (:mod:`bench.baseline`).
+
+Phases, from the job's events (boundaries are clamped to be monotone):
+
+- detection: fault -> the failure is known (eksft: the supervisor's ``failure.detected_at``;
+  baseline: torchrun has exited, its own teardown of the surviving rank included)
+- teardown_relaunch: -> the new incarnation's ranks begin (``rank_start.t_enter``: process start,
+  or re-entry after an in-process restart; the latest rank counts)
+- setup: -> checkpoint loading begins (interpreter, imports, rendezvous, process groups, model,
+  choosing and verifying the checkpoint)
+- load: ``resume.load_s``
+- first_step: -> the first step after recovery is completed
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from eksft_nb.events import Event, EventTail, read_all
+from eksft_nb.jobdir import JobDir, jobs_root
+from eksft_nb.job import launch
+from eksft_nb.spec import JobSpec
+
+from .baseline import PlainTorchrunJob
+from .common import fmt, load_avg, med, ratio, stat, table
+
+PHASES = ("detection", "teardown_relaunch", "setup", "load", "first_step")
+TARGETS_S = {"inprocess": 5.0, "injob": 15.0, "job": 25.0}
+# fault type -> the level eksft is meant to heal it at
+FAULT_TYPES = {"exception": "inprocess", "hang": "inprocess", "sigkill": "injob", "segfault": "injob",
+               "kill-launcher": "job"}
+# plain torchrun has no hang detection: the peer waits in the collective until the process-group
+# timeout the trainer sets without in-process restart (10 minutes), so a hang is not run there
+BASELINE_SKIPPED = {"hang": "not run: plain torchrun has no hang detection; the healthy rank waits out the "
+                            "trainer's 600 s gloo timeout before anything restarts"}
+FAULT_RANK = {"exception": 0, "hang": 0, "sigkill": 1, "segfault": 0, "kill-launcher": None}
+SPEC = {"model.preset": "small", "steps": 100_000, "checkpoint.every": 5, "ft.max_injob_restarts": 20,
+        "ft.max_job_restarts": 10}
+TIMEOUT_S = 300  # per fault: to become ready for it, and to recover from the last one
+
+
+@dataclass
+class Recovery:
+    fault: str
+    level: str
+    at_step: int
+    resumed_step: int
+    phases: dict[str, float]
+    total_s: float
+
+
+def run(quick: bool) -> dict[str, Any]:
+    """Every fault type ``repeats`` times, interleaved, in one eksft job; then the same under the baseline."""
+    repeats = 1 if quick else 3
+    kinds = ["exception", "sigkill", "kill-launcher"] if quick else list(FAULT_TYPES)
+    baseline_kinds = ["sigkill"] if quick else [k for k in FAULT_TYPES if k not in BASELINE_SKIPPED]
+    before = load_avg()
+    eksft = eksft_job("rec-eksft", kinds * repeats)
+    base = baseline_job("rec-baseline", baseline_kinds * repeats)
+    by_type = {}
+    for kind in kinds:
+        mine, theirs = [r for r in eksft if r.fault == kind], [r for r in base if r.fault == kind]
+        entry = {"expected_level": FAULT_TYPES[kind], "eksft": summarise(mine), "baseline": summarise(theirs)}
+        if kind in BASELINE_SKIPPED:
+            entry["baseline_note"] = BASELINE_SKIPPED[kind]
+        entry["vs_baseline"] = ratio(med(entry["eksft"]["total_s"]), med(entry["baseline"]["total_s"]))
+        by_type[kind] = entry
+    return {"repeats": repeats, "phases": list(PHASES), "targets_s": TARGETS_S, "by_fault": by_type,
+            "targets_met": targets_met(by_type), "load_avg_before": before, "load_avg_after": load_avg(),
+            "raw": {"eksft": [asdict(r) for r in eksft], "baseline": [asdict(r) for r in base]}}
+
+
+def eksft_job(name: str, kinds: Sequence[str]) -> list[Recovery]:
+    spec = JobSpec().replace(name=name, **SPEC).validate()
+    job = launch(spec)
+    try:
+        Injector(JobDir.for_name(name).events_path, lambda kind: job.inject(kind, rank=FAULT_RANK[kind]),
+                 lambda: job.state).run(kinds)
+    finally:
+        job.stop()
+    events = read_all(JobDir.for_name(name).events_path)
+    return recoveries(events, [(e["detected_at"], e["level"]) for e in events if e.kind == "failure"])
+
+
+def baseline_job(name: str, kinds: Sequence[str]) -> list[Recovery]:
+    spec = JobSpec().replace(name=name, **SPEC).validate()
+    job = PlainTorchrunJob.create(jobs_root().parent / "baseline", spec)
+    job.start(timeout=TIMEOUT_S * (len(kinds) + 1))
+    try:
+        Injector(job.jd.events_path, lambda kind: job.inject(kind, FAULT_RANK[kind]), lambda: job.state).run(kinds)
+    finally:
+        job.stop()
+    return recoveries(read_all(job.jd.events_path), [(t, "resubmit") for t in job.exits])
+
+
+@dataclass
+class Injector:
+    """Fires faults one at a time, each once the job has recovered from the previous one and committed
+    a checkpoint since (so every recovery has a checkpoint to load and the restarts make progress)."""
+
+    events_path: Path
+    fire: Callable[[str], Any]
+    state: Callable[[], str]
+
+    def __post_init__(self) -> None:
+        self.tail = EventTail(self.events_path)
+        self.events: list[Event] = []
+
+    def run(self, kinds: Sequence[str]) -> None:
+        for i, kind in enumerate(kinds):
+            self._wait(self._ready, f"a checkpoint committed before fault {i + 1} ({kind})")
+            self.fire(kind)
+            self._wait(lambda n=i + 1: self._count("fault") >= n, f"fault {i + 1} ({kind}) to fire")
+        self._wait(self._recovered, "recovery from the last fault")
+
+    def _wait(self, predicate: Callable[[], bool], what: str) -> None:
+        deadline = time.time() + TIMEOUT_S
+        while True:
+            self.events += self.tail.read()
+            if predicate():
+                return
+            state = self.state()
+            if state in ("failed", "stopped", "lost", "succeeded") or time.time() > deadline:
+                raise RuntimeError(f"gave up waiting for {what}: the job is {state}")
+            time.sleep(0.2)
+
+    def _count(self, kind: str) -> int:
+        return sum(e.kind == kind for e in self.events)
+
+    def _since_last_start(self) -> list[Event]:
+        """Events since the newest rank_start that follows the last fault (empty before it)."""
+        faults = [e.t for e in self.events if e.kind == "fault"]
+        since = faults[-1] if faults else 0.0
+        starts = [i for i, e in enumerate(self.events) if e.kind == "rank_start" and e.t > since]
+        return self.events[starts[-1]:] if starts else []
+
+    def _ready(self) -> bool:
+        after = self._since_last_start()
+        commit = next((i for i, e in enumerate(after) if e.kind == "checkpoint" and e["phase"] == "committed"), None)
+        return commit is not None and sum(e.kind == "step" for e in after[commit:]) >= 2
+
+    def _recovered(self) -> bool:
+        return any(e.kind == "step" for e in self._since_last_start())
+
+
+def recoveries(events: list[Event], detections: list[tuple[float, str]]) -> list[Recovery]:
+    """One :class:`Recovery` per fault that was recovered from (a fault's window ends at the next fault)."""
+    faults = [e for e in events if e.kind == "fault"]
+    out = []
+    for i, fault in enumerate(faults):
+        end = faults[i + 1].t if i + 1 < len(faults) else float("inf")
+        detected = next(((t, level) for t, level in detections if fault.t <= t < end), None)
+        if detected is None:
+            continue
+        window = [e for e in events if detected[0] < e.t < end]
+        rec = _recovery(fault, detected, window)
+        if rec is not None:
+            out.append(rec)
+    return out
+
+
+def _recovery(fault: Event, detected: tuple[float, str], window: list[Event]) -> Recovery | None:
+    """The first step that follows a rank_start of a new incarnation ends the recovery."""
+    started = False
+    first = None
+    for e in window:
+        started = started or e.kind == "rank_start"
+        if started and e.kind == "step":
+            first = e
+            break
+    if first is None:
+        return None
+    before = [e for e in window if e.t < first.t]
+    starts = [e for e in before if e.kind == "rank_start"]
+    newest = max(_incarnation(e) for e in starts)
+    t_enter = max(e["t_enter"] for e in starts if _incarnation(e) == newest)
+    resume = next((e for e in reversed(before) if e.kind == "resume"), None)
+    load_end = resume.t if resume else max(e.t for e in starts)
+    load_s = resume["load_s"] if resume else 0.0
+    bounds = [fault.t, detected[0], t_enter, load_end - load_s, load_end, first.t]
+    for k in range(1, len(bounds)):
+        bounds[k] = max(bounds[k], bounds[k - 1])
+    phases = {name: bounds[k + 1] - bounds[k] for k, name in enumerate(PHASES)}
+    return Recovery(fault["fault"], detected[1], fault["at_step"], resume["step"] if resume else 0, phases,
+                    first.t - fault.t)
+
+
+def _incarnation(e: Event) -> tuple[int, int, int]:
+    return (e["job_attempt"], e["injob_restart"], e["inprocess_iteration"])
+
+
+def summarise(recs: list[Recovery]) -> dict[str, Any]:
+    return {"n": len(recs), "levels": sorted({r.level for r in recs}), "total_s": stat([r.total_s for r in recs]),
+            "phases_s": {p: stat([r.phases[p] for r in recs]) for p in PHASES},
+            "rolled_back_steps": stat([r.at_step - 1 - r.resumed_step for r in recs])}
+
+
+def targets_met(by_type: dict[str, Any]) -> dict[str, Any]:
+    """Per fault type: within its level's target (median), and faster than the baseline (median)."""
+    out = {}
+    for kind, entry in by_type.items():
+        total = med(entry["eksft"]["total_s"])
+        limit = TARGETS_S[entry["expected_level"]]
+        out[kind] = {"within_target": total is not None and total <= limit,
+                     "faster_than_baseline": None if entry["vs_baseline"] is None else entry["vs_baseline"] < 1.0}
+    return out
+
+
+def report(result: dict[str, Any]) -> str:
+    rows = []
+    for kind, entry in result["by_fault"].items():
+        for who in ("eksft", "baseline"):
+            s = entry[who]
+            if not s["n"]:
+                if who == "baseline" and entry.get("baseline_note"):
+                    rows.append([f"{kind} / baseline", "-", "0", *["-"] * (len(PHASES) + 2)])
+                continue
+            level = "/".join(s["levels"])
+            phases = [fmt(med(s["phases_s"][p]), ".2f") for p in PHASES]
+            tgt = f"<= {TARGETS_S[entry['expected_level']]:g}" if who == "eksft" else ""
+            rows.append([f"{kind} / {who}", level, str(s["n"]), *phases, fmt(med(s["total_s"]), ".2f"), tgt])
+    title = (f"2. recovery: fault -> first completed step after recovery, seconds (median of "
+             f"{result['repeats']} per fault type; load {result['load_avg_before'][0]}->{result['load_avg_after'][0]})")
+    out = [table(title, ["fault / who", "level", "n", *PHASES, "total", "target"], rows)]
+    for kind, met in result["targets_met"].items():
+        vs = result["by_fault"][kind]["vs_baseline"]
+        base = (f"{vs:.2f}x the baseline ({'faster' if met['faster_than_baseline'] else 'NOT faster'})" if vs is not None
+                else result["by_fault"][kind].get("baseline_note", "no baseline"))
+        out.append(f"  {kind}: {'within' if met['within_target'] else 'NOT within'} the {FAULT_TYPES[kind]} target; {base}")
+    return "\n".join(out) + "\n"
