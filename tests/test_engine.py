@@ -38,6 +38,9 @@ def test_faults_at_every_level_heal_and_lose_nothing(reference_digest: str) -> N
     assert summary["digest"] == reference_digest
     fired = [(f["fault"], f["at_step"]) for f in events("four-faults", "fault")]
     assert fired == [("exception", 15), ("sigkill", 30), ("hang", 45), ("kill-launcher", 60)]
+    # the job restart ran on the launcher the supervisor had kept warm, not on a cold start
+    log = (job_dir("four-faults") / "logs" / "supervisor.log").read_text()
+    assert "attempt 1: started ft_launcher on 1 node(s)" in log and "(warm standby)" in log
 
 
 def test_a_hang_without_inprocess_is_an_injob_restart_blamed_on_the_hung_rank(reference_digest: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Sequence
 
 import psutil
 
@@ -32,9 +33,10 @@ def marked(job_uid: str, node_tag: str | None = None) -> list[psutil.Process]:
     return found
 
 
-def kill_marked(job_uid: str, node_tag: str | None = None, timeout: float = 5.0) -> int:
-    """SIGKILL every process carrying the job's mark; wait until they are gone. Returns how many."""
-    victims = marked(job_uid, node_tag)
+def kill_marked(job_uid: str, node_tag: str | None = None, timeout: float = 5.0, keep: Sequence[int] = ()) -> int:
+    """SIGKILL every process carrying the job's mark but those in ``keep``; wait until they are gone.
+    Returns how many."""
+    victims = [p for p in marked(job_uid, node_tag) if p.pid not in keep]
     for p in victims:
         try:
             p.kill()

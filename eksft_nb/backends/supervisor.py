@@ -65,6 +65,8 @@ class Supervisor:
         self.log = open(self.jd.logs / "supervisor.log", "a", buffering=1)
         self.attempt = 0
         self.nodes: list[Node] = []
+        self.standby: dict[int, subprocess.Popen] = {}  # node -> a warm ft_launcher for the next attempt
+        self.t_launch = 0.0
         self.stop_requested = False
         self.t_start = time.time()
         self.incidents = Incidents(self.mon, self.events.emit, self.t_start, say=self.say,
@@ -104,6 +106,8 @@ class Supervisor:
         ports = Ports(*_free_ports(3))
         run_id = f"{self.spec.name}-{self.attempt}-{uuid.uuid4().hex[:6]}"
         self.nodes = []
+        self.t_launch = time.time()
+        warm = []
         for node in range(self.spec.nnodes):
             argv = launcher_argv(self.spec, node_rank=node, rdzv_host="127.0.0.1", ports=ports, run_id=run_id)
             argv[0] = str(Path(sys.executable).with_name("ft_launcher"))
@@ -111,15 +115,47 @@ class Supervisor:
             env = quiet_env({**os.environ,
                              **rank_env(self.spec, ports=ports, job_attempt=self.attempt, job_dir=str(self.jd.path)),
                              procs.JOB_MARK: self.job_uid, procs.NODE_MARK: tag})
-            log = self.jd.logs / f"launcher-{self.attempt}-{node}.log"
-            with open(log, "ab") as out:
-                popen = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         cwd=self.jd.path, start_new_session=True)
+            log = self._launcher_log(self.attempt, node)
+            popen = self._hand_over(node, argv, env)
+            if popen is None:
+                with open(log, "ab") as out:
+                    popen = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, cwd=self.jd.path, start_new_session=True)
+            else:
+                warm.append(node)
             self.nodes.append(Node(node, popen, log, tag))
             self.events.emit("launch", attempt=self.attempt, node=node, pid=popen.pid, pgid=popen.pid)
         self.say(f"attempt {self.attempt}: started ft_launcher on {len(self.nodes)} node(s), "
-                 f"pids {', '.join(str(n.pid) for n in self.nodes)}")
+                 f"pids {', '.join(str(n.pid) for n in self.nodes)}" + (" (warm standby)" if warm else ""))
         self._write_state("running")
+
+    def _launcher_log(self, attempt: int, node: int) -> Path:
+        return self.jd.logs / f"launcher-{attempt}-{node}.log"
+
+    def _start_standby(self) -> None:
+        """Start a warm ft_launcher per node for the next attempt (see :mod:`.standby`), once this
+        attempt trains, so that starting it takes no CPU from this attempt's own start-up."""
+        nxt = self.attempt + 1
+        for node in range(self.spec.nnodes):
+            env = quiet_env({**os.environ, procs.JOB_MARK: self.job_uid, procs.NODE_MARK: f"{nxt}.{node}"})
+            with open(self._launcher_log(nxt, node), "ab") as out:
+                self.standby[node] = subprocess.Popen(
+                    [sys.executable, "-m", "eksft_nb.backends.standby"], env=env, stdin=subprocess.PIPE,
+                    stdout=out, stderr=subprocess.STDOUT, cwd=self.jd.path, start_new_session=True)
+
+    def _hand_over(self, node: int, argv: list[str], env: dict[str, str]) -> subprocess.Popen | None:
+        """Give this attempt's command line to the node's standby; None when there is none alive."""
+        spare = self.standby.pop(node, None)
+        if spare is None:
+            return None
+        try:
+            spare.stdin.write(json.dumps({"argv": argv, "env": env}).encode() + b"\n")
+            spare.stdin.close()
+        except OSError:  # it died: start afresh
+            spare.kill()
+            spare.wait()
+            return None
+        return spare
 
     def _watch(self) -> tuple[str, str] | None:
         """Poll until the attempt ends. Returns the job outcome, or None to relaunch."""
@@ -144,6 +180,9 @@ class Supervisor:
             dead = [(n, c) for n, c in zip(self.nodes, codes) if c not in (None, 0)]
             if dead:
                 return self._node_died(*dead[0])
+            if (not self.standby and self.attempt < self.spec.ft.max_job_restarts and self.mon.steps.t
+                    and self.mon.steps.t[-1] > self.t_launch):
+                self._start_standby()
             time.sleep(POLL_S)
 
     def _node_died(self, node: Node, code: int) -> tuple[str, str] | None:
@@ -154,7 +193,7 @@ class Supervisor:
             cause = (f"ft_launcher on node {node.index} gave up (exit {code}) after "
                      f"{self.spec.ft.max_injob_restarts} in-job restarts")
         self.say(cause)
-        self._kill_everything()
+        self._kill_everything(keep_standby=True)
         self._pump()
         self.incidents.node_failed(cause, detected)
         if self.incidents.give_up:
@@ -227,9 +266,10 @@ class Supervisor:
         return min(pool, key=lambda b: (b.get("step_done", 0), b.get("t_done", 0)))["rank"]
 
     # ---- processes ----------------------------------------------------------------------------
-    def _kill_everything(self) -> None:
-        """End every process of this job attempt: launchers (and their groups), ranks, and what
-        escaped the groups (NVRx's double-forked monitors, checkpoint writers)."""
+    def _kill_everything(self, keep_standby: bool = False) -> None:
+        """End every process of this job attempt: launchers (and their groups), ranks, what escaped
+        the groups (NVRx's double-forked monitors, checkpoint writers) and, unless kept for the next
+        attempt, the standby launchers."""
         for node in self.nodes:
             if node.popen.poll() is None:
                 procs.kill_group(node.pid, signal.SIGTERM)
@@ -240,7 +280,13 @@ class Supervisor:
             procs.kill_group(node.pid, signal.SIGKILL)
             node.popen.wait()
             self._read_launcher_log(node)
-        procs.kill_marked(self.job_uid)
+        keep = [p.pid for p in self.standby.values()] if keep_standby else []
+        procs.kill_marked(self.job_uid, keep=keep)
+        if not keep_standby:
+            for spare in self.standby.values():
+                spare.kill()
+                spare.wait()
+            self.standby = {}
 
     def _write_state(self, state: str, reason: str = "") -> None:
         record = {"pid": os.getpid(), "pgid": os.getpgid(0), "job_uid": self.job_uid, "state": state,
