@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,6 +18,7 @@ from eksft_nb.job import launch
 from eksft_nb.spec import JobSpec
 
 from .common import REPO, fmt, load_avg, med, stat, table
+from .protocol_probe import per_call_us
 
 TARGET = 0.99
 SPEC = {"model.preset": "small", "checkpoint.every": 0}  # the demo's model; no saves but the final one
@@ -110,17 +110,8 @@ def microbench() -> dict[str, Any]:
     return {"emit_us": emit, "step_protocol_on_us": protocol["on"], "step_protocol_off_us": protocol["off"]}
 
 
-def _per_call_us(fn: Any, batches: int = 5) -> dict[str, Any]:
-    per = MICRO_N // batches
-    times = []
-    i = 0
-    for _ in range(batches):
-        t0 = time.perf_counter()
-        for _ in range(per):
-            i += 1
-            fn(i)
-        times.append((time.perf_counter() - t0) / per * 1e6)
-    return stat(times)
+def _per_call_us(fn: Any) -> dict[str, Any]:
+    return stat(per_call_us(fn, MICRO_N))
 
 
 def report(result: dict[str, Any]) -> str:
