@@ -67,6 +67,7 @@ class Supervisor:
         self.nodes: list[Node] = []
         self.standby: dict[int, subprocess.Popen] = {}  # node -> a warm ft_launcher for the next attempt
         self.t_launch = 0.0
+        self.ranks_started: set[int] = set()  # ranks of the current attempt that reported rank_start
         self.stop_requested = False
         self.t_start = time.time()
         self.incidents = Incidents(self.mon, self.events.emit, self.t_start, say=self.say,
@@ -107,6 +108,7 @@ class Supervisor:
         run_id = f"{self.spec.name}-{self.attempt}-{uuid.uuid4().hex[:6]}"
         self.nodes = []
         self.t_launch = time.time()
+        self.ranks_started = set()
         warm = []
         for node in range(self.spec.nnodes):
             argv = launcher_argv(self.spec, node_rank=node, rdzv_host="127.0.0.1", ports=ports, run_id=run_id)
@@ -133,8 +135,8 @@ class Supervisor:
         return self.jd.logs / f"launcher-{attempt}-{node}.log"
 
     def _start_standby(self) -> None:
-        """Start a warm ft_launcher per node for the next attempt (see :mod:`.standby`), once this
-        attempt trains, so that starting it takes no CPU from this attempt's own start-up."""
+        """Start a warm ft_launcher per node for the next attempt (see :mod:`.standby`) once every
+        rank of this attempt has set up, so that its imports take no CPU from this attempt's start-up."""
         nxt = self.attempt + 1
         for node in range(self.spec.nnodes):
             env = quiet_env({**os.environ, procs.JOB_MARK: self.job_uid, procs.NODE_MARK: f"{nxt}.{node}"})
@@ -180,8 +182,8 @@ class Supervisor:
             dead = [(n, c) for n, c in zip(self.nodes, codes) if c not in (None, 0)]
             if dead:
                 return self._node_died(*dead[0])
-            if (not self.standby and self.attempt < self.spec.ft.max_job_restarts and self.mon.steps.t
-                    and self.mon.steps.t[-1] > self.t_launch):
+            if (not self.standby and self.attempt < self.spec.ft.max_job_restarts
+                    and len(self.ranks_started) == self.spec.world_size):
                 self._start_standby()
             time.sleep(POLL_S)
 
@@ -221,6 +223,8 @@ class Supervisor:
             self.say(f"fault injected: {e['fault']} on {target} at step {e['at_step']}")
         elif e.kind == "checkpoint" and e["phase"] in ("failed", "rejected"):
             self.say(f"checkpoint {e['step']} {e['phase']}: {e.get('error') or e.get('reason')}")
+        elif e.kind == "rank_start" and e.t >= self.t_launch:
+            self.ranks_started.add(e.rank)
         elif e.kind == "resume":
             skipped = "".join(f"; skipped step {x['step']} ({x['reason']})" for x in e["skipped"])
             self.say(f"resuming from checkpoint step {e['step']} (loaded in {e['load_s']:.1f}s){skipped}")
