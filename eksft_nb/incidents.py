@@ -53,6 +53,7 @@ class Incidents:
         self.recent_faults: list[dict[str, Any]] = []   # rank faults since a step ran after them
         self.recent_errors: list[dict[str, Any]] = []   # rank errors, likewise
         self.incarnation: dict[int, tuple[int, int, int]] = {}  # rank -> (job attempt, in-job, in-process)
+        self.recovered_to: tuple[int, int, int] | None = None  # the incarnation the last incident ended in
         self.last_alive = t_start
         self.stuck_at: list[int | None] = []
         self.give_up: str | None = None
@@ -70,7 +71,10 @@ class Incidents:
             now = (e["job_attempt"], e["injob_restart"], e["inprocess_iteration"])
             before = self.incarnation.get(e.rank)
             self.incarnation[e.rank] = now
-            if before is not None and now != before and self.incident is None:
+            # a start of the incarnation the last incident already recovered to is no new incident:
+            # several pods' logs arrive interleaved, so a rank's start can follow another rank's step
+            new = self.recovered_to is None or now > self.recovered_to
+            if before is not None and now != before and self.incident is None and new:
                 same_process = now[:2] == before[:2]
                 detected = max((x["t"] for x in self.recent_errors), default=e.t)
                 fallback = "the wrapped training function was restarted" if same_process else \
@@ -141,6 +145,7 @@ class Incidents:
                   detection_s=max(0.0, i.detected_at - i.fault_time), downtime_s=downtime,
                   rolled_back_steps=max(0, i.last_step - resumed), resumed_step=resumed)
         self.last_alive = max(self.last_alive, first_step_start)
+        self.recovered_to = max(self.incarnation.values(), default=None)
         self.say(f"recovered ({i.level}): resumed from step {resumed}, {downtime:.1f}s after the fault")
 
     # ---- attribution ---------------------------------------------------------------------------

@@ -73,6 +73,7 @@ def test_rendered_pods_train_survive_a_sigkill_and_resume(cluster: tuple[Kube, E
     mon = job.monitor
     assert mon.max_step == 16 and mon.digest and mon.state == "succeeded"
     assert {f["fault"] for f in mon.faults} == {"sigkill", "slow-rank"} and injected.id in {f["id"] for f in mon.faults}
+    assert len(mon.restarts) == 1, mon.restarts
     [restart] = mon.restarts
     assert (restart["level"], restart["cause"], restart["blame_rank"], restart["resumed_step"]) == (
         "injob", "injected sigkill on rank 1", 1, 8)
