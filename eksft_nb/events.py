@@ -37,6 +37,8 @@ KINDS: dict[str, dict[str, tuple[type, ...] | type]] = {
     "restart": {"level": str, "cause": str, "blame_rank": _opt_int, "fault_time": _num, "detection_s": _num,
                 "downtime_s": _num, "rolled_back_steps": int, "resumed_step": int},
     "job_end": {"state": str, "reason": str, "final_step": int},
+    # NVRx 0.6+'s own record of one worker-group cycle of a launch attempt (end: None while it runs)
+    "nvrx_cycle": {"attempt": int, "cycle": int, "start": _num, "end": (int, float, type(None))},
     # ranks
     "rank_start": {"pid": int, "host": str, "job_attempt": int, "injob_restart": int, "inprocess_iteration": int,
                    "world_size": int, "start_step": int},

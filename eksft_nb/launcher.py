@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .nvrx import NVRx
 from .spec import JobSpec
 
 TRAINER_MODULE = "eksft_nb.runtime.train"
@@ -28,11 +29,15 @@ class Ports:
 
 
 def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports: Ports, run_id: str,
-                  log_dir: str | None = None) -> list[str]:
+                  log_dir: str | None = None, nvrx: NVRx | None = None, cycle_dir: str | None = None) -> list[str]:
     """``ft_launcher ...`` for one node (argv[0] is the bare command name).
 
     ``node_rank`` may be a Kubernetes reference such as ``"$(EKSFT_NODE_RANK)"``, which the kubelet
     fills in per pod, so every pod of a workload shares one launch line.
+
+    Without ``nvrx`` the line uses only flags every supported NVRx (0.4.1 on) takes: a pod's image
+    may carry another release than the machine that renders it. With it, that release's own flags
+    are added (see :meth:`NVRx.launcher_flags`; ``cycle_dir`` receives its per-cycle records).
     """
     ft = spec.ft
     argv = [
@@ -51,6 +56,8 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
         argv.append("--ft-rank-section-timeouts=" + ",".join(f"{k}:{v:g}" for k, v in sections.items()))
     if log_dir:
         argv.append(f"--log-dir={log_dir}")
+    if nvrx is not None:
+        argv += nvrx.launcher_flags(cycle_dir)
     if spec.script:
         argv += ["-m", SCRIPT_MODULE, spec.script, *spec.script_args]
     else:
@@ -59,15 +66,16 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
 
 
 def rank_env(spec: JobSpec, *, ports: Ports, job_attempt: int, job_dir: str | None = None,
-             spec_path: str | None = None, events_stdout: bool = False) -> dict[str, str]:
-    """Environment for the launcher and (inherited) its ranks."""
+             spec_path: str | None = None, events_stdout: bool = False, nvrx: NVRx | None = None) -> dict[str, str]:
+    """Environment for the launcher and (inherited) its ranks. The in-process tier is on when the
+    spec asks for it and ``nvrx`` (when known) still has ``inprocess.Wrapper``."""
     env = {
         "EKSFT_JOB": spec.name,
         "EKSFT_JOB_ATTEMPT": str(job_attempt),
         "EKSFT_STORE_PORT": str(ports.store),
         "OMP_NUM_THREADS": str(spec.threads_per_rank),
     }
-    if spec.ft.inprocess:
+    if spec.ft.inprocess and (nvrx is None or nvrx.inprocess != "missing"):
         env["EKSFT_WRAPPER_PORT"] = str(ports.wrapper)
     if job_dir:
         env["EKSFT_JOB_DIR"] = job_dir

@@ -13,9 +13,10 @@ from ..events import Event
 from ..spec import JobSpec
 
 
-# launcher and library lines a user does not need (shown with --debug)
+# launcher and library lines a user does not need (shown with --debug); NVRx 0.4.1 tags its records
+# "[ft_launcher123@host]" / "[RankMonServer...]", 0.6 "[workload:0(0) infra:?(?)] file.py:123"
 _NOISE = re.compile(
-    r"\[ft_launcher\d*@|\[RankMonServer|NVML|Health check|socket\.cpp|waitForInput|pynvml|FutureWarning|"
+    r"\[ft_launcher\d*@|\[RankMonServer|\[workload:[^\]]* infra:[^\]]*\]|NVML|Health check|socket\.cpp|waitForInput|pynvml|FutureWarning|"
     r"^\*+$|OMP_NUM_THREADS|Rendezvous info|--rdzv-backend|^\s+(entrypoint|min_nodes|max_nodes|nproc_per_node|"
     r"run_id|rdzv_backend|rdzv_endpoint|rdzv_configs|max_restarts|restart_policy|monitor_interval|log_dir|"
     r"metrics_cfg)\s+:|^\[rank\d+\]:\s+(File |\^|Traceback|\s)|^\s*$|inprocess|GLHF|resource_tracker|leaked semaphore|warnings\.warn\(")
@@ -24,6 +25,24 @@ _NOISE = re.compile(
 def is_noise(line: str) -> bool:
     """A launcher or library line a user does not need to read (``logs --debug`` shows them)."""
     return _NOISE.search(line) is not None
+
+
+# the rest of a multi-line record (a traceback NVRx logs with its message, a config dump)
+_CONTINUATION = re.compile(r"^(\s|Traceback \(most recent call last\):|During handling of the above|"
+                           r"The above exception was the direct cause|[\w.]+(Error|Exception|NotFound)\b|$)")
+
+
+def quiet_lines(lines: list[str]) -> list[str]:
+    """``lines`` without noise: noisy lines and the continuation lines of their records (NVRx 0.6
+    logs the NVML health check's traceback under one noisy line)."""
+    out, in_noise = [], False
+    for line in lines:
+        if is_noise(line) or (in_noise and _CONTINUATION.match(line)):
+            in_noise = True
+            continue
+        in_noise = False
+        out.append(line)
+    return out
 
 
 class EventSource(Protocol):

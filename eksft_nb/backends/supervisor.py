@@ -26,6 +26,7 @@ from typing import Any
 
 from ..events import EventTail, EventWriter
 from ..jobdir import JobDir, atomic_write
+from .. import nvrx
 from ..launcher import Ports, launcher_argv, rank_env
 from ..incidents import Incidents
 from ..monitor import JobMonitor
@@ -33,10 +34,14 @@ from ..runtime.quiet import quiet_env
 from . import procs
 
 POLL_S = 0.2
+# ft_launcher's log, as NVRx 0.4.1 (``[2026-01-02 03:04:05,678] [WARNING] [RankMonServer...] msg``) and
+# 0.6 (``2026-01-02 03:04:05,678 [WARNING] [host] [workload:0(0) infra:?(?)] file.py:123 msg``) write it
 _WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
-_FT_TIMEOUT = re.compile(r"FT timeout elapsed")
+# a rank monitor's timeout (0.4.1 adds "FT timeout elapsed." after each, 0.6 logs only these)
+_FT_TIMEOUT = re.compile(r"FT timeout elapsed|Did not get (initial|subsequent) heartbeat|"
+                         r"Section '[^']*' has been open for|Was out of section for")
 _ATTEMPTS = re.compile(r"Worker group (\w+)\. (\d+)/(\d+) attempts left")
-_LOGGED_AT = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})\]")
+_LOGGED_AT = re.compile(r"^\[?(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})\]? ")
 
 
 @dataclass
@@ -73,14 +78,20 @@ class Supervisor:
         self.incidents = Incidents(self.mon, self.events.emit, self.t_start, say=self.say,
                                    patience=self.spec.ft.progress_patience, steps_expected=not self.spec.script)
         self.folder_inode = os.stat(self.jd.path).st_ino
+        self.nvrx = nvrx.installed()
+        self.cycles_seen: dict[tuple[int, int], nvrx.CycleRecord] = {}  # (attempt, cycle) -> as last emitted
 
     # ---- lifecycle ----------------------------------------------------------------------
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        self.say(f"supervising job {self.spec.name} ({self.spec.world_size} ranks, {self.spec.steps} steps)")
+        self.say(f"supervising job {self.spec.name} ({self.spec.world_size} ranks, {self.spec.steps} steps) "
+                 f"with {self.nvrx.describe() if self.nvrx else 'no NVRx installed'}")
+        if self.nvrx and self.spec.ft.inprocess and (note := self.nvrx.inprocess_note()):
+            self.say(note)
         self.events.emit("job_start", spec_digest=self.spec.digest(), world_size=self.spec.world_size,
-                         steps=self.spec.steps, backend="local", host=socket.gethostname(), pid=os.getpid())
+                         steps=self.spec.steps, backend="local", host=socket.gethostname(), pid=os.getpid(),
+                         nvrx=self.nvrx.version if self.nvrx else None)
         outcome = None
         while outcome is None:
             self._launch()
@@ -111,17 +122,20 @@ class Supervisor:
         self.ranks_started = set()
         warm = []
         for node in range(self.spec.nnodes):
-            argv = launcher_argv(self.spec, node_rank=node, rdzv_host="127.0.0.1", ports=ports, run_id=run_id)
-            argv[0] = str(Path(sys.executable).with_name("ft_launcher"))
+            argv = launcher_argv(self.spec, node_rank=node, rdzv_host="127.0.0.1", ports=ports, run_id=run_id,
+                                 nvrx=self.nvrx, cycle_dir=str(self._cycle_dir(self.attempt)))
             tag = f"{self.attempt}.{node}"
             env = quiet_env({**os.environ,
-                             **rank_env(self.spec, ports=ports, job_attempt=self.attempt, job_dir=str(self.jd.path)),
+                             **rank_env(self.spec, ports=ports, job_attempt=self.attempt, job_dir=str(self.jd.path),
+                                        nvrx=self.nvrx),
                              procs.JOB_MARK: self.job_uid, procs.NODE_MARK: tag})
             log = self._launcher_log(self.attempt, node)
             popen = self._hand_over(node, argv, env)
             if popen is None:
+                # the module, not the console script: NVRx installed with `pip --target` (on PYTHONPATH) has none
+                command = [sys.executable, "-m", nvrx.LAUNCHER_MODULE, *argv[1:]]
                 with open(log, "ab") as out:
-                    popen = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+                    popen = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
                                              stdin=subprocess.DEVNULL, cwd=self.jd.path, start_new_session=True)
             else:
                 warm.append(node)
@@ -133,6 +147,10 @@ class Supervisor:
 
     def _launcher_log(self, attempt: int, node: int) -> Path:
         return self.jd.logs / f"launcher-{attempt}-{node}.log"
+
+    def _cycle_dir(self, attempt: int) -> Path:
+        """Where NVRx 0.6+ writes this attempt's cycle records (its file names restart with each launcher)."""
+        return self.jd.logs / "nvrx" / f"attempt-{attempt}"
 
     def _start_standby(self) -> None:
         """Start a warm ft_launcher per node for the next attempt (see :mod:`.standby`) once every
@@ -211,6 +229,21 @@ class Supervisor:
         self._read_events()
         for node in self.nodes:
             self._read_launcher_log(node)
+        self._read_cycle_records()
+
+    def _read_cycle_records(self) -> None:
+        """Fold NVRx's own per-cycle records (0.6+) into the events: one ``nvrx_cycle`` event when a
+        worker-group cycle starts and one when NVRx marks it ended, so the restart timeline carries
+        NVRx's account of each in-job restart next to eksft's."""
+        if self.nvrx is None or not self.nvrx.cycle_records:
+            return
+        for record in nvrx.read_cycle_records(self._cycle_dir(self.attempt)):
+            key = (self.attempt, record.cycle)
+            if self.cycles_seen.get(key) == record:
+                continue
+            self.cycles_seen[key] = record
+            self.events.emit("nvrx_cycle", attempt=self.attempt, cycle=record.cycle, start=record.start,
+                             end=record.end, active_ranks=record.active_ranks)
 
     def _read_events(self) -> None:
         for event in self.tail.read():  # one at a time: incidents see the state just before each event

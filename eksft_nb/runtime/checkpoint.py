@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import inspect
 import io
 import json
 import os
@@ -37,6 +38,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import _is_wrapped_exception
 
 from ..checkpoints import COMMIT, CheckpointInfo, list_checkpoints, reject, sha256_file, step_dir, verify
 from ..errors import JobError
@@ -136,20 +138,23 @@ class Stager:
 
 # ---- the background write (runs in NVRx's persistent writer process) -----------------------
 
-def write_shard(transform_list: list, rank: int, write_buckets: list, results_queue: Any,
+def write_shard(write_fn: Any, rank: int, write_buckets: Any, results_queue: Any,
                 manifest_path: str, fail: bool) -> None:
-    """Write this rank's files with NVRx, then record their sizes and checksums. Never raises:
-    the persistent writer would die, so errors travel back through ``results_queue``."""
-    from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
-
+    """Write this rank's files with NVRx's ``write_fn``, then record their sizes and checksums.
+    ``write_buckets`` is a callable on NVRx 0.6+, which builds the buckets in the writer process.
+    Never raises: the persistent writer would die, so errors travel back through ``results_queue``."""
+    try:
+        write_buckets = write_buckets() if callable(write_buckets) else write_buckets
+    except Exception as e:  # noqa: BLE001 - reported, not swallowed
+        results_queue.put(e)
+        return
     if fail:
         for file_path, _, _ in write_buckets:
             Path(file_path).write_bytes(b"partial")
         results_queue.put(OSError("injected save failure: the checkpoint write failed"))
         return
     try:
-        FileSystemWriterAsync.write_preloaded_data_multiproc(transform_list, False, rank, write_buckets,
-                                                             results_queue)
+        write_fn(rank, write_buckets, results_queue)
         files = {Path(p).name: {"size": Path(p).stat().st_size, "sha256": sha256_file(Path(p))}
                  for p, _, _ in write_buckets}
         tmp = manifest_path + ".tmp"
@@ -193,7 +198,9 @@ class _AsyncWriter:
 
         with _light_main():
             _get_write_results_queue()
-            cls.caller = PersistentAsyncCaller()
+            # NVRx 0.6+ sets up CUDA in the writer unless told the staged state is in CPU shared memory
+            cpu_only = "cpu_shm_mode" in inspect.signature(PersistentAsyncCaller).parameters
+            cls.caller = PersistentAsyncCaller(**({"cpu_shm_mode": True} if cpu_only else {}))
             cls.caller.rank = int(os.environ.get("RANK", 0))  # so it needs no process group yet
             cls.caller.schedule_async_call(AsyncRequest(_noop, (), []))
         cls.outstanding = 1
@@ -367,11 +374,11 @@ class CheckpointManager:
             self.plan_cache = CheckpointMetadataCache()
         plan = save_state_dict_async_plan(staged, writer, self.group, 0, planner=DefaultSavePlanner(),
                                           enable_cache=True, metadata_cache=self.plan_cache)
-        _, _, args = writer.get_save_function_and_args()
+        write_fn, preload_fn, args = writer.get_save_function_and_args()
         fail, self.fail_next_write = self.fail_next_write, False
         manifest = str(path / f"manifest-{self.rank}.json")
-        transforms = [writer.transforms] if hasattr(writer, "transforms") else []
-        request = AsyncRequest(write_shard, (transforms, self.rank, args[1], args[2], manifest, fail), [])
+        buckets = args[1] if args[1] is not None else preload_fn  # NVRx 0.6+: built by the writer process
+        request = AsyncRequest(write_shard, (write_fn, self.rank, buckets, args[2], manifest, fail), [])
         _AsyncWriter.schedule(request)
         t_staged = time.perf_counter()
         self.pending = _Pending(step, path, writer, plan, t_staged, t_staged - t0)
@@ -397,6 +404,8 @@ class CheckpointManager:
         self.pending = None
         try:
             results, error = p.writer.retrieve_write_results(), None
+            if _is_wrapped_exception(results):  # NVRx 0.6+ returns a write error instead of raising it
+                raise results[0]
         except Exception as e:  # noqa: BLE001
             results, error = None, str(e.__cause__ or e)
         gathered = [None] * self.world_size

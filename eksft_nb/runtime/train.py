@@ -22,6 +22,8 @@ from .quiet import quiet_process
 
 def main() -> None:
     quiet_process()
+    import torch
+
     from .checkpoint import start_writer
     from .session import session
     from .trainer import run, wrapper_kwargs
@@ -38,7 +40,12 @@ def main() -> None:
             # the Wrapper passes itself to the parameter annotated with CallWrapper (a real class,
             # not the string that `from __future__ import annotations` leaves)
             run.__annotations__["call_wrapper"] = inprocess.CallWrapper
-            inprocess.Wrapper(**wrapper_kwargs(s))(run)()
+            wrapper = inprocess.Wrapper(**wrapper_kwargs(s))
+            if hasattr(wrapper, "restart_health_check") and not torch.cuda.is_available():
+                # NVRx 0.6+ chains its GPU, NVLink and NIC checks into every in-process restart;
+                # with no GPU they can only fail, turning each restart into an exit
+                wrapper.restart_health_check = None
+            wrapper(run)()
         else:
             run()
     finally:

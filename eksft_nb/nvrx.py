@@ -1,0 +1,179 @@
+"""Which NVRx (nvidia-resiliency-ext) this environment has, and what that release can do.
+
+eksft supports NVRx 0.4.1 and later. The releases differ in ways the launch line, the in-process
+tier and the restart timeline have to follow; this module is the one place that knows how:
+
+- 0.5: barrier rendezvous (the default from then on), async checkpoint writer without fork;
+- 0.6: ``inprocess.Wrapper`` deprecated in favour of in-job restart; per-cycle records
+  (``NVRxCycleInfo`` files under ``--ft-cycle-info-dir``); progress-based early termination
+  (``--ft-max-no-progress-cycles``); ``--ft-restart-policy`` a no-op;
+- 0.7 (Python >= 3.12 only): legacy rendezvous and ``--ft-restart-policy`` gone.
+
+Capabilities follow the version, except the in-process tier, which is looked up as a module: a
+release that drops ``nvidia_resiliency_ext.inprocess`` loses it whatever its number says.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import importlib.util
+import json
+import re
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+DIST = "nvidia-resiliency-ext"
+OLDEST = (0, 4, 1)
+LAUNCHER_MODULE = "nvidia_resiliency_ext.fault_tolerance.launcher"
+
+
+@dataclass(frozen=True)
+class NVRx:
+    """One NVRx release and what eksft uses of it."""
+
+    version: str
+    inprocess_module: bool = True  # nvidia_resiliency_ext.inprocess is importable
+
+    @property
+    def release(self) -> tuple[int, int, int]:
+        return parse_version(self.version)
+
+    @property
+    def supported(self) -> bool:
+        return self.release >= OLDEST
+
+    @property
+    def inprocess(self) -> str:
+        """``available``, ``deprecated`` (0.6+: still works, no longer developed) or ``missing``."""
+        if not self.inprocess_module:
+            return "missing"
+        return "deprecated" if self.release >= (0, 6, 0) else "available"
+
+    @property
+    def barrier_rendezvous(self) -> bool:
+        return self.release >= (0, 5, 0)
+
+    @property
+    def legacy_rendezvous(self) -> bool:
+        return self.release < (0, 7, 0)
+
+    @property
+    def restart_policy_flag(self) -> bool:
+        """``--ft-restart-policy`` is accepted (a no-op from 0.6, gone in 0.7). eksft never passes it."""
+        return self.release < (0, 7, 0)
+
+    @property
+    def cycle_records(self) -> bool:
+        """ft_launcher writes one ``NVRxCycleInfo`` JSON file per restart cycle when asked to."""
+        return self.release >= (0, 6, 0)
+
+    @property
+    def progress_termination(self) -> bool:
+        """ft_launcher can end a job whose restarts make no progress (``--ft-max-no-progress-cycles``)."""
+        return self.release >= (0, 6, 0)
+
+    def launcher_flags(self, cycle_dir: str | None = None) -> list[str]:
+        """Flags only this release's ft_launcher takes. eksft's supervisor judges progress itself
+        (``ft.progress_patience``), so NVRx's own no-progress cut-off is turned off."""
+        flags = []
+        if self.progress_termination:
+            flags.append("--ft-max-no-progress-cycles=0")
+        if self.cycle_records and cycle_dir:
+            flags.append(f"--ft-cycle-info-dir={cycle_dir}")
+        return flags
+
+    def inprocess_note(self) -> str | None:
+        """One line for users when asking for in-process restart is not plainly fine; else None."""
+        if self.inprocess == "deprecated":
+            return (f"NVRx {self.version} deprecates in-process restart (inprocess.Wrapper); it still runs, "
+                    "but in-job restart is NVRx's way forward (--no-inprocess)")
+        if self.inprocess == "missing":
+            return (f"NVRx {self.version} has no in-process restart (inprocess.Wrapper): "
+                    "exceptions and hangs restart the worker group in-job instead")
+        return None
+
+    def describe(self) -> str:
+        tiers = {"available": "in-process, in-job, job", "deprecated": "in-process (deprecated), in-job, job",
+                 "missing": "in-job, job"}[self.inprocess]
+        return f"NVRx {self.version} (restart tiers: {tiers})"
+
+
+def parse_version(text: str) -> tuple[int, int, int]:
+    """``0.6.0``, ``0.7.0rc1``, ``0.5.0+cu13`` -> (major, minor, patch); unparsable -> (0, 0, 0)."""
+    m = re.match(r"\s*(\d+)(?:\.(\d+))?(?:\.(\d+))?", text if isinstance(text, str) else "")
+    if m is None:
+        return (0, 0, 0)
+    return tuple(int(g or 0) for g in m.groups())  # type: ignore[return-value]
+
+
+@functools.lru_cache(maxsize=1)
+def installed() -> NVRx | None:
+    """The NVRx this interpreter imports (the first on ``sys.path``, as ``import`` finds it), or None."""
+    try:
+        version = importlib.metadata.version(DIST)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    try:
+        has_inprocess = importlib.util.find_spec("nvidia_resiliency_ext.inprocess") is not None
+    except (ImportError, ValueError):
+        has_inprocess = False
+    return NVRx(version, has_inprocess)
+
+
+@dataclass(frozen=True)
+class CycleRecord:
+    """One ``NVRxCycleInfo`` file (NVRx 0.6+): a restart cycle of one ft_launcher's worker group."""
+
+    cycle: int
+    start: float                # epoch seconds
+    end: float | None           # None while the cycle runs
+    active_ranks: str = ""      # e.g. "0-1"
+
+
+def _epoch(text: object) -> float | None:
+    """``2026-05-01T12:00:00.123456Z`` -> epoch seconds; anything else -> None."""
+    if not isinstance(text, str) or not text:
+        return None
+    try:
+        when = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp()
+
+
+def parse_cycle_record(text: str) -> CycleRecord | None:
+    """A cycle record from a file's text; None for anything that is not one (never raises: the
+    file is written by another process and may be partial or foreign)."""
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    cycle, start = data.get("cycle_number", 0), _epoch(data.get("cycle_start_time"))
+    if isinstance(cycle, str) and cycle.isdigit():  # protobuf JSON may write integers as strings
+        cycle = int(cycle)
+    if not isinstance(cycle, int) or isinstance(cycle, bool) or cycle < 0 or start is None:
+        return None
+    ranks = data.get("active_ranks", "")
+    return CycleRecord(cycle, start, _epoch(data.get("cycle_end_time")), ranks if isinstance(ranks, str) else "")
+
+
+def read_cycle_records(folder: Path) -> list[CycleRecord]:
+    """The cycle records ft_launcher wrote under ``folder`` (``--ft-cycle-info-dir``), by cycle."""
+    records = {}
+    try:
+        paths = [p for p in folder.iterdir() if p.name.startswith("cycle_info.") and not p.is_symlink()
+                 and p.suffix != ".tmp"]
+    except OSError:
+        return []
+    for path in paths:
+        try:
+            record = parse_cycle_record(path.read_text(errors="replace")[:65536])
+        except OSError:
+            continue
+        if record is not None:
+            records[record.cycle] = record
+    return [records[c] for c in sorted(records)]
