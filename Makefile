@@ -1,6 +1,6 @@
 # eksft-nb: every target sets up what it needs (a .venv in this folder) on a fresh machine.
 #   make lab    set up, run the headless terminal demo, then open JupyterLab on the quickstart
-#   make test   set up (venv + Chromium for the browser test) and run the test suite
+#   make test   set up (venv, NVRx 0.6.0 beside it, Chromium for the browser test) and run the test suite
 #   make demo   set up and run the headless demo only
 #   make bench  set up and run the benchmarks (make bench-quick: the short version)
 
@@ -23,7 +23,24 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
-setup: $(VENV)/.installed
+# A second NVRx for the tests, beside the one pip resolved (0.4.1 where glibc < 2.39): the engine's fault
+# matrix runs on both. Its wheel is tagged manylinux_2_39 but its only compiled part is the CUDA-only
+# CUPTI extension, so it is unpacked with --target; the tests put this folder first on PYTHONPATH.
+# Its gRPC/protobuf requirements go into the same folder (nothing else in the venv sees them); the rest
+# of what it requires (numpy, psutil>=6, pyyaml, packaging, httpx, defusedxml, nvidia-ml-py) the venv has.
+NVRX_TEST := 0.6.0
+NVRX_TEST_DIR := $(VENV)/nvrx-$(NVRX_TEST)
+
+$(NVRX_TEST_DIR)/.installed: $(VENV)/.installed
+	rm -rf $(NVRX_TEST_DIR)
+	$(PY) -m pip install -q --no-deps --only-binary=:all: --platform manylinux_2_39_x86_64 \
+	  --target $(NVRX_TEST_DIR) nvidia-resiliency-ext==$(NVRX_TEST)
+	$(PY) -m pip install -q --no-deps --only-binary=:all: --upgrade --target $(NVRX_TEST_DIR) \
+	  "grpcio>=1.76,<2" "grpcio-tools>=1.76,<2" "protobuf>=4.22"
+	$(PY) -m pip install -q defusedxml httpx "nvidia-ml-py>=12.570.86" packaging "psutil>=6" pyyaml
+	touch $@
+
+setup: $(VENV)/.installed $(NVRX_TEST_DIR)/.installed
 
 chromium:
 	@if [ ! -x $(CHROMIUM) ]; then \

@@ -15,14 +15,19 @@ from eksft_nb.jobdir import JobDir
 BASE = ["--model", "tiny", "--steps", "80", "--ckpt-every", "10", "--seed", "0"]
 
 
-def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def cli(*args: str, timeout: float = 600, nvrx: Path | None = None) -> subprocess.CompletedProcess:
+    """``python -m eksft_nb ARGS``; with ``nvrx``, that folder's NVRx (a ``pip --target`` install) is
+    imported ahead of the environment's, by the CLI and by the supervisor, launchers and ranks it starts."""
+    env = dict(os.environ)
+    if nvrx is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(nvrx), env.get("PYTHONPATH")) if p)
     return subprocess.run([sys.executable, "-m", "eksft_nb", *args], capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ))
+                          timeout=timeout, env=env)
 
 
-def run_job(name: str, *args: str, timeout: float = 600) -> dict:
+def run_job(name: str, *args: str, timeout: float = 600, nvrx: Path | None = None) -> dict:
     """Launch and follow a job to its end; return its JSON summary."""
-    proc = cli("run", "--name", name, *BASE, *args, "--json", timeout=timeout)
+    proc = cli("run", "--name", name, *BASE, *args, "--json", timeout=timeout, nvrx=nvrx)
     assert proc.stdout.strip(), f"no summary; stderr:\n{proc.stderr[-3000:]}"
     return json.loads(proc.stdout[proc.stdout.index("{"):])
 

@@ -5,15 +5,39 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
+from eksft_nb import nvrx
 from eksft_nb.backends import procs
 from eksft_nb.checkpoints import list_checkpoints
 from eksft_nb.jobdir import JobDir
 from jobs import cli, events, job_dir, run_job
 
 pytestmark = pytest.mark.slow
+
+# NVRx 0.6.0 beside the environment's own (0.4.1 on this kind of machine): `make setup` installs
+# it with `pip install --target` (its wheel needs glibc 2.39 by tag only), see the Makefile
+NVRX_06 = Path(__file__).resolve().parents[1] / ".venv" / "nvrx-0.6.0"
+
+
+@pytest.fixture(params=["installed", "0.6.0"], ids=lambda v: f"nvrx-{v}")
+def nvrx_release(request: pytest.FixtureRequest) -> tuple[str, Path | None]:
+    """(the NVRx version a job must run with, the folder to put first on PYTHONPATH for it)."""
+    if request.param == "installed":
+        return nvrx.installed().version, None
+    if not (NVRX_06 / "nvidia_resiliency_ext").is_dir():
+        pytest.skip(f"NVRx 0.6.0 is not installed in {NVRX_06} (`make setup` installs it)")
+    return "0.6.0", NVRX_06
+
+
+def ran_with(name: str, version: str) -> None:
+    """The job ran with NVRx ``version``: the supervisor reported it, and the launchers imported it."""
+    [start] = events(name, "job_start")
+    assert start["nvrx"] == version, start.data
+    log = (job_dir(name) / "logs" / "launcher-0-0.log").read_text()
+    assert ("[workload:" in log) == (nvrx.parse_version(version) >= (0, 6, 0)), log[:2000]
 
 
 @pytest.fixture(scope="module")
@@ -26,26 +50,41 @@ def reference_digest() -> str:
     return summary["digest"]
 
 
-def test_faults_at_every_level_heal_and_lose_nothing(reference_digest: str) -> None:
-    summary = run_job("four-faults", "--fault", "exception:0@15", "--fault", "sigkill:1@30",
-                      "--fault", "hang:0@45", "--fault", "kill-launcher@60")
+def test_faults_at_every_level_heal_and_lose_nothing(reference_digest: str, nvrx_release) -> None:
+    version, folder = nvrx_release
+    name = f"four-faults-{version}"
+    summary = run_job(name, "--fault", "exception:0@15", "--fault", "sigkill:1@30",
+                      "--fault", "hang:0@45", "--fault", "kill-launcher@60", nvrx=folder)
     assert summary["state"] == "succeeded", summary
+    ran_with(name, version)
     assert summary["steps_done"] == 80
     restarts = summary["restart_events"]
     assert [r["level"] for r in restarts] == ["inprocess", "injob", "inprocess", "job"]
     assert [r["blame_rank"] for r in restarts[:3]] == [0, 1, 0]
     assert all(r["downtime_s"] > 0 and r["rolled_back_steps"] >= 0 for r in restarts)
-    assert summary["digest"] == reference_digest
-    fired = [(f["fault"], f["at_step"]) for f in events("four-faults", "fault")]
+    assert summary["digest"] == reference_digest  # bit-identical to the fault-free run, whichever NVRx
+    fired = [(f["fault"], f["at_step"]) for f in events(name, "fault")]
     assert fired == [("exception", 15), ("sigkill", 30), ("hang", 45), ("kill-launcher", 60)]
     # the job restart ran on the launcher the supervisor had kept warm, not on a cold start
-    log = (job_dir("four-faults") / "logs" / "supervisor.log").read_text()
+    log = (job_dir(name) / "logs" / "supervisor.log").read_text()
     assert "attempt 1: started ft_launcher on 1 node(s)" in log and "(warm standby)" in log
+    if nvrx.NVRx(version).cycle_records:  # NVRx's own record of each worker-group cycle is in the events
+        cycles = {(c["attempt"], c["cycle"]): c for c in events(name, "nvrx_cycle")}  # the last word on each
+        assert sorted(cycles) == [(0, 0), (0, 1), (1, 0)], cycles  # the in-job restart, then the job restart
+        [injob] = [r for r in events(name, "restart") if r["level"] == "injob"]
+        assert cycles[(0, 0)]["end"] is not None
+        assert injob["fault_time"] <= cycles[(0, 1)]["start"] <= injob.t
+    if nvrx.NVRx(version).inprocess == "deprecated":
+        assert "deprecates in-process restart" in log  # said once, in the job's narrative
 
 
-def test_a_hang_without_inprocess_is_an_injob_restart_blamed_on_the_hung_rank(reference_digest: str) -> None:
-    summary = run_job("hang-injob", "--no-inprocess", "--heartbeat-timeout", "6", "--fault", "hang:1@20")
+def test_a_hang_without_inprocess_is_an_injob_restart_blamed_on_the_hung_rank(reference_digest: str,
+                                                                              nvrx_release) -> None:
+    version, folder = nvrx_release
+    name = f"hang-injob-{version}"
+    summary = run_job(name, "--no-inprocess", "--heartbeat-timeout", "6", "--fault", "hang:1@20", nvrx=folder)
     assert summary["state"] == "succeeded", summary
+    ran_with(name, version)
     [restart] = summary["restart_events"]
     assert restart["level"] == "injob"
     assert restart["blame_rank"] == 1, restart  # ft_launcher itself blames local rank 0

@@ -42,6 +42,7 @@ _FT_TIMEOUT = re.compile(r"FT timeout elapsed|Did not get (initial|subsequent) h
                          r"Section '[^']*' has been open for|Was out of section for")
 _ATTEMPTS = re.compile(r"Worker group (\w+)\. (\d+)/(\d+) attempts left")
 _LOGGED_AT = re.compile(r"^\[?(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})\]? ")
+_GLOG_AT = re.compile(r"^[IWEF](\d{4}) (\d\d:\d\d:\d\d)\.(\d{1,9}) ")
 
 
 @dataclass
@@ -275,18 +276,19 @@ class Supervisor:
             return
         node.offset += end + 1
         for line in chunk[: end + 1].decode(errors="replace").splitlines():
-            hang, failed = _FT_TIMEOUT.search(line), _WORKER_FAILED.search(line)
-            if (hang or failed) and self.incidents.incident is None:
+            seen = parse_launcher_line(line)
+            if seen is None:
+                continue
+            if seen.kind == "restarting":
+                self.say(f"ft_launcher restarts the worker group ({seen.left[0]}/{seen.left[1]} in-job restarts left)")
+            elif self.incidents.incident is None:
                 self._read_events()  # a rank may have reported the fault just before it died
-                if hang:
-                    self.incidents.hang(_logged_at(line), self.spec.ft.heartbeat_timeout, self._stuck_rank())
+                if seen.kind == "hang":
+                    self.incidents.hang(seen.at, self.spec.ft.heartbeat_timeout, self._stuck_rank())
                 else:
-                    code, local_rank, pid = int(failed.group(1)), int(failed.group(2)), int(failed.group(3))
-                    rank = next((r for r, p in self.mon.rank_pids.items() if p == pid),
-                                node.index * self.spec.nproc_per_node + local_rank)
-                    self.incidents.worker_failed(rank, code, _logged_at(line))
-            elif m := _ATTEMPTS.search(line):
-                self.say(f"ft_launcher restarts the worker group ({m.group(2)}/{m.group(3)} in-job restarts left)")
+                    rank = next((r for r, p in self.mon.rank_pids.items() if p == seen.pid),
+                                node.index * self.spec.nproc_per_node + seen.local_rank)
+                    self.incidents.worker_failed(rank, seen.exitcode, seen.at)
 
     def _stuck_rank(self) -> int | None:
         """From the progress beacons: the rank not waiting for its peers in a collective (else the
@@ -336,14 +338,46 @@ class Supervisor:
         self.log.write(f"{time.strftime('%H:%M:%S')} {message}\n")
 
 
-def _logged_at(line: str) -> float:
+@dataclass(frozen=True)
+class LauncherLine:
+    """What the supervisor acts on in one line of ft_launcher's log."""
+
+    kind: str                 # hang (a rank monitor timed out) | worker_failed | restarting (the group)
+    at: float                 # when it was logged, epoch seconds
+    exitcode: int = 0         # worker_failed: the rank's exit code (negative: killed by that signal)
+    local_rank: int = 0
+    pid: int = 0
+    left: tuple[int, int] = (0, 0)  # restarting: in-job restarts left, of how many
+
+
+def parse_launcher_line(line: str, now: float | None = None) -> LauncherLine | None:
+    """The event in one ft_launcher log line (NVRx 0.4.1 or 0.6 format), or None for any other line."""
+    if m := _WORKER_FAILED.search(line):
+        return LauncherLine("worker_failed", _logged_at(line, now), exitcode=int(m.group(1)),
+                            local_rank=int(m.group(2)), pid=int(m.group(3)))
+    if _FT_TIMEOUT.search(line):
+        return LauncherLine("hang", _logged_at(line, now))
+    if m := _ATTEMPTS.search(line):
+        return LauncherLine("restarting", _logged_at(line, now), left=(int(m.group(2)), int(m.group(3))))
+    return None
+
+
+def _logged_at(line: str, now: float | None = None) -> float:
     """When ft_launcher logged ``line`` (its own timestamp: this supervisor reads the log up to a poll
-    later, and by then the launcher may already be restarting the group); now if it carries none."""
-    now = time.time()
-    m = _LOGGED_AT.match(line)
-    if m is None:
+    later, and by then the launcher may already be restarting the group); now if it carries none.
+    NVRx writes ``2026-01-02 03:04:05,678`` (0.6; bracketed in 0.4.1), torch ``E0102 03:04:05.678901``."""
+    now = time.time() if now is None else now
+    if m := _LOGGED_AT.match(line):
+        at = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000
+    elif m := _GLOG_AT.match(line):  # no year: the one that puts it in the past
+        year = time.localtime(now).tm_year
+        stamp = f"{m.group(1)} {m.group(2)}"
+        at = time.mktime(time.strptime(f"{year}{stamp}", "%Y%m%d %H:%M:%S")) + float(f"0.{m.group(3)}")
+        if at > now + 86400:
+            at = time.mktime(time.strptime(f"{year - 1}{stamp}", "%Y%m%d %H:%M:%S")) + float(f"0.{m.group(3)}")
+    else:
         return now
-    return min(now, time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000)
+    return min(now, at)
 
 
 def _free_ports(n: int) -> list[int]:

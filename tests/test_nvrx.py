@@ -1,0 +1,213 @@
+"""NVRx releases: version detection, what each can do, the launch line each gets, and reading the
+logs and records that NVRx 0.4.1 and 0.6 write (lines below are copied from real launcher logs)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from eksft_nb import nvrx
+from eksft_nb.backends.base import quiet_lines
+from eksft_nb.backends.supervisor import parse_launcher_line
+from eksft_nb.launcher import Ports, launcher_argv, rank_env
+from eksft_nb.spec import JobSpec
+
+NVRX_06 = Path(__file__).resolve().parents[1] / ".venv" / "nvrx-0.6.0"  # `make setup` puts it there
+
+
+def test_what_each_release_can_do() -> None:
+    old, v6, v7 = nvrx.NVRx("0.4.1"), nvrx.NVRx("0.6.0"), nvrx.NVRx("0.7.0")
+    assert (old.inprocess, v6.inprocess, v7.inprocess) == ("available", "deprecated", "deprecated")
+    assert nvrx.NVRx("0.9.0", inprocess_module=False).inprocess == "missing"
+    assert not old.barrier_rendezvous and v6.barrier_rendezvous and v7.barrier_rendezvous
+    assert old.legacy_rendezvous and v6.legacy_rendezvous and not v7.legacy_rendezvous  # 0.7: barrier only
+    assert old.restart_policy_flag and not v7.restart_policy_flag
+    assert not old.cycle_records and v6.cycle_records
+    assert old.supported and not nvrx.NVRx("0.3.0").supported
+    assert old.inprocess_note() is None
+    assert "deprecates in-process restart" in v6.inprocess_note()
+    assert "in-job" in nvrx.NVRx("0.9.0", inprocess_module=False).inprocess_note()
+
+
+@pytest.mark.parametrize("text, release", [("0.4.1", (0, 4, 1)), ("0.6.0", (0, 6, 0)), ("0.7.0rc1", (0, 7, 0)),
+                                           ("0.5.0+cu13", (0, 5, 0)), ("1", (1, 0, 0)), ("dev", (0, 0, 0))])
+def test_versions_parse(text: str, release: tuple[int, int, int]) -> None:
+    assert nvrx.parse_version(text) == release
+
+
+def test_the_installed_release_is_the_one_python_imports() -> None:
+    here = nvrx.installed()
+    assert here is not None and here.version == importlib.metadata.version("nvidia-resiliency-ext")
+    if not (NVRX_06 / "nvidia_resiliency_ext").is_dir():
+        pytest.skip(f"NVRx 0.6.0 is not installed in {NVRX_06} (`make setup` installs it)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(NVRX_06), os.environ.get("PYTHONPATH")) if p)}
+    code = ("from eksft_nb import nvrx; import nvidia_resiliency_ext as m; "
+            "print(nvrx.installed().describe(), m.__file__)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("NVRx 0.6.0 (restart tiers: in-process (deprecated), in-job, job)")
+    assert str(NVRX_06) in out.stdout
+
+
+def test_the_launch_line_adds_release_flags_only_when_the_release_is_known() -> None:
+    spec = JobSpec(name="j").validate()
+    args = dict(node_rank=0, rdzv_host="h", ports=Ports.from_base(29500), run_id="r")
+    common = launcher_argv(spec, **args)  # what an EKS pod gets: its image's NVRx is not known here
+    assert not [a for a in common if "cycle-info" in a or "no-progress" in a]
+    assert launcher_argv(spec, **args, nvrx=nvrx.NVRx("0.4.1"), cycle_dir="/x") == common
+    v6 = launcher_argv(spec, **args, nvrx=nvrx.NVRx("0.6.0"), cycle_dir="/x")
+    assert v6[-2:] == common[-2:] and set(v6) - set(common) == {"--ft-max-no-progress-cycles=0",
+                                                                 "--ft-cycle-info-dir=/x"}
+    ports = Ports.from_base(29500)
+    assert "EKSFT_WRAPPER_PORT" in rank_env(spec, ports=ports, job_attempt=0, nvrx=nvrx.NVRx("0.6.0"))
+    gone = nvrx.NVRx("0.9.0", inprocess_module=False)
+    assert "EKSFT_WRAPPER_PORT" not in rank_env(spec, ports=ports, job_attempt=0, nvrx=gone)
+
+
+_ACCEPTS = """
+import sys
+from nvidia_resiliency_ext.fault_tolerance.launcher import get_args_parser
+args, unknown = get_args_parser().parse_known_args(sys.argv[1:])
+assert not unknown, unknown
+print(args.ft_max_no_progress_cycles if hasattr(args, "ft_max_no_progress_cycles") else "-")
+"""
+
+
+@pytest.mark.parametrize("release", ["installed", "0.6.0"])
+def test_each_release_accepts_its_launch_line(release: str, tmp_path: Path) -> None:
+    """ft_launcher's own argument parser takes every flag eksft gives that release."""
+    env = dict(os.environ)
+    if release == "0.6.0":
+        if not (NVRX_06 / "nvidia_resiliency_ext").is_dir():
+            pytest.skip(f"NVRx 0.6.0 is not installed in {NVRX_06} (`make setup` installs it)")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(NVRX_06), env.get("PYTHONPATH")) if p)
+        which = nvrx.NVRx("0.6.0")
+    else:
+        which = nvrx.installed()
+    spec = JobSpec(name="j").replace(**{"ft.step_timeout": 30.0}).validate()
+    argv = launcher_argv(spec, node_rank=0, rdzv_host="127.0.0.1", ports=Ports.from_base(29500), run_id="r",
+                         log_dir=str(tmp_path), nvrx=which, cycle_dir=str(tmp_path / "nvrx"))
+    out = subprocess.run([sys.executable, "-c", _ACCEPTS, *argv[1:]], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == ("0" if which.progress_termination else "-")
+
+
+# ---- ft_launcher's log, both formats ---------------------------------------------------------
+
+LINES_041 = {
+    "[2026-11-30 18:59:04,962] [ERROR] [ft_launcher13498@vm] failed (exitcode: -15) local_rank: 0 (pid: 13562) "
+    "of binary: /work/main/.venv/bin/python": ("worker_failed", -15, 0, 13562),
+    "[2026-11-30 19:12:50,716] [WARNING] [RankMonServer1-rank1] Did not get subsequent heartbeat. "
+    "Waited 6.00 seconds.": ("hang",),
+    "[2026-11-30 19:12:50,717] [WARNING] [RankMonServer1-rank1] FT timeout elapsed.": ("hang",),
+    "[2026-11-30 19:12:51,520] [INFO] [ft_launcher21001@vm] [default] Worker group FAILED. 3/3 attempts left; "
+    "will restart worker group": ("restarting", (3, 3)),
+}
+LINES_060 = {
+    "E1130 19:02:39.339000 16112 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: -9) "
+    "local_rank: 1 (pid: 16120) of binary: /work/main/.venv/bin/python": ("worker_failed", -9, 1, 16120),
+    "2026-11-30 18:53:09,023 [WARNING] [vm] [workload:?(1) infra:?(?)] rank_monitor_server.py:487 [Cycle 0] "
+    "Did not get initial heartbeat. Waited 120.00 seconds.": ("hang",),
+    "2026-11-30 19:02:39,339 [INFO] [vm] [workload:?(?) infra:?(?)] launcher.py:561 [default] Worker group "
+    "UNHEALTHY. 3/3 attempts left; will restart worker group": ("restarting", (3, 3)),
+    "2026-11-30 18:53:09,995 [INFO] [vm] [workload:?(?) infra:?(?)] launcher.py:561 [default] Worker group "
+    "FAILED. 2/3 attempts left; will restart worker group": ("restarting", (2, 3)),
+}
+
+
+@pytest.mark.parametrize("line, want", [*LINES_041.items(), *LINES_060.items()])
+def test_launcher_lines_of_both_releases_are_read(line: str, want: tuple) -> None:
+    now = time.mktime((2026, 12, 1, 0, 0, 0, 0, 0, -1))
+    seen = parse_launcher_line(line, now=now)
+    assert seen is not None and seen.kind == want[0]
+    if seen.kind == "worker_failed":
+        assert (seen.exitcode, seen.local_rank, seen.pid) == want[1:]
+    if seen.kind == "restarting":
+        assert seen.left == want[1]
+    # the launcher's own timestamp, not the time the supervisor read the line
+    logged = time.localtime(seen.at)
+    assert (logged.tm_year, logged.tm_mon, logged.tm_mday) == (2026, 11, 30) and seen.at < now
+
+
+@pytest.mark.parametrize("line", [
+    "2026-11-30 18:51:06,934 [INFO] [vm] [workload:?(?) infra:?(?)] profiling.py:90   - Cycle: 0 Event: "
+    "rendezvous_completed Node: localhost_5514_0 Rank: None Time: 2026-11-30 18:51:06.934 UTC",
+    "[2026-11-30 18:56:18,853] [INFO] [ft_launcher10346@vm] The node 'localhost_10346_0' has joined round 0 of "
+    "the rendezvous 'ks-0-7d72af' as rank 0 in a world of size 1.",
+    "[rank0]: step 12 done",
+])
+def test_other_lines_are_not_events(line: str) -> None:
+    assert parse_launcher_line(line) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=300))
+def test_no_line_breaks_the_reader(line: str) -> None:
+    seen = parse_launcher_line(line)
+    assert seen is None or seen.kind in ("hang", "worker_failed", "restarting")
+
+
+def test_library_noise_of_both_releases_is_hidden_but_the_users_lines_are_not() -> None:
+    log = [
+        "[2026-11-30 18:56:18,596] [INFO] [ft_launcher10346@vm] Using nproc_per_node=2.",
+        "2026-11-30 19:02:30,141 [ERROR] [vm] [workload:0(0) infra:?(?)] health_check.py:169 NVML Error: "
+        "NVML Shared Library Not Found",
+        "Traceback (most recent call last):",
+        '  File "/venv/lib/python3.11/site-packages/pynvml.py", line 3190, in _LoadNvmlLibrary',
+        '    nvmlLib = CDLL("libnvidia-ml.so.1")',
+        "              ^^^^^^^^^^^^^^^^^^^^^^^^^",
+        "OSError: libnvidia-ml.so.1: cannot open shared object file: No such file or directory",
+        "",
+        "During handling of the above exception, another exception occurred:",
+        "pynvml.NVMLError_LibraryNotFound: NVML Shared Library Not Found",
+        "loss went down",
+        "[rank1]: injected exception on rank 1 at step 12",
+    ]
+    assert quiet_lines(log) == ["loss went down", "[rank1]: injected exception on rank 1 at step 12"]
+
+
+# ---- NVRx 0.6's per-cycle records -------------------------------------------------------------
+
+RECORD = {  # cycle_info..0.0 as NVRx 0.6.0 wrote it
+    "cycle_start_time": "2026-11-30T19:02:26.298283Z", "cycle_end_time": "2026-11-30T19:02:41.420399Z",
+    "active_nodes": "localhost", "generation": "1", "active_ranks": "0", "job_id": "", "attempt_index": 0,
+    "cycle_number": 0, "cycle_log_file": "", "standby_nodes": "",
+}
+
+
+def test_cycle_records_are_read_from_the_folder_ft_launcher_writes(tmp_path: Path) -> None:
+    (tmp_path / "cycle_info..0.0").write_text(json.dumps(RECORD, indent=2))
+    running = {**RECORD, "cycle_number": 1, "cycle_start_time": "2026-11-30T19:02:41.420449Z", "cycle_end_time": ""}
+    (tmp_path / "cycle_info..0.1").write_text(json.dumps(running))
+    (tmp_path / "cycle_info..current").symlink_to("cycle_info..0.1")
+    (tmp_path / "cycle_info..0.2.tmp").write_text("{")  # a write in progress
+    (tmp_path / "cycle_info..0.3").write_text('{"cycle_number": -1, "cycle_start_time": "x"}')
+    records = nvrx.read_cycle_records(tmp_path)
+    assert [(r.cycle, r.end is not None) for r in records] == [(0, True), (1, False)]
+    first = records[0]
+    assert first.end - first.start == pytest.approx(15.122116) and first.active_ranks == "0"
+    assert records[1].start == pytest.approx(first.end, abs=1e-3)
+    assert nvrx.read_cycle_records(tmp_path / "absent") == []
+
+
+_JSONISH = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=30),
+                        lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=20), kids, max_size=6),
+                        max_leaves=20)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.one_of(st.text(max_size=400), _JSONISH.map(json.dumps),
+                 st.dictionaries(st.sampled_from(sorted(RECORD)), _JSONISH, max_size=10).map(json.dumps)))
+def test_no_record_breaks_the_reader(text: str) -> None:
+    record = nvrx.parse_cycle_record(text)
+    assert record is None or (record.cycle >= 0 and isinstance(record.start, float))
