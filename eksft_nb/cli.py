@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from . import nvrx
 from .backends import get_backend
 from .control import FAULTS, parse_fault
 from .errors import EksftError
@@ -124,6 +125,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"launched {spec.name}: {spec.world_size} ranks ({spec.nnodes}x{spec.nproc_per_node}), "
           f"{spec.steps} steps, model {spec.model.preset}, {spec.checkpoint.mode} checkpoints every "
           f"{spec.checkpoint.every} steps, in-process restart {'on' if spec.ft.inprocess else 'off'}")
+    if spec.backend == "local" and spec.ft.inprocess and (here := nvrx.installed()) and (note := here.inprocess_note()):
+        print(f"note: {note}")  # on EKS the image's NVRx decides
     if args.detach:
         print(f"follow it with: python -m eksft_nb watch {spec.name}")
         return 0
