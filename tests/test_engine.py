@@ -52,7 +52,7 @@ def reference_digest() -> str:
 
 def test_faults_at_every_level_heal_and_lose_nothing(reference_digest: str, nvrx_release) -> None:
     version, folder = nvrx_release
-    name = f"four-faults-{version}"
+    name = f"four-faults-{version.replace('.', '-')}"
     summary = run_job(name, "--fault", "exception:0@15", "--fault", "sigkill:1@30",
                       "--fault", "hang:0@45", "--fault", "kill-launcher@60", nvrx=folder)
     assert summary["state"] == "succeeded", summary
@@ -81,7 +81,7 @@ def test_faults_at_every_level_heal_and_lose_nothing(reference_digest: str, nvrx
 def test_a_hang_without_inprocess_is_an_injob_restart_blamed_on_the_hung_rank(reference_digest: str,
                                                                               nvrx_release) -> None:
     version, folder = nvrx_release
-    name = f"hang-injob-{version}"
+    name = f"hang-injob-{version.replace('.', '-')}"
     summary = run_job(name, "--no-inprocess", "--heartbeat-timeout", "6", "--fault", "hang:1@20", nvrx=folder)
     assert summary["state"] == "succeeded", summary
     ran_with(name, version)
