@@ -107,10 +107,10 @@ def test_each_release_accepts_its_launch_line(release: str, tmp_path: Path) -> N
 LINES_041 = {
     "[2026-11-30 18:59:04,962] [ERROR] [ft_launcher13498@vm] failed (exitcode: -15) local_rank: 0 (pid: 13562) "
     "of binary: /work/main/.venv/bin/python": ("worker_failed", -15, 0, 13562),
-    "[2026-11-30 19:12:50,716] [WARNING] [RankMonServer1-rank1] Did not get subsequent heartbeat. "
+    "[2026-11-30 19:12:13,616] [WARNING] [RankMonServer22715@vm:1] Did not get subsequent heartbeat. "
     "Waited 6.00 seconds.": ("hang",),
-    "[2026-11-30 19:12:50,717] [WARNING] [RankMonServer1-rank1] FT timeout elapsed.": ("hang",),
-    "[2026-11-30 19:12:51,520] [INFO] [ft_launcher21001@vm] [default] Worker group FAILED. 3/3 attempts left; "
+    "[2026-11-30 19:12:13,616] [WARNING] [RankMonServer22715@vm:1] FT timeout elapsed.": ("hang",),
+    "[2026-11-30 19:12:14,623] [INFO] [ft_launcher22696@vm] [default] Worker group FAILED. 3/3 attempts left; "
     "will restart worker group": ("restarting", (3, 3)),
 }
 LINES_060 = {
@@ -118,6 +118,8 @@ LINES_060 = {
     "local_rank: 1 (pid: 16120) of binary: /work/main/.venv/bin/python": ("worker_failed", -9, 1, 16120),
     "2026-11-30 18:53:09,023 [WARNING] [vm] [workload:?(1) infra:?(?)] rank_monitor_server.py:487 [Cycle 0] "
     "Did not get initial heartbeat. Waited 120.00 seconds.": ("hang",),
+    "2026-11-30 19:12:39,949 [WARNING] [vm] [workload:?(1) infra:?(?)] rank_monitor_server.py:497 [Cycle 0] "
+    "Did not get subsequent heartbeat. Waited 6.00 seconds.": ("hang",),
     "2026-11-30 19:02:39,339 [INFO] [vm] [workload:?(?) infra:?(?)] launcher.py:561 [default] Worker group "
     "UNHEALTHY. 3/3 attempts left; will restart worker group": ("restarting", (3, 3)),
     "2026-11-30 18:53:09,995 [INFO] [vm] [workload:?(?) infra:?(?)] launcher.py:561 [default] Worker group "
