@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from .errors import JobError
+
 DIST = "nvidia-resiliency-ext"
 OLDEST = (0, 4, 1)
 LAUNCHER_MODULE = "nvidia_resiliency_ext.fault_tolerance.launcher"
@@ -41,10 +43,6 @@ class NVRx:
         return parse_version(self.version)
 
     @property
-    def supported(self) -> bool:
-        return self.release >= OLDEST
-
-    @property
     def inprocess(self) -> str:
         """``available``, ``deprecated`` (0.6+: still works, no longer developed) or ``missing``."""
         if not self.inprocess_module:
@@ -52,17 +50,13 @@ class NVRx:
         return "deprecated" if self.release >= (0, 6, 0) else "available"
 
     @property
-    def barrier_rendezvous(self) -> bool:
-        return self.release >= (0, 5, 0)
-
-    @property
-    def legacy_rendezvous(self) -> bool:
-        return self.release < (0, 7, 0)
-
-    @property
-    def restart_policy_flag(self) -> bool:
-        """``--ft-restart-policy`` is accepted (a no-op from 0.6, gone in 0.7). eksft never passes it."""
-        return self.release < (0, 7, 0)
+    def rendezvous(self) -> str:
+        """ft_launcher's default rendezvous: ``legacy`` (up to 0.4), ``barrier`` (0.5, 0.6: legacy still
+        selectable) or ``barrier only`` (0.7). eksft passes neither ``--ft-rdzv-impl`` nor
+        ``--ft-restart-policy`` (gone in 0.7), so one launch line fits them all."""
+        if self.release < (0, 5, 0):
+            return "legacy"
+        return "barrier" if self.release < (0, 7, 0) else "barrier only"
 
     @property
     def cycle_records(self) -> bool:
@@ -97,7 +91,7 @@ class NVRx:
     def describe(self) -> str:
         tiers = {"available": "in-process, in-job, job", "deprecated": "in-process (deprecated), in-job, job",
                  "missing": "in-job, job"}[self.inprocess]
-        return f"NVRx {self.version} (restart tiers: {tiers})"
+        return f"NVRx {self.version} (restart tiers: {tiers}; {self.rendezvous} rendezvous)"
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
@@ -106,6 +100,16 @@ def parse_version(text: str) -> tuple[int, int, int]:
     if m is None:
         return (0, 0, 0)
     return tuple(int(g or 0) for g in m.groups())  # type: ignore[return-value]
+
+
+def require() -> NVRx:
+    """The installed NVRx, if eksft supports it; else a JobError saying how to get one."""
+    here = installed()
+    if here is None or here.release < OLDEST:
+        found = f"NVRx {here.version} is older than" if here else "NVRx (nvidia-resiliency-ext) is not installed; need"
+        raise JobError(f"{found} {'.'.join(map(str, OLDEST))}",
+                       "pip install 'nvidia-resiliency-ext>=0.4.1' into the environment that runs eksft")
+    return here
 
 
 @functools.lru_cache(maxsize=1)

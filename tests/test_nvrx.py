@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from eksft_nb import nvrx
 from eksft_nb.backends.base import quiet_lines
 from eksft_nb.backends.supervisor import parse_launcher_line
+from eksft_nb.errors import JobError
 from eksft_nb.launcher import Ports, launcher_argv, rank_env
 from eksft_nb.spec import JobSpec
 
@@ -28,11 +29,8 @@ def test_what_each_release_can_do() -> None:
     old, v6, v7 = nvrx.NVRx("0.4.1"), nvrx.NVRx("0.6.0"), nvrx.NVRx("0.7.0")
     assert (old.inprocess, v6.inprocess, v7.inprocess) == ("available", "deprecated", "deprecated")
     assert nvrx.NVRx("0.9.0", inprocess_module=False).inprocess == "missing"
-    assert not old.barrier_rendezvous and v6.barrier_rendezvous and v7.barrier_rendezvous
-    assert old.legacy_rendezvous and v6.legacy_rendezvous and not v7.legacy_rendezvous  # 0.7: barrier only
-    assert old.restart_policy_flag and not v7.restart_policy_flag
-    assert not old.cycle_records and v6.cycle_records
-    assert old.supported and not nvrx.NVRx("0.3.0").supported
+    assert (old.rendezvous, v6.rendezvous, v7.rendezvous) == ("legacy", "barrier", "barrier only")
+    assert not old.cycle_records and v6.cycle_records and not old.progress_termination and v6.progress_termination
     assert old.inprocess_note() is None
     assert "deprecates in-process restart" in v6.inprocess_note()
     assert "in-job" in nvrx.NVRx("0.9.0", inprocess_module=False).inprocess_note()
@@ -54,8 +52,18 @@ def test_the_installed_release_is_the_one_python_imports() -> None:
             "print(nvrx.installed().describe(), m.__file__)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("NVRx 0.6.0 (restart tiers: in-process (deprecated), in-job, job)")
+    assert out.stdout.startswith("NVRx 0.6.0 (restart tiers: in-process (deprecated), in-job, job; barrier rendezvous)")
     assert str(NVRX_06) in out.stdout
+
+
+def test_an_unsupported_or_missing_nvrx_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nvrx, "installed", lambda: nvrx.NVRx("0.3.0"))
+    with pytest.raises(JobError, match=r"NVRx 0.3.0 is older than 0.4.1") as e:
+        nvrx.require()
+    assert "pip install" in e.value.fix
+    monkeypatch.setattr(nvrx, "installed", lambda: None)
+    with pytest.raises(JobError, match="not installed"):
+        nvrx.require()
 
 
 def test_the_launch_line_adds_release_flags_only_when_the_release_is_known() -> None:

@@ -19,6 +19,7 @@ from ..control import FaultCommand, submit
 from ..errors import JobError
 from ..events import EventTail
 from ..jobdir import JobDir, jobs_root
+from .. import nvrx
 from ..launcher import Ports, launcher_argv, rank_env
 from ..monitor import JobMonitor
 from ..runtime.quiet import quiet_env
@@ -52,6 +53,7 @@ class LocalBackend(Backend):
         spec.validate()
         if spec.backend != "local":
             raise JobError(f"spec {spec.name!r} is for backend {spec.backend!r}", "launch it with that backend")
+        nvrx.require()  # the supervisor, launchers and ranks import the NVRx this process finds
         jd = JobDir.for_name(spec.name, self.root)
         if jd.path.exists():
             raise JobError(f"a job named {spec.name!r} already exists in {self.root}",
