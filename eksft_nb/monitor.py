@@ -58,6 +58,7 @@ class JobMonitor:
     rank_errors: list[dict[str, Any]] = field(default_factory=list)
     resumes: list[dict[str, Any]] = field(default_factory=list)
     rank_pids: dict[int, int] = field(default_factory=dict)
+    nvrx_cycles: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)  # (attempt, cycle) -> record
     digest: str | None = None
     checkpoint_stall_s: float = 0.0
     last_event_t: float | None = None
@@ -153,7 +154,15 @@ class JobMonitor:
         self.state = "recovering"
 
     def _on_restart(self, e: Event) -> None:
-        self.restarts.append({"t": e.t, **e.data})
+        restart = {"t": e.t, **e.data}
+        if restart["level"] in ("injob", "job"):  # NVRx 0.6+: the worker-group cycle this restart began
+            began = [k for k, c in self.nvrx_cycles.items() if restart["fault_time"] <= c["start"] <= e.t]
+            if began:
+                restart["nvrx_cycle"] = max(began, key=lambda k: self.nvrx_cycles[k]["start"])[1]
+        self.restarts.append(restart)
+
+    def _on_nvrx_cycle(self, e: Event) -> None:
+        self.nvrx_cycles[(e["attempt"], e["cycle"])] = dict(e.data)
 
     def _on_resume(self, e: Event) -> None:
         self.resumes.append({"t": e.t, **e.data})

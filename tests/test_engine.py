@@ -13,6 +13,7 @@ from eksft_nb import nvrx
 from eksft_nb.backends import procs
 from eksft_nb.checkpoints import list_checkpoints
 from eksft_nb.jobdir import JobDir
+from eksft_nb.monitor import JobMonitor
 from jobs import cli, events, job_dir, run_job
 
 pytestmark = pytest.mark.slow
@@ -74,6 +75,9 @@ def test_faults_at_every_level_heal_and_lose_nothing(reference_digest: str, nvrx
         [injob] = [r for r in events(name, "restart") if r["level"] == "injob"]
         assert cycles[(0, 0)]["end"] is not None
         assert injob["fault_time"] <= cycles[(0, 1)]["start"] <= injob.t
+        mon = JobMonitor()
+        mon.update(events(name))  # the restart timeline names the cycle NVRx began for each group restart
+        assert [r.get("nvrx_cycle") for r in mon.restarts] == [None, 1, None, 0]
     if nvrx.NVRx(version).inprocess == "deprecated":
         assert "deprecates in-process restart" in log  # said once, in the job's narrative
 

@@ -18,8 +18,11 @@ from hypothesis import strategies as st
 from eksft_nb import nvrx
 from eksft_nb.backends.base import quiet_lines
 from eksft_nb.backends.supervisor import parse_launcher_line
+from eksft_nb.dashboard.figure import restart_hover
 from eksft_nb.errors import JobError
+from eksft_nb.events import Event, make
 from eksft_nb.launcher import Ports, launcher_argv, rank_env
+from eksft_nb.monitor import JobMonitor
 from eksft_nb.spec import JobSpec
 
 NVRX_06 = Path(__file__).resolve().parents[1] / ".venv" / "nvrx-0.6.0"  # `make setup` puts it there
@@ -221,3 +224,19 @@ _JSONISH = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(al
 def test_no_record_breaks_the_reader(text: str) -> None:
     record = nvrx.parse_cycle_record(text)
     assert record is None or (record.cycle >= 0 and isinstance(record.start, float))
+
+
+def test_the_restart_timeline_names_the_cycle_nvrx_began() -> None:
+    def restart(level: str, fault_time: float, t: float) -> Event:
+        return make("restart", "j", None, t=t, level=level, cause="c", blame_rank=1, fault_time=fault_time,
+                    detection_s=0.5, downtime_s=t - fault_time, rolled_back_steps=0, resumed_step=10)
+
+    def cycle(attempt: int, number: int, start: float, end: float | None = None) -> Event:
+        return make("nvrx_cycle", "j", None, t=start + 0.1, attempt=attempt, cycle=number, start=start, end=end)
+
+    mon = JobMonitor()
+    mon.update([cycle(0, 0, 100.0), restart("inprocess", 110.0, 114.0), cycle(0, 0, 100.0, 121.0),
+                cycle(0, 1, 121.0), restart("injob", 120.0, 130.0), cycle(1, 0, 141.0),
+                restart("job", 140.0, 150.0)])
+    assert [r.get("nvrx_cycle") for r in mon.restarts] == [None, 1, 0]
+    assert "NVRx cycle 1" in restart_hover(mon.restarts[1]) and "NVRx" not in restart_hover(mon.restarts[0])

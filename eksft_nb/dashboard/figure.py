@@ -178,4 +178,5 @@ def restart_hover(r: dict[str, Any]) -> str:
     blamed = "-" if r.get("blame_rank") is None else f"rank {r['blame_rank']}"
     return (f"<b>{LEVEL_LANE.get(r['level'], r['level'])} restart</b>: {r['cause']}<br>blamed: {blamed}<br>"
             f"detected after {r['detection_s']:.1f}s, down {r['downtime_s']:.1f}s<br>"
-            f"resumed from step {r['resumed_step']}, {r['rolled_back_steps']} steps rolled back")
+            f"resumed from step {r['resumed_step']}, {r['rolled_back_steps']} steps rolled back"
+            + (f"<br>NVRx cycle {r['nvrx_cycle']}" if "nvrx_cycle" in r else ""))
