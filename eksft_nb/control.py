@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -126,11 +127,16 @@ def claim(fired: Path, command: FaultCommand) -> bool:
 
 
 class CommandInbox:
-    """A rank's view of the pending commands, re-read only when the folder changes."""
+    """A rank's view of the pending commands: re-read when the folder's mtime changes, and at least
+    every :attr:`RELIST_S` seconds, because on a filesystem with coarse timestamps (Lustre: one
+    second) a command renamed in within the tick of the last listing leaves the mtime unchanged."""
+
+    RELIST_S = 1.0
 
     def __init__(self, pending: Path, fired: Path) -> None:
         self.pending, self.fired = pending, fired
         self._mtime = -1
+        self._listed = -float("inf")   # time.monotonic() of the last listing
         self._commands: dict[str, FaultCommand] = {}
 
     def poll(self) -> list[FaultCommand]:
@@ -139,8 +145,9 @@ class CommandInbox:
             mtime = os.stat(self.pending).st_mtime_ns
         except FileNotFoundError:
             return []
-        if mtime != self._mtime:
-            self._mtime = mtime
+        now = time.monotonic()
+        if mtime != self._mtime or now - self._listed >= self.RELIST_S:
+            self._mtime, self._listed = mtime, now
             for p in self.pending.glob("*.json"):
                 if p.stem not in self._commands:
                     try:
