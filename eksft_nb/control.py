@@ -3,7 +3,7 @@
 A command is a JSON file in ``control/pending/``. The ranks poll the folder (one ``stat`` per step)
 and fire a fault at the start of the chosen step, or of the next step for "now", so faults land
 exactly where asked: rank faults on the target rank, ``kill-launcher`` on local rank 0 of the target
-node, ``corrupt-checkpoint`` on rank 0. Whoever fires a command creates ``control/fired/<id>``
+node, ``corrupt-checkpoint`` and ``kill-supervisor`` on rank 0. Whoever fires a command creates ``control/fired/<id>``
 exclusively, so a fault fires exactly once even when a restart rolls the job back past its step.
 """
 
@@ -32,6 +32,7 @@ FAULTS: dict[str, tuple[str, str]] = {
     "save-failure": ("rank", "the rank's next checkpoint write fails; training continues, the save is retried"),
     "kill-launcher": ("node", "the node's ft_launcher and all its ranks die at once (a node is lost)"),
     "corrupt-checkpoint": ("job", "flip bytes in the latest committed checkpoint (resume must skip it)"),
+    "kill-supervisor": ("job", "the job's supervisor is killed (SIGKILL); a new one adopts the running job"),
 }
 
 
