@@ -29,7 +29,7 @@ from ..monitor import JobMonitor
 from ..runtime.quiet import quiet_env
 from ..spec import JobSpec
 from . import procs
-from .base import Backend, JobSummary, is_noise
+from .base import Backend, JobSummary, readable
 
 class LocalBackend(Backend):
     name = "local"
@@ -131,7 +131,7 @@ class LocalBackend(Backend):
             out += [f"[eksft] {line}" for line in narrative.read_text().splitlines()]
         for log in sorted(jd.logs.glob("launcher-*.log"), key=lambda p: p.stat().st_mtime):
             text = log.read_text(errors="replace").splitlines()
-            out += text if debug else [line for line in text if not is_noise(line)]
+            out += text if debug else readable(text)
         if debug and (jd.logs / "supervisor.err").exists():
             out += (jd.logs / "supervisor.err").read_text(errors="replace").splitlines()
         return "\n".join(out[-lines:])

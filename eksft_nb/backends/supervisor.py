@@ -339,7 +339,7 @@ class Supervisor:
             self._write_state("running")  # a successor reads on from here, not twice
         for line in lines:
             hang, failed = _FT_TIMEOUT.search(line), _WORKER_FAILED.search(line)
-            if (hang or failed) and self.incidents.incident is None:
+            if (hang or failed) and self.incidents.incident is None and not self.stop_requested:
                 self._read_events()  # a rank may have reported the fault just before it died
                 if hang:
                     self.incidents.hang(_logged_at(line), self.spec.ft.heartbeat_timeout, self._stuck_rank())
