@@ -18,6 +18,7 @@ import pytest
 from eksft_nb.backends import procs
 from eksft_nb.backends.local import LocalBackend
 from eksft_nb.backends.supervisor import Supervisor
+from eksft_nb.control import FaultCommand, submit
 from eksft_nb.errors import JobError
 from eksft_nb.events import read_all
 from eksft_nb.jobdir import JobDir, atomic_write
@@ -137,6 +138,8 @@ def test_a_job_whose_supervisor_and_keeper_died_is_adopted_not_lost() -> None:
     for pid in victims:  # the keeper and the supervisor, as a careless `kill -9` would
         os.kill(pid, signal.SIGKILL)
     wait_for(lambda: not any(procs.alive(pid) for pid in victims), what="the supervisor to die")
+    submit(jd.pending, FaultCommand("sigkill", rank=1))  # an in-job restart while nobody supervises
+    wait_for(lambda: any(e["injob_restart"] == 1 for e in events("orphan", "rank_start")), what="the restart")
     backend = LocalBackend()
     status = backend.state("orphan")
     assert status.state == "running" and "adopted" in status.detail, status
@@ -145,6 +148,8 @@ def test_a_job_whose_supervisor_and_keeper_died_is_adopted_not_lost() -> None:
     wait_for(lambda: backend.state("orphan").state not in ("starting", "running"), timeout=300, what="the end")
     assert backend.state("orphan").state == "succeeded"
     assert max(e["step"] for e in events("orphan", "step")) == 60
+    [restart] = events("orphan", "restart")  # recorded by the supervisor that adopted the job
+    assert restart["level"] == "injob" and restart["blame_rank"] == 1 and "sigkill" in restart["cause"], restart
     assert not procs.marked(record["job_uid"])
 
 

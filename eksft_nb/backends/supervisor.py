@@ -91,6 +91,7 @@ class Supervisor:
         self.keeper = self.jd.supervisor().get("keeper")
         self.adoptions = 0
         self.replayed: set[tuple] | None = None  # while adopting: the failure/restart events already published
+        self.seen_until = 0.0  # adopted: launcher-log failures logged before this the events already accounted for
         self.attempt = 0
         self.nodes: list[Node] = []
         self.standby: dict[int, subprocess.Popen] = {}  # node -> a warm ft_launcher for the next attempt
@@ -156,6 +157,8 @@ class Supervisor:
             self.mon.update([event])
             self._on_event(event)
         self.replayed = None
+        # a failure the launchers logged before the newest rank start restarted ranks the replay has seen
+        self.seen_until = max((e.t for e in backlog if e.kind == "rank_start"), default=0.0)
         running = [n for n in self.nodes if n.poll() is None]
         self.say(f"supervisor {record.get('pid')} is gone; supervisor {os.getpid()} adopted the job "
                  f"(attempt {self.attempt}, {len(running)} of {self.spec.nnodes} launcher(s) still running)")
@@ -339,7 +342,8 @@ class Supervisor:
             self._write_state("running")  # a successor reads on from here, not twice
         for line in lines:
             hang, failed = _FT_TIMEOUT.search(line), _WORKER_FAILED.search(line)
-            if (hang or failed) and self.incidents.incident is None and not self.stop_requested:
+            if ((hang or failed) and self.incidents.incident is None and not self.stop_requested
+                    and _logged_at(line) > self.seen_until):
                 self._read_events()  # a rank may have reported the fault just before it died
                 if hang:
                     self.incidents.hang(_logged_at(line), self.spec.ft.heartbeat_timeout, self._stuck_rank())
