@@ -49,6 +49,7 @@ from . import procs
 POLL_S = 0.2
 MAX_SUPERVISORS = 5    # supervisor deaths the keeper recovers from before it ends the job
 UNKNOWN_EXIT = -256    # an adopted launcher ended (not our child: its exit status is unknown)
+UNRECORDED = 3         # the supervisor's exit status when the job ended but writing that down failed
 _WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
 _FT_TIMEOUT = re.compile(r"FT timeout elapsed")
 _ATTEMPTS = re.compile(r"Worker group (\w+)\. (\d+)/(\d+) attempts left")
@@ -130,8 +131,9 @@ class Supervisor:
                              digest=self.mon.digest, restarts=self.mon.restarts_by_level())
             self.say(f"job {state}: {reason}")
             self._write_state(state, reason)
-        except OSError as e:
+        except OSError as e:  # the keeper must not start a successor: nothing of the job runs any more
             print(f"job {state}: {reason}; recording it failed: {e}", file=sys.stderr)
+            return UNRECORDED
         return 0 if state == "succeeded" else 1
 
     def _adopt(self) -> tuple[str, str] | None:
@@ -480,7 +482,7 @@ def keep(jd: JobDir) -> int:
                 return 0  # the job folder was deleted or replaced
         except FileNotFoundError:
             return 0
-        if stopping or jd.supervisor().get("state") in JOB_STATES:
+        if stopping or code == UNRECORDED or jd.supervisor().get("state") in JOB_STATES:
             return 0
         adopt = True
         how = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"exit {code}"
