@@ -163,6 +163,7 @@ def assert_nothing_left(name: str, pids: list[int] | None = None) -> None:
     jd = JobDir.for_name(name)
     sup = jd.supervisor()
     pids = list(pids or []) + [sup["pid"]] + [e["pid"] for e in events(name, "rank_start")]
+    pids += [sup["keeper"]["pid"]] if sup.get("keeper") else []  # it exits just after the supervisor
     deadline = time.time() + 30
     while time.time() < deadline and any(procs.alive(p) for p in pids):
         time.sleep(0.2)

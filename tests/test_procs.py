@@ -150,7 +150,7 @@ def test_a_job_whose_supervisor_and_keeper_died_is_adopted_not_lost() -> None:
     assert max(e["step"] for e in events("orphan", "step")) == 60
     [restart] = events("orphan", "restart")  # recorded by the supervisor that adopted the job
     assert restart["level"] == "injob" and restart["blame_rank"] == 1 and "sigkill" in restart["cause"], restart
-    assert not procs.marked(record["job_uid"])
+    wait_for(lambda: not procs.marked(record["job_uid"]), timeout=30, what="the keeper and supervisor to exit")
 
 
 @pytest.mark.slow
