@@ -153,7 +153,8 @@ def follow(job: Job, as_json: bool = False) -> int:
         while True:
             state = job.state
             for f in mon.faults[seen_faults:]:
-                target = f"rank {f['rank']}" if f["rank"] is not None else f"node {f.get('node', 0)}"
+                target = (f"rank {f['rank']}" if f["rank"] is not None else
+                          f"node {f['node']}" if f.get("node") is not None else "the job")
                 bar.write(f"  ! fault injected: {f['fault']} on {target} at step {f['step']}")
             for f in mon.failures[seen_failures:]:
                 bar.write(f"  ~ {f['level']} failure: {f['cause']}")

@@ -3,7 +3,7 @@
 A command is a JSON file in ``control/pending/``. The ranks poll the folder (one ``stat`` per step)
 and fire a fault at the start of the chosen step, or of the next step for "now", so faults land
 exactly where asked: rank faults on the target rank, ``kill-launcher`` on local rank 0 of the target
-node, ``corrupt-checkpoint`` on rank 0. Whoever fires a command creates ``control/fired/<id>``
+node, ``corrupt-checkpoint`` and ``kill-supervisor`` on rank 0. Whoever fires a command creates ``control/fired/<id>``
 exclusively, so a fault fires exactly once even when a restart rolls the job back past its step.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ FAULTS: dict[str, tuple[str, str]] = {
     "save-failure": ("rank", "the rank's next checkpoint write fails; training continues, the save is retried"),
     "kill-launcher": ("node", "the node's ft_launcher and all its ranks die at once (a node is lost)"),
     "corrupt-checkpoint": ("job", "flip bytes in the latest committed checkpoint (resume must skip it)"),
+    "kill-supervisor": ("job", "the job's supervisor is killed (SIGKILL); a new one adopts the running job"),
 }
 
 
@@ -126,11 +128,16 @@ def claim(fired: Path, command: FaultCommand) -> bool:
 
 
 class CommandInbox:
-    """A rank's view of the pending commands, re-read only when the folder changes."""
+    """A rank's view of the pending commands: re-read when the folder's mtime changes, and at least
+    every :attr:`RELIST_S` seconds, because on a filesystem with coarse timestamps (Lustre: one
+    second) a command renamed in within the tick of the last listing leaves the mtime unchanged."""
+
+    RELIST_S = 1.0
 
     def __init__(self, pending: Path, fired: Path) -> None:
         self.pending, self.fired = pending, fired
         self._mtime = -1
+        self._listed = -float("inf")   # time.monotonic() of the last listing
         self._commands: dict[str, FaultCommand] = {}
 
     def poll(self) -> list[FaultCommand]:
@@ -139,8 +146,9 @@ class CommandInbox:
             mtime = os.stat(self.pending).st_mtime_ns
         except FileNotFoundError:
             return []
-        if mtime != self._mtime:
-            self._mtime = mtime
+        now = time.monotonic()
+        if mtime != self._mtime or now - self._listed >= self.RELIST_S:
+            self._mtime, self._listed = mtime, now
             for p in self.pending.glob("*.json"):
                 if p.stem not in self._commands:
                     try:

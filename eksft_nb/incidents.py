@@ -120,6 +120,20 @@ class Incidents:
         fault_time = node_fault["t"] if node_fault else (ended_at or self.last_progress())
         self.open(Incident("job", cause, None, fault_time, detected, self.mon.last_step), force=True)
 
+    def restore(self, e: Event) -> None:
+        """Fold in a ``failure`` or ``restart`` event published before (a supervisor that adopts a
+        job replays its events): a failure reopens its incident, quietly; a restart closes it."""
+        if e.kind == "failure":
+            if self.incident is None:
+                committed = self.mon.last_committed
+                self.stuck_at.append(committed.step if committed else None)
+            self.incident = Incident(e["level"], e["cause"], e["blame_rank"], e["fault_time"], e["detected_at"],
+                                     self.mon.last_step)
+        elif e.kind == "restart" and self.incident is not None:
+            self.incident = None
+            self.recovered_to = max(self.incarnation.values(), default=None)
+            self.last_alive = max(self.last_alive, e.t)
+
     # ---- incidents -----------------------------------------------------------------------------
     def open(self, incident: Incident, force: bool = False) -> None:
         if self.incident is not None and not force:

@@ -5,7 +5,8 @@ Layout (root: ``$EKSFT_HOME/jobs``, default ``~/.eksft/jobs``)::
     <root>/<name>/
         spec.json          the JobSpec this job runs
         events.jsonl       telemetry (see events.py)
-        supervisor.json    pid, process group and state of the detached supervisor
+        supervisor.json    identities (pid, start time) of the supervisor, its keeper and the launchers; state
+        supervisor.lock    held by the keeper that looks after the supervisor (one per job)
         logs/              supervisor.log, launcher-<attempt>-<node>.log, per-rank logs
         control/pending/   fault commands waiting to fire; control/fired/ marks the ones that did
         progress/          per-rank progress beacons (last step, where the main thread is)
@@ -14,6 +15,7 @@ Layout (root: ``$EKSFT_HOME/jobs``, default ``~/.eksft/jobs``)::
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 from dataclasses import dataclass
@@ -114,6 +116,18 @@ class JobDir:
 
     def supervisor(self) -> dict[str, Any]:
         try:
-            return json.loads(self.supervisor_path.read_text())
-        except (FileNotFoundError, ValueError):
+            record = json.loads(self.supervisor_path.read_text())
+        except (OSError, ValueError):
             return {}
+        return record if isinstance(record, dict) else {}
+
+    def keeper_lock(self) -> int | None:
+        """Take the job's keeper lock (held for life by the process that looks after the job's
+        supervisor, and by ``stop`` while it ends the job); None when another holds it."""
+        fd = os.open(self.path / "supervisor.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return fd

@@ -206,6 +206,7 @@ def assert_nothing_left(name: str, pids: list[int] | None = None) -> None:
     jd = JobDir.for_name(name)
     sup = jd.supervisor()
     pids = list(pids or []) + [sup["pid"]] + [e["pid"] for e in events(name, "rank_start")]
+    pids += [sup["keeper"]["pid"]] if sup.get("keeper") else []  # it exits just after the supervisor
     deadline = time.time() + 30
     while time.time() < deadline and any(procs.alive(p) for p in pids):
         time.sleep(0.2)
@@ -213,3 +214,20 @@ def assert_nothing_left(name: str, pids: list[int] | None = None) -> None:
     for launcher in sup["launchers"]:
         assert not procs.group_alive(launcher["pgid"])
     assert not procs.marked(sup["job_uid"]), [p.cmdline() for p in procs.marked(sup["job_uid"])]
+
+
+def test_a_killed_supervisor_is_replaced_by_one_that_adopts_the_job(reference_digest: str) -> None:
+    # the supervisor dies at step 30; its successor adopts the running launcher, then has to restart
+    # the job when that launcher (not its child: no exit status) is killed at step 50
+    summary = run_job("kill-sup", "--fault", "kill-supervisor@30", "--fault", "kill-launcher@50")
+    assert summary["state"] == "succeeded", summary
+    assert summary["steps_done"] == 80
+    fired = {f["fault"]: f for f in events("kill-sup", "fault")}
+    assert fired["kill-supervisor"]["at_step"] == 30 and fired["kill-supervisor"]["supervisor_pid"] > 0
+    assert [r["level"] for r in summary["restart_events"]] == ["job"]
+    assert "kill-launcher" in summary["restart_events"][0]["cause"]
+    assert summary["digest"] == reference_digest
+    log = (job_dir("kill-sup") / "logs" / "supervisor.log").read_text()
+    assert f"supervisor {fired['kill-supervisor']['supervisor_pid']} is gone" in log and "adopted the job" in log
+    assert len(events("kill-sup", "job_start")) == len(events("kill-sup", "job_end")) == 1
+    assert_nothing_left("kill-sup")

@@ -45,6 +45,42 @@ def quiet_lines(lines: list[str]) -> list[str]:
     return out
 
 
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
+_TRACEBACK = "Traceback (most recent call last):"
+# lines that introduce a traceback (asyncio's "exception was never retrieved" reports, chained errors)
+_TRACEBACK_INTRO = re.compile(r"^(handle: <Handle |Exception in callback |Task exception was never retrieved|"
+                              r"future: <Task |During handling of the above exception|"
+                              r"The above exception was the direct cause)")
+_LIBRARY_FRAME = re.compile(r'^\s*File "[^"]*/lib/python3[^"]*"')
+
+
+def readable(lines: list[str]) -> list[str]:
+    """What a user reads of a log: no noise lines and no tracebacks. A traceback block goes as a
+    whole; of one that passes through code outside the Python installation (the trainer, the user's
+    script) the last line, the error itself, stays. A library's own (NVRx's rank monitor cancelled
+    at a stop) leaves nothing."""
+    lines = quiet_lines(lines)
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        if _RANK_PREFIX.sub("", lines[i]) != _TRACEBACK:
+            if not is_noise(lines[i]):
+                out.append(lines[i])
+            i += 1
+            continue
+        while out and _TRACEBACK_INTRO.match(_RANK_PREFIX.sub("", out[-1])):
+            out.pop()
+        j, frames = i + 1, []
+        while j < len(lines) and _RANK_PREFIX.sub("", lines[j])[:1] in (" ", "\t"):
+            frames.append(_RANK_PREFIX.sub("", lines[j]))
+            j += 1
+        own_code = any(f.lstrip().startswith("File ") and not _LIBRARY_FRAME.match(f) for f in frames)
+        if j < len(lines) and own_code and not is_noise(lines[j]):
+            out.append(lines[j])
+        i = j + 1
+    return [line for line in out if not _TRACEBACK_INTRO.match(_RANK_PREFIX.sub("", line))]
+
+
 class EventSource(Protocol):
     """Incremental events of one job: each ``read()`` returns what arrived since the last call."""
 

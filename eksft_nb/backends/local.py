@@ -1,7 +1,9 @@
 """The local backend: real ranks on this machine (CPU/gloo, or NCCL on GPUs), one folder per job.
 
 A job runs under a detached supervisor (its own session), so it survives the kernel or shell that
-launched it; any process can attach to it by name through its folder.
+launched it; any process can attach to it by name through its folder. A supervisor that dies is
+replaced by one that adopts the running job (see :mod:`.supervisor`); the job's processes are found
+by identity (see :mod:`.procs`), so no query or stop ever signals a process that merely reuses a pid.
 """
 
 from __future__ import annotations
@@ -12,20 +14,23 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
+
+import psutil
 
 from ..checkpoints import CheckpointInfo, list_checkpoints, verify
 from ..control import FaultCommand, submit
 from ..errors import JobError
 from ..events import EventTail
-from ..jobdir import JobDir, jobs_root
 from .. import nvrx
+from ..jobdir import JobDir, atomic_write, jobs_root
 from ..launcher import Ports, launcher_argv, rank_env
 from ..monitor import JobMonitor
 from ..runtime.quiet import quiet_env
 from ..spec import JobSpec
 from . import procs
-from .base import Backend, JobSummary, quiet_lines
+from .base import Backend, JobSummary, readable
 
 class LocalBackend(Backend):
     name = "local"
@@ -67,19 +72,21 @@ class LocalBackend(Backend):
         jd.create(spec)
         for f in faults:
             submit(jd.pending, f)
-        self._start_supervisor(jd)
+        self._start_supervisor(jd, uuid.uuid4().hex[:16])
 
-    def _start_supervisor(self, jd: JobDir) -> None:
-        err = open(jd.logs / "supervisor.err", "ab")
-        env = quiet_env(dict(os.environ))
-        proc = subprocess.Popen([sys.executable, "-m", "eksft_nb.backends.supervisor", str(jd.path)],
-                                stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=env,
-                                start_new_session=True, close_fds=True)
+    def _start_supervisor(self, jd: JobDir, job_uid: str) -> None:
+        """Start the job's keeper and supervisor (detached), every process of the job marked ``job_uid``."""
+        before = jd.supervisor().get("supervisor")
+        with open(jd.logs / "supervisor.err", "ab") as err:
+            env = quiet_env({**os.environ, procs.JOB_MARK: job_uid})
+            proc = subprocess.Popen([sys.executable, "-m", "eksft_nb.backends.supervisor", str(jd.path)],
+                                    stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=env,
+                                    start_new_session=True, close_fds=True)
         proc.wait(timeout=30)  # the intermediate process exits once the daemon has forked
         deadline = time.time() + 30
-        while not jd.supervisor() and time.time() < deadline:
+        while jd.supervisor().get("supervisor") in (None, before) and time.time() < deadline:
             time.sleep(0.05)
-        if not jd.supervisor():
+        if jd.supervisor().get("supervisor") in (None, before):
             raise JobError(f"the supervisor of {jd.name} did not start", f"see {jd.logs / 'supervisor.err'}")
 
     # ---- queries -------------------------------------------------------------------------------
@@ -92,13 +99,24 @@ class LocalBackend(Backend):
         return self._jd(name).spec()
 
     def state(self, name: str) -> JobSummary:
+        """From ``supervisor.json`` and the processes it names. A job whose processes run while neither
+        its supervisor nor its keeper does is adopted here by a new supervisor, never left ``lost``."""
         jd = self._jd(name)
         sup = jd.supervisor()
-        state = sup.get("state", "starting")
-        if state in ("starting", "running") and sup.get("pid") and not procs.alive(sup["pid"]):
+        state = str(sup.get("state", "starting"))
+        uid = _job_uid(sup)
+        if state not in ("starting", "running") or uid is None:
+            return JobSummary(name, self.name, state, str(sup.get("reason", "")))
+        if procs.recorded(sup.get("supervisor"), uid) or procs.recorded(sup.get("keeper"), uid):
+            return JobSummary(name, self.name, state, "")
+        if not procs.marked(uid):
             return JobSummary(name, self.name, "lost", "the supervisor is gone (the machine restarted, or it "
-                              f"was killed); see {jd.logs / 'supervisor.err'}")
-        return JobSummary(name, self.name, state, sup.get("reason", ""))
+                              f"was killed) and nothing of the job runs; see {jd.logs / 'supervisor.err'}")
+        try:
+            self._start_supervisor(jd, uid)
+        except JobError:
+            pass  # another client adopted it first, or a stop holds the lock
+        return JobSummary(name, self.name, "running", "its supervisor was gone: a new one adopted the running job")
 
     def events(self, name: str) -> EventTail:
         return EventTail(self._jd(name).events_path)
@@ -115,7 +133,7 @@ class LocalBackend(Backend):
             out += [f"[eksft] {line}" for line in narrative.read_text().splitlines()]
         for log in sorted(jd.logs.glob("launcher-*.log"), key=lambda p: p.stat().st_mtime):
             text = log.read_text(errors="replace").splitlines()
-            out += text if debug else quiet_lines(text)
+            out += text if debug else readable(text)
         if debug and (jd.logs / "supervisor.err").exists():
             out += (jd.logs / "supervisor.err").read_text(errors="replace").splitlines()
         return "\n".join(out[-lines:])
@@ -137,34 +155,50 @@ class LocalBackend(Backend):
         return command
 
     def stop(self, name: str, timeout: float = 60.0) -> None:
+        """Ask the supervisor (and its keeper) to end the job, then end whatever still carries the
+        job's mark. Only processes whose recorded identity or mark matches are signalled."""
         jd = self._jd(name)
         sup = jd.supervisor()
-        pids = [l["pid"] for l in sup.get("launchers", [])]
-        mon = JobMonitor()
-        mon.update(EventTail(jd.events_path).read())
-        pids += list(mon.rank_pids.values())
-        if sup.get("pid") and procs.alive(sup["pid"]):
-            procs.terminate(sup["pid"])
-            procs.wait_gone([sup["pid"]], timeout)
-        if sup.get("job_uid"):
-            procs.kill_marked(sup["job_uid"])
-        for l in sup.get("launchers", []):
-            procs.kill_group(l["pgid"], 9)
-        if sup.get("pid"):
-            pids.append(sup["pid"])
-        left = procs.wait_gone(pids, 10)
-        if left:
-            raise JobError(f"processes {left} of job {name!r} did not exit", "kill them with `kill -9`")
-        if jd.supervisor().get("state") in ("starting", "running"):  # the supervisor could not record it
-            from ..jobdir import atomic_write
-            atomic_write(jd.supervisor_path, json.dumps({**jd.supervisor(), "state": "stopped",
-                                                         "reason": "stopped by the user"}))
+        uid = _job_uid(sup)
+        heads = [p for p in (procs.recorded(sup.get("supervisor"), uid), procs.recorded(sup.get("keeper"), uid))
+                 if uid and p is not None]
+        for p in heads:
+            try:
+                p.terminate()
+            except psutil.Error:
+                pass
+        procs.wait_gone(heads, timeout)
+        lock = jd.keeper_lock()  # no keeper may start (to adopt the job) while it is being ended
+        try:
+            left = []
+            if uid:
+                procs.kill_marked(uid)
+                left = procs.wait_gone(heads + procs.marked(uid), 10)
+            if left:
+                raise JobError(f"processes {[p.pid for p in left]} of job {name!r} did not exit",
+                               "kill them with `kill -9`")
+            if jd.supervisor().get("state") in ("starting", "running"):  # the supervisor could not record it
+                atomic_write(jd.supervisor_path, json.dumps({**jd.supervisor(), "state": "stopped",
+                                                             "reason": "stopped by the user"}))
+        finally:
+            if lock is not None:
+                os.close(lock)
 
     def remove(self, name: str) -> None:
         status = self.state(name)
         if status.state in ("starting", "running"):
             raise JobError(f"job {name!r} is still running", f"stop it first: `python -m eksft_nb stop {name}`")
+        uid = _job_uid(self._jd(name).supervisor())
+        running = procs.marked(uid) if uid else []
+        if running:
+            raise JobError(f"processes {[p.pid for p in running]} of job {name!r} still run",
+                           f"stop it first: `python -m eksft_nb stop {name}`")
         shutil.rmtree(self._jd(name).path)
+
+
+def _job_uid(record: dict) -> str | None:
+    uid = record.get("job_uid")
+    return uid if isinstance(uid, str) and uid else None
 
 
 def _check_resume_source(spec: JobSpec, jd: JobDir) -> None:

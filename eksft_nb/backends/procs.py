@@ -1,8 +1,11 @@
-"""Finding and ending a local job's processes.
+"""Finding and ending a local job's processes, by identity rather than by number.
 
-Every process a job starts inherits ``EKSFT_JOB_UID`` (and ``EKSFT_NODE_TAG``) in its environment,
-so the ones that leave their process group (NVRx's double-forked in-process monitor, checkpoint
-writers) are still found and ended by a stop.
+A pid (or a process group id) read back from a job's folder may by now belong to an unrelated
+process: pids are reused once a process is gone. So a process is named by its pid *and* its start
+time (:func:`identity`), and every process a job starts inherits ``EKSFT_JOB_UID`` (and
+``EKSFT_NODE_TAG``) in its environment; nothing is signalled unless it carries the job's mark or
+its recorded identity. The mark also finds the processes that leave their process group (NVRx's
+double-forked in-process monitor, checkpoint writers).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import os
 import signal
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import psutil
 
@@ -18,7 +22,30 @@ JOB_MARK = "EKSFT_JOB_UID"
 NODE_MARK = "EKSFT_NODE_TAG"
 
 
+def identity(pid: int) -> dict[str, Any]:
+    """What names a live process for good: its pid and its start time."""
+    return {"pid": pid, "started": psutil.Process(pid).create_time()}
+
+
+def recorded(entry: dict[str, Any] | None, job_uid: str | None = None) -> psutil.Process | None:
+    """The running process that ``entry`` (an :func:`identity`, read back from disk) names; None when
+    it is gone, or when its pid now belongs to another process (another start time, or, given
+    ``job_uid``, no such mark)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("pid"), int) or entry["pid"] <= 0:
+        return None
+    try:
+        p = psutil.Process(entry["pid"])
+        if abs(p.create_time() - float(entry.get("started", -1))) > 0.01 or p.status() == psutil.STATUS_ZOMBIE:
+            return None
+        if job_uid is not None and p.environ().get(JOB_MARK) != job_uid:
+            return None
+        return p
+    except (psutil.Error, OSError, TypeError, ValueError):
+        return None
+
+
 def marked(job_uid: str, node_tag: str | None = None) -> list[psutil.Process]:
+    """The live processes that carry the job's mark (and, given, the node tag), but this one."""
     found = []
     me = os.getpid()
     for p in psutil.process_iter():
@@ -26,6 +53,8 @@ def marked(job_uid: str, node_tag: str | None = None) -> list[psutil.Process]:
             continue
         try:
             env = p.environ()
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
         except (psutil.Error, OSError):
             continue
         if env.get(JOB_MARK) == job_uid and (node_tag is None or env.get(NODE_MARK) == node_tag):
@@ -33,30 +62,37 @@ def marked(job_uid: str, node_tag: str | None = None) -> list[psutil.Process]:
     return found
 
 
-def kill_marked(job_uid: str, node_tag: str | None = None, timeout: float = 5.0, keep: Sequence[int] = ()) -> int:
-    """SIGKILL every process carrying the job's mark but those in ``keep``; wait until they are gone.
-    Returns how many."""
+def signal_marked(job_uid: str, sig: int, node_tag: str | None = None, keep: Sequence[int] = ()) -> list[psutil.Process]:
+    """Send ``sig`` to every process carrying the job's mark but those in ``keep``; return them."""
     victims = [p for p in marked(job_uid, node_tag) if p.pid not in keep]
     for p in victims:
         try:
-            p.kill()
+            p.send_signal(sig)  # psutil checks that the pid still names the process it found
         except psutil.Error:
             pass
+    return victims
+
+
+def kill_marked(job_uid: str, node_tag: str | None = None, timeout: float = 5.0, keep: Sequence[int] = ()) -> int:
+    """SIGKILL every process carrying the job's mark but those in ``keep``; wait until they are gone.
+    Returns how many."""
+    victims = signal_marked(job_uid, signal.SIGKILL, node_tag, keep)
     psutil.wait_procs(victims, timeout=timeout)
     return len(victims)
-
-
-def kill_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def alive(pid: int) -> bool:
     """True for a running process (zombies count as dead)."""
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def running(p: psutil.Process) -> bool:
+    """Whether the process ``p`` (not merely its pid) still runs."""
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
 
@@ -76,18 +112,11 @@ def _pgid(pid: int) -> int | None:
         return None
 
 
-def wait_gone(pids: list[int], timeout: float) -> list[int]:
-    """Wait until none of ``pids`` runs; return those still alive at the deadline."""
+def wait_gone(processes: Sequence[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait until none of ``processes`` runs; return those still running at the deadline."""
     deadline = time.time() + timeout
-    left = [p for p in pids if alive(p)]
+    left = [p for p in processes if running(p)]
     while left and time.time() < deadline:
         time.sleep(0.1)
-        left = [p for p in left if alive(p)]
+        left = [p for p in left if running(p)]
     return left
-
-
-def terminate(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass

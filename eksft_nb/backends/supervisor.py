@@ -6,7 +6,19 @@ detection) and the job's events (steps, in-process restarts, checkpoints). It re
 launcher dies, emits the ``failure``/``restart`` events with cause, blamed rank and timings, and
 gives up with a reason when restarts stop making progress.
 
-Run as ``python -m eksft_nb.backends.supervisor JOB_DIR`` (the local backend does this).
+When the supervisor dies. The supervisor runs as the child of a small *keeper* process that holds the
+job folder's lock. If the supervisor dies before the job ended (SIGKILL, a crash, an uncaught
+error), the keeper starts a successor that *adopts* the job: it finds the launchers again by identity
+(pid and start time, and the job's mark, from ``supervisor.json``), rebuilds what its predecessor knew
+by replaying the job's events (publishing only the failure/restart events its predecessor did not,
+such as an in-job restart while nobody watched), reads the launcher logs on from the saved offsets,
+and carries on. After :data:`MAX_SUPERVISORS` deaths the keeper ends every process of the job and
+records why. If the keeper is gone too, any client that finds the job's processes running without a
+supervisor (``LocalBackend.state``) starts a new keeper. An ``OSError`` in the supervisor (a full
+disk) ends the job with that reason, its launchers stopped.
+
+Run as ``python -m eksft_nb.backends.supervisor JOB_DIR`` (the local backend does this, with the
+job's mark ``EKSFT_JOB_UID`` in the environment); ``--run JOB_DIR [--adopt]`` is the supervisor proper.
 """
 
 from __future__ import annotations
@@ -24,7 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..events import EventTail, EventWriter
+import psutil
+
+from ..events import JOB_STATES, EventTail, EventWriter
 from ..jobdir import JobDir, atomic_write
 from .. import nvrx
 from ..launcher import Ports, launcher_argv, rank_env
@@ -34,6 +48,9 @@ from ..runtime.quiet import quiet_env
 from . import procs
 
 POLL_S = 0.2
+MAX_SUPERVISORS = 5    # supervisor deaths the keeper recovers from before it ends the job
+UNKNOWN_EXIT = -256    # an adopted launcher ended (not our child: its exit status is unknown)
+UNRECORDED = 3         # the supervisor's exit status when the job ended but writing that down failed
 # ft_launcher's log, as NVRx 0.4.1 (``[2026-01-02 03:04:05,678] [WARNING] [RankMonServer...] msg``) and
 # 0.6 (``2026-01-02 03:04:05,678 [WARNING] [host] [workload:0(0) infra:?(?)] file.py:123 msg``) write it
 _WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
@@ -48,20 +65,29 @@ _GLOG_AT = re.compile(r"^[IWEF](\d{4}) (\d\d:\d\d:\d\d)\.(\d{1,9}) ")
 @dataclass
 class Node:
     index: int
-    popen: subprocess.Popen
     log: Path
     tag: str
+    identity: dict[str, Any]                # pid and start time (see procs.identity)
+    popen: subprocess.Popen | None = None   # None: adopted from a supervisor that died
+    proc: psutil.Process | None = None      # the adopted launcher, if it still ran when adopted
     offset: int = 0
 
     @property
     def pid(self) -> int:
-        return self.popen.pid
+        return self.identity["pid"]
+
+    def poll(self) -> int | None:
+        """None while the launcher runs, else its exit status (:data:`UNKNOWN_EXIT` if adopted)."""
+        if self.popen is not None:
+            return self.popen.poll()
+        return None if self.proc is not None and procs.running(self.proc) else UNKNOWN_EXIT
 
 
 @dataclass
 class Supervisor:
     jd: JobDir
-    job_uid: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    adopt: bool = False   # take over the running job of a supervisor that died
+    job_uid: str = field(default_factory=lambda: os.environ.get(procs.JOB_MARK) or uuid.uuid4().hex[:16])
 
     def __post_init__(self) -> None:
         self.spec = self.jd.spec()
@@ -69,6 +95,10 @@ class Supervisor:
         self.tail = EventTail(self.jd.events_path)
         self.mon = JobMonitor()
         self.log = open(self.jd.logs / "supervisor.log", "a", buffering=1)
+        self.keeper = self.jd.supervisor().get("keeper")
+        self.adoptions = 0
+        self.replayed: set[tuple] | None = None  # while adopting: the failure/restart events already published
+        self.seen_until = 0.0  # adopted: launcher-log failures logged before this the events already accounted for
         self.attempt = 0
         self.nodes: list[Node] = []
         self.standby: dict[int, subprocess.Popen] = {}  # node -> a warm ft_launcher for the next attempt
@@ -76,7 +106,7 @@ class Supervisor:
         self.ranks_started: set[int] = set()  # ranks of the current attempt that reported rank_start
         self.stop_requested = False
         self.t_start = time.time()
-        self.incidents = Incidents(self.mon, self.events.emit, self.t_start, say=self.say,
+        self.incidents = Incidents(self.mon, self._publish, self.t_start, say=self.say,
                                    patience=self.spec.ft.progress_patience, steps_expected=not self.spec.script)
         self.folder_inode = os.stat(self.jd.path).st_ino
         self.nvrx = nvrx.installed()
@@ -86,25 +116,77 @@ class Supervisor:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        self.say(f"supervising job {self.spec.name} ({self.spec.world_size} ranks, {self.spec.steps} steps) "
-                 f"with {self.nvrx.describe() if self.nvrx else 'no NVRx installed'}")
-        if self.nvrx and self.spec.ft.inprocess and (note := self.nvrx.inprocess_note()):
-            self.say(note)
-        self.events.emit("job_start", spec_digest=self.spec.digest(), world_size=self.spec.world_size,
-                         steps=self.spec.steps, backend="local", host=socket.gethostname(), pid=os.getpid(),
-                         nvrx=self.nvrx.version if self.nvrx else None)
-        outcome = None
-        while outcome is None:
-            self._launch()
-            outcome = self._watch()
-        state, reason = outcome
-        self._pump()
+        try:
+            if self.adopt:
+                outcome = self._adopt()  # None: relaunch
+            else:
+                self._write_state("starting")
+                self.say(f"supervising job {self.spec.name} ({self.spec.world_size} ranks, {self.spec.steps} steps) "
+                         f"with {self.nvrx.describe() if self.nvrx else 'no NVRx installed'}")
+                if self.nvrx and self.spec.ft.inprocess and (note := self.nvrx.inprocess_note()):
+                    self.say(note)
+                self.events.emit("job_start", spec_digest=self.spec.digest(), world_size=self.spec.world_size,
+                                 steps=self.spec.steps, backend="local", host=socket.gethostname(), pid=os.getpid(),
+                                 nvrx=self.nvrx.version if self.nvrx else None)
+                self._launch()
+                outcome = self._watch()
+            while outcome is None:
+                self._launch()
+                outcome = self._watch()
+            state, reason = outcome
+            self._pump()
+        except OSError as e:  # a full disk, a folder gone read-only: end cleanly rather than orphan the launchers
+            state, reason = "failed", f"the supervisor could not go on: {e}"
         self._kill_everything()
-        self.events.emit("job_end", state=state, reason=reason, final_step=self.mon.last_step,
-                         digest=self.mon.digest, restarts=self.mon.restarts_by_level())
-        self.say(f"job {state}: {reason}")
-        self._write_state(state, reason)
+        try:
+            self.events.emit("job_end", state=state, reason=reason, final_step=self.mon.last_step,
+                             digest=self.mon.digest, restarts=self.mon.restarts_by_level())
+            self.say(f"job {state}: {reason}")
+            self._write_state(state, reason)
+        except OSError as e:  # the keeper must not start a successor: nothing of the job runs any more
+            print(f"job {state}: {reason}; recording it failed: {e}", file=sys.stderr)
+            return UNRECORDED
         return 0 if state == "succeeded" else 1
+
+    def _adopt(self) -> tuple[str, str] | None:
+        """Take over from a supervisor that died: find its launchers again by identity, rebuild what it
+        knew from the job's events, and watch the attempt on. Returns the job outcome, or None to relaunch."""
+        record = self.jd.supervisor()
+        self.attempt = _int(record.get("attempt"))
+        self.t_start = _num(record.get("started"), self.t_start)
+        self.adoptions = _int(record.get("adoptions")) + 1
+        for entry in record.get("launchers") or []:
+            try:
+                ident = {"pid": int(entry["pid"]), "started": float(entry["started"])}
+                node = Node(int(entry["node"]), Path(entry["log"]), str(entry["tag"]), ident,
+                            proc=procs.recorded(ident, self.job_uid), offset=int(entry.get("offset", 0)))
+            except (KeyError, TypeError, ValueError):
+                continue  # unreadable: that node counts as lost, the job restarts it
+            if node.log.parent == self.jd.logs:
+                self.nodes.append(node)
+        self.t_launch = _num(record.get("t_launch"), self.t_start)
+        backlog = self.tail.read()
+        self.replayed = {_incident_key(e.kind, e.data) for e in backlog if e.kind in ("failure", "restart")}
+        for event in backlog:
+            self.mon.update([event])
+            self._on_event(event)
+        self.replayed = None
+        # a failure the launchers logged before the newest rank start restarted ranks the replay has seen
+        self.seen_until = max((e.t for e in backlog if e.kind == "rank_start"), default=0.0)
+        running = [n for n in self.nodes if n.poll() is None]
+        self.say(f"supervisor {record.get('pid')} is gone; supervisor {os.getpid()} adopted the job "
+                 f"(attempt {self.attempt}, {len(running)} of {self.spec.nnodes} launcher(s) still running)")
+        if self.mon.finished:  # the predecessor died after the job ended
+            return self.mon.state, self.mon.reason
+        self._write_state("running")
+        if len(self.nodes) < self.spec.nnodes:
+            return self._node_died(None, UNKNOWN_EXIT)
+        return self._watch()
+
+    def _publish(self, kind: str, **data: Any) -> None:
+        """Publish an incident's event, unless a predecessor already did (while adopting)."""
+        if self.replayed is None or _incident_key(kind, data) not in self.replayed:
+            self.events.emit(kind, **data)
 
     def _folder_is_mine(self) -> bool:
         try:
@@ -140,7 +222,11 @@ class Supervisor:
                                              stdin=subprocess.DEVNULL, cwd=self.jd.path, start_new_session=True)
             else:
                 warm.append(node)
-            self.nodes.append(Node(node, popen, log, tag))
+            try:
+                ident = procs.identity(popen.pid)
+            except psutil.Error:  # it has already ended (we have not reaped it: its pid is still ours)
+                ident = {"pid": popen.pid, "started": None}
+            self.nodes.append(Node(node, log, tag, ident, popen=popen))
             self.events.emit("launch", attempt=self.attempt, node=node, pid=popen.pid, pgid=popen.pid)
         self.say(f"attempt {self.attempt}: started ft_launcher on {len(self.nodes)} node(s), "
                  f"pids {', '.join(str(n.pid) for n in self.nodes)}" + (" (warm standby)" if warm else ""))
@@ -190,8 +276,8 @@ class Supervisor:
                 sys.exit(1)  # the job folder was deleted or replaced: nobody to report to
             if self.incidents.give_up:
                 return "failed", self.incidents.give_up
-            codes = [n.popen.poll() for n in self.nodes]
-            if all(c == 0 for c in codes):
+            codes = [n.poll() for n in self.nodes]
+            if all(c == 0 or c == UNKNOWN_EXIT and self._finished() for c in codes):
                 self._pump()
                 if self.mon.digest is not None or self.mon.last_step >= self.spec.steps:
                     return "succeeded", f"all {self.spec.steps} steps done"
@@ -206,9 +292,18 @@ class Supervisor:
                 self._start_standby()
             time.sleep(POLL_S)
 
-    def _node_died(self, node: Node, code: int) -> tuple[str, str] | None:
+    def _finished(self) -> bool:
+        """Whether training is done by the events (for launchers whose exit status is unknown)."""
+        self._pump()
+        return self.mon.digest is not None or self.mon.last_step >= self.spec.steps
+
+    def _node_died(self, node: Node | None, code: int) -> tuple[str, str] | None:
         detected = time.time()
-        if code < 0:
+        if node is None:
+            cause = "the launchers of the supervisor that died could not be found again"
+        elif code == UNKNOWN_EXIT:
+            cause = f"ft_launcher on node {node.index} ended (adopted from a supervisor that died: exit status unknown)"
+        elif code < 0:
             cause = f"ft_launcher on node {node.index} was killed ({signal.Signals(-code).name})"
         else:
             cause = (f"ft_launcher on node {node.index} gave up (exit {code}) after "
@@ -253,12 +348,15 @@ class Supervisor:
 
     def _on_event(self, e: Any) -> None:
         if e.kind == "fault":
-            target = f"rank {e['target_rank']}" if e["target_rank"] is not None else f"node {e.get('node', 0)}"
+            target = (f"rank {e['target_rank']}" if e["target_rank"] is not None else
+                      f"node {e['node']}" if e.get("node") is not None else "the job")
             self.say(f"fault injected: {e['fault']} on {target} at step {e['at_step']}")
         elif e.kind == "checkpoint" and e["phase"] in ("failed", "rejected"):
             self.say(f"checkpoint {e['step']} {e['phase']}: {e.get('error') or e.get('reason')}")
         elif e.kind == "rank_start" and e.t >= self.t_launch:
             self.ranks_started.add(e.rank)
+        elif e.kind in ("failure", "restart") and self.replayed is not None:
+            self.incidents.restore(e)
         elif e.kind == "resume":
             skipped = "".join(f"; skipped step {x['step']} ({x['reason']})" for x in e["skipped"])
             self.say(f"resuming from checkpoint step {e['step']} (loaded in {e['load_s']:.1f}s){skipped}")
@@ -275,13 +373,14 @@ class Supervisor:
         if end < 0:
             return
         node.offset += end + 1
-        for line in chunk[: end + 1].decode(errors="replace").splitlines():
-            seen = parse_launcher_line(line)
-            if seen is None:
-                continue
+        lines = chunk[: end + 1].decode(errors="replace").splitlines()
+        events = [seen for seen in map(parse_launcher_line, lines) if seen is not None]
+        if events:
+            self._write_state("running")  # a successor reads on from here, not twice
+        for seen in events:
             if seen.kind == "restarting":
                 self.say(f"ft_launcher restarts the worker group ({seen.left[0]}/{seen.left[1]} in-job restarts left)")
-            elif self.incidents.incident is None:
+            elif self.incidents.incident is None and not self.stop_requested and seen.at > self.seen_until:
                 self._read_events()  # a rank may have reported the fault just before it died
                 if seen.kind == "hang":
                     self.incidents.hang(seen.at, self.spec.ft.heartbeat_timeout, self._stuck_rank())
@@ -306,21 +405,25 @@ class Supervisor:
 
     # ---- processes ----------------------------------------------------------------------------
     def _kill_everything(self, keep_standby: bool = False) -> None:
-        """End every process of this job attempt: launchers (and their groups), ranks, what escaped
-        the groups (NVRx's double-forked monitors, checkpoint writers) and, unless kept for the next
-        attempt, the standby launchers."""
+        """End every process of this job attempt: launchers, ranks, what escaped the launchers'
+        groups (NVRx's double-forked monitors, checkpoint writers) and, unless kept for the next
+        attempt, the standby launchers. Found by the job's mark, never by a group id that may by now
+        be another's; the keeper (our parent) stays."""
         for node in self.nodes:
-            if node.popen.poll() is None:
-                procs.kill_group(node.pid, signal.SIGTERM)
+            if node.poll() is None:
+                procs.signal_marked(self.job_uid, signal.SIGTERM, node_tag=node.tag)
         deadline = time.time() + 10
-        while time.time() < deadline and any(n.popen.poll() is None for n in self.nodes):
+        while time.time() < deadline and any(n.poll() is None for n in self.nodes):
             time.sleep(0.1)
-        for node in self.nodes:
-            procs.kill_group(node.pid, signal.SIGKILL)
-            node.popen.wait()
-            self._read_launcher_log(node)
-        keep = [p.pid for p in self.standby.values()] if keep_standby else []
+        keep = [os.getppid()] + ([p.pid for p in self.standby.values()] if keep_standby else [])
         procs.kill_marked(self.job_uid, keep=keep)
+        for node in self.nodes:
+            if node.popen is not None:
+                node.popen.wait()
+            try:
+                self._read_launcher_log(node)
+            except OSError:
+                pass
         if not keep_standby:
             for spare in self.standby.values():
                 spare.kill()
@@ -328,14 +431,29 @@ class Supervisor:
             self.standby = {}
 
     def _write_state(self, state: str, reason: str = "") -> None:
-        record = {"pid": os.getpid(), "pgid": os.getpgid(0), "job_uid": self.job_uid, "state": state,
-                  "reason": reason, "attempt": self.attempt, "started": self.t_start, "updated": time.time(),
-                  "launchers": [{"node": n.index, "pid": n.pid, "pgid": n.pid, "log": str(n.log)}
-                                for n in self.nodes]}
+        record = {"pid": os.getpid(), "supervisor": procs.identity(os.getpid()), "keeper": self.keeper,
+                  "job_uid": self.job_uid, "state": state, "reason": reason, "attempt": self.attempt,
+                  "adoptions": self.adoptions, "started": self.t_start, "t_launch": self.t_launch,
+                  "updated": time.time(),
+                  "launchers": [{"node": n.index, **n.identity, "pgid": n.pid, "tag": n.tag, "log": str(n.log),
+                                 "offset": n.offset} for n in self.nodes]}
         atomic_write(self.jd.supervisor_path, json.dumps(record, indent=1))
 
     def say(self, message: str) -> None:
-        self.log.write(f"{time.strftime('%H:%M:%S')} {message}\n")
+        if self.replayed is None:  # while adopting, what the predecessor already narrated is not repeated
+            self.log.write(f"{time.strftime('%H:%M:%S')} {message}\n")
+
+
+def _incident_key(kind: str, data: dict[str, Any]) -> tuple:
+    return kind, data.get("level"), data.get("fault_time")
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+
+
+def _num(value: Any, default: float) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
 
 
 @dataclass(frozen=True)
@@ -393,14 +511,67 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
+def keep(jd: JobDir) -> int:
+    """The keeper: run the job's supervisor as a child and, when it dies before the job ended, start
+    a successor that adopts the job (see the module's docstring). One keeper per job folder."""
+    lock = jd.keeper_lock()
+    if lock is None or jd.supervisor().get("state") in JOB_STATES:
+        return 0  # another keeper looks after the job, or it has ended
+    record = jd.supervisor()
+    adopt = "supervisor" in record  # a supervisor ran before this keeper: adopt what it started
+    uid = os.environ.setdefault(procs.JOB_MARK, str(record.get("job_uid") or uuid.uuid4().hex[:16]))
+    atomic_write(jd.supervisor_path, json.dumps({**record, "job_uid": uid,
+                                                 "keeper": procs.identity(os.getpid()),
+                                                 "state": record.get("state", "starting")}, indent=1))
+    inode = os.stat(jd.path).st_ino
+    stopping = False
+    child: subprocess.Popen | None = None
+
+    def on_signal(signum: int, frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+        if child is not None and child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    for _ in range(MAX_SUPERVISORS):
+        with open(jd.logs / "supervisor.err", "ab") as err:
+            child = subprocess.Popen([sys.executable, "-m", "eksft_nb.backends.supervisor", "--run", str(jd.path),
+                                      *(["--adopt"] if adopt else [])],
+                                     stdin=subprocess.DEVNULL, stdout=err, stderr=err)
+        code = child.wait()
+        try:
+            if os.stat(jd.path).st_ino != inode:
+                return 0  # the job folder was deleted or replaced
+        except FileNotFoundError:
+            return 0
+        if stopping or code == UNRECORDED or jd.supervisor().get("state") in JOB_STATES:
+            return 0
+        adopt = True
+        how = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"exit {code}"
+        with open(jd.logs / "supervisor.log", "a") as log:
+            log.write(f"{time.strftime('%H:%M:%S')} the supervisor (pid {child.pid}) died ({how}): "
+                      "starting another to adopt the job\n")
+    reason = (f"the supervisor died {MAX_SUPERVISORS} times (see logs/supervisor.err); the job's processes "
+              "were stopped: resume it from its last checkpoint")
+    procs.kill_marked(uid, keep=[os.getpid()])
+    mon = JobMonitor()
+    mon.update(EventTail(jd.events_path).read())
+    EventWriter(jd.events_path, jd.name, rank=None).emit("job_end", state="failed", reason=reason,
+                                                         final_step=mon.last_step)
+    atomic_write(jd.supervisor_path, json.dumps({**jd.supervisor(), "state": "failed", "reason": reason}, indent=1))
+    return 1
+
+
 def main() -> None:
+    if sys.argv[1] == "--run":  # the supervisor proper, a child of the keeper
+        sys.exit(Supervisor(JobDir(Path(sys.argv[2])), adopt="--adopt" in sys.argv).run())
     job_dir = JobDir(Path(sys.argv[1]))
     if os.fork() > 0:  # the launching process reaps this parent at once; the child is the daemon
         os._exit(0)
     os.setsid()
-    sup = Supervisor(job_dir)
-    sup._write_state("starting")
-    sys.exit(sup.run())
+    sys.exit(keep(job_dir))
 
 
 if __name__ == "__main__":

@@ -177,6 +177,8 @@ class Session:
         extra = {"node": cmd.node} if cmd.scope == "node" else {}
         if cmd.fault == "corrupt-checkpoint":
             extra = self._corrupt_latest_checkpoint()
+        if cmd.fault == "kill-supervisor":
+            extra = self._kill_supervisor()
         self.emit("fault", fault=cmd.fault, id=cmd.id, target_rank=cmd.rank, at_step=step, params=cmd.params,
                   **extra)
         if cmd.fault == "kill-launcher":  # the whole node: ft_launcher's process group, this rank included
@@ -215,6 +217,18 @@ class Session:
             f.seek(middle)
             f.write(bytes(b ^ 0xFF for b in chunk))
         return {"path": str(victim), "checkpoint_step": committed[-1].step}
+
+    def _kill_supervisor(self) -> dict[str, Any]:
+        """SIGKILL the job's local supervisor: the one ``supervisor.json`` names, if that pid is still
+        the process it names and carries this job's mark."""
+        from ..backends import procs
+
+        record = self.job_dir.supervisor() if self.job_dir else {}
+        victim = procs.recorded(record.get("supervisor"), os.environ.get(procs.JOB_MARK) or "")
+        if victim is None:
+            return {"note": "no supervisor of this job runs here: nothing killed"}
+        victim.kill()
+        return {"supervisor_pid": victim.pid}
 
     def close(self) -> None:
         if self._beacon is not None:

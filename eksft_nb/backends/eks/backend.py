@@ -24,7 +24,7 @@ from ...control import FaultCommand
 from ...errors import JobError
 from ...events import LOG_PREFIX
 from ...spec import JobSpec
-from ..base import Backend, JobSummary, quiet_lines
+from ..base import Backend, JobSummary, readable
 from . import checks, names, schemas
 from .cluster import ApiError, Cluster, explain
 from .inpod import NOT_HERE
@@ -187,8 +187,8 @@ class EksBackend(Backend):
                     continue
                 raise explain(e, f"read the log of pod {state.name}", cluster) from None
             tag = f"[node {state.node}] " if state.node is not None else f"[{state.name}] "
-            shown = text.splitlines() if debug else quiet_lines([l for l in text.splitlines() if LOG_PREFIX not in l])
-            out += [tag + line for line in shown]
+            text_lines = text.splitlines()
+            out += [tag + line for line in (text_lines if debug else readable([x for x in text_lines if LOG_PREFIX not in x]))]
         return "\n".join(out[-lines:])
 
     # ---- control ----------------------------------------------------------------------------------------
