@@ -29,6 +29,9 @@ FAULTS: dict[str, tuple[str, str]] = {
     "segfault": ("rank", "the rank process crashes with a segmentation fault"),
     "slow-rank": ("rank", "the rank sleeps `delay` seconds per step for `duration` steps (a straggler)"),
     "save-failure": ("rank", "the rank's next checkpoint write fails; training continues, the save is retried"),
+    "disk-full": ("rank", "the rank's disk is full for `duration` steps: its checkpoint and event writes fail "
+                          "(ENOSPC); saves are retried, lost events are counted"),
+    "slow-storage": ("rank", "the rank's checkpoint writes start `delay` seconds late for `duration` steps"),
     "kill-launcher": ("node", "the node's ft_launcher and all its ranks die at once (a node is lost)"),
     "corrupt-checkpoint": ("job", "flip bytes in the latest committed checkpoint (resume must skip it)"),
 }
@@ -92,6 +95,13 @@ class FaultCommand:
             if not isinstance(delay, (int, float)) or delay <= 0 or not isinstance(duration, int) or duration < 1:
                 raise ControlError("slow-rank needs delay > 0 seconds and duration >= 1 steps",
                                    "use e.g. params delay=0.5 duration=20")
+        if self.fault in ("disk-full", "slow-storage"):
+            duration = self.params.setdefault("duration", 10)
+            delay = self.params.setdefault("delay", 2.0) if self.fault == "slow-storage" else 1.0
+            if (isinstance(duration, bool) or not isinstance(duration, int) or not 1 <= duration <= 10**6
+                    or isinstance(delay, bool) or not isinstance(delay, (int, float)) or not 0 < delay <= 3600):
+                raise ControlError(f"{self.fault} needs duration >= 1 steps" + (" and 0 < delay <= 3600 seconds"
+                                   if self.fault == "slow-storage" else ""), "use e.g. params duration=10 delay=2")
         return self
 
 
