@@ -128,8 +128,8 @@ class EventWriter:
     """Appends events to a job's events file and, optionally, to stdout with the log prefix.
 
     Telemetry never stops training: a write that fails (a full disk) drops the event, warns once
-    on stderr, and once writing works again an ``events_lost`` event says how many were lost,
-    from when to when, and why."""
+    on stderr, and once writing works again an ``events_lost`` event says how many were lost (per
+    kind), from when to when, and why."""
 
     def __init__(self, path: str | Path | None, job: str, rank: int | None = None,
                  to_stdout: bool = False) -> None:
@@ -137,6 +137,7 @@ class EventWriter:
         self.path = path
         self._fd = None
         self.lost = 0                   # events dropped since the last events_lost record
+        self._lost_kinds: dict[str, int] = {}
         self._lost_span: tuple[float, float, str] = (0.0, 0.0, "")
         self._warned = False
         self._last_error = ""
@@ -172,11 +173,14 @@ class EventWriter:
     def _lost_record(self, now: float) -> str:
         first, last, error = self._lost_span
         return make("events_lost", self.job, self.rank, t=now, count=self.lost, first_t=first, last_t=last,
-                    error=error).to_json() + "\n"
+                    error=error, kinds=dict(self._lost_kinds)).to_json() + "\n"
 
     def _dropped(self, event: Event, error: str) -> None:
         first = self._lost_span[0] if self.lost else event.t
+        if not self.lost:
+            self._lost_kinds = {}
         self.lost += 1
+        self._lost_kinds[event.kind] = self._lost_kinds.get(event.kind, 0) + 1
         self._lost_span = (first, event.t, error)
         if not self._warned:
             self._warned = True

@@ -177,6 +177,39 @@ def test_restore_keeps_heartbeating_while_it_hashes(tmp_path: Path, group: Any) 
     assert len(beats) >= 3
 
 
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_full_disk_fails_saves_until_it_has_room_again(tmp_path: Path, group: Any, mode: str) -> None:
+    model = torch.nn.Linear(16, 16)
+    events: list = []
+    fault: list = [("full", 0.0)]  # the disk-full fault in force: writes go to /dev/full (ENOSPC)
+    mgr = CheckpointManager(tmp_path, rank=0, world_size=1, group=group, every=5, mode=mode, keep_last=2,
+                            emit=lambda kind, **data: events.append(data), storage_fault=lambda: fault[0])
+    mgr.maybe_save(5, _state(model, 5))
+    mgr.finish()
+    mgr.maybe_save(6, _state(model, 6))  # the retry fails too
+    mgr.finish()
+    fault[0] = None
+    mgr.maybe_save(7, _state(model, 7), last=True)
+    failed = [e for e in events if e["phase"] == "failed"]
+    assert [e["step"] for e in failed] == [5, 6] and all("No space left" in e["error"] for e in failed)
+    [info] = [i for i in list_checkpoints(tmp_path) if i.state == "committed"]
+    assert info.step == 7 and verify(info) is None
+    target = _state(torch.nn.Linear(16, 16), 0)
+    load(info.path, target, group)
+    assert int(target["progress"]["step"]) == 7 and torch.equal(target["model"]["weight"], model.weight)
+
+
+def test_slow_storage_delays_the_background_write_not_training(tmp_path: Path, group: Any) -> None:
+    events: list = []
+    mgr = CheckpointManager(tmp_path, rank=0, world_size=1, group=group, every=5, mode="async", keep_last=2,
+                            emit=lambda kind, **data: events.append(data), storage_fault=lambda: ("slow", 1.0))
+    mgr.maybe_save(5, _state(torch.nn.Linear(16, 16), 5))
+    mgr.finish()
+    [staged] = [e for e in events if e["phase"] == "staged"]
+    [committed] = [e for e in events if e["phase"] == "committed"]
+    assert committed["background_s"] >= 1.0 > staged["blocked_s"]
+
+
 def test_old_checkpoints_are_pruned_to_keep_last(tmp_path: Path, group: Any) -> None:
     model = torch.nn.Linear(8, 8)
     mgr = _manager(tmp_path, group, "sync", [])

@@ -458,6 +458,7 @@ class CheckpointManager:
 
     def _save_sync(self, step: int, path: Path, state: dict[str, Any], t0: float) -> None:
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
         writer = _sync_writer(path, self._fault())
         files: dict[str, Any] = {}
@@ -468,6 +469,9 @@ class CheckpointManager:
             tick = self._ticker()
             files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p, tick)} for p in mine}
             error = None
+        except CheckpointException as e:  # a BaseException: every rank's failures, this one's among them
+            own = e.failures.get(self.rank)
+            error = None if own is None else f"{type(own[0]).__name__}: {own[0]}"
         except Exception as e:  # noqa: BLE001
             error = f"{type(e).__name__}: {e}"
         gathered = self._gather((error, files))
