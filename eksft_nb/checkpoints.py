@@ -43,8 +43,8 @@ def sha256_file(path: Path, progress: Callable[[], Any] | None = None) -> str:
 
 def plain_name(name: Any) -> bool:
     """Whether ``name`` can only name a file directly inside a checkpoint folder (no path, no traversal)."""
-    return (isinstance(name, str) and 0 < len(name) <= 255 and name not in (".", "..", COMMIT, REJECTED)
-            and "/" not in name and "\\" not in name and "\0" not in name)
+    return (isinstance(name, str) and 0 < len(name) <= 255 and name.isprintable()
+            and name not in (".", "..", COMMIT, REJECTED) and "/" not in name and "\\" not in name)
 
 
 def _is_count(value: Any) -> bool:

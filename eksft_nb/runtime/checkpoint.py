@@ -91,7 +91,7 @@ def read_metadata(path: Path) -> Any:
             metadata = _MetadataUnpickler(fh).load()
     except Exception as e:  # noqa: BLE001 - whatever a crafted file raises, the answer is one line
         why = str(e) if isinstance(e, (pickle.UnpicklingError, OSError)) else f"{type(e).__name__}: {e}"
-        raise JobError(f"refusing to load {f}: {why}"[:400], fix) from None
+        raise JobError(f"refusing to load {f}: {' '.join(why.split())}"[:400], fix) from None
     if not isinstance(metadata, Metadata):
         raise JobError(f"refusing to load {f}: it holds a {type(metadata).__name__}, not DCP metadata", fix)
     for record in (metadata.storage_data or {}).values():
@@ -129,9 +129,18 @@ def load(path: Path, state: dict[str, Any], group: dist.ProcessGroup | None) -> 
     Tensors and bytes are read with ``torch.load(weights_only=True)``, the metadata with the allow-list."""
     import torch.distributed.checkpoint as dcp
 
+    from torch.distributed.checkpoint.api import CheckpointException
+
     read_metadata(Path(path))  # fail with the reason, before any collective
     reader, planner = _reader_and_planner(path)
-    dcp.load(state, storage_reader=reader, planner=planner, process_group=group)
+    try:
+        dcp.load(state, storage_reader=reader, planner=planner, process_group=group)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - files that verify yet do not load
+        causes = list(e.failures.values()) if isinstance(e, CheckpointException) else [(e, None)]
+        why = " ".join("; ".join(f"{type(c).__name__}: {c}" for c, _ in causes).split())[:300]
+        raise JobError(f"cannot load the checkpoint in {path}: {why}",
+                       "it does not match this job's model and optimizer, or its files were replaced: "
+                       "resume from another checkpoint") from None
 
 
 # ---- staging --------------------------------------------------------------------------------
@@ -614,8 +623,10 @@ class CheckpointManager:
 
         Rank 0 lists the candidates (see :func:`resume_candidates`); every rank verifies its share
         of each candidate's files (sizes, checksums, the metadata's allow-list) in parallel, sending
-        heartbeats while it hashes, until all agree on one. A checkpoint that fails anywhere is
-        skipped everywhere, with the reason and the rank that found it."""
+        heartbeats while it hashes, until all agree on one that also loads. A checkpoint that fails
+        anywhere is skipped everywhere, with the reason and the rank that found it (a partial load
+        is overwritten by the next candidate's; with none left, this raises and the restart that
+        follows starts fresh)."""
         listing: list[Any] = [None]
         if self.rank == 0:
             try:
@@ -626,12 +637,20 @@ class CheckpointManager:
         if isinstance(listing[0], JobError):
             raise listing[0]
         skipped: list[dict[str, Any]] = []
-        t0 = time.perf_counter()
+        touched = None  # a checkpoint that verified but failed to load, part of it maybe in ``state``
         for info in listing[0]:
+            t0 = time.perf_counter()
             reason = _verify_share(info, self.rank, self.world_size, self._ticker())
             reasons = self._gather(reason)
-            if not any(reasons):
-                break
+            verify_s, t1 = time.perf_counter() - t0, time.perf_counter()
+            if not any(reasons):  # it verified everywhere: load it (files that verify may still not fit)
+                try:
+                    load(info.path, state, self.group)
+                except JobError as e:
+                    reason, touched = e.problem, info
+                reasons = self._gather(reason)
+                if not any(reasons):
+                    break
             if reason:  # the rank that found it says so
                 self.emit("checkpoint", phase="rejected", step=info.step, path=str(info.path), reason=reason)
             found = next(r for r, why in enumerate(reasons) if why)
@@ -643,15 +662,15 @@ class CheckpointManager:
                 raise JobError(f"checkpoint step {resume.split(':')[1]} is not available in {self.root}"
                                + (f" ({skipped[0]['reason']})" if skipped else ""),
                                "list them with `python -m eksft_nb ckpts NAME` and pick a committed one")
+            if touched is not None:  # not a fresh state any more: the restart that follows skips it
+                raise JobError(f"checkpoint {touched.path} verified but failed to load, and no other checkpoint "
+                               "is left to load over it", "the job restarts and starts fresh")
             if skipped:  # every candidate was rejected: say so, then start fresh
                 self.emit("resume", step=0, path="", load_s=0.0, skipped=skipped)
             return 0
-        verify_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        load(info.path, state, self.group)
         if info.path.parent == self.root:
             self.last_committed = info.step
-        self.emit("resume", step=info.step, path=str(info.path), load_s=time.perf_counter() - t0, skipped=skipped,
+        self.emit("resume", step=info.step, path=str(info.path), load_s=time.perf_counter() - t1, skipped=skipped,
                   verify_s=verify_s, verified_files=[len(share(info, r, self.world_size)) for r in range(self.world_size)])
         return info.step
 
