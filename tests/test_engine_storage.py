@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from eksft_nb.checkpoints import list_checkpoints, verify
-from jobs import events, job_dir, run_job
+from jobs import cli, events, job_dir, run_job
 
 pytestmark = pytest.mark.slow
 
@@ -35,6 +35,8 @@ def test_a_full_disk_and_slow_storage_lose_no_step_and_say_what_was_lost(referen
     # rank 0 could not write its own events while its disk was full: what it lost is reported
     [lost] = events(name, "events_lost")
     assert lost.rank == 0 and "No space left" in lost["error"]
+    assert summary["events_lost"] == [{"rank": 0, "count": lost["count"], "error": lost["error"], "kinds": lost["kinds"]}]
+    assert f"events lost: {lost['count']} of rank 0" in cli("summary", name).stdout
     assert lost["kinds"]["step"] == 10 and lost["kinds"]["checkpoint"] >= 5  # steps 15-24, saves 20-24
     assert sorted(e["step"] for e in events(name, "step")) == [s for s in range(1, 81) if not 15 <= s <= 24]
     # rank 1's failed saves are reported by rank 0, whose disk was fine by then

@@ -128,7 +128,6 @@ def load(path: Path, state: dict[str, Any], group: dist.ProcessGroup | None) -> 
     """Load a DCP checkpoint into ``state`` in place (tensors are filled, plain values replaced).
     Tensors and bytes are read with ``torch.load(weights_only=True)``, the metadata with the allow-list."""
     import torch.distributed.checkpoint as dcp
-
     from torch.distributed.checkpoint.api import CheckpointException
 
     read_metadata(Path(path))  # fail with the reason, before any collective
@@ -458,7 +457,9 @@ class CheckpointManager:
         path = step_dir(self.root, step)
         t0 = time.perf_counter()
         self.emit("checkpoint", phase="begin", step=step, mode=self.mode)
-        if self.rank == 0 and path.exists():  # leftover of a crashed save, or a rejected one
+        if self.rank == 0 and path.is_symlink():  # not ours to follow
+            path.unlink()
+        elif self.rank == 0 and path.exists():  # leftover of a crashed save, or a rejected one
             shutil.rmtree(path)
         if self.mode == "sync":
             self._save_sync(step, path, state, t0)
