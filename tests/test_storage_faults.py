@@ -62,3 +62,18 @@ def test_storage_faults_are_fault_kinds_with_checked_parameters() -> None:
             FaultCommand("slow-storage", rank=0, params=dict(params)).validate(2, 1)
     with pytest.raises(ControlError, match="out of range"):
         FaultCommand("disk-full", rank=5).validate(2, 1)
+
+
+def test_the_dashboard_and_the_cli_offer_the_storage_faults(capsys) -> None:
+    from eksft_nb.cli import main
+    from eksft_nb.dashboard.parts import FaultControls
+
+    controls = FaultControls(world_size=2)
+    controls.fault.value, controls.target.value, controls.when.value = "disk-full", 1, "step 30"
+    command = controls.command()
+    assert command == {"fault": "disk-full", "rank": 1, "step": 30}
+    assert FaultCommand(**command).validate(2, 1).params == {"duration": 10}
+    assert "slow-storage" in controls.fault.options and "disk-full" in controls.fault.options
+    with pytest.raises(SystemExit):
+        main(["inject", "--help"])
+    assert "disk-full" in "".join(capsys.readouterr().out.split())  # however the help is wrapped
