@@ -97,9 +97,11 @@ class FaultCommand:
                                    "use e.g. params delay=0.5 duration=20")
         if self.fault in ("disk-full", "slow-storage"):
             duration = self.params.setdefault("duration", 10)
-            delay = self.params.setdefault("delay", 2.0) if self.fault == "slow-storage" else 1.0
-            if (isinstance(duration, bool) or not isinstance(duration, int) or not 1 <= duration <= 10**6
-                    or isinstance(delay, bool) or not isinstance(delay, (int, float)) or not 0 < delay <= 3600):
+            ok = not isinstance(duration, bool) and isinstance(duration, int) and 1 <= duration <= 10**6
+            if self.fault == "slow-storage":
+                delay = self.params.setdefault("delay", 2.0)
+                ok = ok and not isinstance(delay, bool) and isinstance(delay, (int, float)) and 0 < delay <= 3600
+            if not ok:
                 raise ControlError(f"{self.fault} needs duration >= 1 steps" + (" and 0 < delay <= 3600 seconds"
                                    if self.fault == "slow-storage" else ""), "use e.g. params duration=10 delay=2")
         return self

@@ -205,10 +205,10 @@ class Session:
             for callback in self.on_save_failure:
                 callback()
         if cmd.fault == "disk-full":
-            self._full_until = step + int(cmd.params["duration"])
+            self._full_until = step + int(cmd.params.get("duration", 10))
             self.events.divert("/dev/full")
         if cmd.fault == "slow-storage":
-            self._slow_storage = (step + int(cmd.params["duration"]), float(cmd.params["delay"]))
+            self._slow_storage = (step + int(cmd.params.get("duration", 10)), float(cmd.params.get("delay", 2.0)))
 
     def storage_fault(self) -> tuple[str, float] | None:
         """The storage fault in force at the current step: ("full", 0), ("slow", delay) or None."""
