@@ -195,6 +195,9 @@ def format_summary(s: dict[str, Any]) -> str:
             blamed = "-" if r["blame_rank"] is None else str(r["blame_rank"])
             lines.append(f"  {r['level']:<10}{r['cause'][:43]:<44}{blamed:>7}{r['detection_s']:>7.1f}s"
                          f"{r['downtime_s']:>9.1f}s{r['rolled_back_steps']:>6}")
+    for lost in s.get("events_lost", []):  # what the events file lacks: say so, never hide it
+        kinds = ", ".join(f"{n} {k}" for k, n in (lost["kinds"] or {}).items())
+        lines.append(f"events lost: {lost['count']} of rank {lost['rank']} ({kinds}): {lost['error']}")
     g = s["goodput"]
     lines.append(f"goodput: {100 * g['goodput']:.1f}% of {g['wall_s']:.1f}s wall time")
     for key in ("productive", "checkpoint_stall", "restart_downtime", "recomputed", "startup", "other"):

@@ -30,6 +30,9 @@ FAULTS: dict[str, tuple[str, str]] = {
     "segfault": ("rank", "the rank process crashes with a segmentation fault"),
     "slow-rank": ("rank", "the rank sleeps `delay` seconds per step for `duration` steps (a straggler)"),
     "save-failure": ("rank", "the rank's next checkpoint write fails; training continues, the save is retried"),
+    "disk-full": ("rank", "the rank's disk is full for `duration` steps: its checkpoint and event writes fail "
+                          "(ENOSPC); saves are retried, lost events are counted"),
+    "slow-storage": ("rank", "the rank's checkpoint writes start `delay` seconds late for `duration` steps"),
     "kill-launcher": ("node", "the node's ft_launcher and all its ranks die at once (a node is lost)"),
     "corrupt-checkpoint": ("job", "flip bytes in the latest committed checkpoint (resume must skip it)"),
     "kill-supervisor": ("job", "the job's supervisor is killed (SIGKILL); a new one adopts the running job"),
@@ -94,6 +97,15 @@ class FaultCommand:
             if not isinstance(delay, (int, float)) or delay <= 0 or not isinstance(duration, int) or duration < 1:
                 raise ControlError("slow-rank needs delay > 0 seconds and duration >= 1 steps",
                                    "use e.g. params delay=0.5 duration=20")
+        if self.fault in ("disk-full", "slow-storage"):
+            duration = self.params.setdefault("duration", 10)
+            ok = not isinstance(duration, bool) and isinstance(duration, int) and 1 <= duration <= 10**6
+            if self.fault == "slow-storage":
+                delay = self.params.setdefault("delay", 2.0)
+                ok = ok and not isinstance(delay, bool) and isinstance(delay, (int, float)) and 0 < delay <= 3600
+            if not ok:
+                raise ControlError(f"{self.fault} needs duration >= 1 steps" + (" and 0 < delay <= 3600 seconds"
+                                   if self.fault == "slow-storage" else ""), "use e.g. params duration=10 delay=2")
         return self
 
 

@@ -48,6 +48,8 @@ KINDS: dict[str, dict[str, tuple[type, ...] | type]] = {
     "fault": {"fault": str, "id": str, "target_rank": _opt_int, "at_step": _opt_int},
     "rank_error": {"error": str, "step": _opt_int, "origin": str},
     "rank_end": {"final_step": int},
+    # any writer, once it can write again after failing to (a full disk): what the events file lacks
+    "events_lost": {"count": int, "first_t": _num, "last_t": _num, "error": str},
 }
 
 RESTART_LEVELS = ("inprocess", "injob", "job")
@@ -125,12 +127,22 @@ def decode(line: str) -> Event | None:
 
 
 class EventWriter:
-    """Appends events to a job's events file and, optionally, to stdout with the log prefix."""
+    """Appends events to a job's events file and, optionally, to stdout with the log prefix.
+
+    Telemetry never stops training: a write that fails (a full disk) drops the event, warns once
+    on stderr, and once writing works again an ``events_lost`` event says how many were lost (per
+    kind), from when to when, and why."""
 
     def __init__(self, path: str | Path | None, job: str, rank: int | None = None,
                  to_stdout: bool = False) -> None:
         self.job, self.rank, self.to_stdout = job, rank, to_stdout
+        self.path = path
         self._fd = None
+        self.lost = 0                   # events dropped since the last events_lost record
+        self._lost_kinds: dict[str, int] = {}
+        self._lost_span: tuple[float, float, str] = (0.0, 0.0, "")
+        self._warned = False
+        self._last_error = ""
         if path is not None:
             self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
 
@@ -142,13 +154,54 @@ class EventWriter:
     def write(self, event: Event) -> None:
         line = event.to_json() + "\n"
         if self._fd is not None:
-            os.write(self._fd, line.encode())
+            if self.lost and self._append(self._lost_record(event.t)):
+                self.lost = 0
+            if self.lost or not self._append(line):  # never an event ahead of the record of those lost
+                self._dropped(event, self._last_error)
         if self.to_stdout:
             sys.stdout.write(LOG_PREFIX + line)
             sys.stdout.flush()
 
+    def _append(self, line: str) -> bool:
+        data = line.encode()
+        try:
+            if os.write(self._fd, data) == len(data):
+                return True
+            self._last_error = "short write"
+        except OSError as e:
+            self._last_error = e.strerror or type(e).__name__
+        return False
+
+    def _lost_record(self, now: float) -> str:
+        first, last, error = self._lost_span
+        return make("events_lost", self.job, self.rank, t=now, count=self.lost, first_t=first, last_t=last,
+                    error=error, kinds=dict(self._lost_kinds)).to_json() + "\n"
+
+    def _dropped(self, event: Event, error: str) -> None:
+        first = self._lost_span[0] if self.lost else event.t
+        if not self.lost:
+            self._lost_kinds = {}
+        self.lost += 1
+        self._lost_kinds[event.kind] = self._lost_kinds.get(event.kind, 0) + 1
+        self._lost_span = (first, event.t, error)
+        if not self._warned:
+            self._warned = True
+            print(f"eksft: cannot write events to {self.path} ({error}); training goes on, and the lost "
+                  "events are counted and reported once writing works again", file=sys.stderr, flush=True)
+
+    def divert(self, target: str | None) -> None:
+        """Point the events file descriptor at ``target`` (the ``disk-full`` fault: ``/dev/full``),
+        or back at the events file when ``target`` is None."""
+        if self._fd is None:
+            return
+        fd = os.open(target or self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        os.dup2(fd, self._fd)
+        os.close(fd)
+
     def close(self) -> None:
         if self._fd is not None:
+            if self.lost:
+                self._append(self._lost_record(time.time()))
             os.close(self._fd)
             self._fd = None
 

@@ -107,6 +107,7 @@ class Job:
             "checkpoints_rejected": [{"step": c.step, "reason": c.error} for c in mon.checkpoints.values()
                                      if c.state == "rejected"],
             "goodput": gp.to_dict(), "digest": mon.digest,
+            "events_lost": [{k: e.get(k) for k in ("rank", "count", "error", "kinds")} for e in mon.events_lost],
         }
 
     def dashboard(self) -> Any:

@@ -57,6 +57,7 @@ class JobMonitor:
     faults: list[dict[str, Any]] = field(default_factory=list)
     rank_errors: list[dict[str, Any]] = field(default_factory=list)
     resumes: list[dict[str, Any]] = field(default_factory=list)
+    events_lost: list[dict[str, Any]] = field(default_factory=list)   # a writer could not write them
     rank_pids: dict[int, int] = field(default_factory=dict)
     nvrx_cycles: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)  # (attempt, cycle) -> record
     digest: str | None = None
@@ -166,6 +167,9 @@ class JobMonitor:
 
     def _on_resume(self, e: Event) -> None:
         self.resumes.append({"t": e.t, **e.data})
+
+    def _on_events_lost(self, e: Event) -> None:
+        self.events_lost.append({"rank": e.rank, **e.data})
 
     def _on_rank_end(self, e: Event) -> None:
         self.digest = e.get("digest", self.digest)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime
+import hashlib
+import json
 import os
 import pickle
 from pathlib import Path
@@ -13,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from eksft_nb.checkpoints import list_checkpoints, verify
+from eksft_nb.errors import JobError
 from eksft_nb.runtime.checkpoint import CheckpointManager, load
 
 
@@ -108,6 +111,105 @@ def test_a_failed_write_is_reported_and_retried_at_the_next_step(tmp_path: Path,
     assert committed == [6]
 
 
+def test_a_real_write_failure_does_not_shift_the_results_of_later_saves(tmp_path: Path, group: Any) -> None:
+    """The writer process may write no file past 64 bytes (a file-size limit: the kernel fails the
+    writes with EFBIG), so the shard and then the manifest fail to write; once it may again, every
+    later save must read its own result and commit the state it saved."""
+    import resource
+
+    from eksft_nb.runtime.checkpoint import _AsyncWriter
+
+    model = torch.nn.Linear(16, 16)
+    events: list = []
+    mgr = _manager(tmp_path, group, "async", events)
+    pid = _AsyncWriter.caller.process.pid
+    soft, hard = resource.prlimit(pid, resource.RLIMIT_FSIZE)
+    resource.prlimit(pid, resource.RLIMIT_FSIZE, (64, hard))
+    try:
+        mgr.maybe_save(5, _state(model, 5))
+        mgr.finish()
+    finally:
+        resource.prlimit(pid, resource.RLIMIT_FSIZE, (soft, hard))
+    saved = {}
+    for step in (6, 10):  # 6: the retry of the failed save; 10: the next scheduled one
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        saved[step] = model.weight.detach().clone()
+        mgr.maybe_save(step, _state(model, step))
+        mgr.finish()
+    failed = [e for e in events if e["phase"] == "failed"]
+    assert [e["step"] for e in failed] == [5] and "File too large" in failed[0]["error"], failed
+    committed = [i for i in list_checkpoints(tmp_path) if i.state == "committed"]
+    assert [i.step for i in committed] == [6, 10]
+    for info in committed:
+        assert verify(info) is None
+        target = _state(torch.nn.Linear(16, 16), 0)
+        load(info.path, target, group)
+        assert int(target["progress"]["step"]) == info.step
+        assert torch.equal(target["model"]["weight"], saved[info.step])
+
+
+def test_a_save_does_not_commit_without_a_ranks_manifest(tmp_path: Path, group: Any) -> None:
+    from eksft_nb.runtime.checkpoint import _AsyncWriter
+
+    model = torch.nn.Linear(16, 16)
+    events: list = []
+    mgr = _manager(tmp_path, group, "async", events)
+    mgr.maybe_save(5, _state(model, 5))
+    _AsyncWriter.done_locally(blocking=True)
+    (tmp_path / "step_00000005" / "manifest-0.json").unlink()  # the rank's record of its files is lost
+    mgr.finish()
+    [failed] = [e for e in events if e["phase"] == "failed"]
+    assert "manifest-0.json is missing" in failed["error"]
+    assert not [i for i in list_checkpoints(tmp_path) if i.state == "committed"]
+    mgr.maybe_save(6, _state(model, 6), last=True)  # the retry commits
+    assert [i.step for i in list_checkpoints(tmp_path) if i.state == "committed"] == [6]
+
+
+def test_restore_keeps_heartbeating_while_it_hashes(tmp_path: Path, group: Any) -> None:
+    state = {"w": torch.randn(3 << 20)}  # 12 MiB: three 4 MiB blocks to hash
+    _manager(tmp_path, group, "sync", []).maybe_save(5, state)
+    beats: list = []
+    mgr = CheckpointManager(tmp_path, rank=0, world_size=1, group=group, every=5, mode="sync", keep_last=2,
+                            emit=lambda kind, **data: None, keepalive=lambda: beats.append(1))
+    mgr.keepalive_every = 0.0  # every call of the keepalive is seen
+    assert mgr.restore({"w": torch.zeros(3 << 20)}, "latest") == 5
+    assert len(beats) >= 3
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_full_disk_fails_saves_until_it_has_room_again(tmp_path: Path, group: Any, mode: str) -> None:
+    model = torch.nn.Linear(16, 16)
+    events: list = []
+    fault: list = [("full", 0.0)]  # the disk-full fault in force: writes go to /dev/full (ENOSPC)
+    mgr = CheckpointManager(tmp_path, rank=0, world_size=1, group=group, every=5, mode=mode, keep_last=2,
+                            emit=lambda kind, **data: events.append(data), storage_fault=lambda: fault[0])
+    mgr.maybe_save(5, _state(model, 5))
+    mgr.finish()
+    mgr.maybe_save(6, _state(model, 6))  # the retry fails too
+    mgr.finish()
+    fault[0] = None
+    mgr.maybe_save(7, _state(model, 7), last=True)
+    failed = [e for e in events if e["phase"] == "failed"]
+    assert [e["step"] for e in failed] == [5, 6] and all("No space left" in e["error"] for e in failed)
+    [info] = [i for i in list_checkpoints(tmp_path) if i.state == "committed"]
+    assert info.step == 7 and verify(info) is None
+    target = _state(torch.nn.Linear(16, 16), 0)
+    load(info.path, target, group)
+    assert int(target["progress"]["step"]) == 7 and torch.equal(target["model"]["weight"], model.weight)
+
+
+def test_slow_storage_delays_the_background_write_not_training(tmp_path: Path, group: Any) -> None:
+    events: list = []
+    mgr = CheckpointManager(tmp_path, rank=0, world_size=1, group=group, every=5, mode="async", keep_last=2,
+                            emit=lambda kind, **data: events.append(data), storage_fault=lambda: ("slow", 1.0))
+    mgr.maybe_save(5, _state(torch.nn.Linear(16, 16), 5))
+    mgr.finish()
+    [staged] = [e for e in events if e["phase"] == "staged"]
+    [committed] = [e for e in events if e["phase"] == "committed"]
+    assert committed["background_s"] >= 1.0 > staged["blocked_s"]
+
+
 def test_old_checkpoints_are_pruned_to_keep_last(tmp_path: Path, group: Any) -> None:
     model = torch.nn.Linear(8, 8)
     mgr = _manager(tmp_path, group, "sync", [])
@@ -153,6 +255,77 @@ def test_loading_refuses_metadata_that_would_run_code(tmp_path: Path, group: Any
     [info] = list_checkpoints(tmp_path)
     _Evil.marker = str(tmp_path / "pwned")
     (info.path / ".metadata").write_bytes(pickle.dumps(_Evil()))
-    with pytest.raises(Exception, match="refusing to load posix.system"):
+    with pytest.raises(JobError, match="it names posix.system, which is not a DCP metadata class"):
         load(info.path, _state(torch.nn.Linear(8, 8), 0), group)
     assert not (tmp_path / "pwned").exists()
+
+
+def hostile_metadata(command: str) -> bytes:
+    """A pickle that names only classes reached through DCP's own modules, yet runs ``command``:
+    at protocol 4 pickle resolves dotted names, so ``filesystem`` + ``"operator.attrgetter"`` is
+    ``operator.attrgetter`` (a class), and attrgetter/methodcaller walk from a DCP class to
+    ``os.system``."""
+    def text(value: str) -> bytes:
+        raw = value.encode()
+        return b"\x8c" + bytes([len(raw)]) + raw  # SHORT_BINUNICODE
+
+    def name(module: str, attr: str) -> bytes:
+        return text(module) + text(attr) + b"\x93"  # STACK_GLOBAL
+
+    fs = "torch.distributed.checkpoint.filesystem"
+    return (b"\x80\x04"
+            + name(fs, "operator.methodcaller") + text("system") + text(command) + b"\x86R"      # mc("system", cmd)
+            + name(fs, "operator.methodcaller") + text("get") + text("os") + b"\x86R"            # mc("get", "os")
+            + name(fs, "operator.attrgetter") + text("__init__.__globals__") + b"\x85R"         # ag(...)
+            + name(fs, "FileSystemReader") + b"\x85R"   # FileSystemReader.__init__.__globals__
+            + b"\x85R"                                  # ["os"]: the os module
+            + b"\x85R"                                  # .system(command)
+            + b".")
+
+
+def test_a_dotted_name_in_metadata_cannot_reach_os_system(tmp_path: Path, group: Any) -> None:
+    model = torch.nn.Linear(8, 8)
+    events: list = []
+    mgr = _manager(tmp_path, group, "sync", events)
+    mgr.maybe_save(5, _state(model, 5))
+    mgr.maybe_save(10, _state(model, 10))
+    newest = list_checkpoints(tmp_path)[-1]
+    marker = tmp_path / "pwned"
+    payload = hostile_metadata(f"touch {marker}")
+    assert len(payload) < 400  # a few hundred bytes, most of them the command
+    (newest.path / ".metadata").write_bytes(payload)
+    record = json.loads((newest.path / "commit.json").read_text())  # the attacker recomputes the checksums
+    record["files"][".metadata"] = {"size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    (newest.path / "commit.json").write_text(json.dumps(record))
+    [newest] = [i for i in list_checkpoints(tmp_path) if i.step == 10]
+    assert verify(newest) is None  # the checksums match: only the allow-list stands in the way
+
+    with pytest.raises(JobError) as refused:
+        load(newest.path, _state(torch.nn.Linear(8, 8), 0), group)
+    assert "operator.methodcaller, which is not a DCP metadata class" in str(refused.value)
+    assert "\n" not in str(refused.value)
+    assert not marker.exists()
+
+    # a restart skips it with the reason and loads the older checkpoint, which is real
+    target = _state(torch.nn.Linear(8, 8), 0)
+    assert _manager(tmp_path, group, "sync", events).restore(target, "latest", restarting=True) == 5
+    assert int(target["progress"]["step"]) == 5
+    assert torch.equal(target["model"]["weight"], model.weight)
+    [rejected] = [e for e in events if e.get("phase") == "rejected"]
+    assert rejected["step"] == 10 and "not a DCP metadata class" in rejected["reason"]
+    assert not marker.exists()
+
+
+def test_metadata_may_only_name_files_inside_its_folder(tmp_path: Path, group: Any) -> None:
+    model = torch.nn.Linear(8, 8)
+    mgr = _manager(tmp_path, group, "sync", [])
+    mgr.maybe_save(5, _state(model, 5))
+    [info] = list_checkpoints(tmp_path)
+    from eksft_nb.runtime.checkpoint import read_metadata
+
+    metadata = read_metadata(info.path)
+    for record in metadata.storage_data.values():
+        record.relative_path = "../../outside.distcp"
+    (info.path / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(JobError, match="outside the checkpoint folder"):
+        load(info.path, _state(torch.nn.Linear(8, 8), 0), group)

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import importlib
 import inspect
 import io
+import itertools
 import json
 import os
 import pickle
@@ -40,29 +42,65 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import _is_wrapped_exception
 
-from ..checkpoints import COMMIT, CheckpointInfo, list_checkpoints, reject, sha256_file, step_dir, verify
+from ..checkpoints import (COMMIT, CheckpointInfo, list_checkpoints, parse_commit, plain_name, reject, sha256_file, share,
+                           step_dir, verify)
 from ..errors import JobError
 
 # ---- safe loading ---------------------------------------------------------------------------
 
-_SAFE_GLOBALS = {("collections", "OrderedDict"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
-                 ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
-_SAFE_TORCH_ATTRS = (torch.dtype, torch.layout, torch.memory_format)
+def _safe_globals() -> frozenset[tuple[str, str]]:
+    """The exact (module, name) pairs DCP pickles into ``.metadata``: its metadata dataclasses and
+    enum, the file-system storage record, torch sizes, layouts and dtypes, and paths (the checkpoint
+    id). Measured on torch 2.13 with FSDP2 model and optimizer state, bytes and plain values."""
+    meta = "torch.distributed.checkpoint.metadata"
+    pairs = {(meta, name) for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                       "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                                       "StorageMeta", "_MEM_FORMAT_ENCODING")}
+    pairs |= {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+              ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+              ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib._local", "PosixPath")}
+    pairs |= {("torch", name) for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
+    return frozenset(pairs)
+
+
+_SAFE_GLOBALS = _safe_globals()
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata: DCP's own classes, torch dtypes/sizes/layouts and plain values only."""
+    """Unpickles DCP metadata: nothing but the allow-listed classes and plain values.
+
+    A name is looked up only if its exact (module, name) pair is allowed, and then as one attribute
+    of the module: pickle's own lookup would follow a dotted name (``"operator.attrgetter"``) from an
+    allowed module to anywhere, so no name is resolved before it is checked."""
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _SAFE_GLOBALS:
-            return super().find_class(module, name)
-        if module.startswith("torch.distributed.checkpoint."):
-            obj = super().find_class(module, name)
-            if isinstance(obj, type):  # dataclasses and enums, never functions
-                return obj
-        if module == "torch" and isinstance(getattr(torch, name, None), _SAFE_TORCH_ATTRS):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
+        if (module, name) not in _SAFE_GLOBALS:  # a dotted name is never in the set
+            raise pickle.UnpicklingError(f"it names {module}.{name}, which is not a DCP metadata class")
+        return getattr(importlib.import_module(module), name)
+
+
+def read_metadata(path: Path) -> Any:
+    """The DCP ``.metadata`` of the checkpoint folder ``path``, read with the allow-list and checked:
+    a DCP ``Metadata`` whose storage records name plain files of the folder. Raises :class:`JobError`
+    with one line otherwise (whoever can write the folder must not be able to run code or make the
+    loader read files elsewhere)."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    f = Path(path) / ".metadata"
+    fix = "the folder was not written by a DCP save (or was tampered with): resume from another checkpoint"
+    try:
+        with os.fdopen(os.open(f, os.O_RDONLY | os.O_NOFOLLOW), "rb") as fh:
+            metadata = _MetadataUnpickler(fh).load()
+    except Exception as e:  # noqa: BLE001 - whatever a crafted file raises, the answer is one line
+        why = str(e) if isinstance(e, (pickle.UnpicklingError, OSError)) else f"{type(e).__name__}: {e}"
+        raise JobError(f"refusing to load {f}: {' '.join(why.split())}"[:400], fix) from None
+    if not isinstance(metadata, Metadata):
+        raise JobError(f"refusing to load {f}: it holds a {type(metadata).__name__}, not DCP metadata", fix)
+    for record in (metadata.storage_data or {}).values():
+        if not plain_name(getattr(record, "relative_path", None)):
+            raise JobError(f"refusing to load {f}: it points at {str(getattr(record, 'relative_path', ''))[:80]!r}, "
+                           "outside the checkpoint folder", fix)
+    return metadata
 
 
 def _reader_and_planner(path: Path) -> tuple[Any, Any]:
@@ -70,8 +108,7 @@ def _reader_and_planner(path: Path) -> tuple[Any, Any]:
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            with open(Path(self.path) / ".metadata", "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
+            metadata = read_metadata(Path(self.path))
             if getattr(metadata, "storage_meta", None) is not None:
                 metadata.storage_meta.load_id = self.load_id
             return metadata
@@ -80,7 +117,6 @@ def _reader_and_planner(path: Path) -> tuple[Any, Any]:
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
             obj = torch.load(value, weights_only=True)
             if self.flatten_state_dict:
-                from torch.distributed.checkpoint._nested_dict import unflatten_state_dict  # noqa: F401
                 from torch.distributed.checkpoint._traverse import set_element
 
                 set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
@@ -91,13 +127,21 @@ def _reader_and_planner(path: Path) -> tuple[Any, Any]:
 
 
 def load(path: Path, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
-    """Load a DCP checkpoint into ``state`` in place (tensors are filled, plain values replaced)."""
+    """Load a DCP checkpoint into ``state`` in place (tensors are filled, plain values replaced).
+    Tensors and bytes are read with ``torch.load(weights_only=True)``, the metadata with the allow-list."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    with open(Path(path) / ".metadata", "rb") as f:  # fail with the reason, before any collective
-        _MetadataUnpickler(f).load()
+    read_metadata(Path(path))  # fail with the reason, before any collective
     reader, planner = _reader_and_planner(path)
-    dcp.load(state, storage_reader=reader, planner=planner, process_group=group)
+    try:
+        dcp.load(state, storage_reader=reader, planner=planner, process_group=group)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - files that verify yet do not load
+        causes = list(e.failures.values()) if isinstance(e, CheckpointException) else [(e, None)]
+        why = " ".join("; ".join(f"{type(c).__name__}: {c}" for c, _ in causes).split())[:300]
+        raise JobError(f"cannot load the checkpoint in {path}: {why}",
+                       "it does not match this job's model and optimizer, or its files were replaced: "
+                       "resume from another checkpoint") from None
 
 
 # ---- staging --------------------------------------------------------------------------------
@@ -139,29 +183,70 @@ class Stager:
 # ---- the background write (runs in NVRx's persistent writer process) -----------------------
 
 def write_shard(write_fn: Any, rank: int, write_buckets: Any, results_queue: Any,
-                manifest_path: str, fail: bool) -> None:
-    """Write this rank's files with NVRx's ``write_fn``, then record their sizes and checksums.
-    ``write_buckets`` is a callable on NVRx 0.6+, which builds the buckets in the writer process.
-    Never raises: the persistent writer would die, so errors travel back through ``results_queue``."""
+                manifest_path: str, save_id: str, fault: tuple[str, float] | None) -> None:
+    """Write this rank's files with NVRx's ``write_fn``, then record their sizes and checksums in the
+    manifest. ``write_buckets`` is a callable on NVRx 0.6+, which builds the buckets in the writer process.
+
+    Puts exactly one ``(save_id, result)`` on ``results_queue``: NVRx's write results, or the first
+    error (of the write or of the manifest), so a failed save can never shift the results of the
+    saves after it. Never raises: the persistent writer would die. ``fault``: an injected storage
+    fault, see :func:`_apply_storage_fault`."""
+    box = _Box()
     try:
         write_buckets = write_buckets() if callable(write_buckets) else write_buckets
+        _apply_storage_fault(fault, [p for p, _, _ in write_buckets], (manifest_path + ".tmp",))
+        write_fn(rank, write_buckets, box)
+        if isinstance(box.value, dict):
+            files = {Path(p).name: {"size": Path(p).stat().st_size, "sha256": sha256_file(Path(p))}
+                     for p, _, _ in write_buckets}
+            tmp = manifest_path + ".tmp"
+            Path(tmp).write_text(json.dumps(files))
+            os.replace(tmp, manifest_path)
     except Exception as e:  # noqa: BLE001 - reported, not swallowed
-        results_queue.put(e)
-        return
-    if fail:
-        for file_path, _, _ in write_buckets:
-            Path(file_path).write_bytes(b"partial")
-        results_queue.put(OSError("injected save failure: the checkpoint write failed"))
-        return
-    try:
-        write_fn(rank, write_buckets, results_queue)
-        files = {Path(p).name: {"size": Path(p).stat().st_size, "sha256": sha256_file(Path(p))}
-                 for p, _, _ in write_buckets}
-        tmp = manifest_path + ".tmp"
-        Path(tmp).write_text(json.dumps(files))
-        os.replace(tmp, manifest_path)
-    except Exception as e:  # noqa: BLE001 - reported, not swallowed
-        results_queue.put(e)
+        box.value = e
+    results_queue.put((save_id, box.value if box.value is not None else RuntimeError("the write produced no result")))
+
+
+class _Box:
+    """Takes the one result NVRx's write puts, in place of its results queue."""
+
+    value: Any = None
+
+    def put(self, value: Any) -> None:
+        if self.value is None:
+            self.value = value
+
+
+class _Delivered:
+    """Hands a result already taken from the queue to NVRx's ``retrieve_write_results``."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def get_nowait(self) -> Any:
+        return self.value
+
+
+def _apply_storage_fault(fault: tuple[str, float] | None, data: list[str], other: tuple[str, ...] = ()) -> None:
+    """Injected storage faults, applied to the files a write is about to create (``data``: the
+    checkpoint's data files, ``other``: the records written with them):
+
+    - ``fail`` (``save-failure``): partial data files, then an error;
+    - ``full`` (``disk-full``): each file becomes a link to ``/dev/full``, so the real writes into it
+      fail with the kernel's ENOSPC;
+    - ``slow`` (``slow-storage``): the write starts ``value`` seconds late."""
+    kind, value = fault or ("", 0.0)
+    if kind == "fail":
+        for path in data:
+            Path(path).write_bytes(b"partial")
+        raise OSError("injected save failure: the checkpoint write failed")
+    if kind == "full":
+        for path in [*data, *other]:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            os.symlink("/dev/full", path)
+    if kind == "slow":
+        time.sleep(value)
 
 
 def _noop(*_: Any) -> None:
@@ -186,6 +271,7 @@ class _AsyncWriter:
 
     caller: Any = None
     outstanding = 0  # requests handed over whose local completion was not yet seen
+    _ids = itertools.count()
 
     @classmethod
     def start(cls) -> None:
@@ -207,10 +293,32 @@ class _AsyncWriter:
         atexit.register(cls.stop)
 
     @classmethod
+    def new_id(cls) -> str:
+        return f"{os.getpid()}-{next(cls._ids)}"
+
+    @classmethod
     def schedule(cls, request: Any) -> None:
         cls.start()
         cls.caller.schedule_async_call(request)
         cls.outstanding += 1
+
+    @classmethod
+    def result(cls, save_id: str, timeout: float = 120.0) -> Any:
+        """The result of the request ``save_id`` (once it is done locally). Results of requests
+        abandoned by a restart are still in the queue ahead of it: they are dropped."""
+        from queue import Empty
+
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import _get_write_results_queue
+
+        q = _get_write_results_queue()
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                item = q.get(timeout=max(0.1, deadline - time.monotonic()))
+            except Empty:
+                return RuntimeError("the checkpoint writer returned no result")
+            if isinstance(item, tuple) and len(item) == 2 and item[0] == save_id:
+                return item[1]
 
     @classmethod
     def stop(cls) -> None:
@@ -237,21 +345,10 @@ class _AsyncWriter:
     @classmethod
     def drain(cls) -> None:
         """After a restart: wait until the writer is done with an abandoned request (the staging
-        buffers are then free again) and drop its result; its folder stays uncommitted."""
+        buffers are then free again); its result is dropped by the next :meth:`result`, its folder
+        stays uncommitted."""
         if cls.outstanding:
             cls.done_locally(blocking=True)
-            from queue import Empty
-
-            from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import (
-                _get_write_results_queue,
-            )
-
-            q = _get_write_results_queue()
-            try:
-                while True:
-                    q.get_nowait()
-            except Empty:
-                pass
 
 
 def start_writer() -> None:
@@ -262,6 +359,14 @@ def start_writer() -> None:
 
 # ---- the manager ----------------------------------------------------------------------------
 
+def run_id() -> str:
+    """Who commits: the job's id (the same across its restarts at every level, new for every job).
+    A restart resumes only from its own job's checkpoints or from where the job started, never from
+    a newer checkpoint another job left in the folder. Empty when unknown (then every checkpoint
+    of the folder counts as the job's own, as before)."""
+    return os.environ.get("EKSFT_JOB_UID", "")
+
+
 @dataclass
 class _Pending:
     step: int
@@ -270,6 +375,7 @@ class _Pending:
     plan: tuple
     t_staged: float
     blocked_s: float
+    save_id: str
 
 
 class CheckpointManager:
@@ -277,16 +383,22 @@ class CheckpointManager:
 
     Call :meth:`maybe_save` at every step boundary on every rank (it is collective), and
     :meth:`finish` before exiting. ``emit(kind, **fields)`` receives checkpoint events;
-    ``keepalive()`` is called while a save waits on the writer (heartbeats, in-process pings).
+    ``keepalive()`` is called while a save waits on the writer and while files are hashed
+    (heartbeats, in-process pings). ``storage_fault()`` returns the injected storage fault in
+    force, if any (see :func:`_apply_storage_fault`).
     """
 
     def __init__(self, root: Path, *, rank: int, world_size: int, group: dist.ProcessGroup | None,
                  every: int, mode: str, keep_last: int, emit: Callable[..., Any],
-                 atomic: Callable[[], Any] | None = None, keepalive: Callable[[], Any] | None = None) -> None:
+                 atomic: Callable[[], Any] | None = None, keepalive: Callable[[], Any] | None = None,
+                 storage_fault: Callable[[], tuple[str, float] | None] | None = None, run: str | None = None) -> None:
         self.root, self.rank, self.world_size, self.group = Path(root), rank, world_size, group
         self.every, self.mode, self.keep_last, self.emit = every, mode, keep_last, emit
         self.atomic = atomic
         self.keepalive = keepalive or (lambda: None)
+        self.keepalive_every = 0.5  # seconds between keepalive calls while waiting or hashing
+        self.storage_fault = storage_fault or (lambda: None)
+        self.run = run_id() if run is None else run
         self.pending: _Pending | None = None
         self.retry = False
         self.deferred = False
@@ -299,6 +411,22 @@ class CheckpointManager:
             _AsyncWriter.start()
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+    def _ticker(self) -> Callable[[], None]:
+        """``keepalive``, at most every ``keepalive_every`` seconds: for loops that wait or hash."""
+        last = [time.monotonic()]
+
+        def tick() -> None:
+            if time.monotonic() - last[0] >= self.keepalive_every:
+                self.keepalive()
+                last[0] = time.monotonic()
+        return tick
+
+    def _fault(self) -> tuple[str, float] | None:
+        if self.fail_next_write:
+            self.fail_next_write = False
+            return ("fail", 0.0)
+        return self.storage_fault()
 
     # -- saving --
     def due(self, step: int, last: bool = False) -> bool:
@@ -333,7 +461,9 @@ class CheckpointManager:
         path = step_dir(self.root, step)
         t0 = time.perf_counter()
         self.emit("checkpoint", phase="begin", step=step, mode=self.mode)
-        if self.rank == 0 and path.exists():  # leftover of a crashed save, or a rejected one
+        if self.rank == 0 and path.is_symlink():  # not ours to follow
+            path.unlink()
+        elif self.rank == 0 and path.exists():  # leftover of a crashed save, or a rejected one
             shutil.rmtree(path)
         if self.mode == "sync":
             self._save_sync(step, path, state, t0)
@@ -342,22 +472,32 @@ class CheckpointManager:
 
     def _save_sync(self, step: int, path: Path, state: dict[str, Any], t0: float) -> None:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemWriter
+        from torch.distributed.checkpoint.api import CheckpointException
 
-        fail, self.fail_next_write = self.fail_next_write, False
-        writer = (_FailingWriter if fail else FileSystemWriter)(str(path), thread_count=1)
+        writer = _sync_writer(path, self._fault())
+        files: dict[str, Any] = {}
         try:  # collective on every rank, so a failing rank fails the save everywhere instead of hanging it
             dcp.save(state, storage_writer=writer, process_group=self.group)
+            # every rank hashes the files it wrote (rank 0 also the metadata), in parallel
+            mine = sorted(path.glob(f"__{self.rank}_*.distcp")) + ([path / ".metadata"] if self.rank == 0 else [])
+            tick = self._ticker()
+            files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p, tick)} for p in mine}
             error = None
+        except CheckpointException as e:  # a BaseException: every rank's failures, this one's among them
+            own = e.failures.get(self.rank)
+            error = None if own is None else f"{type(own[0]).__name__}: {own[0]}"
         except Exception as e:  # noqa: BLE001
             error = f"{type(e).__name__}: {e}"
-        errors = self._gather(error)
+        gathered = self._gather((error, files))
+        errors = [err for err, _ in gathered]
         if any(errors):
             self._failed(step, errors)
-        else:
-            files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
-                     for p in path.iterdir() if p.is_file()} if self.rank == 0 else {}
-            self._commit(step, path, files, blocked_s=time.perf_counter() - t0, background_s=0.0)
+            return
+
+        def collect() -> dict[str, Any]:
+            return {name: meta for _, part in gathered for name, meta in part.items()}
+
+        self._commit(step, path, collect, blocked_s=time.perf_counter() - t0, background_s=0.0)
 
     def _save_async(self, step: int, path: Path, state: dict[str, Any], t0: float) -> None:
         from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
@@ -375,20 +515,21 @@ class CheckpointManager:
         plan = save_state_dict_async_plan(staged, writer, self.group, 0, planner=DefaultSavePlanner(),
                                           enable_cache=True, metadata_cache=self.plan_cache)
         write_fn, preload_fn, args = writer.get_save_function_and_args()
-        fail, self.fail_next_write = self.fail_next_write, False
         manifest = str(path / f"manifest-{self.rank}.json")
         buckets = args[1] if args[1] is not None else preload_fn  # NVRx 0.6+: built by the writer process
-        request = AsyncRequest(write_shard, (write_fn, self.rank, buckets, args[2], manifest, fail), [])
+        save_id = _AsyncWriter.new_id()
+        request = AsyncRequest(write_shard, (write_fn, self.rank, buckets, args[2], manifest, save_id,
+                                             self._fault()), [])
         _AsyncWriter.schedule(request)
         t_staged = time.perf_counter()
-        self.pending = _Pending(step, path, writer, plan, t_staged, t_staged - t0)
+        self.pending = _Pending(step, path, writer, plan, t_staged, t_staged - t0, save_id)
         self.emit("checkpoint", phase="staged", step=step, blocked_s=t_staged - t0, bytes=_tensor_bytes(staged))
 
     def _finalize_if_done(self, blocking: bool) -> None:
         """Commit the pending async save once every rank's write is done (collective)."""
         p = self.pending
         t_wait = time.perf_counter()
-        last_alive = t_wait
+        tick = self._ticker()
         while True:
             flag = torch.tensor([1 if _AsyncWriter.done_locally() else 0], dtype=torch.int32)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
@@ -396,57 +537,71 @@ class CheckpointManager:
                 break
             if not blocking:
                 return
-            if time.perf_counter() - last_alive > 0.5:  # waiting on the writer is progress, not a hang
-                self.keepalive()
-                last_alive = time.perf_counter()
+            tick()  # waiting on the writer is progress, not a hang
             time.sleep(0.01)
         waited = time.perf_counter() - t_wait if blocking else 0.0
         self.pending = None
+        p.writer.results_queue = _Delivered(_AsyncWriter.result(p.save_id))
+        results, files = None, {}
         try:
             results, error = p.writer.retrieve_write_results(), None
             if _is_wrapped_exception(results):  # NVRx 0.6+ returns a write error instead of raising it
                 raise results[0]
+            files, error = _read_manifest(p.path, self.rank)
         except Exception as e:  # noqa: BLE001
-            results, error = None, str(e.__cause__ or e)
-        gathered = [None] * self.world_size
-        dist.all_gather_object(gathered, (results, error), group=self.group)
-        errors = [err for _, err in gathered]
+            error = str(e.__cause__ or e)
+        gathered = self._gather((results, error, files))
+        errors = [err for _, err, _ in gathered]
         if any(errors):
             self._failed(p.step, errors)
             return
-        files: dict[str, Any] = {}
-        if self.rank == 0:
+
+        def collect() -> dict[str, Any]:
             writer, metadata, _ = p.plan
-            writer.finish(metadata, [r for r, _ in gathered])
-            for r in range(self.world_size):
-                mf = p.path / f"manifest-{r}.json"
-                if mf.exists():
-                    files.update(json.loads(mf.read_text()))
+            writer.finish(metadata, [r for r, _, _ in gathered])
             meta = p.path / ".metadata"
-            files[".metadata"] = {"size": meta.stat().st_size, "sha256": sha256_file(meta)}
-        self._commit(p.step, p.path, files, blocked_s=p.blocked_s + waited,
+            return {**{n: m for _, _, part in gathered for n, m in part.items()},
+                    ".metadata": {"size": meta.stat().st_size, "sha256": sha256_file(meta)}}
+
+        self._commit(p.step, p.path, collect, blocked_s=p.blocked_s + waited,
                      background_s=time.perf_counter() - p.t_staged)
 
-    def _gather(self, error: str | None) -> list[str | None]:
+    def _gather(self, value: Any) -> list[Any]:
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, error, group=self.group)
+        dist.all_gather_object(gathered, value, group=self.group)
         return gathered
 
-    def _commit(self, step: int, path: Path, files: dict[str, Any], *, blocked_s: float, background_s: float) -> None:
+    def _commit(self, step: int, path: Path, collect: Callable[[], dict[str, Any]], *, blocked_s: float,
+                background_s: float) -> None:
+        """Rank 0 writes the DCP metadata and the commit record; every rank learns whether it could
+        (collective), so a failed commit is retried everywhere like a failed write."""
+        error, record = None, {}
+        if self.rank == 0:
+            try:
+                files = collect()
+                record = {"step": step, "world_size": self.world_size, "time": time.time(), "mode": self.mode,
+                          "run": self.run, "bytes": sum(f["size"] for f in files.values()), "files": files}
+                tmp = path / (COMMIT + ".tmp")
+                fault = self.storage_fault()
+                if fault is not None and fault[0] == "full":  # a full disk fails the record too
+                    _apply_storage_fault(fault, [], (str(tmp),))
+                with self.atomic() if self.atomic else contextlib.nullcontext():
+                    with open(tmp, "w") as f:
+                        f.write(json.dumps(record, indent=1))
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.replace(tmp, path / COMMIT)
+                    _fsync_dir(path)
+            except Exception as e:  # noqa: BLE001
+                error = f"commit: {type(e).__name__}: {e}"
+        verdict = [error]
+        dist.broadcast_object_list(verdict, src=0, group=self.group)
+        if verdict[0]:
+            self._failed(step, [verdict[0]] + [None] * (self.world_size - 1))
+            return
         self.last_committed = step
         if self.rank != 0:
             return
-        record = {"step": step, "world_size": self.world_size, "time": time.time(), "mode": self.mode,
-                  "bytes": sum(f["size"] for f in files.values()), "files": files}
-        ctx = self.atomic() if self.atomic else _null()
-        with ctx:
-            tmp = path / (COMMIT + ".tmp")
-            with open(tmp, "w") as f:
-                f.write(json.dumps(record, indent=1))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path / COMMIT)
-            _fsync_dir(path)
         self.emit("checkpoint", phase="committed", step=step, path=str(path), bytes=record["bytes"],
                   blocked_s=blocked_s, background_s=background_s)
         self._prune(step)
@@ -473,63 +628,109 @@ class CheckpointManager:
     def restore(self, state: dict[str, Any], resume: str = "latest", restarting: bool = False) -> int:
         """Load the checkpoint to start from into ``state`` (collective); return its step, 0 if none.
 
-        Rank 0 picks it (see :func:`choose_resume`), verifying checksums and skipping, with the
-        reason, any checkpoint that does not verify; every rank then loads its shards."""
-        choice: list[Any] = [None]
+        Rank 0 lists the candidates (see :func:`resume_candidates`); every rank verifies its share
+        of each candidate's files (sizes, checksums, the metadata's allow-list) in parallel, sending
+        heartbeats while it hashes, until all agree on one that also loads. A checkpoint that fails
+        anywhere is skipped everywhere, with the reason and the rank that found it (a partial load
+        is overwritten by the next candidate's; with none left, this raises and the restart that
+        follows starts fresh)."""
+        listing: list[Any] = [None]
         if self.rank == 0:
             try:
-                info, skipped = choose_resume(self.root, resume, restarting, self.emit)
-                choice[0] = {"path": str(info.path) if info else None, "step": info.step if info else 0,
-                             "skipped": skipped}
+                listing[0] = resume_candidates(self.root, resume, restarting, self.run)
             except JobError as e:
-                choice[0] = {"error": e}
-        dist.broadcast_object_list(choice, src=0, group=self.group)
-        picked = choice[0]
-        if "error" in picked:
-            raise picked["error"]
-        if picked["path"] is None:
-            if picked["skipped"]:  # every candidate was rejected: say so, then start fresh
-                self.emit("resume", step=0, path="", load_s=0.0, skipped=picked["skipped"])
+                listing[0] = e
+        dist.broadcast_object_list(listing, src=0, group=self.group)
+        if isinstance(listing[0], JobError):
+            raise listing[0]
+        skipped: list[dict[str, Any]] = []
+        touched = None  # a checkpoint that verified but failed to load, part of it maybe in ``state``
+        for info in listing[0]:
+            t0 = time.perf_counter()
+            reason = _verify_share(info, self.rank, self.world_size, self._ticker())
+            reasons = self._gather(reason)
+            verify_s, t1 = time.perf_counter() - t0, time.perf_counter()
+            if not any(reasons):  # it verified everywhere: load it (files that verify may still not fit)
+                try:
+                    load(info.path, state, self.group)
+                except JobError as e:
+                    reason, touched = e.problem, info
+                reasons = self._gather(reason)
+                if not any(reasons):
+                    break
+            if reason:  # the rank that found it says so
+                self.emit("checkpoint", phase="rejected", step=info.step, path=str(info.path), reason=reason)
+            found = next(r for r, why in enumerate(reasons) if why)
+            skipped.append({"step": info.step, "path": str(info.path), "reason": reasons[found], "rank": found})
+            if self.rank == 0 and info.path.parent == self.root:
+                reject(info, reasons[found])
+        else:
+            if resume.startswith("step:") and not restarting:
+                raise JobError(f"checkpoint step {resume.split(':')[1]} is not available in {self.root}"
+                               + (f" ({skipped[0]['reason']})" if skipped else ""),
+                               "list them with `python -m eksft_nb ckpts NAME` and pick a committed one")
+            if touched is not None:  # not a fresh state any more: the restart that follows skips it
+                raise JobError(f"checkpoint {touched.path} verified but failed to load, and no other checkpoint "
+                               "is left to load over it", "the job restarts and starts fresh")
+            if skipped:  # every candidate was rejected: say so, then start fresh
+                self.emit("resume", step=0, path="", load_s=0.0, skipped=skipped)
             return 0
-        t0 = time.perf_counter()
-        load(Path(picked["path"]), state, self.group)
-        if Path(picked["path"]).parent == self.root:
-            self.last_committed = picked["step"]
-        self.emit("resume", step=picked["step"], path=picked["path"], load_s=time.perf_counter() - t0,
-                  skipped=picked["skipped"])
-        return picked["step"]
+        if info.path.parent == self.root:
+            self.last_committed = info.step
+        self.emit("resume", step=info.step, path=str(info.path), load_s=time.perf_counter() - t1, skipped=skipped,
+                  verify_s=verify_s, verified_files=[len(share(info, r, self.world_size)) for r in range(self.world_size)])
+        return info.step
 
 
-def choose_resume(root: Path, resume: str, restarting: bool,
-                  emit: Callable[..., Any]) -> tuple[CheckpointInfo | None, list[dict[str, Any]]]:
-    """The checkpoint to start from, and the ones skipped on the way (with reasons).
+def _verify_share(info: CheckpointInfo, rank: int, world_size: int, tick: Callable[[], Any]) -> str | None:
+    """Verify this rank's share of a checkpoint's files: sizes and checksums, and, for the rank
+    that has ``.metadata``, that the loader would accept it."""
+    mine = share(info, rank, world_size)
+    reason = verify(info, mine, progress=tick)
+    if reason is None and ".metadata" in mine:
+        try:
+            read_metadata(info.path)
+        except JobError as e:
+            reason = e.problem
+    return reason
 
-    A job that has committed checkpoints of its own (or is restarting) resumes from its newest one
-    that verifies. Otherwise ``resume`` decides: latest, none, step:N or a checkpoint folder."""
-    skipped: list[dict[str, Any]] = []
-    own = [i for i in reversed(list_checkpoints(root)) if i.state == "committed"]
+
+def resume_candidates(root: Path, resume: str, restarting: bool, run: str) -> list[CheckpointInfo]:
+    """The committed checkpoints to try, best first (each is verified before it is used).
+
+    A fresh start takes what ``resume`` names: latest, none, step:N or a checkpoint folder. A
+    restart (at any level) takes this run's own newest checkpoint, else the one it started from:
+    never a newer one that another run left in the folder."""
+    committed = [i for i in reversed(list_checkpoints(root)) if i.state == "committed"]
     if resume.startswith("step:"):
         want = int(resume.split(":")[1])
-        candidates = [i for i in own if i.step >= want] if restarting else [i for i in own if i.step == want]
+        start = [i for i in committed if i.step == want]
     elif resume not in ("latest", "none"):
         external = Path(resume).expanduser()
-        candidates = own + [i for i in list_checkpoints(external.parent) if i.path == external]
-    elif resume == "none" and not restarting:
-        candidates = []
+        start = [i for i in reversed(list_checkpoints(external.parent)) if i.path == external and i.state == "committed"]
+    elif resume == "none":
+        start = []
     else:
-        candidates = own
-    for info in candidates:
-        reason = verify(info)
-        if reason is None:
-            return info, skipped
-        skipped.append({"step": info.step, "path": str(info.path), "reason": reason})
-        if info.path.parent == root:
-            reject(info, reason)
-        emit("checkpoint", phase="rejected", step=info.step, path=str(info.path), reason=reason)
-    if resume.startswith("step:") and not restarting:
-        raise JobError(f"checkpoint step {resume.split(':')[1]} is not available in {root}",
-                       "list them with `python -m eksft_nb ckpts NAME` and pick a committed one")
-    return None, skipped
+        start = committed
+    if not restarting:
+        return start
+    ours = [i for i in committed if i.run == run] if run else committed
+    return ours + [i for i in start if i.path not in {o.path for o in ours}]
+
+
+def _read_manifest(path: Path, rank: int) -> tuple[dict[str, Any], str | None]:
+    """This rank's manifest (its files, sizes and checksums), or why it cannot be used."""
+    name = f"manifest-{rank}.json"
+    try:
+        files = json.loads((path / name).read_text())
+    except FileNotFoundError:
+        return {}, f"{name} is missing: this rank's files are not recorded"
+    except (OSError, ValueError) as e:
+        return {}, f"{name} cannot be read ({type(e).__name__})"
+    checked = parse_commit({"step": 0, "world_size": 1, "bytes": 0, "time": 0, "files": files}, 0)
+    if isinstance(checked, str):
+        return {}, f"{name} is invalid: {checked.replace('commit.json ', '')}"
+    return files, None
 
 
 class ModelState:
@@ -551,28 +752,20 @@ class ModelState:
         set_state_dict(self.model, self.optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
-class _FailingWriter:
-    """A FileSystemWriter whose data write fails (the ``save-failure`` fault, sync mode)."""
+def _sync_writer(path: Path, fault: tuple[str, float] | None) -> Any:
+    """DCP's FileSystemWriter for a sync save, with an injected storage fault applied to the file this
+    rank writes (one writer thread: ``<prefix>0.distcp``)."""
+    from torch.distributed.checkpoint import FileSystemWriter
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        from torch.distributed.checkpoint import FileSystemWriter
+    class Writer(FileSystemWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            _apply_storage_fault(fault, [str(Path(self.path) / f"{plan.storage_data.prefix}0.distcp")])
+            return super().write_data(plan, planner)
 
-        class Failing(FileSystemWriter):
-            def write_data(self, plan: Any, planner: Any) -> Any:
-                raise OSError("injected save failure: the checkpoint write failed")
-
-        return Failing(*args, **kwargs)
+    return Writer(str(path), thread_count=1)
 
 
 _STAGER = Stager()  # process-wide: the buffers outlive in-process restarts
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _fsync_dir(path: Path) -> None:

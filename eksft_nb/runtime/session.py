@@ -79,6 +79,7 @@ class Session:
         self.step_done = 0
         self.t_done = time.time()
         self._slow_until, self._slow_delay = 0, 0.0
+        self._full_until, self._slow_storage = 0, (0, 0.0)   # the disk-full and slow-storage faults
         self.on_save_failure: list[Any] = []   # callbacks for the save-failure fault
         self._beacon = _Beacon(self) if live else None
 
@@ -110,7 +111,8 @@ class Session:
         c = self.spec.checkpoint
         manager = CheckpointManager(self.checkpoint_dir(), rank=dist.get_rank(), world_size=dist.get_world_size(),
                                     group=group, every=c.every, mode=c.mode, keep_last=c.keep_last,
-                                    emit=self._checkpoint_emit, atomic=atomic, keepalive=keepalive or self.heartbeat)
+                                    emit=self._checkpoint_emit, atomic=atomic, keepalive=keepalive or self.heartbeat,
+                                    storage_fault=self.storage_fault)
         self.on_save_failure = [lambda: setattr(manager, "fail_next_write", True)]
         return manager
 
@@ -152,6 +154,9 @@ class Session:
             for cmd in self.inbox.poll():
                 if self._mine(cmd) and (cmd.step is None or cmd.step <= step) and self.inbox.take(cmd):
                     self._fire(cmd, step)
+        if self._full_until and step >= self._full_until:  # the disk has room again
+            self._full_until = 0
+            self.events.divert(None)
         if step < self._slow_until:
             time.sleep(self._slow_delay)
         if self.sections:
@@ -201,6 +206,19 @@ class Session:
         if cmd.fault == "save-failure":
             for callback in self.on_save_failure:
                 callback()
+        if cmd.fault == "disk-full":
+            self._full_until = step + int(cmd.params.get("duration", 10))
+            self.events.divert("/dev/full")
+        if cmd.fault == "slow-storage":
+            self._slow_storage = (step + int(cmd.params.get("duration", 10)), float(cmd.params.get("delay", 2.0)))
+
+    def storage_fault(self) -> tuple[str, float] | None:
+        """The storage fault in force at the current step: ("full", 0), ("slow", delay) or None."""
+        if self.step_entered < self._full_until:
+            return ("full", 0.0)
+        if self.step_entered < self._slow_storage[0]:
+            return ("slow", self._slow_storage[1])
+        return None
 
     def _corrupt_latest_checkpoint(self) -> dict[str, Any]:
         """Flip 64 bytes in the middle of the largest shard of the newest committed checkpoint."""
