@@ -44,6 +44,7 @@ KINDS: dict[str, dict[str, tuple[type, ...] | type]] = {
     "step": {"step": int, "loss": _num, "tokens": int, "step_time": _num},
     "checkpoint": {"phase": str, "step": int},
     "fault": {"fault": str, "id": str, "target_rank": _opt_int, "at_step": _opt_int},
+    "command_rejected": {"id": str, "reason": str},   # a command file that cannot fire, set aside
     "rank_error": {"error": str, "step": _opt_int, "origin": str},
     "rank_end": {"final_step": int},
 }
