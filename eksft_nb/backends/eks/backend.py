@@ -23,7 +23,7 @@ from ...checkpoints import CheckpointInfo, list_checkpoints
 from ...control import FaultCommand
 from ...errors import JobError
 from ...events import LOG_PREFIX
-from ...spec import JobSpec
+from ...spec import JobSpec, valid_name
 from ..base import Backend, JobSummary, is_noise
 from . import checks, names, schemas
 from .cluster import ApiError, Cluster, explain
@@ -71,7 +71,7 @@ class EksBackend(Backend):
     def _job(self, name: str) -> tuple[Cluster, JobSpec, dict[str, Any]]:
         """The job's cluster, spec and record (its ConfigMap)."""
         cluster = self._cluster(*self._where.get(name, (None, None)))
-        record = cluster.get(CONFIGMAP, name)
+        record = cluster.get(CONFIGMAP, name) if valid_name(name) else None
         if record is None or (record["metadata"].get("labels") or {}).get(names.JOB_LABEL) != name:
             raise JobError(f"no EKS job named {name!r} in namespace {cluster.namespace}",
                            "check the name, --namespace and --context (EksBackend().jobs() lists them)")
