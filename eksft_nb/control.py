@@ -21,7 +21,7 @@ from typing import Any
 
 from .errors import ControlError
 from .jobdir import atomic_write
-from .spec import _closest
+from .spec import _closest, _show
 
 # fault -> (who fires it, what it does)
 FAULTS: dict[str, tuple[str, str]] = {
@@ -147,12 +147,6 @@ class FaultCommand:
             if not ok(value):
                 raise ControlError(f"{self.fault} parameter {name} is {_show(value)}", f"use {what}")
         return self
-
-
-def _show(value: Any) -> str:
-    """A value as it may appear in a one-line message (bounded, one line)."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def parse_fault(text: str) -> FaultCommand:

@@ -402,9 +402,8 @@ def _require_type(spec: JobSpec, option: SpecOption) -> None:
     else:
         ok, what = isinstance(value, str) and "\0" not in value, "a string"
     if not ok:
-        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
         example = option.default if option.default not in (None, "", []) else ("1" if t in (int, float) else "VALUE")
-        raise SpecError(f"{option.path} must be {what}" + (" or null" if option.optional else "") + f", got {shown}",
+        raise SpecError(f"{option.path} must be {what}" + (" or null" if option.optional else "") + f", got {_show(value)}",
                         f"use e.g. {option.flag} {example}")
 
 
@@ -423,6 +422,12 @@ def _flag_of(cls: type, fname: str) -> str:
 def _closest(word: str, candidates: Any) -> str:
     match = difflib.get_close_matches(str(word), list(candidates), n=1, cutoff=0.0)
     return match[0] if match else next(iter(candidates))
+
+
+def _show(value: Any) -> str:
+    """A value as it may appear in a one-line message (bounded, one line)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _suggest_name(name: Any) -> str:
