@@ -8,6 +8,7 @@ Layout (root: ``$EKSFT_HOME/jobs``, default ``~/.eksft/jobs``)::
         supervisor.json    pid, process group and state of the detached supervisor
         logs/              supervisor.log, launcher-<attempt>-<node>.log, per-rank logs
         control/pending/   fault commands waiting to fire; control/fired/ marks the ones that did
+        control/rejected/  command files that failed the checks, each with its .reason (never fired)
         progress/          per-rank progress beacons (last step, where the main thread is)
         ckpt/              step_<N>/ checkpoints (unless checkpoint.dir points elsewhere)
 """
