@@ -205,13 +205,16 @@ def test_cli_dry_run_prints_the_manifests() -> None:
 
 @pytest.mark.parametrize("kind", ["job", "jobset", "pytorchjob"])
 def test_script_args_reach_the_pod_literally(kind: str, tmp_path) -> None:
-    """The kubelet expands $(VAR) in args (tests/eks_pods.py does it as the kubelet does): user text
-    is escaped, and only the launcher's own node-rank reference is expanded."""
+    """The kubelet expands $(VAR) in args (tests/eks_pods.py does it as the kubelet does), then the
+    launcher substitutes ${local_rank} in its workers' args (string.Template, as torch's launcher
+    does): user text survives both, and only the launcher's own node-rank reference is expanded."""
+    from string import Template
+
     from eks_pods import LocalPod
 
     script = tmp_path / "train.py"
     script.write_text("pass\n")
-    tricky = ["$(HOME)", "$$", "a$b$", "$(EKSFT_JOB)", "--x=$(EKSFT_NODE_RANK)", "$$(X)", "$"]
+    tricky = ["$(HOME)", "$$", "a$b$", "$(EKSFT_JOB)", "--x=$(EKSFT_NODE_RANK)", "$$(X)", "$", "${local_rank}"]
     spec = eks_spec(kind=kind, nnodes=2, script=str(script), script_args=tricky)
     m = EksBackend().manifests(spec)
     template = pod_template(m.workload())
@@ -219,6 +222,6 @@ def test_script_args_reach_the_pod_literally(kind: str, tmp_path) -> None:
     pod = LocalPod(template, "demo-1", tmp_path, config, {names.COMPLETION_INDEX: "1", names.INDEX_FAILURES: "0",
                                                          names.JOBSET_RESTARTS: "0"})
     argv = pod.argv(names.container(spec))
-    assert argv[-len(tricky):] == tricky
+    assert [Template(a).safe_substitute(local_rank="0") for a in argv[-len(tricky):]] == tricky
     node_rank = next(a for a in argv if a.startswith("--node-rank="))
     assert node_rank == ("--node-rank=$(RANK)" if kind == "pytorchjob" else "--node-rank=1")  # RANK: the operator's
