@@ -142,3 +142,25 @@ def test_generated_fault_flags_parse_or_are_refused(text: str) -> None:
         assert "\n" not in str(e).replace(repr(text), "")
         return
     assert cmd.fault in FAULTS and (cmd.step is None or cmd.step >= 1)
+
+
+@pytest.mark.slow
+def test_a_real_job_sets_bad_commands_aside_and_survives_restarts() -> None:
+    """Bad command files dropped into a running job's folder: its ranks keep training, through an
+    in-job restart (new rank processes read the folder again), and each file is reported once."""
+    from eksft_nb.job import attach
+    from jobs import BASE, cli, events, job_dir
+
+    started = cli("run", "--name", "bad-cmds", *BASE, "--steps", "40", "--no-inprocess", "--fault", "sigkill:1@20",
+                  "--detach")
+    assert started.returncode == 0, started.stderr
+    pending = job_dir("bad-cmds") / "control" / "pending"
+    for cid, text in BAD.items():
+        (pending / f".{cid}.tmp").write_bytes(text.encode(errors="surrogateescape"))
+        (pending / f".{cid}.tmp").rename(pending / f"{cid}.json")
+    assert attach("bad-cmds").wait(timeout=400) == "succeeded", cli("logs", "bad-cmds", "--debug").stdout[-3000:]
+    assert sorted(e["id"] for e in events("bad-cmds", "command_rejected")) == sorted(BAD)
+    assert [(e["fault"], e["target_rank"]) for e in events("bad-cmds", "fault")] == [("sigkill", 1)]
+    assert max(e["step"] for e in events("bad-cmds", "step")) == 40
+    assert {e["injob_restart"] for e in events("bad-cmds", "rank_start")} == {0, 1}
+    assert sorted(p.stem for p in (job_dir("bad-cmds") / "control" / "rejected").glob("*.json")) == sorted(BAD)
