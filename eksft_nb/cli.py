@@ -115,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     base = JobSpec.load(args.spec_file) if args.spec_file else None
     spec = spec_from_args(args, base)
-    faults = [parse_fault(f) for f in args.fault]
+    faults = [parse_fault(f).validate(spec.world_size, spec.nnodes) for f in args.fault]
     backend = get_backend(spec.backend)
     if args.dry_run:
         print(backend.render(spec))

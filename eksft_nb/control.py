@@ -10,16 +10,19 @@ exclusively, so a fault fires exactly once even when a restart rolls the job bac
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .errors import ControlError
 from .jobdir import atomic_write
-from .spec import _closest
+from .spec import _closest, _show
 
 # fault -> (who fires it, what it does)
 FAULTS: dict[str, tuple[str, str]] = {
@@ -36,6 +39,36 @@ FAULTS: dict[str, tuple[str, str]] = {
     "kill-launcher": ("node", "the node's ft_launcher and all its ranks die at once (a node is lost)"),
     "corrupt-checkpoint": ("job", "flip bytes in the latest committed checkpoint (resume must skip it)"),
     "kill-supervisor": ("job", "the job's supervisor is killed (SIGKILL); a new one adopts the running job"),
+}
+
+
+# fault -> parameter -> (default, check, what the check means): the only parameters a command may carry
+PARAMS: dict[str, dict[str, tuple[Any, Callable[[Any], bool], str]]] = {
+    "slow-rank": {"delay": (0.5, lambda v: _number(v) and 0 < v <= 3600, "seconds per step, > 0 and <= 3600"),
+                  "duration": (20, lambda v: _integer(v) and 1 <= v <= 10**9, "steps, an integer >= 1")},
+    "disk-full": {"duration": (10, lambda v: _integer(v) and 1 <= v <= 10**6, "steps, an integer >= 1")},
+    "slow-storage": {"duration": (10, lambda v: _integer(v) and 1 <= v <= 10**6, "steps, an integer >= 1"),
+                     "delay": (2.0, lambda v: _number(v) and 0 < v <= 3600, "seconds per write, > 0 and <= 3600")},
+}
+ID = re.compile(r"[A-Za-z0-9_-]{1,64}")   # a command's id names its files: no path, no dot
+
+
+def _integer(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(v: Any) -> bool:
+    return (_integer(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+# field -> (check, what it must be)
+FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "fault": (lambda v: isinstance(v, str), "a fault name (a string)"),
+    "rank": (lambda v: v is None or _integer(v), "an integer rank, or null"),
+    "step": (lambda v: v is None or _integer(v), "an integer step, or null"),
+    "node": (_integer, "an integer node"),
+    "params": (lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v), "a JSON object"),
+    "id": (lambda v: isinstance(v, str) and ID.fullmatch(v) is not None, "1-64 letters, digits, '-' or '_'"),
 }
 
 
@@ -56,56 +89,71 @@ class FaultCommand:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> FaultCommand:
-        data = json.loads(text)
+    def from_json(cls, text: str | bytes) -> FaultCommand:
+        """Parse a command file; anything but a well-typed command raises :class:`ControlError`."""
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError):
+            raise ControlError("a fault command is not valid JSON",
+                               'write one JSON object, e.g. {"fault": "exception", "rank": 0}') from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> FaultCommand:
         if not isinstance(data, dict):
-            raise ControlError("a fault command must be a JSON object", "write {\"fault\": \"exception\", ...}")
-        unknown = set(data) - {"fault", "rank", "step", "node", "params", "id"}
+            raise ControlError("a fault command must be a JSON object", 'write {"fault": "exception", ...}')
+        unknown = set(data) - set(FIELDS)
         if unknown:
-            raise ControlError(f"unknown field(s) in fault command: {', '.join(sorted(unknown))}",
-                               "use only fault, rank, step, node and params")
-        return cls(**data)
+            raise ControlError(f"unknown field(s) in fault command: {', '.join(sorted(map(str, unknown)))[:200]}",
+                               "use only fault, rank, step, node, params and id")
+        if "fault" not in data:
+            raise ControlError("a fault command lacks its fault", f"add \"fault\": one of {', '.join(FAULTS)}")
+        command = cls(**data)
+        command._check_types()
+        return command
+
+    def _check_types(self) -> None:
+        for name, (ok, what) in FIELDS.items():
+            if not ok(getattr(self, name)):
+                raise ControlError(f"fault command field {name} is {_show(getattr(self, name))}", f"it must be {what}")
 
     def validate(self, world_size: int, nnodes: int, current_step: int | None = None) -> FaultCommand:
-        """Check the command against the job it targets; raise :class:`ControlError` if it cannot apply."""
+        """Check the command against the job it targets; raise :class:`ControlError` if it cannot apply.
+
+        Every writer (CLI, magics, ``Job.inject``, the in-pod ``inject``) and every reader (the ranks)
+        calls this, so a command that passes can be fired without further checks."""
+        self._check_types()
         if self.fault not in FAULTS:
-            raise ControlError(f"unknown fault {self.fault!r}",
+            raise ControlError(f"unknown fault {_show(self.fault)}",
                                f"did you mean {_closest(self.fault, FAULTS)}? Faults: {', '.join(FAULTS)}")
         if self.scope == "rank":
             if self.rank is None:
                 self.rank = 0
-            if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < world_size:
+            if not 0 <= self.rank < world_size:
                 raise ControlError(f"rank {self.rank!r} is out of range for a job of {world_size} ranks",
                                    f"use --rank between 0 and {world_size - 1}")
         elif self.rank is not None:
             raise ControlError(f"{self.fault} does not target a rank", "leave out --rank" +
                                (" and use --node" if self.scope == "node" else ""))
-        if isinstance(self.node, bool) or not isinstance(self.node, int) or not 0 <= self.node < nnodes:
+        if not 0 <= self.node < nnodes:
             raise ControlError(f"node {self.node!r} is out of range for a job of {nnodes} node(s)",
                                f"use --node between 0 and {nnodes - 1}")
         if self.step is not None:
-            if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 1:
+            if self.step < 1:
                 raise ControlError(f"step must be a positive integer, got {self.step!r}",
                                    "use --step N with N >= 1, or omit it to inject now")
             if current_step is not None and self.step <= current_step:
                 raise ControlError(f"step {self.step} has already passed (the job is at step {current_step})",
                                    f"use --step {current_step + 1} or later, or omit --step to inject now")
-        if not isinstance(self.params, dict):
-            raise ControlError("params must be a mapping", "use e.g. params={'delay': 0.5}")
-        if self.fault == "slow-rank":
-            delay, duration = self.params.setdefault("delay", 0.5), self.params.setdefault("duration", 20)
-            if not isinstance(delay, (int, float)) or delay <= 0 or not isinstance(duration, int) or duration < 1:
-                raise ControlError("slow-rank needs delay > 0 seconds and duration >= 1 steps",
-                                   "use e.g. params delay=0.5 duration=20")
-        if self.fault in ("disk-full", "slow-storage"):
-            duration = self.params.setdefault("duration", 10)
-            ok = not isinstance(duration, bool) and isinstance(duration, int) and 1 <= duration <= 10**6
-            if self.fault == "slow-storage":
-                delay = self.params.setdefault("delay", 2.0)
-                ok = ok and not isinstance(delay, bool) and isinstance(delay, (int, float)) and 0 < delay <= 3600
-            if not ok:
-                raise ControlError(f"{self.fault} needs duration >= 1 steps" + (" and 0 < delay <= 3600 seconds"
-                                   if self.fault == "slow-storage" else ""), "use e.g. params duration=10 delay=2")
+        allowed = PARAMS.get(self.fault, {})
+        unknown = sorted(set(self.params) - set(allowed))
+        if unknown:
+            takes = f"it takes only {', '.join(allowed)}" if allowed else "it takes none"
+            raise ControlError(f"{self.fault} has no parameter(s) {_show(', '.join(unknown))}", f"leave them out: {takes}")
+        for name, (default, ok, what) in allowed.items():
+            value = self.params.setdefault(name, default)
+            if not ok(value):
+                raise ControlError(f"{self.fault} parameter {name} is {_show(value)}", f"use {what}")
         return self
 
 
@@ -125,18 +173,39 @@ def parse_fault(text: str) -> FaultCommand:
 
 
 def submit(pending: Path, command: FaultCommand) -> Path:
+    command._check_types()   # the id names the file
     path = pending / f"{command.id}.json"
     atomic_write(path, command.to_json())
     return path
 
 
-def claim(fired: Path, command: FaultCommand) -> bool:
-    """True exactly once per command across all processes of the job."""
+def claim(fired: Path, command: FaultCommand | str) -> bool:
+    """True exactly once per command (or command id) across all processes of the job."""
+    cid = command if isinstance(command, str) else command.id
     try:
-        os.close(os.open(fired / command.id, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        os.close(os.open(fired / cid, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
         return True
     except FileExistsError:
         return False
+
+
+def reject(pending: Path, fired: Path, cid: str, reason: str) -> bool:
+    """Set a command file that cannot fire aside, once: it moves to ``control/rejected/`` with the
+    reason beside it, so no rank reads it again (after any restart). True for the one caller that
+    did it (and should report it)."""
+    try:
+        if not claim(fired, cid):
+            return False
+    except OSError:   # a file name that cannot be a marker: leave it, it never parses
+        return False
+    rejected = pending.with_name("rejected")
+    try:
+        rejected.mkdir(mode=0o700, exist_ok=True)
+        atomic_write(rejected / f"{cid}.reason", reason + "\n")
+        os.replace(pending / f"{cid}.json", rejected / f"{cid}.json")
+    except OSError:
+        pass   # claimed in fired/: it never fires, wherever the file stays
+    return True
 
 
 class CommandInbox:
@@ -151,6 +220,7 @@ class CommandInbox:
         self._mtime = -1
         self._listed = -float("inf")   # time.monotonic() of the last listing
         self._commands: dict[str, FaultCommand] = {}
+        self.rejected: dict[str, str] = {}   # command files that do not parse: id -> why
 
     def poll(self) -> list[FaultCommand]:
         """Commands that have not fired yet (cheap when nothing changed: one stat)."""
@@ -164,11 +234,13 @@ class CommandInbox:
             for p in self.pending.glob("*.json"):
                 if p.stem not in self._commands:
                     try:
-                        cmd = FaultCommand.from_json(p.read_text())
-                    except (ValueError, TypeError, ControlError):
+                        cmd = FaultCommand.from_json(p.read_bytes())
+                        if cmd.id != p.stem:
+                            raise ControlError(f"command file {p.name} holds id {cmd.id}", "name it <id>.json")
+                    except (OSError, ControlError) as e:
+                        self.rejected[p.stem] = str(e)
                         continue
-                    if cmd.fault in FAULTS:
-                        self._commands[p.stem] = cmd
+                    self._commands[p.stem] = cmd
             for cid in [c for c in self._commands if (self.fired / c).exists()]:
                 del self._commands[cid]
         return list(self._commands.values())

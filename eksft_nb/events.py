@@ -13,6 +13,7 @@ adding a field or a kind keeps the version; renaming or removing one bumps :data
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -46,10 +47,21 @@ KINDS: dict[str, dict[str, tuple[type, ...] | type]] = {
     "step": {"step": int, "loss": _num, "tokens": int, "step_time": _num},
     "checkpoint": {"phase": str, "step": int},
     "fault": {"fault": str, "id": str, "target_rank": _opt_int, "at_step": _opt_int},
+    "command_rejected": {"id": str, "reason": str},   # a command file that cannot fire, set aside
     "rank_error": {"error": str, "step": _opt_int, "origin": str},
     "rank_end": {"final_step": int},
     # any writer, once it can write again after failing to (a full disk): what the events file lacks
     "events_lost": {"count": int, "first_t": _num, "last_t": _num, "error": str},
+}
+
+# kind -> optional field -> accepted types, for the optional fields readers compute with
+OPTIONAL: dict[str, dict[str, tuple[type, ...] | type]] = {
+    "checkpoint": {"blocked_s": (*_num, type(None)), "background_s": (*_num, type(None)), "bytes": _opt_int,
+                   "path": _opt_str, "mode": str, "error": _opt_str, "reason": _opt_str},
+    "fault": {"node": _opt_int, "path": _opt_str},
+    "rank_end": {"digest": _opt_str},
+    "job_end": {"digest": _opt_str, "restarts": dict},
+    "rank_error": {"waiting": bool},
 }
 
 RESTART_LEVELS = ("inprocess", "injob", "job")
@@ -83,15 +95,24 @@ class Event:
 
 def make(kind: str, job: str, rank: int | None = None, t: float | None = None, **data: Any) -> Event:
     """Build and validate an event."""
-    schema = KINDS.get(kind)
-    if schema is None:
+    if kind not in KINDS:
         raise SchemaError(f"unknown event kind {kind!r}")
-    for key, types in schema.items():
+    check(kind, data)
+    for key, value in data.items():
+        if isinstance(value, float) and value != value:  # NaN is not JSON
+            data[key] = None
+    return Event(kind, time.time() if t is None else t, job, rank, data)
+
+
+def check(kind: str, data: dict[str, Any]) -> None:
+    """Raise :class:`SchemaError` unless ``data`` has what a ``kind`` event needs, with the right types."""
+    for key, types in KINDS.get(kind, {}).items():
         if key not in data:
             raise SchemaError(f"{kind} event lacks {key!r}")
-        value = data[key]
-        if not isinstance(value, types) or (isinstance(value, bool) and types in (int, _num, _opt_int)):
-            raise SchemaError(f"{kind}.{key} has type {type(value).__name__}")
+        _check_type(kind, key, data[key], types)
+    for key, types in OPTIONAL.get(kind, {}).items():
+        if key in data:
+            _check_type(kind, key, data[key], types)
     if kind == "restart" or kind == "failure":
         if data["level"] not in RESTART_LEVELS:
             raise SchemaError(f"{kind}.level {data['level']!r} not in {RESTART_LEVELS}")
@@ -99,14 +120,20 @@ def make(kind: str, job: str, rank: int | None = None, t: float | None = None, *
         raise SchemaError(f"checkpoint.phase {data['phase']!r} not in {CHECKPOINT_PHASES}")
     if kind == "job_end" and data["state"] not in JOB_STATES:
         raise SchemaError(f"job_end.state {data['state']!r} not in {JOB_STATES}")
-    for key, value in data.items():
-        if isinstance(value, float) and value != value:  # NaN is not JSON
-            data[key] = None
-    return Event(kind, time.time() if t is None else t, job, rank, data)
+
+
+def _check_type(kind: str, key: str, value: Any, types: tuple[type, ...] | type) -> None:
+    accepted = types if isinstance(types, tuple) else (types,)
+    if not isinstance(value, accepted) or (isinstance(value, bool) and bool not in accepted):
+        raise SchemaError(f"{kind}.{key} has type {type(value).__name__}")
 
 
 def decode(line: str) -> Event | None:
-    """Parse one line (a bare JSON event or a log line with :data:`LOG_PREFIX`); None if it is not one."""
+    """Parse one line (a bare JSON event or a log line with :data:`LOG_PREFIX`); None if it is not one.
+
+    Lines come from files and pod logs anyone in the job can write: an event of a known kind without
+    its fields (or with wrong types, whatever its version says), or with a time that is not a finite
+    number, is no event. Unknown kinds pass (newer emitters may add kinds)."""
     line = line.strip()
     if line.startswith(LOG_PREFIX):
         line = line[len(LOG_PREFIX):]
@@ -116,13 +143,19 @@ def decode(line: str) -> Event | None:
         return None
     try:
         obj = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
-    if not isinstance(obj, dict) or "kind" not in obj or "t" not in obj:
+    if not isinstance(obj, dict):
         return None
-    v = obj.pop("v", 1)
-    kind, t = obj.pop("kind"), obj.pop("t")
+    v, kind, t = obj.pop("v", SCHEMA_VERSION), obj.pop("kind", None), obj.pop("t", None)
     job, rank = obj.pop("job", ""), obj.pop("rank", None)
+    if type(v) is not int or v < 1 or not isinstance(kind, str) or not isinstance(job, str) \
+            or not (rank is None or type(rank) is int) or type(t) not in (int, float) or not math.isfinite(t):
+        return None
+    try:
+        check(kind, obj)
+    except SchemaError:
+        return None
     return Event(kind, float(t), job, rank, obj, v)
 
 
@@ -218,7 +251,7 @@ class EventTail:
             with open(self.path, "rb") as f:
                 f.seek(self.offset)
                 chunk = f.read()
-        except FileNotFoundError:
+        except OSError:   # not there (yet), or not a readable file: nothing to read
             return []
         end = chunk.rfind(b"\n")
         if end < 0:

@@ -9,6 +9,7 @@ Layout (root: ``$EKSFT_HOME/jobs``, default ``~/.eksft/jobs``)::
         supervisor.lock    held by the keeper that looks after the supervisor (one per job)
         logs/              supervisor.log, launcher-<attempt>-<node>.log, per-rank logs
         control/pending/   fault commands waiting to fire; control/fired/ marks the ones that did
+        control/rejected/  command files that failed the checks, each with its .reason (never fired)
         progress/          per-rank progress beacons (last step, where the main thread is)
         ckpt/              step_<N>/ checkpoints (unless checkpoint.dir points elsewhere)
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import JobError
-from .spec import JobSpec
+from .spec import JobSpec, valid_name
 
 
 def eksft_home() -> Path:
@@ -55,10 +56,10 @@ class JobDir:
 
     @classmethod
     def existing(cls, name: str, root: Path | None = None) -> JobDir:
-        jd = cls.for_name(name, root)
-        if not jd.spec_path.is_file():
+        jd = cls.for_name(name, root) if valid_name(name) else None
+        if jd is None or not jd.spec_path.is_file():
             known = ", ".join(sorted(p.name for p in (root or jobs_root()).glob("*") if (p / "spec.json").is_file()))
-            raise JobError(f"no job named {name!r} under {jd.path.parent}",
+            raise JobError(f"no job named {name!r} under {root or jobs_root()}",
                            f"pick one of: {known}" if known else "launch one first with `python -m eksft_nb run`")
         return jd
 

@@ -58,8 +58,8 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
         argv.append(f"--log-dir={log_dir}")
     if nvrx is not None:
         argv += nvrx.launcher_flags(cycle_dir)
-    if spec.script:
-        argv += ["-m", SCRIPT_MODULE, spec.script, *spec.script_args]
+    if spec.script:  # the launcher substitutes ${local_rank} in its workers' args (string.Template): $ -> $$
+        argv += ["-m", SCRIPT_MODULE, *(a.replace("$", "$$") for a in (spec.script, *spec.script_args))]
     else:
         argv += ["-m", TRAINER_MODULE]
     return argv

@@ -211,7 +211,7 @@ def _parse(parser: MagicArgumentParser, line: str, prog: str) -> argparse.Namesp
     try:
         return parser.parse_args(shlex.split(line))  # as in a shell: quotes group words and go away
     except ValueError as e:
-        raise UsageError(f"cannot split {prog} {line}: {e}\n  → close the quote") from None
+        raise UsageError(f"cannot split the {prog} line {line.strip()!r}: {e}\n  → close the quote") from None
     except UsageError as e:
         message = str(e)
         subparsers = parser._subparsers._group_actions[0].choices.values() if parser._subparsers else ()

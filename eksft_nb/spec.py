@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
@@ -137,8 +138,10 @@ class JobSpec:
     # ---- validation -------------------------------------------------------------------------
     def validate(self) -> JobSpec:
         """Raise :class:`SpecError` on the first invalid field; return self when all is well."""
+        for option in spec_options():
+            _require_type(self, option)
         n = self.name
-        if not isinstance(n, str) or len(n) > 63 or not DNS1123_LABEL.match(n):
+        if not valid_name(n):
             raise SpecError(
                 f"invalid job name {n!r} (it must be a DNS-1123 label: lower-case letters, digits and '-', "
                 "starting and ending with a letter or digit, at most 63 characters)",
@@ -241,11 +244,22 @@ class JobSpec:
 
     @classmethod
     def from_json(cls, text: str) -> JobSpec:
-        return cls.from_dict(json.loads(text))
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError) as e:
+            raise SpecError(f"the job spec is not valid JSON ({str(e)[:120]})", "fix the JSON, or write the spec as YAML") \
+                from None
+        return cls.from_dict(data)
 
     @classmethod
     def from_yaml(cls, text: str) -> JobSpec:
-        data = yaml.safe_load(text) or {}
+        try:
+            data = yaml.safe_load(text) or {}
+        except (yaml.YAMLError, ValueError, RecursionError) as e:
+            where = getattr(e, "problem_mark", None)
+            at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+            raise SpecError(f"the job spec is not valid YAML{at} ({getattr(e, 'problem', None) or type(e).__name__})",
+                            "fix the YAML (`key: value` lines, nested by indentation)") from None
         if not isinstance(data, dict):
             raise SpecError("a job spec file must hold a mapping", "write it as 'key: value' lines")
         return cls.from_dict(data)
@@ -255,7 +269,11 @@ class JobSpec:
         p = Path(path)
         if not p.is_file():
             raise SpecError(f"spec file {p} does not exist", "check the path")
-        text = p.read_text()
+        try:
+            text = p.read_text()
+        except (OSError, ValueError) as e:
+            raise SpecError(f"cannot read spec file {p} ({type(e).__name__})", "check that it is a readable UTF-8 text file") \
+                from None
         return cls.from_json(text) if p.suffix == ".json" else cls.from_yaml(text)
 
     def replace(self, **changes: Any) -> JobSpec:
@@ -357,6 +375,38 @@ def _from_dict(cls: type, data: dict[str, Any], prefix: str) -> Any:
     return cls(**kwargs)
 
 
+def valid_name(name: Any) -> bool:
+    """Whether ``name`` can name a job: a DNS-1123 label (so never a path, nor a URL's path part)."""
+    return isinstance(name, str) and len(name) <= 63 and DNS1123_LABEL.fullmatch(name) is not None
+
+
+def _require_type(spec: JobSpec, option: SpecOption) -> None:
+    """Every field has its declared type (a spec file may hold anything YAML can express): integers
+    that are not booleans, finite numbers, strings and lists of strings without NUL characters."""
+    value: Any = spec
+    for part in option.path.split("."):
+        value = getattr(value, part)
+    if value is None and option.optional:
+        return
+    t = option.type
+    if t is bool:
+        ok, what = isinstance(value, bool), "true or false"
+    elif t is int:
+        ok, what = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    elif t is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        what = "a finite number"
+    elif t is list:
+        ok, what = isinstance(value, list) and all(isinstance(a, str) and "\0" not in a for a in value), \
+            "a list of strings"
+    else:
+        ok, what = isinstance(value, str) and "\0" not in value, "a string"
+    if not ok:
+        example = option.default if option.default not in (None, "", []) else ("1" if t in (int, float) else "VALUE")
+        raise SpecError(f"{option.path} must be {what}" + (" or null" if option.optional else "") + f", got {_show(value)}",
+                        f"use e.g. {option.flag} {example}")
+
+
 def _require_int(obj: Any, fname: str, minimum: int, prefix: str = "", why: str = "") -> None:
     v = getattr(obj, fname)
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
@@ -372,6 +422,12 @@ def _flag_of(cls: type, fname: str) -> str:
 def _closest(word: str, candidates: Any) -> str:
     match = difflib.get_close_matches(str(word), list(candidates), n=1, cutoff=0.0)
     return match[0] if match else next(iter(candidates))
+
+
+def _show(value: Any) -> str:
+    """A value as it may appear in a one-line message (bounded, one line)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _suggest_name(name: Any) -> str:

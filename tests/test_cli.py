@@ -75,11 +75,15 @@ def test_bad_fault_commands_for_a_running_job() -> None:
                         watch=control)
         assert_rejected(["inject", "running", "kill-launcher", "--rank", "0"], "does not target a rank", watch=control)
         assert_rejected(["inject", "running", "hang", "--step", "1"], "step 1 has already passed", watch=control)
-        assert_rejected(["inject", "running", "slow-rank", "--delay", "-1"], "slow-rank needs delay > 0", watch=control)
+        assert_rejected(["inject", "running", "slow-rank", "--delay", "-1"], "slow-rank parameter delay is -1.0",
+                        "seconds per step, > 0", watch=control)
         pending = control / "pending"
         (pending / "garbage.json").write_text("{not json")  # a malformed command written by hand
         ok = cli("inject", "running", "exception", "--rank", "1")
         assert ok.returncode == 0 and "injected exception" in ok.stdout
+        while time.time() < deadline and not (control / "rejected" / "garbage.json").exists():
+            time.sleep(0.5)   # the ranks set it aside, once, with the reason
+        assert (control / "rejected" / "garbage.reason").read_text().startswith("a fault command is not valid JSON")
     finally:
         assert cli("stop", "running").returncode == 0
     assert os.path.exists(jobs_root() / "running" / "events.jsonl")

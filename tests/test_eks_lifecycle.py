@@ -17,6 +17,7 @@ import pytest
 from eks_kube import Controllers, Kube, running
 
 from eksft_nb.backends.eks import EksBackend
+from eksft_nb.backends.eks.render import render
 from eksft_nb.checkpoints import COMMIT, sha256_file, step_dir
 from eksft_nb.errors import ControlError, JobError, SpecError
 from eksft_nb.events import LOG_PREFIX, make
@@ -86,6 +87,28 @@ def stored(kube: Kube, plural: str) -> list[str]:
 
 def raw(kube: Kube, plural: str, name: str) -> dict:
     return next(o.raw for (res, _, n), o in kube.emulator.objects.items() if res.plural == plural and n == name)
+
+
+def calls_outside_the_role(kube: Kube, spec: JobSpec) -> list[str]:
+    """The backend's API calls (the tests' controllers have no token) that the rendered control Role
+    does not grant (the fixture's volume claim is the admin's)."""
+    role = next(d for d in render(spec).admin if d["kind"] == "Role")
+    grants = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+              for v in rule["verbs"]}
+    outside = []
+    for r in kube.emulator.requests:
+        if r.headers.get("Authorization") != "Bearer test-token":
+            continue
+        parts = r.url.path.strip("/").split("/")
+        group = "" if parts[0] == "api" else parts[1]
+        rest = parts[parts.index("namespaces") + 2:] if "namespaces" in parts else parts[3 if group else 2:]
+        resource = rest[0] + (f"/{rest[2]}" if len(rest) > 2 else "")
+        method = r.method.value.upper()
+        verb = {"POST": "create", "DELETE": "delete", "PATCH": "patch", "PUT": "update"}.get(method) or (
+            "watch" if r.params.get("watch") in ("true", "1") else "get" if len(rest) > 1 else "list")
+        if (group, resource, verb) not in grants and (resource, verb) != ("persistentvolumeclaims", "create"):
+            outside.append(f"{method} {r.url.path} ({verb} {resource})")
+    return outside
 
 
 def posts(kube: Kube) -> list[str]:
@@ -266,6 +289,7 @@ def test_pod_failures_become_failure_and_restart_events(kube: Kube, backend: Eks
     wait_for(lambda: len(job.refresh().failures) == 3, what="the node loss")
     assert job.monitor.faults[-1]["fault"] == "node-loss" and job.monitor.faults[-1]["node"] == 0
     assert job.monitor.failures[-1]["cause"] == f"injected node-loss on node 0: pod {pods[0]} (node 0) was deleted: its node is lost"
+    assert calls_outside_the_role(kube, eks_spec()) == []   # no pod was modified, only deleted
 
 
 def test_a_pod_that_cannot_start_says_why(kube: Kube, backend: EksBackend, ctl: Controllers) -> None:
@@ -349,6 +373,7 @@ def test_inject_signal_checkpoints_stop_and_resume(kube: Kube, backend: EksBacke
     backend.remove("demo")
     with pytest.raises(JobError, match="no EKS job named 'demo' in namespace default"):
         backend.spec("demo")
+    assert calls_outside_the_role(kube, eks_spec()) == []
 
 
 def test_jobset_and_pytorchjob_go_through_the_custom_objects_api(kube: Kube, backend: EksBackend,

@@ -102,7 +102,7 @@ def test_control_plane_role_grants_only_what_it_calls() -> None:
         ("jobset.x-k8s.io", "jobsets"): {"get", "create", "delete"},
         ("", "configmaps"): {"get", "list", "create", "delete"},
         ("", "services"): {"get", "create", "delete"},
-        ("", "pods"): {"get", "list", "watch", "patch", "delete"},
+        ("", "pods"): {"list", "watch", "delete"},
         ("", "pods/log"): {"get"},
         ("", "pods/exec"): {"get", "create"},
         ("", "events"): {"list"},
@@ -201,3 +201,27 @@ def test_cli_dry_run_prints_the_manifests() -> None:
     assert all(d["metadata"]["namespace"] == "training" for d in docs)
     bad = cli("run", "--backend", "eks", "--dry-run", "--image", IMAGE, "--gpus-per-node", "12", timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("eksft: error: 12 GPUs per node") and bad.stdout == ""
+
+
+@pytest.mark.parametrize("kind", ["job", "jobset", "pytorchjob"])
+def test_script_args_reach_the_pod_literally(kind: str, tmp_path) -> None:
+    """The kubelet expands $(VAR) in args (tests/eks_pods.py does it as the kubelet does), then the
+    launcher substitutes ${local_rank} in its workers' args (string.Template, as torch's launcher
+    does): user text survives both, and only the launcher's own node-rank reference is expanded."""
+    from string import Template
+
+    from eks_pods import LocalPod
+
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    tricky = ["$(HOME)", "$$", "a$b$", "$(EKSFT_JOB)", "--x=$(EKSFT_NODE_RANK)", "$$(X)", "$", "${local_rank}"]
+    spec = eks_spec(kind=kind, nnodes=2, script=str(script), script_args=tricky)
+    m = EksBackend().manifests(spec)
+    template = pod_template(m.workload())
+    config = m.job[0]["data"]
+    pod = LocalPod(template, "demo-1", tmp_path, config, {names.COMPLETION_INDEX: "1", names.INDEX_FAILURES: "0",
+                                                         names.JOBSET_RESTARTS: "0"})
+    argv = pod.argv(names.container(spec))
+    assert [Template(a).safe_substitute(local_rank="0") for a in argv[-len(tricky):]] == tricky
+    node_rank = next(a for a in argv if a.startswith("--node-rank="))
+    assert node_rank == ("--node-rank=$(RANK)" if kind == "pytorchjob" else "--node-rank=1")  # RANK: the operator's

@@ -85,3 +85,23 @@ def test_rendered_pods_train_survive_a_sigkill_and_resume(cluster: tuple[Kube, E
     assert resumed.name == "replay-from-8" and resumed.monitor.resumes[0]["step"] == 8
     assert resumed.monitor.steps.step[0] == 9 and resumed.monitor.max_step == 16
     assert resumed.monitor.digest == mon.digest   # the same parameters, bit for bit
+
+
+def test_script_args_reach_the_ranks_literally(cluster: tuple[Kube, EksBackend, Controllers], tmp_path: Path) -> None:
+    """The kubelet expands $(VAR) (for variables the container defines) and $$ in args, and the
+    launcher ${local_rank} and $$ in its workers' args: what the user typed reaches the script."""
+    import json
+
+    kube, backend, ctl = cluster
+    script = tmp_path / "echo_args.py"
+    script.write_text("import json, sys\nprint('ARGS ' + json.dumps(sys.argv[1:]), flush=True)\n")
+    typed = ["$(EKSFT_JOB)", "$$", "cost$5", "$(EKSFT_NODE_RANK)", "$$(EKSFT_JOB)", "${local_rank}"]
+    spec = JobSpec(name="literal", backend="eks", nnodes=1, nproc_per_node=1, script=str(script),
+                   script_args=typed).replace(**{"eks.image": "local", "eks.gpus_per_node": 0,
+                                                 "eks.port": free_port_base(), "ft.inprocess": False})
+    backend.launch(spec)
+    ctl.start_job("literal", hosts={names.rank0_host(spec): "127.0.0.1"})
+    job = Job("literal", backend)
+    assert job.wait(timeout=240, poll=0.5) == "succeeded", backend.logs("literal", debug=True)
+    printed = [line.split("ARGS ", 1)[1] for line in backend.logs("literal").splitlines() if "ARGS " in line]
+    assert [json.loads(p) for p in printed] == [typed]

@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
 
 from eksft_nb.backends.eks.pods import pod_state
-from eksft_nb.backends.eks.stream import Tracker, workload_outcome
+from eksft_nb.backends.eks.stream import LOG_DRAIN_S, Tracker, workload_outcome
 from eksft_nb.events import LOG_PREFIX, make
 from eksft_nb.spec import JobSpec
 
@@ -16,8 +17,6 @@ T0 = 1_800_000_000.0
 
 
 def stamp(t: float) -> str:
-    import time
-
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
 
@@ -161,3 +160,74 @@ def test_a_late_reader_dates_an_old_failure_by_the_pod() -> None:
     [restart] = [e for e in tr.take() if e.kind == "restart"]
     assert (restart["level"], restart["detection_s"], restart["downtime_s"], restart["resumed_step"]) == (
         "job", 0.0, 14.5, 2)
+
+
+def outcome(condition: str = "Complete") -> tuple:
+    return ("workload", {"status": {"conditions": [{"type": condition, "status": "True"}]}})
+
+
+def test_job_end_waits_for_every_ranks_end_whatever_order_the_pods_logs_arrive_in() -> None:
+    """Rank 1's pod log is read (to its end) before rank 0's is even followed: job_end must still
+    carry rank 0's digest. Each pod's lines arrive in order, so a log that ended has said it all."""
+    tr = tracker()
+    tr.feed(outcome())
+    tr.feed(("line", "demo-1-abcde", rank_start(1, T0 + 1, pid=11)))   # rank 1's log, read to its end
+    tr.feed(("line", "demo-1-abcde", line("rank_end", 1, T0 + 9, final_step=10, exit_code=0)))
+    tr.finish(time.time())
+    assert not tr.ended   # rank 0 has not been heard from: its pod's log may not be followed yet
+    tr.feed(("log_start", ("uid-0", 0), "demo-0-aaaaa"))
+    tr.feed(("line", "demo-0-aaaaa", rank_start(0, T0 + 1, pid=10)))
+    tr.finish(time.time())
+    assert not tr.ended   # its log is open: its end may come
+    tr.feed(("line", "demo-0-aaaaa", line("rank_end", 0, T0 + 9, final_step=10, digest="d0")))
+    tr.feed(("log_end", ("uid-0", 0)))
+    tr.finish(time.time())
+    [end] = [e for e in tr.take() if e.kind == "job_end"]
+    assert (end["state"], end["digest"]) == ("succeeded", "d0")
+
+    # a rank that writes no end (the built-in trainer's rank 1): its pod's log ending is enough
+    tr = tracker()
+    tr.feed(outcome())
+    for rank, pod_name in ((0, "demo-0-aaaaa"), (1, "demo-1-abcde")):
+        tr.feed(("log_start", (pod_name, 0), pod_name))
+        tr.feed(("line", pod_name, rank_start(rank, T0 + 1)))
+    tr.feed(("line", "demo-0-aaaaa", line("rank_end", 0, T0 + 9, final_step=10, digest="d0")))
+    tr.feed(("log_end", ("demo-0-aaaaa", 0)))
+    tr.finish(time.time())
+    assert not tr.ended
+    tr.feed(("log_end", ("demo-1-abcde", 0)))
+    tr.finish(time.time())
+    assert tr.ended and tr.take()[-1]["digest"] == "d0"
+
+
+def test_a_rank_never_heard_from_holds_job_end_only_for_the_drain_time() -> None:
+    tr = tracker()
+    tr.feed(outcome())
+    tr.feed(("line", "demo-0-aaaaa", line("rank_end", 0, T0 + 9, final_step=10, digest="d0")))
+    tr.finish(tr.outcome_at + 1)
+    assert not tr.ended
+    tr.finish(tr.outcome_at + LOG_DRAIN_S + 1)
+    assert tr.ended and tr.take()[-1]["digest"] == "d0"
+
+
+def test_failures_are_dated_on_the_pods_clock() -> None:
+    """The pods' clock is an hour behind the notebook's: a failure the notebook notices in a launcher
+    line must not look like it took an hour to detect."""
+    pods_now = time.time() - 3600
+    tr = tracker()
+    for rank in (0, 1):
+        tr.feed(("line", f"demo-{rank}-aaaaa", rank_start(rank, pods_now - 30, pid=40 + rank)))
+    for s in (1, 2, 3):
+        tr.feed(("line", "demo-0-aaaaa", step(s, pods_now - 20 + s)))
+    tr.feed(("line", "demo-1-aaaaa", line("fault", 1, pods_now - 1, fault="sigkill", id="f1", target_rank=1,
+                                           at_step=4)))
+    tr.feed(("line", "demo-1-aaaaa", "[2026-01-01 00:00:10,000] [ERROR] [ft_launcher8@demo-1] failed (exitcode: -9) "
+                                     "local_rank: 0 (pid: 41) of binary: python"))
+    for rank in (0, 1):
+        tr.feed(("line", f"demo-{rank}-aaaaa", rank_start(rank, pods_now + 2, pid=50 + rank, injob=1, start=3)))
+    tr.feed(("line", "demo-0-aaaaa", step(4, pods_now + 4)))
+    [failure] = [e for e in tr.take() if e.kind == "failure"]
+    assert failure["cause"] == "injected sigkill on rank 1" and failure["fault_time"] == pods_now - 1
+    assert 0 <= failure["detected_at"] - failure["fault_time"] < 60
+    [restart] = tr.mon.restarts
+    assert restart["detection_s"] < 60 and restart["downtime_s"] < 60

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..control import CommandInbox, FaultCommand
-from ..errors import JobError
+from ..control import CommandInbox, FaultCommand, reject
+from ..errors import ControlError, JobError
 from ..events import EventWriter
 from ..jobdir import JobDir
 from ..spec import JobSpec
@@ -152,8 +152,17 @@ class Session:
         self.step_entered = step
         if self.inbox is not None:
             for cmd in self.inbox.poll():
+                try:
+                    cmd.validate(self.info.world_size, self.spec.nnodes)
+                except ControlError as e:   # a hand-written or foreign file: set aside, never fired
+                    self.inbox.rejected[cmd.id] = str(e)
+                    continue
                 if self._mine(cmd) and (cmd.step is None or cmd.step <= step) and self.inbox.take(cmd):
                     self._fire(cmd, step)
+            for cid, why in self.inbox.rejected.items():
+                if reject(self.inbox.pending, self.inbox.fired, cid, why):
+                    self.emit("command_rejected", id=cid, reason=why)
+            self.inbox.rejected.clear()
         if self._full_until and step >= self._full_until:  # the disk has room again
             self._full_until = 0
             self.events.divert(None)

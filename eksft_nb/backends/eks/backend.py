@@ -23,7 +23,7 @@ from ...checkpoints import CheckpointInfo, list_checkpoints
 from ...control import FaultCommand
 from ...errors import JobError
 from ...events import LOG_PREFIX
-from ...spec import JobSpec
+from ...spec import JobSpec, valid_name
 from ..base import Backend, JobSummary, readable
 from . import checks, names, schemas
 from .cluster import ApiError, Cluster, explain
@@ -71,7 +71,7 @@ class EksBackend(Backend):
     def _job(self, name: str) -> tuple[Cluster, JobSpec, dict[str, Any]]:
         """The job's cluster, spec and record (its ConfigMap)."""
         cluster = self._cluster(*self._where.get(name, (None, None)))
-        record = cluster.get(CONFIGMAP, name)
+        record = cluster.get(CONFIGMAP, name) if valid_name(name) else None
         if record is None or (record["metadata"].get("labels") or {}).get(names.JOB_LABEL) != name:
             raise JobError(f"no EKS job named {name!r} in namespace {cluster.namespace}",
                            "check the name, --namespace and --context (EksBackend().jobs() lists them)")
@@ -222,15 +222,18 @@ class EksBackend(Backend):
     def lose_node(self, name: str, node: int) -> str:
         """Delete the pod of ``node`` at once, as if its node were lost; returns the pod's name.
 
-        The pod is first marked with the fault, so every watcher reports it as injected."""
+        A note (a ConfigMap named after the pod) first marks the deletion as the fault, so every
+        watcher reports it as injected."""
         cluster, spec, _ = self._job(name)
         pods = [pod_state(p, names.container(spec)) for p in cluster.list(POD, names.selector(name))]
         target = next((p for p in pods if p.node == node and not p.deleting and p.phase != "succeeded"), None)
         if target is None:
             raise JobError(f"job {name} has no live pod for node {node}",
                            f"pick a node between 0 and {spec.nnodes - 1} whose pod runs")
-        note = {"fault": "node-loss", "id": uuid.uuid4().hex[:12], "node": node, "t": time.time()}
-        cluster.patch(POD, target.name, {"metadata": {"annotations": {names.FAULT_ANNOTATION: json.dumps(note)}}})
+        note = {"fault": "node-loss", "id": uuid.uuid4().hex[:12], "node": node}
+        cluster.create({"apiVersion": "v1", "kind": "ConfigMap", "data": {names.FAULT_ANNOTATION: json.dumps(note)},
+                        "metadata": {"name": names.fault_note(name, target.uid), "namespace": cluster.namespace,
+                                     "labels": {names.MANAGED_BY: names.MANAGER, names.FAULT_OF: name}}})
         cluster.delete(POD, target.name, propagation="Background", grace=0)
         return target.name
 
@@ -254,6 +257,8 @@ class EksBackend(Backend):
         if status.state in ("starting", "running"):
             raise JobError(f"job {name!r} is still {status.state}", "stop it first")
         cluster.delete(SERVICE, name)
+        for note in cluster.list(CONFIGMAP, f"{names.FAULT_OF}={name}"):
+            cluster.delete(CONFIGMAP, note["metadata"]["name"])
         cluster.delete(CONFIGMAP, name)
 
     def _running_pods(self, cluster: Cluster, spec: JobSpec, purpose: str) -> list[str]:

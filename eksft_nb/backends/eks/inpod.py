@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ...checkpoints import list_checkpoints
 from ...control import FaultCommand, submit
+from ...errors import ControlError
 from ...jobdir import JobDir, atomic_write
 from ...spec import JobSpec
 from . import names
@@ -43,8 +44,15 @@ def prepare() -> int:
     if not jd.spec_path.exists():
         atomic_write(jd.spec_path, spec.to_json())
     faults = Path(os.environ["EKSFT_SPEC"]).with_name(names.FAULTS)
-    for data in json.loads(faults.read_text()) if faults.exists() else []:
-        command = FaultCommand(**data)
+    try:
+        scheduled = json.loads(faults.read_text()) if faults.exists() else []
+        if not isinstance(scheduled, list):
+            raise ControlError(f"{faults} is not a list of fault commands", "launch the job again with eksft-nb")
+        commands = [FaultCommand.from_dict(data).validate(spec.world_size, spec.nnodes) for data in scheduled]
+    except (ValueError, ControlError) as e:
+        print(f"eksft: error: the scheduled faults cannot be queued: {e}", file=sys.stderr)
+        return 1
+    for command in commands:
         if not (jd.fired / command.id).exists():  # replacement pods must not re-arm a fault that fired
             submit(jd.pending, command)
     print(f"job folder {jd.path} ready")
@@ -52,8 +60,14 @@ def prepare() -> int:
 
 
 def inject(text: str) -> int:
-    _, jd = _job()
-    command = FaultCommand.from_json(text)
+    """Queue a command after the same checks the ranks make (the control plane checked it too, but
+    anyone who may exec into the pod can call this)."""
+    spec, jd = _job()
+    try:
+        command = FaultCommand.from_json(text).validate(spec.world_size, spec.nnodes)
+    except ControlError as e:
+        print(f"eksft: error: {e}", file=sys.stderr)
+        return 2
     print(submit(jd.pending, command))
     return 0
 
@@ -75,18 +89,23 @@ def send_signal(rank: int, signame: str) -> int:
     if f"RANK={rank}".encode() not in environ or f"EKSFT_JOB={spec.name}".encode() not in environ:
         return NOT_HERE
     name = signame.upper() if signame.upper().startswith("SIG") else f"SIG{signame.upper()}"
+    if name not in signal.Signals.__members__:
+        print(f"eksft: error: unknown signal {signame!r}: use e.g. SIGKILL, SIGTERM or SIGUSR1", file=sys.stderr)
+        return 2
     os.kill(pid, signal.Signals[name])
     print(f"sent {name} to rank {rank} (pid {pid})")
     return 0
 
 
 def main(argv: list[str]) -> int:
-    commands = {"prepare": prepare, "inject": lambda: inject(argv[1]), "ckpts": ckpts,
-                "signal": lambda: send_signal(int(argv[1]), argv[2])}
-    if not argv or argv[0] not in commands:
-        print(f"usage: python -m eksft_nb.backends.eks.inpod {{{','.join(commands)}}} [ARGS]", file=sys.stderr)
+    commands = {"prepare": (0, prepare), "inject": (1, lambda: inject(argv[1])), "ckpts": (0, ckpts),
+                "signal": (2, lambda: send_signal(int(argv[1]), argv[2]))}
+    if not argv or argv[0] not in commands or len(argv) != 1 + commands[argv[0]][0] or \
+            (argv[0] == "signal" and not argv[1].isdigit()):
+        print("usage: python -m eksft_nb.backends.eks.inpod {prepare | inject JSON | ckpts | signal RANK SIGNAL}",
+              file=sys.stderr)
         return 2
-    return commands[argv[0]]()
+    return commands[argv[0]][1]()
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGER = "eksft-nb"
 JOB_LABEL = "eksft.io/job"
 DIGEST = "eksft.io/spec-digest"
-FAULT_ANNOTATION = "eksft.io/fault"
+FAULT_ANNOTATION = "eksft.io/fault"  # a node-loss note, on the pod as the stream reports it
+FAULT_OF = "eksft.io/fault-of"      # label of the ConfigMap that holds a node-loss note (see fault_note)
 COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
 INDEX_FAILURES = "batch.kubernetes.io/job-index-failure-count"
 JOBSET_RESTARTS = "jobset.sigs.k8s.io/restart-attempt"
@@ -108,6 +109,12 @@ def ckpt_dir(spec: JobSpec) -> str:
 
 def labels(spec: JobSpec) -> dict[str, str]:
     return {MANAGED_BY: MANAGER, JOB_LABEL: spec.name}
+
+
+def fault_note(name: str, pod_uid: str) -> str:
+    """The ConfigMap that marks the deletion of pod ``pod_uid`` as an injected node loss: the control
+    plane creates it before deleting the pod, so it needs no right to modify pods."""
+    return f"{name}-fault-{pod_uid}"
 
 
 def selector(name: str) -> str:

@@ -23,11 +23,14 @@ from ...runtime.quiet import quiet_env
 from ...spec import JobSpec
 from . import checks, names
 
-# what the control plane calls, and nothing else: (api group, resource, verbs)
+# what the control plane calls, and nothing else: (api group, resource, verbs). RBAC cannot select
+# pods by label, and the pods of an Indexed Job or a JobSet have generated names, so the pod rules
+# hold for every pod of the namespace: run eksft jobs in a namespace of their own (README, Security).
+# No pod is ever modified (a node-loss note is a ConfigMap of its own); `delete` is the node-loss fault.
 CONTROL_RULES: list[tuple[str, str, list[str]]] = [
-    ("", "configmaps", ["get", "list", "create", "delete"]),     # the job record: spec, faults, user script
+    ("", "configmaps", ["get", "list", "create", "delete"]),     # the job record; node-loss notes
     ("", "services", ["get", "create", "delete"]),               # the headless Service that names node 0
-    ("", "pods", ["get", "list", "watch", "patch", "delete"]),   # watch pods; mark and delete one to lose a node
+    ("", "pods", ["list", "watch", "delete"]),                   # watch the job's pods; delete one to lose a node
     ("", "pods/log", ["get"]),                                   # stream the ranks' telemetry
     # exec (control commands, signals, checkpoint listing) is a WebSocket upgrade of a GET: older API
     # servers authorize it as `get`, newer ones (the WebSocket exec hardening) as `create`
@@ -165,8 +168,10 @@ def pod_template(spec: JobSpec, *, subdomain: str | None = None, attempt_from: s
                  node_rank: str = "$(EKSFT_NODE_RANK)") -> dict[str, Any]:
     e = spec.eks
     view = pod_view(spec)
-    argv = launcher_argv(view, node_rank=node_rank, rdzv_host=names.rank0_host(spec),
-                         ports=Ports.from_base(e.port), run_id=spec.name)
+    argv = [literal(a) for a in launcher_argv(view, node_rank=node_rank, rdzv_host=names.rank0_host(spec),
+                                              ports=Ports.from_base(e.port), run_id=spec.name)]
+    ours = next(i for i, a in enumerate(argv) if a.startswith("--node-rank="))   # before any user text
+    argv[ours] = f"--node-rank={node_rank}"   # the one reference the kubelet fills in
     env = container_env(spec, attempt_from)
     mounts = [{"name": "checkpoints", "mountPath": names.CKPT_MOUNT},
               {"name": "config", "mountPath": names.CONFIG_MOUNT, "readOnly": True}]
@@ -217,8 +222,14 @@ def container_env(spec: JobSpec, attempt_from: str | None) -> list[dict[str, Any
         del values["EKSFT_JOB_ATTEMPT"]
     values = quiet_env(values)
     values.update(nccl_env(spec))
-    env += [{"name": k, "value": v} for k, v in values.items()]
+    env += [{"name": k, "value": literal(v)} for k, v in values.items()]
     return env
+
+
+def literal(text: str) -> str:
+    """``text`` as the container must see it: the kubelet expands ``$(VAR)`` in command, args and
+    env values and turns ``$$`` into ``$``, so every ``$`` is doubled."""
+    return text.replace("$", "$$")
 
 
 def nccl_env(spec: JobSpec) -> dict[str, str]:

@@ -33,6 +33,8 @@ from . import names
 from .cluster import ApiError, Cluster
 from .pods import PodState, pod_state
 
+CONFIGMAP = names.KINDS["ConfigMap"]
+
 WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")  # ft_launcher
 FT_TIMEOUT = re.compile(r"FT timeout elapsed")
 LOG_DRAIN_S = 15.0      # once the workload has ended, how long to wait for the last log lines
@@ -72,8 +74,11 @@ class Tracker:
         self.counted: set[str] = set()                 # pod failures already reported (uid, restarts)
         self.fault_seen: set[str] = set()              # pods whose fault annotation was reported
         self.rank_of: dict[tuple[str, int], int] = {}  # (pod, pid) -> rank
-        self.open_logs: set[Any] = set()
-        self.rank_ended = False                        # a rank_end arrived (the digest, for the trainer)
+        self.open_logs: set[Any] = set()               # (pod uid, restarts) of the logs being followed
+        self.log_pod: dict[Any, str] = {}              # ...and the pod each belongs to
+        self.pod_of: dict[int, str] = {}               # rank -> the pod of its latest start
+        self.ended_ranks: set[int] = set()             # ranks whose latest start has ended (rank_end)
+        self.lag: float | None = None                  # least (our clock - a rank event's t) seen
 
     # ---- output ------------------------------------------------------------------------------------
     def take(self) -> list[Event]:
@@ -98,7 +103,17 @@ class Tracker:
     def feed(self, item: tuple[Any, ...]) -> None:
         self._start()
         {"workload": self.on_workload, "pod": self.on_pod, "line": self.on_line,
-         "log_start": self.open_logs.add, "log_end": self.open_logs.discard}[item[0]](*item[1:])
+         "log_start": self.on_log_start, "log_end": self.open_logs.discard}[item[0]](*item[1:])
+
+    def on_log_start(self, key: Any, pod: str = "") -> None:
+        self.open_logs.add(key)
+        self.log_pod[key] = pod
+
+    def pod_now(self) -> float:
+        """Now, on the pods' clock: failures the notebook notices are compared with times the pods
+        wrote, so they are dated on that clock (our clock less the smallest delay seen between a rank
+        writing an event and its arrival here, which absorbs any skew between the two clocks)."""
+        return time.time() - (self.lag or 0.0)
 
     def on_workload(self, obj: dict[str, Any] | None) -> None:
         if self.outcome is not None:
@@ -115,15 +130,14 @@ class Tracker:
     def on_pod(self, kind: str, pod: dict[str, Any], ending: bool) -> None:
         meta = pod.get("metadata") or {}
         uid = meta.get("uid", "")
-        note = (meta.get("annotations") or {}).get(names.FAULT_ANNOTATION)
-        if note and uid not in self.fault_seen:
-            self.fault_seen.add(uid)
-            fault = json.loads(note)
-            self._emit("fault", t=fault["t"], fault=fault["fault"], id=fault["id"], target_rank=None,
-                       at_step=self.mon.last_step, node=fault["node"], pod=meta.get("name"))
+        fault = _note((meta.get("annotations") or {}).get(names.FAULT_ANNOTATION))
+        ps = pod_state(pod, self.container)
+        if fault and uid not in self.fault_seen:
+            self.fault_seen.add(uid)   # the fault happened when the pod's deletion began (the cluster's clock)
+            self._emit("fault", t=ps.ended_at or self.pod_now(), fault=fault["fault"], id=fault["id"],
+                       target_rank=None, at_step=self.mon.last_step, node=fault["node"], pod=meta.get("name"))
         if ending or self.outcome is not None:
             return
-        ps = pod_state(pod, self.container)
         key = f"{uid}/{ps.restarts}"
         lost = kind == "DELETED" or ps.deleting
         if (ps.failed or lost) and ps.phase != "succeeded" and key not in self.counted:
@@ -137,25 +151,27 @@ class Tracker:
     def _open_node_incident(self, ps: PodState, cause: str, ended_at: float | None) -> None:
         """A node (pod) failed: the job-level tier, as when the local supervisor relaunches. The
         container's end (or the pod's deletion) is when it failed, and Kubernetes reports it at once."""
-        self.incidents.node_failed(cause, ended_at or time.time(), ended_at)
+        self.incidents.node_failed(cause, ended_at or self.pod_now(), ended_at)
 
     def on_line(self, pod: str, text: str) -> None:
         event = decode(text)
         if event is not None:
+            lag = time.time() - event.t
+            self.lag = lag if self.lag is None else min(self.lag, lag)
             self._fold(event)
             self._on_rank_event(event, pod)
             return
         if m := WORKER_FAILED.search(text):
             code, pid = int(m.group(1)), int(m.group(3))
-            self.incidents.worker_failed(self.rank_of.get((pod, pid)), code, time.time())
+            self.incidents.worker_failed(self.rank_of.get((pod, pid)), code, self.pod_now())
         elif FT_TIMEOUT.search(text):
-            self.incidents.hang(time.time())
+            self.incidents.hang(self.pod_now())
 
     def finish(self, now: float) -> None:
         """``job_end`` once the workload has ended and its pods' logs are read (or stopped coming)."""
         if self.outcome is None or self.ended:
             return
-        draining = self.open_logs or (self.outcome[0] == "succeeded" and not self.rank_ended)
+        draining = self.open_logs or (self.outcome[0] == "succeeded" and self._ranks_to_hear())
         if draining and now - self.outcome_at < LOG_DRAIN_S and self.outcome[0] != "stopped":
             return
         self.ended = True
@@ -163,12 +179,34 @@ class Tracker:
         self._emit("job_end", state=state, reason=reason, final_step=self.mon.last_step, digest=self.mon.digest,
                    restarts=self.mon.restarts_by_level())
 
+    def _ranks_to_hear(self) -> list[int]:
+        """Ranks whose end may still come: not ended since their start, and their pod's log still
+        open, or not seen at all (its pod's log may not be followed yet). Each pod's lines arrive in
+        order, so a log that has ended has delivered its ranks' ends, if they wrote any."""
+        open_pods = {self.log_pod.get(k) for k in self.open_logs}
+        return [r for r in range(self.spec.world_size) if r not in self.ended_ranks
+                and (r not in self.pod_of or self.pod_of[r] in open_pods)]
+
     def _on_rank_event(self, e: Event, pod: str) -> None:
-        if e.kind == "rank_start" and e.rank is not None:
+        if e.kind == "rank_start" and isinstance(e.rank, int):
             self.rank_of[(pod, e["pid"])] = e.rank
-        elif e.kind == "rank_end":
-            self.rank_ended = True
+            self.pod_of[e.rank] = pod
+            self.ended_ranks.discard(e.rank)
+        elif e.kind == "rank_end" and isinstance(e.rank, int):
+            self.ended_ranks.add(e.rank)
+            self.pod_of.setdefault(e.rank, pod)
         self.incidents.observe(e)
+
+
+def _note(text: Any) -> dict[str, Any] | None:
+    """A node-loss note, if ``text`` is a well-formed one (anyone who may write ConfigMaps can write one)."""
+    try:
+        note = json.loads(text) if isinstance(text, str) else None
+    except ValueError:
+        return None
+    ok = isinstance(note, dict) and isinstance(note.get("fault"), str) and isinstance(note.get("id"), str) and \
+        type(note.get("node")) is int
+    return note if ok else None
 
 
 class EksEvents:
@@ -181,6 +219,7 @@ class EksEvents:
         self._queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._closed = threading.Event()
         self._followed: set[tuple[str, int]] = set()
+        self._noted: dict[str, str | None] = {}   # pod uid -> its node-loss note, once looked up
         self._threads: list[threading.Thread] = []
 
     def read(self) -> list[Event]:
@@ -242,11 +281,27 @@ class EksEvents:
                         return
                     pod = ev["object"]
                     ps = pod_state(pod, names.container(self.spec))
-                    ending = (ev["type"] == "DELETED" or ps.failed or ps.deleting) and self._workload_ending()
+                    gone = ev["type"] == "DELETED" or ps.deleting
+                    ending = (gone or ps.failed) and self._workload_ending()
+                    if gone:
+                        self._attach_note(pod)
                     self._follow_logs(pod)
                     self._queue.put(("pod", ev["type"], pod, ending))
             except (ApiException, urllib3.exceptions.HTTPError, OSError, ValueError):
                 self._closed.wait(1.0)
+
+    def _attach_note(self, pod: dict[str, Any]) -> None:
+        """A deleted pod carries its node-loss note (if the control plane deleted it as a fault)."""
+        meta = pod.setdefault("metadata", {})
+        uid = meta.get("uid", "")
+        if uid not in self._noted:
+            try:
+                note = self.cluster.get(CONFIGMAP, names.fault_note(self.spec.name, uid))
+            except ApiError:
+                return   # asked again at the pod's next event
+            self._noted[uid] = ((note or {}).get("data") or {}).get(names.FAULT_ANNOTATION)
+        if self._noted[uid]:
+            meta["annotations"] = {**(meta.get("annotations") or {}), names.FAULT_ANNOTATION: self._noted[uid]}
 
     def _follow_logs(self, pod: dict[str, Any]) -> None:
         container = names.container(self.spec)
@@ -257,7 +312,7 @@ class EksEvents:
         if key in self._followed:
             return
         self._followed.add(key)
-        self._queue.put(("log_start", key))
+        self._queue.put(("log_start", key, pod["metadata"]["name"]))
         self._spawn(self._follow, pod["metadata"]["name"], key)
 
     def _follow(self, pod: str, key: tuple[str, int]) -> None:
