@@ -58,7 +58,7 @@ def test_storage_faults_are_fault_kinds_with_checked_parameters() -> None:
     assert slow.params == {"delay": 0.5, "duration": 10}
     for params in ({"duration": 0}, {"duration": "x"}, {"duration": True}, {"delay": -1}, {"delay": "slow"},
                    {"delay": 10**9}):
-        with pytest.raises(ControlError, match="needs duration"):
+        with pytest.raises(ControlError, match="slow-storage parameter (duration|delay) is"):
             FaultCommand("slow-storage", rank=0, params=dict(params)).validate(2, 1)
     with pytest.raises(ControlError, match="out of range"):
         FaultCommand("disk-full", rank=5).validate(2, 1)
