@@ -3,14 +3,17 @@
 A command is a JSON file in ``control/pending/``. The ranks poll the folder (one ``stat`` per step)
 and fire a fault at the start of the chosen step, or of the next step for "now", so faults land
 exactly where asked: rank faults on the target rank, ``kill-launcher`` on local rank 0 of the target
-node, ``corrupt-checkpoint`` on rank 0. Whoever fires a command creates ``control/fired/<id>``
-exclusively, so a fault fires exactly once even when a restart rolls the job back past its step.
+node, ``corrupt-checkpoint`` on rank 0. A user script's ranks also poll from a thread, so "now" and
+``after`` (seconds after the command was queued) fire whatever the script is doing, and steps are its
+optimizer steps. Whoever fires a command creates ``control/fired/<id>`` exclusively, so a fault
+fires exactly once even when a restart rolls the job back past its step.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,7 +26,8 @@ from .spec import _closest
 # fault -> (who fires it, what it does)
 FAULTS: dict[str, tuple[str, str]] = {
     "exception": ("rank", "raise an exception in the training loop"),
-    "hang": ("rank", "stop making progress (sleep forever inside the step)"),
+    "hang": ("rank", "stop making progress (sleep forever inside the step; a user script's rank fired by "
+                     "time is stopped with SIGSTOP)"),
     "sigkill": ("rank", "the rank process is killed (SIGKILL), like the OOM killer"),
     "sigterm": ("rank", "the rank process receives SIGTERM"),
     "segfault": ("rank", "the rank process crashes with a segmentation fault"),
@@ -39,9 +43,18 @@ class FaultCommand:
     fault: str
     rank: int | None = None       # rank faults: the global rank
     step: int | None = None       # fire at the start of this step; None: as soon as possible
+    after: float | None = None    # or this many seconds after it was queued
     node: int = 0                 # node faults: which node
     params: dict[str, Any] = field(default_factory=dict)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    queued_at: float | None = None  # wall-clock time :func:`submit` wrote it
+
+    @property
+    def when(self) -> str:
+        """When it fires, in words: ``now``, ``at step N`` or ``N s after it was queued``."""
+        if self.step is not None:
+            return f"at step {self.step}"
+        return f"{self.after:g}s after it was queued" if self.after is not None else "now"
 
     @property
     def scope(self) -> str:
@@ -55,10 +68,10 @@ class FaultCommand:
         data = json.loads(text)
         if not isinstance(data, dict):
             raise ControlError("a fault command must be a JSON object", "write {\"fault\": \"exception\", ...}")
-        unknown = set(data) - {"fault", "rank", "step", "node", "params", "id"}
+        unknown = set(data) - {"fault", "rank", "step", "after", "node", "params", "id", "queued_at"}
         if unknown:
             raise ControlError(f"unknown field(s) in fault command: {', '.join(sorted(unknown))}",
-                               "use only fault, rank, step, node and params")
+                               "use only fault, rank, step, after, node and params")
         return cls(**data)
 
     def validate(self, world_size: int, nnodes: int, current_step: int | None = None) -> FaultCommand:
@@ -85,6 +98,12 @@ class FaultCommand:
             if current_step is not None and self.step <= current_step:
                 raise ControlError(f"step {self.step} has already passed (the job is at step {current_step})",
                                    f"use --step {current_step + 1} or later, or omit --step to inject now")
+        if self.after is not None:
+            if isinstance(self.after, bool) or not isinstance(self.after, (int, float)) or not 0 <= self.after < 1e7:
+                raise ControlError(f"after must be a number of seconds >= 0, got {self.after!r}",
+                                   "use --after 30 (seconds from now), or omit it to inject now")
+            if self.step is not None:
+                raise ControlError("a fault fires at a step or after a time, not both", "drop --step or --after")
         if not isinstance(self.params, dict):
             raise ControlError("params must be a mapping", "use e.g. params={'delay': 0.5}")
         if self.fault == "slow-rank":
@@ -96,21 +115,26 @@ class FaultCommand:
 
 
 def parse_fault(text: str) -> FaultCommand:
-    """Parse the compact form ``kind[:rank][@step]`` used by ``--fault`` (e.g. ``sigkill:1@30``)."""
-    body, _, step = text.partition("@")
+    """Parse the compact form ``kind[:rank][@step|@SECONDSs]`` used by ``--fault`` (e.g. ``sigkill:1@30``,
+    or ``hang:0@45s`` for 45 seconds after launch)."""
+    body, _, when = text.partition("@")
     kind, _, target = body.partition(":")
     try:
         rank_or_node = int(target) if target else None
-        at = int(step) if step else None
+        after = float(when[:-1]) if when.endswith("s") else None
+        at = int(when) if when and after is None else None
     except ValueError:
         raise ControlError(f"cannot parse fault {text!r}",
-                           "write kind[:rank][@step], e.g. exception:0@15 or kill-launcher@60") from None
+                           "write kind[:rank][@step or @SECONDSs], e.g. exception:0@15, hang:0@45s or "
+                           "kill-launcher@60") from None
     if kind in FAULTS and FAULTS[kind][0] != "rank":
-        return FaultCommand(kind, step=at, node=rank_or_node or 0)
-    return FaultCommand(kind, rank=rank_or_node, step=at)
+        return FaultCommand(kind, step=at, after=after, node=rank_or_node or 0)
+    return FaultCommand(kind, rank=rank_or_node, step=at, after=after)
 
 
 def submit(pending: Path, command: FaultCommand) -> Path:
+    if command.queued_at is None:
+        command.queued_at = time.time()
     path = pending / f"{command.id}.json"
     atomic_write(path, command.to_json())
     return path

@@ -27,11 +27,13 @@ LOG_PREFIX = "@@eksft "
 _num = (int, float)
 _opt_int = (int, type(None))
 _opt_str = (str, type(None))
+_opt_num = (int, float, type(None))
 
 # kind -> required field -> accepted types. Extra fields are allowed.
 KINDS: dict[str, dict[str, tuple[type, ...] | type]] = {
     # supervisor / control plane
-    "job_start": {"spec_digest": str, "world_size": int, "steps": int, "backend": str, "host": str, "pid": int},
+    # steps: None for a user script (its own loop decides)
+    "job_start": {"spec_digest": str, "world_size": int, "steps": _opt_int, "backend": str, "host": str, "pid": int},
     "launch": {"attempt": int, "node": int, "pid": int, "pgid": int},
     "failure": {"level": str, "cause": str, "blame_rank": _opt_int, "fault_time": _num, "detected_at": _num},
     "restart": {"level": str, "cause": str, "blame_rank": _opt_int, "fault_time": _num, "detection_s": _num,
@@ -41,7 +43,8 @@ KINDS: dict[str, dict[str, tuple[type, ...] | type]] = {
     "rank_start": {"pid": int, "host": str, "job_attempt": int, "injob_restart": int, "inprocess_iteration": int,
                    "world_size": int, "start_step": int},
     "resume": {"step": int, "path": str, "load_s": _num, "skipped": list},
-    "step": {"step": int, "loss": _num, "tokens": int, "step_time": _num},
+    # a user script's steps, counted by the optimizer-step hook, have no known loss or tokens (None)
+    "step": {"step": int, "loss": _opt_num, "tokens": _opt_int, "step_time": _num},
     "checkpoint": {"phase": str, "step": int},
     "fault": {"fault": str, "id": str, "target_rank": _opt_int, "at_step": _opt_int},
     "rank_error": {"error": str, "step": _opt_int, "origin": str},
@@ -86,7 +89,7 @@ def make(kind: str, job: str, rank: int | None = None, t: float | None = None, *
         if key not in data:
             raise SchemaError(f"{kind} event lacks {key!r}")
         value = data[key]
-        if not isinstance(value, types) or (isinstance(value, bool) and types in (int, _num, _opt_int)):
+        if not isinstance(value, types) or (isinstance(value, bool) and types in (int, _num, _opt_int, _opt_num)):
             raise SchemaError(f"{kind}.{key} has type {type(value).__name__}")
     if kind == "restart" or kind == "failure":
         if data["level"] not in RESTART_LEVELS:

@@ -271,7 +271,7 @@ def test_inject_controls_write_the_command_the_job_reads(tmp_path: Path) -> None
     c.inject.click()
     (cmd,) = [json.loads(p.read_text()) for p in job.dir.pending.glob("*.json")]
     assert (cmd["fault"], cmd["rank"], cmd["step"]) == ("sigkill", 1, None)
-    assert "injected sigkill into rank 1 (now)" in said(dash)
+    assert "queued sigkill for rank 1 (now)" in said(dash)
 
     c.fault.value, c.when.value = "hang", "step 40"
     c.inject.click()
@@ -336,7 +336,7 @@ def test_a_real_job_resumed_and_broken_from_its_dashboard() -> None:
     assert child.job.monitor.steps.step[0] == older + 1
     child.controls.fault.value, child.controls.target.value = "sigkill", 1
     child.controls.inject.click()
-    assert "injected sigkill into rank 1 (now)" in said(child)
+    assert "queued sigkill for rank 1 (now)" in said(child)
     while not child.job.monitor.restarts and time.time() < deadline + 60:
         time.sleep(0.3)
     assert "in-job" in [lane for t in child.figure.widget.data if t.name == "restarts" for lane in t.y]

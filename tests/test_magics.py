@@ -21,6 +21,7 @@ from eksft_nb.spec import spec_options
 SAMPLES = {"name": "opt-test", "backend": "eks", "resume": "none", "model.preset": "tiny", "model.vocab": "64", "model.d_model": "256",
            "model.n_heads": "8", "checkpoint.dir": "/tmp/ckpts", "script": "/tmp/train.py",
            "script_args": "--depth 2 --tag x", "ft.soft_timeout": "3", "ft.hard_timeout": "9",
+           "ft.section_timeouts": "init:60,eval:30",
            "ft.heartbeat_timeout": "20", "eks.k8s_version": "1.32", "eks.namespace": "ml", "eks.image": "repo/img:1",
            "eks.gpus_per_node": "4", "eks.instance_type": "p5.48xlarge", "eks.storage_size": "100Gi",
            "eks.shm_size": "1Gi", "eks.cpu": "4", "eks.memory": "8Gi"}
@@ -142,7 +143,7 @@ def test_launch_break_resume_stop_and_reattach_with_magics(ip: Any, capsys: pyte
     (dash,) = ip.shown
     assert isinstance(dash, Dashboard) and dash.job.name == "mg" and current(ip).name == "mg"
     ip.run_cell("%ftrain inject exception --rank 0 --step 15")
-    assert "injected exception into mg (rank 0, at step 15)" in capsys.readouterr().out
+    assert "queued exception for rank 0 of mg (at step 15)" in capsys.readouterr().out
     ip.run_cell("%ftrain list")
     assert "mg" in capsys.readouterr().out
     assert eksft_nb.attach("mg").wait(300) == "succeeded"

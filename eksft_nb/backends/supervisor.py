@@ -78,9 +78,11 @@ class Supervisor:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        self.say(f"supervising job {self.spec.name} ({self.spec.world_size} ranks, {self.spec.steps} steps)")
+        what = f"script {self.spec.script}" if self.spec.script else f"{self.spec.steps} steps"
+        self.say(f"supervising job {self.spec.name} ({self.spec.world_size} ranks, {what})")
         self.events.emit("job_start", spec_digest=self.spec.digest(), world_size=self.spec.world_size,
-                         steps=self.spec.steps, backend="local", host=socket.gethostname(), pid=os.getpid())
+                         steps=None if self.spec.script else self.spec.steps, backend="local",
+                         host=socket.gethostname(), pid=os.getpid())
         outcome = None
         while outcome is None:
             self._launch()
@@ -174,10 +176,10 @@ class Supervisor:
             codes = [n.popen.poll() for n in self.nodes]
             if all(c == 0 for c in codes):
                 self._pump()
-                if self.mon.digest is not None or self.mon.last_step >= self.spec.steps:
-                    return "succeeded", f"all {self.spec.steps} steps done"
                 if self.spec.script:  # a user script's own loop decides when it is done; ft_launcher says it was
                     return "succeeded", "the script exited 0 on every rank"
+                if self.mon.digest is not None or self.mon.last_step >= self.spec.steps:
+                    return "succeeded", f"all {self.spec.steps} steps done"
                 return "failed", "the launchers exited before training finished (see `logs --debug`)"
             dead = [(n, c) for n, c in zip(self.nodes, codes) if c not in (None, 0)]
             if dead:
