@@ -385,6 +385,10 @@ class MonitorLink:
         @functools.wraps(init)
         def init_workload_monitoring(client: Any, *args: Any, **kwargs: Any) -> Any:
             if client is not link.client:
+                if link.own:
+                    # a message first: after an in-job restart, the monitor takes a connection closed
+                    # without one for a failed restart and refuses the next client's messages
+                    link.beat()
                 link.close()
                 link.client = client
             return init(client, *args, **kwargs)
