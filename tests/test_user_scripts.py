@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,21 +13,12 @@ import pytest
 
 import eksft_nb
 from eksft_nb.dashboard import Dashboard
-from jobs import cli, events, job_dir, run_job
+from jobs import cli, events, job_dir, run_job, wait_for
 
 pytestmark = pytest.mark.slow
 SCRIPTS = Path(__file__).parent / "scripts"
 # scripts of our own run with --no-inprocess (that is the built-in trainer's tier) and a short heartbeat timeout
 FAST = ["--no-inprocess", "--heartbeat-timeout", "8"]
-
-
-def wait_for(what: str, probe: Callable[[], Any], timeout: float = 300) -> Any:
-    deadline = time.time() + timeout
-    while not (value := probe()):
-        if time.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.3)
-    return value
 
 
 def steps_after(name: str, t: float) -> list[Any]:
@@ -110,6 +99,24 @@ def test_a_users_own_inprocess_wrapper_restarts_in_place_and_is_recorded() -> No
     assert job.wait(400) == "succeeded"
     levels = [(r["level"], r["blame_rank"]) for r in job.refresh().restarts]
     assert levels == [("inprocess", 1), ("injob", 1)], job.refresh().restarts
+
+
+def test_nvrx_scripts_as_notebook_cells_show_their_steps_and_take_the_dashboards_faults(
+        ip: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.chdir(SCRIPTS)  # the notebook's folder: a cell imports the modules beside it
+    for name, script, line in (("cell-hb", "heartbeats.py", f"--script-args '--steps 60 --sleep 0.1 --ckpt {tmp_path}'"),
+                               ("cell-sections", "sections.py", "--script-args '--steps 60 --sleep 0.1' "
+                                                                "--section-timeouts init:60,step:20")):
+        ip.run_cell(f"%%ftrain --name {name} {' '.join(FAST)} {line}\n{(SCRIPTS / script).read_text()}")
+        dash = ip.shown[-1]
+        assert dash.header.total is None and "(optimizer steps)" in dash.header._step.value
+        wait_for("steps on the dashboard", lambda d=dash: d.job.refresh().last_step >= 3)
+        dash.inject("sigkill", rank=1, step=dash.job.monitor.last_step + 10)
+        assert dash.job.wait(300) == "succeeded"
+        dash._thread.join(30)
+        assert [(r["level"], r["blame_rank"]) for r in dash.job.monitor.restarts] == [("injob", 1)]
+        plotted = [s for t in dash.figure.widget.data if t.name == "tokens/s" for s in t.customdata]
+        assert plotted and dash.figure.widget.layout.annotations[0].text == "throughput (steps/s)"
 
 
 def test_fsdp2_script_runs_where_it_was_launched_from_with_its_args(tmp_path: Path, monkeypatch: pytest.MonkeyPatch

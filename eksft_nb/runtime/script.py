@@ -2,7 +2,7 @@
 the built-in trainer.
 
 ``python -m eksft_nb.runtime.script SCRIPT [ARGS...]``: the script's folder comes first on
-``sys.path`` (so modules beside it import), ``sys.argv`` is ``[SCRIPT, ARGS...]``, ``__name__`` is
+``sys.path`` (so modules beside it import; for a notebook cell's code, the notebook's folder), ``sys.argv`` is ``[SCRIPT, ARGS...]``, ``__name__`` is
 ``"__main__"``, and the working directory is the spec's ``workdir`` (for a local job: where it was
 launched from). Around the script, with no change to it:
 
@@ -30,9 +30,11 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from ..jobdir import eksft_home
 from .quiet import quiet_process
 from .train import exit_cleanly
 
@@ -54,7 +56,10 @@ def main() -> None:
             sys.exit(f"eksft: error: cannot enter the working directory {s.spec.workdir}: {e.strerror}\n"
                      "  → set --workdir to a folder that exists where the ranks run")
     sys.argv = [script, *sys.argv[2:]]
-    sys.path[0] = os.path.dirname(script)   # `python -m` put the working directory there
+    # `python -m` put the working directory there: a script's own folder instead, as `python SCRIPT`
+    # does; a notebook cell's code keeps the working directory (the notebook's), as `python -c` does
+    cell = Path(script).resolve().parent == (eksft_home() / "scripts").resolve()
+    sys.path[0] = os.getcwd() if cell else os.path.dirname(script)
     probe = ScriptProbe(s)
     s.rank_start(0, script=os.path.basename(script))
     try:
