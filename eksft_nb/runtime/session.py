@@ -40,8 +40,9 @@ class InjectedFault(RuntimeError):
     """The exception raised by the ``exception`` fault."""
 
 
-# raises the injected exception in a user script's main thread (a real-time signal no library claims)
-FAULT_SIGNAL = signal.SIGRTMIN + 3
+# raises the injected exception in a user script's main thread (a real-time signal no library claims;
+# macOS has none)
+FAULT_SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
 
 
 @dataclass(frozen=True)
