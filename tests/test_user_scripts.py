@@ -181,6 +181,6 @@ def test_nvrx_own_examples_run_unmodified_and_recover(script: str, args: str, ex
     name = "nvrx-" + Path(script).stem.replace("_", "-")
     summary = run_job(name, "--script", str(Path(NVRX_EXAMPLES) / script), "--script-args", args, *FAST, *extra,
                       "--fault", "sigkill:1@20")
-    assert summary["state"] == "succeeded", summary
+    assert summary["state"] == "succeeded", (summary, cli("logs", name, "-n", "80").stdout)
     assert [(r["level"], r["blame_rank"]) for r in summary["restart_events"]] == [("injob", 1)], summary
     assert events(name, "step")

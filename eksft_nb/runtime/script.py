@@ -132,8 +132,8 @@ class ScriptProbe:
     def on_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
         """After every ``optimizer.step()``, in the main thread."""
         s = self.s
-        if s.reports_steps:
-            return
+        if s.reports_steps or all(float(g.get("lr", 1.0)) == 0.0 for g in optimizer.param_groups):
+            return  # a step at learning rate 0 trains nothing: DCP's loader takes one to create optimizer state
         primary = self.primary() if self.primary is not None else None
         if primary is None:
             self.primary = weakref.ref(optimizer)
