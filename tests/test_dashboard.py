@@ -286,6 +286,12 @@ def test_inject_controls_write_the_command_the_job_reads(tmp_path: Path) -> None
     c.inject.click()
     assert "step 3 has already passed" in said(dash) and len(list(job.dir.pending.glob("*.json"))) == 2
 
+    c.fault.value, c.when.value = "sigterm", "30s"             # seconds from now
+    c.inject.click()
+    [later] = [json.loads(p.read_text()) for p in job.dir.pending.glob("*.json")
+               if json.loads(p.read_text())["fault"] == "sigterm"]
+    assert (later["after"], later["step"]) == (30.0, None) and "(30s after it was queued)" in said(dash)
+
     c.fault.value = "kill-launcher"
     assert c.target.description == "node" and c.target.options == (("0", 0),)
     c.when.value = "now"

@@ -93,3 +93,22 @@ def test_after_is_validated_and_parsed() -> None:
     with pytest.raises(ControlError, match="cannot parse fault"):
         parse_fault("hang:0@soon")
     assert FaultCommand.from_json(FaultCommand("hang", rank=0, after=2.5).to_json()).when == "2.5s after it was queued"
+
+
+def test_a_scripts_restarts_count_as_stuck_only_when_no_step_ran_between_them() -> None:
+    """A script's own checkpoints are not seen: restarts with steps between them are progress."""
+    from eksft_nb.events import make
+    from eksft_nb.incidents import Incident, Incidents
+    from eksft_nb.monitor import JobMonitor
+
+    mon = JobMonitor()
+    incidents = Incidents(mon, lambda kind, **data: None, 0.0, patience=3, steps_expected=False)
+    for n in range(1, 5):   # four restarts, each after some steps: never stuck
+        incidents.open(Incident("injob", "injected sigkill on rank 1", 1, float(n), float(n), 0))
+        mon.update([make("step", "j", 0, t=n + 0.5, step=1, loss=None, tokens=None, step_time=0.1)])
+        incidents.close(n + 0.4)
+    assert incidents.give_up is None
+    for n in range(5, 8):   # three in a row without a step: a crash loop
+        incidents.open(Incident("injob", "rank 0 exited with code 1", 0, float(n), float(n), 0))
+        incidents.close(n + 0.4)
+    assert incidents.give_up and "failed before the script took a step" in incidents.give_up

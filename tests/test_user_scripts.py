@@ -82,7 +82,7 @@ def test_nvrx_sections_script_gets_its_sections_and_heartbeats_from_its_optimize
 
 
 def test_a_users_own_inprocess_wrapper_restarts_in_place_and_is_recorded() -> None:
-    launched = cli("run", "--name", "wrapped", "--script", str(SCRIPTS / "wrapped.py"), "--script-args", "80 0.1",
+    launched = cli("run", "--name", "wrapped", "--script", str(SCRIPTS / "wrapped.py"), "--script-args", "120 0.1",
                    "--no-inprocess", "--heartbeat-timeout", "20", "--detach")
     assert launched.returncode == 0, launched.stderr
     job = eksft_nb.attach("wrapped")
@@ -96,9 +96,13 @@ def test_a_users_own_inprocess_wrapper_restarts_in_place_and_is_recorded() -> No
     wait_for("a step after the restart", lambda: steps_after("wrapped", restart.t))
     kill = cli("inject", "wrapped", "sigkill", "--rank", "1")
     assert kill.returncode == 0 and kill.stdout.startswith("fired sigkill on rank 1"), kill.stdout
+    second = wait_for("the recovery from the sigkill", lambda: events("wrapped", "restart")[1:])[0]
+    wait_for("a step after it", lambda: steps_after("wrapped", second.t))
+    hang = cli("inject", "wrapped", "hang", "--rank", "0")   # SIGSTOP: no in-process recovery for a stopped rank
+    assert hang.returncode == 0 and hang.stdout.startswith("fired hang on rank 0"), hang.stdout
     assert job.wait(400) == "succeeded"
     levels = [(r["level"], r["blame_rank"]) for r in job.refresh().restarts]
-    assert levels == [("inprocess", 1), ("injob", 1)], job.refresh().restarts
+    assert levels == [("inprocess", 1), ("injob", 1), ("injob", 0)], job.refresh().restarts
 
 
 def test_nvrx_scripts_as_notebook_cells_show_their_steps_and_take_the_dashboards_faults(
