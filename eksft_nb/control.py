@@ -125,8 +125,8 @@ def parse_fault(text: str) -> FaultCommand:
         at = int(when) if when and after is None else None
     except ValueError:
         raise ControlError(f"cannot parse fault {text!r}",
-                           "write kind[:rank][@step or @SECONDSs], e.g. exception:0@15, hang:0@45s or "
-                           "kill-launcher@60") from None
+                           "write kind[:rank][@step] (or @SECONDSs: seconds after launch), e.g. exception:0@15, "
+                           "hang:0@45s or kill-launcher@60") from None
     if kind in FAULTS and FAULTS[kind][0] != "rank":
         return FaultCommand(kind, step=at, after=after, node=rank_or_node or 0)
     return FaultCommand(kind, rank=rank_or_node, step=at, after=after)
