@@ -75,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     inj.add_argument("name")
     inj.add_argument("fault", help=f"one of: {', '.join(FAULTS)}")
     inj.add_argument("--rank", type=int, help="target rank (rank faults; default 0)")
-    inj.add_argument("--step", type=int, help="fire at the start of this step (default: now)")
+    inj.add_argument("--step", type=int, help="fire at the start of this step (a script's: optimizer step; "
+                     "default: now)")
+    inj.add_argument("--after", type=float, metavar="SECONDS", help="fire this many seconds from now")
     inj.add_argument("--node", type=int, default=0, help="target node (kill-launcher)")
     inj.add_argument("--delay", type=float, help="slow-rank: seconds added per step")
     inj.add_argument("--duration", type=int, help="slow-rank: for this many steps")
@@ -122,15 +124,24 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     backend.launch(spec, faults)
     job = Job(spec.name, backend)
-    print(f"launched {spec.name}: {spec.world_size} ranks ({spec.nnodes}x{spec.nproc_per_node}), "
-          f"{spec.steps} steps, model {spec.model.preset}, {spec.checkpoint.mode} checkpoints every "
-          f"{spec.checkpoint.every} steps, in-process restart {'on' if spec.ft.inprocess else 'off'}")
+    print(f"launched {spec.name}: {describe(spec)}")
     if spec.backend == "local" and spec.ft.inprocess and (here := nvrx.installed()) and (note := here.inprocess_note()):
         print(f"note: {note}")  # on EKS the image's NVRx decides
     if args.detach:
         print(f"follow it with: python -m eksft_nb watch {spec.name}")
         return 0
     return follow(job, as_json=args.json)
+
+
+def describe(spec: JobSpec) -> str:
+    """What a job runs, in one line: only what applies to it (a script has its own steps and checkpoints)."""
+    ranks = f"{spec.world_size} ranks ({spec.nnodes}x{spec.nproc_per_node})"
+    if spec.script:
+        args = " " + " ".join(spec.script_args) if spec.script_args else ""
+        return (f"{ranks} running {spec.script}{args} (its own loop: steps are its optimizer steps), "
+                f"up to {spec.ft.max_injob_restarts} in-job and {spec.ft.max_job_restarts} job restarts")
+    return (f"{ranks}, {spec.steps} steps, model {spec.model.preset}, {spec.checkpoint.mode} checkpoints every "
+            f"{spec.checkpoint.every} steps, in-process restart {'on' if spec.ft.inprocess else 'off'}")
 
 
 def cmd_watch(args: argparse.Namespace) -> int:
@@ -142,7 +153,7 @@ def follow(job: Job, as_json: bool = False) -> int:
     from tqdm import tqdm
 
     mon = job.monitor
-    total = job.spec.steps
+    total = None if job.spec.script else job.spec.steps
     seen_restarts = seen_faults = seen_failures = seen_ckpt_fail = 0
     # a live bar on a terminal; in a log (CI, make demo | tee) a line every few seconds instead
     tty = sys.stderr.isatty()
@@ -155,7 +166,8 @@ def follow(job: Job, as_json: bool = False) -> int:
             for f in mon.faults[seen_faults:]:
                 target = (f"rank {f['rank']}" if f["rank"] is not None else
                           f"node {f['node']}" if f.get("node") is not None else "the job")
-                bar.write(f"  ! fault injected: {f['fault']} on {target} at step {f['step']}")
+                at = f" at step {f['step']}" if f["step"] is not None else ""
+                bar.write(f"  ! fault fired: {f['fault']} on {target}{at}")
             for f in mon.failures[seen_failures:]:
                 bar.write(f"  ~ {f['level']} failure: {f['cause']}")
             for r in mon.restarts[seen_restarts:]:
@@ -167,9 +179,9 @@ def follow(job: Job, as_json: bool = False) -> int:
             seen_faults, seen_failures, seen_restarts = len(mon.faults), len(mon.failures), len(mon.restarts)
             seen_ckpt_fail = len(fails)
             if len(mon.steps):
-                recent = slice(-20, None)
-                dt = sum(mon.steps.step_time[recent]) or 1e-9
-                bar.set_postfix_str(f"loss {mon.steps.loss[-1]:.3f}  {sum(mon.steps.tokens[recent]) / dt:,.0f} tok/s  "
+                rate, unit = mon.steps.throughput()
+                loss = mon.steps.loss[-1]
+                bar.set_postfix_str((f"loss {loss:.3f}  " if loss is not None else "") + f"{rate:,.1f} {unit}  "
                                     f"restarts {sum(mon.restarts_by_level().values())}", refresh=False)
                 bar.update(mon.last_step - bar.n)
             if state in ("succeeded", "failed", "stopped", "lost"):
@@ -186,8 +198,9 @@ def follow(job: Job, as_json: bool = False) -> int:
 
 
 def format_summary(s: dict[str, Any]) -> str:
+    steps = f"{s['steps_done']}/{s['total_steps']}" if s["total_steps"] else f"{s['steps_done']} (optimizer steps seen)"
     lines = [f"job {s['name']}: {s['state']}" + (f" ({s['reason']})" if s["reason"] else ""),
-             f"steps done: {s['steps_done']}/{s['total_steps']}   final parameters digest: {s['digest'] or '-'}",
+             f"steps done: {steps}   final parameters digest: {s['digest'] or '-'}",
              "restarts: " + ", ".join(f"{k} {v}" for k, v in s["restarts"].items())]
     if s["restart_events"]:
         lines.append(f"  {'level':<10}{'cause':<44}{'blamed':>7}{'detect':>8}{'downtime':>10}{'lost':>6}")
@@ -265,11 +278,20 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 def cmd_inject(args: argparse.Namespace) -> int:
     params = {k: v for k, v in (("delay", args.delay), ("duration", args.duration)) if v is not None}
-    cmd = attach(args.name, args.backend).inject(args.fault, rank=args.rank, step=args.step, node=args.node, **params)
-    target = f"rank {cmd.rank}" if cmd.rank is not None else f"node {cmd.node}"
-    when = f"at step {cmd.step}" if cmd.step is not None else "now"
-    print(f"injected {cmd.fault} into {args.name} ({target}, {when}); id {cmd.id}")
+    job = attach(args.name, args.backend)
+    cmd = job.inject(args.fault, rank=args.rank, step=args.step, node=args.node, after=args.after, **params)
+    print(injected(job, cmd, wait=10.0 if cmd.when == "now" else 0.0) + f"; id {cmd.id}")
     return 0
+
+
+def injected(job: Job, cmd: Any, wait: float = 0.0) -> str:
+    """What became of a queued fault: fired (the rank reported it, within ``wait`` seconds) or queued."""
+    target = f"rank {cmd.rank}" if cmd.rank is not None else f"node {cmd.node}"
+    fired = job.fired(cmd, timeout=wait)
+    if fired is not None:
+        at = f" at step {fired['step']}" if fired["step"] is not None else ""
+        return f"fired {cmd.fault} on {target} of {job.name}{at}"
+    return f"queued {cmd.fault} for {target} of {job.name} ({cmd.when}); it shows as fired when the rank fires it"
 
 
 def cmd_resume(args: argparse.Namespace) -> int:

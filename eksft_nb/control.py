@@ -3,7 +3,9 @@
 A command is a JSON file in ``control/pending/``. The ranks poll the folder (one ``stat`` per step)
 and fire a fault at the start of the chosen step, or of the next step for "now", so faults land
 exactly where asked: rank faults on the target rank, ``kill-launcher`` on local rank 0 of the target
-node, ``corrupt-checkpoint`` and ``kill-supervisor`` on rank 0. Whoever fires a command creates ``control/fired/<id>``
+node, ``corrupt-checkpoint`` and ``kill-supervisor`` on rank 0. A user script's ranks also poll from a
+thread, so "now" and ``after`` (seconds after the command was queued) fire whatever the script is
+doing, and steps are its optimizer steps. Whoever fires a command creates ``control/fired/<id>``
 exclusively, so a fault fires exactly once even when a restart rolls the job back past its step.
 """
 
@@ -27,7 +29,8 @@ from .spec import _closest, _show
 # fault -> (who fires it, what it does)
 FAULTS: dict[str, tuple[str, str]] = {
     "exception": ("rank", "raise an exception in the training loop"),
-    "hang": ("rank", "stop making progress (sleep forever inside the step)"),
+    "hang": ("rank", "stop making progress (sleep forever inside the step; a user script's rank fired by "
+                     "time is stopped with SIGSTOP)"),
     "sigkill": ("rank", "the rank process is killed (SIGKILL), like the OOM killer"),
     "sigterm": ("rank", "the rank process receives SIGTERM"),
     "segfault": ("rank", "the rank process crashes with a segmentation fault"),
@@ -69,6 +72,8 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "node": (_integer, "an integer node"),
     "params": (lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v), "a JSON object"),
     "id": (lambda v: isinstance(v, str) and ID.fullmatch(v) is not None, "1-64 letters, digits, '-' or '_'"),
+    "after": (lambda v: v is None or (_number(v) and 0 <= v < 1e7), "seconds from when it was queued (>= 0), or null"),
+    "queued_at": (lambda v: v is None or _number(v), "a time in seconds since the epoch, or null"),
 }
 
 
@@ -77,9 +82,18 @@ class FaultCommand:
     fault: str
     rank: int | None = None       # rank faults: the global rank
     step: int | None = None       # fire at the start of this step; None: as soon as possible
+    after: float | None = None    # or this many seconds after it was queued
     node: int = 0                 # node faults: which node
     params: dict[str, Any] = field(default_factory=dict)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    queued_at: float | None = None  # wall-clock time :func:`submit` wrote it
+
+    @property
+    def when(self) -> str:
+        """When it fires, in words: ``now``, ``at step N`` or ``N s after it was queued``."""
+        if self.step is not None:
+            return f"at step {self.step}"
+        return f"{self.after:g}s after it was queued" if self.after is not None else "now"
 
     @property
     def scope(self) -> str:
@@ -105,7 +119,7 @@ class FaultCommand:
         unknown = set(data) - set(FIELDS)
         if unknown:
             raise ControlError(f"unknown field(s) in fault command: {', '.join(sorted(map(str, unknown)))[:200]}",
-                               "use only fault, rank, step, node, params and id")
+                               "use only fault, rank, step, after, node, params and id")
         if "fault" not in data:
             raise ControlError("a fault command lacks its fault", f"add \"fault\": one of {', '.join(FAULTS)}")
         command = cls(**data)
@@ -145,6 +159,8 @@ class FaultCommand:
             if current_step is not None and self.step <= current_step:
                 raise ControlError(f"step {self.step} has already passed (the job is at step {current_step})",
                                    f"use --step {current_step + 1} or later, or omit --step to inject now")
+        if self.after is not None and self.step is not None:
+            raise ControlError("a fault fires at a step or after a time, not both", "drop --step or --after")
         allowed = PARAMS.get(self.fault, {})
         unknown = sorted(set(self.params) - set(allowed))
         if unknown:
@@ -158,22 +174,27 @@ class FaultCommand:
 
 
 def parse_fault(text: str) -> FaultCommand:
-    """Parse the compact form ``kind[:rank][@step]`` used by ``--fault`` (e.g. ``sigkill:1@30``)."""
-    body, _, step = text.partition("@")
+    """Parse the compact form ``kind[:rank][@step|@SECONDSs]`` used by ``--fault`` (e.g. ``sigkill:1@30``,
+    or ``hang:0@45s`` for 45 seconds after launch)."""
+    body, _, when = text.partition("@")
     kind, _, target = body.partition(":")
     try:
         rank_or_node = int(target) if target else None
-        at = int(step) if step else None
+        after = float(when[:-1]) if when.endswith("s") else None
+        at = int(when) if when and after is None else None
     except ValueError:
         raise ControlError(f"cannot parse fault {text!r}",
-                           "write kind[:rank][@step], e.g. exception:0@15 or kill-launcher@60") from None
+                           "write kind[:rank][@step] (or @SECONDSs: seconds after launch), e.g. exception:0@15, "
+                           "hang:0@45s or kill-launcher@60") from None
     if kind in FAULTS and FAULTS[kind][0] != "rank":
-        return FaultCommand(kind, step=at, node=rank_or_node or 0)
-    return FaultCommand(kind, rank=rank_or_node, step=at)
+        return FaultCommand(kind, step=at, after=after, node=rank_or_node or 0)
+    return FaultCommand(kind, rank=rank_or_node, step=at, after=after)
 
 
 def submit(pending: Path, command: FaultCommand) -> Path:
     command._check_types()   # the id names the file
+    if command.queued_at is None:
+        command.queued_at = time.time()
     path = pending / f"{command.id}.json"
     atomic_write(path, command.to_json())
     return path

@@ -28,11 +28,13 @@ LOG_PREFIX = "@@eksft "
 _num = (int, float)
 _opt_int = (int, type(None))
 _opt_str = (str, type(None))
+_opt_num = (int, float, type(None))
 
 # kind -> required field -> accepted types. Extra fields are allowed.
 KINDS: dict[str, dict[str, tuple[type, ...] | type]] = {
     # supervisor / control plane
-    "job_start": {"spec_digest": str, "world_size": int, "steps": int, "backend": str, "host": str, "pid": int},
+    # steps: None for a user script (its own loop decides)
+    "job_start": {"spec_digest": str, "world_size": int, "steps": _opt_int, "backend": str, "host": str, "pid": int},
     "launch": {"attempt": int, "node": int, "pid": int, "pgid": int},
     "failure": {"level": str, "cause": str, "blame_rank": _opt_int, "fault_time": _num, "detected_at": _num},
     "restart": {"level": str, "cause": str, "blame_rank": _opt_int, "fault_time": _num, "detection_s": _num,
@@ -44,7 +46,8 @@ KINDS: dict[str, dict[str, tuple[type, ...] | type]] = {
     "rank_start": {"pid": int, "host": str, "job_attempt": int, "injob_restart": int, "inprocess_iteration": int,
                    "world_size": int, "start_step": int},
     "resume": {"step": int, "path": str, "load_s": _num, "skipped": list},
-    "step": {"step": int, "loss": _num, "tokens": int, "step_time": _num},
+    # a user script's steps, counted by the optimizer-step hook, have no known loss or tokens (None)
+    "step": {"step": int, "loss": _opt_num, "tokens": _opt_int, "step_time": _num},
     "checkpoint": {"phase": str, "step": int},
     "fault": {"fault": str, "id": str, "target_rank": _opt_int, "at_step": _opt_int},
     "command_rejected": {"id": str, "reason": str},   # a command file that cannot fire, set aside

@@ -55,7 +55,7 @@ class Incidents:
         self.incarnation: dict[int, tuple[int, int, int]] = {}  # rank -> (job attempt, in-job, in-process)
         self.recovered_to: tuple[int, int, int] | None = None  # the incarnation the last incident ended in
         self.last_alive = t_start
-        self.stuck_at: list[int | None] = []
+        self.stuck_at: list[Any] = []   # per incident: newest committed checkpoint (or a script's step count)
         self.give_up: str | None = None
 
     # ---- inputs --------------------------------------------------------------------------------
@@ -140,16 +140,25 @@ class Incidents:
             return
         self.incident = incident
         committed = self.mon.last_committed
-        self.stuck_at.append(committed.step if committed else None)
+        if committed is None and not self.steps_expected:
+            # a user script's own checkpoints are not seen: it is stuck if no step ran since the last incident
+            self.stuck_at.append(("steps", len(self.mon.steps)))
+        else:
+            self.stuck_at.append(committed.step if committed else None)
         self.emit("failure", level=incident.level, cause=incident.cause, blame_rank=incident.blame_rank,
                   fault_time=incident.fault_time, detected_at=incident.detected_at)
         who = f" (blamed: rank {incident.blame_rank})" if incident.blame_rank is not None else ""
         self.say(f"{incident.level} failure at step {incident.last_step}: {incident.cause}{who}")
         n = self.patience
         if n and len(self.stuck_at) >= n and len(set(self.stuck_at[-n:])) == 1:
-            where = f"checkpoint step {self.stuck_at[-1]}" if self.stuck_at[-1] is not None else "the start"
-            self.give_up = (f"no progress: {n} restarts in a row resumed from {where} and failed before a newer "
-                            f"checkpoint was committed (last cause: {incident.cause})")
+            last = self.stuck_at[-1]
+            if isinstance(last, tuple):
+                self.give_up = (f"no progress: {n} restarts in a row failed before the script took a step "
+                                f"(last cause: {incident.cause})")
+            else:
+                where = f"checkpoint step {last}" if last is not None else "the start"
+                self.give_up = (f"no progress: {n} restarts in a row resumed from {where} and failed before a newer "
+                                f"checkpoint was committed (last cause: {incident.cause})")
 
     def close(self, first_step_start: float) -> None:
         i, self.incident = self.incident, None

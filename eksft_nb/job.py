@@ -44,9 +44,20 @@ class Job:
         return backend_state if backend_state in ("lost", "stopped", "failed", "starting") else mon.state
 
     def inject(self, fault: str, rank: int | None = None, step: int | None = None, node: int = 0,
-               **params: Any) -> FaultCommand:
-        """Inject a fault: now (``step=None``) or at the start of ``step``."""
-        return self.backend.inject(self.name, FaultCommand(fault, rank=rank, step=step, node=node, params=params))
+               after: float | None = None, **params: Any) -> FaultCommand:
+        """Queue a fault: now, at the start of ``step``, or ``after`` seconds. It has fired once
+        :meth:`fired` finds it (the ranks report it when they fire it)."""
+        command = FaultCommand(fault, rank=rank, step=step, after=after, node=node, params=params)
+        return self.backend.inject(self.name, command)
+
+    def fired(self, command: FaultCommand, timeout: float = 0.0) -> dict[str, Any] | None:
+        """The ``fault`` event of ``command`` once a rank fired it, waiting up to ``timeout`` seconds; else None."""
+        deadline = time.time() + timeout
+        while True:
+            found = next((f for f in self.refresh().faults if f["id"] == command.id), None)
+            if found is not None or time.time() >= deadline:
+                return found
+            time.sleep(0.2)
 
     def checkpoints(self) -> list[CheckpointInfo]:
         return self.backend.checkpoints(self.name)

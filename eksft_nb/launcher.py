@@ -50,8 +50,7 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
         f"--ft-rank-heartbeat-timeout={ft.heartbeat_timeout:g}",
         "--ft-workload-check-interval=1", "--ft-enable-nic-monitor=false",
     ]
-    sections = {"step": ft.step_timeout, "checkpoint": ft.checkpoint_timeout}
-    sections = {k: v for k, v in sections.items() if v is not None}
+    sections = ft.sections()
     if sections:
         argv.append("--ft-rank-section-timeouts=" + ",".join(f"{k}:{v:g}" for k, v in sections.items()))
     if log_dir:

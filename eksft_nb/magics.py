@@ -33,7 +33,7 @@ GROUPS = {"": "job", "model.": "model", "checkpoint.": "checkpoints", "ft.": "fa
 LINE_USAGE = """\
 %ftrain list                          jobs and their state
 %ftrain attach NAME [--backend eks]   show the dashboard of a job (its whole history, then live)
-%ftrain inject [NAME] FAULT [--rank R] [--step S] [--node N] [--delay D] [--duration N]
+%ftrain inject [NAME] FAULT [--rank R] [--step S | --after SECONDS] [--node N] [--delay D] [--duration N]
 %ftrain ckpts [NAME]                  checkpoints: committed, incomplete, rejected
 %ftrain resume [NAME] [--step S] [--as NEW] [--steps N]   a new job from a checkpoint, with its dashboard
 %ftrain logs [NAME] [-n LINES] [--debug]
@@ -86,6 +86,7 @@ def _line_parser() -> MagicArgumentParser:
     inj.add_argument("target", nargs="+", metavar="[NAME] FAULT")
     inj.add_argument("--rank", type=int)
     inj.add_argument("--step", type=int)
+    inj.add_argument("--after", type=float)
     inj.add_argument("--node", type=int, default=0)
     inj.add_argument("--delay", type=float)
     inj.add_argument("--duration", type=int)
@@ -152,10 +153,9 @@ class FtrainMagics(Magics):
                 raise UsageError("inject takes [NAME] FAULT\n  → e.g. %ftrain inject sigkill --rank 1")
             job = self._job(args.target[0] if len(args.target) == 2 else None, args.backend)
             params = {k: v for k, v in (("delay", args.delay), ("duration", args.duration)) if v is not None}
-            c = job.inject(args.target[-1], rank=args.rank, step=args.step, node=args.node, **params)
-            target = f"rank {c.rank}" if c.rank is not None else f"node {c.node}"
-            when = f"at step {c.step}" if c.step is not None else "now"
-            print(f"injected {c.fault} into {job.name} ({target}, {when})")
+            c = job.inject(args.target[-1], rank=args.rank, step=args.step, node=args.node, after=args.after,
+                           **params)
+            print(cli.injected(job, c))
         elif cmd == "resume":
             changes = {"steps": args.steps} if args.steps else {}
             self.job = self._job(args.name, args.backend).resume(step=args.step, name=args.new_name, **changes)

@@ -40,11 +40,11 @@ class JobsCollector(Collector):
             running.add_metric([name], 0.0 if mon.finished else 1.0)
             if len(mon.steps):
                 step.add_metric([name], mon.last_step)
-                loss.add_metric([name], mon.steps.loss[-1])
-                recent = slice(-20, None)
-                dt = sum(mon.steps.step_time[recent])
-                if dt > 0:
-                    tps.add_metric([name], sum(mon.steps.tokens[recent]) / dt)
+                if mon.steps.loss[-1] is not None:
+                    loss.add_metric([name], mon.steps.loss[-1])
+                rate = mon.steps.throughput()
+                if rate is not None and rate[1] == "tok/s":
+                    tps.add_metric([name], rate[0])
             for level, n in mon.restarts_by_level().items():
                 restarts.add_metric([name, level], n)
             downtime.add_metric([name], sum(r["downtime_s"] for r in mon.restarts))

@@ -32,12 +32,23 @@ class StepSeries:
 
     step: list[int] = field(default_factory=list)
     t: list[float] = field(default_factory=list)
-    loss: list[float] = field(default_factory=list)
+    loss: list[float | None] = field(default_factory=list)     # None: not reported (a user script's step)
     step_time: list[float] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
+    tokens: list[int | None] = field(default_factory=list)     # likewise
 
     def __len__(self) -> int:
         return len(self.step)
+
+    def throughput(self, last: int = 20) -> tuple[float, str] | None:
+        """Over the last steps: (tokens per second, "tok/s") when they report tokens, else (steps per
+        second, "steps/s"); None before any step."""
+        times, tokens = self.step_time[-last:], self.tokens[-last:]
+        if not times:
+            return None
+        dt = sum(times) or 1e-9
+        if all(n is not None for n in tokens):
+            return sum(tokens) / dt, "tok/s"
+        return len(times) / dt, "steps/s"
 
 
 @dataclass

@@ -82,10 +82,33 @@ class FaultToleranceConfig:
     initial_heartbeat_timeout: float = opt(120.0, "--initial-heartbeat-timeout", "seconds allowed for start-up before the first heartbeat")
     step_timeout: float | None = opt(None, "--step-timeout", "section timeout for one training step, seconds (none: heartbeats only)")
     checkpoint_timeout: float | None = opt(None, "--checkpoint-timeout", "section timeout for a checkpoint save, seconds")
+    section_timeouts: str | None = opt(None, "--section-timeouts", "timeouts of a script's own NVRx sections, e.g. "
+                                       "init:60,eval:30 (seconds; NVRx refuses sections it has no timeout for)")
     soft_timeout: float = opt(4.0, "--soft-timeout", "in-process: seconds without progress before a rank is interrupted")
     hard_timeout: float = opt(8.0, "--hard-timeout", "in-process: seconds without progress before a rank is killed")
     collective_timeout: float = opt(3.0, "--collective-timeout", "process-group timeout while in-process restart is on (gloo cannot be aborted: this bounds recovery)")
     progress_patience: int = opt(3, "--progress-patience", "give up after this many restarts in a row that resume from the same checkpoint")
+
+    def sections(self) -> dict[str, float]:
+        """NVRx section name -> timeout in seconds: --step-timeout, --checkpoint-timeout, --section-timeouts."""
+        found = {"step": self.step_timeout, "checkpoint": self.checkpoint_timeout}
+        found = {k: v for k, v in found.items() if v is not None}
+        text = self.section_timeouts or ""
+        if not isinstance(text, str):
+            raise SpecError(f"ft.section_timeouts must be text, got {text!r}", "write e.g. --section-timeouts init:60")
+        for item in text.split(","):
+            name, _, seconds = item.strip().partition(":")
+            if not item.strip():
+                continue
+            try:
+                value = float(seconds)
+            except ValueError:
+                value = -1.0
+            if not re.fullmatch(r"[A-Za-z_][\w.-]*", name) or not value > 0:
+                raise SpecError(f"cannot read section timeout {item.strip()!r}",
+                                "write --section-timeouts NAME:SECONDS[,NAME:SECONDS...], e.g. init:60,eval:30")
+            found[name] = value
+        return found
 
 
 @dataclass
@@ -133,6 +156,8 @@ class JobSpec:
     resume: str = opt("latest", "--resume", "latest | none | step:N | a checkpoint folder")
     script: str | None = opt(None, "--script", "a training script to run instead of the built-in trainer")
     script_args: list[str] = opt(list, "--script-args", "arguments for --script (one string, shell-split)")
+    workdir: str | None = opt(None, "--workdir", "working directory of the script on every rank (local default: the folder "
+                              "the job is launched from, for a notebook cell the notebook's folder; EKS: the image's)")
     eks: EksConfig = opt(EksConfig, "", "")
 
     # ---- validation -------------------------------------------------------------------------
@@ -186,6 +211,7 @@ class JobSpec:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
                 raise SpecError(f"ft.{fname} must be a positive number of seconds, got {v!r}",
                                 f"set {_flag_of(FaultToleranceConfig, fname)} to e.g. 10")
+        f.sections()  # raises on a malformed --section-timeouts
         if f.inprocess and not f.soft_timeout < f.hard_timeout:
             raise SpecError(f"soft timeout ({f.soft_timeout}s) must be shorter than hard timeout ({f.hard_timeout}s)",
                             "raise --hard-timeout or lower --soft-timeout")
@@ -204,6 +230,8 @@ class JobSpec:
             raise SpecError(f"invalid resume {r!r}", "use --resume latest, none, step:N or a checkpoint folder path")
         if self.script is not None and not isinstance(self.script, str):
             raise SpecError(f"script must be a path, got {self.script!r}", "use --script path/to/train.py")
+        if self.workdir is not None and not isinstance(self.workdir, str):
+            raise SpecError(f"workdir must be a path, got {self.workdir!r}", "use --workdir path/to/folder")
         if not isinstance(self.script_args, list) or not all(isinstance(a, str) for a in self.script_args):
             raise SpecError("script_args must be a list of strings", "use --script-args '--foo 1 --bar 2'")
         e = self.eks

@@ -6,6 +6,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,3 +35,18 @@ def finished_job(eksft_home: Path) -> str:
     summary = run_job("finished", "--steps", "12", "--ckpt-every", "5")
     assert summary["state"] == "succeeded", summary
     return "finished"
+
+
+@pytest.fixture
+def ip(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A real IPython shell with the magics loaded; what a cell displays goes to ``shell.shown``."""
+    from IPython.testing.globalipapp import get_ipython
+
+    from eksft_nb import magics
+
+    shell = get_ipython()
+    shell.run_line_magic("load_ext", "eksft_nb")
+    shell.shown = []
+    monkeypatch.setattr(magics, "display", shell.shown.append)
+    yield shell
+    shell.magics_manager.registry["FtrainMagics"].job = None

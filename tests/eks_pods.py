@@ -82,7 +82,8 @@ class LocalPod:
     def process_env(self, container: str) -> dict[str, str]:
         """The image's environment (this venv first on PATH) plus the container's."""
         base = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-                "HOME": str(self.root), "LANG": os.environ.get("LANG", "C.UTF-8")}
+                "HOME": str(self.root), "LANG": os.environ.get("LANG", "C.UTF-8"),
+                **{k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ}}   # the eksft-nb under test
         return {**base, **self.env(container)}
 
     def run(self, container: str, argv: list[str] | None = None, **kw: Any) -> subprocess.CompletedProcess[str]:

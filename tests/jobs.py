@@ -6,7 +6,9 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any, Callable
 
 from eksft_nb.events import Event, read_all
 from eksft_nb.jobdir import JobDir
@@ -39,3 +41,13 @@ def events(name: str, kind: str | None = None) -> list[Event]:
 
 def job_dir(name: str) -> Path:
     return JobDir.for_name(name).path
+
+
+def wait_for(what: str, probe: Callable[[], Any], timeout: float = 300) -> Any:
+    """Poll ``probe`` until it returns something true; return that (fail after ``timeout`` seconds)."""
+    deadline = time.time() + timeout
+    while not (value := probe()):
+        if time.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.3)
+    return value

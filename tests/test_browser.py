@@ -164,7 +164,7 @@ def test_quickstart_in_jupyterlab(lab: dict[str, Any]) -> None:
         child.locator(".eksft-when input").fill("now")
         child.locator("button.eksft-inject").click()
         wait_for("the injection to be acknowledged",
-                 lambda: "injected sigkill into rank 1" in child.locator(".eksft-message").inner_text(), 30)
+                 lambda: "queued sigkill for rank 1" in child.locator(".eksft-message").inner_text(), 30)
         # (other restarts may come first: on a starved machine a slow start can trip the in-process timeout)
         wait_for("an in-job restart marker",
                  lambda: "in-job" in [y for t in points(child_name, "restarts") for y in t["y"]], 120)

@@ -271,7 +271,7 @@ def test_inject_controls_write_the_command_the_job_reads(tmp_path: Path) -> None
     c.inject.click()
     (cmd,) = [json.loads(p.read_text()) for p in job.dir.pending.glob("*.json")]
     assert (cmd["fault"], cmd["rank"], cmd["step"]) == ("sigkill", 1, None)
-    assert "injected sigkill into rank 1 (now)" in said(dash)
+    assert "queued sigkill for rank 1 (now)" in said(dash)
 
     c.fault.value, c.when.value = "hang", "step 40"
     c.inject.click()
@@ -285,6 +285,12 @@ def test_inject_controls_write_the_command_the_job_reads(tmp_path: Path) -> None
     c.when.value = "3"
     c.inject.click()
     assert "step 3 has already passed" in said(dash) and len(list(job.dir.pending.glob("*.json"))) == 2
+
+    c.fault.value, c.when.value = "sigterm", "30s"             # seconds from now
+    c.inject.click()
+    [later] = [json.loads(p.read_text()) for p in job.dir.pending.glob("*.json")
+               if json.loads(p.read_text())["fault"] == "sigterm"]
+    assert (later["after"], later["step"]) == (30.0, None) and "(30s after it was queued)" in said(dash)
 
     c.fault.value = "kill-launcher"
     assert c.target.description == "node" and c.target.options == (("0", 0),)
@@ -336,7 +342,7 @@ def test_a_real_job_resumed_and_broken_from_its_dashboard() -> None:
     assert child.job.monitor.steps.step[0] == older + 1
     child.controls.fault.value, child.controls.target.value = "sigkill", 1
     child.controls.inject.click()
-    assert "injected sigkill into rank 1 (now)" in said(child)
+    assert "queued sigkill for rank 1 (now)" in said(child)
     while not child.job.monitor.restarts and time.time() < deadline + 60:
         time.sleep(0.3)
     assert "in-job" in [lane for t in child.figure.widget.data if t.name == "restarts" for lane in t.y]

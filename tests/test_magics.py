@@ -11,6 +11,7 @@ import pytest
 from IPython.core.error import UsageError
 
 import eksft_nb
+from jobs import wait_for
 from eksft_nb import magics
 from eksft_nb.dashboard import Dashboard
 from eksft_nb.dashboard.figure import LEVEL_LANE
@@ -21,21 +22,10 @@ from eksft_nb.spec import spec_options
 SAMPLES = {"name": "opt-test", "backend": "eks", "resume": "none", "model.preset": "tiny", "model.vocab": "64", "model.d_model": "256",
            "model.n_heads": "8", "checkpoint.dir": "/tmp/ckpts", "script": "/tmp/train.py",
            "script_args": "--depth 2 --tag x", "ft.soft_timeout": "3", "ft.hard_timeout": "9",
+           "ft.section_timeouts": "init:60,eval:30",
            "ft.heartbeat_timeout": "20", "eks.k8s_version": "1.32", "eks.namespace": "ml", "eks.image": "repo/img:1",
            "eks.gpus_per_node": "4", "eks.instance_type": "p5.48xlarge", "eks.storage_size": "100Gi",
            "eks.shm_size": "1Gi", "eks.cpu": "4", "eks.memory": "8Gi"}
-
-
-@pytest.fixture
-def ip(monkeypatch: pytest.MonkeyPatch) -> Any:
-    from IPython.testing.globalipapp import get_ipython
-
-    shell = get_ipython()
-    shell.run_line_magic("load_ext", "eksft_nb")
-    shell.shown = []
-    monkeypatch.setattr(magics, "display", shell.shown.append)
-    yield shell
-    shell.magics_manager.registry["FtrainMagics"].job = None
 
 
 def current(ip: Any) -> eksft_nb.Job | None:
@@ -125,15 +115,6 @@ def test_line_magic_mistakes(ip: Any, capsys: pytest.CaptureFixture[str], line: 
     assert type(result.error_in_exec) is UsageError and message in err and "Traceback" not in err
 
 
-def _wait(what: str, probe: Any, timeout: float = 180) -> Any:
-    deadline = time.time() + timeout
-    while not (value := probe()):
-        if time.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.3)
-    return value
-
-
 @pytest.mark.slow
 def test_launch_break_resume_stop_and_reattach_with_magics(ip: Any, capsys: pytest.CaptureFixture[str]) -> None:
     t0 = time.monotonic()
@@ -142,7 +123,7 @@ def test_launch_break_resume_stop_and_reattach_with_magics(ip: Any, capsys: pyte
     (dash,) = ip.shown
     assert isinstance(dash, Dashboard) and dash.job.name == "mg" and current(ip).name == "mg"
     ip.run_cell("%ftrain inject exception --rank 0 --step 15")
-    assert "injected exception into mg (rank 0, at step 15)" in capsys.readouterr().out
+    assert "queued exception for rank 0 of mg (at step 15)" in capsys.readouterr().out
     ip.run_cell("%ftrain list")
     assert "mg" in capsys.readouterr().out
     assert eksft_nb.attach("mg").wait(300) == "succeeded"
@@ -157,7 +138,7 @@ def test_launch_break_resume_stop_and_reattach_with_magics(ip: Any, capsys: pyte
     ip.run_cell("%ftrain resume --step 30")
     resumed = ip.shown[-1]
     assert resumed.job.name == "mg-from-30" and current(ip).name == "mg-from-30"
-    steps = _wait("the resumed job's first steps", lambda: resumed.job.monitor.steps.step[:1])
+    steps = wait_for("the resumed job's first steps", lambda: resumed.job.monitor.steps.step[:1])
     assert steps == [31]
     ip.run_cell("%ftrain stop")
     assert "stopped mg-from-30; nothing of it keeps running" in capsys.readouterr().out

@@ -1,15 +1,142 @@
-"""User scripts under the same launcher: one that uses the runtime helpers, one that knows nothing of eksft-nb."""
+"""User scripts under the same launcher, unmodified: ones that know nothing of eksft-nb (plain DDP,
+FSDP2), ones written against NVRx (heartbeat API with a helper module beside it, sections API, their
+own inprocess.Wrapper), and one that uses the session helpers."""
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from jobs import cli, events, run_job
+import eksft_nb
+from eksft_nb.dashboard import Dashboard
+from jobs import cli, events, job_dir, run_job, wait_for
 
 pytestmark = pytest.mark.slow
 SCRIPTS = Path(__file__).parent / "scripts"
+# scripts of our own run with --no-inprocess (that is the built-in trainer's tier) and a short heartbeat timeout
+FAST = ["--no-inprocess", "--heartbeat-timeout", "8"]
+
+
+def steps_after(name: str, t: float) -> list[Any]:
+    return [e for e in events(name, "step") if e.t > t]
+
+
+def break_twice(name: str, script: str, args: str, *extra: str) -> dict:
+    """Launch ``script`` unmodified, kill rank 1 at an optimizer step through the dashboard's inject,
+    hang rank 0 from the CLI once it has recovered, and follow the job to its end."""
+    launched = cli("run", "--name", name, "--script", str(SCRIPTS / script), "--script-args", args, *FAST, *extra,
+                   "--detach")
+    assert launched.returncode == 0, launched.stderr
+    assert "its own loop" in launched.stdout and "100 steps" not in launched.stdout and "checkpoints" not in \
+        launched.stdout
+    job = eksft_nb.attach(name)
+    wait_for("the first steps", lambda: events(name, "step")[2:])
+    dash = Dashboard(job, live=False)
+    at = events(name, "step")[-1]["step"] + 10
+    dash.inject("sigkill", rank=1, step=at)
+    assert dash.message.value and "queued sigkill for rank 1 (at step" in dash.message.value
+    [recovered] = wait_for("the recovery from the sigkill", lambda: events(name, "restart"))
+    wait_for("a step after the recovery", lambda: steps_after(name, recovered.t))
+    hang = cli("inject", name, "hang", "--rank", "0")
+    assert hang.returncode == 0 and hang.stdout.startswith("fired hang on rank 0"), hang.stdout + hang.stderr
+    assert job.wait(400) == "succeeded"
+    summary = json.loads(cli("summary", name, "--json").stdout)
+    faults = [(e["fault"], e["target_rank"], e["at_step"]) for e in events(name, "fault")]
+    assert faults[0] == ("sigkill", 1, at) and faults[1][:2] == ("hang", 0), faults
+    causes = [(r["level"], r["blame_rank"], r["cause"].split(":")[0]) for r in summary["restart_events"]]
+    assert causes == [("injob", 1, "injected sigkill on rank 1"), ("injob", 0, "hang")], summary["restart_events"]
+    steps = events(name, "step")
+    assert all(e["loss"] is None and e["tokens"] is None and e["step_time"] > 0 for e in steps)
+    assert summary["total_steps"] is None and summary["steps_done"] >= at - 1
+    logs = "\n".join(p.read_text() for p in sorted((job_dir(name) / "logs").glob("launcher-*.log")))
+    at_hb = logs.find("Did not get initial heartbeat")
+    assert at_hb < 0, logs[max(0, at_hb - 3000):at_hb + 300]
+    return summary
+
+
+def test_plain_ddp_steps_and_faults_without_a_line_of_eksft() -> None:
+    break_twice("ddp", "ddp.py", "--steps 80 --sleep 0.1")
+
+
+def test_nvrx_heartbeats_script_with_a_module_beside_it_keeps_its_own_connection(tmp_path: Path) -> None:
+    break_twice("hb", "heartbeats.py", f"--steps 80 --sleep 0.1 --ckpt {tmp_path}")
+    starts = [e for e in events("hb", "rank_start")]
+    assert {e["injob_restart"] for e in starts} == {0, 1, 2}
+    state = __import__("torch").load(tmp_path / "state.pt", weights_only=False)
+    timeouts = next(iter(state["ft"].values()))  # computed by the script and saved with its checkpoint
+    assert state["step"] == 80 and timeouts["heartbeat"]["were_calculated"]
+    logs = cli("logs", "hb").stdout
+    assert "starting at step 0" in logs and any(f"starting at step {n}" in logs for n in range(10, 80, 10))
+
+
+def test_nvrx_sections_script_gets_its_sections_and_heartbeats_from_its_optimizer() -> None:
+    break_twice("sections", "sections.py", "--steps 80 --sleep 0.1", "--section-timeouts", "init:60,step:20")
+    argv = (job_dir("sections") / "logs").glob("launcher-*.log")
+    assert argv  # ft_launcher ran; its section timeouts came from the spec
+    spec = eksft_nb.attach("sections").spec
+    assert spec.ft.sections() == {"init": 60.0, "step": 20.0}
+
+
+def test_a_users_own_inprocess_wrapper_restarts_in_place_and_is_recorded() -> None:
+    launched = cli("run", "--name", "wrapped", "--script", str(SCRIPTS / "wrapped.py"), "--script-args", "120 0.1",
+                   "--no-inprocess", "--heartbeat-timeout", "20", "--detach")
+    assert launched.returncode == 0, launched.stderr
+    job = eksft_nb.attach("wrapped")
+    wait_for("the first steps", lambda: events("wrapped", "step")[2:])
+    Dashboard(job, live=False).inject("exception", rank=1, step=events("wrapped", "step")[-1]["step"] + 10)
+    [restart] = wait_for("the in-process restart", lambda: events("wrapped", "restart"))
+    assert (restart["level"], restart["blame_rank"]) == ("inprocess", 1), restart.data
+    assert restart["cause"].startswith("injected exception on rank 1")
+    iterations = {(e.rank, e["inprocess_iteration"]) for e in events("wrapped", "rank_start")}
+    assert {(0, 1), (1, 1)} <= iterations
+    wait_for("a step after the restart", lambda: steps_after("wrapped", restart.t))
+    kill = cli("inject", "wrapped", "sigkill", "--rank", "1")
+    assert kill.returncode == 0 and kill.stdout.startswith("fired sigkill on rank 1"), kill.stdout
+    second = wait_for("the recovery from the sigkill", lambda: events("wrapped", "restart")[1:])[0]
+    wait_for("a step after it", lambda: steps_after("wrapped", second.t))
+    hang = cli("inject", "wrapped", "hang", "--rank", "0")   # SIGSTOP: no in-process recovery for a stopped rank
+    assert hang.returncode == 0 and hang.stdout.startswith("fired hang on rank 0"), hang.stdout
+    assert job.wait(400) == "succeeded"
+    levels = [(r["level"], r["blame_rank"]) for r in job.refresh().restarts]
+    assert levels == [("inprocess", 1), ("injob", 1), ("injob", 0)], job.refresh().restarts
+
+
+def test_nvrx_scripts_as_notebook_cells_show_their_steps_and_take_the_dashboards_faults(
+        ip: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.chdir(SCRIPTS)  # the notebook's folder: a cell imports the modules beside it
+    for name, script, line in (("cell-hb", "heartbeats.py", f"--script-args '--steps 60 --sleep 0.1 --ckpt {tmp_path}'"),
+                               ("cell-sections", "sections.py", "--script-args '--steps 60 --sleep 0.1' "
+                                                                "--section-timeouts init:60,step:20")):
+        ip.run_cell(f"%%ftrain --name {name} {' '.join(FAST)} {line}\n{(SCRIPTS / script).read_text()}")
+        dash = ip.shown[-1]
+        assert dash.header.total is None and "(optimizer steps)" in dash.header._step.value
+        wait_for("steps on the dashboard", lambda d=dash: d.job.refresh().last_step >= 3)
+        dash.inject("sigkill", rank=1, step=dash.job.monitor.last_step + 10)
+        assert dash.job.wait(300) == "succeeded"
+        dash._thread.join(30)
+        assert [(r["level"], r["blame_rank"]) for r in dash.job.monitor.restarts] == [("injob", 1)]
+        plotted = [s for t in dash.figure.widget.data if t.name == "tokens/s" for s in t.customdata]
+        assert plotted and dash.figure.widget.layout.annotations[0].text == "throughput (steps/s)"
+
+
+def test_fsdp2_script_runs_where_it_was_launched_from_with_its_args(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                      ) -> None:
+    (tmp_path / "fsdp2-out").mkdir()
+    monkeypatch.chdir(tmp_path)  # the script writes fsdp2-out/loss.txt relative to its working directory
+    summary = run_job("fsdp2", "--script", str(SCRIPTS / "fsdp2.py"), "--script-args", "12 0.05", *FAST,
+                      "--fault", "exception:1@2s")
+    assert summary["state"] == "succeeded", summary
+    assert float((tmp_path / "fsdp2-out" / "loss.txt").read_text()) > 0
+    [restart] = summary["restart_events"]
+    assert restart["blame_rank"] == 1 and restart["cause"].startswith("injected exception on rank 1")
+    [fault] = events("fsdp2", "fault")
+    assert fault.rank == 1 and fault["fault"] == "exception"
+    [error] = [e for e in events("fsdp2", "rank_error") if e["origin"] == "fault"]
+    assert error.rank == 1 and "InjectedFault: injected exception on rank 1" in error["error"]
 
 
 def test_a_script_with_the_helpers_gets_telemetry_faults_and_checkpoints() -> None:
@@ -23,6 +150,7 @@ def test_a_script_with_the_helpers_gets_telemetry_faults_and_checkpoints() -> No
     assert {10, 20, 30, 40} <= set(committed)
     losses = [e["loss"] for e in events("aware", "step")]
     assert losses[-1] < losses[0]
+    assert [e["step"] for e in events("aware", "step")].count(21) == 2  # counted once per execution, not twice
 
 
 def test_a_script_that_knows_nothing_of_eksft_still_shows_restarts_exit_codes_and_logs() -> None:
@@ -35,3 +163,28 @@ def test_a_script_that_knows_nothing_of_eksft_still_shows_restarts_exit_codes_an
     assert {(e.rank, e["injob_restart"]) for e in starts} == {(0, 0), (1, 0), (0, 1), (1, 1)}
     logs = cli("logs", "unaware").stdout
     assert "rank 1: giving up with exit code 3" in logs and "attempt 1 done, x=" in logs
+
+
+NVRX_EXAMPLES = os.environ.get("EKSFT_NVRX_EXAMPLES")
+
+
+@pytest.mark.skipif(not NVRX_EXAMPLES, reason="set EKSFT_NVRX_EXAMPLES to an NVRx examples folder (not shipped here)")
+@pytest.mark.parametrize("script, args, extra", [
+    ("fault_tolerance/train_ddp_heartbeats_api.py",
+     "--device cpu --hidden 64 --train_dataset_size 2000 --val_dataset_size 200 --epochs 2 --batch 8 --output_dir out",
+     []),
+    ("fault_tolerance/train_ddp_sections_api.py",
+     "--device cpu --hidden 64 --train_dataset_size 2000 --val_dataset_size 200 --epochs 2 --batch 8 --output_dir out",
+     ["--section-timeouts", "init:60,step:30,checkpoint:60"]),
+    ("inprocess/basic_example.py", "--device cpu --total-iterations 300 --fault-prob 0 --path out", []),
+], ids=["heartbeats", "sections", "inprocess"])
+def test_nvrx_own_examples_run_unmodified_and_recover(script: str, args: str, extra: list[str], tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "out").mkdir()
+    monkeypatch.chdir(tmp_path)
+    name = "nvrx-" + Path(script).stem.replace("_", "-")
+    summary = run_job(name, "--script", str(Path(NVRX_EXAMPLES) / script), "--script-args", args, *FAST, *extra,
+                      "--fault", "sigkill:1@20")
+    assert summary["state"] == "succeeded", (summary, cli("logs", name, "-n", "80").stdout)
+    assert [(r["level"], r["blame_rank"]) for r in summary["restart_events"]] == [("injob", 1)], summary
+    assert events(name, "step")

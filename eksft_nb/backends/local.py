@@ -67,7 +67,11 @@ class LocalBackend(Backend):
         if spec.script:
             if not Path(spec.script).is_file():
                 raise JobError(f"training script {spec.script} does not exist", "check the --script path")
-            spec = spec.replace(script=str(Path(spec.script).resolve()))  # ranks run in the job folder
+            # ranks start in the job folder: the script's path and its working directory are fixed here
+            workdir = Path(spec.workdir or os.getcwd()).expanduser().resolve()
+            if not workdir.is_dir():
+                raise JobError(f"working directory {workdir} does not exist", "check the --workdir path")
+            spec = spec.replace(script=str(Path(spec.script).resolve()), workdir=str(workdir))
         _check_resume_source(spec, jd)
         jd.create(spec)
         for f in faults:

@@ -121,12 +121,13 @@ class Supervisor:
                 outcome = self._adopt()  # None: relaunch
             else:
                 self._write_state("starting")
-                self.say(f"supervising job {self.spec.name} ({self.spec.world_size} ranks, {self.spec.steps} steps) "
+                what = f"script {self.spec.script}" if self.spec.script else f"{self.spec.steps} steps"
+                self.say(f"supervising job {self.spec.name} ({self.spec.world_size} ranks, {what}) "
                          f"with {self.nvrx.describe() if self.nvrx else 'no NVRx installed'}")
                 if self.nvrx and self.spec.ft.inprocess and (note := self.nvrx.inprocess_note()):
                     self.say(note)
                 self.events.emit("job_start", spec_digest=self.spec.digest(), world_size=self.spec.world_size,
-                                 steps=self.spec.steps, backend="local", host=socket.gethostname(), pid=os.getpid(),
+                                 steps=None if self.spec.script else self.spec.steps, backend="local", host=socket.gethostname(), pid=os.getpid(),
                                  nvrx=self.nvrx.version if self.nvrx else None)
                 self._launch()
                 outcome = self._watch()
@@ -279,10 +280,10 @@ class Supervisor:
             codes = [n.poll() for n in self.nodes]
             if all(c == 0 or c == UNKNOWN_EXIT and self._finished() for c in codes):
                 self._pump()
-                if self.mon.digest is not None or self.mon.last_step >= self.spec.steps:
-                    return "succeeded", f"all {self.spec.steps} steps done"
                 if self.spec.script:  # a user script's own loop decides when it is done; ft_launcher says it was
                     return "succeeded", "the script exited 0 on every rank"
+                if self.mon.digest is not None or self.mon.last_step >= self.spec.steps:
+                    return "succeeded", f"all {self.spec.steps} steps done"
                 return "failed", "the launchers exited before training finished (see `logs --debug`)"
             dead = [(n, c) for n, c in zip(self.nodes, codes) if c not in (None, 0)]
             if dead:

@@ -48,7 +48,8 @@ class Dashboard(w.VBox):
         self.updates = 0
         spec = self.job.spec
 
-        self.header = Header(job=job.name, backend=job.backend.name, total=spec.steps, origin=_origin(spec.resume))
+        self.header = Header(job=job.name, backend=job.backend.name, total=None if spec.script else spec.steps,
+                             origin=_origin(spec.resume))
         self.figure = TrainingFigure(tail=tail, budget=budget)
         self.goodput = GoodputBar()
         self.controls = FaultControls(world_size=spec.world_size, nnodes=spec.nnodes)
@@ -165,8 +166,7 @@ class Dashboard(w.VBox):
             self._say(str(e), error=True)
             return
         target = f"rank {cmd.rank}" if cmd.rank is not None else f"node {cmd.node}"
-        when = f"at step {cmd.step}" if cmd.step is not None else "now"
-        self._say(f"injected {cmd.fault} into {target} ({when})")
+        self._say(f"queued {cmd.fault} for {target} ({cmd.when}); the figure marks it when it fires")
 
     def resume(self, step: int) -> Dashboard | None:
         """Start a new job from the checkpoint at ``step`` and show its dashboard below this one."""

@@ -21,7 +21,7 @@ LANES = ("fault", "in-process", "in-job", "job")
 LEVEL_LANE = {"inprocess": "in-process", "injob": "in-job", "job": "job"}
 COLORS = {"tokens/s": "#1f77b4", "loss": "#ff7f0e", "blocked": "#d62728", "background": "#2ca02c",
           "faults": "#7f7f7f", "restarts": "#9467bd"}
-ROW_TITLES = ("throughput (tokens/s)", "loss",
+ROW_TITLES = ("throughput (tokens/s)", "loss",   # a user script reports no tokens: steps/s, and no loss
               "checkpoint saves: training blocked (red) vs writing in the background (green), seconds",
               "faults and restarts (line: downtime until the first step after recovery)")
 
@@ -51,6 +51,8 @@ class TrainingFigure:
             "restarts": Series(("x", "lane", "downtime", "text", "hover", "where"), key=("downtime",), **kw),
         }
         self.t0: float | None = None
+        self.unit = "tok/s"                 # "steps/s" once a step without tokens arrives (a user script's)
+        self._unit_shown = "tok/s"
         self.widget: go.FigureWidget | None = None
         self.traces: dict[tuple[str, str], list[Any]] = {}
         self._seen_steps = self._seen_restarts = self._seen_faults = 0
@@ -70,7 +72,10 @@ class TrainingFigure:
             if i and s.step[i] != s.step[i - 1] + 1:  # a restart rolled back or resumed: break the lines
                 for name in ("tokens/s", "loss"):
                     self.series[name].append((s.t[i - 1] - t0 + x) / 2, float("nan"), s.step[i])
-            self.series["tokens/s"].append(x, s.tokens[i] / max(s.step_time[i], 1e-9), s.step[i])
+            if s.tokens[i] is None:
+                self.unit = "steps/s"
+            work = 1 if s.tokens[i] is None else s.tokens[i]
+            self.series["tokens/s"].append(x, work / max(s.step_time[i], 1e-9), s.step[i])
             self.series["loss"].append(x, s.loss[i], s.step[i])
         self._seen_steps = len(s)
         saves = [c for c in mon.checkpoints.values()
@@ -115,7 +120,17 @@ class TrainingFigure:
         self.widget = go.FigureWidget(fig)
         for (key, trace) in zip(order, self.widget.data):
             self.traces.setdefault(key, []).append(trace)
+        self._show_unit()
         return self.widget
+
+    def _show_unit(self) -> None:
+        """Title and hover of the throughput row in the unit the steps report."""
+        if self.unit == self._unit_shown:
+            return
+        self._unit_shown = self.unit
+        self.widget.layout.annotations[0].text = f"throughput ({self.unit})"
+        for trace in self.traces[("tokens/s", "history")] + self.traces[("tokens/s", "tail")]:
+            trace.hovertemplate = f"step %{{customdata}}<br>%{{y:,.2f}} {self.unit}<extra></extra>"
 
     def push(self) -> bool:
         """Send the changed parts (one update message); False if nothing changed."""
@@ -125,6 +140,7 @@ class TrainingFigure:
         if not changes:
             return False
         with self.widget.batch_update():
+            self._show_unit()
             for name, part in changes:
                 for trace, props in zip(self.traces[(name, part)],
                                         self._props(name, getattr(self.series[name], part))):

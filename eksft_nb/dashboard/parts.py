@@ -31,7 +31,7 @@ class Header(w.VBox):
     origin = Unicode()                       # "resumed from <job> step N", or ""
     state = Unicode("pending")
     step = Int(0)
-    total = Int(1)
+    total = Int(1, allow_none=True)          # None: a user script's own loop (no known end)
     restarts = Dict()
     last_checkpoint = Int(None, allow_none=True)
     goodput = Float(None, allow_none=True)
@@ -54,9 +54,11 @@ class Header(w.VBox):
         self._title.value = (f"<b style='font-size:15px'>{html.escape(self.job)}</b> · {html.escape(self.backend)}"
                              f" · <span class='eksft-state' style='color:white;background:{color};padding:1px 7px;"
                              f"border-radius:8px'>{html.escape(self.state)}</span>{origin}")
-        self._progress.max = max(self.total, 1)
+        self._progress.layout.display = "none" if self.total is None else None
+        self._progress.max = max(self.total or 1, 1)
         self._progress.value = min(self.step, self._progress.max)
-        self._step.value = f"<span style='white-space:nowrap'>step <b>{self.step}</b> / {self.total}</span>"
+        total = " (optimizer steps)" if self.total is None else f" / {self.total}"
+        self._step.value = f"<span style='white-space:nowrap'>step <b>{self.step}</b>{total}</span>"
         restarts = " · ".join(f"{LEVEL_NAMES.get(k, k)} {v}" for k, v in self.restarts.items()) or "none"
         ckpt = "-" if self.last_checkpoint is None else f"step {self.last_checkpoint}"
         goodput = "-" if self.goodput is None else f"{100 * self.goodput:.1f}%"
@@ -107,7 +109,7 @@ class FaultControls(w.HBox):
         self.fault = w.Dropdown(options=list(FAULTS), value="exception", description="fault", style=short,
                                 layout=w.Layout(width="210px")).add_class("eksft-fault")
         self.target = w.Dropdown(description="rank", style=short, layout=w.Layout(width="100px")).add_class("eksft-rank")
-        self.when = w.Text(value="now", description="when", placeholder="now or a step", style=short,
+        self.when = w.Text(value="now", description="when", placeholder="now, a step, or 30s", style=short,
                            layout=w.Layout(width="150px")).add_class("eksft-when")
         self.inject = w.Button(description="Inject", button_style="warning", icon="bolt").add_class("eksft-inject")
         super().__init__([self.fault, self.target, self.when, self.inject], **kwargs)
@@ -127,16 +129,20 @@ class FaultControls(w.HBox):
         """Keyword arguments for :meth:`Job.inject` from the current choices."""
         when = self.when.value.strip().lower()
         step: int | None = None
+        after: float | None = None
         if when not in ("", "now"):
             try:
-                step = int(when.removeprefix("step").strip())
+                if when.endswith("s") and not when.startswith("step"):
+                    after = float(when[:-1])
+                else:
+                    step = int(when.removeprefix("step").strip())
             except ValueError:
                 raise ControlError(f"cannot read when={self.when.value!r}",
-                                   "write now, or the step to fire at (e.g. 120)") from None
+                                   "write now, the step to fire at (e.g. 120), or seconds from now (e.g. 30s)") from None
         fault = self.fault.value
         if FAULTS[fault][0] == "node":
-            return {"fault": fault, "node": self.target.value, "step": step}
-        return {"fault": fault, "rank": self.target.value, "step": step}
+            return {"fault": fault, "node": self.target.value, "step": step, "after": after}
+        return {"fault": fault, "rank": self.target.value, "step": step, "after": after}
 
 
 class CheckpointTable(w.VBox):

@@ -9,12 +9,15 @@ The built-in trainer uses it, and so can a user script::
         loss = train_one_step()
         s.step_end(step, loss=loss.item(), tokens=n_tokens, step_time=dt)   # heartbeat + event
 
-One :class:`Session` lives for the whole rank process (across in-process restarts).
+One :class:`Session` lives for the whole rank process (across in-process restarts). Run under the
+script runner (:mod:`eksft_nb.runtime.script`), a script that never calls ``step_begin`` still gets
+steps, heartbeats and faults from its optimizer steps.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 import signal
@@ -35,6 +38,11 @@ from ..spec import JobSpec
 
 class InjectedFault(RuntimeError):
     """The exception raised by the ``exception`` fault."""
+
+
+# raises the injected exception in a user script's main thread (a real-time signal no library claims;
+# macOS has none)
+FAULT_SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
 
 
 @dataclass(frozen=True)
@@ -73,14 +81,16 @@ class Session:
         self.instrumented = os.environ.get("EKSFT_INSTRUMENT", "1") != "0"
         live = self.instrumented and self.job_dir is not None
         self.inbox = CommandInbox(self.job_dir.pending, self.job_dir.fired) if live else None
-        self.ft = _ft_client() if self.instrumented else None
+        self.monitor = MonitorLink() if self.instrumented else None
         self.sections = spec.ft.step_timeout is not None
+        self.reports_steps = False    # the step protocol below is in use (else a script runner counts steps)
         self.step_entered = 0
         self.step_done = 0
         self.t_done = time.time()
         self._slow_until, self._slow_delay = 0, 0.0
         self._full_until, self._slow_storage = 0, (0, 0.0)   # the disk-full and slow-storage faults
         self.on_save_failure: list[Any] = []   # callbacks for the save-failure fault
+        self.pending_exception: str | None = None
         self._beacon = _Beacon(self) if live else None
 
     @property
@@ -140,34 +150,22 @@ class Session:
                   origin=error_origin(e), waiting=raised_in_collective(e))
 
     def heartbeat(self) -> None:
-        if self.ft is not None:
-            self.ft.send_heartbeat()
+        if self.monitor is not None:
+            self.monitor.beat()
 
     def section(self, name: str, open_: bool) -> None:
-        if self.ft is not None:
-            (self.ft.start_section if open_ else self.ft.end_section)(name)
+        if self.monitor is not None:
+            self.monitor.section(name, open_)
 
     # -- the step protocol --
     def step_begin(self, step: int) -> None:
+        self.reports_steps = True
         self.step_entered = step
         if self.inbox is not None:
-            for cmd in self.inbox.poll():
-                try:
-                    cmd.validate(self.info.world_size, self.spec.nnodes)
-                except ControlError as e:   # a hand-written or foreign file: set aside, never fired
-                    self.inbox.rejected[cmd.id] = str(e)
-                    continue
-                if self._mine(cmd) and (cmd.step is None or cmd.step <= step) and self.inbox.take(cmd):
+            for cmd in self.commands():
+                if self.due(cmd, step) and self.inbox.take(cmd):
                     self._fire(cmd, step)
-            for cid, why in self.inbox.rejected.items():
-                if reject(self.inbox.pending, self.inbox.fired, cid, why):
-                    self.emit("command_rejected", id=cid, reason=why)
-            self.inbox.rejected.clear()
-        if self._full_until and step >= self._full_until:  # the disk has room again
-            self._full_until = 0
-            self.events.divert(None)
-        if step < self._slow_until:
-            time.sleep(self._slow_delay)
+        self.lingering_faults(step)
         if self.sections:
             self.section("step", True)
 
@@ -180,6 +178,29 @@ class Session:
             self.emit("step", step=step, loss=float(loss), tokens=int(tokens), step_time=float(step_time))
 
     # -- faults --
+    def commands(self) -> list[FaultCommand]:
+        """The pending commands that pass every check. One that does not (a hand-written or foreign
+        file) is set aside once, with the reason, and never fired (see :func:`~eksft_nb.control.reject`)."""
+        valid = []
+        for cmd in self.inbox.poll():
+            try:
+                valid.append(cmd.validate(self.info.world_size, self.spec.nnodes))
+            except ControlError as e:
+                self.inbox.rejected[cmd.id] = str(e)
+        for cid, why in self.inbox.rejected.items():
+            if reject(self.inbox.pending, self.inbox.fired, cid, why):
+                self.emit("command_rejected", id=cid, reason=why)
+        self.inbox.rejected.clear()
+        return valid
+
+    def lingering_faults(self, step: int) -> None:
+        """Faults that last for steps, at the start of ``step``: slow-rank sleeps; disk-full ends."""
+        if self._full_until and step >= self._full_until:  # the disk has room again
+            self._full_until = 0
+            self.events.divert(None)
+        if step < self._slow_until:
+            time.sleep(self._slow_delay)
+
     def _mine(self, cmd: FaultCommand) -> bool:
         if cmd.scope == "rank":
             return cmd.rank == self.rank
@@ -187,7 +208,20 @@ class Session:
             return cmd.node == self.info.node and self.info.local_rank == 0
         return self.rank == 0
 
-    def _fire(self, cmd: FaultCommand, step: int) -> None:
+    def due(self, cmd: FaultCommand, step: int | None) -> bool:
+        """Whether this rank fires ``cmd`` now: at the start of ``step`` (None: between steps, where
+        only commands without a step are due), or once its ``after`` delay has passed."""
+        if not self._mine(cmd):
+            return False
+        if cmd.after is not None:
+            return time.time() >= (cmd.queued_at or 0.0) + cmd.after
+        return cmd.step is None or (step is not None and cmd.step <= step)
+
+    def _fire(self, cmd: FaultCommand, step: int | None, main_thread: int | None = None) -> None:
+        """Fire a claimed command. ``main_thread``: fired from another thread, for a user script:
+        an exception is then raised in that thread by :data:`FAULT_SIGNAL`, and a hang stops the
+        whole process (SIGSTOP) instead of sleeping in the step."""
+        at = step if step is not None else self.step_done + 1   # the first step the fault affects
         extra = {"node": cmd.node} if cmd.scope == "node" else {}
         if cmd.fault == "corrupt-checkpoint":
             extra = self._corrupt_latest_checkpoint()
@@ -198,7 +232,13 @@ class Session:
         if cmd.fault == "kill-launcher":  # the whole node: ft_launcher's process group, this rank included
             os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)
         if cmd.fault == "exception":
-            raise InjectedFault(f"injected exception on rank {self.rank} at step {step}")
+            where = f" at step {step}" if step is not None else ""
+            self.pending_exception = f"injected exception on rank {self.rank}{where}"
+            if main_thread is None:
+                self.raise_pending()
+            signal.pthread_kill(main_thread, FAULT_SIGNAL)
+        if cmd.fault == "hang" and main_thread is not None:
+            os.kill(os.getpid(), signal.SIGSTOP)  # ft_launcher's monitor sends SIGCONT and kills it
         if cmd.fault == "hang":
             while True:  # an in-process restart interrupts this with an asynchronous exception
                 time.sleep(0.05)
@@ -206,20 +246,21 @@ class Session:
             os.kill(os.getpid(), signal.SIGKILL)
         if cmd.fault == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(60)
+            if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # else the script handles it: carry on
+                time.sleep(60)
         if cmd.fault == "segfault":
             ctypes.string_at(0)
         if cmd.fault == "slow-rank":
-            self._slow_until = step + int(cmd.params["duration"])
+            self._slow_until = at + int(cmd.params["duration"])
             self._slow_delay = float(cmd.params["delay"])
         if cmd.fault == "save-failure":
             for callback in self.on_save_failure:
                 callback()
         if cmd.fault == "disk-full":
-            self._full_until = step + int(cmd.params.get("duration", 10))
+            self._full_until = at + int(cmd.params.get("duration", 10))
             self.events.divert("/dev/full")
         if cmd.fault == "slow-storage":
-            self._slow_storage = (step + int(cmd.params.get("duration", 10)), float(cmd.params.get("delay", 2.0)))
+            self._slow_storage = (at + int(cmd.params.get("duration", 10)), float(cmd.params.get("delay", 2.0)))
 
     def storage_fault(self) -> tuple[str, float] | None:
         """The storage fault in force at the current step: ("full", 0), ("slow", delay) or None."""
@@ -228,6 +269,12 @@ class Session:
         if self.step_entered < self._slow_storage[0]:
             return ("slow", self._slow_storage[1])
         return None
+
+    def raise_pending(self, *_signal: Any) -> None:
+        """Raise the injected exception (also the :data:`FAULT_SIGNAL` handler, in the main thread)."""
+        message, self.pending_exception = self.pending_exception, None
+        if message:
+            raise InjectedFault(message)
 
     def _corrupt_latest_checkpoint(self) -> dict[str, Any]:
         """Flip 64 bytes in the middle of the largest shard of the newest committed checkpoint."""
@@ -260,8 +307,8 @@ class Session:
     def close(self) -> None:
         if self._beacon is not None:
             self._beacon.stop()
-        if self.ft is not None:
-            self.ft.shutdown_workload_monitoring()
+        if self.monitor is not None:
+            self.monitor.close()
         self.events.close()
 
 
@@ -342,15 +389,72 @@ def _process_start() -> float:
         return psutil.Process().create_time()
 
 
-def _ft_client() -> Any:
-    """NVRx's rank monitor client when running under ft_launcher, else None."""
-    if not os.environ.get("FT_RANK_MONITOR_IPC_SOCKET"):
-        return None
-    from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
+class MonitorLink:
+    """This rank's connection to ft_launcher's rank monitor, which serves one client per rank at a time.
 
-    client = RankMonitorClient()
-    client.init_workload_monitoring()
-    return client
+    Opened at once under ft_launcher, so the launcher's initial heartbeat timeout covers start-up. A
+    user script that opens its own (``RankMonitorClient().init_workload_monitoring()``, after
+    :meth:`yield_to_script`) gets the connection: this link closes its own first, so neither waits
+    on the other, and from then on leaves sections to the script and sends heartbeats through the
+    script's client only until the script sends one itself (a script that uses sections alone still
+    needs them, or the launcher's heartbeat timeout would end it).
+    """
+
+    def __init__(self) -> None:
+        self.client: Any = None
+        self.own = False              # the client is this link's (else the script's, or none)
+        self.script_beats = False     # the script sends heartbeats of its own
+        self._sending = False
+        if os.environ.get("FT_RANK_MONITOR_IPC_SOCKET"):
+            from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
+
+            self.client, self.own = RankMonitorClient(), True
+            self.client.init_workload_monitoring()
+
+    def beat(self) -> None:
+        if self.client is None or self.script_beats or not self.client.is_initialized:
+            return
+        self._sending = True
+        try:
+            self.client.send_heartbeat()
+        finally:
+            self._sending = False
+
+    def section(self, name: str, open_: bool) -> None:
+        if self.own:
+            (self.client.start_section if open_ else self.client.end_section)(name)
+
+    def yield_to_script(self) -> None:
+        """Hand the connection to any rank-monitor client the script initialises (patches NVRx's client)."""
+        from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
+
+        init, beat = RankMonitorClient.init_workload_monitoring, RankMonitorClient.send_heartbeat
+        link = self
+
+        @functools.wraps(init)
+        def init_workload_monitoring(client: Any, *args: Any, **kwargs: Any) -> Any:
+            if client is not link.client:
+                if link.own:
+                    # a message first: after an in-job restart, the monitor takes a connection closed
+                    # without one for a failed restart and refuses the next client's messages
+                    link.beat()
+                link.close()
+                link.client = client
+            return init(client, *args, **kwargs)
+
+        @functools.wraps(beat)
+        def send_heartbeat(client: Any, *args: Any, **kwargs: Any) -> Any:
+            if not link._sending:
+                link.script_beats = True
+            return beat(client, *args, **kwargs)
+
+        RankMonitorClient.init_workload_monitoring = init_workload_monitoring
+        RankMonitorClient.send_heartbeat = send_heartbeat
+
+    def close(self) -> None:
+        if self.own:
+            self.client.shutdown_workload_monitoring()
+        self.own = False
 
 
 _SESSION: Session | None = None

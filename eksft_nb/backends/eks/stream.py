@@ -96,8 +96,8 @@ class Tracker:
         if not self.started:
             self.started = True
             s = self.spec
-            self._emit("job_start", t=self.created, spec_digest=s.digest(), world_size=s.world_size, steps=s.steps,
-                       backend="eks", host=self.server, pid=0, namespace=s.eks.namespace, workload=s.eks.kind)
+            self._emit("job_start", t=self.created, spec_digest=s.digest(), world_size=s.world_size,
+                       steps=None if s.script else s.steps, backend="eks", host=self.server, pid=0, namespace=s.eks.namespace, workload=s.eks.kind)
 
     # ---- inputs ------------------------------------------------------------------------------------
     def feed(self, item: tuple[Any, ...]) -> None:
