@@ -29,7 +29,7 @@ def main() -> None:
 
     out, n = sys.argv[1], int(sys.argv[2])
     s = session()
-    if s.ft is None:
+    if s.monitor is None or s.monitor.client is None:
         raise SystemExit("not under ft_launcher: no heartbeats to time")
 
     def step(i: int) -> None:
