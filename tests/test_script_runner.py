@@ -85,8 +85,8 @@ def test_after_is_validated_and_parsed() -> None:
     parsed = parse_fault("hang:0@45s")
     assert (parsed.fault, parsed.rank, parsed.step, parsed.after) == ("hang", 0, None, 45.0)
     assert parse_fault("sigkill:1@30").step == 30
-    for bad, problem in ((FaultCommand("hang", after=-1), "after must be a number of seconds >= 0"),
-                         (FaultCommand("hang", after=True), "after must be a number"),
+    for bad, problem in ((FaultCommand("hang", after=-1), "field after is -1: it must be seconds"),
+                         (FaultCommand("hang", after=True), "field after is True"),
                          (FaultCommand("hang", step=5, after=3), "at a step or after a time, not both")):
         with pytest.raises(ControlError, match=problem):
             bad.validate(2, 1)

@@ -71,7 +71,7 @@ def test_the_dashboard_and_the_cli_offer_the_storage_faults(capsys) -> None:
     controls = FaultControls(world_size=2)
     controls.fault.value, controls.target.value, controls.when.value = "disk-full", 1, "step 30"
     command = controls.command()
-    assert command == {"fault": "disk-full", "rank": 1, "step": 30}
+    assert command == {"fault": "disk-full", "rank": 1, "step": 30, "after": None}
     assert FaultCommand(**command).validate(2, 1).params == {"duration": 10}
     assert "slow-storage" in controls.fault.options and "disk-full" in controls.fault.options
     with pytest.raises(SystemExit):
