@@ -225,3 +225,17 @@ def test_script_args_reach_the_pod_literally(kind: str, tmp_path) -> None:
     assert [Template(a).safe_substitute(local_rank="0") for a in argv[-len(tricky):]] == tricky
     node_rank = next(a for a in argv if a.startswith("--node-rank="))
     assert node_rank == ("--node-rank=$(RANK)" if kind == "pytorchjob" else "--node-rank=1")  # RANK: the operator's
+
+
+@pytest.mark.parametrize("kind", ["job", "jobset", "pytorchjob"])
+def test_pods_carry_the_jobs_lineage_id(kind: str) -> None:
+    """Every pod of one workload (and of its restarts) names the same run in its commits, and a job
+    resumed from another step another one: a restart then never jumps to a newer foreign checkpoint."""
+    def run_of(spec: JobSpec) -> str:
+        docs = [d for d in yaml.safe_load_all(EksBackend().render(spec)) if d]
+        env = {e["name"]: e.get("value") for e in pod_template(docs[-1])["spec"]["containers"][0]["env"]}
+        return env["EKSFT_JOB_UID"]
+
+    first = run_of(eks_spec(kind=kind))
+    assert first and first == run_of(eks_spec(kind=kind))
+    assert run_of(eks_spec(kind=kind, resume="step:10")) != first

@@ -21,6 +21,7 @@ from ...control import FaultCommand
 from ...launcher import Ports, launcher_argv, rank_env
 from ...runtime.quiet import quiet_env
 from ...spec import JobSpec
+from ..procs import JOB_MARK
 from . import checks, names
 
 # what the control plane calls, and nothing else: (api group, resource, verbs). RBAC cannot select
@@ -220,6 +221,9 @@ def container_env(spec: JobSpec, attempt_from: str | None) -> list[dict[str, Any
                       events_stdout=True)
     if attempt_from:
         del values["EKSFT_JOB_ATTEMPT"]
+    # the job's id for checkpoint lineage: the same in every pod and across restarts of one workload
+    # (whose Jobs and pods are recreated), different for a job whose spec differs (another resume point)
+    values[JOB_MARK] = f"{spec.name}-{spec.digest()}"
     values = quiet_env(values)
     values.update(nccl_env(spec))
     env += [{"name": k, "value": literal(v)} for k, v in values.items()]
