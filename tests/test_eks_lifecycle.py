@@ -416,3 +416,13 @@ def test_the_cli_submits_to_the_kubeconfig_context(kube: Kube, backend: EksBacke
     assert stored(kube, "jobs") == []
     missing = cli("status", "nope", "--backend", "eks", timeout=60)
     assert missing.returncode == 2 and "nope" in missing.stderr
+
+
+def test_kill_supervisor_is_refused_on_eks_before_anything_is_sent() -> None:
+    from eksft_nb.backends.eks import EksBackend
+    from eksft_nb.control import FaultCommand
+    from eksft_nb.errors import JobError
+
+    with pytest.raises(JobError, match="kill-supervisor is a local fault") as refused:
+        EksBackend().inject("demo", FaultCommand("kill-supervisor"))
+    assert "\n" not in str(refused.value.args[0])

@@ -194,6 +194,9 @@ class EksBackend(Backend):
     # ---- control ----------------------------------------------------------------------------------------
     def inject(self, name: str, command: FaultCommand) -> FaultCommand:
         """Queue a fault command in the job folder, from inside a running pod (the ranks fire it)."""
+        if command.fault == "kill-supervisor":  # no eksft supervisor runs on the cluster
+            raise JobError("kill-supervisor is a local fault: on EKS the workload's controller supervises the job",
+                           "use kill-launcher (or backend.lose_node) to lose a node, or sigkill to lose a rank")
         cluster, spec, _ = self._job(name)
         command.validate(spec.world_size, spec.nnodes)
         pod = self._running_pods(cluster, spec, "deliver the fault")[0]
