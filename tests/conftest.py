@@ -9,8 +9,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import settings
 
 REPO = Path(__file__).resolve().parents[1]
+
+# CI draws the same generated inputs on every run, so a red CI always means a change broke something;
+# elsewhere each run explores new ones (and Hypothesis's database replays what once failed)
+settings.register_profile("ci", derandomize=True, database=None)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eksft_nb.control import FAULTS, FaultCommand, parse_fault, submit
+from eksft_nb.control import FAULTS, PARAMS, FaultCommand, parse_fault, submit
 from eksft_nb.errors import ControlError
 from eksft_nb.events import read_all
 from eksft_nb.jobdir import JobDir
@@ -125,10 +125,11 @@ def test_generated_commands_are_accepted_whole_or_refused_in_one_line(data: dict
     assert cmd.fault in FAULTS and (cmd.rank is None) == (cmd.scope != "rank")
     assert cmd.rank is None or (type(cmd.rank) is int and 0 <= cmd.rank < world)
     assert type(cmd.node) is int and 0 <= cmd.node < nnodes
+    # exactly the fault's parameters, each in its range (the ranks use them without further checks)
+    assert set(cmd.params) == set(PARAMS.get(cmd.fault, {}))
+    assert all(ok(cmd.params[name]) for name, (_, ok, _) in PARAMS.get(cmd.fault, {}).items())
     if cmd.fault == "slow-rank":
         assert float(cmd.params["delay"]) > 0 and int(cmd.params["duration"]) >= 1
-    else:
-        assert cmd.params == {}
     assert FaultCommand.from_json(cmd.to_json()).validate(world, nnodes) == cmd
 
 
