@@ -89,7 +89,7 @@ class PlainTorchrunJob:
 
     def _cleanup(self, proc: subprocess.Popen) -> None:
         """End torchrun's group and whatever escaped it (ranks run in their own sessions, writers too)."""
-        if proc.poll() is None:
-            procs.kill_group(proc.pid, 9)
+        if proc.poll() is None:  # our child, not yet reaped: its pid cannot belong to anyone else
+            proc.kill()
             proc.wait()
         procs.kill_marked(self.uid)
