@@ -244,7 +244,8 @@ class CommandInbox:
         self.rejected: dict[str, str] = {}   # command files that do not parse: id -> why
 
     def poll(self) -> list[FaultCommand]:
-        """Commands that have not fired yet (cheap when nothing changed: one stat)."""
+        """Commands that have not fired yet: one stat per call, a listing only when the folder changed
+        or :attr:`RELIST_S` has passed."""
         try:
             mtime = os.stat(self.pending).st_mtime_ns
         except FileNotFoundError:
