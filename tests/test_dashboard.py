@@ -26,6 +26,7 @@ from eksft_nb.events import EventWriter, make
 from eksft_nb.goodput import compute
 from eksft_nb.jobdir import JobDir, atomic_write
 from eksft_nb.spec import JobSpec
+from jobs import wait_for
 
 T0 = 1_800_000_000.0
 MESSAGES = ("_py2js_update", "_py2js_restyle", "_py2js_relayout", "_py2js_addTraces", "_py2js_deleteTraces")
@@ -336,17 +337,14 @@ def test_a_real_job_resumed_and_broken_from_its_dashboard() -> None:
     child = dash.resume(older)
     assert child is not None and dash.resumed.children == (child,), said(dash)
     assert child.header.origin == f"resumed from dash-real step {older}"
-    deadline = time.time() + 120
-    while not len(child.job.monitor.steps) and time.time() < deadline:
-        time.sleep(0.3)
+    # The dashboard's thread folds events into the monitor, then pushes the figure: wait on what is shown.
+    wait_for("the resumed job's first step", lambda: len(child.job.monitor.steps), 120)
     assert child.job.monitor.steps.step[0] == older + 1
     child.controls.fault.value, child.controls.target.value = "sigkill", 1
     child.controls.inject.click()
     assert "queued sigkill for rank 1 (now)" in said(child)
-    while not child.job.monitor.restarts and time.time() < deadline + 60:
-        time.sleep(0.3)
-    assert "in-job" in [lane for t in child.figure.widget.data if t.name == "restarts" for lane in t.y]
+    wait_for("an in-job restart on the resumed job's figure",
+             lambda: "in-job" in [lane for t in child.figure.widget.data if t.name == "restarts" for lane in t.y], 180)
     child.stop_button.click()
-    while "stopped" not in said(child) and time.time() < deadline + 120:
-        time.sleep(0.3)
+    wait_for("the dashboard to say stopped", lambda: "stopped" in said(child), 120)
     assert child.job.wait(30) == "stopped"
