@@ -129,11 +129,6 @@ class Job:
             "events_lost": [{k: e.get(k) for k in ("rank", "count", "error", "kinds")} for e in mon.events_lost],
         }
 
-    def dashboard(self) -> Any:
-        from .dashboard import Dashboard
-
-        return Dashboard(self)
-
 
 def launch(spec: JobSpec | None = None, faults: list[FaultCommand | str] | None = None, **fields: Any) -> Job:
     """Launch a job from a spec (or from spec fields, dotted for nested ones) and return its handle."""

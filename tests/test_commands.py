@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
+import ast
 import json
+from pathlib import Path
 
 import pytest
 
+import eksft_nb
 from eksft_nb import commands
 from eksft_nb.backends import procs
+from eksft_nb.commands import ARGS, BOTH, CLI, MAGIC
 from eksft_nb.control import FAULTS
 from eksft_nb.errors import ControlError, JobError, SpecError
 from eksft_nb.jobdir import JobDir, jobs_root
-from eksft_nb.spec import JobSpec
+from eksft_nb.spec import JobSpec, spec_options
 from eksft_nb.states import ENDED, FaultKind, FaultScope, JobState, RestartLevel
 from jobs import wait_for
 
@@ -90,3 +95,73 @@ def test_operations_on_real_jobs(finished_job: str) -> None:
     assert procs.marked(JobDir.for_name("cmd-live").supervisor()["job_uid"]) == []
     final = commands.status("cmd-resumed")
     assert final["state"] == "succeeded" and final["step"] == step + 4, final
+
+
+# ---- one argument table ---------------------------------------------------------------------------
+
+def _options(parser: argparse.ArgumentParser) -> set[str]:
+    return {s for a in parser._actions for s in a.option_strings} | {a.dest for a in parser._actions
+                                                                    if not a.option_strings}
+
+
+def _verbs(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def test_the_cli_and_the_magics_take_the_same_options_from_one_table() -> None:
+    from eksft_nb import cli, magics
+
+    fronts = {CLI: _verbs(cli.build_parser()), MAGIC: {**_verbs(magics._line_parser()), "run": magics._cell_parser()}}
+    spec_flags = {o.flag for o in spec_options()}
+    only_cli = set()
+    for verb in ARGS.values():
+        for front in verb.fronts:
+            parser = fronts[front][verb.name if verb.name == "run" else verb.name_in(front)]
+            taken = _options(parser)
+            assert {n for a in verb.args_in(front) for n in (a.flags or [a.kwargs.get("dest", a.names[0])])} <= taken
+            if verb.name == "run":
+                assert spec_flags <= taken, spec_flags - taken
+        if verb.fronts == BOTH:
+            only_cli |= {(verb.name, f) for a in verb.args_in(CLI) for f in a.flags} - \
+                {(verb.name, f) for a in verb.args_in(MAGIC) for f in a.flags}
+    # a notebook never blocks on a job, so "return at once" and "print the final summary" are the CLI's alone
+    assert only_cli == {("run", "--detach"), ("run", "--json"), ("resume", "--detach")}
+    assert {v.name for v in ARGS.values() if v.fronts != BOTH} == {"metrics"}   # a server: a terminal's
+    for verb in ARGS.values():
+        if MAGIC in verb.fronts and verb.name != "run":
+            assert f"%ftrain {verb.name_in(MAGIC)}" in magics.LINE_USAGE
+
+
+def test_the_package_imports_have_no_cycle() -> None:
+    package = Path(eksft_nb.__file__).parent
+    modules = {".".join(p.relative_to(package.parent).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in package.rglob("*.py")}
+
+    def imported(name: str, path: Path) -> set[str]:
+        here = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        out = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                out |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = here
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                base = f"{base}.{node.module}" if node.level and node.module else base if node.level else node.module
+                out |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
+        return {m for m in out if m in modules and m != name}
+
+    graph = {name: imported(name, path) for name, path in modules.items()}
+    done: set[str] = set()
+
+    def visit(name: str, stack: list[str]) -> None:
+        if name in stack:
+            raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(name):] + [name]))
+        if name not in done:
+            for dep in sorted(graph[name]):
+                visit(dep, [*stack, name])
+            done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
+    assert "eksft_nb.job" in graph["eksft_nb.dashboard.dashboard"]   # the graph is read, not empty
