@@ -60,6 +60,18 @@ def test_refusals_change_nothing() -> None:
     assert (sorted(jobs_root().glob("*")) if jobs_root().exists() else []) == before
 
 
+def test_an_unreadable_job_folder_is_listed_with_its_problem(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EKSFT_HOME", str(tmp_path))
+    for name, text in (("torn", '{"name": "torn", "steps": '), ("odd", '{"name": "odd", "stepz": 3}')):
+        (jobs_root() / name).mkdir(parents=True)
+        (jobs_root() / name / "spec.json").write_text(text)
+    rows = {r["name"]: r for r in commands.list_jobs()}
+    assert set(rows) == {"torn", "odd"} and json.loads(json.dumps(rows)) == rows
+    assert "unknown spec field 'stepz'" in rows["odd"]["detail"] and rows["torn"]["detail"]
+    with pytest.raises(SpecError, match="unknown spec field 'stepz'"):
+        commands.status("odd")
+
+
 @pytest.mark.slow
 def test_operations_on_real_jobs(finished_job: str) -> None:
     done = commands.status(finished_job)
