@@ -306,6 +306,8 @@ def test_a_job_from_a_terminal_in_the_api(server: Server) -> None:
     stream = Stream(server)
     try:
         stream.wait("the first jobs event", lambda k, d: k == "jobs", 60)
+        stream.wait("the cluster's error", lambda k, d: k == "jobs" and d["backends"]["eks"]["ok"] is False
+                    and d["backends"]["eks"]["error"] and d["backends"]["local"]["ok"], 60)
         launched = cli("run", "--name", JOB, "--model", "tiny", "--steps", "100000", "--ckpt-every", "10",
                        "--detach")
         returned = time.monotonic()

@@ -64,7 +64,8 @@ class JobsManager:
         self.interval, self.eks_interval = interval, eks_interval
         self.local = get_backend("local")
         self.folds: dict[str, Fold] = {}                     # local jobs, by name
-        self.eks: dict[str, Any] = {"ok": True, "error": None, "jobs": []} if eks_configured() else {}
+        self.eks: dict[str, Any] = {}        # once a kubeconfig is found: {"ok", "error", "jobs"}
+        self._eks_checked = False
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="eksft-fold")
         self._clients: set[asyncio.Queue[Message | None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
@@ -158,8 +159,6 @@ class JobsManager:
             queue.put_nowait(("jobs", self._snapshot))
         if not self._tasks:
             self._tasks = [asyncio.ensure_future(self._run())]
-            if self.eks:
-                self._tasks.append(asyncio.ensure_future(self._run_eks()))
         return queue
 
     def unsubscribe(self, queue: asyncio.Queue[Message | None]) -> None:
@@ -176,6 +175,12 @@ class JobsManager:
         loop = asyncio.get_running_loop()
         first = True
         try:
+            if not self._eks_checked:   # (in a thread: looking imports the Kubernetes client, a second or so)
+                self._eks_checked = True
+                if await loop.run_in_executor(None, eks_configured):
+                    self.eks = {"ok": True, "error": None, "jobs": []}
+            if self.eks:
+                self._tasks.append(asyncio.ensure_future(self._run_eks()))
             while self._clients:
                 try:
                     changed, news = await loop.run_in_executor(self._pool, self.tick, first)
