@@ -26,6 +26,7 @@ from ..job import Job, attach
 log = logging.getLogger(__name__)
 
 Message = tuple[str, dict[str, Any]]     # (SSE event name, its data)
+MAX_BEHIND = 1000                         # messages a client may have left unread
 
 
 def eks_configured() -> bool:
@@ -167,8 +168,12 @@ class JobsManager:
     def _publish(self, kind: str, data: dict[str, Any]) -> None:
         if kind == "jobs":
             self._snapshot = data
-        for queue in self._clients:
-            queue.put_nowait((kind, data))
+        for queue in list(self._clients):
+            if queue.qsize() >= MAX_BEHIND:   # a client that stopped reading: let it go, keep the memory
+                self._clients.discard(queue)
+                queue.put_nowait(None)
+            else:
+                queue.put_nowait((kind, data))
 
     async def _run(self) -> None:
         """Tick while anyone listens; the first tick after a quiet spell announces no history."""
