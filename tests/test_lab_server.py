@@ -125,7 +125,11 @@ def test_the_manager_folds_each_job_once_for_every_client(tmp_path: Path, monkey
     assert changed and [(k, d["job"]) for k, d in news] == [("failure", "new"), ("restart", "new")]
     assert [r["name"] for r in manager.rows()["jobs"]] == ["old", "live", "new"]
     shutil.rmtree(new.dir.path)
-    assert manager.tick()[0] and [r["name"] for r in manager.rows()["jobs"]] == ["old", "live"]
+    odd = tmp_path / "jobs" / "odd"
+    odd.mkdir()
+    (odd / "spec.json").write_text('{"name": "odd", "stepz": 3}')   # listed with its problem, as by `list`
+    assert manager.tick()[0] and [r["name"] for r in manager.rows()["jobs"]] == ["old", "live", "odd"]
+    assert "unknown spec field 'stepz'" in manager.rows()["jobs"][-1]["detail"]
 
     # the dashboard's figure, from the same fold, by the widget's own code
     figure = json.loads(asyncio.run(manager.figure("old")))

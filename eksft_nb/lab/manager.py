@@ -101,7 +101,7 @@ class JobsManager:
         for name in sorted(names - set(self.folds)):
             try:
                 order = (root / name / "spec.json").stat().st_mtime
-                self.folds[name] = Fold(attach(name), order)
+                self.folds[name] = Fold(Job(name, self.local), order)
             except (EksftError, OSError):
                 continue    # not a job folder, or one still being created
             added = True
@@ -110,7 +110,10 @@ class JobsManager:
         return added or bool(gone)
 
     def _refresh(self, fold: Fold, quiet: bool, news: list[Message]) -> bool:
-        row = commands.job_row(fold.job)
+        try:
+            row = commands.job_row(fold.job)
+        except EksftError as e:   # a folder that cannot be read is listed with its problem, as by `list`
+            row = commands._summary_row(self.local.state(fold.job.name), str(e))
         mon = fold.job.monitor
         if quiet:                  # history: nothing to announce
             fold.restarts, fold.failures = len(mon.restarts), len(mon.failures)
