@@ -134,7 +134,8 @@ class JobsManager:
     async def figure(self, name: str, backend: str = "local") -> str:
         """The job's dashboard figure as plotly JSON, built by the widget's own figure code (in the
         worker thread: the figure feeds on the job's fold)."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._figure, name, backend)
+        pool = self._pool if backend == "local" else None   # an EKS job's events come slowly, from its pods
+        return await asyncio.get_running_loop().run_in_executor(pool, self._figure, name, backend)
 
     def _figure(self, name: str, backend: str) -> str:
         from ..dashboard.figure import TrainingFigure
