@@ -98,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     metrics.add_argument("names", nargs="*", metavar="NAME")
     metrics.add_argument("--port", type=int, default=9400)
     metrics.add_argument("--addr", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    metrics.add_argument("--root", help="the jobs folder (default: $EKSFT_HOME/jobs; in an EKS pod: the shared volume)")
     return p
 
 
@@ -314,11 +315,15 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .backends.local import LocalBackend
     from .metrics import serve
 
+    root = Path(args.root) if args.root else None
     for name in args.names:
-        attach(name)  # unknown names fail before anything listens
-    serve(args.names, args.port, args.addr)
+        LocalBackend(root).spec(name)  # unknown names fail before anything listens
+    serve(args.names, args.port, args.addr, root)
     return 0
 
 
