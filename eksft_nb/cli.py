@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"schedule a fault, e.g. sigkill:1@30 (kinds: {', '.join(FAULTS)})")
     run.add_argument("--detach", action="store_true", help="return at once; the job keeps running")
     run.add_argument("--dry-run", action="store_true", help="print what would run (EKS: the manifests) and exit")
+    run.add_argument("--kueue-objects", action="store_true", help="with --dry-run --queue NAME: also print a Kueue "
+                     "LocalQueue, ClusterQueue and ResourceFlavors (p5/p4d) for it, for an admin to adapt and apply")
     run.add_argument("--json", action="store_true", help="print the final summary as JSON")
     add_spec_options(run)
 
@@ -121,7 +123,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     faults = [parse_fault(f).validate(spec.world_size, spec.nnodes) for f in args.fault]
     backend = get_backend(spec.backend)
     if args.dry_run:
-        print(backend.render(spec))
+        print(backend.render(spec, queue_objects=True) if args.kueue_objects and spec.backend == "eks"
+              else backend.render(spec))
         return 0
     backend.launch(spec, faults)
     job = Job(spec.name, backend)
@@ -156,6 +159,7 @@ def follow(job: Job, as_json: bool = False) -> int:
     mon = job.monitor
     total = None if job.spec.script else job.spec.steps
     seen_restarts = seen_faults = seen_failures = seen_ckpt_fail = 0
+    said = ""
     # a live bar on a terminal; in a log (CI, make demo | tee) a line every few seconds instead
     tty = sys.stderr.isatty()
     bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr, disable=as_json,
@@ -164,6 +168,9 @@ def follow(job: Job, as_json: bool = False) -> int:
     try:
         while True:
             state = job.state
+            if state == "starting" and job.detail and job.detail != said:   # e.g. queued, then admitted
+                said = job.detail
+                bar.write(f"  . {said}")
             for f in mon.faults[seen_faults:]:
                 target = (f"rank {f['rank']}" if f["rank"] is not None else
                           f"node {f['node']}" if f.get("node") is not None else "the job")
@@ -243,12 +250,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     s = job.summary()
     committed = job.monitor.last_committed
     s["last_checkpoint"] = committed.step if committed else None
+    s["detail"] = job.detail
     if args.json:
         print(json.dumps(s, indent=2))
     else:
         print(f"{s['name']}: {s['state']}  step {s['steps_done']}/{s['total_steps']}  "
               f"restarts {s['restarts']}  last checkpoint {s['last_checkpoint']}  "
-              f"goodput {100 * s['goodput']['goodput']:.1f}%")
+              f"goodput {100 * s['goodput']['goodput']:.1f}%" + (f"  ({job.detail})" if job.detail else ""))
     return 0
 
 

@@ -22,6 +22,7 @@ class Job:
         self.name, self.backend = name, backend
         self.monitor = JobMonitor()
         self._events = backend.events(name)
+        self.detail = ""   # what the backend last said beside its state (e.g. "queued: waiting for quota in q")
 
     def __repr__(self) -> str:
         return f"Job({self.name!r}, backend={self.backend.name!r}, state={self.state!r})"
@@ -40,8 +41,9 @@ class Job:
         mon = self.refresh()
         if mon.finished:
             return mon.state
-        backend_state = self.backend.state(self.name).state
-        return backend_state if backend_state in ("lost", "stopped", "failed", "starting") else mon.state
+        summary = self.backend.state(self.name)
+        self.detail = summary.detail
+        return summary.state if summary.state in ("lost", "stopped", "failed", "starting") else mon.state
 
     def inject(self, fault: str, rank: int | None = None, step: int | None = None, node: int = 0,
                after: float | None = None, **params: Any) -> FaultCommand:

@@ -106,6 +106,7 @@ class Dashboard(w.VBox):
             committed = mon.last_committed
             h = self.header
             h.state, h.step, h.total = state, mon.last_step, mon.total_steps or h.total
+            h.detail = self.job.detail if state == "starting" else ""
             h.restarts = mon.restarts_by_level()
             h.last_checkpoint = committed.step if committed else None
             now = time.monotonic()

@@ -34,6 +34,7 @@ from .stream import EksEvents, workload_outcome
 
 INPOD = ["python", "-m", "eksft_nb.backends.eks.inpod"]
 CONFIGMAP, SERVICE, POD, PVC = (names.KINDS[k] for k in ("ConfigMap", "Service", "Pod", "PersistentVolumeClaim"))
+PODMONITOR, WORKLOAD = names.KINDS["PodMonitor"], names.KINDS["Workload"]
 
 
 class EksBackend(Backend):
@@ -79,15 +80,16 @@ class EksBackend(Backend):
         return cluster, JobSpec.from_json(data.get(names.SUBMITTED_SPEC) or data[names.POD_SPEC]), record
 
     # ---- launch ---------------------------------------------------------------------------------------
-    def manifests(self, spec: JobSpec, faults: list[FaultCommand] | None = None) -> Manifests:
+    def manifests(self, spec: JobSpec, faults: list[FaultCommand] | None = None,
+                  queue_objects: bool = False) -> Manifests:
         """Check the spec, render every manifest and validate it against its schema."""
         checks.check(spec.validate())
-        m = render(spec, faults)
+        m = render(spec, faults, queue_objects)
         schemas.validate_all(m.all(), spec.eks.k8s_version)
         return m
 
-    def render(self, spec: JobSpec) -> str:
-        return self.manifests(spec).to_yaml()
+    def render(self, spec: JobSpec, queue_objects: bool = False) -> str:
+        return self.manifests(spec, queue_objects=queue_objects).to_yaml()
 
     def launch(self, spec: JobSpec, faults: list[FaultCommand] | None = None) -> None:
         """Submit the job. Submitting the same spec again is a no-op (objects that exist with this
@@ -124,6 +126,9 @@ class EksBackend(Backend):
         outcome = workload_outcome(obj)
         if outcome:
             return JobSummary(name, self.name, *outcome)
+        queue = self._queue_state(cluster, spec, obj) if spec.eks.queue else None
+        if queue is not None and queue.startswith("queued"):
+            return JobSummary(name, self.name, "starting", queue)
         pods = sorted((pod_state(p, names.container(spec)) for p in cluster.list(POD, names.selector(name))),
                       key=lambda p: (p.node is None, p.node or 0))
         stuck = next((p for p in pods if p.stuck), None)
@@ -135,9 +140,32 @@ class EksBackend(Backend):
         if not pods or waiting or len(pods) < spec.nnodes:
             detail = (f"{waiting[0].label}: {self._pending_reason(cluster, waiting[0])}" if waiting
                       else f"{len(pods)} of {spec.nnodes} pods created")
-            return JobSummary(name, self.name, "starting", detail)
+            return JobSummary(name, self.name, "starting", f"{queue}; {detail}" if queue else detail)
         failed = next((p for p in pods if p.failed), None)
         return JobSummary(name, self.name, "running", f"recovering: {failed.label}: {failed.reason}" if failed else "")
+
+    def _queue_state(self, cluster: Cluster, spec: JobSpec, obj: dict[str, Any]) -> str:
+        """What Kueue says of a queued workload: "queued: ..." until its Workload is admitted, then "admitted"."""
+        queue = spec.eks.queue
+        try:
+            found = cluster.request("GET", WORKLOAD.path(cluster.namespace), "list Kueue's workloads").get("items", [])
+        except ApiError as e:
+            if e.status != 404:
+                raise
+            return (f"queued: suspended for queue {queue}, but this cluster has no Kueue (no Workload API) to admit "
+                    "it: install Kueue, or stop the job and launch it without --queue")
+        uid = obj["metadata"].get("uid")
+        mine = [w for w in found if any(r.get("uid") == uid for r in w["metadata"].get("ownerReferences") or [])]
+        if not mine:
+            return f"queued: waiting for quota in {queue} (Kueue has not taken the workload yet)"
+        conditions = {c.get("type"): c for c in (mine[0].get("status") or {}).get("conditions") or []}
+        if (conditions.get("Admitted") or {}).get("status") == "True":
+            return "admitted"
+        if (conditions.get("QuotaReserved") or {}).get("status") == "True":
+            return f"queued: quota reserved in {queue}, waiting for its admission checks"
+        why = next((c.get("message") for t in ("Evicted", "QuotaReserved") if (c := conditions.get(t))
+                    and c.get("message") and (t != "Evicted" or c.get("status") == "True")), "")
+        return f"queued: waiting for quota in {queue}" + (f" ({why})" if why else "")
 
     def _pending_reason(self, cluster: Cluster, pod: PodState) -> str:
         """Why a pod waits: its status, or else the newest warning about it (e.g. a volume that cannot mount)."""
@@ -245,6 +273,7 @@ class EksBackend(Backend):
         cluster, spec, _ = self._job(name)
         cluster.delete(names.workload(spec), name, propagation="Foreground")
         cluster.delete(SERVICE, name)
+        cluster.delete(PODMONITOR, name)   # False (a 404) also where the cluster has no PodMonitor API
         deadline = time.time() + timeout
         while (left := cluster.list(POD, names.selector(name))) and time.time() < deadline:
             time.sleep(1.0)
@@ -285,6 +314,8 @@ def submit(cluster: Cluster, objects: list[dict[str, Any]]) -> None:
                 cluster.create(obj)
                 created.append(obj)
             except ApiError as e:
+                if e.status == 404 and obj["kind"] == PODMONITOR.kind:
+                    continue   # no Prometheus operator on this cluster: the pods serve metrics, nothing scrapes them
                 if e.status != 409:
                     raise
                 _check_existing(cluster, obj)
