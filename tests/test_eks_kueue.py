@@ -4,17 +4,14 @@ Workload's conditions, through the real client against kmock's emulator (tests p
 
 from __future__ import annotations
 
-import socket
 import subprocess
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from eks_kube import Controllers, Kube
 from eks_pods import LocalPod
+from jobs import free_port, scrape
 from kubernetes.client.rest import ApiException
-from prometheus_client.parser import text_string_to_metric_families
 from test_eks_lifecycle import NS, backend, ctl, eks_spec, kube  # noqa: F401 (the fixtures)
 
 from eksft_nb import cli
@@ -72,25 +69,10 @@ def test_the_metrics_sidecar_serves_the_jobs_folder(tmp_path: Path) -> None:
     events.write_text("".join(e.to_json() + "\n" for e in lines))
     argv = pod.argv(names.METRICS)
     assert argv[argv.index("--port") + 1] == str(names.METRICS_PORT)
-    with socket.socket() as s:   # the pod has a network of its own; here the port must be a free one
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()   # the pod has a network of its own; here the port must be a free one
     argv[argv.index("--port") + 1] = str(port)
-    proc = subprocess.Popen(pod._argv(names.METRICS, argv), env=pod.process_env(names.METRICS), cwd=tmp_path,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        body, deadline = "", time.time() + 60
-        while not body and time.time() < deadline and proc.poll() is None:
-            try:
-                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-            except OSError:
-                time.sleep(0.2)
-    finally:
-        proc.terminate()
-        _, err = proc.communicate(timeout=10)
-    assert body, err.decode()[-2000:]
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for family in text_string_to_metric_families(body) for s in family.samples}
+    samples = scrape(port, subprocess.Popen(pod._argv(names.METRICS, argv), env=pod.process_env(names.METRICS),
+                                            cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
     assert samples[("eksft_step", (("job", "demo"),))] == 8
     assert samples[("eksft_last_checkpoint_step", (("job", "demo"),))] == 8
     assert samples[("eksft_steps_per_second", (("job", "demo"),))] == 2.0

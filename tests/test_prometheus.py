@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from typing import Any
 
 import jsonschema
 import pytest
+from jobs import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 DASHBOARD = REPO / "deploy" / "grafana" / "eksft-nb.json"
@@ -106,12 +106,6 @@ def test_the_dashboard_matches_grafanas_dashboard_model() -> None:
         for t in p["targets"]:
             used = set(re.findall(r"\$\{?(\w+)", t["expr"]))
             assert used <= set(variables), f"{p['title']!r} uses undefined variables {used - set(variables)}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get(url: str) -> Any:
