@@ -179,6 +179,7 @@ def test_queued_then_admitted_in_the_cli_and_the_dashboard(kube: Kube, backend: 
     # Kueue admits it (and unsuspends the Job): the Job controller then creates the pods
     kueue_workload(ctl, job, [{"type": "QuotaReserved", "status": "True", "reason": "QuotaReserved", "message": "ok"},
                               {"type": "Admitted", "status": "True", "reason": "Admitted", "message": "ok"}])
+    assert backend.state("demo").detail == "admitted"
     ctl.custom.patch_namespaced_custom_object("batch", "v1", NS, "jobs", "demo", {"spec": {"suspend": False}})
     assert backend.state("demo").detail == "admitted; 0 of 2 pods created"
     dash.update()
@@ -191,5 +192,12 @@ def test_queued_then_admitted_in_the_cli_and_the_dashboard(kube: Kube, backend: 
     assert backend.state("demo").state == "running"
     dash.update()
     assert dash.header.detail == ""
+    # preempted: Kueue suspends the Job again (its pods go) and says why on the Workload
+    preempted = "Preempted to accommodate a workload (UID: 1) due to prioritization in the ClusterQueue"
+    kueue_workload(ctl, job, [{"type": "QuotaReserved", "status": "False", "reason": "Pending", "message": "pending"},
+                              {"type": "Admitted", "status": "False", "reason": "NoReservation", "message": "no"},
+                              {"type": "Evicted", "status": "True", "reason": "Preempted", "message": preempted}])
+    ctl.custom.patch_namespaced_custom_object("batch", "v1", NS, "jobs", "demo", {"spec": {"suspend": True}})
+    assert backend.state("demo").detail == f"queued: waiting for quota in gpus ({preempted})"
     backend.stop("demo", timeout=5)
     assert [r for r in kube.emulator.requests if r.method.value.upper() == "DELETE" and "podmonitors" in str(r.url.path)]

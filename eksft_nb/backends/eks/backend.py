@@ -126,9 +126,8 @@ class EksBackend(Backend):
         outcome = workload_outcome(obj)
         if outcome:
             return JobSummary(name, self.name, *outcome)
-        queue = self._queue_state(cluster, spec, obj) if spec.eks.queue else None
-        if queue is not None and queue.startswith("queued"):
-            return JobSummary(name, self.name, "starting", queue)
+        if spec.eks.queue and _suspended(obj):   # Kueue has not admitted it (or has evicted it) yet
+            return JobSummary(name, self.name, "starting", self._queue_state(cluster, spec, obj))
         pods = sorted((pod_state(p, names.container(spec)) for p in cluster.list(POD, names.selector(name))),
                       key=lambda p: (p.node is None, p.node or 0))
         stuck = next((p for p in pods if p.stuck), None)
@@ -140,12 +139,14 @@ class EksBackend(Backend):
         if not pods or waiting or len(pods) < spec.nnodes:
             detail = (f"{waiting[0].label}: {self._pending_reason(cluster, waiting[0])}" if waiting
                       else f"{len(pods)} of {spec.nnodes} pods created")
-            return JobSummary(name, self.name, "starting", f"{queue}; {detail}" if queue else detail)
+            # Kueue unsuspends only what it admitted
+            return JobSummary(name, self.name, "starting", f"admitted; {detail}" if spec.eks.queue else detail)
         failed = next((p for p in pods if p.failed), None)
         return JobSummary(name, self.name, "running", f"recovering: {failed.label}: {failed.reason}" if failed else "")
 
     def _queue_state(self, cluster: Cluster, spec: JobSpec, obj: dict[str, Any]) -> str:
-        """What Kueue says of a queued workload: "queued: ..." until its Workload is admitted, then "admitted"."""
+        """What Kueue says of a suspended workload: "queued: ..." until its Workload is admitted (one call:
+        the namespace's Workloads, the job's found by its owner reference)."""
         queue = spec.eks.queue
         try:
             found = cluster.request("GET", WORKLOAD.path(cluster.namespace), "list Kueue's workloads").get("items", [])
@@ -301,6 +302,11 @@ class EksBackend(Backend):
                            "retry once it runs" + (", or set EKSFT_CHECKPOINTS_MOUNT to where the FSx volume is "
                                                    "mounted here" if "checkpoints" in purpose else ""))
         return running
+
+
+def _suspended(obj: dict[str, Any]) -> bool:
+    spec = obj.get("spec") or {}
+    return bool((spec.get("runPolicy") or {}).get("suspend") if obj.get("kind") == "PyTorchJob" else spec.get("suspend"))
 
 
 def submit(cluster: Cluster, objects: list[dict[str, Any]]) -> None:
