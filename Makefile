@@ -1,6 +1,7 @@
 # eksft-nb: every target sets up what it needs (a .venv in this folder) on a fresh machine.
 #   make lab    set up, run the headless terminal demo, then open JupyterLab on the quickstart
-#   make test   set up (venv, NVRx 0.6.0 beside it, Chromium for the browser test) and run the test suite
+#   make test   set up (venv, NVRx 0.6.0 beside it, Chromium for the browser test, Prometheus for the
+#               dashboard test) and run the test suite
 #   make demo   set up and run the headless demo only
 #   make bench  set up and run the benchmarks (make bench-quick: the short version)
 
@@ -14,7 +15,7 @@ CHROMIUM := /usr/lib/chromium/chromium
 LAB_PORT ?= 8888
 DEMO_NAME ?= demo-$(shell date +%H%M%S)
 
-.PHONY: setup lab demo test bench bench-quick chromium clean
+.PHONY: setup lab demo test bench bench-quick chromium prometheus clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +57,15 @@ chromium:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends chromium fonts-liberation >/dev/null; \
 	fi
 
+# the Prometheus test runs the real server: Debian's package, started by the test on a free port with its
+# own config and storage (the package's own service plays no part)
+prometheus:
+	@if ! command -v prometheus >/dev/null; then \
+	  echo "installing Prometheus for the dashboard test (apt)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
+	fi
+
 demo: setup
 	$(PY) -m eksft_nb run --name $(DEMO_NAME) --steps 80 --model tiny --ckpt-every 10 \
 	  --fault exception:0@15 --fault sigkill:1@30 --fault hang:0@45 --fault kill-launcher@60
@@ -64,7 +74,7 @@ lab: demo
 	$(VENV)/bin/jupyter lab --port=$(LAB_PORT) $(if $(filter 0,$(shell id -u)),--allow-root,) \
 	  notebooks/01_quickstart.ipynb
 
-test: setup chromium
+test: setup chromium prometheus
 	$(PY) -m pytest -q
 
 bench: setup

@@ -43,7 +43,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     spec = commands.spec_from_args(args, base)
     if args.dry_run:
         commands.faults_for(spec, args.fault)
-        print(commands.dry_run(spec))
+        print(commands.dry_run(spec, queue_objects=args.kueue_objects))
         return 0
     row = commands.launch(spec, args.fault)
     print(f"launched {row['name']}: {describe(spec)}")
@@ -77,6 +77,7 @@ def follow(job: Job, as_json: bool = False) -> int:
     mon = job.monitor
     total = None if job.spec.script else job.spec.steps
     seen_restarts = seen_faults = seen_failures = seen_ckpt_fail = 0
+    said = ""
     # a live bar on a terminal; in a log (CI, make demo | tee) a line every few seconds instead
     tty = sys.stderr.isatty()
     bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr, disable=as_json,
@@ -84,7 +85,10 @@ def follow(job: Job, as_json: bool = False) -> int:
                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}] {postfix}")
     try:
         while True:
-            state = job.state
+            state, detail = job.status()
+            if state == JobState.STARTING and detail and detail != said:   # e.g. queued, then admitted
+                said = detail
+                bar.write(f"  . {said}")
             for f in mon.faults[seen_faults:]:
                 target = (f"rank {f['rank']}" if f["rank"] is not None else
                           f"node {f['node']}" if f.get("node") is not None else "the job")
@@ -231,11 +235,15 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .backends.local import LocalBackend
     from .metrics import serve
 
+    root = Path(args.root) if args.root else None
     for name in args.names:
-        attach(name)  # unknown names fail before anything listens
-    serve(args.names, args.port, args.addr)
+        LocalBackend(root).spec(name)  # unknown names fail before anything listens
+    serve(args.names, args.port, args.addr, root)
     return 0
 
 

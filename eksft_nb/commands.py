@@ -103,9 +103,11 @@ def launch(spec: JobSpec, faults: Sequence[str | FaultCommand] = ()) -> JobRow:
     return job_row(Job(spec.name, b))
 
 
-def dry_run(spec: JobSpec) -> str:
-    """What :func:`launch` would start (EKS: the manifests; local: the launchers' commands)."""
-    return get_backend(spec.validate().backend).render(spec)
+def dry_run(spec: JobSpec, queue_objects: bool = False) -> str:
+    """What :func:`launch` would start (EKS: the manifests; local: the launchers' commands).
+    ``queue_objects``: on EKS, also a Kueue LocalQueue, ClusterQueue and ResourceFlavors for the job's queue."""
+    backend = get_backend(spec.validate().backend)
+    return backend.render(spec, queue_objects=True) if queue_objects and spec.backend == "eks" else backend.render(spec)
 
 
 def inject(name: str, fault: str, *, rank: int | None = None, step: int | None = None, after: float | None = None,
@@ -233,6 +235,8 @@ ARGS: dict[str, Verb] = {v.name: v for v in (
             help=f"schedule a fault, e.g. sigkill:1@30 (kinds: {FAULT_KINDS})"),
         arg("--detach", action="store_true", fronts=frozenset({CLI}), help="return at once; the job keeps running"),
         arg("--dry-run", action="store_true", help="show what would run (EKS: the manifests); launch nothing"),
+        arg("--kueue-objects", action="store_true", help="with --dry-run --queue NAME: also print a Kueue LocalQueue, "
+            "ClusterQueue and ResourceFlavors (p5/p4d) for it, for an admin to adapt and apply"),
         arg("--json", action="store_true", fronts=frozenset({CLI}), help="print the final summary as JSON"),
     )),
     Verb("list", "jobs and their state", (BACKEND, JSON)),
@@ -266,7 +270,8 @@ ARGS: dict[str, Verb] = {v.name: v for v in (
     Verb("metrics", "serve Prometheus metrics of jobs (all, or the ones named)", (
         arg("names", nargs="*", metavar="NAME", help="the jobs (default: all)"),
         arg("--port", type=int, default=9400),
-        arg("--addr", default="127.0.0.1", help="address to listen on (default: loopback only)")),
+        arg("--addr", default="127.0.0.1", help="address to listen on (default: loopback only)"),
+        arg("--root", help="the jobs folder (default: $EKSFT_HOME/jobs; in an EKS pod: the shared volume)")),
         fronts=frozenset({CLI})),
 )}
 

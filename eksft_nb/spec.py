@@ -133,6 +133,9 @@ class EksConfig:
     context: str | None = opt(None, "--context", "kubeconfig context (default: current, or in-cluster)")
     k8s_version: str = opt("1.33", "--k8s-version", "Kubernetes version the manifests are validated against")
     port: int = opt(29500, "--rdzv-port", "rendezvous port on rank 0's pod")
+    queue: str | None = opt(None, "--queue", "Kueue LocalQueue to submit to: the workload waits there, suspended, "
+                            "until Kueue admits it")
+    priority: str | None = opt(None, "--priority", "Kueue WorkloadPriorityClass of the workload (with --queue)")
 
 
 @dataclass
@@ -240,6 +243,14 @@ class JobSpec:
         _require_int(e, "gpus_per_node", 0, prefix="eks.")
         _require_int(e, "efa_per_node", 0, prefix="eks.")
         _require_int(e, "port", 1024, prefix="eks.")
+        for fname in ("queue", "priority"):
+            value = getattr(e, fname)
+            if value is not None and not (isinstance(value, str) and valid_name(value)):
+                raise SpecError(f"--{fname} {value!r} is not a Kubernetes name (a DNS-1123 label)",
+                                f"use --{fname} {_suggest_name(str(value))}")
+        if e.priority and not e.queue:
+            raise SpecError("--priority needs --queue (Kueue reads the priority class of queued workloads only)",
+                            "add --queue NAME, or drop --priority")
         return self
 
     @property

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
@@ -51,3 +53,29 @@ def wait_for(what: str, probe: Callable[[], Any], timeout: float = 300) -> Any:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.3)
     return value
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int, server: subprocess.Popen, timeout: float = 60) -> dict[tuple[str, tuple], float]:
+    """One scrape of the metrics ``server`` starting on ``port`` (once it listens), as
+    {(sample name, sorted labels): value}; it is terminated afterwards."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body, deadline = "", time.time() + timeout
+    try:
+        while not body and time.time() < deadline and server.poll() is None:
+            try:
+                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            except OSError:
+                time.sleep(0.2)
+    finally:
+        server.terminate()
+        _, err = server.communicate(timeout=10)
+    assert body, f"no metrics on port {port}: {(err or b'').decode(errors='replace')[-2000:]}"
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(body) for s in family.samples}

@@ -123,9 +123,9 @@ def test_submit_creates_the_rendered_objects_and_is_idempotent(kube: Kube, backe
     assert (stored(kube, "configmaps"), stored(kube, "services"), stored(kube, "jobs")) == (["demo"], ["demo"], ["demo"])
     job = raw(kube, "jobs", "demo")
     assert job["spec"]["template"] == backend.manifests(spec).workload()["spec"]["template"]  # sent as validated
-    assert posts(kube) == ["persistentvolumeclaims", "configmaps", "services", "jobs"]   # the fixture's claim first
+    assert posts(kube) == ["persistentvolumeclaims", "configmaps", "podmonitors", "services", "jobs"]   # the claim: the fixture's
     backend.launch(spec)   # again: every object exists with this spec, nothing changes
-    assert posts(kube)[4:] == ["configmaps", "services", "jobs"]
+    assert posts(kube)[5:] == ["configmaps", "podmonitors", "services", "jobs"]
     assert stored(kube, "jobs") == ["demo"] and backend.spec("demo") == spec
 
 

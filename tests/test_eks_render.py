@@ -96,8 +96,11 @@ def test_shm_is_sized_for_checkpoint_staging() -> None:
 
 
 def test_control_plane_role_grants_only_what_it_calls() -> None:
-    role = next(d for d in EksBackend().manifests(eks_spec(kind="jobset")).admin if d["kind"] == "Role")
-    grants = {(g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
+    def grants_for(spec: JobSpec) -> dict[tuple[str, str], set[str]]:
+        role = next(d for d in EksBackend().manifests(spec).admin if d["kind"] == "Role")
+        return {(g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
+
+    grants = grants_for(eks_spec(kind="jobset"))
     assert grants == {
         ("jobset.x-k8s.io", "jobsets"): {"get", "create", "delete"},
         ("", "configmaps"): {"get", "list", "create", "delete"},
@@ -107,7 +110,11 @@ def test_control_plane_role_grants_only_what_it_calls() -> None:
         ("", "pods/exec"): {"get", "create"},
         ("", "events"): {"list"},
         ("", "persistentvolumeclaims"): {"get"},
+        ("monitoring.coreos.com", "podmonitors"): {"get", "create", "delete"},
     }
+    # a queued job's state reads Kueue's Workloads
+    assert grants_for(eks_spec(kind="jobset", **{"eks.queue": "gpus"})) == {
+        **grants, ("kueue.x-k8s.io", "workloads"): {"list"}}
 
 
 def test_fsx_storage_class_and_claim() -> None:
@@ -197,7 +204,7 @@ def test_cli_dry_run_prints_the_manifests() -> None:
                    "--model", "gpt-1b", "--namespace", "training", timeout=120)
     assert done.returncode == 0, done.stderr
     docs = [d for d in yaml.safe_load_all(done.stdout) if d]
-    assert [d["kind"] for d in docs] == ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "JobSet"]
+    assert [d["kind"] for d in docs] == ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "PodMonitor", "JobSet"]
     assert all(d["metadata"]["namespace"] == "training" for d in docs)
     bad = cli("run", "--backend", "eks", "--dry-run", "--image", IMAGE, "--gpus-per-node", "12", timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("eksft: error: 12 GPUs per node") and bad.stdout == ""

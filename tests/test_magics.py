@@ -26,6 +26,7 @@ SAMPLES = {"name": "opt-test", "backend": "eks", "resume": "none", "model.preset
            "ft.heartbeat_timeout": "20", "eks.k8s_version": "1.32", "eks.namespace": "ml", "eks.image": "repo/img:1",
            "eks.gpus_per_node": "4", "eks.instance_type": "p5.48xlarge", "eks.storage_size": "100Gi",
            "eks.shm_size": "1Gi", "eks.cpu": "4", "eks.memory": "8Gi"}
+REQUIRES = {"eks.priority": "--queue team-a"}   # an option that only means something beside another
 
 
 def current(ip: Any) -> eksft_nb.Job | None:
@@ -58,7 +59,7 @@ def test_every_option_sets_its_spec_field(opt: Any) -> None:
         raw = SAMPLES.get(opt.path) or (next(c for c in opt.choices if c != opt.default) if opt.choices else
                                         str((opt.default or 0) + 1) if opt.type in (int, float) else "x-1")
         line, want = f"{opt.flag} {shlex.quote(raw)}", shlex.split(raw) if opt.type is list else opt.type(raw)
-    spec, faults, dry = magics.parse_cell(line, "")
+    spec, faults, dry = magics.parse_cell(f"{line} {REQUIRES.get(opt.path, '')}", "")
     value: Any = spec
     for part in opt.path.split("."):
         value = getattr(value, part)

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
+from jobs import free_port, scrape
 
 from eksft_nb.job import attach
 
@@ -17,23 +14,9 @@ pytestmark = pytest.mark.slow
 
 
 def test_a_scrape_reports_steps_restarts_checkpoints_and_goodput(finished_job: str) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "eksft_nb", "metrics", finished_job, "--port", str(port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        deadline, body = time.time() + 30, ""
-        while time.time() < deadline and not body:
-            try:
-                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-            except OSError:
-                time.sleep(0.2)
-    finally:
-        server.terminate()
-        server.wait(10)
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for family in text_string_to_metric_families(body) for s in family.samples}
+    port = free_port()
+    samples = scrape(port, subprocess.Popen([sys.executable, "-m", "eksft_nb", "metrics", finished_job, "--port", str(port)],
+                                            stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     job = (("job", finished_job),)
     mon = attach(finished_job).refresh()
     assert samples[("eksft_step", job)] == mon.last_step == 12

@@ -88,23 +88,24 @@ class Dashboard(w.VBox):
                 self._say(f"dashboard update failed: {type(e).__name__}: {e}", error=True)
                 self._halt.wait(self.slow_interval)
 
-    def _fold(self) -> JobState:
+    def _fold(self) -> tuple[JobState, str]:
         mon = self.job.refresh()
-        state = self.job.state
+        status = self.job.status()
         self.figure.ingest(mon)
-        return state
+        return status
 
     def update(self) -> bool:
         """Fold in the new events and refresh what changed; True once the job has ended."""
         with self._lock:
             self.updates += 1
-            state = self._fold()
+            state, detail = self._fold()
             mon = self.job.monitor
             ended = state.ended
             self.figure.push()
             committed = mon.last_committed
             h = self.header
             h.state, h.step, h.total = state.value, mon.last_step, mon.total_steps or h.total
+            h.detail = detail if state == JobState.STARTING else ""
             h.restarts = mon.restarts_by_level()
             h.last_checkpoint = committed.step if committed else None
             now = time.monotonic()
@@ -120,8 +121,7 @@ class Dashboard(w.VBox):
                 self.ended = True
                 self.controls.inject.disabled = self.stop_button.disabled = True
                 if state in (JobState.FAILED, JobState.LOST):
-                    self._say(f"{self.job.name} {state}: {mon.reason or self.job.backend.state(self.job.name).detail}",
-                              error=True)
+                    self._say(f"{self.job.name} {state}: {detail or mon.reason}", error=True)
             return ended
 
     def _refresh_checkpoints(self) -> None:

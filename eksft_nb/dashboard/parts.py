@@ -32,6 +32,7 @@ class Header(w.VBox):
     backend = Unicode()
     origin = Unicode()                       # "resumed from <job> step N", or ""
     state = Unicode("pending")
+    detail = Unicode("")                     # the backend's word on a starting job ("queued: ...", "admitted")
     step = Int(0)
     total = Int(1, allow_none=True)          # None: a user script's own loop (no known end)
     restarts = Dict()
@@ -49,10 +50,12 @@ class Header(w.VBox):
         self.add_class("eksft-header")
         self._render()
 
-    @observe("job", "backend", "origin", "state", "step", "total", "restarts", "last_checkpoint", "goodput")
+    @observe("job", "backend", "origin", "state", "detail", "step", "total", "restarts", "last_checkpoint", "goodput")
     def _render(self, _change: Any = None) -> None:
         color = STATE_COLORS.get(self.state, "#7f7f7f")
         origin = f" · <i>{html.escape(self.origin)}</i>" if self.origin else ""
+        if self.detail:
+            origin += f" · <span class='eksft-detail'>{html.escape(self.detail)}</span>"
         self._title.value = (f"<b style='font-size:15px'>{html.escape(self.job)}</b> · {html.escape(self.backend)}"
                              f" · <span class='eksft-state' style='color:white;background:{color};padding:1px 7px;"
                              f"border-radius:8px'>{html.escape(self.state)}</span>{origin}")

@@ -35,6 +35,7 @@ from .stream import EksEvents, workload_outcome
 
 INPOD = ["python", "-m", "eksft_nb.backends.eks.inpod"]
 CONFIGMAP, SERVICE, POD, PVC = (names.KINDS[k] for k in ("ConfigMap", "Service", "Pod", "PersistentVolumeClaim"))
+PODMONITOR, WORKLOAD = names.KINDS["PodMonitor"], names.KINDS["Workload"]
 
 
 class EksBackend(Backend):
@@ -80,15 +81,16 @@ class EksBackend(Backend):
         return cluster, JobSpec.from_json(data.get(names.SUBMITTED_SPEC) or data[names.POD_SPEC]), record
 
     # ---- launch ---------------------------------------------------------------------------------------
-    def manifests(self, spec: JobSpec, faults: list[FaultCommand] | None = None) -> Manifests:
+    def manifests(self, spec: JobSpec, faults: list[FaultCommand] | None = None,
+                  queue_objects: bool = False) -> Manifests:
         """Check the spec, render every manifest and validate it against its schema."""
         checks.check(spec.validate())
-        m = render(spec, faults)
+        m = render(spec, faults, queue_objects)
         schemas.validate_all(m.all(), spec.eks.k8s_version)
         return m
 
-    def render(self, spec: JobSpec) -> str:
-        return self.manifests(spec).to_yaml()
+    def render(self, spec: JobSpec, queue_objects: bool = False) -> str:
+        return self.manifests(spec, queue_objects=queue_objects).to_yaml()
 
     def launch(self, spec: JobSpec, faults: list[FaultCommand] | None = None) -> None:
         """Submit the job. Submitting the same spec again is a no-op (objects that exist with this
@@ -125,6 +127,8 @@ class EksBackend(Backend):
         outcome = workload_outcome(obj)
         if outcome:
             return JobSummary(name, self.name, *outcome)
+        if spec.eks.queue and _suspended(obj):   # Kueue has not admitted it (or has evicted it) yet
+            return JobSummary(name, self.name, "starting", self._queue_state(cluster, spec, obj))
         pods = sorted((pod_state(p, names.container(spec)) for p in cluster.list(POD, names.selector(name))),
                       key=lambda p: (p.node is None, p.node or 0))
         stuck = next((p for p in pods if p.stuck), None)
@@ -136,9 +140,34 @@ class EksBackend(Backend):
         if not pods or waiting or len(pods) < spec.nnodes:
             detail = (f"{waiting[0].label}: {self._pending_reason(cluster, waiting[0])}" if waiting
                       else f"{len(pods)} of {spec.nnodes} pods created")
-            return JobSummary(name, self.name, JobState.STARTING, detail)
+            # Kueue unsuspends only what it admitted
+            return JobSummary(name, self.name, JobState.STARTING, f"admitted; {detail}" if spec.eks.queue else detail)
         failed = next((p for p in pods if p.failed), None)
         return JobSummary(name, self.name, JobState.RUNNING, f"recovering: {failed.label}: {failed.reason}" if failed else "")
+
+    def _queue_state(self, cluster: Cluster, spec: JobSpec, obj: dict[str, Any]) -> str:
+        """What Kueue says of a suspended workload: "queued: ..." until its Workload is admitted (one call:
+        the namespace's Workloads, the job's found by its owner reference)."""
+        queue = spec.eks.queue
+        try:
+            found = cluster.request("GET", WORKLOAD.path(cluster.namespace), "list Kueue's workloads").get("items", [])
+        except ApiError as e:
+            if e.status != 404:
+                raise
+            return (f"queued: suspended for queue {queue}, but this cluster has no Kueue (no Workload API) to admit "
+                    "it: install Kueue, or stop the job and launch it without --queue")
+        uid = obj["metadata"].get("uid")
+        mine = [w for w in found if any(r.get("uid") == uid for r in w["metadata"].get("ownerReferences") or [])]
+        if not mine:
+            return f"queued: waiting for quota in {queue} (Kueue has not taken the workload yet)"
+        conditions = {c.get("type"): c for c in (mine[0].get("status") or {}).get("conditions") or []}
+        if (conditions.get("Admitted") or {}).get("status") == "True":
+            return "admitted"
+        if (conditions.get("QuotaReserved") or {}).get("status") == "True":
+            return f"queued: quota reserved in {queue}, waiting for its admission checks"
+        why = next((c.get("message") for t in ("Evicted", "QuotaReserved") if (c := conditions.get(t))
+                    and c.get("message") and (t != "Evicted" or c.get("status") == "True")), "")
+        return f"queued: waiting for quota in {queue}" + (f" ({why})" if why else "")
 
     def _pending_reason(self, cluster: Cluster, pod: PodState) -> str:
         """Why a pod waits: its status, or else the newest warning about it (e.g. a volume that cannot mount)."""
@@ -246,6 +275,7 @@ class EksBackend(Backend):
         cluster, spec, _ = self._job(name)
         cluster.delete(names.workload(spec), name, propagation="Foreground")
         cluster.delete(SERVICE, name)
+        cluster.delete(PODMONITOR, name)   # False (a 404) also where the cluster has no PodMonitor API
         deadline = time.time() + timeout
         while (left := cluster.list(POD, names.selector(name))) and time.time() < deadline:
             time.sleep(1.0)
@@ -275,6 +305,11 @@ class EksBackend(Backend):
         return running
 
 
+def _suspended(obj: dict[str, Any]) -> bool:
+    spec = obj.get("spec") or {}
+    return bool((spec.get("runPolicy") or {}).get("suspend") if obj.get("kind") == "PyTorchJob" else spec.get("suspend"))
+
+
 def submit(cluster: Cluster, objects: list[dict[str, Any]]) -> None:
     """Create ``objects`` in order. One that exists already is fine if it is this job's (same spec
     digest) or a shared volume claim; any other failure removes what this call created, so nothing
@@ -286,6 +321,8 @@ def submit(cluster: Cluster, objects: list[dict[str, Any]]) -> None:
                 cluster.create(obj)
                 created.append(obj)
             except ApiError as e:
+                if e.status == 404 and obj["kind"] == PODMONITOR.kind:
+                    continue   # no Prometheus operator on this cluster: the pods serve metrics, nothing scrapes them
                 if e.status != 409:
                     raise
                 _check_existing(cluster, obj)

@@ -20,6 +20,10 @@ FAULT_OF = "eksft.io/fault-of"      # label of the ConfigMap that holds a node-l
 COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
 INDEX_FAILURES = "batch.kubernetes.io/job-index-failure-count"
 JOBSET_RESTARTS = "jobset.sigs.k8s.io/restart-attempt"
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"          # Kueue: the LocalQueue a workload waits in
+PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"   # Kueue: its WorkloadPriorityClass
+METRICS = "metrics"                 # the pods' Prometheus exporter: container and port name
+METRICS_PORT = 9400
 CONTROL = "eksft-control"           # ServiceAccount, Role and RoleBinding of the control plane
 POD_SPEC = "spec.json"              # ConfigMap keys
 SUBMITTED_SPEC = "submitted-spec.json"
@@ -58,6 +62,12 @@ KINDS: dict[str, Kind] = {k.kind: k for k in (
     Kind("rbac.authorization.k8s.io/v1", "Role", "roles"),
     Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
     Kind("storage.k8s.io/v1", "StorageClass", "storageclasses", namespaced=False),
+    Kind("monitoring.coreos.com/v1", "PodMonitor", "podmonitors"),
+    Kind("kueue.x-k8s.io/v1beta1", "Workload", "workloads"),
+    Kind("kueue.x-k8s.io/v1beta1", "LocalQueue", "localqueues"),
+    Kind("kueue.x-k8s.io/v1beta1", "ClusterQueue", "clusterqueues", namespaced=False),
+    Kind("kueue.x-k8s.io/v1beta1", "ResourceFlavor", "resourceflavors", namespaced=False),
+    Kind("kueue.x-k8s.io/v1beta1", "WorkloadPriorityClass", "workloadpriorityclasses", namespaced=False),
 )}
 WORKLOADS = {"job": KINDS["Job"], "jobset": KINDS["JobSet"], "pytorchjob": KINDS["PyTorchJob"]}
 

@@ -37,7 +37,12 @@ CONTROL_RULES: list[tuple[str, str, list[str]]] = [
     # servers authorize it as `get`, newer ones (the WebSocket exec hardening) as `create`
     ("", "pods/exec", ["get", "create"]),
     ("", "events", ["list"]),                                    # explain pods stuck in Pending
+    ("monitoring.coreos.com", "podmonitors", ["get", "create", "delete"]),   # Prometheus scrapes the pods
 ]
+# a queued job (--queue): what Kueue says of its Workload, read to tell "queued" from "admitted"
+QUEUE_RULES: list[tuple[str, str, list[str]]] = [("kueue.x-k8s.io", "workloads", ["list"])]
+# per-node capacity of the instance types a ClusterQueue is printed for: (vCPU, memory, GPUs, EFA)
+QUEUE_CAPACITY = {"p5.48xlarge": ("192", "2048Gi", 8, 32), "p4d.24xlarge": ("96", "1152Gi", 8, 4)}
 
 
 @dataclass
@@ -78,13 +83,18 @@ def _dump(obj: dict[str, Any]) -> str:
     return yaml.dump(obj, Dumper=_Dumper, sort_keys=False, width=1000)
 
 
-def render(spec: JobSpec, faults: list[FaultCommand] | None = None) -> Manifests:
-    """All manifests of a job (the spec must have passed ``spec.validate()`` and ``checks.check``)."""
+def render(spec: JobSpec, faults: list[FaultCommand] | None = None, queue_objects: bool = False) -> Manifests:
+    """All manifests of a job (the spec must have passed ``spec.validate()`` and ``checks.check``);
+    ``queue_objects``: also Kueue's objects for its ``--queue`` (admin), as an example to adapt."""
     m = Manifests(admin=control_rbac(spec))
     if spec.eks.create_pvc:
         m.admin.append(storage_class(spec))
         m.job.append(checkpoint_pvc(spec))
+    if queue_objects and spec.eks.queue:
+        m.admin += kueue_objects(spec)
     m.job.append(config_map(spec, faults or []))
+    if serves_metrics(spec):
+        m.job.append(pod_monitor(spec))
     if spec.eks.kind == "job":
         m.job.append(headless_service(spec))
     m.job.append({"job": indexed_job, "jobset": jobset, "pytorchjob": pytorchjob}[spec.eks.kind](spec))
@@ -107,6 +117,16 @@ def script_key(spec: JobSpec) -> str:
 def _meta(spec: JobSpec, name: str) -> dict[str, Any]:
     return {"name": name, "namespace": spec.eks.namespace, "labels": names.labels(spec),
             "annotations": {names.DIGEST: spec.digest()}}
+
+
+def _workload_meta(spec: JobSpec) -> dict[str, Any]:
+    """The workload's metadata: with ``--queue``, Kueue's labels (its LocalQueue, its priority class)."""
+    meta = _meta(spec, spec.name)
+    if spec.eks.queue:
+        meta["labels"][names.QUEUE_LABEL] = spec.eks.queue
+        if spec.eks.priority:
+            meta["labels"][names.PRIORITY_LABEL] = spec.eks.priority
+    return meta
 
 
 # ---- the job -----------------------------------------------------------------------------------
@@ -132,8 +152,8 @@ def headless_service(spec: JobSpec) -> dict[str, Any]:
 def indexed_job(spec: JobSpec) -> dict[str, Any]:
     """Pods are replaced one index at a time (up to max_job_restarts each); a replacement rejoins
     the rendezvous under the same host name. The job fails once any index runs out of retries."""
-    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": _meta(spec, spec.name),
-            "spec": {"completionMode": "Indexed", "completions": spec.nnodes, "parallelism": spec.nnodes,
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": _workload_meta(spec),
+            "spec": {**_suspended(spec), "completionMode": "Indexed", "completions": spec.nnodes, "parallelism": spec.nnodes,
                      "backoffLimitPerIndex": spec.ft.max_job_restarts, "maxFailedIndexes": 0,
                      "podReplacementPolicy": "Failed",
                      "template": pod_template(spec, subdomain=spec.name, attempt_from=names.INDEX_FAILURES)}}
@@ -143,8 +163,8 @@ def jobset(spec: JobSpec) -> dict[str, Any]:
     """Any failed pod restarts the whole set (up to max_job_restarts), like the local supervisor."""
     child = {"completionMode": "Indexed", "completions": spec.nnodes, "parallelism": spec.nnodes,
              "backoffLimit": 0, "template": pod_template(spec, attempt_from=names.JOBSET_RESTARTS)}
-    return {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": _meta(spec, spec.name),
-            "spec": {"failurePolicy": {"maxRestarts": spec.ft.max_job_restarts},
+    return {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": _workload_meta(spec),
+            "spec": {**_suspended(spec), "failurePolicy": {"maxRestarts": spec.ft.max_job_restarts},
                      "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True,
                                  "subdomain": spec.name},
                      "replicatedJobs": [{"name": "node", "replicas": 1,
@@ -157,10 +177,35 @@ def pytorchjob(spec: JobSpec) -> dict[str, Any]:
     replicas = {"Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": template}}
     if spec.nnodes > 1:
         replicas["Worker"] = {"replicas": spec.nnodes - 1, "restartPolicy": "OnFailure", "template": template}
-    return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": _meta(spec, spec.name),
+    return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": _workload_meta(spec),
             "spec": {"nprocPerNode": str(spec.nproc_per_node),
-                     "runPolicy": {"backoffLimit": spec.ft.max_job_restarts, "cleanPodPolicy": "Running"},
+                     "runPolicy": {"backoffLimit": spec.ft.max_job_restarts, "cleanPodPolicy": "Running",
+                                   **_suspended(spec)},
                      "pytorchReplicaSpecs": replicas}}
+
+
+def _suspended(spec: JobSpec) -> dict[str, Any]:
+    """A queued workload is created suspended: Kueue unsuspends it once its quota is admitted."""
+    return {"suspend": True} if spec.eks.queue else {}
+
+
+def serves_metrics(spec: JobSpec) -> bool:
+    """Whether the pods run the metrics sidecar: native sidecars are on by default from Kubernetes 1.29
+    (before, a sidecar that never exits would hold the pod in its init phase)."""
+    return tuple(int(p) for p in spec.eks.k8s_version.split(".")[:2]) >= (1, 29)
+
+
+def pod_monitor(spec: JobSpec) -> dict[str, Any]:
+    """Prometheus (kube-prometheus-stack's operator) scrapes every pod of the job on its ``metrics``
+    port; ``honorLabels`` keeps the exporter's ``job`` label (the job's name). The ``release`` label is
+    what the chart's default PodMonitor selector looks for."""
+    meta = _meta(spec, spec.name)
+    meta["labels"]["release"] = "kube-prometheus-stack"
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": meta,
+            "spec": {"selector": {"matchLabels": {names.JOB_LABEL: spec.name}},
+                     "namespaceSelector": {"matchNames": [spec.eks.namespace]},
+                     "podMetricsEndpoints": [{"port": names.METRICS, "path": "/metrics", "interval": "15s",
+                                              "honorLabels": True}]}}
 
 
 # ---- the pod -----------------------------------------------------------------------------------
@@ -188,6 +233,14 @@ def pod_template(spec: JobSpec, *, subdomain: str | None = None, attempt_from: s
         trainer["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}  # EFA registers pinned memory
     prepare = {"name": "prepare", "image": e.image, "env": env, "volumeMounts": mounts,
                "command": ["python", "-m", "eksft_nb.backends.eks.inpod", "prepare"]}
+    # the job's Prometheus metrics, from its folder on the shared volume, in a native sidecar (an init
+    # container that keeps running, started after `prepare` and stopped once the trainer ends)
+    metrics = {"name": names.METRICS, "image": e.image, "restartPolicy": "Always",
+               "command": ["python", "-m", "eksft_nb", "metrics", spec.name, "--root", names.CKPT_MOUNT,
+                           "--addr", "0.0.0.0", "--port", str(names.METRICS_PORT)],
+               "ports": [{"name": names.METRICS, "containerPort": names.METRICS_PORT}],
+               "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}},
+               "volumeMounts": [{"name": "checkpoints", "mountPath": names.CKPT_MOUNT, "readOnly": True}]}
     pod: dict[str, Any] = {"restartPolicy": "Never"} if spec.eks.kind != "pytorchjob" else {}
     if subdomain:
         pod["subdomain"] = subdomain
@@ -196,7 +249,7 @@ def pod_template(spec: JobSpec, *, subdomain: str | None = None, attempt_from: s
         # ft_launcher (PID 1 ignores SIGKILL from inside its container) and reaps NVRx's helpers
         "automountServiceAccountToken": False, "enableServiceLinks": False, "shareProcessNamespace": True,
         "terminationGracePeriodSeconds": 30,
-        "initContainers": [prepare], "containers": [trainer],
+        "initContainers": [prepare, metrics] if serves_metrics(spec) else [prepare], "containers": [trainer],
         "volumes": [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": e.checkpoint_pvc}},
                     {"name": "config", "configMap": {"name": spec.name}},
                     {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": checks.shm_size(spec)}}],
@@ -295,7 +348,8 @@ def control_rbac(spec: JobSpec) -> list[dict[str, Any]]:
     w = names.workload(spec)
     meta = {"name": names.CONTROL, "namespace": ns, "labels": {names.MANAGED_BY: names.MANAGER}}
     rules = [{"apiGroups": [w.group], "resources": [w.plural], "verbs": ["get", "create", "delete"]}]
-    rules += [{"apiGroups": [g], "resources": [r], "verbs": v} for g, r, v in CONTROL_RULES]
+    rules += [{"apiGroups": [g], "resources": [r], "verbs": v}
+              for g, r, v in CONTROL_RULES + (QUEUE_RULES if spec.eks.queue else [])]
     # the checkpoint volume is checked before submitting (and created with --create-pvc)
     rules.append({"apiGroups": [""], "resources": ["persistentvolumeclaims"],
                   "verbs": ["get", "create"] if spec.eks.create_pvc else ["get"]})
@@ -306,3 +360,42 @@ def control_rbac(spec: JobSpec) -> list[dict[str, Any]]:
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": names.CONTROL},
          "subjects": [{"kind": "ServiceAccount", "name": names.CONTROL, "namespace": ns}]},
     ]
+
+
+def kueue_objects(spec: JobSpec) -> list[dict[str, Any]]:
+    """A LocalQueue named ``--queue`` in the job's namespace, a ClusterQueue of the same name with quota
+    for this job's nodes of p5 or p4d capacity (one ResourceFlavor per instance type: the one
+    ``--instance-type`` picks, else both, p5 first), and the ``--priority`` WorkloadPriorityClass."""
+    e = spec.eks
+    types = [e.instance_type] if e.instance_type in QUEUE_CAPACITY else list(QUEUE_CAPACITY)
+    labels = {names.MANAGED_BY: names.MANAGER}
+    flavors = [{"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "ResourceFlavor",
+                "metadata": {"name": _flavor(t), "labels": labels},
+                "spec": {"nodeLabels": {"node.kubernetes.io/instance-type": t},
+                         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}}
+               for t in types]
+    covered = ["cpu", "memory", "nvidia.com/gpu"] + (["vpc.amazonaws.com/efa"] if e.efa_per_node else [])
+
+    def quota(t: str) -> list[dict[str, Any]]:
+        cpu, memory, gpus, efa = QUEUE_CAPACITY[t]
+        n = spec.nnodes
+        amounts = {"cpu": str(int(cpu) * n), "memory": f"{int(memory[:-2]) * n}Gi", "nvidia.com/gpu": str(gpus * n),
+                   "vpc.amazonaws.com/efa": str(efa * n)}
+        return [{"name": r, "nominalQuota": amounts[r]} for r in covered]
+
+    objects: list[dict[str, Any]] = [*flavors, {
+        "apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "ClusterQueue", "metadata": {"name": e.queue, "labels": labels},
+        "spec": {"namespaceSelector": {}, "queueingStrategy": "BestEffortFIFO",
+                 "resourceGroups": [{"coveredResources": covered,
+                                     "flavors": [{"name": _flavor(t), "resources": quota(t)} for t in types]}]}}, {
+        "apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "LocalQueue",
+        "metadata": {"name": e.queue, "namespace": e.namespace, "labels": labels}, "spec": {"clusterQueue": e.queue}}]
+    if e.priority:
+        objects.append({"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "WorkloadPriorityClass",
+                        "metadata": {"name": e.priority, "labels": labels}, "value": 1000,
+                        "description": "eksft-nb training jobs (higher values are admitted first and may preempt)"})
+    return objects
+
+
+def _flavor(instance_type: str) -> str:
+    return instance_type.replace(".", "-")

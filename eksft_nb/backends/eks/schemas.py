@@ -1,8 +1,8 @@
 """Validation of rendered manifests against the schemas the API server enforces.
 
 Core kinds use ``kubernetes-validate`` (the Kubernetes OpenAPI schemas, strict: unknown fields are
-errors) for the chosen Kubernetes version. JobSet and PyTorchJob use the ``openAPIV3Schema`` of
-their CRDs, shipped in ``eksft_nb/backends/schemas/``, closed the same way (an object with declared
+errors) for the chosen Kubernetes version. JobSet, PyTorchJob, PodMonitor and Kueue's queue kinds use
+the ``openAPIV3Schema`` of their CRDs, shipped in ``eksft_nb/backends/schemas/``, closed the same way (an object with declared
 properties accepts no others unless it says ``x-kubernetes-preserve-unknown-fields``).
 """
 
@@ -18,9 +18,13 @@ import kubernetes_validate
 import yaml
 
 from ...errors import SpecError
+from .names import KINDS
 
 SCHEMA_DIR = Path(__file__).resolve().parent.parent / "schemas"
-CRDS = {"JobSet": "jobset.x-k8s.io_jobsets.yaml", "PyTorchJob": "kubeflow.org_pytorchjobs.yaml"}
+CRDS = {"JobSet": "jobset.x-k8s.io_jobsets.yaml", "PyTorchJob": "kubeflow.org_pytorchjobs.yaml",
+        "PodMonitor": "monitoring.coreos.com_podmonitors.yaml",
+        **{k: f"kueue.x-k8s.io_{KINDS[k].plural}.yaml"
+           for k in ("ClusterQueue", "LocalQueue", "ResourceFlavor", "WorkloadPriorityClass")}}
 
 
 def validate(manifest: dict[str, Any], k8s_version: str) -> None:
