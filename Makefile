@@ -40,7 +40,26 @@ $(NVRX_TEST_DIR)/.installed: $(VENV)/.installed
 	$(PY) -m pip install -q defusedxml httpx "nvidia-ml-py>=12.570.86" packaging "psutil>=6" pyyaml
 	touch $@
 
-setup: $(VENV)/.installed $(NVRX_TEST_DIR)/.installed
+# The JupyterLab extension (nbext/, TypeScript): npm ci from the committed lock file, tsc, then JupyterLab's
+# builder into eksft_nb/labextension/, installed as a prebuilt extension into the venv. Each step re-runs
+# only when its inputs change (a cold run: about 15 s; needs Node.js >= 20.19 and npm).
+LABEXT := $(VENV)/share/jupyter/labextensions/eksft-nb-labextension
+NBEXT_SRC := $(wildcard nbext/src/*.ts) $(wildcard nbext/style/*) nbext/tsconfig.json
+
+nbext/node_modules/.installed: nbext/package.json nbext/package-lock.json
+	@command -v npm >/dev/null || { echo "eksft: error: npm is missing, needed to build the JupyterLab extension" \
+	  "→ install Node.js >= 20.19 with npm (e.g. apt-get install nodejs npm)"; exit 1; }
+	cd nbext && npm ci --no-audit --no-fund --ignore-scripts --loglevel=error
+	touch $@
+
+$(VENV)/.nbext-installed: nbext/node_modules/.installed $(NBEXT_SRC) $(VENV)/.installed
+	rm -rf nbext/lib eksft_nb/labextension
+	cd nbext && node_modules/.bin/tsc
+	$(VENV)/bin/jupyter-builder build nbext >/dev/null
+	rm -rf $(LABEXT) && mkdir -p $(dir $(LABEXT)) && cp -r eksft_nb/labextension $(LABEXT)
+	touch $@
+
+setup: $(VENV)/.installed $(NVRX_TEST_DIR)/.installed $(VENV)/.nbext-installed
 
 chromium:
 	@if [ ! -x $(CHROMIUM) ]; then \
@@ -67,4 +86,4 @@ bench-quick: setup
 	$(PY) -m bench --quick
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build *.egg-info nbext/node_modules nbext/lib eksft_nb/labextension
