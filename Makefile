@@ -61,6 +61,13 @@ $(VENV)/.nbext-installed: nbext/node_modules/.installed $(NBEXT_SRC) $(VENV)/.in
 
 setup: $(VENV)/.installed $(NVRX_TEST_DIR)/.installed $(VENV)/.nbext-installed
 
+# The server extension behind the JupyterLab panel (eksft_nb.lab), enabled in the venv: an editable
+# install does not copy pyproject's data files.
+SERVER_EXT_CONF := $(VENV)/etc/jupyter/jupyter_server_config.d/eksft_nb.json
+$(SERVER_EXT_CONF): jupyter-config/jupyter_server_config.d/eksft_nb.json $(VENV)/.installed
+	install -D -m 644 $< $@
+setup: $(SERVER_EXT_CONF)
+
 chromium:
 	@if [ ! -x $(CHROMIUM) ]; then \
 	  echo "installing Chromium for the browser tests (apt)"; \

@@ -6,98 +6,22 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import nvrx
-from .backends import get_backend
-from .control import FAULTS, parse_fault
+from . import commands, nvrx
+from .commands import CLI
 from .errors import EksftError
 from .job import Job, attach
-from .spec import JobSpec, SpecOption, parse_option_value, spec_options
-
-
-def add_spec_options(parser: argparse.ArgumentParser) -> None:
-    """One flag per spec field (defaults are not set here: only given flags override the spec)."""
-    for opt in spec_options():
-        if opt.type is bool:
-            parser.add_argument(opt.flag, dest=opt.path, action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS, help=f"{opt.help} (default: {opt.default})")
-        else:
-            choices = f" {{{','.join(opt.choices)}}}" if opt.choices else ""
-            parser.add_argument(opt.flag, dest=opt.path, default=argparse.SUPPRESS, metavar=opt.flag[2:].upper(),
-                                help=f"{opt.help}{choices} (default: {opt.default})")
-
-
-def spec_from_args(args: argparse.Namespace, base: JobSpec | None = None) -> JobSpec:
-    """Apply the spec flags present in ``args`` on top of ``base``; validate."""
-    options: dict[str, SpecOption] = {o.path: o for o in spec_options()}
-    changes = {}
-    for path, opt in options.items():
-        if hasattr(args, path):
-            raw = getattr(args, path)
-            changes[path] = raw if isinstance(raw, bool) else parse_option_value(opt, raw)
-    spec = (base or JobSpec()).replace(**changes) if changes else (base or JobSpec())
-    return spec.validate()
+from .spec import JobSpec
+from .states import JobState
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The CLI's parser, built from :data:`commands.ARGS` (the magics build theirs from it too)."""
     p = argparse.ArgumentParser(prog="python -m eksft_nb", description="Fault-tolerant FSDP training jobs, "
                                 "launched, watched, broken on purpose and healed from the terminal.")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    run = sub.add_parser("run", help="launch a job (and follow it)")
-    run.add_argument("--spec", dest="spec_file", help="a YAML or JSON job spec; flags override it")
-    run.add_argument("--fault", action="append", default=[], metavar="KIND[:RANK][@STEP]",
-                     help=f"schedule a fault, e.g. sigkill:1@30 (kinds: {', '.join(FAULTS)})")
-    run.add_argument("--detach", action="store_true", help="return at once; the job keeps running")
-    run.add_argument("--dry-run", action="store_true", help="print what would run (EKS: the manifests) and exit")
-    run.add_argument("--json", action="store_true", help="print the final summary as JSON")
-    add_spec_options(run)
-
-    where = argparse.ArgumentParser(add_help=False)
-    where.add_argument("--backend", choices=("local", "eks"), default="local",
-                       help="where the job runs (eks: the kubeconfig's current context and namespace)")
-    sub.add_parser("list", help="list jobs", parents=[where]).add_argument("--json", action="store_true")
-    for name, helptext in (("status", "state and progress of a job"), ("summary", "steps, restarts, goodput, digest"),
-                           ("ckpts", "checkpoints of a job")):
-        sp = sub.add_parser(name, help=helptext, parents=[where])
-        sp.add_argument("name")
-        sp.add_argument("--json", action="store_true")
-    watch = sub.add_parser("watch", help="follow a running job (re-attach)", parents=[where])
-    watch.add_argument("name")
-    logs = sub.add_parser("logs", help="the job's log (library noise filtered unless --debug)", parents=[where])
-    logs.add_argument("name")
-    logs.add_argument("-n", "--lines", type=int, default=200)
-    logs.add_argument("--debug", action="store_true", help="show everything, launcher and library lines included")
-
-    inj = sub.add_parser("inject", help="inject a fault into a running job", parents=[where])
-    inj.add_argument("name")
-    inj.add_argument("fault", help=f"one of: {', '.join(FAULTS)}")
-    inj.add_argument("--rank", type=int, help="target rank (rank faults; default 0)")
-    inj.add_argument("--step", type=int, help="fire at the start of this step (a script's: optimizer step; "
-                     "default: now)")
-    inj.add_argument("--after", type=float, metavar="SECONDS", help="fire this many seconds from now")
-    inj.add_argument("--node", type=int, default=0, help="target node (kill-launcher)")
-    inj.add_argument("--delay", type=float, help="slow-rank: seconds added per step")
-    inj.add_argument("--duration", type=int, help="slow-rank: for this many steps")
-
-    res = sub.add_parser("resume", help="start a new job from a checkpoint of this one", parents=[where])
-    res.add_argument("name")
-    res.add_argument("--step", type=int, help="checkpoint step (default: the newest committed)")
-    res.add_argument("--as", dest="new_name", help="name of the new job (default: NAME-from-STEP)")
-    res.add_argument("--steps", type=int, help="train to this many steps in total")
-    res.add_argument("--detach", action="store_true")
-
-    stop = sub.add_parser("stop", help="stop a job; nothing of it keeps running", parents=[where])
-    stop.add_argument("name")
-    rm = sub.add_parser("rm", help="delete a finished job (its folder or workload; checkpoints included)",
-                        parents=[where])
-    rm.add_argument("name")
-    metrics = sub.add_parser("metrics", help="serve Prometheus metrics of jobs (all, or the ones named)")
-    metrics.add_argument("names", nargs="*", metavar="NAME")
-    metrics.add_argument("--port", type=int, default=9400)
-    metrics.add_argument("--addr", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    commands.add_verbs(p.add_subparsers(dest="command", required=True, metavar="COMMAND"), CLI)
     return p
 
 
@@ -116,21 +40,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     base = JobSpec.load(args.spec_file) if args.spec_file else None
-    spec = spec_from_args(args, base)
-    faults = [parse_fault(f).validate(spec.world_size, spec.nnodes) for f in args.fault]
-    backend = get_backend(spec.backend)
+    spec = commands.spec_from_args(args, base)
     if args.dry_run:
-        print(backend.render(spec))
+        commands.faults_for(spec, args.fault)
+        print(commands.dry_run(spec))
         return 0
-    backend.launch(spec, faults)
-    job = Job(spec.name, backend)
-    print(f"launched {spec.name}: {describe(spec)}")
+    row = commands.launch(spec, args.fault)
+    print(f"launched {row['name']}: {describe(spec)}")
     if spec.backend == "local" and spec.ft.inprocess and (here := nvrx.installed()) and (note := here.inprocess_note()):
         print(f"note: {note}")  # on EKS the image's NVRx decides
     if args.detach:
         print(f"follow it with: python -m eksft_nb watch {spec.name}")
         return 0
-    return follow(job, as_json=args.json)
+    return follow(attach(spec.name, spec.backend), as_json=args.json)
 
 
 def describe(spec: JobSpec) -> str:
@@ -184,7 +106,7 @@ def follow(job: Job, as_json: bool = False) -> int:
                 bar.set_postfix_str((f"loss {loss:.3f}  " if loss is not None else "") + f"{rate:,.1f} {unit}  "
                                     f"restarts {sum(mon.restarts_by_level().values())}", refresh=False)
                 bar.update(mon.last_step - bar.n)
-            if state in ("succeeded", "failed", "stopped", "lost"):
+            if state.ended:
                 break
             time.sleep(0.3)
     except KeyboardInterrupt:
@@ -194,7 +116,7 @@ def follow(job: Job, as_json: bool = False) -> int:
     bar.close()
     summary = job.summary()
     print(json.dumps(summary, indent=2) if as_json else format_summary(summary))
-    return 0 if summary["state"] == "succeeded" else 1
+    return 0 if summary["state"] == JobState.SUCCEEDED else 1
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -220,95 +142,90 @@ def format_summary(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_list(rows: list[commands.JobRow]) -> str:
+    if not rows:
+        return "no jobs yet: launch one with `python -m eksft_nb run`"
+    lines = []
+    for r in rows:
+        if r["backend"] != "local":  # a listing reads no remote job's logs: its state only
+            lines.append(f"{r['name']:<32}{r['state']:<11}{r['detail']}")
+        else:
+            lines.append(f"{r['name']:<32}{r['state']:<11}{r['step']:>7}/{r['total_steps'] or '-':<7}"
+                         f"restarts {sum(r['restarts'].values())}")
+    return "\n".join(lines)
+
+
+def format_status(r: commands.JobRow) -> str:
+    goodput = "-" if r["goodput"] is None else f"{100 * r['goodput']:.1f}%"
+    return (f"{r['name']}: {r['state']}  step {r['step']}/{r['total_steps'] or '-'}  restarts {r['restarts']}  "
+            f"last checkpoint {r['last_checkpoint']}  goodput {goodput}" + (f"  ({r['detail']})" if r["detail"] else ""))
+
+
+def format_checkpoints(infos: list[dict[str, Any]]) -> str:
+    if not infos:
+        return "no checkpoints yet"
+    lines = []
+    for i in infos:
+        when = time.strftime("%H:%M:%S", time.localtime(i["time"])) if i["time"] else "-"
+        note = f"  ({i['reason']})" if i["reason"] else ""
+        lines.append(f"step {i['step']:>7}  {i['state']:<10} {i['bytes'] / 2**20:8.2f} MiB  {when}  {i['path']}{note}")
+    return "\n".join(lines)
+
+
+def show(value: Any, as_json: bool, text: Callable[[Any], str]) -> None:
+    print(json.dumps(value, indent=2) if as_json else text(value))
+
+
 def cmd_list(args: argparse.Namespace) -> int:
-    jobs = get_backend(args.backend).jobs()
-    if args.json:
-        print(json.dumps([j.__dict__ for j in jobs], indent=2))
-    elif not jobs:
-        print("no jobs yet: launch one with `python -m eksft_nb run`")
-    for j in jobs if not args.json else []:
-        if args.backend != "local":  # reading every remote job's logs would take long: state only
-            print(f"{j.name:<32}{j.state:<11}{j.detail}")
-            continue
-        job = attach(j.name)
-        mon = job.refresh()
-        print(f"{j.name:<32}{job.state:<11}{mon.max_step:>7}/{mon.total_steps or job.spec.steps:<7}"
-              f"restarts {sum(mon.restarts_by_level().values())}")
+    show(commands.list_jobs(args.backend), args.json, format_list)
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    job = attach(args.name, args.backend)
-    s = job.summary()
-    committed = job.monitor.last_committed
-    s["last_checkpoint"] = committed.step if committed else None
-    if args.json:
-        print(json.dumps(s, indent=2))
-    else:
-        print(f"{s['name']}: {s['state']}  step {s['steps_done']}/{s['total_steps']}  "
-              f"restarts {s['restarts']}  last checkpoint {s['last_checkpoint']}  "
-              f"goodput {100 * s['goodput']['goodput']:.1f}%")
+    show(commands.status(args.name, args.backend), args.json, format_status)
     return 0
 
 
 def cmd_summary(args: argparse.Namespace) -> int:
-    s = attach(args.name, args.backend).summary()
-    print(json.dumps(s, indent=2) if args.json else format_summary(s))
+    show(commands.summary(args.name, args.backend), args.json, format_summary)
     return 0
 
 
 def cmd_ckpts(args: argparse.Namespace) -> int:
-    infos = attach(args.name, args.backend).checkpoints()
-    if args.json:
-        print(json.dumps([i.to_dict() for i in infos], indent=2))
-        return 0
-    if not infos:
-        print("no checkpoints yet")
-    for i in infos:
-        when = time.strftime("%H:%M:%S", time.localtime(i.time)) if i.time else "-"
-        note = f"  ({i.reason})" if i.reason else ""
-        print(f"step {i.step:>7}  {i.state:<10} {i.bytes / 2**20:8.2f} MiB  {when}  {i.path}{note}")
+    show(commands.checkpoints(args.name, args.backend), args.json, format_checkpoints)
     return 0
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    print(attach(args.name, args.backend).logs(args.lines, args.debug))
+    print(commands.logs(args.name, args.lines, args.debug, args.backend))
     return 0
+
+
+def inject_params(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in (("delay", args.delay), ("duration", args.duration)) if v is not None}
 
 
 def cmd_inject(args: argparse.Namespace) -> int:
-    params = {k: v for k, v in (("delay", args.delay), ("duration", args.duration)) if v is not None}
-    job = attach(args.name, args.backend)
-    cmd = job.inject(args.fault, rank=args.rank, step=args.step, node=args.node, after=args.after, **params)
-    print(injected(job, cmd, wait=10.0 if cmd.when == "now" else 0.0) + f"; id {cmd.id}")
+    now = args.step is None and args.after is None
+    print(commands.inject(args.name, args.fault, rank=args.rank, step=args.step, after=args.after, node=args.node,
+                          params=inject_params(args), backend=args.backend, wait=10.0 if now else 0.0)["message"])
     return 0
 
 
-def injected(job: Job, cmd: Any, wait: float = 0.0) -> str:
-    """What became of a queued fault: fired (the rank reported it, within ``wait`` seconds) or queued."""
-    target = f"rank {cmd.rank}" if cmd.rank is not None else f"node {cmd.node}"
-    fired = job.fired(cmd, timeout=wait)
-    if fired is not None:
-        at = f" at step {fired['step']}" if fired["step"] is not None else ""
-        return f"fired {cmd.fault} on {target} of {job.name}{at}"
-    return f"queued {cmd.fault} for {target} of {job.name} ({cmd.when}); it shows as fired when the rank fires it"
-
-
 def cmd_resume(args: argparse.Namespace) -> int:
-    changes = {"steps": args.steps} if args.steps else {}
-    job = attach(args.name, args.backend).resume(step=args.step, name=args.new_name, **changes)
-    print(f"launched {job.name} from {args.name}'s checkpoint")
-    return 0 if args.detach else follow(job)
+    row = commands.resume(args.name, step=args.step, new_name=args.new_name, steps=args.steps, backend=args.backend)
+    print(f"launched {row['name']} from {args.name}'s checkpoint")
+    return 0 if args.detach else follow(attach(row["name"], args.backend))
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    attach(args.name, args.backend).stop()
+    commands.stop(args.name, args.backend)
     print(f"stopped {args.name}; no process of it is left")
     return 0
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    get_backend(args.backend).remove(args.name)  # type: ignore[attr-defined]
+    commands.remove(args.name, args.backend)
     print(f"removed {args.name}")
     return 0
 

@@ -13,6 +13,7 @@ from .errors import JobError
 from .goodput import Goodput, compute
 from .monitor import JobMonitor
 from .spec import JobSpec
+from .states import BACKEND_OVERRIDES, JobState
 
 
 class Job:
@@ -36,12 +37,19 @@ class Job:
         return self.backend.spec(self.name)
 
     @property
-    def state(self) -> str:
+    def state(self) -> JobState:
+        return self.status()[0]
+
+    def status(self) -> tuple[JobState, str]:
+        """The state and why: what the events say, unless the backend knows better (the job is gone,
+        stopped, failed outside the ranks, or not started yet)."""
         mon = self.refresh()
         if mon.finished:
-            return mon.state
-        backend_state = self.backend.state(self.name).state
-        return backend_state if backend_state in ("lost", "stopped", "failed", "starting") else mon.state
+            return JobState(mon.state), mon.reason
+        backend = self.backend.state(self.name)
+        if backend.state in BACKEND_OVERRIDES:
+            return JobState(backend.state), backend.detail
+        return JobState(mon.state), backend.detail
 
     def inject(self, fault: str, rank: int | None = None, step: int | None = None, node: int = 0,
                after: float | None = None, **params: Any) -> FaultCommand:
@@ -95,12 +103,12 @@ class Job:
     def goodput(self) -> Goodput:
         return compute(self.refresh())
 
-    def wait(self, timeout: float = 600.0, poll: float = 0.5) -> str:
+    def wait(self, timeout: float = 600.0, poll: float = 0.5) -> JobState:
         """Block until the job ends; return its final state."""
         deadline = time.time() + timeout
         while time.time() < deadline:
             state = self.state
-            if state in ("succeeded", "failed", "stopped", "lost"):
+            if state.ended:
                 return state
             time.sleep(poll)
         raise TimeoutError(f"job {self.name} still {self.state} after {timeout:.0f}s")
@@ -120,11 +128,6 @@ class Job:
             "goodput": gp.to_dict(), "digest": mon.digest,
             "events_lost": [{k: e.get(k) for k in ("rank", "count", "error", "kinds")} for e in mon.events_lost],
         }
-
-    def dashboard(self) -> Any:
-        from .dashboard import Dashboard
-
-        return Dashboard(self)
 
 
 def launch(spec: JobSpec | None = None, faults: list[FaultCommand | str] | None = None, **fields: Any) -> Job:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .events import Event
+from .states import RECORDED_ENDS, JobState, RestartLevel
 
 
 @dataclass
@@ -59,7 +60,7 @@ class JobMonitor:
     backend: str = ""
     t_start: float | None = None
     t_end: float | None = None
-    state: str = "pending"        # pending | running | recovering | succeeded | failed | stopped
+    state: JobState = JobState.STARTING   # never lost: only a backend can tell a job is gone
     reason: str = ""
     steps: StepSeries = field(default_factory=StepSeries)
     checkpoints: dict[int, CheckpointRecord] = field(default_factory=dict)
@@ -102,26 +103,26 @@ class JobMonitor:
         return max(done, key=lambda c: c.step) if done else None
 
     def restarts_by_level(self) -> dict[str, int]:
-        out = {"inprocess": 0, "injob": 0, "job": 0}
+        out = {level.value: 0 for level in RestartLevel}
         for r in self.restarts:
             out[r["level"]] = out.get(r["level"], 0) + 1
         return out
 
     @property
     def finished(self) -> bool:
-        return self.state in ("succeeded", "failed", "stopped")
+        return self.state in RECORDED_ENDS
 
     # -- handlers --
     def _on_job_start(self, e: Event) -> None:
         self.name = e.job
         self.t_start = self.t_start or e.t
         self.total_steps, self.world_size, self.backend = e["steps"], e["world_size"], e["backend"]
-        self.state = "running"
+        self.state = JobState.RUNNING
 
     def _on_rank_start(self, e: Event) -> None:
         self.rank_pids[e.rank] = e["pid"]
-        if self.state in ("pending", "recovering"):
-            self.state = "running"
+        if self.state in (JobState.STARTING, JobState.RECOVERING):
+            self.state = JobState.RUNNING
         self.t_start = self.t_start or e.t
 
     def _on_step(self, e: Event) -> None:
@@ -131,8 +132,8 @@ class JobMonitor:
         s.loss.append(e["loss"])
         s.step_time.append(e["step_time"])
         s.tokens.append(e["tokens"])
-        if self.state == "recovering":
-            self.state = "running"
+        if self.state == JobState.RECOVERING:
+            self.state = JobState.RUNNING
 
     def _on_checkpoint(self, e: Event) -> None:
         step, phase = e["step"], e["phase"]
@@ -163,11 +164,11 @@ class JobMonitor:
 
     def _on_failure(self, e: Event) -> None:
         self.failures.append({"t": e.t, **e.data})
-        self.state = "recovering"
+        self.state = JobState.RECOVERING
 
     def _on_restart(self, e: Event) -> None:
         restart = {"t": e.t, **e.data}
-        if restart["level"] in ("injob", "job"):  # NVRx 0.6+: the worker-group cycle this restart began
+        if restart["level"] in (RestartLevel.INJOB, RestartLevel.JOB):  # NVRx 0.6+: the worker-group cycle this restart began
             began = [k for k, c in self.nvrx_cycles.items() if restart["fault_time"] <= c["start"] <= e.t]
             if began:
                 restart["nvrx_cycle"] = max(began, key=lambda k: self.nvrx_cycles[k]["start"])[1]
@@ -186,5 +187,5 @@ class JobMonitor:
         self.digest = e.get("digest", self.digest)
 
     def _on_job_end(self, e: Event) -> None:
-        self.state, self.reason, self.t_end = e["state"], e["reason"], e.t
+        self.state, self.reason, self.t_end = JobState(e["state"]), e["reason"], e.t
         self.digest = e.get("digest", self.digest)

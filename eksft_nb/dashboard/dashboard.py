@@ -19,11 +19,10 @@ from ..checkpoints import CheckpointInfo
 from ..errors import EksftError
 from ..goodput import compute
 from ..job import Job
+from ..states import JobState
 from .figure import TrainingFigure
 from .parts import CheckpointTable, FaultControls, GoodputBar, Header, LogTail
 from .series import Throttle
-
-ENDED = ("succeeded", "failed", "stopped", "lost")
 
 
 class Dashboard(w.VBox):
@@ -89,7 +88,7 @@ class Dashboard(w.VBox):
                 self._say(f"dashboard update failed: {type(e).__name__}: {e}", error=True)
                 self._halt.wait(self.slow_interval)
 
-    def _fold(self) -> str:
+    def _fold(self) -> JobState:
         mon = self.job.refresh()
         state = self.job.state
         self.figure.ingest(mon)
@@ -101,11 +100,11 @@ class Dashboard(w.VBox):
             self.updates += 1
             state = self._fold()
             mon = self.job.monitor
-            ended = state in ENDED
+            ended = state.ended
             self.figure.push()
             committed = mon.last_committed
             h = self.header
-            h.state, h.step, h.total = state, mon.last_step, mon.total_steps or h.total
+            h.state, h.step, h.total = state.value, mon.last_step, mon.total_steps or h.total
             h.restarts = mon.restarts_by_level()
             h.last_checkpoint = committed.step if committed else None
             now = time.monotonic()
@@ -120,7 +119,7 @@ class Dashboard(w.VBox):
             if ended:
                 self.ended = True
                 self.controls.inject.disabled = self.stop_button.disabled = True
-                if state in ("failed", "lost"):
+                if state in (JobState.FAILED, JobState.LOST):
                     self._say(f"{self.job.name} {state}: {mon.reason or self.job.backend.state(self.job.name).detail}",
                               error=True)
             return ended

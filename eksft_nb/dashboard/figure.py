@@ -97,8 +97,8 @@ class TrainingFigure:
         self._seen_restarts = len(mon.restarts)
 
     # ---- drawing -----------------------------------------------------------------------------
-    def build(self) -> go.FigureWidget:
-        """Create the widget with everything ingested so far."""
+    def _draw(self) -> tuple[go.Figure, list[tuple[str, str]]]:
+        """A figure of everything ingested so far, and the (series, part) each of its traces draws."""
         fig = make_subplots(rows=4, cols=1, shared_xaxes=True, vertical_spacing=0.06,
                             row_heights=[0.3, 0.24, 0.24, 0.22], subplot_titles=ROW_TITLES)
         order: list[tuple[str, str]] = []
@@ -108,7 +108,6 @@ class TrainingFigure:
                     row = style.pop("row")
                     fig.add_trace(style.pop("cls")(**style).update(props), row=row, col=1)
                     order.append((name, part))
-            series.take_dirty()
         # a fixed width: plotly sizes a widget before it is on the page, so it cannot fit its container
         fig.update_layout(width=WIDTH, height=680, margin=dict(l=60, r=20, t=40, b=40), template="plotly_white",
                           barmode="stack", bargap=0.0, uirevision="eksft", hovermode="closest", showlegend=False)
@@ -117,6 +116,19 @@ class TrainingFigure:
                          range=[-0.5, len(LANES) - 0.5], fixedrange=True)
         fig.update_yaxes(row=3, col=1, rangemode="tozero")
         fig.update_xaxes(row=4, col=1, title_text="seconds since the job started")
+        return fig, order
+
+    def figure(self) -> go.Figure:
+        """Everything ingested so far as a plain figure, no widget (what the JupyterLab panel draws)."""
+        fig, order = self._draw()
+        self._set_unit(fig.layout, [t for key, t in zip(order, fig.data) if key[0] == "tokens/s"])
+        return fig
+
+    def build(self) -> go.FigureWidget:
+        """Create the widget with everything ingested so far."""
+        fig, order = self._draw()
+        for series in self.series.values():
+            series.take_dirty()
         self.widget = go.FigureWidget(fig)
         for (key, trace) in zip(order, self.widget.data):
             self.traces.setdefault(key, []).append(trace)
@@ -128,8 +140,13 @@ class TrainingFigure:
         if self.unit == self._unit_shown:
             return
         self._unit_shown = self.unit
-        self.widget.layout.annotations[0].text = f"throughput ({self.unit})"
-        for trace in self.traces[("tokens/s", "history")] + self.traces[("tokens/s", "tail")]:
+        self._set_unit(self.widget.layout, self.traces[("tokens/s", "history")] + self.traces[("tokens/s", "tail")])
+
+    def _set_unit(self, layout: Any, traces: list[Any]) -> None:
+        if self.unit == "tok/s":   # what the styles say already
+            return
+        layout.annotations[0].text = f"throughput ({self.unit})"
+        for trace in traces:
             trace.hovertemplate = f"step %{{customdata}}<br>%{{y:,.2f}} {self.unit}<extra></extra>"
 
     def push(self) -> bool:

@@ -1,0 +1,331 @@
+"""The one command layer under every front end (``python -m eksft_nb``, the magics, the JupyterLab
+server extension): typed operations that return JSON-ready models and print nothing, and :data:`ARGS`,
+the one table of their arguments from which the CLI's and the magics' parsers are built.
+
+Bad input raises the :class:`~eksft_nb.errors.EksftError` the CLI shows (``str(e)`` is the one line),
+before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypedDict
+
+from .backends import get_backend
+from .control import FAULTS, FaultCommand, parse_fault
+from .errors import SpecError
+from .goodput import compute
+from .job import Job, attach
+from .spec import JobSpec, _closest, parse_option_value, spec_options
+from .states import JobState, RestartLevel
+
+
+class JobRow(TypedDict):
+    """One job at a glance: what the list, the status line and the side panel show."""
+
+    name: str
+    backend: str
+    state: str                  # a JobState value
+    step: int                   # the last step seen (0 before any)
+    total_steps: int | None     # None: a user's script (its own loop decides)
+    restarts: dict[str, int]    # by RestartLevel value
+    goodput: float | None       # productive share of wall time, 0..1; None before the job started
+    last_checkpoint: int | None  # the newest committed step
+    script: str | None
+    ended: bool
+    detail: str                 # the backend's reason (why it failed, what a pod waits for) or ""
+
+
+class InjectResult(TypedDict):
+    id: str
+    job: str
+    fault: str
+    target: str      # "rank 1" | "node 0"
+    when: str        # "now" | "step 30" | "after 2.0s"
+    fired: bool
+    step: int | None  # where it fired
+    message: str     # the line the CLI prints
+
+
+# ---- the operations ---------------------------------------------------------------------------
+
+def job_row(job: Job) -> JobRow:
+    """The row of a job whose events this process can read (any local job, an EKS job by name)."""
+    mon = job.refresh()
+    state, detail = job.status()
+    spec = job.spec
+    committed = mon.last_committed
+    return {"name": job.name, "backend": job.backend.name, "state": state.value, "step": mon.last_step,
+            "total_steps": None if spec.script else (mon.total_steps or spec.steps),
+            "restarts": mon.restarts_by_level(), "goodput": compute(mon).goodput if mon.t_start else None,
+            "last_checkpoint": committed.step if committed else None, "script": spec.script,
+            "ended": state.ended, "detail": detail}
+
+
+def list_jobs(backend: str = "local") -> list[JobRow]:
+    """Every job of ``backend``, oldest first. On EKS a job's events come from its pods' logs, which
+    is too slow for a listing: its row holds the workload's state only (``status`` has the rest)."""
+    b = get_backend(backend)
+    if backend == "local":
+        return [job_row(Job(j.name, b)) for j in b.jobs()]
+    rows: list[JobRow] = []
+    for j in b.jobs():
+        state = JobState(j.state)
+        rows.append({"name": j.name, "backend": backend, "state": state.value, "step": 0, "total_steps": None,
+                     "restarts": {level.value: 0 for level in RestartLevel}, "goodput": None,
+                     "last_checkpoint": None, "script": None, "ended": state.ended, "detail": j.detail})
+    return rows
+
+
+def status(name: str, backend: str = "local") -> JobRow:
+    return job_row(attach(name, backend))
+
+
+def faults_for(spec: JobSpec, faults: Iterable[str | FaultCommand]) -> list[FaultCommand]:
+    """Scheduled faults (``sigkill:1@30`` or commands), checked against the job they go to."""
+    return [(parse_fault(f) if isinstance(f, str) else f).validate(spec.world_size, spec.nnodes) for f in faults]
+
+
+def launch(spec: JobSpec, faults: Sequence[str | FaultCommand] = ()) -> JobRow:
+    """Validate the spec and the faults, start the job detached, return its first row."""
+    spec = spec.validate()
+    commands = faults_for(spec, faults)
+    b = get_backend(spec.backend)
+    b.launch(spec, commands)
+    return job_row(Job(spec.name, b))
+
+
+def dry_run(spec: JobSpec) -> str:
+    """What :func:`launch` would start (EKS: the manifests; local: the launchers' commands)."""
+    return get_backend(spec.validate().backend).render(spec)
+
+
+def inject(name: str, fault: str, *, rank: int | None = None, step: int | None = None, after: float | None = None,
+           node: int = 0, params: dict[str, Any] | None = None, backend: str = "local",
+           wait: float = 0.0) -> InjectResult:
+    """Queue a fault into a running job; wait up to ``wait`` seconds for a rank to fire it."""
+    job = attach(name, backend)
+    cmd = job.inject(fault, rank=rank, step=step, node=node, after=after, **(params or {}))
+    target = f"rank {cmd.rank}" if cmd.rank is not None else f"node {cmd.node}"
+    fired = job.fired(cmd, timeout=wait)
+    if fired is not None:
+        at = f" at step {fired['step']}" if fired["step"] is not None else ""
+        message = f"fired {cmd.fault} on {target} of {job.name}{at}"
+    else:
+        message = f"queued {cmd.fault} for {target} of {job.name} ({cmd.when}); it shows as fired when the rank fires it"
+    when = f"step {cmd.step}" if cmd.step is not None else f"after {cmd.after:g}s" if cmd.after is not None else "now"
+    return {"id": cmd.id, "job": job.name, "fault": cmd.fault, "target": target, "when": when,
+            "fired": fired is not None, "step": fired["step"] if fired is not None else None,
+            "message": f"{message}; id {cmd.id}"}
+
+
+def stop(name: str, backend: str = "local") -> JobRow:
+    """End the job; when this returns nothing of it runs."""
+    job = attach(name, backend)
+    job.stop()
+    return job_row(job)
+
+
+def checkpoints(name: str, backend: str = "local") -> list[dict[str, Any]]:
+    return [i.to_dict() for i in attach(name, backend).checkpoints()]
+
+
+def resume(name: str, *, step: int | None = None, new_name: str | None = None, steps: int | None = None,
+           backend: str = "local") -> JobRow:
+    """Start a new job from a committed checkpoint of ``name`` (default: the newest); the new job's row."""
+    changes = {"steps": steps} if steps else {}
+    return job_row(attach(name, backend).resume(step=step, name=new_name, **changes))
+
+
+def summary(name: str, backend: str = "local") -> dict[str, Any]:
+    """Steps, restarts (each with cause and downtime), checkpoints, goodput, final digest."""
+    return attach(name, backend).summary()
+
+
+def logs(name: str, lines: int = 200, debug: bool = False, backend: str = "local") -> str:
+    return attach(name, backend).logs(lines, debug)
+
+
+def remove(name: str, backend: str = "local") -> None:
+    """Delete an ended job (its folder or workload, checkpoints included)."""
+    get_backend(backend).remove(name)  # type: ignore[attr-defined]
+
+
+def spec_from_options(values: Mapping[str, Any], base: JobSpec | None = None) -> JobSpec:
+    """``base`` (default: the defaults) with dotted spec fields changed, validated. A string value is
+    read as the option's text would be (``"100"`` for ``steps``); other values must have the field's type."""
+    options = {o.path: o for o in spec_options()}
+    changes = {}
+    for path, raw in values.items():
+        opt = options.get(path)
+        if opt is None:
+            raise SpecError(f"unknown spec field {path!r}", f"did you mean {_closest(path, options)}?")
+        changes[path] = parse_option_value(opt, raw) if isinstance(raw, str) else raw
+    spec = base or JobSpec()
+    return (spec.replace(**changes) if changes else spec).validate()
+
+
+# ---- the argument table -----------------------------------------------------------------------
+
+CLI, MAGIC = "cli", "magic"
+BOTH = frozenset({CLI, MAGIC})
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One argument: argparse's names and keywords, the front ends that take it, and what differs in
+    the magics (there a job NAME may be left out: the notebook's current job is meant)."""
+
+    names: tuple[str, ...]
+    kwargs: Mapping[str, Any]
+    fronts: frozenset[str] = BOTH
+    magic: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def flags(self) -> list[str]:
+        return [n for n in self.names if n.startswith("-")]
+
+    def add_to(self, parser: argparse.ArgumentParser | Any, front: str) -> None:
+        parser.add_argument(*self.names, **{**self.kwargs, **(self.magic if front == MAGIC else {})})
+
+
+def arg(*names: str, fronts: frozenset[str] = BOTH, magic: Mapping[str, Any] | None = None, **kwargs: Any) -> Arg:
+    return Arg(names, kwargs, fronts, magic or {})
+
+
+@dataclass(frozen=True)
+class Verb:
+    """A command: ``python -m eksft_nb NAME`` and ``%ftrain NAME`` (``magic_name`` where the notebook
+    says it otherwise); ``run`` is the cell magic ``%%ftrain``, and also takes every spec field."""
+
+    name: str
+    help: str
+    args: tuple[Arg, ...]
+    fronts: frozenset[str] = BOTH
+    magic_name: str | None = None
+
+    def name_in(self, front: str) -> str:
+        return self.magic_name or self.name if front == MAGIC else self.name
+
+    def args_in(self, front: str) -> list[Arg]:
+        return [a for a in self.args if front in a.fronts]
+
+
+NAME = arg("name", help="the job", magic={"nargs": "?", "help": "the job (default: this notebook's current job)"})
+BACKEND = arg("--backend", choices=("local", "eks"), default="local",
+              help="where the job runs (eks: the kubeconfig's current context and namespace)",
+              magic={"default": None, "help": "where the job runs (default: local, or the current job's)"})
+JSON = arg("--json", action="store_true", help="print JSON instead of text")
+FAULT_KINDS = ", ".join(FAULTS)
+
+ARGS: dict[str, Verb] = {v.name: v for v in (
+    Verb("run", "launch a job (and follow it)", (
+        arg("--spec", dest="spec_file", help="a YAML or JSON job spec; the spec options override it"),
+        arg("--fault", action="append", default=[], metavar="KIND[:RANK][@STEP]",
+            help=f"schedule a fault, e.g. sigkill:1@30 (kinds: {FAULT_KINDS})"),
+        arg("--detach", action="store_true", fronts=frozenset({CLI}), help="return at once; the job keeps running"),
+        arg("--dry-run", action="store_true", help="show what would run (EKS: the manifests); launch nothing"),
+        arg("--json", action="store_true", fronts=frozenset({CLI}), help="print the final summary as JSON"),
+    )),
+    Verb("list", "jobs and their state", (BACKEND, JSON)),
+    Verb("status", "state and progress of a job", (NAME, BACKEND, JSON)),
+    Verb("watch", "follow a job: the CLI its progress, the notebook its dashboard (its whole history, then live)",
+         (NAME, BACKEND), magic_name="attach"),
+    Verb("summary", "steps, restarts, goodput, digest", (NAME, BACKEND, JSON)),
+    Verb("ckpts", "checkpoints of a job: committed, incomplete, rejected", (NAME, BACKEND, JSON)),
+    Verb("logs", "the job's log (library noise filtered unless --debug)", (
+        NAME, BACKEND,
+        arg("-n", "--lines", type=int, default=200, help="how many lines (the last ones)"),
+        arg("--debug", action="store_true", help="show everything, launcher and library lines included"))),
+    Verb("inject", "inject a fault into a running job", (
+        NAME,
+        arg("fault", help=f"one of: {FAULT_KINDS}"),
+        BACKEND,
+        arg("--rank", type=int, help="target rank (rank faults; default 0)"),
+        arg("--step", type=int, help="fire at the start of this step (a script's: optimizer step; default: now)"),
+        arg("--after", type=float, metavar="SECONDS", help="fire this many seconds from now"),
+        arg("--node", type=int, default=0, help="target node (kill-launcher)"),
+        arg("--delay", type=float, help="slow-rank, slow-storage: seconds added per step or write"),
+        arg("--duration", type=int, help="slow-rank, disk-full, slow-storage: for this many steps"))),
+    Verb("resume", "start a new job from a checkpoint of this one", (
+        NAME, BACKEND,
+        arg("--step", type=int, help="checkpoint step (default: the newest committed)"),
+        arg("--as", dest="new_name", help="name of the new job (default: NAME-from-STEP)"),
+        arg("--steps", type=int, help="train to this many steps in total"),
+        arg("--detach", action="store_true", fronts=frozenset({CLI}), help="return at once; the job keeps running"))),
+    Verb("stop", "stop a job; nothing of it keeps running", (NAME, BACKEND)),
+    Verb("rm", "delete an ended job (its folder or workload; checkpoints included)", (NAME, BACKEND)),
+    Verb("metrics", "serve Prometheus metrics of jobs (all, or the ones named)", (
+        arg("names", nargs="*", metavar="NAME", help="the jobs (default: all)"),
+        arg("--port", type=int, default=9400),
+        arg("--addr", default="127.0.0.1", help="address to listen on (default: loopback only)")),
+        fronts=frozenset({CLI})),
+)}
+
+# the sections of the spec options, as their help groups them
+SPEC_GROUPS = {"": "job", "model.": "model", "checkpoint.": "checkpoints", "ft.": "fault tolerance", "eks.": "EKS"}
+
+
+def _section(path: str) -> str:
+    return path.rsplit(".", 1)[0] + "." if "." in path else ""
+
+
+def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
+    """One option per spec field, grouped by section. No defaults are set: only the options given
+    override the spec (the defaults, or a --spec file)."""
+    groups: dict[str, Any] = {}
+    for opt in sorted(spec_options(), key=lambda o: list(SPEC_GROUPS).index(_section(o.path))):
+        title = SPEC_GROUPS[_section(opt.path)]
+        group = groups.get(title) or groups.setdefault(title, parser.add_argument_group(f"{title} (job spec fields)"))
+        if opt.type is bool:
+            group.add_argument(opt.flag, dest=opt.path, action=argparse.BooleanOptionalAction,
+                               default=argparse.SUPPRESS, help=f"{opt.help} (default: {opt.default})")
+        else:
+            choices = f" {{{','.join(opt.choices)}}}" if opt.choices else ""
+            group.add_argument(opt.flag, dest=opt.path, default=argparse.SUPPRESS, metavar=opt.flag[2:].upper(),
+                               help=f"{opt.help}{choices} (default: {opt.default})")
+
+
+def add_verb_arguments(parser: argparse.ArgumentParser, verb: str, front: str) -> None:
+    """The arguments of ``verb`` that ``front`` takes (``run``: the spec options too)."""
+    for a in ARGS[verb].args_in(front):
+        a.add_to(parser, front)
+    if verb == "run":
+        add_spec_arguments(parser)
+
+
+def add_verbs(subparsers: Any, front: str, **kwargs: Any) -> None:
+    """One sub-parser per verb ``front`` takes, but ``run`` (the cell magic is a parser of its own)."""
+    for verb in ARGS.values():
+        if front in verb.fronts and (front == CLI or verb.name != "run"):
+            add_verb_arguments(subparsers.add_parser(verb.name_in(front), help=verb.help, **kwargs), verb.name, front)
+
+
+def flags(front: str, verbs: Iterable[str] | None = None) -> list[str]:
+    """Every option flag ``front`` takes (of ``verbs``; default: all), for "did you mean"."""
+    chosen = [ARGS[v] for v in verbs] if verbs is not None else list(ARGS.values())
+    out = ["-h", "--help"]
+    for verb in chosen:
+        if front in verb.fronts:
+            out += [f for a in verb.args_in(front) for f in a.flags]
+            if verb.name == "run":
+                out += [o.flag for o in spec_options()] + [f"--no-{o.flag[2:]}" for o in spec_options() if o.type is bool]
+    return list(dict.fromkeys(out))
+
+
+def positionals(verb: str, front: str) -> str:
+    """The words a verb takes, as its usage line writes them: ``[NAME] FAULT``."""
+    words = []
+    for a in ARGS[verb].args_in(front):
+        if not a.flags:
+            kw = {**a.kwargs, **(a.magic if front == MAGIC else {})}
+            word = kw.get("metavar") or a.names[0].upper()
+            words.append(f"[{word}]" if kw.get("nargs") in ("?", "*") else word)
+    return " ".join(words)
+
+
+def spec_from_args(args: argparse.Namespace, base: JobSpec | None = None) -> JobSpec:
+    """Apply the spec options present in ``args`` (parsed with :func:`add_spec_arguments`) to ``base``."""
+    return spec_from_options({o.path: getattr(args, o.path) for o in spec_options() if hasattr(args, o.path)}, base)

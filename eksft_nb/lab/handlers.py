@@ -1,0 +1,207 @@
+"""The ``/eksft/`` routes: thin handlers over the command layer and the jobs manager.
+
+Every handler is a Jupyter ``APIHandler`` and every method ``@web.authenticated``, so the server's
+token and XSRF checks apply as on ``/api/``. Commands run in a worker thread (a stop takes seconds;
+the server's loop never waits on a job). A refused request answers 400 (404: no such job) with
+``{"error", "problem", "fix"}``, ``error`` being the line the CLI prints, and has changed nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from jupyter_server.base.handlers import APIHandler
+from jupyter_server.utils import url_path_join
+from tornado import web
+from tornado.iostream import StreamClosedError
+
+from ..errors import EksftError, JobError
+from . import ops, requests
+from .manager import JobsManager, describe_error, eks_configured
+
+KEEPALIVE_S = 15.0
+
+
+def _unknown_job(e: EksftError) -> bool:
+    """The job named in the path does not exist (the backends' own "no job named" refusals)."""
+    return isinstance(e, JobError) and e.problem.startswith(("no job named", "no EKS job named"))
+
+
+def refusing(method: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+    """Answer an :class:`EksftError` as a one-line refusal (400, or 404 for an unknown job)."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Base, *args: str) -> None:
+        try:
+            await method(self, *args)
+        except EksftError as e:
+            self.set_status(404 if _unknown_job(e) else 400)
+            self.finish(json.dumps({"error": str(e), "problem": e.problem, "fix": e.fix}))
+
+    return wrapper
+
+
+class Base(APIHandler):
+    @property
+    def manager(self) -> JobsManager:
+        return self.settings["eksft_manager"]
+
+    def backend(self) -> str:
+        return self.get_query_argument("backend", "local")
+
+    async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` in a worker thread."""
+        return await asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args, **kwargs))
+
+    async def reply(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        self.finish(json.dumps(await self.call(fn, *args, **kwargs)))
+
+
+class JobsHandler(Base):
+    @web.authenticated
+    @refusing
+    async def get(self) -> None:
+        """Every local job, and the EKS ones where a kubeconfig is set (a failing cluster is reported,
+        never fails the list)."""
+        jobs = await self.call(ops.list_jobs, "local")
+        backends: dict[str, Any] = {"local": {"ok": True}}
+        if eks_configured():
+            try:
+                jobs += await self.call(ops.list_jobs, "eks")
+                backends["eks"] = {"ok": True, "error": None}
+            except Exception as e:
+                backends["eks"] = {"ok": False, "error": describe_error(e)}
+        self.finish(json.dumps({"jobs": jobs, "backends": backends}))
+
+    @web.authenticated
+    @refusing
+    async def post(self) -> None:
+        spec, faults = requests.launch_args(requests.body(self.request.body, requests.LAUNCH))
+        await self.reply(ops.launch, spec, faults)
+
+
+class JobHandler(Base):
+    @web.authenticated
+    @refusing
+    async def get(self, name: str) -> None:
+        await self.reply(ops.status, name, backend=self.backend())
+
+
+class InjectHandler(Base):
+    @web.authenticated
+    @refusing
+    async def post(self, name: str) -> None:
+        args = requests.inject_args(requests.body(self.request.body, requests.INJECT))
+        await self.reply(ops.inject, name, args.pop("fault"), **args)
+
+
+class StopHandler(Base):
+    @web.authenticated
+    @refusing
+    async def post(self, name: str) -> None:
+        data = requests.body(self.request.body, requests.STOP)
+        await self.reply(ops.stop, name, backend=data.get("backend", "local"))
+
+
+class ResumeHandler(Base):
+    @web.authenticated
+    @refusing
+    async def post(self, name: str) -> None:
+        data = requests.body(self.request.body, requests.RESUME)
+        await self.reply(ops.resume, name, step=data.get("step"), new_name=data.get("as"), steps=data.get("steps"),
+                         backend=data.get("backend", "local"))
+
+
+class CheckpointsHandler(Base):
+    @web.authenticated
+    @refusing
+    async def get(self, name: str) -> None:
+        self.finish(json.dumps({"checkpoints": await self.call(ops.checkpoints, name, backend=self.backend())}))
+
+
+class SummaryHandler(Base):
+    @web.authenticated
+    @refusing
+    async def get(self, name: str) -> None:
+        await self.reply(ops.summary, name, backend=self.backend())
+
+
+class LogsHandler(Base):
+    @web.authenticated
+    @refusing
+    async def get(self, name: str) -> None:
+        lines = requests.query_int(self.get_query_argument("lines", None), "lines", 200, 1, requests.MAX_LOG_LINES)
+        debug = requests.query_bool(self.get_query_argument("debug", None), "debug")
+        text = await self.call(ops.logs, name, lines=lines, debug=debug, backend=self.backend())
+        self.finish(json.dumps({"text": text}))
+
+
+class FigureHandler(Base):
+    @web.authenticated
+    @refusing
+    async def get(self, name: str) -> None:
+        """The dashboard's figure (plotly JSON), built in the manager's thread from the job's fold."""
+        self.finish(await self.manager.figure(name, self.backend()))
+
+
+class StreamHandler(Base):
+    """Server-sent events: ``jobs`` first and on every change, ``restart`` and ``failure`` as they
+    happen, a ``: keepalive`` comment every 15 s."""
+
+    @web.authenticated
+    async def get(self) -> None:
+        self.set_header("Content-Type", "text/event-stream")
+        self.set_header("Cache-Control", "no-cache")
+        self.set_header("X-Accel-Buffering", "no")    # no proxy buffering of the stream
+        self._queue = queue = self.manager.subscribe()
+        try:
+            while True:
+                try:
+                    message = await asyncio.wait_for(queue.get(), KEEPALIVE_S)
+                except asyncio.TimeoutError:
+                    self.write(": keepalive\n\n")
+                else:
+                    if message is None:       # the server is shutting down, or the client left
+                        break
+                    kind, data = message
+                    self.write(f"event: {kind}\ndata: {json.dumps(data)}\n\n")
+                await self.flush()
+        except StreamClosedError:
+            pass
+        finally:
+            self.manager.unsubscribe(queue)
+        if not self._finished:
+            self.finish(set_content_type="text/event-stream")
+
+    def on_connection_close(self) -> None:
+        queue = getattr(self, "_queue", None)
+        if queue is not None:
+            queue.put_nowait(None)
+
+
+ROUTES: list[tuple[str, type[Base]]] = [
+    ("jobs", JobsHandler),
+    ("jobs/([^/]+)", JobHandler),
+    ("jobs/([^/]+)/inject", InjectHandler),
+    ("jobs/([^/]+)/stop", StopHandler),
+    ("jobs/([^/]+)/resume", ResumeHandler),
+    ("jobs/([^/]+)/checkpoints", CheckpointsHandler),
+    ("jobs/([^/]+)/summary", SummaryHandler),
+    ("jobs/([^/]+)/logs", LogsHandler),
+    ("jobs/([^/]+)/figure", FigureHandler),
+    ("stream", StreamHandler),
+]
+
+
+def setup(serverapp: Any) -> JobsManager:
+    """Add the routes to a Jupyter server; return the manager they share."""
+    web_app = serverapp.web_app
+    manager = JobsManager()
+    web_app.settings["eksft_manager"] = manager
+    base = url_path_join(web_app.settings["base_url"], "eksft")
+    web_app.add_handlers(".*$", [(url_path_join(base, path), handler) for path, handler in ROUTES])
+    return manager

@@ -1,0 +1,117 @@
+"""What a request to ``/eksft/`` may carry, checked before anything runs.
+
+A body is untrusted JSON: it is read into exactly the arguments the command layer takes, or refused
+with one :class:`~eksft_nb.errors.EksftError` line. Field values go through the validators the CLI
+uses (the fault command's, the spec's), so a bad value gets the CLI's message.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..control import FaultCommand, parse_fault
+from ..errors import ControlError, SpecError
+from ..spec import JobSpec, _closest, _show, parse_option_value, spec_options
+
+MAX_BODY = 64 * 1024      # bytes: a spec and a few faults fit many times over
+MAX_FAULTS = 64
+MAX_LOG_LINES = 100_000
+
+Check = tuple[Callable[[Any], bool], str]
+
+
+def _integer(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: v is None or check(v)
+
+
+_BACKEND: Check = (lambda v: isinstance(v, str), '"local" or "eks"')
+_ANY: Check = (lambda v: True, "")    # checked by the command's own validator
+
+# route -> field -> check; every field a route takes, and nothing else
+INJECT: dict[str, Check] = {"fault": _ANY, "rank": _ANY, "step": _ANY, "after": _ANY, "node": _ANY, "delay": _ANY,
+                            "duration": _ANY, "backend": _BACKEND}
+STOP: dict[str, Check] = {"backend": _BACKEND}
+RESUME: dict[str, Check] = {
+    "step": (_optional(_integer), "a committed checkpoint's step (an integer), or null for the newest"),
+    "as": (_optional(lambda v: isinstance(v, str)), "the new job's name (a string), or null"),
+    "steps": (_optional(lambda v: _integer(v) and v >= 1), "an integer >= 1 (steps in total), or null"),
+    "backend": _BACKEND}
+LAUNCH: dict[str, Check] = {
+    "spec": (lambda v: isinstance(v, dict), 'an object of spec fields, e.g. {"steps": 80, "model.preset": "tiny"}'),
+    "faults": (lambda v: isinstance(v, list) and len(v) <= MAX_FAULTS and all(isinstance(f, str) for f in v),
+               f'a list of at most {MAX_FAULTS} faults like "sigkill:1@30"')}
+
+
+def body(raw: bytes, shape: Mapping[str, Check]) -> dict[str, Any]:
+    """The request body as a dict holding only fields of ``shape``, each passing its check."""
+    example = "{" + ", ".join(f'"{k}": ...' for k in list(shape)[:2]) + "}"
+    if len(raw) > MAX_BODY:
+        raise ControlError(f"the request body is {len(raw)} bytes", f"send at most {MAX_BODY} bytes")
+    try:
+        data = json.loads(raw) if raw.strip() else {}
+    except (ValueError, RecursionError):
+        raise ControlError("the request body is not valid JSON", f"send one JSON object, e.g. {example}") from None
+    if not isinstance(data, dict):
+        raise ControlError(f"the request body must be a JSON object, got {type(data).__name__}", f"send e.g. {example}")
+    unknown = sorted(set(data) - set(shape))
+    if unknown:
+        raise ControlError(f"unknown field(s) in the request: {_show(', '.join(unknown))}",
+                           f"use only {', '.join(shape)}")
+    for key, value in data.items():
+        ok, what = shape[key]
+        if not ok(value):
+            raise ControlError(f"request field {key} is {_show(value)}", f"it must be {what}")
+    return data
+
+
+def inject_args(data: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of ``commands.inject`` (but ``name``), types checked as a fault command's."""
+    if "fault" not in data:
+        raise ControlError("the request lacks its fault", 'send e.g. {"fault": "sigkill", "rank": 1}')
+    params = {k: data[k] for k in ("delay", "duration") if k in data}
+    fields = {k: data[k] for k in ("fault", "rank", "step", "after", "node") if k in data}
+    command = FaultCommand.from_dict({**fields, "params": params})   # the command file's own type checks
+    return {"fault": command.fault, "rank": command.rank, "step": command.step, "after": command.after,
+            "node": command.node, "params": params, "backend": data.get("backend", "local")}
+
+
+def launch_args(data: dict[str, Any]) -> tuple[JobSpec, list[FaultCommand]]:
+    """The spec (dotted fields over the defaults; text values read as the CLI reads its flags) and faults."""
+    options = {o.path: o for o in spec_options()}
+    changes = {}
+    for path, value in data.get("spec", {}).items():
+        option = options.get(path)
+        if option is None:
+            raise SpecError(f"unknown spec field {_show(path)}",
+                            f"did you mean {_closest(path, options)}? (dotted names, e.g. checkpoint.every)")
+        changes[path] = parse_option_value(option, value) if isinstance(value, str) else value
+    spec = (JobSpec().replace(**changes) if changes else JobSpec()).validate()
+    return spec, [parse_fault(f).validate(spec.world_size, spec.nnodes) for f in data.get("faults", [])]
+
+
+def query_int(raw: str | None, name: str, default: int, low: int, high: int) -> int:
+    """An integer query argument within [low, high]."""
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or not low <= value <= high:
+        raise ControlError(f"query argument {name} is {_show(raw)}", f"use an integer from {low} to {high}")
+    return value
+
+
+def query_bool(raw: str | None, name: str) -> bool:
+    if raw is None or raw.lower() in ("", "0", "false", "no"):
+        return False
+    if raw.lower() in ("1", "true", "yes"):
+        return True
+    raise ControlError(f"query argument {name} is {_show(raw)}", "use true or false")
+

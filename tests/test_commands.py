@@ -1,0 +1,167 @@
+"""The command layer: JSON-ready models from real jobs, the CLI's refusals before anything is written."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+from pathlib import Path
+
+import pytest
+
+import eksft_nb
+from eksft_nb import commands
+from eksft_nb.backends import procs
+from eksft_nb.commands import ARGS, BOTH, CLI, MAGIC
+from eksft_nb.control import FAULTS
+from eksft_nb.errors import ControlError, JobError, SpecError
+from eksft_nb.jobdir import JobDir, jobs_root
+from eksft_nb.spec import JobSpec, spec_options
+from eksft_nb.states import ENDED, FaultKind, FaultScope, JobState, RestartLevel
+from jobs import wait_for
+
+ROW_KEYS = {"name", "backend", "state", "step", "total_steps", "restarts", "goodput", "last_checkpoint", "script",
+            "ended", "detail"}
+
+
+def test_states_are_their_strings() -> None:
+    assert JobState.LOST == "lost" and json.dumps({"s": JobState.LOST}) == '{"s": "lost"}' and f"{JobState.LOST}" == "lost"
+    assert ENDED == {JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED, JobState.LOST}
+    assert [s for s in JobState if s.ended] == sorted(ENDED, key=list(JobState).index)
+    assert [level.value for level in RestartLevel] == ["inprocess", "injob", "job"]
+    assert {k: (FaultKind(k).scope, FaultKind(k).description) for k in FAULTS} == FAULTS
+    assert {FaultKind(k).scope for k in FAULTS} == set(FaultScope)
+
+
+def test_spec_from_options_reads_text_and_json_values_and_refuses_like_the_cli() -> None:
+    spec = commands.spec_from_options({"steps": "40", "ft.inprocess": False, "script_args": ["--lr", "1"],
+                                       "checkpoint.dir": "none"})
+    assert (spec.steps, spec.ft.inprocess, spec.script_args, spec.checkpoint.dir) == (40, False, ["--lr", "1"], None)
+    with pytest.raises(SpecError, match="--steps expects int, got 'many'"):
+        commands.spec_from_options({"steps": "many"})
+    with pytest.raises(SpecError, match="steps must be an integer, got True"):
+        commands.spec_from_options({"steps": True})
+    with pytest.raises(SpecError, match="unknown spec field 'stepz': did you mean steps"):
+        commands.spec_from_options({"stepz": 3})
+
+
+def test_refusals_change_nothing() -> None:
+    before = sorted(jobs_root().glob("*")) if jobs_root().exists() else []
+    for call, error, text in [
+        (lambda: commands.status("no-such-job"), JobError, "no job named 'no-such-job'"),
+        (lambda: commands.inject("no-such-job", "sigkill"), JobError, "no job named 'no-such-job'"),
+        (lambda: commands.launch(JobSpec(name="bad"), ["explode:0@3"]), ControlError, "unknown fault 'explode'"),
+        (lambda: commands.launch(JobSpec(name="bad"), ["hang:5@3"]), ControlError, "rank 5 is out of range"),
+        (lambda: commands.launch(JobSpec(name="Bad_Name")), SpecError, "invalid job name"),
+        (lambda: commands.list_jobs("gke"), SpecError, "unknown backend 'gke'"),
+    ]:
+        with pytest.raises(error, match=text):
+            call()
+    assert (sorted(jobs_root().glob("*")) if jobs_root().exists() else []) == before
+
+
+@pytest.mark.slow
+def test_operations_on_real_jobs(finished_job: str) -> None:
+    done = commands.status(finished_job)
+    assert set(done) == ROW_KEYS and json.loads(json.dumps(done)) == done
+    assert (done["state"], done["ended"], done["step"], done["total_steps"]) == ("succeeded", True, 12, 12)
+    assert done["restarts"] == {"inprocess": 0, "injob": 0, "job": 0} and 0 < done["goodput"] <= 1
+    committed = [c["step"] for c in commands.checkpoints(finished_job) if c["state"] == "committed"]
+    assert committed[:2] == [5, 10] and done["last_checkpoint"] == committed[-1]
+    assert commands.summary(finished_job)["steps_done"] == 12 and "step" in commands.logs(finished_job, lines=50)
+    with pytest.raises(JobError, match=r"has already ended \(succeeded\)"):
+        commands.inject(finished_job, "hang", rank=1)
+
+    spec = commands.spec_from_options({"name": "cmd-live", "model.preset": "tiny", "steps": "100000",
+                                       "checkpoint.every": "3"})
+    row = commands.launch(spec)
+    assert row["name"] == "cmd-live" and row["state"] in ("starting", "running") and not row["ended"]
+    try:
+        wait_for("a step", lambda: commands.status("cmd-live")["step"] >= 1)
+        with pytest.raises(ControlError, match="rank 7 is out of range"):
+            commands.inject("cmd-live", "sigkill", rank=7)
+        result = commands.inject("cmd-live", "slow-rank", rank=1, params={"delay": 0.01, "duration": 2}, wait=120)
+        assert result["fired"] and result["target"] == "rank 1" and result["when"] == "now"
+        assert result["message"].startswith("fired slow-rank on rank 1 of cmd-live") and result["id"] in result["message"]
+        step = wait_for("a committed checkpoint", lambda: commands.status("cmd-live")["last_checkpoint"])
+        resumed = commands.resume("cmd-live", step=step, new_name="cmd-resumed", steps=step + 4)
+        assert resumed["name"] == "cmd-resumed" and resumed["total_steps"] == step + 4
+        names = [r["name"] for r in commands.list_jobs()]
+        assert names.index(finished_job) < names.index("cmd-live") < names.index("cmd-resumed")
+        assert wait_for("the resumed job's end", lambda: commands.status("cmd-resumed")["ended"])
+    finally:
+        stopped = commands.stop("cmd-live")
+    assert (stopped["state"], stopped["ended"]) == ("stopped", True) and JobState(stopped["state"]) in ENDED
+    assert procs.marked(JobDir.for_name("cmd-live").supervisor()["job_uid"]) == []
+    final = commands.status("cmd-resumed")
+    assert final["state"] == "succeeded" and final["step"] == step + 4, final
+
+
+# ---- one argument table ---------------------------------------------------------------------------
+
+def _options(parser: argparse.ArgumentParser) -> set[str]:
+    return {s for a in parser._actions for s in a.option_strings} | {a.dest for a in parser._actions
+                                                                    if not a.option_strings}
+
+
+def _verbs(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def test_the_cli_and_the_magics_take_the_same_options_from_one_table() -> None:
+    from eksft_nb import cli, magics
+
+    fronts = {CLI: _verbs(cli.build_parser()), MAGIC: {**_verbs(magics._line_parser()), "run": magics._cell_parser()}}
+    spec_flags = {o.flag for o in spec_options()}
+    only_cli = set()
+    for verb in ARGS.values():
+        for front in verb.fronts:
+            parser = fronts[front][verb.name if verb.name == "run" else verb.name_in(front)]
+            taken = _options(parser)
+            assert {n for a in verb.args_in(front) for n in (a.flags or [a.kwargs.get("dest", a.names[0])])} <= taken
+            if verb.name == "run":
+                assert spec_flags <= taken, spec_flags - taken
+        if verb.fronts == BOTH:
+            only_cli |= {(verb.name, f) for a in verb.args_in(CLI) for f in a.flags} - \
+                {(verb.name, f) for a in verb.args_in(MAGIC) for f in a.flags}
+    # a notebook never blocks on a job, so "return at once" and "print the final summary" are the CLI's alone
+    assert only_cli == {("run", "--detach"), ("run", "--json"), ("resume", "--detach")}
+    assert {v.name for v in ARGS.values() if v.fronts != BOTH} == {"metrics"}   # a server: a terminal's
+    for verb in ARGS.values():
+        if MAGIC in verb.fronts and verb.name != "run":
+            assert f"%ftrain {verb.name_in(MAGIC)}" in magics.LINE_USAGE
+
+
+def test_the_package_imports_have_no_cycle() -> None:
+    package = Path(eksft_nb.__file__).parent
+    modules = {".".join(p.relative_to(package.parent).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in package.rglob("*.py")}
+
+    def imported(name: str, path: Path) -> set[str]:
+        here = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        out = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                out |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = here
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                base = f"{base}.{node.module}" if node.level and node.module else base if node.level else node.module
+                out |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
+        return {m for m in out if m in modules and m != name}
+
+    graph = {name: imported(name, path) for name, path in modules.items()}
+    done: set[str] = set()
+
+    def visit(name: str, stack: list[str]) -> None:
+        if name in stack:
+            raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(name):] + [name]))
+        if name not in done:
+            for dep in sorted(graph[name]):
+                visit(dep, [*stack, name])
+            done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
+    assert "eksft_nb.job" in graph["eksft_nb.dashboard.dashboard"]   # the graph is read, not empty

@@ -1,0 +1,314 @@
+"""The Jupyter server extension (``eksft_nb.lab``), driven over HTTP in a real Jupyter server.
+
+One server (enabled by the shipped ``jupyter-config`` file, as an install enables it) and one real
+job, launched from a terminal, are shared by the checks: every route needs the token, a cookie-
+authenticated POST needs XSRF, a bad request gets the CLI's own line and changes nothing, the job
+shows on the stream within 2 s, a sigkill injected through the API comes back as a ``restart``
+event (and in the dashboard figure), and a stop through the API leaves no process of the job.
+"""
+
+from __future__ import annotations
+
+import http.client
+import http.cookiejar
+import json
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import REPO
+from eksft_nb.errors import EksftError
+from eksft_nb.jobdir import JobDir, jobs_root
+from eksft_nb.lab import requests
+from jobs import cli, wait_for
+
+JOB = "lab-job"
+ROUTES = [("GET", "jobs"), ("POST", "jobs"), ("GET", f"jobs/{JOB}"), ("POST", f"jobs/{JOB}/inject"),
+          ("POST", f"jobs/{JOB}/stop"), ("POST", f"jobs/{JOB}/resume"), ("GET", f"jobs/{JOB}/checkpoints"),
+          ("GET", f"jobs/{JOB}/summary"), ("GET", f"jobs/{JOB}/logs"), ("GET", f"jobs/{JOB}/figure"),
+          ("GET", "stream")]
+
+
+# ---- the body parser, on anything JSON can carry -------------------------------------------------
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers(min_value=-10**30, max_value=10**30)
+                           | st.floats() | st.text(max_size=30),
+                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner,
+                                                                                        max_size=4), max_leaves=12)
+field_names = st.sampled_from(["fault", "rank", "step", "after", "node", "delay", "duration", "backend", "as",
+                               "steps", "spec", "faults", "name", "model.preset", "steps", "checkpoint.every", "x"])
+spec_fields = st.dictionaries(st.sampled_from(["steps", "name", "model.preset", "nproc_per_node", "checkpoint.every",
+                                               "ft.inprocess", "script_args", "resume", "lr", "model", "nosuch"]),
+                              json_values, max_size=4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(raw=st.one_of(st.binary(max_size=60),
+                     st.dictionaries(field_names, json_values, max_size=5).map(lambda d: json.dumps(d).encode()),
+                     st.builds(lambda spec, faults: json.dumps({"spec": spec, "faults": faults}).encode(),
+                               spec_fields, st.lists(st.text(max_size=12), max_size=3))))
+def test_request_bodies_are_read_or_refused_in_one_line(raw: bytes) -> None:
+    for shape, read in ((requests.INJECT, requests.inject_args), (requests.LAUNCH, requests.launch_args),
+                        (requests.RESUME, dict), (requests.STOP, dict)):
+        try:
+            args = read(requests.body(raw, shape))
+        except EksftError as e:
+            assert "\n" not in str(e) and e.problem and len(str(e)) < 1000, str(e)
+            continue
+        if shape is requests.INJECT:
+            assert isinstance(args["fault"], str) and set(args) <= {"fault", "rank", "step", "after", "node",
+                                                                    "params", "backend"}
+        elif shape is requests.LAUNCH:
+            spec, faults = args
+            assert spec.validate() is spec and all(f.fault for f in faults)
+        else:
+            assert set(args) <= set(shape)
+
+
+def test_oversized_bodies_are_refused() -> None:
+    with pytest.raises(EksftError, match="request body is"):
+        requests.body(b"{" + b" " * requests.MAX_BODY + b"}", requests.STOP)
+
+
+# ---- a real Jupyter server ---------------------------------------------------------------------
+
+class Server:
+    def __init__(self, url: str, token: str, home: Path) -> None:
+        self.url, self.token, self.home = url, token, home
+
+    def request(self, method: str, path: str, body: Any = None, token: str | None = "",
+                headers: dict[str, str] | None = None, opener: Any = None) -> tuple[int, Any]:
+        """(status, parsed JSON body) of ``/eksft/PATH``; ``token=None`` sends none."""
+        data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+        req = urllib.request.Request(f"{self.url}/eksft/{path}", data=data if method == "POST" else None,
+                                     method=method, headers=dict(headers or {}))
+        if token is not None:
+            req.add_header("Authorization", f"token {token or self.token}")
+        try:
+            with (opener or urllib.request.build_opener()).open(req, timeout=120) as r:
+                status, text = r.status, r.read(2_000_000 if path != "stream" else 0)
+        except urllib.error.HTTPError as e:
+            status, text = e.code, e.read()
+        try:
+            return status, json.loads(text) if text else None
+        except ValueError:
+            return status, text
+
+
+class Stream:
+    """A client of ``/eksft/stream``: a thread records every event with its arrival time."""
+
+    def __init__(self, server: Server) -> None:
+        host, port = server.url.removeprefix("http://").split(":")
+        self.conn = http.client.HTTPConnection(host, int(port), timeout=600)
+        self.conn.request("GET", "/eksft/stream", headers={"Authorization": f"token {server.token}"})
+        self.response = self.conn.getresponse()
+        assert self.response.status == 200 and self.response.getheader("Content-Type") == "text/event-stream"
+        self.events: list[tuple[float, str, Any]] = []
+        self.comments = 0
+        self.cond = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        kind = None
+        try:
+            while line := self.response.readline().decode():
+                line = line.rstrip("\n")
+                if line.startswith("event: "):
+                    kind = line[7:]
+                elif line.startswith("data: "):
+                    with self.cond:
+                        self.events.append((time.monotonic(), kind, json.loads(line[6:])))
+                        self.cond.notify_all()
+                elif line.startswith(":"):
+                    self.comments += 1
+        except (OSError, ValueError, AttributeError):   # closed by close()
+            pass
+
+    def wait(self, what: str, match: Callable[[str, Any], bool], timeout: float) -> tuple[float, Any]:
+        """The first event (arrival time, data) that ``match``es, waiting up to ``timeout`` seconds."""
+        with self.cond:
+            found = self.cond.wait_for(lambda: next(((t, d) for t, k, d in self.events if match(k, d)), None), timeout)
+        if found is None:
+            raise AssertionError(f"no {what} on the stream after {timeout:.0f}s; got {[k for _, k, _ in self.events]}")
+        return found
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def row(data: dict[str, Any], name: str) -> dict[str, Any] | None:
+    return next((r for r in data["jobs"] if r["name"] == name), None)
+
+
+@pytest.fixture(scope="module")
+def server(eksft_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """``jupyter server`` with the extension enabled by the shipped config file, a token, its own
+    Jupyter folders, and an unreachable cluster in its kubeconfig."""
+    tmp = tmp_path_factory.mktemp("lab")
+    conf = tmp / "config" / "jupyter_server_config.d"
+    conf.mkdir(parents=True)
+    shutil.copy(REPO / "jupyter-config" / "jupyter_server_config.d" / "eksft_nb.json", conf)
+    (tmp / "root").mkdir()
+    kubeconfig = tmp / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "gone",
+        "clusters": [{"name": "gone", "cluster": {"server": "https://127.0.0.1:9"}}],
+        "contexts": [{"name": "gone", "context": {"cluster": "gone", "user": "u", "namespace": "default"}}],
+        "users": [{"name": "u", "user": {"token": "x"}}]}))
+    token = secrets.token_hex(16)
+    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(tmp / "config"), "JUPYTER_RUNTIME_DIR": str(tmp / "runtime"),
+           "JUPYTER_DATA_DIR": str(tmp / "data"), "KUBECONFIG": str(kubeconfig)}
+    log = open(tmp / "server.log", "wb")
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "jupyter"), "server", "--no-browser", "--allow-root", "--ip=127.0.0.1",
+         "--port=0", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={tmp / 'root'}"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        def started() -> str | None:
+            assert proc.poll() is None, (tmp / "server.log").read_text()[-3000:]
+            for info in (tmp / "runtime").glob("jpserver-*.json"):
+                try:
+                    return json.loads(info.read_text())["url"].rstrip("/")
+                except ValueError:
+                    return None
+            return None
+
+        url = wait_for("the Jupyter server", started, timeout=90)
+        srv = Server(url, token, tmp)
+        wait_for("the server to answer", lambda: srv.request("GET", "jobs")[0] == 200, timeout=60)
+        yield srv
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def test_every_route_needs_the_token(server: Server) -> None:
+    for method, path in ROUTES:
+        for token in (None, "wrong"):
+            status, _ = server.request(method, path, {} if method == "POST" else None, token=token)
+            assert status == 403, (method, path, token, status)
+    assert not (jobs_root() / JOB).exists()
+
+
+def test_a_cookie_post_needs_xsrf(server: Server) -> None:
+    """A browser session (a login cookie) may POST only with the XSRF token, as on /api/."""
+    jar = http.cookiejar.CookieJar()
+    opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(jar))
+    opener.open(f"{server.url}/login", timeout=60).read()
+    xsrf = next(c.value for c in jar if c.name == "_xsrf")
+    login = urllib.parse.urlencode({"_xsrf": xsrf, "password": server.token}).encode()
+    opener.open(urllib.request.Request(f"{server.url}/login", data=login), timeout=60).read()
+    assert any(c.name.startswith("username-") for c in jar)
+    assert server.request("GET", "jobs", token=None, opener=opener)[0] == 200
+    status, body = server.request("POST", "jobs/no-such-job/stop", {}, token=None, opener=opener)
+    assert status == 403 and "_xsrf" in body["message"]
+    status, body = server.request("POST", "jobs/no-such-job/stop", {}, token=None, opener=opener,
+                                  headers={"X-XSRFToken": xsrf})
+    assert status == 404 and body["problem"].startswith("no job named 'no-such-job'")
+
+
+def test_a_failing_cluster_never_fails_the_local_list(server: Server) -> None:
+    status, body = server.request("GET", "jobs")
+    assert status == 200 and body["backends"]["local"] == {"ok": True}
+    assert body["backends"]["eks"]["ok"] is False and body["backends"]["eks"]["error"]
+
+
+def cli_error(*args: str) -> str:
+    """The line the CLI prints for a refused command, without its ``eksft: error: `` prefix."""
+    proc = cli(*args)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    return proc.stderr.strip().removeprefix("eksft: error: ")
+
+
+def on_disk() -> dict[str, float]:
+    """Every job's files but what a running job keeps writing (telemetry, logs, checkpoints, beacons)."""
+    live = {"events.jsonl", "supervisor.json", "progress", "logs", "ckpt"}
+    return {str(p): p.stat().st_mtime for p in jobs_root().rglob("*")
+            if p.relative_to(jobs_root()).parts[1:2] != () and p.relative_to(jobs_root()).parts[1] not in live
+            and not p.name.startswith(".") and p.is_file()}
+
+
+@pytest.mark.slow
+def test_a_job_from_a_terminal_in_the_api(server: Server) -> None:
+    """Launch, stream, refuse, inject, restart, figure, stop: one job through the whole API."""
+    stream = Stream(server)
+    try:
+        stream.wait("the first jobs event", lambda k, d: k == "jobs", 60)
+        launched = cli("run", "--name", JOB, "--model", "tiny", "--steps", "100000", "--ckpt-every", "10",
+                       "--detach")
+        returned = time.monotonic()
+        assert launched.returncode == 0, launched.stderr
+        seen, _ = stream.wait("the launched job", lambda k, d: k == "jobs" and row(d, JOB) is not None, 30)
+        print(f"the job showed on the stream {seen - returned:+.2f}s after `run --detach` returned")
+        assert seen - returned < 2.0
+        stream.wait("its first steps", lambda k, d: k == "jobs" and (row(d, JOB) or {}).get("step", 0) >= 3, 180)
+
+        # bad requests: the CLI's line, and nothing changes on disk
+        before = on_disk()
+        for body, args in (({"fault": "sigkil"}, ["sigkil"]), ({"fault": "hang", "rank": 9}, ["hang", "--rank", "9"]),
+                           ({"fault": "kill-launcher", "rank": 0}, ["kill-launcher", "--rank", "0"]),
+                           ({"fault": "hang", "step": 1}, ["hang", "--step", "1"]),
+                           ({"fault": "slow-rank", "delay": -1.0}, ["slow-rank", "--delay", "-1"])):
+            status, reply = server.request("POST", f"jobs/{JOB}/inject", body)
+            steps = re.compile(r"step \d+")   # "the job is at step N" moves on between the two
+            assert status == 400 and steps.sub("step N", reply["error"]) == steps.sub("step N", cli_error(
+                "inject", JOB, *args)), reply
+        status, reply = server.request("POST", "jobs", {"spec": {"name": "other", "steps": "many"}})
+        assert status == 400 and reply["error"] == cli_error("run", "--name", "other", "--steps", "many")
+        status, reply = server.request("POST", "jobs", {"spec": {"name": "Not_A_Label"}})
+        assert status == 400 and reply["error"] == cli_error("run", "--name", "Not_A_Label")
+        for body in (b"{", b"[1]", {"fault": "sigkill", "rank": "1"}, {"fault": "sigkill", "colour": 1},
+                     {"fault": "sigkill", "after": 1e300}, {"fault": "sigkill", "rank": 10**40}):
+            status, reply = server.request("POST", f"jobs/{JOB}/inject", body)
+            assert status == 400 and reply["problem"] and "\n" not in reply["error"], (body, reply)
+        assert server.request("POST", "jobs/no-such-job/inject", {"fault": "sigkill"})[0] == 404
+        assert on_disk() == before, "a refused request changed files on disk"
+
+        # a sigkill through the API: a restart on the stream, and in the dashboard's figure
+        status, reply = server.request("POST", f"jobs/{JOB}/inject", {"fault": "sigkill", "rank": 1})
+        assert status == 200 and (reply["fault"], reply["target"], reply["when"]) == ("sigkill", "rank 1", "now")
+        _, restart = stream.wait("a restart", lambda k, d: k == "restart" and d["job"] == JOB, 180)
+        assert restart["level"] in ("injob", "job") and restart["resumed_step"] >= 0, restart
+        stream.wait("the restart in the job's row",
+                    lambda k, d: k == "jobs" and sum((row(d, JOB) or {"restarts": {}})["restarts"].values()) >= 1, 30)
+        status, figure = server.request("GET", f"jobs/{JOB}/figure")
+        assert status == 200
+        traces = {(t["name"], t["meta"]): t for t in figure["data"]}
+        assert traces[("faults", "tail")]["text"] == ["sigkill rank 1"]
+        assert len(traces[("restarts", "tail")]["text"]) == 1
+        assert traces[("tokens/s", "tail")]["x"]
+
+        # stop through the API: nothing of the job runs afterwards
+        status, reply = server.request("POST", f"jobs/{JOB}/stop", {})
+        assert status == 200 and reply["state"] == "stopped" and reply["ended"] is True, reply
+        from eksft_nb.backends import procs
+
+        uid = JobDir.for_name(JOB).supervisor()["job_uid"]
+        assert procs.marked(uid) == []
+        stream.wait("the stop", lambda k, d: k == "jobs" and (row(d, JOB) or {}).get("state") == "stopped", 30)
+
+        # once stopped, its checkpoints hold still: resume refuses a step that is not one, as the CLI does
+        status, reply = server.request("POST", f"jobs/{JOB}/resume", {"step": 7})
+        assert status == 400 and reply["error"] == cli_error("resume", JOB, "--step", "7")
+    finally:
+        stream.close()
