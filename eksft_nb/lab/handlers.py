@@ -19,8 +19,9 @@ from jupyter_server.utils import url_path_join
 from tornado import web
 from tornado.iostream import StreamClosedError
 
+from .. import commands
 from ..errors import EksftError, JobError
-from . import ops, requests
+from . import requests
 from .manager import JobsManager, describe_error, eks_configured
 
 KEEPALIVE_S = 15.0
@@ -67,11 +68,11 @@ class JobsHandler(Base):
     async def get(self) -> None:
         """Every local job, and the EKS ones where a kubeconfig is set (a failing cluster is reported,
         never fails the list)."""
-        jobs = await self.call(ops.list_jobs, "local")
+        jobs = await self.call(commands.list_jobs, "local")
         backends: dict[str, Any] = {"local": {"ok": True}}
         if eks_configured():
             try:
-                jobs += await self.call(ops.list_jobs, "eks")
+                jobs += await self.call(commands.list_jobs, "eks")
                 backends["eks"] = {"ok": True, "error": None}
             except Exception as e:
                 backends["eks"] = {"ok": False, "error": describe_error(e)}
@@ -81,14 +82,14 @@ class JobsHandler(Base):
     @refusing
     async def post(self) -> None:
         spec, faults = requests.launch_args(requests.body(self.request.body, requests.LAUNCH))
-        await self.reply(ops.launch, spec, faults)
+        await self.reply(commands.launch, spec, faults)
 
 
 class JobHandler(Base):
     @web.authenticated
     @refusing
     async def get(self, name: str) -> None:
-        await self.reply(ops.status, name, backend=self.backend())
+        await self.reply(commands.status, name, backend=self.backend())
 
 
 class InjectHandler(Base):
@@ -96,7 +97,7 @@ class InjectHandler(Base):
     @refusing
     async def post(self, name: str) -> None:
         args = requests.inject_args(requests.body(self.request.body, requests.INJECT))
-        await self.reply(ops.inject, name, args.pop("fault"), **args)
+        await self.reply(commands.inject, name, args.pop("fault"), **args)
 
 
 class StopHandler(Base):
@@ -104,7 +105,7 @@ class StopHandler(Base):
     @refusing
     async def post(self, name: str) -> None:
         data = requests.body(self.request.body, requests.STOP)
-        await self.reply(ops.stop, name, backend=data.get("backend", "local"))
+        await self.reply(commands.stop, name, backend=data.get("backend", "local"))
 
 
 class ResumeHandler(Base):
@@ -112,7 +113,7 @@ class ResumeHandler(Base):
     @refusing
     async def post(self, name: str) -> None:
         data = requests.body(self.request.body, requests.RESUME)
-        await self.reply(ops.resume, name, step=data.get("step"), new_name=data.get("as"), steps=data.get("steps"),
+        await self.reply(commands.resume, name, step=data.get("step"), new_name=data.get("as"), steps=data.get("steps"),
                          backend=data.get("backend", "local"))
 
 
@@ -120,14 +121,14 @@ class CheckpointsHandler(Base):
     @web.authenticated
     @refusing
     async def get(self, name: str) -> None:
-        self.finish(json.dumps({"checkpoints": await self.call(ops.checkpoints, name, backend=self.backend())}))
+        self.finish(json.dumps({"checkpoints": await self.call(commands.checkpoints, name, backend=self.backend())}))
 
 
 class SummaryHandler(Base):
     @web.authenticated
     @refusing
     async def get(self, name: str) -> None:
-        await self.reply(ops.summary, name, backend=self.backend())
+        await self.reply(commands.summary, name, backend=self.backend())
 
 
 class LogsHandler(Base):
@@ -136,7 +137,7 @@ class LogsHandler(Base):
     async def get(self, name: str) -> None:
         lines = requests.query_int(self.get_query_argument("lines", None), "lines", 200, 1, requests.MAX_LOG_LINES)
         debug = requests.query_bool(self.get_query_argument("debug", None), "debug")
-        text = await self.call(ops.logs, name, lines=lines, debug=debug, backend=self.backend())
+        text = await self.call(commands.logs, name, lines=lines, debug=debug, backend=self.backend())
         self.finish(json.dumps({"text": text}))
 
 

@@ -18,10 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from .. import commands
 from ..backends import get_backend
 from ..errors import EksftError
 from ..job import Job, attach
-from . import ops
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ class JobsManager:
         return added or bool(gone)
 
     def _refresh(self, fold: Fold, quiet: bool, news: list[Message]) -> bool:
-        row = ops.job_row(fold.job)
+        row = commands.job_row(fold.job)
         mon = fold.job.monitor
         if quiet:                  # history: nothing to announce
             fold.restarts, fold.failures = len(mon.restarts), len(mon.failures)
@@ -198,7 +198,7 @@ class JobsManager:
         loop = asyncio.get_running_loop()
         while True:
             try:
-                jobs, ok, error = await loop.run_in_executor(None, ops.list_jobs, "eks"), True, None
+                jobs, ok, error = await loop.run_in_executor(None, commands.list_jobs, "eks"), True, None
             except Exception as e:   # unreachable cluster, expired credentials: shown, never fatal
                 jobs, ok, error = self.eks["jobs"], False, describe_error(e)
             new = {"ok": ok, "error": error, "jobs": jobs}

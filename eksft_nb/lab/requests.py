@@ -11,9 +11,10 @@ import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..control import FaultCommand, parse_fault
-from ..errors import ControlError, SpecError
-from ..spec import JobSpec, _closest, _show, parse_option_value, spec_options
+from .. import commands
+from ..control import FaultCommand
+from ..errors import ControlError
+from ..spec import JobSpec, _show
 
 MAX_BODY = 64 * 1024      # bytes: a spec and a few faults fit many times over
 MAX_FAULTS = 64
@@ -82,17 +83,9 @@ def inject_args(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def launch_args(data: dict[str, Any]) -> tuple[JobSpec, list[FaultCommand]]:
-    """The spec (dotted fields over the defaults; text values read as the CLI reads its flags) and faults."""
-    options = {o.path: o for o in spec_options()}
-    changes = {}
-    for path, value in data.get("spec", {}).items():
-        option = options.get(path)
-        if option is None:
-            raise SpecError(f"unknown spec field {_show(path)}",
-                            f"did you mean {_closest(path, options)}? (dotted names, e.g. checkpoint.every)")
-        changes[path] = parse_option_value(option, value) if isinstance(value, str) else value
-    spec = (JobSpec().replace(**changes) if changes else JobSpec()).validate()
-    return spec, [parse_fault(f).validate(spec.world_size, spec.nnodes) for f in data.get("faults", [])]
+    """The spec (dotted fields over the defaults; text values read as the CLI reads its options) and faults."""
+    spec = commands.spec_from_options(data.get("spec", {}))
+    return spec, commands.faults_for(spec, data.get("faults", []))
 
 
 def query_int(raw: str | None, name: str, default: int, low: int, high: int) -> int:
