@@ -151,7 +151,7 @@ def format_list(rows: list[commands.JobRow]) -> str:
             lines.append(f"{r['name']:<32}{r['state']:<11}{r['detail']}")
         else:
             lines.append(f"{r['name']:<32}{r['state']:<11}{r['step']:>7}/{r['total_steps'] or '-':<7}"
-                         f"restarts {sum(r['restarts'].values())}")
+                         f"restarts {sum(r['restarts'].values())}" + (f"  {r['detail']}" if r["detail"] else ""))
     return "\n".join(lines)
 
 

@@ -13,9 +13,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
-from .backends import get_backend
+from .backends import JobSummary, get_backend
 from .control import FAULTS, FaultCommand, parse_fault
-from .errors import SpecError
+from .errors import EksftError, SpecError
 from .goodput import compute
 from .job import Job, attach
 from .spec import JobSpec, _closest, parse_option_value, spec_options
@@ -68,15 +68,21 @@ def list_jobs(backend: str = "local") -> list[JobRow]:
     """Every job of ``backend``, oldest first. On EKS a job's events come from its pods' logs, which
     is too slow for a listing: its row holds the workload's state only (``status`` has the rest)."""
     b = get_backend(backend)
-    if backend == "local":
-        return [job_row(Job(j.name, b)) for j in b.jobs()]
     rows: list[JobRow] = []
     for j in b.jobs():
-        state = JobState(j.state)
-        rows.append({"name": j.name, "backend": backend, "state": state.value, "step": 0, "total_steps": None,
-                     "restarts": {level.value: 0 for level in RestartLevel}, "goodput": None,
-                     "last_checkpoint": None, "script": None, "ended": state.ended, "detail": j.detail})
+        try:
+            rows.append(job_row(Job(j.name, b)) if backend == "local" else _summary_row(j, j.detail))
+        except EksftError as e:   # one unreadable job folder hides no other job
+            rows.append(_summary_row(j, str(e)))
     return rows
+
+
+def _summary_row(j: JobSummary, detail: str) -> JobRow:
+    """A row from the backend's view alone (no events read)."""
+    state = JobState(j.state) if j.state in set(JobState) else JobState.FAILED
+    return {"name": j.name, "backend": j.backend, "state": state.value, "step": 0, "total_steps": None,
+            "restarts": {level.value: 0 for level in RestartLevel}, "goodput": None, "last_checkpoint": None,
+            "script": None, "ended": state.ended, "detail": detail}
 
 
 def status(name: str, backend: str = "local") -> JobRow:

@@ -25,24 +25,10 @@ from typing import Any
 from .errors import ControlError
 from .jobdir import atomic_write
 from .spec import _closest, _show
+from .states import FaultKind, FaultScope
 
-# fault -> (who fires it, what it does)
-FAULTS: dict[str, tuple[str, str]] = {
-    "exception": ("rank", "raise an exception in the training loop"),
-    "hang": ("rank", "stop making progress (sleep forever inside the step; a user script's rank fired by "
-                     "time is stopped with SIGSTOP)"),
-    "sigkill": ("rank", "the rank process is killed (SIGKILL), like the OOM killer"),
-    "sigterm": ("rank", "the rank process receives SIGTERM"),
-    "segfault": ("rank", "the rank process crashes with a segmentation fault"),
-    "slow-rank": ("rank", "the rank sleeps `delay` seconds per step for `duration` steps (a straggler)"),
-    "save-failure": ("rank", "the rank's next checkpoint write fails; training continues, the save is retried"),
-    "disk-full": ("rank", "the rank's disk is full for `duration` steps: its checkpoint and event writes fail "
-                          "(ENOSPC); saves are retried, lost events are counted"),
-    "slow-storage": ("rank", "the rank's checkpoint writes start `delay` seconds late for `duration` steps"),
-    "kill-launcher": ("node", "the node's ft_launcher and all its ranks die at once (a node is lost)"),
-    "corrupt-checkpoint": ("job", "flip bytes in the latest committed checkpoint (resume must skip it)"),
-    "kill-supervisor": ("job", "the job's supervisor is killed (SIGKILL); a new one adopts the running job"),
-}
+# fault -> (what it targets, what it does): the table in states.FaultKind, by name
+FAULTS: dict[str, tuple[FaultScope, str]] = {k.value: (k.scope, k.description) for k in FaultKind}
 
 
 # fault -> parameter -> (default, check, what the check means): the only parameters a command may carry
@@ -96,7 +82,7 @@ class FaultCommand:
         return f"{self.after:g}s after it was queued" if self.after is not None else "now"
 
     @property
-    def scope(self) -> str:
+    def scope(self) -> FaultScope:
         return FAULTS[self.fault][0]
 
     def to_json(self) -> str:
@@ -140,7 +126,7 @@ class FaultCommand:
         if self.fault not in FAULTS:
             raise ControlError(f"unknown fault {_show(self.fault)}",
                                f"did you mean {_closest(self.fault, FAULTS)}? Faults: {', '.join(FAULTS)}")
-        if self.scope == "rank":
+        if self.scope == FaultScope.RANK:
             if self.rank is None:
                 self.rank = 0
             if not 0 <= self.rank < world_size:
@@ -148,7 +134,7 @@ class FaultCommand:
                                    f"use --rank between 0 and {world_size - 1}")
         elif self.rank is not None:
             raise ControlError(f"{self.fault} does not target a rank", "leave out --rank" +
-                               (" and use --node" if self.scope == "node" else ""))
+                               (" and use --node" if self.scope == FaultScope.NODE else ""))
         if not 0 <= self.node < nnodes:
             raise ControlError(f"node {self.node!r} is out of range for a job of {nnodes} node(s)",
                                f"use --node between 0 and {nnodes - 1}")
@@ -186,7 +172,7 @@ def parse_fault(text: str) -> FaultCommand:
         raise ControlError(f"cannot parse fault {text!r}",
                            "write kind[:rank][@step] (or @SECONDSs: seconds after launch), e.g. exception:0@15, "
                            "hang:0@45s or kill-launcher@60") from None
-    if kind in FAULTS and FAULTS[kind][0] != "rank":
+    if kind in FAULTS and FAULTS[kind][0] != FaultScope.RANK:
         return FaultCommand(kind, step=at, after=after, node=rank_or_node or 0)
     return FaultCommand(kind, rank=rank_or_node, step=at, after=after)
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .states import RECORDED_ENDS, JobState, RestartLevel
+
 SCHEMA_VERSION = 1
 LOG_PREFIX = "@@eksft "
 
@@ -67,9 +69,9 @@ OPTIONAL: dict[str, dict[str, tuple[type, ...] | type]] = {
     "rank_error": {"waiting": bool},
 }
 
-RESTART_LEVELS = ("inprocess", "injob", "job")
+RESTART_LEVELS = tuple(level.value for level in RestartLevel)
 CHECKPOINT_PHASES = ("begin", "staged", "committed", "failed", "rejected")
-JOB_STATES = ("succeeded", "failed", "stopped")
+JOB_STATES = tuple(s.value for s in JobState if s in RECORDED_ENDS)   # what a job_end event may say
 
 
 class SchemaError(ValueError):

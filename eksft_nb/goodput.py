@@ -14,6 +14,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from .monitor import JobMonitor
+from .states import JobState
 
 CATEGORIES = ("productive", "checkpoint_stall", "restart_downtime", "recomputed", "startup", "other")
 
@@ -58,7 +59,7 @@ def compute(mon: JobMonitor, now: float | None = None) -> Goodput:
     productive = sum(s.step_time[i] for i in last_execution.values())
     recomputed = sum(s.step_time) - productive
     downtime = sum(r["downtime_s"] for r in mon.restarts)
-    if mon.state == "recovering" and mon.failures and not mon.finished:
+    if mon.state == JobState.RECOVERING and mon.failures and not mon.finished:
         downtime += max(0.0, end - mon.failures[-1]["fault_time"])
     # start-up ends at the first step, or at the first fault if one came before any step
     ends = [s.t[0] - s.step_time[0]] if len(s) else [end]

@@ -20,13 +20,14 @@ from typing import Any
 
 from .events import Event
 from .monitor import JobMonitor
+from .states import RestartLevel
 
 NODE_FAULT_WINDOW_S = 60.0
 
 
 @dataclass
 class Incident:
-    level: str
+    level: RestartLevel
     cause: str
     blame_rank: int | None
     fault_time: float
@@ -79,7 +80,7 @@ class Incidents:
                 detected = max((x["t"] for x in self.recent_errors), default=e.t)
                 fallback = "the wrapped training function was restarted" if same_process else \
                     "the worker group was restarted"
-                self.open(Incident("inprocess" if same_process else "injob", self.cause_from_ranks(fallback),
+                self.open(Incident(RestartLevel.INPROCESS if same_process else RestartLevel.INJOB, self.cause_from_ranks(fallback),
                                    self.blame(), self.fault_time(), detected, self.mon.last_step))
             if self.incident is not None and e.rank == 0:
                 self.incident.resumed_step = e["start_step"]
@@ -98,7 +99,7 @@ class Incidents:
         own = [x for x in self.recent_errors if x["origin"] in ("fault", "exception")]
         if own and not self.recent_faults:  # ft_launcher may notice a peer's consequent failure first
             rank = own[0]["rank"]
-        self.open(Incident("injob", self.cause_from_exit(rank, code), self.blame(rank), self.fault_time(), at,
+        self.open(Incident(RestartLevel.INJOB, self.cause_from_exit(rank, code), self.blame(rank), self.fault_time(), at,
                            self.mon.last_step))
 
     def hang(self, at: float, timeout_s: float | None = None, hint: int | None = None) -> None:
@@ -109,7 +110,7 @@ class Incidents:
         else:
             waited = f" for {timeout_s:g}s" if timeout_s else ""
             cause = f"hang: no heartbeat from rank {blame}{waited} (ft_launcher timeout)"
-        self.open(Incident("injob", cause, blame, self.fault_time(), at, self.mon.last_step))
+        self.open(Incident(RestartLevel.INJOB, cause, blame, self.fault_time(), at, self.mon.last_step))
 
     def node_failed(self, cause: str, detected: float, ended_at: float | None = None) -> None:
         """A node (a launcher, a pod) is gone: the job-level tier recovers by relaunching it."""
@@ -118,7 +119,7 @@ class Incidents:
         if node_fault:
             cause = f"injected {node_fault['fault']} on node {node_fault['node']}: {cause}"
         fault_time = node_fault["t"] if node_fault else (ended_at or self.last_progress())
-        self.open(Incident("job", cause, None, fault_time, detected, self.mon.last_step), force=True)
+        self.open(Incident(RestartLevel.JOB, cause, None, fault_time, detected, self.mon.last_step), force=True)
 
     def restore(self, e: Event) -> None:
         """Fold in a ``failure`` or ``restart`` event published before (a supervisor that adopts a

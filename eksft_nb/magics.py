@@ -59,7 +59,7 @@ def _line_parser() -> MagicArgumentParser:
 
 def _cell_parser() -> MagicArgumentParser:
     """``%%ftrain``'s parser: the options of ``python -m eksft_nb run`` that a notebook takes."""
-    p = MagicArgumentParser(prog="%%ftrain", description=CELL_DOC)
+    p = MagicArgumentParser(prog="%ftrain", description=CELL_DOC)   # its help writes the cell magic's %%
     commands.add_verb_arguments(p, "run", MAGIC)
     return p
 

@@ -47,6 +47,11 @@ class RestartLevel(_Str):
     INJOB = "injob"
     JOB = "job"
 
+    @property
+    def label(self) -> str:
+        """As the dashboard writes it: in-process, in-job, job."""
+        return {"inprocess": "in-process", "injob": "in-job"}.get(self.value, self.value)
+
 
 class FaultScope(_Str):
     """What a fault targets: one rank, one node's launcher and ranks, or the job as a whole."""

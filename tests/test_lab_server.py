@@ -9,6 +9,7 @@ event (and in the dashboard figure), and a stop through the API leaves no proces
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import http.cookiejar
 import json
@@ -24,6 +25,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,7 @@ from conftest import REPO
 from eksft_nb.errors import EksftError
 from eksft_nb.jobdir import JobDir, jobs_root
 from eksft_nb.lab import requests
+from eksft_nb.lab.manager import JobsManager
 from jobs import cli, wait_for
 
 JOB = "lab-job"
@@ -83,6 +86,59 @@ def test_request_bodies_are_read_or_refused_in_one_line(raw: bytes) -> None:
 def test_oversized_bodies_are_refused() -> None:
     with pytest.raises(EksftError, match="request body is"):
         requests.body(b"{" + b" " * requests.MAX_BODY + b"}", requests.STOP)
+
+
+# ---- the manager's folds, on job folders written with the real event schema (no process runs) ----
+
+def test_the_manager_folds_each_job_once_for_every_client(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from test_dashboard import FakeJob
+
+    monkeypatch.setenv("EKSFT_HOME", str(tmp_path))
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "none"))
+    old, live = FakeJob("old", steps=5), FakeJob("live")
+    old.steps(1, 5)
+    old.restart("injob", "injected sigkill on rank 1", downtime=2.0, resumed=3, lost=1)
+    old.end()
+    live.steps(1, 3)
+    manager = JobsManager()
+    assert manager.rows()["backends"] == {"local": {"ok": True}}      # no kubeconfig: no EKS listing
+
+    changed, news = manager.tick(quiet=True)      # what was there before anyone listened is history
+    assert changed and news == []
+    rows = manager.rows()["jobs"]
+    assert [(r["name"], r["state"], r["step"], r["restarts"]["injob"]) for r in rows] == [
+        ("old", "succeeded", 5, 1), ("live", "starting", 3, 0)]
+    assert manager.tick() == (False, [])          # nothing new: nothing to send
+    assert manager.folds["old"].done              # an ended job is folded one more time, then left alone
+
+    old.steps(6, 7)
+    live.restart("inprocess", "injected exception on rank 1", downtime=1.5, resumed=2, lost=1)
+    changed, news = manager.tick()
+    assert changed and [(k, d["job"], d["level"]) for k, d in news] == [("failure", "live", "inprocess"),
+                                                                          ("restart", "live", "inprocess")]
+    assert news[1][1]["resumed_step"] == 2 and news[1][1]["downtime_s"] == 1.5
+    assert manager.folds["old"].row["step"] == 5
+
+    new = FakeJob("new")                          # a job that appears while clients listen: all of it is news
+    new.restart("job", "the launcher died", downtime=4.0, resumed=0, lost=0)
+    changed, news = manager.tick()
+    assert changed and [(k, d["job"]) for k, d in news] == [("failure", "new"), ("restart", "new")]
+    assert [r["name"] for r in manager.rows()["jobs"]] == ["old", "live", "new"]
+    shutil.rmtree(new.dir.path)
+    odd = tmp_path / "jobs" / "odd"
+    odd.mkdir()
+    (odd / "spec.json").write_text('{"name": "odd", "stepz": 3}')   # listed with its problem, as by `list`
+    assert manager.tick()[0] and [r["name"] for r in manager.rows()["jobs"]] == ["old", "live", "odd"]
+    assert "unknown spec field 'stepz'" in manager.rows()["jobs"][-1]["detail"]
+
+    # the dashboard's figure, from the same fold, by the widget's own code
+    figure = json.loads(asyncio.run(manager.figure("old")))
+    traces = {(t["name"], t["meta"]): t for t in figure["data"]}
+    assert traces[("restarts", "tail")]["text"] == ["injected sigkill on rank 1 · 2.0s down"]
+    assert traces[("faults", "tail")]["text"] == ["sigkill rank 1"]
+    with pytest.raises(EksftError, match="no job named 'nope'"):
+        asyncio.run(manager.figure("nope"))
+    manager.close()
 
 
 # ---- a real Jupyter server ---------------------------------------------------------------------
@@ -254,6 +310,8 @@ def test_a_job_from_a_terminal_in_the_api(server: Server) -> None:
     stream = Stream(server)
     try:
         stream.wait("the first jobs event", lambda k, d: k == "jobs", 60)
+        stream.wait("the cluster's error", lambda k, d: k == "jobs" and d["backends"]["eks"]["ok"] is False
+                    and d["backends"]["eks"]["error"] and d["backends"]["local"]["ok"], 60)
         launched = cli("run", "--name", JOB, "--model", "tiny", "--steps", "100000", "--ckpt-every", "10",
                        "--detach")
         returned = time.monotonic()
@@ -263,20 +321,23 @@ def test_a_job_from_a_terminal_in_the_api(server: Server) -> None:
         assert seen - returned < 2.0
         stream.wait("its first steps", lambda k, d: k == "jobs" and (row(d, JOB) or {}).get("step", 0) >= 3, 180)
 
-        # bad requests: the CLI's line, and nothing changes on disk
+        # bad requests: the CLI's line (the CLI runs meanwhile, in parallel), and nothing changes on disk
         before = on_disk()
-        for body, args in (({"fault": "sigkil"}, ["sigkil"]), ({"fault": "hang", "rank": 9}, ["hang", "--rank", "9"]),
-                           ({"fault": "kill-launcher", "rank": 0}, ["kill-launcher", "--rank", "0"]),
-                           ({"fault": "hang", "step": 1}, ["hang", "--step", "1"]),
-                           ({"fault": "slow-rank", "delay": -1.0}, ["slow-rank", "--delay", "-1"])):
-            status, reply = server.request("POST", f"jobs/{JOB}/inject", body)
+        refused = [(f"jobs/{JOB}/inject", {"fault": "sigkil"}, ["inject", JOB, "sigkil"]),
+                   (f"jobs/{JOB}/inject", {"fault": "hang", "rank": 9}, ["inject", JOB, "hang", "--rank", "9"]),
+                   (f"jobs/{JOB}/inject", {"fault": "kill-launcher", "rank": 0},
+                    ["inject", JOB, "kill-launcher", "--rank", "0"]),
+                   (f"jobs/{JOB}/inject", {"fault": "hang", "step": 1}, ["inject", JOB, "hang", "--step", "1"]),
+                   (f"jobs/{JOB}/inject", {"fault": "slow-rank", "delay": -1.0},
+                    ["inject", JOB, "slow-rank", "--delay", "-1"]),
+                   ("jobs", {"spec": {"name": "other", "steps": "many"}}, ["run", "--name", "other", "--steps", "many"]),
+                   ("jobs", {"spec": {"name": "Not_A_Label"}}, ["run", "--name", "Not_A_Label"])]
+        with ThreadPoolExecutor(4) as pool:
+            lines = pool.map(lambda args: cli_error(*args), [args for _, _, args in refused])
             steps = re.compile(r"step \d+")   # "the job is at step N" moves on between the two
-            assert status == 400 and steps.sub("step N", reply["error"]) == steps.sub("step N", cli_error(
-                "inject", JOB, *args)), reply
-        status, reply = server.request("POST", "jobs", {"spec": {"name": "other", "steps": "many"}})
-        assert status == 400 and reply["error"] == cli_error("run", "--name", "other", "--steps", "many")
-        status, reply = server.request("POST", "jobs", {"spec": {"name": "Not_A_Label"}})
-        assert status == 400 and reply["error"] == cli_error("run", "--name", "Not_A_Label")
+            for (path, body, _), line in zip(refused, lines):
+                status, reply = server.request("POST", path, body)
+                assert status == 400 and steps.sub("step N", reply["error"]) == steps.sub("step N", line), reply
         for body in (b"{", b"[1]", {"fault": "sigkill", "rank": "1"}, {"fault": "sigkill", "colour": 1},
                      {"fault": "sigkill", "after": 1e300}, {"fault": "sigkill", "rank": 10**40}):
             status, reply = server.request("POST", f"jobs/{JOB}/inject", body)

@@ -11,6 +11,7 @@ from ..checkpoints import CheckpointInfo
 from ..control import FaultCommand
 from ..events import Event
 from ..spec import JobSpec
+from ..states import JobState
 
 
 # launcher and library lines a user does not need (shown with --debug); NVRx 0.4.1 tags its records
@@ -91,7 +92,7 @@ class EventSource(Protocol):
 class JobSummary:
     name: str
     backend: str
-    state: str        # starting | running | succeeded | failed | stopped | lost
+    state: JobState
     detail: str = ""
 
 

@@ -29,6 +29,7 @@ from ..launcher import Ports, launcher_argv, rank_env
 from ..monitor import JobMonitor
 from ..runtime.quiet import quiet_env
 from ..spec import JobSpec
+from ..states import ACTIVE, JobState
 from . import procs
 from .base import Backend, JobSummary, readable
 
@@ -107,20 +108,20 @@ class LocalBackend(Backend):
         its supervisor nor its keeper does is adopted here by a new supervisor, never left ``lost``."""
         jd = self._jd(name)
         sup = jd.supervisor()
-        state = str(sup.get("state", "starting"))
+        state = str(sup.get("state", JobState.STARTING))
         uid = _job_uid(sup)
-        if state not in ("starting", "running") or uid is None:
+        if state not in ACTIVE or uid is None:
             return JobSummary(name, self.name, state, str(sup.get("reason", "")))
         if procs.recorded(sup.get("supervisor"), uid) or procs.recorded(sup.get("keeper"), uid):
             return JobSummary(name, self.name, state, "")
         if not procs.marked(uid):
-            return JobSummary(name, self.name, "lost", "the supervisor is gone (the machine restarted, or it "
+            return JobSummary(name, self.name, JobState.LOST, "the supervisor is gone (the machine restarted, or it "
                               f"was killed) and nothing of the job runs; see {jd.logs / 'supervisor.err'}")
         try:
             self._start_supervisor(jd, uid)
         except JobError:
             pass  # another client adopted it first, or a stop holds the lock
-        return JobSummary(name, self.name, "running", "its supervisor was gone: a new one adopted the running job")
+        return JobSummary(name, self.name, JobState.RUNNING, "its supervisor was gone: a new one adopted the running job")
 
     def events(self, name: str) -> EventTail:
         return EventTail(self._jd(name).events_path)
@@ -148,7 +149,7 @@ class LocalBackend(Backend):
         spec = jd.spec()
         command.validate(spec.world_size, spec.nnodes)
         status = self.state(name)
-        if status.state not in ("starting", "running"):
+        if status.state not in ACTIVE:
             raise JobError(f"job {name!r} has already ended ({status.state}): faults only go to a running job",
                            "launch a new job (or resume this one from a checkpoint) and inject into that")
         if command.step is not None:
@@ -181,8 +182,8 @@ class LocalBackend(Backend):
             if left:
                 raise JobError(f"processes {[p.pid for p in left]} of job {name!r} did not exit",
                                "kill them with `kill -9`")
-            if jd.supervisor().get("state") in ("starting", "running"):  # the supervisor could not record it
-                atomic_write(jd.supervisor_path, json.dumps({**jd.supervisor(), "state": "stopped",
+            if jd.supervisor().get("state") in ACTIVE:  # the supervisor could not record it
+                atomic_write(jd.supervisor_path, json.dumps({**jd.supervisor(), "state": JobState.STOPPED,
                                                              "reason": "stopped by the user"}))
         finally:
             if lock is not None:
@@ -190,7 +191,7 @@ class LocalBackend(Backend):
 
     def remove(self, name: str) -> None:
         status = self.state(name)
-        if status.state in ("starting", "running"):
+        if status.state in ACTIVE:
             raise JobError(f"job {name!r} is still running", f"stop it first: `python -m eksft_nb stop {name}`")
         uid = _job_uid(self._jd(name).supervisor())
         running = procs.marked(uid) if uid else []

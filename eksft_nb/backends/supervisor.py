@@ -38,13 +38,14 @@ from typing import Any
 
 import psutil
 
-from ..events import JOB_STATES, EventTail, EventWriter
+from ..events import EventTail, EventWriter
 from ..jobdir import JobDir, atomic_write
 from .. import nvrx
 from ..launcher import Ports, launcher_argv, rank_env
 from ..incidents import Incidents
 from ..monitor import JobMonitor
 from ..runtime.quiet import quiet_env
+from ..states import RECORDED_ENDS, JobState
 from . import procs
 
 POLL_S = 0.2
@@ -120,7 +121,7 @@ class Supervisor:
             if self.adopt:
                 outcome = self._adopt()  # None: relaunch
             else:
-                self._write_state("starting")
+                self._write_state(JobState.STARTING)
                 what = f"script {self.spec.script}" if self.spec.script else f"{self.spec.steps} steps"
                 self.say(f"supervising job {self.spec.name} ({self.spec.world_size} ranks, {what}) "
                          f"with {self.nvrx.describe() if self.nvrx else 'no NVRx installed'}")
@@ -137,7 +138,7 @@ class Supervisor:
             state, reason = outcome
             self._pump()
         except OSError as e:  # a full disk, a folder gone read-only: end cleanly rather than orphan the launchers
-            state, reason = "failed", f"the supervisor could not go on: {e}"
+            state, reason = JobState.FAILED, f"the supervisor could not go on: {e}"
         self._kill_everything()
         try:
             self.events.emit("job_end", state=state, reason=reason, final_step=self.mon.last_step,
@@ -147,9 +148,9 @@ class Supervisor:
         except OSError as e:  # the keeper must not start a successor: nothing of the job runs any more
             print(f"job {state}: {reason}; recording it failed: {e}", file=sys.stderr)
             return UNRECORDED
-        return 0 if state == "succeeded" else 1
+        return 0 if state == JobState.SUCCEEDED else 1
 
-    def _adopt(self) -> tuple[str, str] | None:
+    def _adopt(self) -> tuple[JobState, str] | None:
         """Take over from a supervisor that died: find its launchers again by identity, rebuild what it
         knew from the job's events, and watch the attempt on. Returns the job outcome, or None to relaunch."""
         record = self.jd.supervisor()
@@ -179,7 +180,7 @@ class Supervisor:
                  f"(attempt {self.attempt}, {len(running)} of {self.spec.nnodes} launcher(s) still running)")
         if self.mon.finished:  # the predecessor died after the job ended
             return self.mon.state, self.mon.reason
-        self._write_state("running")
+        self._write_state(JobState.RUNNING)
         if len(self.nodes) < self.spec.nnodes:
             return self._node_died(None, UNKNOWN_EXIT)
         return self._watch()
@@ -231,7 +232,7 @@ class Supervisor:
             self.events.emit("launch", attempt=self.attempt, node=node, pid=popen.pid, pgid=popen.pid)
         self.say(f"attempt {self.attempt}: started ft_launcher on {len(self.nodes)} node(s), "
                  f"pids {', '.join(str(n.pid) for n in self.nodes)}" + (" (warm standby)" if warm else ""))
-        self._write_state("running")
+        self._write_state(JobState.RUNNING)
 
     def _launcher_log(self, attempt: int, node: int) -> Path:
         return self.jd.logs / f"launcher-{attempt}-{node}.log"
@@ -265,26 +266,26 @@ class Supervisor:
             return None
         return spare
 
-    def _watch(self) -> tuple[str, str] | None:
+    def _watch(self) -> tuple[JobState, str] | None:
         """Poll until the attempt ends. Returns the job outcome, or None to relaunch."""
         while True:
             self._pump()
             if self.stop_requested:
                 self.say("stop requested: terminating the launchers")
-                return "stopped", "stopped by the user"
+                return JobState.STOPPED, "stopped by the user"
             if not self._folder_is_mine():
                 self._kill_everything()
                 sys.exit(1)  # the job folder was deleted or replaced: nobody to report to
             if self.incidents.give_up:
-                return "failed", self.incidents.give_up
+                return JobState.FAILED, self.incidents.give_up
             codes = [n.poll() for n in self.nodes]
             if all(c == 0 or c == UNKNOWN_EXIT and self._finished() for c in codes):
                 self._pump()
                 if self.spec.script:  # a user script's own loop decides when it is done; ft_launcher says it was
-                    return "succeeded", "the script exited 0 on every rank"
+                    return JobState.SUCCEEDED, "the script exited 0 on every rank"
                 if self.mon.digest is not None or self.mon.last_step >= self.spec.steps:
-                    return "succeeded", f"all {self.spec.steps} steps done"
-                return "failed", "the launchers exited before training finished (see `logs --debug`)"
+                    return JobState.SUCCEEDED, f"all {self.spec.steps} steps done"
+                return JobState.FAILED, "the launchers exited before training finished (see `logs --debug`)"
             dead = [(n, c) for n, c in zip(self.nodes, codes) if c not in (None, 0)]
             if dead:
                 return self._node_died(*dead[0])
@@ -298,7 +299,7 @@ class Supervisor:
         self._pump()
         return self.mon.digest is not None or self.mon.last_step >= self.spec.steps
 
-    def _node_died(self, node: Node | None, code: int) -> tuple[str, str] | None:
+    def _node_died(self, node: Node | None, code: int) -> tuple[JobState, str] | None:
         detected = time.time()
         if node is None:
             cause = "the launchers of the supervisor that died could not be found again"
@@ -314,9 +315,9 @@ class Supervisor:
         self._pump()
         self.incidents.node_failed(cause, detected)
         if self.incidents.give_up:
-            return "failed", self.incidents.give_up
+            return JobState.FAILED, self.incidents.give_up
         if self.attempt >= self.spec.ft.max_job_restarts:
-            return "failed", f"{cause}; no job restarts left (max_job_restarts={self.spec.ft.max_job_restarts})"
+            return JobState.FAILED, f"{cause}; no job restarts left (max_job_restarts={self.spec.ft.max_job_restarts})"
         self.attempt += 1
         self.say(f"relaunching (job restart {self.attempt} of {self.spec.ft.max_job_restarts})")
         return None
@@ -377,7 +378,7 @@ class Supervisor:
         lines = chunk[: end + 1].decode(errors="replace").splitlines()
         events = [seen for seen in map(parse_launcher_line, lines) if seen is not None]
         if events:
-            self._write_state("running")  # a successor reads on from here, not twice
+            self._write_state(JobState.RUNNING)  # a successor reads on from here, not twice
         for seen in events:
             if seen.kind == "restarting":
                 self.say(f"ft_launcher restarts the worker group ({seen.left[0]}/{seen.left[1]} in-job restarts left)")
@@ -431,7 +432,7 @@ class Supervisor:
                 spare.wait()
             self.standby = {}
 
-    def _write_state(self, state: str, reason: str = "") -> None:
+    def _write_state(self, state: JobState, reason: str = "") -> None:
         record = {"pid": os.getpid(), "supervisor": procs.identity(os.getpid()), "keeper": self.keeper,
                   "job_uid": self.job_uid, "state": state, "reason": reason, "attempt": self.attempt,
                   "adoptions": self.adoptions, "started": self.t_start, "t_launch": self.t_launch,
@@ -516,14 +517,14 @@ def keep(jd: JobDir) -> int:
     """The keeper: run the job's supervisor as a child and, when it dies before the job ended, start
     a successor that adopts the job (see the module's docstring). One keeper per job folder."""
     lock = jd.keeper_lock()
-    if lock is None or jd.supervisor().get("state") in JOB_STATES:
+    if lock is None or jd.supervisor().get("state") in RECORDED_ENDS:
         return 0  # another keeper looks after the job, or it has ended
     record = jd.supervisor()
     adopt = "supervisor" in record  # a supervisor ran before this keeper: adopt what it started
     uid = os.environ.setdefault(procs.JOB_MARK, str(record.get("job_uid") or uuid.uuid4().hex[:16]))
     atomic_write(jd.supervisor_path, json.dumps({**record, "job_uid": uid,
                                                  "keeper": procs.identity(os.getpid()),
-                                                 "state": record.get("state", "starting")}, indent=1))
+                                                 "state": record.get("state", JobState.STARTING)}, indent=1))
     inode = os.stat(jd.path).st_ino
     stopping = False
     child: subprocess.Popen | None = None
@@ -547,7 +548,7 @@ def keep(jd: JobDir) -> int:
                 return 0  # the job folder was deleted or replaced
         except FileNotFoundError:
             return 0
-        if stopping or code == UNRECORDED or jd.supervisor().get("state") in JOB_STATES:
+        if stopping or code == UNRECORDED or jd.supervisor().get("state") in RECORDED_ENDS:
             return 0
         adopt = True
         how = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"exit {code}"
@@ -559,9 +560,9 @@ def keep(jd: JobDir) -> int:
     procs.kill_marked(uid, keep=[os.getpid()])
     mon = JobMonitor()
     mon.update(EventTail(jd.events_path).read())
-    EventWriter(jd.events_path, jd.name, rank=None).emit("job_end", state="failed", reason=reason,
+    EventWriter(jd.events_path, jd.name, rank=None).emit("job_end", state=JobState.FAILED, reason=reason,
                                                          final_step=mon.last_step)
-    atomic_write(jd.supervisor_path, json.dumps({**jd.supervisor(), "state": "failed", "reason": reason}, indent=1))
+    atomic_write(jd.supervisor_path, json.dumps({**jd.supervisor(), "state": JobState.FAILED, "reason": reason}, indent=1))
     return 1
 
 

@@ -14,11 +14,12 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from ..monitor import JobMonitor
+from ..states import RestartLevel
 from .series import Series
 
 WIDTH = 840
 LANES = ("fault", "in-process", "in-job", "job")
-LEVEL_LANE = {"inprocess": "in-process", "injob": "in-job", "job": "job"}
+LEVEL_LANE = {level.value: level.label for level in RestartLevel}
 COLORS = {"tokens/s": "#1f77b4", "loss": "#ff7f0e", "blocked": "#d62728", "background": "#2ca02c",
           "faults": "#7f7f7f", "restarts": "#9467bd"}
 ROW_TITLES = ("throughput (tokens/s)", "loss",   # a user script reports no tokens: steps/s, and no loss

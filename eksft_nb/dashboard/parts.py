@@ -15,12 +15,14 @@ from traitlets import Dict, Float, Int, List, Unicode, observe
 from ..control import FAULTS
 from ..errors import ControlError
 from ..goodput import CATEGORIES
+from ..states import FaultScope, JobState, RestartLevel
 
-STATE_COLORS = {"running": "#2ca02c", "recovering": "#ff7f0e", "succeeded": "#1f77b4", "failed": "#d62728",
-                "lost": "#d62728", "stopped": "#7f7f7f", "starting": "#7f7f7f", "pending": "#7f7f7f"}
+STATE_COLORS = {JobState.RUNNING: "#2ca02c", JobState.RECOVERING: "#ff7f0e", JobState.SUCCEEDED: "#1f77b4",
+                JobState.FAILED: "#d62728", JobState.LOST: "#d62728", JobState.STOPPED: "#7f7f7f",
+                JobState.STARTING: "#7f7f7f"}
 GOODPUT_COLORS = {"productive": "#2ca02c", "checkpoint_stall": "#d62728", "restart_downtime": "#9467bd",
                   "recomputed": "#ff7f0e", "startup": "#bcbd22", "other": "#c7c7c7"}
-LEVEL_NAMES = {"inprocess": "in-process", "injob": "in-job", "job": "job"}
+LEVEL_NAMES = {level.value: level.label for level in RestartLevel}
 
 
 class Header(w.VBox):
@@ -119,7 +121,7 @@ class FaultControls(w.HBox):
 
     @observe("world_size", "nnodes")
     def _retarget(self, _change: Any = None) -> None:
-        node = FAULTS[self.fault.value][0] == "node"
+        node = FAULTS[self.fault.value][0] == FaultScope.NODE
         self.fault.tooltip = FAULTS[self.fault.value][1]
         self.target.description = "node" if node else "rank"
         self.target.options = [(str(i), i) for i in range(self.nnodes if node else self.world_size)]
@@ -140,7 +142,7 @@ class FaultControls(w.HBox):
                 raise ControlError(f"cannot read when={self.when.value!r}",
                                    "write now, the step to fire at (e.g. 120), or seconds from now (e.g. 30s)") from None
         fault = self.fault.value
-        if FAULTS[fault][0] == "node":
+        if FAULTS[fault][0] == FaultScope.NODE:
             return {"fault": fault, "node": self.target.value, "step": step, "after": after}
         return {"fault": fault, "rank": self.target.value, "step": step, "after": after}
 

@@ -70,7 +70,7 @@ class JobsHandler(Base):
         never fails the list)."""
         jobs = await self.call(commands.list_jobs, "local")
         backends: dict[str, Any] = {"local": {"ok": True}}
-        if eks_configured():
+        if await self.call(eks_configured):
             try:
                 jobs += await self.call(commands.list_jobs, "eks")
                 backends["eks"] = {"ok": True, "error": None}

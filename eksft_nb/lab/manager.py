@@ -26,6 +26,7 @@ from ..job import Job, attach
 log = logging.getLogger(__name__)
 
 Message = tuple[str, dict[str, Any]]     # (SSE event name, its data)
+MAX_BEHIND = 1000                         # messages a client may have left unread
 
 
 def eks_configured() -> bool:
@@ -64,7 +65,8 @@ class JobsManager:
         self.interval, self.eks_interval = interval, eks_interval
         self.local = get_backend("local")
         self.folds: dict[str, Fold] = {}                     # local jobs, by name
-        self.eks: dict[str, Any] = {"ok": True, "error": None, "jobs": []} if eks_configured() else {}
+        self.eks: dict[str, Any] = {}        # once a kubeconfig is found: {"ok", "error", "jobs"}
+        self._eks_checked = False
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="eksft-fold")
         self._clients: set[asyncio.Queue[Message | None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
@@ -99,7 +101,7 @@ class JobsManager:
         for name in sorted(names - set(self.folds)):
             try:
                 order = (root / name / "spec.json").stat().st_mtime
-                self.folds[name] = Fold(attach(name), order)
+                self.folds[name] = Fold(Job(name, self.local), order)
             except (EksftError, OSError):
                 continue    # not a job folder, or one still being created
             added = True
@@ -108,7 +110,10 @@ class JobsManager:
         return added or bool(gone)
 
     def _refresh(self, fold: Fold, quiet: bool, news: list[Message]) -> bool:
-        row = commands.job_row(fold.job)
+        try:
+            row = commands.job_row(fold.job)
+        except EksftError as e:   # a folder that cannot be read is listed with its problem, as by `list`
+            row = commands._summary_row(self.local.state(fold.job.name), str(e))
         mon = fold.job.monitor
         if quiet:                  # history: nothing to announce
             fold.restarts, fold.failures = len(mon.restarts), len(mon.failures)
@@ -129,7 +134,8 @@ class JobsManager:
     async def figure(self, name: str, backend: str = "local") -> str:
         """The job's dashboard figure as plotly JSON, built by the widget's own figure code (in the
         worker thread: the figure feeds on the job's fold)."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._figure, name, backend)
+        pool = self._pool if backend == "local" else None   # an EKS job's events come slowly, from its pods
+        return await asyncio.get_running_loop().run_in_executor(pool, self._figure, name, backend)
 
     def _figure(self, name: str, backend: str) -> str:
         from ..dashboard.figure import TrainingFigure
@@ -158,8 +164,6 @@ class JobsManager:
             queue.put_nowait(("jobs", self._snapshot))
         if not self._tasks:
             self._tasks = [asyncio.ensure_future(self._run())]
-            if self.eks:
-                self._tasks.append(asyncio.ensure_future(self._run_eks()))
         return queue
 
     def unsubscribe(self, queue: asyncio.Queue[Message | None]) -> None:
@@ -168,14 +172,24 @@ class JobsManager:
     def _publish(self, kind: str, data: dict[str, Any]) -> None:
         if kind == "jobs":
             self._snapshot = data
-        for queue in self._clients:
-            queue.put_nowait((kind, data))
+        for queue in list(self._clients):
+            if queue.qsize() >= MAX_BEHIND:   # a client that stopped reading: let it go, keep the memory
+                self._clients.discard(queue)
+                queue.put_nowait(None)
+            else:
+                queue.put_nowait((kind, data))
 
     async def _run(self) -> None:
         """Tick while anyone listens; the first tick after a quiet spell announces no history."""
         loop = asyncio.get_running_loop()
         first = True
         try:
+            if not self._eks_checked:   # (in a thread: looking imports the Kubernetes client, a second or so)
+                self._eks_checked = True
+                if await loop.run_in_executor(None, eks_configured):
+                    self.eks = {"ok": True, "error": None, "jobs": []}
+            if self.eks:
+                self._tasks.append(asyncio.ensure_future(self._run_eks()))
             while self._clients:
                 try:
                     changed, news = await loop.run_in_executor(self._pool, self.tick, first)

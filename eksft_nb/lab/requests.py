@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .. import commands
-from ..control import FaultCommand
+from ..control import FaultCommand, _integer
 from ..errors import ControlError
 from ..spec import JobSpec, _show
 
@@ -21,10 +21,6 @@ MAX_FAULTS = 64
 MAX_LOG_LINES = 100_000
 
 Check = tuple[Callable[[Any], bool], str]
-
-
-def _integer(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
@@ -41,7 +37,7 @@ STOP: dict[str, Check] = {"backend": _BACKEND}
 RESUME: dict[str, Check] = {
     "step": (_optional(_integer), "a committed checkpoint's step (an integer), or null for the newest"),
     "as": (_optional(lambda v: isinstance(v, str)), "the new job's name (a string), or null"),
-    "steps": (_optional(lambda v: _integer(v) and v >= 1), "an integer >= 1 (steps in total), or null"),
+    "steps": (_optional(_integer), "an integer (steps in total), or null"),
     "backend": _BACKEND}
 LAUNCH: dict[str, Check] = {
     "spec": (lambda v: isinstance(v, dict), 'an object of spec fields, e.g. {"steps": 80, "model.preset": "tiny"}'),

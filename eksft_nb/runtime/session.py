@@ -34,6 +34,7 @@ from ..errors import ControlError, JobError
 from ..events import EventWriter
 from ..jobdir import JobDir
 from ..spec import JobSpec
+from ..states import FaultScope
 
 
 class InjectedFault(RuntimeError):
@@ -202,9 +203,9 @@ class Session:
             time.sleep(self._slow_delay)
 
     def _mine(self, cmd: FaultCommand) -> bool:
-        if cmd.scope == "rank":
+        if cmd.scope == FaultScope.RANK:
             return cmd.rank == self.rank
-        if cmd.scope == "node":
+        if cmd.scope == FaultScope.NODE:
             return cmd.node == self.info.node and self.info.local_rank == 0
         return self.rank == 0
 
@@ -222,7 +223,7 @@ class Session:
         an exception is then raised in that thread by :data:`FAULT_SIGNAL`, and a hang stops the
         whole process (SIGSTOP) instead of sleeping in the step."""
         at = step if step is not None else self.step_done + 1   # the first step the fault affects
-        extra = {"node": cmd.node} if cmd.scope == "node" else {}
+        extra = {"node": cmd.node} if cmd.scope == FaultScope.NODE else {}
         if cmd.fault == "corrupt-checkpoint":
             extra = self._corrupt_latest_checkpoint()
         if cmd.fault == "kill-supervisor":

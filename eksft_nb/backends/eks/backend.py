@@ -24,6 +24,7 @@ from ...control import FaultCommand
 from ...errors import JobError
 from ...events import LOG_PREFIX
 from ...spec import JobSpec, valid_name
+from ...states import ACTIVE, JobState
 from ..base import Backend, JobSummary, readable
 from . import checks, names, schemas
 from .cluster import ApiError, Cluster, explain
@@ -120,7 +121,7 @@ class EksBackend(Backend):
         cluster, spec, _ = self._job(name)
         obj = cluster.get(names.workload(spec), name)
         if obj is None or obj["metadata"].get("deletionTimestamp"):
-            return JobSummary(name, self.name, "stopped", "stopped: its workload was deleted")
+            return JobSummary(name, self.name, JobState.STOPPED, "stopped: its workload was deleted")
         outcome = workload_outcome(obj)
         if outcome:
             return JobSummary(name, self.name, *outcome)
@@ -128,16 +129,16 @@ class EksBackend(Backend):
                       key=lambda p: (p.node is None, p.node or 0))
         stuck = next((p for p in pods if p.stuck), None)
         if stuck:
-            return JobSummary(name, self.name, "failed", f"{stuck.label}: {stuck.reason} (stop the job, fix it and "
+            return JobSummary(name, self.name, JobState.FAILED, f"{stuck.label}: {stuck.reason} (stop the job, fix it and "
                               "launch again)")
         waiting = sorted((p for p in pods if p.phase == "pending" and not p.deleting),
                          key=lambda p: p.reason in ("", "ContainerCreating", "PodInitializing"))   # telling ones first
         if not pods or waiting or len(pods) < spec.nnodes:
             detail = (f"{waiting[0].label}: {self._pending_reason(cluster, waiting[0])}" if waiting
                       else f"{len(pods)} of {spec.nnodes} pods created")
-            return JobSummary(name, self.name, "starting", detail)
+            return JobSummary(name, self.name, JobState.STARTING, detail)
         failed = next((p for p in pods if p.failed), None)
-        return JobSummary(name, self.name, "running", f"recovering: {failed.label}: {failed.reason}" if failed else "")
+        return JobSummary(name, self.name, JobState.RUNNING, f"recovering: {failed.label}: {failed.reason}" if failed else "")
 
     def _pending_reason(self, cluster: Cluster, pod: PodState) -> str:
         """Why a pod waits: its status, or else the newest warning about it (e.g. a volume that cannot mount)."""
@@ -257,7 +258,7 @@ class EksBackend(Backend):
         """Forget a job that no longer runs (its folder and checkpoints on the volume stay)."""
         cluster, _, _ = self._job(name)
         status = self.state(name)
-        if status.state in ("starting", "running"):
+        if status.state in ACTIVE:
             raise JobError(f"job {name!r} is still {status.state}", "stop it first")
         cluster.delete(SERVICE, name)
         for note in cluster.list(CONFIGMAP, f"{names.FAULT_OF}={name}"):

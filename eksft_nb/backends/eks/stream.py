@@ -29,6 +29,7 @@ from ...events import Event, decode, make
 from ...incidents import Incidents
 from ...monitor import JobMonitor
 from ...spec import JobSpec
+from ...states import JobState
 from . import names
 from .cluster import ApiError, Cluster
 from .pods import PodState, pod_state
@@ -41,20 +42,20 @@ LOG_DRAIN_S = 15.0      # once the workload has ended, how long to wait for the 
 FOLLOW_IDLE_S = 300.0   # a log stream with nothing new for this long is reopened
 
 
-def workload_outcome(obj: dict[str, Any]) -> tuple[str, str] | None:
+def workload_outcome(obj: dict[str, Any]) -> tuple[JobState, str] | None:
     """("succeeded" | "failed", reason) once a Job, JobSet or PyTorchJob has finished, else None."""
     for c in (obj.get("status") or {}).get("conditions") or []:
         if c.get("status") != "True":
             continue
         if c.get("type") in ("Complete", "Completed", "Succeeded"):
-            return "succeeded", "all pods finished"
+            return JobState.SUCCEEDED, "all pods finished"
         if c.get("type") == "Failed":
             reason = c.get("reason", "")
             if reason in ("FailedIndexes", "BackoffLimitExceeded", "ReachedMaxRestarts"):
                 why = "a node failed more often than max_job_restarts allows"
             else:
                 why = "the workload failed"
-            return "failed", f"{why} ({reason}: {c.get('message', '')})".replace(": )", ")")
+            return JobState.FAILED, f"{why} ({reason}: {c.get('message', '')})".replace(": )", ")")
     return None
 
 
@@ -67,7 +68,7 @@ class Tracker:
         self.mon = JobMonitor()
         self.out: list[Event] = []
         self.started = False
-        self.outcome: tuple[str, str] | None = None
+        self.outcome: tuple[JobState, str] | None = None
         self.outcome_at = 0.0
         self.ended = False
         self.incidents = Incidents(self.mon, self._emit, created)
@@ -119,9 +120,9 @@ class Tracker:
         if self.outcome is not None:
             return
         if obj is None:
-            self.outcome = ("stopped", "stopped by the user (the workload was deleted)")
+            self.outcome = (JobState.STOPPED, "stopped by the user (the workload was deleted)")
         elif (obj.get("metadata") or {}).get("deletionTimestamp"):
-            self.outcome = ("stopped", "stopped by the user")
+            self.outcome = (JobState.STOPPED, "stopped by the user")
         else:
             self.outcome = workload_outcome(obj)
         if self.outcome is not None:
@@ -171,8 +172,8 @@ class Tracker:
         """``job_end`` once the workload has ended and its pods' logs are read (or stopped coming)."""
         if self.outcome is None or self.ended:
             return
-        draining = self.open_logs or (self.outcome[0] == "succeeded" and self._ranks_to_hear())
-        if draining and now - self.outcome_at < LOG_DRAIN_S and self.outcome[0] != "stopped":
+        draining = self.open_logs or (self.outcome[0] == JobState.SUCCEEDED and self._ranks_to_hear())
+        if draining and now - self.outcome_at < LOG_DRAIN_S and self.outcome[0] != JobState.STOPPED:
             return
         self.ended = True
         state, reason = self.outcome
