@@ -7,7 +7,7 @@ import { Widget } from '@lumino/widgets';
 
 import { jobPath, request } from './api';
 import { JobsModel } from './model';
-import { ckptText, el, goodputText, restartsText, stepText } from './panel';
+import { ckptText, el, goodputText, restartsText, stepText, totalRestarts } from './panel';
 
 const REFRESH_MS = 2000;
 
@@ -91,6 +91,7 @@ export class Dashboard extends Widget {
       return;
     }
     this.node.dataset.state = row.state;
+    this.node.dataset.restarts = String(totalRestarts(row));
     this._state.textContent = row.state;
     this._state.title = row.detail || row.state;
     this._step.textContent = stepText(row);
@@ -127,6 +128,7 @@ export class Dashboard extends Widget {
     const layout = themed(this._figure.layout || {});
     await P.react(this._plot, this._figure.data || [], layout, { displaylogo: false, responsive: true });
     this._drawn = true;
+    this._plot.dataset.light = document.body.dataset.jpThemeLight ?? '';
   }
 
   private _state = el('span', 'eksft-state');
@@ -144,7 +146,7 @@ export class Dashboard extends Widget {
   private _drawn = false;
 }
 
-/** The figure's layout in JupyterLab's colours (light or dark), sized by its panel. */
+/** The figure's layout in JupyterLab's colours (light or dark), sized by its panel (not the widget's fixed size). */
 function themed(layout: any): any {
   const css = getComputedStyle(document.body);
   const v = (name: string) => css.getPropertyValue(name).trim();
@@ -153,6 +155,7 @@ function themed(layout: any): any {
   const out: any = {
     ...layout,
     width: undefined,
+    height: undefined,
     autosize: true,
     paper_bgcolor: 'rgba(0,0,0,0)',
     plot_bgcolor: 'rgba(0,0,0,0)',

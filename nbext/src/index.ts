@@ -100,7 +100,12 @@ const plugin: JupyterFrontEndPlugin<void> = {
     });
 
     if (statusBar) {
-      status = new JobsStatus(model, () => shell.activateById(panel.id));
+      status = new JobsStatus(model, () => {
+        if (panel.isVisible) {
+          status?.clear(); // already open: showing it again sends no after-show
+        }
+        shell.activateById(panel.id);
+      });
       statusBar.registerStatusItem('eksft-nb:jobs', { item: status, align: 'left', rank: 50 });
     }
     void model.start();

@@ -21,6 +21,8 @@ export class JobsModel {
   /** Jobs in the server's order. */
   jobs: IJobRow[] = [];
   faults: IFaultKind[] = [];
+  /** The stream is open and has sent the list at least once. */
+  live = false;
   /** One line about the connection to the server ('' when all is well). */
   error = '';
   /** Backends the server could not list (e.g. eks without a reachable cluster): name -> one line. */
@@ -74,6 +76,7 @@ export class JobsModel {
         if (this._abort.signal.aborted) {
           return;
         }
+        this.live = false;
         const line = e instanceof EksftError ? e.message : `the job stream broke (${(e as Error).message})`;
         this._setError(`${line}; reconnecting`);
       }
@@ -85,6 +88,8 @@ export class JobsModel {
 
   private _onEvent(e: IStreamEvent): void {
     if (e.event === 'jobs' && e.data && Array.isArray(e.data.jobs)) {
+      const wasLive = this.live;
+      this.live = true;
       if (this.error) {
         this._setError('');
       }
@@ -92,7 +97,7 @@ export class JobsModel {
         this.faults = e.data.faults;
       }
       this._setBackends(e.data);
-      this._setJobs(e.data.jobs);
+      this._setJobs(e.data.jobs, !wasLive);
     } else if (e.event === 'restart' && e.data && typeof e.data.job === 'string') {
       this._incident.emit({ kind: 'restart', job: e.data.job, level: e.data.level, cause: e.data.cause });
     }
@@ -110,7 +115,8 @@ export class JobsModel {
     }
   }
 
-  private _setJobs(jobs: IJobRow[]): void {
+  /** Take a new list; `changed` names the jobs that differ (and fires anyway with `always`). */
+  private _setJobs(jobs: IJobRow[], always = false): void {
     const before = new Map(this.jobs.map(j => [j.name, j]));
     const changed = new Set<string>();
     for (const job of jobs) {
@@ -125,7 +131,7 @@ export class JobsModel {
     }
     before.forEach((_, name) => changed.add(name));
     this.jobs = jobs;
-    if (changed.size) {
+    if (changed.size || always) {
       this._changed.emit(changed);
     }
   }

@@ -28,6 +28,10 @@ export function restartsText(row: IJobRow): string {
   return 'restarts: ' + LEVELS.map(([key, label]) => `${label} ${row.restarts?.[key] ?? 0}`).join(' · ');
 }
 
+export function totalRestarts(row: IJobRow): number {
+  return Object.values(row.restarts || {}).reduce((a, b) => a + b, 0);
+}
+
 export function stepText(row: IJobRow): string {
   return row.total_steps ? `step ${row.step} / ${row.total_steps}` : `step ${row.step}`;
 }
@@ -81,9 +85,18 @@ export class JobsPanel extends Widget {
     this._render();
   }
 
+  /** Shown after the panel itself was hidden (not its whole host, as a theme change does): seen again. */
   protected onAfterShow(msg: Message): void {
     super.onAfterShow(msg);
-    this.actions.panelShown();
+    if (this._closed) {
+      this.actions.panelShown();
+    }
+    this._closed = false;
+  }
+
+  protected onAfterHide(msg: Message): void {
+    super.onAfterHide(msg);
+    this._closed = this._closed || this.isHidden;
   }
 
   private _render(): void {
@@ -114,10 +127,12 @@ export class JobsPanel extends Widget {
     this._error.textContent = [this.model.error, ...errors].filter(Boolean).join(' · ');
     this._error.hidden = !this._error.textContent;
     this._empty.hidden = this.model.jobs.length > 0;
+    this.node.dataset.live = String(this.model.live);
     const running = this.model.running;
     this._count.textContent = `${running} running · ${this.model.jobs.length} in all`;
   }
 
+  private _closed = true;
   private _rows = new Map<string, JobRowView>();
   private _list = el('ul', 'eksft-jobs');
   private _count = el('span', 'eksft-count');
@@ -184,6 +199,8 @@ class JobRowView {
     this._row = row;
     this.node.dataset.state = row.state;
     this.node.dataset.backend = row.backend;
+    this.node.dataset.step = String(row.step);
+    this.node.dataset.restarts = String(totalRestarts(row));
     this._state.textContent = row.state;
     this._state.title = row.detail || row.state;
     this._step.textContent = stepText(row);

@@ -12,10 +12,7 @@ export class JobsStatus extends Widget {
     super();
     this.addClass('eksft-statusbar');
     this._button.title = 'Training jobs: open the eksft panel';
-    this._button.addEventListener('click', () => {
-      this.clear();
-      onOpen();
-    });
+    this._button.addEventListener('click', onOpen);
     this._badge.hidden = true;
     this._button.append(this._text, this._badge);
     this.node.append(this._button);
@@ -24,7 +21,7 @@ export class JobsStatus extends Widget {
     this._update();
   }
 
-  /** Forget the incidents shown (the user has looked at the panel). */
+  /** Forget the incidents shown (the user has opened the panel). */
   clear(): void {
     this._incidents = [];
     this._badge.hidden = true;
