@@ -3,8 +3,9 @@
 One JupyterLab (with the prebuilt extension and the server extension as ``make setup`` installs them)
 and one real job launched from a terminal: the job shows in the side panel within 2 s of the launch
 command's return; a sigkill injected from the panel shows as a restart in the panel, the status bar and
-the job's dashboard panel; the attach button writes ``%ftrain attach NAME`` into the open notebook; stop
-from the panel leaves no process of the job; the page logs no console error. Screenshots of the panel
+the job's dashboard panel; a refused inject shows the CLI's one line; the attach button writes
+``%ftrain attach NAME`` into the open notebook; stop from the panel leaves no process of the job, and
+resume from a chosen checkpoint starts a new job from that step; the page logs no console error. Screenshots of the panel
 (light and dark theme) go to the test's folder, and to ``docs/`` with EKSFT_SCREENSHOT_TO_DOCS=1.
 """
 
@@ -63,7 +64,8 @@ def test_jobs_panel_in_jupyterlab(lab: dict[str, Any], monkeypatch: pytest.Monke
             page.screenshot(path=str(shots / "failure.png"))
             raise
         browser.close()
-    assert errors == [], errors
+    # the one error the page may log: the browser's own line for the refused request's 400
+    assert [e for e in errors if "status of 400" not in e] == [] and len(errors) <= 1, errors
     if os.environ.get("EKSFT_SCREENSHOT_TO_DOCS") == "1":
         for name in ("lab-panel-light.png", "lab-panel-dark.png"):
             shutil.copy(shots / name, REPO / "docs" / name)
@@ -101,9 +103,17 @@ def drive(page: Any, lab: dict[str, Any], shots: Path) -> None:
     dash = page.locator(f'.eksft-dashboard[data-job="{JOB}"]')
     dash.locator(".js-plotly-plot").wait_for(timeout=60_000)
 
-    # sigkill rank 1 from the panel: a restart in the row, the status bar and the dashboard
+    # a rank the job does not have: the panel shows the CLI's one line, and the job goes on
     row.locator(".eksft-toggle").click()
     row.locator(".eksft-fault").select_option("sigkill")
+    row.locator(".eksft-rank").fill("9")
+    row.locator(".eksft-inject").click()
+    refused = row.locator(".eksft-message.eksft-error")
+    refused.wait_for(timeout=30_000)
+    line = cli("inject", JOB, "sigkill", "--rank", "9").stderr.strip().removeprefix("eksft: error: ")
+    assert refused.inner_text() == line, (refused.inner_text(), line)
+
+    # sigkill rank 1 from the panel: a restart in the row, the status bar and the dashboard
     row.locator(".eksft-rank").fill("1")
     row.locator(".eksft-inject").focus()
     page.keyboard.press("Enter")           # the buttons work from the keyboard
@@ -144,3 +154,17 @@ def drive(page: Any, lab: dict[str, Any], shots: Path) -> None:
     row.locator(".eksft-stop").click()
     page.locator(f'.eksft-job[data-job="{JOB}"][data-state="stopped"]').wait_for(timeout=120_000)
     assert procs.marked(JobDir.for_name(JOB).supervisor()["job_uid"]) == []
+
+    # resume from an older checkpoint chosen in the panel: a new job from that step on, stopped in turn
+    older = row.locator(".eksft-ckpts option").nth(1).get_attribute("value")
+    row.locator(".eksft-ckpts").select_option(older)
+    row.locator(".eksft-resume").click()
+    page.wait_for_function(f"() => document.querySelector('.eksft-job[data-job=\"{JOB}\"] .eksft-message')"
+                           ".textContent.startsWith('resumed as')", timeout=60_000, polling=250)
+    child = row.locator(".eksft-message").inner_text().split()[2]
+    page.wait_for_function(f"() => +(document.querySelector('.eksft-job[data-job=\"{child}\"]') || "
+                           f"{{dataset: {{step: 0}}}}).dataset.step > {older}", timeout=180_000, polling=250)
+    page.locator(f'.eksft-job[data-job="{child}"] .eksft-toggle').click()
+    page.locator(f'.eksft-job[data-job="{child}"] .eksft-stop').click()
+    page.locator(f'.eksft-job[data-job="{child}"][data-state="stopped"]').wait_for(timeout=120_000)
+    assert procs.marked(JobDir.for_name(child).supervisor()["job_uid"]) == []
