@@ -39,8 +39,12 @@ export interface ICheckpoint {
   time: number | null;
 }
 
-/** A refused request: `message` is the server's one line (the CLI's message). */
-export class EksftError extends Error {}
+/** A refused request: `message` is the server's one line (the CLI's message); `status` its HTTP status. */
+export class EksftError extends Error {
+  constructor(message: string, readonly status = 0) {
+    super(message);
+  }
+}
 
 const settings = ServerConnection.makeSettings();
 
@@ -69,7 +73,7 @@ export async function request<T>(path: string, init: RequestInit = {}): Promise<
         ? body.error
         : `${response.status} ${response.statusText} from ${path}` +
           (response.status === 404 && path === 'jobs' ? ' (is the eksft_nb server extension enabled?)' : '');
-    throw new EksftError(line);
+    throw new EksftError(line, response.status);
   }
   return body as T;
 }
@@ -99,7 +103,8 @@ export async function readStream(onEvent: (e: IStreamEvent) => void, signal: Abo
     settings
   );
   if (!response.ok || !response.body) {
-    throw new EksftError(`the job stream answered ${response.status} ${response.statusText}`);
+    const hint = response.status === 404 ? ' (is the eksft_nb server extension enabled?)' : '';
+    throw new EksftError(`the job stream answered ${response.status} ${response.statusText}${hint}`, response.status);
   }
   const reader = response.body.getReader();
   const decoder = new TextDecoder();

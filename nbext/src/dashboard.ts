@@ -7,7 +7,7 @@ import { Widget } from '@lumino/widgets';
 
 import { jobPath, request } from './api';
 import { JobsModel } from './model';
-import { ckptText, el, goodputText, restartsText, stepText, totalRestarts } from './panel';
+import { el, JobSummary } from './rows';
 
 const REFRESH_MS = 2000;
 
@@ -30,9 +30,10 @@ export class Dashboard extends Widget {
     this.title.caption = `Dashboard of the training job ${job}`;
     this.title.closable = true;
     const stats = el('div', 'eksft-stats');
-    stats.append(this._state, this._step, this._goodput, this._ckpt);
+    const s = this._summary;
+    stats.append(s.state, s.step, s.goodput, s.ckpt);
     this._error.setAttribute('role', 'alert');
-    this.node.append(stats, this._restarts, this._error, this._plot);
+    this.node.append(stats, s.restarts, this._error, this._plot);
     model.changed.connect(this._onChanged, this);
     this._show();
     this.refresh();
@@ -87,17 +88,9 @@ export class Dashboard extends Widget {
 
   private _show(): void {
     const row = this.model.get(this.job);
-    if (!row) {
-      return;
+    if (row) {
+      this._summary.show(this.node, row);
     }
-    this.node.dataset.state = row.state;
-    this.node.dataset.restarts = String(totalRestarts(row));
-    this._state.textContent = row.state;
-    this._state.title = row.detail || row.state;
-    this._step.textContent = stepText(row);
-    this._goodput.textContent = goodputText(row);
-    this._ckpt.textContent = ckptText(row);
-    this._restarts.textContent = restartsText(row);
   }
 
   private async _draw(): Promise<void> {
@@ -131,11 +124,7 @@ export class Dashboard extends Widget {
     this._plot.dataset.light = document.body.dataset.jpThemeLight ?? '';
   }
 
-  private _state = el('span', 'eksft-state');
-  private _step = el('span', 'eksft-step');
-  private _goodput = el('span', 'eksft-goodput');
-  private _ckpt = el('span', 'eksft-ckpt');
-  private _restarts = el('div', 'eksft-restarts');
+  private _summary = new JobSummary();
   private _error = el('div', 'eksft-error');
   private _plot = el('div', 'eksft-plot');
   private _figure: { data: any[]; layout: any } | null = null;

@@ -77,6 +77,10 @@ export class JobsModel {
           return;
         }
         this.live = false;
+        if (e instanceof EksftError && e.status === 404) {
+          this._setError(e.message); // no server extension: nothing to reconnect to
+          return;
+        }
         const line = e instanceof EksftError ? e.message : `the job stream broke (${(e as Error).message})`;
         this._setError(`${line}; reconnecting`);
       }

@@ -7,6 +7,7 @@ import { Widget } from '@lumino/widgets';
 
 import { ICheckpoint, IFaultKind, IJobRow, jobPath, post, request } from './api';
 import { JobsModel } from './model';
+import { button, el, JobSummary } from './rows';
 
 /** What the panel asks of the application (opening a dashboard, writing into a notebook). */
 export interface IPanelActions {
@@ -15,59 +16,6 @@ export interface IPanelActions {
   insertCell(code: string): string;
   /** The panel came into view (the status bar's badge is then seen). */
   panelShown(): void;
-}
-
-export const LEVELS: [string, string][] = [
-  ['inprocess', 'in-process'],
-  ['injob', 'in-job'],
-  ['job', 'job']
-];
-
-/** "in-process 0 · in-job 1 · job 0" */
-export function restartsText(row: IJobRow): string {
-  return 'restarts: ' + LEVELS.map(([key, label]) => `${label} ${row.restarts?.[key] ?? 0}`).join(' · ');
-}
-
-export function totalRestarts(row: IJobRow): number {
-  return Object.values(row.restarts || {}).reduce((a, b) => a + b, 0);
-}
-
-export function stepText(row: IJobRow): string {
-  return row.total_steps ? `step ${row.step} / ${row.total_steps}` : `step ${row.step}`;
-}
-
-export function goodputText(row: IJobRow): string {
-  return row.goodput === null || row.goodput === undefined ? 'goodput –' : `goodput ${Math.round(row.goodput * 100)}%`;
-}
-
-export function ckptText(row: IJobRow): string {
-  return row.last_checkpoint === null || row.last_checkpoint === undefined
-    ? 'no checkpoint'
-    : `ckpt ${row.last_checkpoint}`;
-}
-
-/** A DOM element with a class and optional text. */
-export function el<K extends keyof HTMLElementTagNameMap>(
-  tag: K,
-  cls: string,
-  text = '',
-  attrs: { [name: string]: string } = {}
-): HTMLElementTagNameMap[K] {
-  const node = document.createElement(tag);
-  node.className = cls;
-  if (text) {
-    node.textContent = text;
-  }
-  for (const [k, v] of Object.entries(attrs)) {
-    node.setAttribute(k, v);
-  }
-  return node;
-}
-
-export function button(cls: string, text: string, title: string, onClick: () => void): HTMLButtonElement {
-  const b = el('button', `jp-Button eksft-button ${cls}`, text, { type: 'button', title });
-  b.addEventListener('click', onClick);
-  return b;
 }
 
 export class JobsPanel extends Widget {
@@ -156,10 +104,10 @@ class JobRowView {
       this._setExpanded(this._controls.hidden)
     );
     this._toggle.setAttribute('aria-expanded', 'false');
-    head.append(open, this._state, this._toggle);
+    head.append(open, this._summary.state, this._toggle);
 
     const stats = el('div', 'eksft-stats');
-    stats.append(this._step, this._goodput, this._ckpt);
+    stats.append(this._summary.step, this._summary.goodput, this._summary.ckpt);
     this._message.setAttribute('aria-live', 'polite');
 
     this._fault.setAttribute('aria-label', 'fault to inject');
@@ -192,21 +140,13 @@ class JobRowView {
     this._stopButton = jobRow.querySelector('.eksft-stop') as HTMLButtonElement;
     this._controls.append(injectRow, resumeRow, jobRow);
     this._controls.hidden = true;
-    this.node.append(head, stats, this._restarts, this._controls, this._message);
+    this.node.append(head, stats, this._summary.restarts, this._controls, this._message);
   }
 
   update(row: IJobRow): void {
     this._row = row;
-    this.node.dataset.state = row.state;
+    this._summary.show(this.node, row);
     this.node.dataset.backend = row.backend;
-    this.node.dataset.step = String(row.step);
-    this.node.dataset.restarts = String(totalRestarts(row));
-    this._state.textContent = row.state;
-    this._state.title = row.detail || row.state;
-    this._step.textContent = stepText(row);
-    this._goodput.textContent = goodputText(row);
-    this._ckpt.textContent = ckptText(row);
-    this._restarts.textContent = restartsText(row);
     this._injectRow.hidden = row.ended;
     this._stopButton.disabled = row.ended;
     if (this._faultsShown !== this.model.faults) {
@@ -338,11 +278,7 @@ class JobRowView {
 
   private _row: IJobRow | undefined;
   private _toggle: HTMLButtonElement;
-  private _state = el('span', 'eksft-state');
-  private _step = el('span', 'eksft-step');
-  private _goodput = el('span', 'eksft-goodput');
-  private _ckpt = el('span', 'eksft-ckpt');
-  private _restarts = el('div', 'eksft-restarts');
+  private _summary = new JobSummary();
   private _controls = el('div', 'eksft-controls');
   private _injectRow: HTMLElement;
   private _stopButton: HTMLButtonElement;

@@ -5,7 +5,7 @@
 import { Widget } from '@lumino/widgets';
 
 import { IIncident, JobsModel } from './model';
-import { el } from './panel';
+import { el } from './rows';
 
 export class JobsStatus extends Widget {
   constructor(private model: JobsModel, onOpen: () => void) {
