@@ -1,4 +1,5 @@
-# eksft-nb: every target sets up what it needs (a .venv in this folder) on a fresh machine.
+# eksft-nb: every target sets up what it needs (a .venv in this folder, with the JupyterLab extension built
+# from nbext/) on a fresh machine.
 #   make lab    set up, run the headless terminal demo, then open JupyterLab on the quickstart
 #   make test   set up (venv, NVRx 0.6.0 beside it, Chromium for the browser test) and run the test suite
 #   make demo   set up and run the headless demo only
