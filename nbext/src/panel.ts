@@ -51,11 +51,12 @@ export class JobsPanel extends Widget {
     const seen = new Set<string>();
     let previous: HTMLElement | null = null;
     for (const job of this.model.jobs) {
-      seen.add(job.name);
-      let row = this._rows.get(job.name);
+      const key = `${job.backend}/${job.name}`; // a local job and an EKS job may share a name
+      seen.add(key);
+      let row = this._rows.get(key);
       if (!row) {
         row = new JobRowView(job.name, this.model, this.actions);
-        this._rows.set(job.name, row);
+        this._rows.set(key, row);
       }
       row.update(job);
       // keep the server's order, moving only what moved (focus and open selects survive an update)
@@ -65,10 +66,10 @@ export class JobsPanel extends Widget {
       }
       previous = row.node;
     }
-    for (const [name, row] of this._rows) {
-      if (!seen.has(name)) {
+    for (const [key, row] of this._rows) {
+      if (!seen.has(key)) {
         row.node.remove();
-        this._rows.delete(name);
+        this._rows.delete(key);
       }
     }
     const errors = Object.entries(this.model.backendErrors).map(([b, e]) => `${b}: ${e}`);
@@ -88,7 +89,7 @@ export class JobsPanel extends Widget {
   private _empty = el(
     'p',
     'eksft-empty',
-    'No jobs yet. Launch one with %%ftrain in a notebook or `python -m eksft_nb run --detach` in a terminal.'
+    'No jobs yet. Launch one with %%ftrain in a notebook, or with python -m eksft_nb run in a terminal.'
   );
 }
 
@@ -104,7 +105,7 @@ class JobRowView {
       this._setExpanded(this._controls.hidden)
     );
     this._toggle.setAttribute('aria-expanded', 'false');
-    head.append(open, this._summary.state, this._toggle);
+    head.append(open, this._backend, this._summary.state, this._toggle);
 
     const stats = el('div', 'eksft-stats');
     stats.append(this._summary.step, this._summary.goodput, this._summary.ckpt);
@@ -147,6 +148,8 @@ class JobRowView {
     this._row = row;
     this._summary.show(this.node, row);
     this.node.dataset.backend = row.backend;
+    this._backend.textContent = row.backend;
+    this._backend.hidden = row.backend === 'local';
     this._injectRow.hidden = row.ended;
     this._stopButton.disabled = row.ended;
     if (this._faultsShown !== this.model.faults) {
@@ -279,6 +282,7 @@ class JobRowView {
   private _row: IJobRow | undefined;
   private _toggle: HTMLButtonElement;
   private _summary = new JobSummary();
+  private _backend = el('span', 'eksft-backend');
   private _controls = el('div', 'eksft-controls');
   private _injectRow: HTMLElement;
   private _stopButton: HTMLButtonElement;
