@@ -25,7 +25,7 @@ class Job:
         self._events = backend.events(name)
 
     def __repr__(self) -> str:
-        return f"Job({self.name!r}, backend={self.backend.name!r}, state={self.state!r})"
+        return f"Job({self.name!r}, backend={self.backend.name!r}, state={self.state.value!r})"
 
     def refresh(self) -> JobMonitor:
         """Fold in the events that arrived since the last call."""
