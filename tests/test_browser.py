@@ -8,16 +8,10 @@ Screenshots go to the test's folder (and to ``docs/dashboard.png`` with EKSFT_SC
 
 from __future__ import annotations
 
-import json
 import os
-import secrets
 import shutil
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,61 +25,6 @@ FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "-
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow,
               pytest.mark.skipif(not CHROMIUM.exists(), reason="Chromium is not installed (make chromium)")]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
-    """A fresh JupyterLab server on the quickstart notebook, with its own EKSFT_HOME."""
-    root, settings = tmp_path / "root", tmp_path / "settings"
-    root.mkdir()
-    shutil.copy(REPO / "notebooks" / "01_quickstart.ipynb", root)
-    for name, value in (("@jupyterlab/apputils-extension/notification.jupyterlab-settings",
-                         {"fetchNews": "false", "checkForUpdates": False}),
-                        ("@jupyterlab/notebook-extension/tracker.jupyterlab-settings", {"windowingMode": "none"})):
-        (settings / name).parent.mkdir(parents=True, exist_ok=True)
-        (settings / name).write_text(json.dumps(value))
-    port, token = _free_port(), secrets.token_hex(16)
-    env = {**os.environ, "EKSFT_HOME": str(tmp_path / "eksft"), "JUPYTERLAB_SETTINGS_DIR": str(settings),
-           "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "workspaces"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
-           "JUPYTER_CONFIG_DIR": str(tmp_path / "config")}
-    log = open(tmp_path / "lab.log", "wb")
-    server = subprocess.Popen(
-        [str(Path(sys.executable).parent / "jupyter"), "lab", "--no-browser", "--allow-root", "--ip=127.0.0.1",
-         f"--port={port}", "--port-retries=0", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
-         "--LabApp.expose_app_in_browser=True", "--LabApp.news_url=None",
-         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while True:
-        try:
-            urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
-            break
-        except OSError:
-            if server.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"JupyterLab did not start; see {tmp_path / 'lab.log'}") from None
-            time.sleep(0.3)
-    try:
-        yield {"url": url, "token": token, "home": tmp_path / "eksft", "dir": tmp_path}
-    finally:
-        server.terminate()
-        try:
-            server.wait(20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
-        from eksft_nb.backends.local import LocalBackend
-
-        backend = LocalBackend(tmp_path / "eksft" / "jobs")
-        for job in backend.jobs():
-            if job.state in ("starting", "running"):
-                backend.stop(job.name)
 
 
 def wait_for(what: str, probe: Callable[[], Any], timeout: float, every: float = 0.5) -> Any:

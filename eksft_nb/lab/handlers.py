@@ -21,10 +21,13 @@ from tornado.iostream import StreamClosedError
 
 from .. import commands
 from ..errors import EksftError, JobError
+from ..states import FaultKind
 from . import requests
 from .manager import JobsManager, describe_error, eks_configured
 
 KEEPALIVE_S = 15.0
+# what the JupyterLab panel offers to inject: the one table of fault kinds, in its order
+FAULT_KINDS = [{"kind": k.value, "scope": k.scope.value, "help": k.description} for k in FaultKind]
 
 
 def _unknown_job(e: EksftError) -> bool:
@@ -76,7 +79,7 @@ class JobsHandler(Base):
                 backends["eks"] = {"ok": True, "error": None}
             except Exception as e:
                 backends["eks"] = {"ok": False, "error": describe_error(e)}
-        self.finish(json.dumps({"jobs": jobs, "backends": backends}))
+        self.finish(json.dumps({"jobs": jobs, "backends": backends, "faults": FAULT_KINDS}))
 
     @web.authenticated
     @refusing

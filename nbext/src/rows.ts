@@ -1,0 +1,77 @@
+/**
+ * What the side panel and the dashboard both show of a job's row, and the small DOM helpers they share.
+ */
+import { IJobRow } from './api';
+
+/** How the dashboard's lanes name the restart levels the rows count (a level not here shows as is). */
+const LEVEL_LABELS: { [level: string]: string } = { inprocess: 'in-process', injob: 'in-job' };
+
+/** "restarts: in-process 0 · in-job 1 · job 0", in the server's order of levels */
+export function restartsText(row: IJobRow): string {
+  const counts = Object.entries(row.restarts || {}).map(([level, n]) => `${LEVEL_LABELS[level] ?? level} ${n}`);
+  return 'restarts: ' + (counts.join(' · ') || 'none');
+}
+
+export function totalRestarts(row: IJobRow): number {
+  return Object.values(row.restarts || {}).reduce((a, b) => a + b, 0);
+}
+
+export function stepText(row: IJobRow): string {
+  return row.total_steps ? `step ${row.step} / ${row.total_steps}` : `step ${row.step}`;
+}
+
+export function goodputText(row: IJobRow): string {
+  return row.goodput === null || row.goodput === undefined ? 'goodput –' : `goodput ${Math.round(row.goodput * 100)}%`;
+}
+
+export function ckptText(row: IJobRow): string {
+  return row.last_checkpoint === null || row.last_checkpoint === undefined
+    ? 'no checkpoint'
+    : `ckpt ${row.last_checkpoint}`;
+}
+
+/** A DOM element with a class and optional text. */
+export function el<K extends keyof HTMLElementTagNameMap>(
+  tag: K,
+  cls: string,
+  text = '',
+  attrs: { [name: string]: string } = {}
+): HTMLElementTagNameMap[K] {
+  const node = document.createElement(tag);
+  node.className = cls;
+  if (text) {
+    node.textContent = text;
+  }
+  for (const [k, v] of Object.entries(attrs)) {
+    node.setAttribute(k, v);
+  }
+  return node;
+}
+
+export function button(cls: string, text: string, title: string, onClick: () => void): HTMLButtonElement {
+  const b = el('button', `jp-Button eksft-button ${cls}`, text, { type: 'button', title });
+  b.addEventListener('click', onClick);
+  return b;
+}
+
+/** The row's figures as elements (state, step, goodput, checkpoint, restarts): each view places them. */
+export class JobSummary {
+  readonly state = el('span', 'eksft-state');
+  readonly step = el('span', 'eksft-step');
+  readonly goodput = el('span', 'eksft-goodput');
+  readonly ckpt = el('span', 'eksft-ckpt');
+  readonly restarts = el('div', 'eksft-restarts');
+
+  /** Show `row`; `host` carries its state and restart count as data attributes (styles and tests read them). */
+  show(host: HTMLElement, row: IJobRow): void {
+    host.dataset.state = row.state;
+    host.dataset.step = String(row.step);
+    host.dataset.restarts = String(totalRestarts(row));
+    this.state.textContent = row.state;
+    this.state.title = row.detail || row.state;
+    this.step.textContent = stepText(row);
+    this.goodput.textContent = goodputText(row);
+    this.ckpt.textContent = ckptText(row);
+    this.restarts.textContent = restartsText(row);
+  }
+}

@@ -1,0 +1,172 @@
+"""The JupyterLab extension (nbext/) in a real JupyterLab, driven by headless Chromium (Playwright).
+
+One JupyterLab (with the prebuilt extension and the server extension as ``make setup`` installs them)
+and one real job launched from a terminal: the job shows in the side panel within 2 s of the launch
+command's return; a sigkill injected from the panel shows as a restart in the panel, the status bar and
+the job's dashboard panel; a refused inject shows the CLI's one line; the attach button writes
+``%ftrain attach NAME`` into the open notebook; stop from the panel leaves no process of the job, and
+resume from a chosen checkpoint starts a new job from that step; the page logs no console error. Screenshots of the panel
+(light and dark theme) go to the test's folder, and to ``docs/`` with EKSFT_SCREENSHOT_TO_DOCS=1.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import REPO
+from jobs import cli
+
+CHROMIUM = Path("/usr/lib/chromium/chromium")
+FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync"]
+JOB = "panel-job"
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow,
+              pytest.mark.skipif(not CHROMIUM.exists(), reason="Chromium is not installed (make chromium)")]
+
+# in-page readers
+RESTART_MARKERS_JS = """(job) => {
+  const plot = document.querySelector(`.eksft-dashboard[data-job="${job}"] .js-plotly-plot`);
+  if (!plot || !plot.data) return 0;
+  return plot.data.filter(t => t.name === 'restarts').reduce((n, t) => n + (t.text || []).length, 0);
+}"""
+CELLS_JS = """() => {
+  const nb = window.jupyterapp.shell.widgets('main');
+  for (const w of nb) {
+    if (w.content && w.content.model && w.content.model.cells) {
+      return Array.from(w.content.model.cells).map(c => c.sharedModel.getSource());
+    }
+  }
+  return null;
+}"""
+
+
+def test_jobs_panel_in_jupyterlab(lab: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    from playwright.sync_api import sync_playwright
+
+    monkeypatch.setenv("EKSFT_HOME", str(lab["home"]))   # the job goes where this JupyterLab looks
+    shots = lab["dir"]
+    errors: list[str] = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=FLAGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 800})
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: errors.append(f"uncaught: {e}"))
+        try:
+            drive(page, lab, shots)
+        except Exception:
+            page.screenshot(path=str(shots / "failure.png"))
+            raise
+        browser.close()
+    # the one error the page may log: the browser's own line for the refused request's 400
+    assert [e for e in errors if "status of 400" not in e] == [] and len(errors) <= 1, errors
+    if os.environ.get("EKSFT_SCREENSHOT_TO_DOCS") == "1":
+        for name in ("lab-panel-light.png", "lab-panel-dark.png"):
+            shutil.copy(shots / name, REPO / "docs" / name)
+
+
+def drive(page: Any, lab: dict[str, Any], shots: Path) -> None:
+    """Launch from a terminal, watch, inject, attach, switch themes and stop, all from the page."""
+    from eksft_nb.backends import procs
+    from eksft_nb.jobdir import JobDir
+
+    page.goto(f"{lab['url']}/lab/tree/01_quickstart.ipynb?token={lab['token']}")
+    page.wait_for_function("() => window.jupyterapp", timeout=90_000, polling=250)
+    page.evaluate("() => window.jupyterapp.restored")
+    assert page.evaluate("() => window.jupyterapp.commands.hasCommand('eksft:show-jobs')"), \
+        "the eksft extension is not in this JupyterLab: run `make setup` (it builds and installs nbext/)"
+    page.evaluate("() => window.jupyterapp.commands.execute('eksft:show-jobs')")
+    panel = page.locator(".eksft-panel[data-live=true]")
+    panel.wait_for(timeout=60_000)   # the stream is open: what follows comes from it
+
+    # a job launched from a terminal shows in the panel within 2 s of the command's return
+    launched = cli("run", "--name", JOB, "--model", "tiny", "--steps", "100000", "--ckpt-every", "10",
+                   "--detach")
+    returned = time.monotonic()
+    assert launched.returncode == 0, launched.stderr
+    row = page.locator(f'.eksft-job[data-job="{JOB}"]')
+    row.wait_for(state="attached", timeout=30_000)
+    shown = time.monotonic() - returned
+    print(f"the job showed in the panel {shown:.2f}s after `run --detach` returned")
+    assert shown < 2.0
+    page.wait_for_function(f"() => +document.querySelector('.eksft-job[data-job=\"{JOB}\"]').dataset.step >= 3",
+                           timeout=180_000, polling=250)
+
+    # its dashboard in the main area draws the Python figure
+    row.locator(".eksft-open").click()
+    dash = page.locator(f'.eksft-dashboard[data-job="{JOB}"]')
+    dash.locator(".js-plotly-plot").wait_for(timeout=60_000)
+
+    # a rank the job does not have: the panel shows the CLI's one line, and the job goes on
+    row.locator(".eksft-toggle").click()
+    row.locator(".eksft-fault").select_option("sigkill")
+    row.locator(".eksft-rank").fill("9")
+    row.locator(".eksft-inject").click()
+    refused = row.locator(".eksft-message.eksft-error")
+    refused.wait_for(timeout=30_000)
+    line = cli("inject", JOB, "sigkill", "--rank", "9").stderr.strip().removeprefix("eksft: error: ")
+    assert refused.inner_text() == line, (refused.inner_text(), line)
+
+    # sigkill rank 1 from the panel: a restart in the row, the status bar and the dashboard
+    row.locator(".eksft-rank").fill("1")
+    row.locator(".eksft-inject").focus()
+    page.keyboard.press("Enter")           # the buttons work from the keyboard
+    page.wait_for_function(f"() => document.querySelector('.eksft-job[data-job=\"{JOB}\"] .eksft-message')"
+                           ".textContent.includes('sigkill')", timeout=30_000, polling=250)
+    page.locator(f'.eksft-job[data-job="{JOB}"]:not([data-restarts="0"])').wait_for(timeout=180_000)
+    assert re.search(r"\b(in-job|job) [1-9]", row.locator(".eksft-restarts").inner_text())  # ft_launcher's or ours
+    page.locator(".eksft-statusbar .eksft-badge:not([hidden])").wait_for(timeout=30_000)
+    page.locator(f'.eksft-dashboard[data-job="{JOB}"]:not([data-restarts="0"])').wait_for(timeout=30_000)
+    page.wait_for_function(RESTART_MARKERS_JS, arg=JOB, timeout=30_000, polling=250)
+
+    # attach: the line lands in the open notebook as a new cell
+    row.locator(".eksft-attach").click()
+    page.wait_for_function(f"() => ({CELLS_JS})().includes('%ftrain attach {JOB}')", timeout=30_000,
+                           polling=250)
+
+    # the panel in the light and the dark theme
+    page.evaluate("() => window.jupyterapp.commands.execute('eksft:open-dashboard', {name: '%s'})" % JOB)
+    page.screenshot(path=str(shots / "lab-panel-light.png"))
+    page.evaluate("() => window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Dark'})")
+    page.wait_for_function("() => document.body.dataset.jpThemeLight === 'false'"
+                           " && !document.querySelector('#jupyterlab-splash')", timeout=30_000, polling=250)
+    page.locator(f'.eksft-dashboard[data-job="{JOB}"] .eksft-plot[data-light="false"]').wait_for(timeout=30_000)
+    page.screenshot(path=str(shots / "lab-panel-dark.png"))
+
+    # the status bar's badge stays through a theme change, and clears when the panel is opened again
+    badge = page.locator(".eksft-statusbar .eksft-badge")
+    assert badge.is_visible()
+    page.evaluate("() => window.jupyterapp.commands.execute('filebrowser:activate')")
+    panel.wait_for(state="hidden", timeout=10_000)
+    assert badge.is_visible()
+    page.locator(".eksft-statusbar button").press("Enter")
+    panel.wait_for(timeout=10_000)
+    badge.wait_for(state="hidden", timeout=10_000)
+
+    # stop from the panel: nothing of the job runs afterwards
+    row.locator(".eksft-stop").click()
+    page.locator(f'.eksft-job[data-job="{JOB}"][data-state="stopped"]').wait_for(timeout=120_000)
+    assert procs.marked(JobDir.for_name(JOB).supervisor()["job_uid"]) == []
+
+    # resume from an older checkpoint chosen in the panel: a new job from that step on, stopped in turn
+    steps = [v for v in row.locator(".eksft-ckpts option").evaluate_all("os => os.map(o => o.value)") if v]
+    assert len(steps) >= 2, steps      # newest first
+    older = steps[1]
+    row.locator(".eksft-ckpts").select_option(older)
+    row.locator(".eksft-resume").click()
+    page.wait_for_function(f"() => document.querySelector('.eksft-job[data-job=\"{JOB}\"] .eksft-message')"
+                           ".textContent.startsWith('resumed as')", timeout=60_000, polling=250)
+    child = row.locator(".eksft-message").inner_text().split()[2]
+    page.wait_for_function(f"() => +(document.querySelector('.eksft-job[data-job=\"{child}\"]') || "
+                           f"{{dataset: {{step: 0}}}}).dataset.step > {older}", timeout=180_000, polling=250)
+    page.locator(f'.eksft-job[data-job="{child}"] .eksft-toggle').click()
+    page.locator(f'.eksft-job[data-job="{child}"] .eksft-stop').click()
+    page.locator(f'.eksft-job[data-job="{child}"][data-state="stopped"]').wait_for(timeout=120_000)
+    assert procs.marked(JobDir.for_name(child).supervisor()["job_uid"]) == []
