@@ -8,7 +8,9 @@ restarts stop making progress.
 
 Blame, in order: the target of an injected fault; a rank that raised on its own; a rank that was
 interrupted while *not* waiting for its peers (a hang); the rank whose process died; a hint from the
-caller (the local supervisor's progress beacons).
+caller (the local supervisor's progress beacons). A GPU fault (an XID or a double-bit ECC error
+reported by :mod:`.gpuhealth`) shortly before or during an incident without an injected fault is
+named as its cause, and its time as the fault's.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Incident:
     detected_at: float
     last_step: int
     resumed_step: int | None = None
+    gpu_fault: dict[str, Any] | None = None   # the GPU fault named as its cause
 
 
 class Incidents:
@@ -52,6 +55,7 @@ class Incidents:
         self.incident: Incident | None = None
         self.recent_faults: list[dict[str, Any]] = []   # rank faults since a step ran after them
         self.recent_errors: list[dict[str, Any]] = []   # rank errors, likewise
+        self.recent_gpu: list[dict[str, Any]] = []      # XID and ECC faults, likewise
         self.incarnation: dict[int, tuple[int, int, int]] = {}  # rank -> (job attempt, in-job, in-process)
         self.recovered_to: tuple[int, int, int] | None = None  # the incarnation the last incident ended in
         self.last_alive = t_start
@@ -63,6 +67,9 @@ class Incidents:
         """A rank's event (call after the monitor has folded it in)."""
         if e.kind == "fault" and e["target_rank"] is not None:
             self.recent_faults.append({"t": e.t, "fault": e["fault"], "rank": e["target_rank"]})
+        elif e.kind == "gpu_fault" and e["fault"] in ("xid", "ecc"):
+            self.recent_gpu.append({"t": e.t, **e.data})
+            self._gpu_cause()   # it may arrive after the failure it caused was detected
         elif e.kind == "rank_error":
             self.recent_errors.append({"t": e.t, "rank": e.rank, "origin": e["origin"], "error": e["error"],
                                        "waiting": e.get("waiting", False)})
@@ -92,6 +99,7 @@ class Incidents:
             # forget what a whole step ran after (by time: several pods' logs arrive interleaved)
             self.recent_faults = [f for f in self.recent_faults if f["t"] >= started]
             self.recent_errors = [x for x in self.recent_errors if x["t"] >= started]
+            self.recent_gpu = [x for x in self.recent_gpu if x["t"] >= started]
 
     def worker_failed(self, rank: int | None, code: int, at: float) -> None:
         """ft_launcher saw a rank's process exit with ``code`` (negative: a signal)."""
@@ -139,6 +147,7 @@ class Incidents:
         if self.incident is not None and not force:
             return
         self.incident = incident
+        self._gpu_cause()
         committed = self.mon.last_committed
         if committed is None and not self.steps_expected:
             # a user script's own checkpoints are not seen: it is stuck if no step ran since the last incident
@@ -172,6 +181,17 @@ class Incidents:
         self.say(f"recovered ({i.level}): resumed from step {resumed}, {downtime:.1f}s after the fault")
 
     # ---- attribution ---------------------------------------------------------------------------
+    def _gpu_cause(self) -> None:
+        """Name a GPU fault near the open incident as its cause, unless an injected fault explains it."""
+        i = self.incident
+        near = [g for g in self.recent_gpu if abs(g["t"] - i.detected_at) < NODE_FAULT_WINDOW_S] if i else []
+        if not near or i.gpu_fault is not None or self.recent_faults:
+            return
+        g = i.gpu_fault = near[0]
+        i.cause = f"GPU fault on node {g['node']} GPU {g['gpu']}: {g['detail']}; then {i.cause}"
+        if i.fault_time < g["t"] <= i.detected_at:
+            i.fault_time = g["t"]
+
     def last_progress(self) -> float:
         """The last moment the job was known to be fine: its last step, or a later rank start."""
         return max([self.last_alive, *self.mon.steps.t[-1:]])

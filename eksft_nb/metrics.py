@@ -12,6 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from .goodput import CATEGORIES, compute
+from .gpuhealth import dcgm_metrics
 from .job import Job
 
 
@@ -33,10 +34,12 @@ class JobsCollector(Collector):
         goodput = GaugeMetricFamily("eksft_goodput_ratio", "Productive share of wall time", labels=["job"])
         wall = GaugeMetricFamily("eksft_time_seconds", "Wall time by category", labels=["job", "category"])
         running = GaugeMetricFamily("eksft_running", "1 while the job runs", labels=["job"])
+        gpus = []   # GPU health, under the DCGM exporter's names
         for listed in self.jobs():
             job = self._handles.setdefault(listed.name, listed)  # keep the incremental reader
             mon = job.refresh()
             name = job.name
+            gpus.append((name, mon.gpu))
             running.add_metric([name], 0.0 if mon.finished else 1.0)
             if len(mon.steps):
                 step.add_metric([name], mon.last_step)
@@ -56,6 +59,7 @@ class JobsCollector(Collector):
             for category in CATEGORIES:
                 wall.add_metric([name, category], gp.seconds()[category])
         yield from (step, loss, tps, restarts, downtime, stall, committed, goodput, wall, running)
+        yield from dcgm_metrics(gpus)
 
 
 def serve(names: list[str] | None, port: int, addr: str = "127.0.0.1") -> None:
