@@ -106,6 +106,8 @@ def read_gpus(nvml: Any, handles: list[Any], refused: Callable[[str], Any], uuid
     out = []
     for gpu, handle in enumerate(handles):
         try:
+            if handle is None:   # NVML gave no handle: it was lost before we started
+                raise nvml.NVMLError(_GPU_IS_LOST)
             reading = _read_one(nvml, gpu, handle)
             uuids[gpu] = reading["uuid"]
         except nvml.NVMLError as e:
@@ -146,7 +148,7 @@ class GpuSampler:
 
     def __init__(self, nvml: Any, emit: Callable[..., Any], node: int, host: str, interval: float = 10.0) -> None:
         self.nvml, self.emit, self.node, self.host, self.interval = nvml, emit, node, host, interval
-        self.handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+        self.handles = handles(nvml)
         self.uuids: dict[int, str] = {}
         self.prev: dict[int, dict[str, Any]] = {}
         self.last_xid: dict[int, int] = {}
@@ -157,7 +159,7 @@ class GpuSampler:
         self.events = None
         try:   # XID and ECC notifications; without them (not supported, a VM) the counters still show ECC
             self.events = nvml.nvmlEventSetCreate()
-            for handle in self.handles:
+            for handle in filter(None, self.handles):
                 nvml.nvmlDeviceRegisterEvents(handle, _EVENT_XID | _EVENT_DBE, self.events)
         except nvml.NVMLError as e:
             self._refused(f"NVML cannot deliver XID events here ({str(e)[:80]}): only counters are sampled")
@@ -230,9 +232,12 @@ class GpuSampler:
 
     def start(self) -> GpuSampler:
         def loop() -> None:
-            while not self._halt.is_set():
-                self.tick()
-                self.drain(int(self.interval * 1000))
+            try:
+                while not self._halt.is_set():
+                    self.tick()
+                    self.drain(int(self.interval * 1000))
+            except Exception as e:  # noqa: BLE001 - GPU health never takes the rank down
+                self._refused(f"sampling stopped: {type(e).__name__}: {str(e)[:120]}")
         self._thread = threading.Thread(target=loop, daemon=True, name="eksft-gpu-health")
         self._thread.start()
         return self
@@ -279,7 +284,24 @@ def start(emit: Callable[..., Any], node: int, host: str, *, first: bool, interv
         if first:
             emit("gpu_health", node=node, host=host, gpus=[], note=f"no GPU health: {why}")
         return None
-    return GpuSampler(nvml, emit, node, host, interval).start()
+    try:
+        return GpuSampler(nvml, emit, node, host, interval).start()
+    except nvml.NVMLError as e:   # GPU health never takes the rank down
+        print(f"eksft: gpu health on node {node}: NVML failed ({str(e)[:80]}): not sampled", file=sys.stderr)
+        return None
+
+
+def handles(nvml: Any) -> list[Any]:
+    """A handle per GPU; None for a GPU NVML says is lost (it fell off the bus)."""
+    out = []
+    for i in range(nvml.nvmlDeviceGetCount()):
+        try:
+            out.append(nvml.nvmlDeviceGetHandleByIndex(i))
+        except nvml.NVMLError as e:
+            if getattr(e, "value", None) != _GPU_IS_LOST:
+                raise
+            out.append(None)
+    return out
 
 
 # ---- recording and replaying NVML readings ------------------------------------------------------
@@ -291,7 +313,7 @@ def record(path: str | Path, frames: int = 3, interval: float = 1.0, nvml: Any =
     nvml = nvml or load_nvml()[0]
     if nvml is None:
         raise GpuReadingError("no NVML here", "record on a machine with an NVIDIA driver and GPU")
-    handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
+    gpus = handles(nvml)
     reasons = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
         nvml.nvmlDeviceGetCurrentClocksThrottleReasons
 
@@ -305,28 +327,32 @@ def record(path: str | Path, frames: int = 3, interval: float = 1.0, nvml: Any =
     events = None
     try:
         events = nvml.nvmlEventSetCreate()
-        for h in handles:
+        for h in filter(None, gpus):
             nvml.nvmlDeviceRegisterEvents(h, _EVENT_XID | _EVENT_DBE, events)
     except nvml.NVMLError:
         pass
     out: list[dict[str, Any]] = []
-    for i in range(frames):
-        seen = []
-        deadline = time.monotonic() + (interval if i else 0.0)
+    for _ in range(frames):
+        frame: dict[str, Any] = {"gpus": [{"uuid": raw(nvml.nvmlDeviceGetUUID, h),
+                                           "temperature": raw(nvml.nvmlDeviceGetTemperature, h, _TEMPERATURE_GPU),
+                                           "power_mw": raw(nvml.nvmlDeviceGetPowerUsage, h), "throttle": raw(reasons, h),
+                                           "ecc_sbe": raw(nvml.nvmlDeviceGetTotalEccErrors, h, _CORRECTED, _VOLATILE),
+                                           "ecc_dbe": raw(nvml.nvmlDeviceGetTotalEccErrors, h, _UNCORRECTED, _VOLATILE)}
+                                          if h is not None else {"uuid": {"nvml_error": _GPU_IS_LOST}} for h in gpus],
+                                 "events": []}
+        deadline = time.monotonic() + interval
         while (left := int((deadline - time.monotonic()) * 1000)) > 0:
+            if events is None:
+                time.sleep(left / 1000)
+                continue
             try:
-                data = nvml.nvmlEventSetWait(events, left) if events is not None else time.sleep(left / 1000)
+                data = nvml.nvmlEventSetWait(events, left)
             except nvml.NVMLError:
                 continue
-            if data is not None:
-                seen.append({"gpu": nvml.nvmlDeviceGetIndex(data.device),
-                             "type": "xid" if data.eventType & _EVENT_XID else "ecc_dbe", "data": data.eventData})
-        out.append({"events": seen, "gpus": [{"uuid": raw(nvml.nvmlDeviceGetUUID, h),
-                              "temperature": raw(nvml.nvmlDeviceGetTemperature, h, _TEMPERATURE_GPU),
-                              "power_mw": raw(nvml.nvmlDeviceGetPowerUsage, h), "throttle": raw(reasons, h),
-                              "ecc_sbe": raw(nvml.nvmlDeviceGetTotalEccErrors, h, _CORRECTED, _VOLATILE),
-                              "ecc_dbe": raw(nvml.nvmlDeviceGetTotalEccErrors, h, _UNCORRECTED, _VOLATILE)}
-                             for h in handles]})
+            frame["events"].append({"gpu": nvml.nvmlDeviceGetIndex(data.device),
+                                    "type": "xid" if data.eventType & _EVENT_XID else "ecc_dbe",
+                                    "data": data.eventData})
+        out.append(frame)
     path = Path(path)
     path.write_text(json.dumps({"format": RECORDING, "version": 1, "frames": out}, indent=1))
     return path

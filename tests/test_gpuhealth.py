@@ -239,3 +239,31 @@ def test_health_events_read_back_are_checked_entry_by_entry(entries: list[dict[s
     kept = mon.gpu.nodes.get(0, {}).get("gpus", {})
     assert all(parse_entry(e) is not None for e in kept.values())
     assert len(kept) <= sum(parse_entry(e) is not None for e in entries)
+
+
+def test_the_recorder_writes_what_the_replayer_answers(tmp_path: Path) -> None:
+    """Recording a replay gives back the recording: readings, lost GPUs and XID/ECC events alike."""
+    frames = json.loads(FAULTY.read_text())["frames"]
+    path = gpuhealth.record(tmp_path / "again.json", frames=len(frames), interval=0.01, nvml=Replay.load(FAULTY))
+    assert json.loads(path.read_text())["frames"] == frames
+
+
+def test_a_gpu_found_lost_after_the_failure_is_named_as_its_cause() -> None:
+    """XID 79 can take the sampling rank down with it: the restarted node's sampler finds the GPU
+    lost, and the open incident's restart names it (its failure event, published before, could not)."""
+    run = Run("gpu-late")
+    run.samplers = [GpuSampler(Replay(json.loads(FAULTY.read_text())["frames"][3:]), run.ranks[2].emit, 1, "n1")]
+    run.start_ranks()
+    run.steps(3)
+    run.incidents.worker_failed(2, -9, time.time())
+    run.pump()
+    run.sample()
+    run.step = 2
+    run.start_ranks(injob=1)
+    run.steps(1)
+    run.pump()                                        # the restart the first step closed
+    (failure,), (restart,) = run.mon.failures, run.mon.restarts
+    assert failure["cause"] == "rank 2 died (SIGKILL)"
+    assert restart["cause"] == ("GPU fault on node 1 GPU 1: XID 79 (GPU fell off the bus): NVML says the GPU is lost; "
+                                "then rank 2 died (SIGKILL)")
+    assert restart["fault_time"] == failure["fault_time"]   # found after the failure: not when it happened
