@@ -267,3 +267,12 @@ def test_a_gpu_found_lost_after_the_failure_is_named_as_its_cause() -> None:
     assert restart["cause"] == ("GPU fault on node 1 GPU 1: XID 79 (GPU fell off the bus): NVML says the GPU is lost; "
                                 "then rank 2 died (SIGKILL)")
     assert restart["fault_time"] == failure["fault_time"]   # found after the failure: not when it happened
+
+
+def test_pods_name_their_node_as_dcgm_exporter_does() -> None:
+    """On EKS the health events' host (the metrics' Hostname) is the node's name, not the pod's."""
+    from eksft_nb.backends.eks.render import pod_template
+
+    spec = JobSpec().replace(name="gpu-pod", backend="eks").validate()
+    env = {e["name"]: e for e in pod_template(spec)["spec"]["containers"][0]["env"]}
+    assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}

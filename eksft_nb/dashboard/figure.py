@@ -185,7 +185,7 @@ class TrainingFigure:
         if name == "faults":
             return [dict(style, textposition="top right", hovertemplate="injected %{text}<extra></extra>")]
         if name == "gpu faults":
-            return [dict(style, textposition="bottom right", hovertemplate="GPU fault: %{text}<extra></extra>")]
+            return [dict(style, textposition="top right", hovertemplate="GPU fault: %{text}<extra></extra>")]
         return [dict(style, hovertemplate="%{hovertext}<extra></extra>",
                      error_x=dict(type="data", symmetric=False, width=0, thickness=3, color=color))]
 

@@ -212,7 +212,8 @@ def pod_template(spec: JobSpec, *, subdomain: str | None = None, attempt_from: s
 def container_env(spec: JobSpec, attempt_from: str | None) -> list[dict[str, Any]]:
     """The launcher's environment: the local one (``launch.rank_env``) with per-pod values from the
     pod's annotations, events on stdout (the pod logs carry them), and the NCCL/EFA settings."""
-    env: list[dict[str, Any]] = []
+    # the GPU health sampler's Hostname label, as dcgm-exporter's (its DaemonSet reads NODE_NAME too)
+    env: list[dict[str, Any]] = [_field_env("NODE_NAME", "spec.nodeName")]
     if attempt_from:
         env.append(_field_env("EKSFT_NODE_RANK", f"metadata.annotations['{names.COMPLETION_INDEX}']"))
         env.append(_field_env("EKSFT_JOB_ATTEMPT", f"metadata.annotations['{attempt_from}']"))
