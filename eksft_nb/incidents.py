@@ -119,14 +119,15 @@ class Incidents:
             cause = f"hang: no heartbeat from rank {blame}{waited} (ft_launcher timeout)"
         self.open(Incident("injob", cause, blame, self.fault_time(), at, self.mon.last_step))
 
-    def node_failed(self, cause: str, detected: float, ended_at: float | None = None) -> None:
-        """A node (a launcher, a pod) is gone: the job-level tier recovers by relaunching it."""
+    def node_failed(self, cause: str, detected: float, ended_at: float | None = None, level: str = "job") -> None:
+        """A node (a launcher, a pod) is gone: the job-level tier recovers by relaunching it, or (level
+        ``injob``) the rendezvous replaces it with a hot spare."""
         node_fault = next((f for f in reversed(self.mon.faults)
                            if f.get("node") is not None and detected - f["t"] < NODE_FAULT_WINDOW_S), None)
         if node_fault:
             cause = f"injected {node_fault['fault']} on node {node_fault['node']}: {cause}"
         fault_time = node_fault["t"] if node_fault else (ended_at or self.last_progress())
-        self.open(Incident("job", cause, None, fault_time, detected, self.mon.last_step), force=True)
+        self.open(Incident(level, cause, None, fault_time, detected, self.mon.last_step), force=True)
 
     def restore(self, e: Event) -> None:
         """Fold in a ``failure`` or ``restart`` event published before (a supervisor that adopts a

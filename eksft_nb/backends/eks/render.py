@@ -133,7 +133,7 @@ def indexed_job(spec: JobSpec) -> dict[str, Any]:
     """Pods are replaced one index at a time (up to max_job_restarts each); a replacement rejoins
     the rendezvous under the same host name. The job fails once any index runs out of retries."""
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": _meta(spec, spec.name),
-            "spec": {"completionMode": "Indexed", "completions": spec.nnodes, "parallelism": spec.nnodes,
+            "spec": {"completionMode": "Indexed", "completions": names.pods(spec), "parallelism": names.pods(spec),
                      "backoffLimitPerIndex": spec.ft.max_job_restarts, "maxFailedIndexes": 0,
                      "podReplacementPolicy": "Failed",
                      "template": pod_template(spec, subdomain=spec.name, attempt_from=names.INDEX_FAILURES)}}
@@ -141,7 +141,7 @@ def indexed_job(spec: JobSpec) -> dict[str, Any]:
 
 def jobset(spec: JobSpec) -> dict[str, Any]:
     """Any failed pod restarts the whole set (up to max_job_restarts), like the local supervisor."""
-    child = {"completionMode": "Indexed", "completions": spec.nnodes, "parallelism": spec.nnodes,
+    child = {"completionMode": "Indexed", "completions": names.pods(spec), "parallelism": names.pods(spec),
              "backoffLimit": 0, "template": pod_template(spec, attempt_from=names.JOBSET_RESTARTS)}
     return {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": _meta(spec, spec.name),
             "spec": {"failurePolicy": {"maxRestarts": spec.ft.max_job_restarts},
