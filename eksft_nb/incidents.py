@@ -189,7 +189,7 @@ class Incidents:
         if not near or i.gpu_fault is not None or self.recent_faults:
             return
         g = i.gpu_fault = near[0]
-        i.cause = f"GPU fault on node {g['node']} GPU {g['gpu']}: {g['detail']}; then {i.cause}"
+        i.cause = f"GPU fault on node {g['node']} GPU {g['gpu']}: {g['detail'][:160]}; then {i.cause}"
         if i.fault_time < g["t"] <= i.detected_at:
             i.fault_time = g["t"]
 

@@ -308,8 +308,7 @@ class Supervisor:
     def _spare_takes_over(self, node: Node, code: int) -> bool:
         """A launcher died but enough others run for a full job: NVRx's rendezvous moves a hot spare
         from its redundancy list into the lost node's place, and the survivors restart their workers
-        with it (an in-job restart). Not when the store host died: the others then fail, and the job
-        restarts."""
+        with it (an in-job restart). Any launcher may be the lost one: the rendezvous store is ours."""
         alive = [n for n in self.nodes if n is not node and n.poll() is None]
         if not self.spec.spare_nodes or code == UNKNOWN_EXIT or len(alive) < self.spec.nnodes:
             return False
