@@ -55,6 +55,10 @@ KINDS: dict[str, dict[str, tuple[type, ...] | type]] = {
     "command_rejected": {"id": str, "reason": str},   # a command file that cannot fire, set aside
     "rank_error": {"error": str, "step": _opt_int, "origin": str},
     "rank_end": {"final_step": int},
+    # local rank 0 of each node (eksft_nb.gpuhealth): a reading of its GPUs (gpus: [] with a note where
+    # there is no NVML), and the onset of an XID, a double-bit ECC error or a clock throttle
+    "gpu_health": {"node": int, "host": str, "gpus": list},
+    "gpu_fault": {"node": int, "host": str, "gpu": int, "uuid": str, "fault": str, "detail": str},
     # any writer, once it can write again after failing to (a full disk): what the events file lacks
     "events_lost": {"count": int, "first_t": _num, "last_t": _num, "error": str},
 }
@@ -67,11 +71,14 @@ OPTIONAL: dict[str, dict[str, tuple[type, ...] | type]] = {
     "rank_end": {"digest": _opt_str},
     "job_end": {"digest": _opt_str, "restarts": dict},
     "rank_error": {"waiting": bool},
+    "gpu_health": {"note": _opt_str, "interval_s": _num},
+    "gpu_fault": {"xid": _opt_int, "count": _opt_int, "throttle": _opt_int},
 }
 
 RESTART_LEVELS = tuple(level.value for level in RestartLevel)
 CHECKPOINT_PHASES = ("begin", "staged", "committed", "failed", "rejected")
 JOB_STATES = tuple(s.value for s in JobState if s in RECORDED_ENDS)   # what a job_end event may say
+GPU_FAULTS = ("xid", "ecc", "throttle")
 
 
 class SchemaError(ValueError):
@@ -123,6 +130,8 @@ def check(kind: str, data: dict[str, Any]) -> None:
             raise SchemaError(f"{kind}.level {data['level']!r} not in {RESTART_LEVELS}")
     if kind == "checkpoint" and data["phase"] not in CHECKPOINT_PHASES:
         raise SchemaError(f"checkpoint.phase {data['phase']!r} not in {CHECKPOINT_PHASES}")
+    if kind == "gpu_fault" and data["fault"] not in GPU_FAULTS:
+        raise SchemaError(f"gpu_fault.fault {data['fault']!r} not in {GPU_FAULTS}")
     if kind == "job_end" and data["state"] not in JOB_STATES:
         raise SchemaError(f"job_end.state {data['state']!r} not in {JOB_STATES}")
 

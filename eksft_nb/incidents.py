@@ -8,7 +8,9 @@ restarts stop making progress.
 
 Blame, in order: the target of an injected fault; a rank that raised on its own; a rank that was
 interrupted while *not* waiting for its peers (a hang); the rank whose process died; a hint from the
-caller (the local supervisor's progress beacons).
+caller (the local supervisor's progress beacons). A GPU fault (an XID or a double-bit ECC error
+reported by :mod:`.gpuhealth`) shortly before or during an incident without an injected fault is
+named as its cause, and its time as the fault's.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class Incident:
     detected_at: float
     last_step: int
     resumed_step: int | None = None
+    gpu_fault: dict[str, Any] | None = None   # the GPU fault named as its cause
 
 
 class Incidents:
@@ -53,6 +56,7 @@ class Incidents:
         self.incident: Incident | None = None
         self.recent_faults: list[dict[str, Any]] = []   # rank faults since a step ran after them
         self.recent_errors: list[dict[str, Any]] = []   # rank errors, likewise
+        self.recent_gpu: list[dict[str, Any]] = []      # XID and ECC faults, likewise
         self.incarnation: dict[int, tuple[int, int, int]] = {}  # rank -> (job attempt, in-job, in-process)
         self.recovered_to: tuple[int, int, int] | None = None  # the incarnation the last incident ended in
         self.last_alive = t_start
@@ -64,6 +68,9 @@ class Incidents:
         """A rank's event (call after the monitor has folded it in)."""
         if e.kind == "fault" and e["target_rank"] is not None:
             self.recent_faults.append({"t": e.t, "fault": e["fault"], "rank": e["target_rank"]})
+        elif e.kind == "gpu_fault" and e["fault"] in ("xid", "ecc"):
+            self.recent_gpu.append({"t": e.t, **e.data})
+            self._gpu_cause()   # it may arrive after the failure it caused was detected
         elif e.kind == "rank_error":
             self.recent_errors.append({"t": e.t, "rank": e.rank, "origin": e["origin"], "error": e["error"],
                                        "waiting": e.get("waiting", False)})
@@ -93,6 +100,7 @@ class Incidents:
             # forget what a whole step ran after (by time: several pods' logs arrive interleaved)
             self.recent_faults = [f for f in self.recent_faults if f["t"] >= started]
             self.recent_errors = [x for x in self.recent_errors if x["t"] >= started]
+            self.recent_gpu = [x for x in self.recent_gpu if x["t"] >= started]
 
     def worker_failed(self, rank: int | None, code: int, at: float) -> None:
         """ft_launcher saw a rank's process exit with ``code`` (negative: a signal)."""
@@ -112,14 +120,16 @@ class Incidents:
             cause = f"hang: no heartbeat from rank {blame}{waited} (ft_launcher timeout)"
         self.open(Incident(RestartLevel.INJOB, cause, blame, self.fault_time(), at, self.mon.last_step))
 
-    def node_failed(self, cause: str, detected: float, ended_at: float | None = None) -> None:
-        """A node (a launcher, a pod) is gone: the job-level tier recovers by relaunching it."""
+    def node_failed(self, cause: str, detected: float, ended_at: float | None = None,
+                    level: RestartLevel = RestartLevel.JOB) -> None:
+        """A node (a launcher, a pod) is gone: the job-level tier recovers by relaunching it, or (level
+        ``injob``) the rendezvous replaces it with a hot spare."""
         node_fault = next((f for f in reversed(self.mon.faults)
                            if f.get("node") is not None and detected - f["t"] < NODE_FAULT_WINDOW_S), None)
         if node_fault:
             cause = f"injected {node_fault['fault']} on node {node_fault['node']}: {cause}"
         fault_time = node_fault["t"] if node_fault else (ended_at or self.last_progress())
-        self.open(Incident(RestartLevel.JOB, cause, None, fault_time, detected, self.mon.last_step), force=True)
+        self.open(Incident(level, cause, None, fault_time, detected, self.mon.last_step), force=True)
 
     def restore(self, e: Event) -> None:
         """Fold in a ``failure`` or ``restart`` event published before (a supervisor that adopts a
@@ -140,6 +150,7 @@ class Incidents:
         if self.incident is not None and not force:
             return
         self.incident = incident
+        self._gpu_cause()
         committed = self.mon.last_committed
         if committed is None and not self.steps_expected:
             # a user script's own checkpoints are not seen: it is stuck if no step ran since the last incident
@@ -173,6 +184,17 @@ class Incidents:
         self.say(f"recovered ({i.level}): resumed from step {resumed}, {downtime:.1f}s after the fault")
 
     # ---- attribution ---------------------------------------------------------------------------
+    def _gpu_cause(self) -> None:
+        """Name a GPU fault near the open incident as its cause, unless an injected fault explains it."""
+        i = self.incident
+        near = [g for g in self.recent_gpu if abs(g["t"] - i.detected_at) < NODE_FAULT_WINDOW_S] if i else []
+        if not near or i.gpu_fault is not None or self.recent_faults:
+            return
+        g = i.gpu_fault = near[0]
+        i.cause = f"GPU fault on node {g['node']} GPU {g['gpu']}: {g['detail'][:160]}; then {i.cause}"
+        if i.fault_time < g["t"] <= i.detected_at:
+            i.fault_time = g["t"]
+
     def last_progress(self) -> float:
         """The last moment the job was known to be fine: its last step, or a later rank start."""
         return max([self.last_alive, *self.mon.steps.t[-1:]])

@@ -29,7 +29,8 @@ class Ports:
 
 
 def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports: Ports, run_id: str,
-                  log_dir: str | None = None, nvrx: NVRx | None = None, cycle_dir: str | None = None) -> list[str]:
+                  log_dir: str | None = None, nvrx: NVRx | None = None, cycle_dir: str | None = None,
+                  store_elsewhere: bool = False) -> list[str]:
     """``ft_launcher ...`` for one node (argv[0] is the bare command name).
 
     ``node_rank`` may be a Kubernetes reference such as ``"$(EKSFT_NODE_RANK)"``, which the kubelet
@@ -38,6 +39,8 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
     Without ``nvrx`` the line uses only flags every supported NVRx (0.4.1 on) takes: a pod's image
     may carry another release than the machine that renders it. With it, that release's own flags
     are added (see :meth:`NVRx.launcher_flags`; ``cycle_dir`` receives its per-cycle records).
+    ``store_elsewhere``: no launcher hosts the rendezvous store (the local supervisor does, so that
+    any node, the first included, can be lost while a hot spare takes its place).
     """
     ft = spec.ft
     argv = [
@@ -53,6 +56,8 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
     sections = ft.sections()
     if sections:
         argv.append("--ft-rank-section-timeouts=" + ",".join(f"{k}:{v:g}" for k, v in sections.items()))
+    if store_elsewhere:
+        argv.append("--rdzv-conf=is_host=false")
     if log_dir:
         argv.append(f"--log-dir={log_dir}")
     if nvrx is not None:

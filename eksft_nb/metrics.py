@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from .control import FAULTS
 from .goodput import CATEGORIES, compute
+from .gpuhealth import dcgm_metrics
 from .job import Job
 
 # a restart's cause is a sentence; as a label it is a small set of classes (the injected fault's kind
@@ -59,10 +60,12 @@ class JobsCollector(Collector):
         goodput = GaugeMetricFamily("eksft_goodput_ratio", "Productive share of wall time", labels=["job"])
         wall = GaugeMetricFamily("eksft_time_seconds", "Wall time by category", labels=["job", "category"])
         running = GaugeMetricFamily("eksft_running", "1 while the job runs", labels=["job"])
+        gpus = []   # GPU health, under the DCGM exporter's names
         for listed in self.jobs():
             job = self._handles.setdefault(listed.name, listed)  # keep the incremental reader
             mon = job.refresh()
             name = job.name
+            gpus.append((name, mon.gpu))
             running.add_metric([name], 0.0 if mon.finished else 1.0)
             if len(mon.steps):
                 step.add_metric([name], mon.last_step)
@@ -93,6 +96,7 @@ class JobsCollector(Collector):
                 wall.add_metric([name, category], gp.seconds()[category])
         yield from (step, loss, tps, sps, restarts, causes, downtime, stall, committed, committed_t, goodput, wall,
                     running)
+        yield from dcgm_metrics(gpus)
 
 
 def serve(names: list[str] | None, port: int, addr: str = "127.0.0.1", root: Path | None = None) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .events import Event
+from .gpuhealth import GpuFold
 from .states import RECORDED_ENDS, JobState, RestartLevel
 
 
@@ -72,6 +73,7 @@ class JobMonitor:
     events_lost: list[dict[str, Any]] = field(default_factory=list)   # a writer could not write them
     rank_pids: dict[int, int] = field(default_factory=dict)
     nvrx_cycles: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)  # (attempt, cycle) -> record
+    gpu: GpuFold = field(default_factory=GpuFold)   # GPU health per node (gpu_health / gpu_fault events)
     digest: str | None = None
     checkpoint_stall_s: float = 0.0
     last_event_t: float | None = None
@@ -182,6 +184,12 @@ class JobMonitor:
 
     def _on_events_lost(self, e: Event) -> None:
         self.events_lost.append({"rank": e.rank, **e.data})
+
+    def _on_gpu_health(self, e: Event) -> None:
+        self.gpu.on_health(e.t, e.data)
+
+    def _on_gpu_fault(self, e: Event) -> None:
+        self.gpu.on_fault(e.t, e.data)
 
     def _on_rank_end(self, e: Event) -> None:
         self.digest = e.get("digest", self.digest)

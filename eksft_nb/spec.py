@@ -146,6 +146,8 @@ class JobSpec:
     backend: Literal["local", "eks"] = opt("local", "--backend", "local (ranks on this machine) or eks")
     nnodes: int = opt(1, "--nnodes", "nodes (one ft_launcher each)")
     nproc_per_node: int = opt(2, "--nproc-per-node", "ranks per node")
+    spare_nodes: int = opt(0, "--spare-nodes", "extra nodes that wait in the rendezvous as hot spares: one takes a "
+                           "lost node's place with an in-job restart instead of a job restart")
     steps: int = opt(100, "--steps", "training steps")
     model: ModelConfig = opt(ModelConfig, "", "")
     batch: int = opt(8, "--batch", "sequences per rank per step")
@@ -181,6 +183,7 @@ class JobSpec:
                                ("threads_per_rank", 1)):
             _require_int(self, fname, minimum)
         _require_int(self, "seed", 0)
+        _require_int(self, "spare_nodes", 0)
         if not isinstance(self.lr, (int, float)) or not self.lr > 0:
             raise SpecError(f"lr must be a positive number, got {self.lr!r}", "use e.g. --lr 3e-3")
         if self.device not in ("auto", "cpu", "cuda"):

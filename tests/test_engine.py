@@ -231,3 +231,18 @@ def test_a_killed_supervisor_is_replaced_by_one_that_adopts_the_job(reference_di
     assert f"supervisor {fired['kill-supervisor']['supervisor_pid']} is gone" in log and "adopted the job" in log
     assert len(events("kill-sup", "job_start")) == len(events("kill-sup", "job_end")) == 1
     assert_nothing_left("kill-sup")
+
+
+def test_a_hot_spare_takes_a_lost_nodes_place_without_a_job_restart(reference_digest: str) -> None:
+    """Three launchers of one rank each, two active and one spare in the rendezvous: losing an active
+    node (its launcher and ranks) is an in-job restart with the spare, and loses nothing."""
+    summary = run_job("spare", "--nnodes", "2", "--nproc-per-node", "1", "--spare-nodes", "1",
+                      "--fault", "kill-launcher:1@40")
+    assert summary["state"] == "succeeded", summary
+    assert summary["steps_done"] == 80
+    (restart,) = summary["restart_events"]
+    assert restart["level"] == "injob" and restart["cause"].startswith("injected kill-launcher on node 1: ")
+    assert restart["cause"].endswith("a hot spare took its place")
+    assert summary["digest"] == reference_digest  # the same as the fault-free 2-rank run
+    log = (job_dir("spare") / "logs" / "supervisor.log").read_text()
+    assert "started ft_launcher on 3 node(s)" in log and "attempt 1" not in log

@@ -50,7 +50,7 @@ class LocalBackend(Backend):
         lines = [f"# job folder: {jd.path}", "# environment of each launcher (ports are picked free at launch):"]
         for k, v in rank_env(spec, ports=ports, job_attempt=0, job_dir=str(jd.path)).items():
             lines.append(f"{k}={v}")
-        for node in range(spec.nnodes):
+        for node in range(spec.nnodes + spec.spare_nodes):   # the spares' lines are the same
             argv = launcher_argv(spec, node_rank=node, rdzv_host="127.0.0.1", ports=ports, run_id=spec.name)
             lines.append(" \\\n    ".join(argv))
         return "\n".join(lines)

@@ -45,7 +45,7 @@ from ..launcher import Ports, launcher_argv, rank_env
 from ..incidents import Incidents
 from ..monitor import JobMonitor
 from ..runtime.quiet import quiet_env
-from ..states import RECORDED_ENDS, JobState
+from ..states import RECORDED_ENDS, JobState, RestartLevel
 from . import procs
 
 POLL_S = 0.2
@@ -72,6 +72,7 @@ class Node:
     popen: subprocess.Popen | None = None   # None: adopted from a supervisor that died
     proc: psutil.Process | None = None      # the adopted launcher, if it still ran when adopted
     offset: int = 0
+    joined: bool = False                    # its log says it joined a rendezvous round (not only waited as a spare)
 
     @property
     def pid(self) -> int:
@@ -103,6 +104,7 @@ class Supervisor:
         self.attempt = 0
         self.nodes: list[Node] = []
         self.standby: dict[int, subprocess.Popen] = {}  # node -> a warm ft_launcher for the next attempt
+        self.store: Any = None   # the rendezvous store, when the supervisor hosts it (hot spares)
         self.t_launch = 0.0
         self.ranks_started: set[int] = set()  # ranks of the current attempt that reported rank_start
         self.stop_requested = False
@@ -205,10 +207,13 @@ class Supervisor:
         self.nodes = []
         self.t_launch = time.time()
         self.ranks_started = set()
+        # with hot spares the rendezvous store lives here: a launcher that hosted it could not be lost
+        self.store = _rendezvous_store(ports.rdzv) if self.spec.spare_nodes else None
         warm = []
-        for node in range(self.spec.nnodes):
+        for node in range(self.spec.nnodes + self.spec.spare_nodes):   # spares wait in the rendezvous
             argv = launcher_argv(self.spec, node_rank=node, rdzv_host="127.0.0.1", ports=ports, run_id=run_id,
-                                 nvrx=self.nvrx, cycle_dir=str(self._cycle_dir(self.attempt)))
+                                 nvrx=self.nvrx, cycle_dir=str(self._cycle_dir(self.attempt)),
+                                 store_elsewhere=self.store is not None)
             tag = f"{self.attempt}.{node}"
             env = quiet_env({**os.environ,
                              **rank_env(self.spec, ports=ports, job_attempt=self.attempt, job_dir=str(self.jd.path),
@@ -245,7 +250,7 @@ class Supervisor:
         """Start a warm ft_launcher per node for the next attempt (see :mod:`.standby`) once every
         rank of this attempt has set up, so that its imports take no CPU from this attempt's start-up."""
         nxt = self.attempt + 1
-        for node in range(self.spec.nnodes):
+        for node in range(self.spec.nnodes + self.spec.spare_nodes):
             env = quiet_env({**os.environ, procs.JOB_MARK: self.job_uid, procs.NODE_MARK: f"{nxt}.{node}"})
             with open(self._launcher_log(nxt, node), "ab") as out:
                 self.standby[node] = subprocess.Popen(
@@ -287,6 +292,8 @@ class Supervisor:
                     return JobState.SUCCEEDED, f"all {self.spec.steps} steps done"
                 return JobState.FAILED, "the launchers exited before training finished (see `logs --debug`)"
             dead = [(n, c) for n, c in zip(self.nodes, codes) if c not in (None, 0)]
+            if dead and self._spare_takes_over(*dead[0]):
+                continue
             if dead:
                 return self._node_died(*dead[0])
             if (not self.standby and self.attempt < self.spec.ft.max_job_restarts
@@ -298,6 +305,25 @@ class Supervisor:
         """Whether training is done by the events (for launchers whose exit status is unknown)."""
         self._pump()
         return self.mon.digest is not None or self.mon.last_step >= self.spec.steps
+
+    def _spare_takes_over(self, node: Node, code: int) -> bool:
+        """A launcher died but enough others run for a full job: NVRx's rendezvous moves a hot spare
+        from its redundancy list into the lost node's place, and the survivors restart their workers
+        with it (an in-job restart). Any launcher may be the lost one: the rendezvous store is ours."""
+        alive = [n for n in self.nodes if n is not node and n.poll() is None]
+        if not self.spec.spare_nodes or code == UNKNOWN_EXIT or len(alive) < self.spec.nnodes:
+            return False
+        self._pump()
+        self.nodes.remove(node)
+        procs.kill_marked(self.job_uid, node.tag)   # a lost node loses its ranks too (they outlive a killed launcher)
+        how = signal.Signals(-code).name if code < 0 and -code in signal.Signals._value2member_map_ else f"exit {code}"
+        if not node.joined:
+            self.say(f"spare ft_launcher {node.index} ended ({how}); {len(alive) - self.spec.nnodes} spare(s) left")
+            return True
+        cause = f"its ft_launcher (launcher {node.index}) was lost ({how}); a hot spare took its place"
+        self.say(f"{cause} ({len(alive) - self.spec.nnodes} spare(s) left)")
+        self.incidents.node_failed(cause, time.time(), level=RestartLevel.INJOB)
+        return True
 
     def _node_died(self, node: Node | None, code: int) -> tuple[JobState, str] | None:
         detected = time.time()
@@ -376,6 +402,7 @@ class Supervisor:
             return
         node.offset += end + 1
         lines = chunk[: end + 1].decode(errors="replace").splitlines()
+        node.joined = node.joined or any("has joined round" in line for line in lines)
         events = [seen for seen in map(parse_launcher_line, lines) if seen is not None]
         if events:
             self._write_state(JobState.RUNNING)  # a successor reads on from here, not twice
@@ -498,6 +525,13 @@ def _logged_at(line: str, now: float | None = None) -> float:
     else:
         return now
     return min(now, at)
+
+
+def _rendezvous_store(port: int) -> Any:
+    """A c10d TCPStore server for the launchers' rendezvous (torch is imported only for this)."""
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
 
 
 def _free_ports(n: int) -> list[int]:

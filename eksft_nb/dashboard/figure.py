@@ -1,5 +1,6 @@
-"""The dashboard's one plotly ``FigureWidget``: four rows on a shared timeline (seconds since the
-job started) — throughput, loss, checkpoint saves (blocked vs background), faults and restarts.
+"""The dashboard's one plotly ``FigureWidget``: five rows on a shared timeline (seconds since the
+job started) — throughput, loss, checkpoint saves (blocked vs background), faults and restarts (GPU
+faults among them), and a GPU health strip per node.
 
 Each plotted quantity is a :class:`~eksft_nb.dashboard.series.Series` drawn by two traces
 (history and tail); :meth:`TrainingFigure.push` sends only the parts that changed, in one message.
@@ -13,6 +14,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from ..gpuhealth import fault_label
 from ..monitor import JobMonitor
 from ..states import RestartLevel
 from .series import Series
@@ -21,10 +23,12 @@ WIDTH = 840
 LANES = ("fault", "in-process", "in-job", "job")
 LEVEL_LANE = {level.value: level.label for level in RestartLevel}
 COLORS = {"tokens/s": "#1f77b4", "loss": "#ff7f0e", "blocked": "#d62728", "background": "#2ca02c",
-          "faults": "#7f7f7f", "restarts": "#9467bd"}
+          "faults": "#7f7f7f", "restarts": "#9467bd", "gpu faults": "#d62728"}
+GPU_STATUS = {"ok": "#2ca02c", "throttled": "#ff7f0e", "fault": "#d62728", "none": "#bbbbbb"}
 ROW_TITLES = ("throughput (tokens/s)", "loss",   # a user script reports no tokens: steps/s, and no loss
               "checkpoint saves: training blocked (red) vs writing in the background (green), seconds",
-              "faults and restarts (line: downtime until the first step after recovery)")
+              "faults and restarts (line: downtime until the first step after recovery)",
+              "GPU health per node: ok (green), throttled (orange), XID/ECC fault (red), no GPU (grey)")
 
 
 def _f32(values: list[Any]) -> np.ndarray:
@@ -50,13 +54,15 @@ class TrainingFigure:
             "checkpoints": Series(("x", "blocked", "background", "step"), key=("blocked", "background"), **kw),
             "faults": Series(("x", "lane", "text"), **kw),
             "restarts": Series(("x", "lane", "downtime", "text", "hover", "where"), key=("downtime",), **kw),
+            "gpu faults": Series(("x", "lane", "text"), **kw),
+            "gpu": Series(("x", "lane", "color", "label", "hover"), **kw),
         }
         self.t0: float | None = None
         self.unit = "tok/s"                 # "steps/s" once a step without tokens arrives (a user script's)
         self._unit_shown = "tok/s"
         self.widget: go.FigureWidget | None = None
         self.traces: dict[tuple[str, str], list[Any]] = {}
-        self._seen_steps = self._seen_restarts = self._seen_faults = 0
+        self._seen_steps = self._seen_restarts = self._seen_faults = self._seen_gpu = self._seen_gpu_faults = 0
         self._seen_saves: set[tuple[int, float]] = set()
         self._per_lane: dict[str, int] = {}
 
@@ -89,6 +95,14 @@ class TrainingFigure:
             target = f"rank {f['rank']}" if f["rank"] is not None else f"node {f.get('node', 0)}"
             self.series["faults"].append(f["t"] - t0, "fault", f"{f['fault']} {target}")
         self._seen_faults = len(mon.faults)
+        for f in mon.gpu.faults[self._seen_gpu_faults:]:
+            if f["fault"] != "throttle":   # throttling shows in the health strip; XIDs and ECC errors beside restarts
+                self.series["gpu faults"].append(f["t"] - t0, "fault", fault_label(f))
+        self._seen_gpu_faults = len(mon.gpu.faults)
+        for g in mon.gpu.samples[self._seen_gpu:]:
+            label = g["text"] if g["status"] == "none" else ""   # "no GPU" is said once, on the strip
+            self.series["gpu"].append(g["t"] - t0, f"node {g['node']}", GPU_STATUS[g["status"]], label, g["text"])
+        self._seen_gpu = len(mon.gpu.samples)
         for r in mon.restarts[self._seen_restarts:]:
             lane = LEVEL_LANE.get(r["level"], r["level"])
             self._per_lane[lane] = self._per_lane.get(lane, 0) + 1
@@ -100,8 +114,8 @@ class TrainingFigure:
     # ---- drawing -----------------------------------------------------------------------------
     def _draw(self) -> tuple[go.Figure, list[tuple[str, str]]]:
         """A figure of everything ingested so far, and the (series, part) each of its traces draws."""
-        fig = make_subplots(rows=4, cols=1, shared_xaxes=True, vertical_spacing=0.06,
-                            row_heights=[0.3, 0.24, 0.24, 0.22], subplot_titles=ROW_TITLES)
+        fig = make_subplots(rows=5, cols=1, shared_xaxes=True, vertical_spacing=0.05,
+                            row_heights=[0.27, 0.2, 0.2, 0.2, 0.13], subplot_titles=ROW_TITLES)
         order: list[tuple[str, str]] = []
         for name, series in self.series.items():
             for part in ("history", "tail"):
@@ -110,13 +124,14 @@ class TrainingFigure:
                     fig.add_trace(style.pop("cls")(**style).update(props), row=row, col=1)
                     order.append((name, part))
         # a fixed width: plotly sizes a widget before it is on the page, so it cannot fit its container
-        fig.update_layout(width=WIDTH, height=680, margin=dict(l=60, r=20, t=40, b=40), template="plotly_white",
+        fig.update_layout(width=WIDTH, height=800, margin=dict(l=60, r=20, t=40, b=40), template="plotly_white",
                           barmode="stack", bargap=0.0, uirevision="eksft", hovermode="closest", showlegend=False)
         fig.update_annotations(font_size=12)
         fig.update_yaxes(row=4, col=1, type="category", categoryorder="array", categoryarray=list(LANES),
                          range=[-0.5, len(LANES) - 0.5], fixedrange=True)
         fig.update_yaxes(row=3, col=1, rangemode="tozero")
-        fig.update_xaxes(row=4, col=1, title_text="seconds since the job started")
+        fig.update_yaxes(row=5, col=1, type="category", categoryorder="category ascending", fixedrange=True)
+        fig.update_xaxes(row=5, col=1, title_text="seconds since the job started")
         return fig, order
 
     def figure(self) -> go.Figure:
@@ -178,11 +193,17 @@ class TrainingFigure:
             return [dict(cls=go.Bar, row=3, name=lane, meta=part, marker=dict(color=COLORS[lane], line=dict(width=0)),
                          hovertemplate=f"save of step %{{customdata}}: {what} %{{y:.3f}} s<extra></extra>")
                     for lane, what in (("blocked", "training blocked"), ("background", "written in background"))]
-        marker = {"faults": "triangle-down", "restarts": "diamond"}[name]
+        if name == "gpu":
+            return [dict(cls=go.Scatter, row=5, name=name, meta=part, mode="markers+text", textposition="middle right",
+                         marker=dict(symbol="square", size=9), textfont=dict(size=10, color=GPU_STATUS["none"]),
+                         hovertemplate="%{hovertext}<extra></extra>")]
+        marker = {"faults": "triangle-down", "restarts": "diamond", "gpu faults": "x"}[name]
         style = dict(cls=go.Scatter, row=4, name=name, meta=part, mode="markers+text",
                      marker=dict(symbol=marker, size=10, color=color), textfont=dict(size=10, color=color))
         if name == "faults":
             return [dict(style, textposition="top right", hovertemplate="injected %{text}<extra></extra>")]
+        if name == "gpu faults":
+            return [dict(style, textposition="top right", hovertemplate="GPU fault: %{text}<extra></extra>")]
         return [dict(style, hovertemplate="%{hovertext}<extra></extra>",
                      error_x=dict(type="data", symmetric=False, width=0, thickness=3, color=color))]
 
@@ -196,8 +217,11 @@ class TrainingFigure:
             step = _i32(cols["step"])
             return [dict(x=x, y=_f32(cols["blocked"]), customdata=step),
                     dict(x=x, y=_f32(cols["background"]), customdata=step)]
-        if name == "faults":
+        if name in ("faults", "gpu faults"):
             return [dict(x=x, y=list(cols["lane"]), text=list(cols["text"]))]
+        if name == "gpu":
+            return [dict(x=x, y=list(cols["lane"]), marker=dict(color=list(cols["color"])), text=list(cols["label"]),
+                         hovertext=list(cols["hover"]))]
         down = _f32(cols["downtime"])
         return [dict(x=x, y=list(cols["lane"]), text=list(cols["text"]), hovertext=list(cols["hover"]),
                      textposition=list(cols["where"]), error_x=dict(array=down, arrayminus=np.zeros_like(down)))]

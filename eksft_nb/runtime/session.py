@@ -32,6 +32,7 @@ from typing import Any
 from ..control import CommandInbox, FaultCommand, reject
 from ..errors import ControlError, JobError
 from ..events import EventWriter
+from ..gpuhealth import start as start_gpu_health
 from ..jobdir import JobDir
 from ..spec import JobSpec
 from ..states import FaultScope
@@ -93,6 +94,12 @@ class Session:
         self.on_save_failure: list[Any] = []   # callbacks for the save-failure fault
         self.pending_exception: str | None = None
         self._beacon = _Beacon(self) if live else None
+        # one GPU health sampler per node, with its own events writer (it writes from its own thread)
+        self._gpu = self._gpu_events = None
+        if live and info.local_rank == 0:
+            self._gpu_events = EventWriter(events_path, spec.name, info.rank, to_stdout=self.events.to_stdout)
+            self._gpu = start_gpu_health(self._gpu_events.emit, info.node, os.environ.get("NODE_NAME") or
+                                         socket.gethostname(), first=not (info.job_attempt or info.injob_restart))
 
     @property
     def restarting(self) -> bool:
@@ -308,6 +315,10 @@ class Session:
     def close(self) -> None:
         if self._beacon is not None:
             self._beacon.stop()
+        if self._gpu is not None:
+            self._gpu.stop()
+        if self._gpu_events is not None:
+            self._gpu_events.close()
         if self.monitor is not None:
             self.monitor.close()
         self.events.close()

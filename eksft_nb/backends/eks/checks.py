@@ -82,6 +82,9 @@ def check(spec: JobSpec) -> JobSpec:
         raise SpecError(f"job name {spec.name!r} is too long for --kind {e.kind} with {spec.nnodes} nodes: the pod "
                         f"host name {longest!r} would exceed 63 characters",
                         f"use a --name of at most {room} characters")
+    if spec.spare_nodes and e.kind == "pytorchjob":
+        raise SpecError("--spare-nodes needs pods that wait in ft_launcher's rendezvous; the PyTorchJob operator "
+                        "sizes the world itself", "use --kind job (or jobset) for hot spares")
     _check_devices(spec)
     _check_sizes(spec)
     if not 1024 <= e.port <= 65533:

@@ -91,8 +91,13 @@ def pod_host(spec: JobSpec, node: int) -> str:
     return f"{name}-master-0" if node == 0 else f"{name}-worker-{node - 1}"
 
 
+def pods(spec: JobSpec) -> int:
+    """Pods of the workload: a node each, and the hot spares (which wait in the rendezvous)."""
+    return spec.nnodes + spec.spare_nodes
+
+
 def longest_host(spec: JobSpec) -> str:
-    return max((pod_host(spec, n) for n in (0, spec.nnodes - 1)), key=len)
+    return max((pod_host(spec, n) for n in (0, pods(spec) - 1)), key=len)
 
 
 def rank0_host(spec: JobSpec) -> str:

@@ -153,7 +153,8 @@ def indexed_job(spec: JobSpec) -> dict[str, Any]:
     """Pods are replaced one index at a time (up to max_job_restarts each); a replacement rejoins
     the rendezvous under the same host name. The job fails once any index runs out of retries."""
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": _workload_meta(spec),
-            "spec": {**_suspended(spec), "completionMode": "Indexed", "completions": spec.nnodes, "parallelism": spec.nnodes,
+            "spec": {**_suspended(spec), "completionMode": "Indexed", "completions": names.pods(spec),
+                     "parallelism": names.pods(spec),
                      "backoffLimitPerIndex": spec.ft.max_job_restarts, "maxFailedIndexes": 0,
                      "podReplacementPolicy": "Failed",
                      "template": pod_template(spec, subdomain=spec.name, attempt_from=names.INDEX_FAILURES)}}
@@ -161,7 +162,7 @@ def indexed_job(spec: JobSpec) -> dict[str, Any]:
 
 def jobset(spec: JobSpec) -> dict[str, Any]:
     """Any failed pod restarts the whole set (up to max_job_restarts), like the local supervisor."""
-    child = {"completionMode": "Indexed", "completions": spec.nnodes, "parallelism": spec.nnodes,
+    child = {"completionMode": "Indexed", "completions": names.pods(spec), "parallelism": names.pods(spec),
              "backoffLimit": 0, "template": pod_template(spec, attempt_from=names.JOBSET_RESTARTS)}
     return {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": _workload_meta(spec),
             "spec": {**_suspended(spec), "failurePolicy": {"maxRestarts": spec.ft.max_job_restarts},
@@ -265,7 +266,8 @@ def pod_template(spec: JobSpec, *, subdomain: str | None = None, attempt_from: s
 def container_env(spec: JobSpec, attempt_from: str | None) -> list[dict[str, Any]]:
     """The launcher's environment: the local one (``launch.rank_env``) with per-pod values from the
     pod's annotations, events on stdout (the pod logs carry them), and the NCCL/EFA settings."""
-    env: list[dict[str, Any]] = []
+    # the GPU health sampler's Hostname label, as dcgm-exporter's (its DaemonSet reads NODE_NAME too)
+    env: list[dict[str, Any]] = [_field_env("NODE_NAME", "spec.nodeName")]
     if attempt_from:
         env.append(_field_env("EKSFT_NODE_RANK", f"metadata.annotations['{names.COMPLETION_INDEX}']"))
         env.append(_field_env("EKSFT_JOB_ATTEMPT", f"metadata.annotations['{attempt_from}']"))
