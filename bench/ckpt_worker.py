@@ -130,13 +130,13 @@ class DcpAsyncSave(Method):
 
 
 class Eksft(Method):
-    """eksft's async path: :class:`~eksft_nb.runtime.checkpoint.CheckpointManager` as the trainer uses it."""
+    """eksft's async path: :class:`~eksft_nb.runtime.checkpointer.CheckpointManager` as the trainer uses it."""
 
     name = "eksft async"
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
-        from eksft_nb.runtime.checkpoint import CheckpointManager
+        from eksft_nb.runtime.checkpointer import CheckpointManager
 
         self.events: list[dict[str, Any]] = []
         # every=0: never due on its own; save() makes the chosen step due, as a schedule would
@@ -185,7 +185,7 @@ class Context:
         import torch
         import torch.distributed as dist
 
-        from eksft_nb.runtime.checkpoint import ModelState, start_writer
+        from eksft_nb.runtime.checkpointer import ModelState, start_writer
         from eksft_nb.runtime.model import build_model
 
         self.torch, self.dist = torch, dist

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from .backends import Backend, get_backend
-from .checkpoints import CheckpointInfo, verify
+from .checkpoint_folders import CheckpointInfo, verify
 from .control import FaultCommand
 from .errors import JobError
 from .goodput import Goodput, compute

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from .nvrx import NVRx
 from .spec import JobSpec
 
-TRAINER_MODULE = "eksft_nb.runtime.train"
+TRAINER_MODULE = "eksft_nb.runtime.trainer_main"
 SCRIPT_MODULE = "eksft_nb.runtime.script"
 
 

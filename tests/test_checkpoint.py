@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from eksft_nb.checkpoints import list_checkpoints, verify
+from eksft_nb.checkpoint_folders import list_checkpoints, verify
 from eksft_nb.errors import JobError
-from eksft_nb.runtime.checkpoint import CheckpointManager, load
+from eksft_nb.runtime.checkpointer import CheckpointManager, load
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def test_a_real_write_failure_does_not_shift_the_results_of_later_saves(tmp_path
     later save must read its own result and commit the state it saved."""
     import resource
 
-    from eksft_nb.runtime.checkpoint import _AsyncWriter
+    from eksft_nb.runtime.checkpointer import _AsyncWriter
 
     model = torch.nn.Linear(16, 16)
     events: list = []
@@ -150,7 +150,7 @@ def test_a_real_write_failure_does_not_shift_the_results_of_later_saves(tmp_path
 
 
 def test_a_save_does_not_commit_without_a_ranks_manifest(tmp_path: Path, group: Any) -> None:
-    from eksft_nb.runtime.checkpoint import _AsyncWriter
+    from eksft_nb.runtime.checkpointer import _AsyncWriter
 
     model = torch.nn.Linear(16, 16)
     events: list = []
@@ -321,7 +321,7 @@ def test_metadata_may_only_name_files_inside_its_folder(tmp_path: Path, group: A
     mgr = _manager(tmp_path, group, "sync", [])
     mgr.maybe_save(5, _state(model, 5))
     [info] = list_checkpoints(tmp_path)
-    from eksft_nb.runtime.checkpoint import read_metadata
+    from eksft_nb.runtime.checkpointer import read_metadata
 
     metadata = read_metadata(info.path)
     for record in metadata.storage_data.values():

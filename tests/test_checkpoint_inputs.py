@@ -19,9 +19,9 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from eksft_nb.checkpoints import COMMIT, REJECTED, list_checkpoints, verify
+from eksft_nb.checkpoint_folders import COMMIT, REJECTED, list_checkpoints, verify
 from eksft_nb.errors import JobError
-from eksft_nb.runtime.checkpoint import CheckpointManager, load
+from eksft_nb.runtime.checkpointer import CheckpointManager, load
 from test_checkpoint import hostile_metadata
 
 STEP = "step_00000005"

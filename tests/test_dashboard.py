@@ -19,7 +19,7 @@ import pytest
 from ipywidgets.widgets.widget import _remove_buffers
 
 import eksft_nb
-from eksft_nb.checkpoints import COMMIT, step_dir
+from eksft_nb.checkpoint_folders import COMMIT, step_dir
 from eksft_nb.dashboard import Dashboard
 from eksft_nb.dashboard.series import Series, Throttle, thin_indices
 from eksft_nb.events import EventWriter, make

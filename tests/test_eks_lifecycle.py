@@ -18,7 +18,7 @@ from eks_kube import Controllers, Kube, running
 
 from eksft_nb.backends.eks import EksBackend
 from eksft_nb.backends.eks.render import render
-from eksft_nb.checkpoints import COMMIT, sha256_file, step_dir
+from eksft_nb.checkpoint_folders import COMMIT, sha256_file, step_dir
 from eksft_nb.errors import ControlError, JobError, SpecError
 from eksft_nb.events import LOG_PREFIX, make
 from eksft_nb.job import Job

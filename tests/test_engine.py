@@ -11,7 +11,7 @@ import pytest
 
 from eksft_nb import nvrx
 from eksft_nb.backends import procs
-from eksft_nb.checkpoints import list_checkpoints
+from eksft_nb.checkpoint_folders import list_checkpoints
 from eksft_nb.jobdir import JobDir
 from eksft_nb.monitor import JobMonitor
 from jobs import cli, events, job_dir, run_job

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from eksft_nb.checkpoints import list_checkpoints, verify
+from eksft_nb.checkpoint_folders import list_checkpoints, verify
 from jobs import cli, events, job_dir, run_job
 
 pytestmark = pytest.mark.slow

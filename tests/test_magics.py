@@ -91,7 +91,7 @@ def test_a_mistake_is_one_message_and_launches_nothing(ip: Any, capsys: pytest.C
 def test_an_empty_cell_runs_the_trainer_and_code_runs_as_the_script(ip: Any, capsys: pytest.CaptureFixture[str]) -> None:
     ip.run_cell("%%ftrain --dry-run --name dry --model tiny")              # no body at all: IPython alone refuses it
     out = capsys.readouterr().out
-    assert "eksft_nb.runtime.train" in out and "eksft_nb.runtime.script" not in out
+    assert "eksft_nb.runtime.trainer_main" in out and "eksft_nb.runtime.script" not in out
     body = "import sys\nprint('my own training loop', sys.argv[1:])\n"
     ip.run_cell(f"%%ftrain --dry-run --name dry --script-args '--lr 1'\n{body}")
     out = capsys.readouterr().out

@@ -17,7 +17,7 @@ import pytest
 
 from eksft_nb.backends import procs
 from eksft_nb.backends.local import LocalBackend
-from eksft_nb.backends.supervisor import Supervisor
+from eksft_nb.backends.local.supervisor import Supervisor
 from eksft_nb.control import FaultCommand, submit
 from eksft_nb.errors import JobError
 from eksft_nb.events import read_all

@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..checkpoints import CheckpointInfo
+from ..checkpoint_folders import CheckpointInfo
 from ..control import FaultCommand
 from ..events import Event
 from ..spec import JobSpec

@@ -15,7 +15,7 @@ from typing import Any
 
 import ipywidgets as w
 
-from ..checkpoints import CheckpointInfo
+from ..checkpoint_folders import CheckpointInfo
 from ..errors import EksftError
 from ..goodput import compute
 from ..job import Job

@@ -36,7 +36,7 @@ from typing import Any
 
 from ..jobdir import eksft_home
 from .quiet import quiet_process
-from .train import exit_cleanly
+from .trainer_main import exit_cleanly
 
 POLL_S = 0.25   # how often the fault thread looks for commands (one stat when nothing changed)
 

@@ -115,14 +115,14 @@ class Session:
         return self.job_dir.path / "ckpt"
 
     def checkpoints(self, group: Any = None, atomic: Any = None, keepalive: Any = None) -> Any:
-        """A :class:`~eksft_nb.runtime.checkpoint.CheckpointManager` for this job (folder, interval,
+        """A :class:`~eksft_nb.runtime.checkpointer.CheckpointManager` for this job (folder, interval,
         mode and retention from the spec). ``group``: a gloo process group for checkpoint
         collectives (default: a new one over all ranks). Rank 0 reports for the collective saves."""
         import datetime
 
         import torch.distributed as dist
 
-        from .checkpoint import CheckpointManager
+        from .checkpointer import CheckpointManager
 
         if group is None:
             group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=10))
@@ -286,7 +286,7 @@ class Session:
 
     def _corrupt_latest_checkpoint(self) -> dict[str, Any]:
         """Flip 64 bytes in the middle of the largest shard of the newest committed checkpoint."""
-        from ..checkpoints import list_checkpoints
+        from ..checkpoint_folders import list_checkpoints
 
         committed = [i for i in list_checkpoints(self.checkpoint_dir()) if i.state == "committed"]
         if not committed:

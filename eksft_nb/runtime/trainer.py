@@ -1,4 +1,4 @@
-"""The built-in trainer (see :mod:`eksft_nb.runtime.train` for the entry point)."""
+"""The built-in trainer (see :mod:`eksft_nb.runtime.trainer_main` for the entry point)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .checkpoint import ModelState
+from .checkpointer import ModelState
 from .data import SyntheticCorpus
 from .model import build_model, loss_fn
 from .session import Session, session

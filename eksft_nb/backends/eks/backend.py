@@ -19,7 +19,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from ...checkpoints import CheckpointInfo, list_checkpoints
+from ...checkpoint_folders import CheckpointInfo, list_checkpoints
 from ...control import FaultCommand
 from ...errors import JobError
 from ...events import LOG_PREFIX

@@ -18,7 +18,7 @@ import signal
 import sys
 from pathlib import Path
 
-from ...checkpoints import list_checkpoints
+from ...checkpoint_folders import list_checkpoints
 from ...control import FaultCommand, submit
 from ...errors import ControlError
 from ...jobdir import JobDir, atomic_write

@@ -3,7 +3,7 @@
 A job runs under a detached supervisor (its own session), so it survives the kernel or shell that
 launched it; any process can attach to it by name through its folder. A supervisor that dies is
 replaced by one that adopts the running job (see :mod:`.supervisor`); the job's processes are found
-by identity (see :mod:`.procs`), so no query or stop ever signals a process that merely reuses a pid.
+by identity (see :mod:`eksft_nb.backends.procs`), so no query or stop ever signals a process that merely reuses a pid.
 """
 
 from __future__ import annotations
@@ -19,19 +19,19 @@ from pathlib import Path
 
 import psutil
 
-from ..checkpoints import CheckpointInfo, list_checkpoints, verify
-from ..control import FaultCommand, submit
-from ..errors import JobError
-from ..events import EventTail
-from .. import nvrx
-from ..jobdir import JobDir, atomic_write, jobs_root
-from ..launcher import Ports, launcher_argv, rank_env
-from ..monitor import JobMonitor
-from ..runtime.quiet import quiet_env
-from ..spec import JobSpec
-from ..states import ACTIVE, JobState
-from . import procs
-from .base import Backend, JobSummary, readable
+from ...checkpoint_folders import CheckpointInfo, list_checkpoints, verify
+from ...control import FaultCommand, submit
+from ...errors import JobError
+from ...events import EventTail
+from ... import nvrx
+from ...jobdir import JobDir, atomic_write, jobs_root
+from ...launcher import Ports, launcher_argv, rank_env
+from ...monitor import JobMonitor
+from ...runtime.quiet import quiet_env
+from ...spec import JobSpec
+from ...states import ACTIVE, JobState
+from .. import procs
+from ..base import Backend, JobSummary, readable
 
 class LocalBackend(Backend):
     name = "local"
@@ -84,7 +84,7 @@ class LocalBackend(Backend):
         before = jd.supervisor().get("supervisor")
         with open(jd.logs / "supervisor.err", "ab") as err:
             env = quiet_env({**os.environ, procs.JOB_MARK: job_uid})
-            proc = subprocess.Popen([sys.executable, "-m", "eksft_nb.backends.supervisor", str(jd.path)],
+            proc = subprocess.Popen([sys.executable, "-m", "eksft_nb.backends.local.supervisor", str(jd.path)],
                                     stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=env,
                                     start_new_session=True, close_fds=True)
         proc.wait(timeout=30)  # the intermediate process exits once the daemon has forked

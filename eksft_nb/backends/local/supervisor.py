@@ -17,7 +17,7 @@ records why. If the keeper is gone too, any client that finds the job's processe
 supervisor (``LocalBackend.state``) starts a new keeper. An ``OSError`` in the supervisor (a full
 disk) ends the job with that reason, its launchers stopped.
 
-Run as ``python -m eksft_nb.backends.supervisor JOB_DIR`` (the local backend does this, with the
+Run as ``python -m eksft_nb.backends.local.supervisor JOB_DIR`` (the local backend does this, with the
 job's mark ``EKSFT_JOB_UID`` in the environment); ``--run JOB_DIR [--adopt]`` is the supervisor proper.
 """
 
@@ -38,15 +38,15 @@ from typing import Any
 
 import psutil
 
-from ..events import EventTail, EventWriter
-from ..jobdir import JobDir, atomic_write
-from .. import nvrx
-from ..launcher import Ports, launcher_argv, rank_env
-from ..incidents import Incidents
-from ..monitor import JobMonitor
-from ..runtime.quiet import quiet_env
-from ..states import RECORDED_ENDS, JobState, RestartLevel
-from . import procs
+from ...events import EventTail, EventWriter
+from ...jobdir import JobDir, atomic_write
+from ... import nvrx
+from ...launcher import Ports, launcher_argv, rank_env
+from ...incidents import Incidents
+from ...monitor import JobMonitor
+from ...runtime.quiet import quiet_env
+from ...states import RECORDED_ENDS, JobState, RestartLevel
+from .. import procs
 
 POLL_S = 0.2
 MAX_SUPERVISORS = 5    # supervisor deaths the keeper recovers from before it ends the job
@@ -254,7 +254,7 @@ class Supervisor:
             env = quiet_env({**os.environ, procs.JOB_MARK: self.job_uid, procs.NODE_MARK: f"{nxt}.{node}"})
             with open(self._launcher_log(nxt, node), "ab") as out:
                 self.standby[node] = subprocess.Popen(
-                    [sys.executable, "-m", "eksft_nb.backends.standby"], env=env, stdin=subprocess.PIPE,
+                    [sys.executable, "-m", "eksft_nb.backends.local.standby"], env=env, stdin=subprocess.PIPE,
                     stdout=out, stderr=subprocess.STDOUT, cwd=self.jd.path, start_new_session=True)
 
     def _hand_over(self, node: int, argv: list[str], env: dict[str, str]) -> subprocess.Popen | None:
@@ -573,7 +573,7 @@ def keep(jd: JobDir) -> int:
     signal.signal(signal.SIGINT, on_signal)
     for _ in range(MAX_SUPERVISORS):
         with open(jd.logs / "supervisor.err", "ab") as err:
-            child = subprocess.Popen([sys.executable, "-m", "eksft_nb.backends.supervisor", "--run", str(jd.path),
+            child = subprocess.Popen([sys.executable, "-m", "eksft_nb.backends.local.supervisor", "--run", str(jd.path),
                                       *(["--adopt"] if adopt else [])],
                                      stdin=subprocess.DEVNULL, stdout=err, stderr=err)
         code = child.wait()

@@ -1,6 +1,6 @@
 """The built-in trainer's entry point: a GPT decoder under FSDP2, fault tolerant with NVRx's three tiers.
 
-ft_launcher runs this module on every rank (``python -m eksft_nb.runtime.train``):
+ft_launcher runs this module on every rank (``python -m eksft_nb.runtime.trainer_main``):
 
 - ``inprocess.Wrapper`` (when ``ft.inprocess``) turns exceptions and hangs into in-process
   restarts: the process group is rebuilt on a fresh store prefix, the model is rebuilt and the last
@@ -24,7 +24,7 @@ def main() -> None:
     quiet_process()
     import torch
 
-    from .checkpoint import start_writer
+    from .checkpointer import start_writer
     from .session import session
     from .trainer import run, wrapper_kwargs
 

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import _is_wrapped_exception
 
-from ..checkpoints import (COMMIT, CheckpointInfo, list_checkpoints, parse_commit, plain_name, reject, sha256_file, share,
+from ..checkpoint_folders import (COMMIT, CheckpointInfo, list_checkpoints, parse_commit, plain_name, reject, sha256_file, share,
                            step_dir, verify)
 from ..errors import JobError
 

@@ -5,7 +5,7 @@ restart would otherwise pay after a node is lost. The supervisor starts this pro
 current attempt trains: it imports the launcher, then waits for one line on stdin with the
 attempt's argv and environment and becomes that ft_launcher. End of input means it is not needed.
 
-Run as ``python -m eksft_nb.backends.standby`` (the supervisor does this).
+Run as ``python -m eksft_nb.backends.local.standby`` (the supervisor does this).
 """
 
 from __future__ import annotations
