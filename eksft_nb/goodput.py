@@ -16,9 +16,10 @@ wall second against a fault-free run of the same job (the effective-training-tim
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import asdict, dataclass
+
+import numpy as np
 
 from .monitor import JobMonitor
 from .states import JobState
@@ -63,9 +64,15 @@ def compute(mon: JobMonitor, now: float | None = None) -> Goodput:
     end, wall = _window(mon, now)
     s = mon.steps
     last_execution = {step: i for i, step in enumerate(s.step)}
-    kept = sum(s.step_time[i] for i in last_execution.values())
-    recomputed = sum(s.step_time) - kept
-    interference = _interference(mon, sorted(last_execution.values()), end)
+    took = np.asarray(s.step_time, dtype=np.float64)
+    if len(last_execution) == len(s):  # no step ran twice
+        idx = np.arange(len(s))
+        recomputed = 0.0
+    else:
+        idx = np.sort(np.fromiter(last_execution.values(), np.int64, len(last_execution)))
+        recomputed = float(took.sum() - took[idx].sum())
+    kept = float(took.sum()) - recomputed
+    interference = _interference(mon, idx, took, end)
     productive = kept - interference
     downtime = sum(r["downtime_s"] for r in mon.restarts)
     if mon.state == JobState.RECOVERING and mon.failures and not mon.finished:
@@ -85,24 +92,22 @@ def _window(mon: JobMonitor, now: float | None) -> tuple[float, float]:
     return end, max(0.0, end - mon.t_start) if mon.t_start is not None else 0.0
 
 
-def _interference(mon: JobMonitor, kept: list[int], end: float) -> float:
-    """Time the kept steps (indices into ``mon.steps``, in order) that overlapped a background save
-    took beyond the median of the kept steps that overlapped none."""
-    s = mon.steps
+def _interference(mon: JobMonitor, kept: np.ndarray, took: np.ndarray, end: float) -> float:
+    """Time the kept steps (indices into ``mon.steps``, in order; ``took``: every step's time) that
+    overlapped a background save took beyond the median of the kept steps that overlapped none."""
     writes = _background_writes(mon, end)
-    if not writes:
+    if not writes or not len(kept):
         return 0.0
-    overlapped, clean = [], []
-    w = 0
-    for i in kept:  # steps and writes both in time order: one sweep
-        begin = s.t[i] - s.step_time[i]
-        while w < len(writes) and writes[w][1] <= begin:
-            w += 1
-        (overlapped if w < len(writes) and writes[w][0] < s.t[i] else clean).append(s.step_time[i])
-    if not clean or not overlapped:
+    t = np.asarray(mon.steps.t, dtype=np.float64)
+    if len(kept) < len(t):
+        t, took = t[kept], took[kept]
+    starts, ends = np.asarray(writes).T
+    first = np.searchsorted(np.maximum.accumulate(ends), t - took, side="right")  # first write ending after
+    hit = first < len(writes)
+    hit[hit] = starts[first[hit]] < t[hit]   # ... and starting before the step ends: they overlap
+    if hit.all() or not hit.any():
         return 0.0
-    floor = statistics.median(clean)
-    return sum(max(0.0, t - floor) for t in overlapped)
+    return float(np.clip(took[hit] - np.median(took[~hit]), 0.0, None).sum())
 
 
 def _background_writes(mon: JobMonitor, end: float) -> list[tuple[float, float]]:
