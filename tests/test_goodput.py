@@ -81,3 +81,11 @@ def test_useful_steps_count_a_rolled_back_step_once(reached: int, back: int, mor
 def test_steps_rolled_back_and_not_yet_rerun_are_not_useful() -> None:
     mon, _ = _job([(s, CLEAN) for s in [1, 2, 3, 4, 5, 6, 3]], [])  # back to 2, step 3 running again
     assert useful_steps(mon) == 3
+
+
+def test_a_slowed_step_that_a_rollback_ran_again_is_recomputed_not_interference() -> None:
+    run = [(1, CLEAN), (2, CLEAN), (3, CLEAN + 0.5), (4, CLEAN), (3, CLEAN), (4, CLEAN), (5, CLEAN)]
+    mon, end = _job(run, [(2, 1, "async")])  # the write overlaps the first run of step 3 only
+    gp = compute(mon, now=end)
+    assert gp.checkpoint_interference_s == 0.0
+    assert gp.recomputed_s == pytest.approx(2 * CLEAN + 0.5) and gp.productive_s == pytest.approx(5 * CLEAN)
