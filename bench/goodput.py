@@ -82,14 +82,24 @@ def report(result: dict[str, Any]) -> str:
     for label, c in runs.items():
         pct = c["percent"]
         r = c["restarts"]
-        rows.append([label, fmt(None if c["ettr"] is None else 100 * c["ettr"], ".1f", " %"), str(c["useful_steps"]),
+        ref = result["references"].get(c.get("reference", ""))
+        # the machine's speed in the window: productive time per useful step (a clean step, on average)
+        step, ref_step = _step_s(c), _step_s(ref) if ref else None
+        same_speed = 100 * c["ettr"] * step / ref_step if c["ettr"] is not None and step and ref_step else None
+        rows.append([label, fmt(None if c["ettr"] is None else 100 * c["ettr"], ".1f", " %"), fmt(same_speed, ".1f", " %"),
+                     str(c["useful_steps"]), fmt(None if step is None else 1000 * step, ".0f"),
                      fmt(100 * c["goodput"], ".1f", " %"), *[fmt(pct[k], ".1f") for k in CATEGORIES],
                      f"{r['inprocess']}/{r['injob']}/{r['job']}", f"{c['load_avg_before'][0]}->{c['load_avg_after'][0]}"])
     title = (f"3. goodput: {result['duration_s']:.0f} s per configuration, a fault every {result['fault_period_s']:.0f} s "
              f"({', '.join(result['faults'])} in turn); ETTR = useful steps per wall second / the fault-free "
-             "run's of the same checkpoint mode; % of wall time")
+             "run's of the same checkpoint mode; same speed: ETTR x this window's step ms / the reference's "
+             "(the shared machine's speed drifts between windows); % of wall time")
     if len(result["references"]) == 1:
         title += f" (one reference: {next(iter(result['references']))})"
-    header = ["configuration", "ETTR", "useful steps", "goodput", *[k.replace("_", " ").replace("checkpoint ", "ckpt ")
+    header = ["configuration", "ETTR", "same speed", "useful steps", "step ms", "goodput", *[k.replace("_", " ").replace("checkpoint ", "ckpt ")
                                                                     for k in CATEGORIES], "restarts ip/ij/job", "load"]
     return table(title, header, rows)
+
+
+def _step_s(c: dict[str, Any]) -> float | None:
+    return c["seconds"]["productive"] / c["useful_steps"] if c["useful_steps"] else None
