@@ -21,8 +21,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="short jobs, fewer repeats, 100 MB only (a few minutes)")
     p.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS), metavar="PART",
                    help=f"run only these parts ({', '.join(PARTS)})")
+    p.add_argument("--goodput-window", nargs=2, type=float, metavar=("SECONDS", "FAULT_EVERY_S"),
+                   help="part 3: run each configuration this long with a fault this often (default 600 120)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="folder for the JSON results")
     args = p.parse_args(argv)
+    if args.goodput_window and not 0 < args.goodput_window[1] <= args.goodput_window[0]:
+        p.error("--goodput-window needs 0 < FAULT_EVERY_S <= SECONDS, e.g. --goodput-window 180 45")
 
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"bench-{'quick-' if args.quick else ''}{time.strftime('%Y%m%d-%H%M%S')}.json"
@@ -32,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
         with private_home() as home:
             results["home"] = str(home)
             for name in args.only:
-                run_part(name, args.quick, results)
+                run_part(name, args.quick, results, **({"window_s": tuple(args.goodput_window)}
+                                                        if name == "goodput" and args.goodput_window else {}))
                 write(path, results)  # what was measured survives a later crash
     except Exception as e:  # noqa: BLE001 - stopping the jobs failed: said, and the results are still written
         traceback.print_exc()
@@ -44,12 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if results["errors"] else 0
 
 
-def run_part(name: str, quick: bool, results: dict[str, Any]) -> None:
+def run_part(name: str, quick: bool, results: dict[str, Any], **options: Any) -> None:
     print(f"== {name} ...", flush=True)
     started = time.time()
     try:
         part = importlib.import_module(f"bench.{name}")
-        result = part.run(quick)
+        result = part.run(quick, **options)
     except Exception as e:  # noqa: BLE001 - reported in the output and the JSON; the other parts still run
         traceback.print_exc()
         results["errors"][name] = f"{type(e).__name__}: {e}"

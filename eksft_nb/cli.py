@@ -12,6 +12,7 @@ from typing import Any
 from . import commands, nvrx
 from .commands import CLI
 from .errors import EksftError
+from .goodput import CATEGORIES
 from .job import Job, attach
 from .spec import JobSpec
 from .states import JobState
@@ -139,10 +140,10 @@ def format_summary(s: dict[str, Any]) -> str:
         lines.append(f"events lost: {lost['count']} of rank {lost['rank']} ({kinds}): {lost['error']}")
     g = s["goodput"]
     lines.append(f"goodput: {100 * g['goodput']:.1f}% of {g['wall_s']:.1f}s wall time")
-    for key in ("productive", "checkpoint_stall", "restart_downtime", "recomputed", "startup", "other"):
+    for key in CATEGORIES:
         sec = g[f"{key}_s"]
         pct = 100 * sec / g["wall_s"] if g["wall_s"] else 0.0
-        lines.append(f"  {key.replace('_', ' '):<18}{sec:8.1f}s {pct:6.1f}%")
+        lines.append(f"  {key.replace('_', ' '):<24}{sec:8.1f}s {pct:6.1f}%")
     return "\n".join(lines)
 
 

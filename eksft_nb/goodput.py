@@ -1,11 +1,17 @@
 """Goodput: where a job's wall time went, from its events.
 
-- productive: the last execution of every step (the work that survives in the final model)
+- productive: the last execution of every step (the work that survives in the final model), at
+  most the job's clean step time for a step that overlapped a background (async) save
+- checkpoint interference: what such steps took beyond the clean step time (the writer competing
+  for the machine), so async saves cannot pass a slowdown off as productive time
 - recomputed: earlier executions of steps that a restart rolled back (lost work)
 - checkpoint stall: time the training loop was blocked by saves
 - restart downtime: from each fault to the first step after recovery
 - startup: from job start to the first step
 - other: the rest (step boundaries, telemetry, waiting)
+
+The breakdown is a share of time; :func:`ettr` is the figure to compare runs by: useful steps per
+wall second against a fault-free run of the same job (the effective-training-time ratio).
 """
 
 from __future__ import annotations
@@ -13,10 +19,12 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
 from .monitor import JobMonitor
 from .states import JobState
 
-CATEGORIES = ("productive", "checkpoint_stall", "restart_downtime", "recomputed", "startup", "other")
+CATEGORIES = ("productive", "checkpoint_stall", "checkpoint_interference", "restart_downtime", "recomputed", "startup", "other")
 
 
 @dataclass
@@ -24,6 +32,7 @@ class Goodput:
     wall_s: float
     productive_s: float
     checkpoint_stall_s: float
+    checkpoint_interference_s: float
     restart_downtime_s: float
     recomputed_s: float
     startup_s: float
@@ -45,19 +54,26 @@ class Goodput:
 
     def table(self) -> str:
         pct = self.percentages()
-        rows = [f"  {c.replace('_', ' '):<18}{s:9.1f} s {pct[c]:6.1f} %" for c, s in self.seconds().items()]
-        return "\n".join([f"  {'wall time':<18}{self.wall_s:9.1f} s", *rows])
+        rows = [f"  {c.replace('_', ' '):<24}{s:9.1f} s {pct[c]:6.1f} %" for c, s in self.seconds().items()]
+        return "\n".join([f"  {'wall time':<24}{self.wall_s:9.1f} s", *rows])
 
 
 def compute(mon: JobMonitor, now: float | None = None) -> Goodput:
     if mon.t_start is None:
-        return Goodput(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-    end = mon.t_end or now or time.time()
-    wall = max(0.0, end - mon.t_start)
+        return Goodput(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    end, wall = _window(mon, now)
     s = mon.steps
     last_execution = {step: i for i, step in enumerate(s.step)}
-    productive = sum(s.step_time[i] for i in last_execution.values())
-    recomputed = sum(s.step_time) - productive
+    took = np.asarray(s.step_time, dtype=np.float64)
+    if len(last_execution) == len(s):  # no step ran twice
+        idx = np.arange(len(s))
+        recomputed = 0.0
+    else:
+        idx = np.sort(np.fromiter(last_execution.values(), np.int64, len(last_execution)))
+        recomputed = float(took.sum() - took[idx].sum())
+    kept = float(took.sum()) - recomputed
+    interference = _interference(mon, idx, took, end)
+    productive = kept - interference
     downtime = sum(r["downtime_s"] for r in mon.restarts)
     if mon.state == JobState.RECOVERING and mon.failures and not mon.finished:
         downtime += max(0.0, end - mon.failures[-1]["fault_time"])
@@ -66,5 +82,65 @@ def compute(mon: JobMonitor, now: float | None = None) -> Goodput:
     ends += [f["fault_time"] for f in mon.failures[:1]]
     startup = min(wall, max(0.0, min(ends) - mon.t_start))
     stall = mon.checkpoint_stall_s
-    other = max(0.0, wall - productive - recomputed - downtime - startup - stall)
-    return Goodput(wall, productive, stall, downtime, recomputed, startup, other)
+    other = max(0.0, wall - kept - recomputed - downtime - startup - stall)
+    return Goodput(wall, productive, stall, interference, downtime, recomputed, startup, other)
+
+
+def _window(mon: JobMonitor, now: float | None) -> tuple[float, float]:
+    """(end, wall seconds) of a started job: up to its end, else up to ``now``."""
+    end = mon.t_end or now or time.time()
+    return end, max(0.0, end - mon.t_start) if mon.t_start is not None else 0.0
+
+
+def _interference(mon: JobMonitor, kept: np.ndarray, took: np.ndarray, end: float) -> float:
+    """Time the kept steps (indices into ``mon.steps``, in order; ``took``: every step's time) that
+    overlapped a background save took beyond the median of the kept steps that overlapped none."""
+    writes = _background_writes(mon, end)
+    if not writes or not len(kept):
+        return 0.0
+    t = np.asarray(mon.steps.t, dtype=np.float64)
+    if len(kept) < len(t):
+        t, took = t[kept], took[kept]
+    starts, ends = np.asarray(writes).T
+    first = np.searchsorted(np.maximum.accumulate(ends), t - took, side="right")  # first write ending after
+    hit = first < len(writes)
+    hit[hit] = starts[first[hit]] < t[hit]   # ... and starting before the step ends: they overlap
+    if hit.all() or not hit.any():
+        return 0.0
+    return float(np.clip(took[hit] - np.median(took[~hit]), 0.0, None).sum())
+
+
+def _background_writes(mon: JobMonitor, end: float) -> list[tuple[float, float]]:
+    """(staged, done) of every async save, in order. A write a fault abandoned has no end: it ends
+    at the next save or fault, whichever came first."""
+    saves = sorted((c.t_staged, c.t_done, c.t_begin or c.t_staged) for c in mon.checkpoints.values()
+                   if c.mode == "async" and c.t_staged is not None)
+    faults = [f["fault_time"] for f in mon.failures]
+    writes = []
+    for k, (staged, done, _) in enumerate(saves):
+        if done is None:
+            later = [t for t in faults if t > staged] + [b for _, _, b in saves[k + 1:k + 2]]
+            done = min([end, *later])
+        writes.append((staged, max(staged, done)))
+    return writes
+
+
+def useful_steps(mon: JobMonitor) -> int:
+    """Distinct steps that count toward the result so far: each step up to the newest one run once,
+    however often a rollback made it run again (steps above it were rolled back)."""
+    return len({step for step in mon.steps.step if step <= mon.last_step})
+
+
+def steps_per_s(mon: JobMonitor, now: float | None = None) -> float:
+    """Useful steps per wall second, start-up and every loss included."""
+    wall = _window(mon, now)[1]
+    return useful_steps(mon) / wall if wall > 0 else 0.0
+
+
+def ettr(mon: JobMonitor, reference_steps_per_s: float, now: float | None = None) -> float | None:
+    """Effective-training-time ratio (as the Llama 3 report uses it): this job's useful steps per
+    wall second against a fault-free run of the same job (``reference_steps_per_s``, from
+    :func:`steps_per_s` on that run). None without a reference."""
+    if reference_steps_per_s <= 0:
+        return None
+    return steps_per_s(mon, now) / reference_steps_per_s

@@ -106,8 +106,13 @@ def test_recovery(results: dict[str, Any]) -> None:
 
 def test_goodput(results: dict[str, Any]) -> None:
     r = results["parts"]["goodput"]
-    assert len(r["configs"]) == 4
+    assert len(r["configs"]) == 4 and set(r["references"]) == {"async"}
+    reference = r["references"]["async"]
+    assert reference["faults_injected"] == [] and reference["useful_steps"] > 0
+    assert reference["steps_per_s"] == pytest.approx(reference["useful_steps"] / reference["wall_s"])
     for label, c in r["configs"].items():
+        assert c["ettr"] == pytest.approx(c["steps_per_s"] / reference["steps_per_s"]), label
+        assert 0 < c["useful_steps"] <= c["final_step"] <= c["steps_executed"]
         assert 0 <= c["goodput"] <= 1 and c["wall_s"] > 0.9 * r["duration_s"], label
         assert c["goodput"] == pytest.approx(c["seconds"]["productive"] / c["wall_s"])
         assert all(v >= 0 for v in c["seconds"].values())

@@ -166,6 +166,16 @@ def test_a_save_does_not_commit_without_a_ranks_manifest(tmp_path: Path, group: 
     assert [i.step for i in list_checkpoints(tmp_path) if i.state == "committed"] == [6]
 
 
+def test_the_background_writer_runs_at_a_lower_cpu_priority(tmp_path: Path, group: Any) -> None:
+    """It shares cores with the ranks: a step must not wait for it, so it takes what they leave."""
+    from eksft_nb.runtime.checkpoint import WRITER_NICE, _AsyncWriter
+
+    _manager(tmp_path, group, "async", [])
+    _AsyncWriter.done_locally(blocking=True)  # its first request has run
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    assert os.getpriority(os.PRIO_PROCESS, _AsyncWriter.caller.process.pid) == min(19, ours + WRITER_NICE)
+
+
 def test_restore_keeps_heartbeating_while_it_hashes(tmp_path: Path, group: Any) -> None:
     state = {"w": torch.randn(3 << 20)}  # 12 MiB: three 4 MiB blocks to hash
     _manager(tmp_path, group, "sync", []).maybe_save(5, state)

@@ -20,7 +20,8 @@ from ..states import FaultScope, JobState, RestartLevel
 STATE_COLORS = {JobState.RUNNING: "#2ca02c", JobState.RECOVERING: "#ff7f0e", JobState.SUCCEEDED: "#1f77b4",
                 JobState.FAILED: "#d62728", JobState.LOST: "#d62728", JobState.STOPPED: "#7f7f7f",
                 JobState.STARTING: "#7f7f7f"}
-GOODPUT_COLORS = {"productive": "#2ca02c", "checkpoint_stall": "#d62728", "restart_downtime": "#9467bd",
+GOODPUT_COLORS = {"productive": "#2ca02c", "checkpoint_stall": "#d62728",
+                  "checkpoint_interference": "#ff9896", "restart_downtime": "#9467bd",
                   "recomputed": "#ff7f0e", "startup": "#bcbd22", "other": "#c7c7c7"}
 LEVEL_NAMES = {level.value: level.label for level in RestartLevel}
 
