@@ -3,7 +3,7 @@ job started) — throughput, loss, checkpoint saves (blocked vs background), fau
 faults among them), and a GPU health strip per node.
 
 Each plotted quantity is a :class:`~eksft_nb.dashboard.series.Series` drawn by two traces
-(history and tail); :meth:`TrainingFigure.push` sends only the parts that changed, in one message.
+(history chunks and tail); :meth:`TrainingFigure.push` sends only the parts that changed, in one message.
 """
 
 from __future__ import annotations
@@ -118,8 +118,8 @@ class TrainingFigure:
                             row_heights=[0.27, 0.2, 0.2, 0.2, 0.13], subplot_titles=ROW_TITLES)
         order: list[tuple[str, str]] = []
         for name, series in self.series.items():
-            for part in ("history", "tail"):
-                for style, props in zip(self._styles(name, part), self._props(name, getattr(series, part))):
+            for part in series.parts:
+                for style, props in zip(self._styles(name, part), self._props(name, series.data(part))):
                     row = style.pop("row")
                     fig.add_trace(style.pop("cls")(**style).update(props), row=row, col=1)
                     order.append((name, part))
@@ -156,7 +156,8 @@ class TrainingFigure:
         if self.unit == self._unit_shown:
             return
         self._unit_shown = self.unit
-        self._set_unit(self.widget.layout, self.traces[("tokens/s", "history")] + self.traces[("tokens/s", "tail")])
+        self._set_unit(self.widget.layout, [t for part in self.series["tokens/s"].parts
+                                            for t in self.traces[("tokens/s", part)]])
 
     def _set_unit(self, layout: Any, traces: list[Any]) -> None:
         if self.unit == "tok/s":   # what the styles say already
@@ -176,7 +177,7 @@ class TrainingFigure:
             self._show_unit()
             for name, part in changes:
                 for trace, props in zip(self.traces[(name, part)],
-                                        self._props(name, getattr(self.series[name], part))):
+                                        self._props(name, self.series[name].data(part))):
                     trace.update(props)
         return True
 
