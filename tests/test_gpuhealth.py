@@ -276,3 +276,24 @@ def test_pods_name_their_node_as_dcgm_exporter_does() -> None:
     spec = JobSpec().replace(name="gpu-pod", backend="eks").validate()
     env = {e["name"]: e for e in pod_template(spec)["spec"]["containers"][0]["env"]}
     assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+
+
+def test_a_long_job_keeps_recent_samples_and_old_status_changes_only() -> None:
+    """Days of a many-node job's readings: the fold stays bounded, a reader that keeps up misses
+    nothing, and a late one still sees every change of status (here node 1's throttle long ago)."""
+    mon, seen, got = JobMonitor(), 0, []
+    mon.gpu.recent = 50
+    reading = {"gpu": 0, "uuid": LOST_UUID, "temp_c": 60, "power_w": 300.0, "throttle": 0, "ecc_sbe": 0,
+               "ecc_dbe": 0, "lost": False}
+    for i in range(1000):
+        node = i % 4
+        gpus = [dict(reading, throttle=0x8 if (node == 1 and 40 <= i < 60) else 0)]   # HW slowdown, for a while
+        mon.update([make("gpu_health", "long", node * 8, t=float(i), node=node, host=f"n{node}", gpus=gpus)])
+        if i % 7 == 0:
+            got += mon.gpu.since(seen)
+            seen = mon.gpu.n_samples
+    got += mon.gpu.since(seen)
+    assert [g["seq"] for g in got] == list(range(1000)) and mon.gpu.n_samples == 1000
+    assert len(mon.gpu.samples) <= 2 * 50 + 8
+    old = [(g["t"], g["status"]) for g in mon.gpu.samples if g["node"] == 1 and g["t"] < 900]
+    assert old == [(1.0, "ok"), (41.0, "throttled"), (61.0, "ok")]

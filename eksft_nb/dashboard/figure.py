@@ -99,10 +99,10 @@ class TrainingFigure:
             if f["fault"] != "throttle":   # throttling shows in the health strip; XIDs and ECC errors beside restarts
                 self.series["gpu faults"].append(f["t"] - t0, "fault", fault_label(f))
         self._seen_gpu_faults = len(mon.gpu.faults)
-        for g in mon.gpu.samples[self._seen_gpu:]:
+        for g in mon.gpu.since(self._seen_gpu):
             label = g["text"] if g["status"] == "none" else ""   # "no GPU" is said once, on the strip
             self.series["gpu"].append(g["t"] - t0, f"node {g['node']}", GPU_STATUS[g["status"]], label, g["text"])
-        self._seen_gpu = len(mon.gpu.samples)
+        self._seen_gpu = mon.gpu.n_samples
         for r in mon.restarts[self._seen_restarts:]:
             lane = LEVEL_LANE.get(r["level"], r["level"])
             self._per_lane[lane] = self._per_lane.get(lane, 0) + 1
