@@ -497,7 +497,7 @@ class GpuFold:
         self.samples.append({"t": t, "node": node, "status": status, "text": text, "seq": self.n_samples,
                              "change": change})
         self.n_samples += 1
-        if len(self.samples) > 2 * self.recent:   # amortised: drop old samples that changed nothing
+        if len(self.samples) > self.recent * 5 // 4:   # amortised: drop old samples that changed nothing
             old, new = self.samples[:-self.recent], self.samples[-self.recent:]
             self.samples = [x for x in old if x["change"]] + new
 
