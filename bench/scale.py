@@ -20,6 +20,7 @@ the callee); the input is generated per second, outside the timings.
 from __future__ import annotations
 
 import gc
+import statistics
 import time
 import tracemalloc
 from collections import defaultdict
@@ -299,6 +300,7 @@ def one_pass(spec: JobSpec, seconds: int, fault_every: int, traced: bool) -> dic
     collector = JobsCollector(lambda: [Fed(NAME, mon)])
     queue: SimpleQueue[tuple[Any, ...]] = SimpleQueue()
     held: list[tuple[int, float]] = []
+    pushed: list[float] = []     # kB each dashboard push sent to the front end
     lines = events = samples = 0
     with recording_comms() as sent:
         figure = TrainingFigure()
@@ -341,13 +343,14 @@ def one_pass(spec: JobSpec, seconds: int, fault_every: int, traced: bool) -> dic
             figure.ingest(mon)
             figure.push()
             clock.leave()
+            pushed.append(sent.take() / 1000)
             if traced and (s % 60 == 59 or s == seconds - 1):
                 del items, feed, new
                 held.append((s + 1, tracemalloc.get_traced_memory()[0] / 2**20))
         if traced:
             tracemalloc.stop()
-        sent_kb = sent.take() / 1000
-    return {"lines": lines, "events": events, "metric_samples": samples, "dashboard_kb": sent_kb,
+    return {"lines": lines, "events": events, "metric_samples": samples, "dashboard_kb": sum(pushed),
+            "push_kb": {"median": statistics.median(pushed), "max": max(pushed)},
             "clock": clock, "sim": sim, "mon": mon, "held_mib": held}
 
 
@@ -372,5 +375,6 @@ def report(result: dict[str, Any]) -> str:
             f"  {r['lines']:,} log lines, {r['events']:,} events, {r['faults']} faults, restarts: {levels}\n"
             f"  memory held: {r['peak_held_mib']:.1f} MiB at most = {r['kib_per_rank']:.1f} KiB per rank; "
             f"{r['held_mib'][len(r['held_mib']) // 2][1]:.1f} MiB at half time, {r['held_mib'][-1][1]:.1f} at the end; "
-            f"{p['cores_at_real_time'] * 100:.2f} % of a core at real time; dashboard sent {r['dashboard_kb']:.0f} kB\n")
+            f"{p['cores_at_real_time'] * 100:.2f} % of a core at real time; dashboard sent {r['dashboard_kb']:.0f} kB, "
+            f"{r['push_kb']['median']:.1f} kB per push (median), {r['push_kb']['max']:.1f} kB at most\n")
 

@@ -517,9 +517,7 @@ class GpuFold:
                      if (e["throttle"] or 0) & BAD_THROTTLE]
         lost = [f"GPU {e['gpu']}: lost (fell off the bus)" for e in entries if e["lost"]]
         status = "fault" if lost else "throttled" if throttled else "ok"
-        lines = [f"GPU {e['gpu']}: {_fmt(e['temp_c'], ' C')}, {_fmt(e['power_w'], ' W', '.0f')}, "
-                 f"ECC {_fmt(e['ecc_sbe'])}/{_fmt(e['ecc_dbe'])} (single/double)" for e in entries]
-        text = "<br>".join([f"<b>node {node} ({host}): {status}</b>", *lost, *throttled, *lines])
+        text = "<br>".join([f"<b>node {node} ({host}): {status}</b>", *lost, *throttled, _summary(entries)])
         self._sample(t, node, status, text)
 
     def on_fault(self, t: float, data: dict[str, Any]) -> None:
@@ -532,8 +530,19 @@ class GpuFold:
                      f"GPU {fault['gpu']} ({fault['uuid'][:96]}): {fault['detail'][:200]}")
 
 
-def _fmt(value: Any, unit: str = "", spec: str = "") -> str:
-    return "?" if value is None else f"{value:{spec}}{unit}"
+def _summary(entries: list[dict[str, Any]]) -> str:
+    """One line for all of a node's GPUs: a strip point's hover, sent for every point a live
+    dashboard re-draws, stays short however many GPUs the node has (each one's figures: the metrics)."""
+    def span(key: str, unit: str) -> str:
+        vals = [e[key] for e in entries if e[key] is not None]
+        if not vals:
+            return "?"
+        lo, hi = f"{min(vals):.0f}", f"{max(vals):.0f}"
+        return f"{hi}{unit}" if lo == hi else f"{lo}-{hi}{unit}"
+
+    total = {k: sum(e[k] or 0 for e in entries) for k in ("ecc_sbe", "ecc_dbe")}
+    return (f"{len(entries)} GPU{'s' if len(entries) != 1 else ''}: {span('temp_c', ' C')}, {span('power_w', ' W')}, "
+            f"ECC {total['ecc_sbe']}/{total['ecc_dbe']} (single/double)")
 
 
 def fault_label(f: dict[str, Any]) -> str:

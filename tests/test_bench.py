@@ -152,4 +152,5 @@ def test_scale(results: dict[str, Any]) -> None:
     # the replayed faults became restarts at the levels they call for, and training went on after each
     assert r["faults"] == 3 and [level for level, _, _ in r["restarts"]] == ["injob", "job", "injob"]
     assert r["restarts"][2][1].startswith("GPU fault") and r["final_step"] > 0
-    assert r["metric_samples"] > 0 and r["dashboard_kb"] > 0 and r["peak_held_mib"] > 0
+    assert r["metric_samples"] > 0 and r["peak_held_mib"] > 0
+    assert 0 < r["push_kb"]["median"] <= r["push_kb"]["max"] <= r["dashboard_kb"]

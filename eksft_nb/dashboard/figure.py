@@ -55,7 +55,8 @@ class TrainingFigure:
             "faults": Series(("x", "lane", "text"), **kw),
             "restarts": Series(("x", "lane", "downtime", "text", "hover", "where"), key=("downtime",), **kw),
             "gpu faults": Series(("x", "lane", "text"), **kw),
-            "gpu": Series(("x", "lane", "color", "label", "hover"), **kw),
+            # a point per node per sample: a many-node job's strip would re-send a large tail every 10 s
+            "gpu": Series(("x", "lane", "color", "label", "hover"), tail=max(2, tail // 5), budget=max(8, budget // 5)),
         }
         self.t0: float | None = None
         self.unit = "tok/s"                 # "steps/s" once a step without tokens arrives (a user script's)
