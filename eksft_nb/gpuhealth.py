@@ -540,9 +540,12 @@ def _summary(entries: list[dict[str, Any]]) -> str:
         lo, hi = f"{min(vals):.0f}", f"{max(vals):.0f}"
         return f"{hi}{unit}" if lo == hi else f"{lo}-{hi}{unit}"
 
-    total = {k: sum(e[k] or 0 for e in entries) for k in ("ecc_sbe", "ecc_dbe")}
+    def total(key: str) -> str:
+        vals = [e[key] for e in entries if e[key] is not None]
+        return str(sum(vals)) if vals else "?"
+
     return (f"{len(entries)} GPU{'s' if len(entries) != 1 else ''}: {span('temp_c', ' C')}, {span('power_w', ' W')}, "
-            f"ECC {total['ecc_sbe']}/{total['ecc_dbe']} (single/double)")
+            f"ECC {total('ecc_sbe')}/{total('ecc_dbe')} (single/double)")
 
 
 def fault_label(f: dict[str, Any]) -> str:

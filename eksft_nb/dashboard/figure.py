@@ -2,8 +2,9 @@
 job started) — throughput, loss, checkpoint saves (blocked vs background), faults and restarts (GPU
 faults among them), and a GPU health strip per node.
 
-Each plotted quantity is a :class:`~eksft_nb.dashboard.series.Series` drawn by two traces
-(history chunks and tail); :meth:`TrainingFigure.push` sends only the parts that changed, in one message.
+Each plotted quantity is a :class:`~eksft_nb.dashboard.series.Series` drawn by one trace per part
+(its history chunks and its tail); :meth:`TrainingFigure.push` sends only the parts that changed, in
+one message.
 """
 
 from __future__ import annotations
