@@ -13,7 +13,7 @@ from typing import Any
 
 from .common import REPO, machine, private_home
 
-PARTS = ("ckpt", "recovery", "goodput", "overhead", "dashboard")
+PARTS = ("ckpt", "recovery", "goodput", "overhead", "dashboard", "scale")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,7 +29,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     [path] = out.glob("bench-quick-*.json")
     assert f"results: {path}" in proc.stdout
-    for title in ("1. checkpoint stall", "2. recovery", "3. goodput", "4. overhead", "5. dashboard"):
+    for title in ("1. checkpoint stall", "2. recovery", "3. goodput", "4. overhead", "5. dashboard", "6. scale"):
         assert title in proc.stdout
     return json.loads(path.read_text())
 
@@ -46,7 +46,7 @@ def assert_stat(s: dict[str, Any], n: int | None = None, positive: bool = True) 
 
 def test_the_run_is_complete_and_leaves_nothing_running(results: dict[str, Any]) -> None:
     assert results["quick"] is True and results["errors"] == {}
-    assert set(results["parts"]) == {"ckpt", "recovery", "goodput", "overhead", "dashboard"}
+    assert set(results["parts"]) == {"ckpt", "recovery", "goodput", "overhead", "dashboard", "scale"}
     m = results["machine"]
     assert m["nproc"] >= 1 and m["ram_gib"] > 0 and m["cpu"] and len(m["load_avg"]) == 3
     home = results["home"]
@@ -145,3 +145,17 @@ def test_dashboard(results: dict[str, Any]) -> None:
         assert h["initial_kb"] > 0 and h["plotly_bundle_kb"] > 0 and h["build_s"] > 0
     assert hist["100000"]["monitor_mib"] > hist["1000"]["monitor_mib"] > 0
     assert hist["100000"]["dashboard_mib"] > 0
+
+
+def test_scale(results: dict[str, Any]) -> None:
+    r = results["parts"]["scale"]
+    assert r["ranks"] == 1024 and r["lines"] >= r["rank_steps"] > 0
+    assert set(r["components"]) == {"log follow", "stream parser", "incidents", "monitor", "metrics", "dashboard"}
+    for c in r["components"].values():   # every component ran and was timed
+        assert c["cpu_s"] > 0 and c["realtime_x"] > 0 and c["us_per_rank_step"] > 0
+    assert r["pipeline"]["cpu_s"] == pytest.approx(sum(c["cpu_s"] for c in r["components"].values()))
+    # the replayed faults became restarts at the levels they call for, and training went on after each
+    assert r["faults"] == 3 and [level for level, _, _ in r["restarts"]] == ["injob", "job", "injob"]
+    assert r["restarts"][2][1].startswith("GPU fault") and r["final_step"] > 0
+    assert r["metric_samples"] > 0 and r["peak_held_mib"] > 0
+    assert 0 < r["push_kb"]["median"] <= r["push_kb"]["max"] <= r["dashboard_kb"]

@@ -85,8 +85,16 @@ class FakeJob:
 
 
 def traces(dash: Dashboard, name: str) -> dict[str, Any]:
-    """The figure's history and tail trace of one series (the first trace of each part)."""
+    """The figure's traces of one series by part ("tail", "history0", ...; the first trace of each)."""
     return {t.meta: t for t in dash.figure.widget.data if t.name == name}
+
+
+def joined_history(dash: Dashboard, name: str, attr: str) -> np.ndarray:
+    """One attribute of a joined series' history chunks in time order (each chunk's first point,
+    a repeat of the chunk before's last, once)."""
+    chunks = sorted((t for t in dash.figure.widget.data if t.name == name and t.meta != "tail" and len(t.x)),
+                    key=lambda t: t.x[0])
+    return np.concatenate([np.asarray(getattr(t, attr))[1 if i else 0:] for i, t in enumerate(chunks)] or [[]])
 
 
 def said(dash: Dashboard) -> str:
@@ -110,9 +118,9 @@ def test_history_is_drawn_at_once_then_each_update_sends_only_the_new_tail() -> 
     dash = Dashboard(job.handle(), live=False)
 
     tok = traces(dash, "tokens/s")
-    plotted = [int(s) for part in ("history", "tail") for s in tok[part].customdata]
+    plotted = [int(s) for s in joined_history(dash, "tokens/s", "customdata")] + [int(s) for s in tok["tail"].customdata]
     assert plotted == list(range(1, 31)) + [21] + list(range(21, 51))  # the rollback is a break in the line
-    y = np.concatenate([tok["history"].y, tok["tail"].y])
+    y = np.concatenate([joined_history(dash, "tokens/s", "y"), tok["tail"].y])
     assert np.isnan(y[30]) and not np.isnan(np.delete(y, 30)).any()
     assert abs(y[0] - 1024 / 0.1) < 1
 
@@ -150,12 +158,12 @@ def test_a_100k_step_job_stays_within_its_point_budget() -> None:
         f.write("\n".join(lines) + "\n")
     dash = Dashboard(job.handle(), live=False, tail=500, budget=3000)
     tok = traces(dash, "tokens/s")
-    hist, tail = [int(s) for s in tok["history"].customdata], [int(s) for s in tok["tail"].customdata]
+    hist, tail = [int(s) for s in joined_history(dash, "tokens/s", "customdata")], [int(s) for s in tok["tail"].customdata]
     assert len(hist) <= 3000 and len(tail) <= 501
     assert hist[0] == 1 and tail[-1] == 100_000
     assert tail == list(range(tail[0], 100_001)) and len(tail) >= 2      # recent steps: all of them
     assert hist == sorted(hist)                                          # thinning keeps the order
-    assert 5_000 in hist and min(tok["history"].y) == pytest.approx(200)  # the dip survives
+    assert 5_000 in hist and min(joined_history(dash, "tokens/s", "y")) == pytest.approx(200)  # the dip survives
     state, _, buffers = _remove_buffers(dash.figure.widget.get_state())
     del state["_esm"]                                                    # the plotly bundle: fixed size
     assert len(json.dumps(state)) + sum(len(b) for b in buffers) < 400_000  # what a saved notebook holds
@@ -168,7 +176,9 @@ def test_a_100k_step_job_stays_within_its_point_budget() -> None:
     (name, msg), = sent
     assert name == "_py2js_update"
     sizes = [len(v) for v in msg["style_data"]["x"]]
-    assert max(sizes) <= 3000 and len(traces(dash, "tokens/s")["history"].x) <= 3000
+    # a fold re-sends the tail and at most two history chunks of each line, never the whole history
+    assert max(sizes) <= 501 and sum(sizes) <= 2 * 3 * 501
+    assert len(joined_history(dash, "tokens/s", "x")) <= 3000
 
 
 def test_series_thins_old_history_and_keeps_recent_points() -> None:

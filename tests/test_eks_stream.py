@@ -231,3 +231,20 @@ def test_failures_are_dated_on_the_pods_clock() -> None:
     assert 0 <= failure["detected_at"] - failure["fault_time"] < 60
     [restart] = tr.mon.restarts
     assert restart["detection_s"] < 60 and restart["downtime_s"] < 60
+
+
+def test_many_restarts_keep_one_process_per_rank_and_blame_the_newest() -> None:
+    """A long job's in-job restarts: the tracker remembers each rank's newest process only, and a
+    launcher's line about that process still names its rank."""
+    now = time.time() - 1000
+    tr = tracker()
+    for restart in range(50):
+        for rank in (0, 1):
+            tr.feed(("line", f"demo-{rank}-aaaaa", rank_start(rank, now + 10 * restart, injob=restart,
+                                                              pid=100 * restart + rank)))
+        tr.feed(("line", "demo-0-aaaaa", step(restart + 1, now + 10 * restart + 2)))
+    assert len(tr.rank_of) == 2
+    tr.feed(("line", "demo-1-aaaaa", "[2026-01-01 00:00:10,000] [ERROR] [ft_launcher8@demo-1] failed (exitcode: -9) "
+                                     "local_rank: 0 (pid: 4901) of binary: python"))
+    [failure] = [e for e in tr.take() if e.kind == "failure" and e["blame_rank"] == 1]
+    assert failure["cause"].startswith("rank 1")

@@ -276,3 +276,44 @@ def test_pods_name_their_node_as_dcgm_exporter_does() -> None:
     spec = JobSpec().replace(name="gpu-pod", backend="eks").validate()
     env = {e["name"]: e for e in pod_template(spec)["spec"]["containers"][0]["env"]}
     assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+
+
+def test_a_long_job_keeps_recent_samples_and_old_status_changes_only() -> None:
+    """Days of a many-node job's readings: the fold stays bounded, a reader that keeps up misses
+    nothing, and a late one still sees every change of status (here node 1's throttle long ago)."""
+    mon, seen, got = JobMonitor(), 0, []
+    mon.gpu.recent = 50
+    reading = {"gpu": 0, "uuid": LOST_UUID, "temp_c": 60, "power_w": 300.0, "throttle": 0, "ecc_sbe": 0,
+               "ecc_dbe": 0, "lost": False}
+    for i in range(1000):
+        node = i % 4
+        gpus = [dict(reading, throttle=0x8 if (node == 1 and 40 <= i < 60) else 0)]   # HW slowdown, for a while
+        mon.update([make("gpu_health", "long", node * 8, t=float(i), node=node, host=f"n{node}", gpus=gpus)])
+        if i % 7 == 0:
+            got += mon.gpu.since(seen)
+            seen = mon.gpu.n_samples
+    got += mon.gpu.since(seen)
+    assert [g["seq"] for g in got] == list(range(1000)) and mon.gpu.n_samples == 1000
+    assert len(mon.gpu.samples) <= 50 * 5 // 4 + 8
+    old = [(g["t"], g["status"]) for g in mon.gpu.samples if g["node"] == 1 and g["t"] < 900]
+    assert old == [(1.0, "ok"), (41.0, "throttled"), (61.0, "ok")]
+
+
+def test_a_many_node_strip_stays_light() -> None:
+    """32 nodes of 8 GPUs: each strip point's hover is one line per node, and the strip's parts
+    are short, so a live update that re-sends them stays small."""
+    from eksft_nb.dashboard.figure import TrainingFigure
+
+    mon, fig = JobMonitor(), TrainingFigure()
+    mon.update([make("job_start", "big", None, t=1.0, spec_digest="x", world_size=1024, steps=10, backend="eks",
+                     host="h", pid=1)])
+    gpus = [{"gpu": g, "uuid": LOST_UUID, "temp_c": 60 + g, "power_w": 650.0, "throttle": 0, "ecc_sbe": g,
+             "ecc_dbe": 0, "lost": False} for g in range(8)]
+    for i in range(40):
+        mon.update([make("gpu_health", "big", 32 * n, t=10.0 * i + n / 100, node=n, host=f"ip-{n}", gpus=gpus)
+                    for n in range(32)])
+    fig.ingest(mon)
+    strip = [t for t in fig.figure().data if t.name == "gpu"]
+    assert sum(len(t.x) for t in strip) > 500 and max(len(t.x) for t in strip) <= 101
+    hover = strip[-1].hovertext[-1]
+    assert hover == "<b>node 31 (ip-31): ok</b><br>8 GPUs: 60-67 C, 650 W, ECC 28/0 (single/double)"

@@ -2,8 +2,9 @@
 job started) — throughput, loss, checkpoint saves (blocked vs background), faults and restarts (GPU
 faults among them), and a GPU health strip per node.
 
-Each plotted quantity is a :class:`~eksft_nb.dashboard.series.Series` drawn by two traces
-(history and tail); :meth:`TrainingFigure.push` sends only the parts that changed, in one message.
+Each plotted quantity is a :class:`~eksft_nb.dashboard.series.Series` drawn by one trace per part
+(its history chunks and its tail); :meth:`TrainingFigure.push` sends only the parts that changed, in
+one message.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class TrainingFigure:
             "faults": Series(("x", "lane", "text"), **kw),
             "restarts": Series(("x", "lane", "downtime", "text", "hover", "where"), key=("downtime",), **kw),
             "gpu faults": Series(("x", "lane", "text"), **kw),
-            "gpu": Series(("x", "lane", "color", "label", "hover"), **kw),
+            # a point per node per sample: a many-node job's strip would re-send a large tail every 10 s
+            "gpu": Series(("x", "lane", "color", "label", "hover"), tail=max(2, tail // 5), budget=max(8, budget // 5)),
         }
         self.t0: float | None = None
         self.unit = "tok/s"                 # "steps/s" once a step without tokens arrives (a user script's)
@@ -99,10 +101,10 @@ class TrainingFigure:
             if f["fault"] != "throttle":   # throttling shows in the health strip; XIDs and ECC errors beside restarts
                 self.series["gpu faults"].append(f["t"] - t0, "fault", fault_label(f))
         self._seen_gpu_faults = len(mon.gpu.faults)
-        for g in mon.gpu.samples[self._seen_gpu:]:
+        for g in mon.gpu.since(self._seen_gpu):
             label = g["text"] if g["status"] == "none" else ""   # "no GPU" is said once, on the strip
             self.series["gpu"].append(g["t"] - t0, f"node {g['node']}", GPU_STATUS[g["status"]], label, g["text"])
-        self._seen_gpu = len(mon.gpu.samples)
+        self._seen_gpu = mon.gpu.n_samples
         for r in mon.restarts[self._seen_restarts:]:
             lane = LEVEL_LANE.get(r["level"], r["level"])
             self._per_lane[lane] = self._per_lane.get(lane, 0) + 1
@@ -118,8 +120,8 @@ class TrainingFigure:
                             row_heights=[0.27, 0.2, 0.2, 0.2, 0.13], subplot_titles=ROW_TITLES)
         order: list[tuple[str, str]] = []
         for name, series in self.series.items():
-            for part in ("history", "tail"):
-                for style, props in zip(self._styles(name, part), self._props(name, getattr(series, part))):
+            for part in series.parts:
+                for style, props in zip(self._styles(name, part), self._props(name, series.data(part))):
                     row = style.pop("row")
                     fig.add_trace(style.pop("cls")(**style).update(props), row=row, col=1)
                     order.append((name, part))
@@ -156,7 +158,8 @@ class TrainingFigure:
         if self.unit == self._unit_shown:
             return
         self._unit_shown = self.unit
-        self._set_unit(self.widget.layout, self.traces[("tokens/s", "history")] + self.traces[("tokens/s", "tail")])
+        self._set_unit(self.widget.layout, [t for part in self.series["tokens/s"].parts
+                                            for t in self.traces[("tokens/s", part)]])
 
     def _set_unit(self, layout: Any, traces: list[Any]) -> None:
         if self.unit == "tok/s":   # what the styles say already
@@ -176,7 +179,7 @@ class TrainingFigure:
             self._show_unit()
             for name, part in changes:
                 for trace, props in zip(self.traces[(name, part)],
-                                        self._props(name, getattr(self.series[name], part))):
+                                        self._props(name, self.series[name].data(part))):
                     trace.update(props)
         return True
 

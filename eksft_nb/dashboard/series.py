@@ -1,27 +1,38 @@
 """Bounded, append-only plot data: what keeps a 100k-step dashboard light.
 
-A :class:`Series` holds one plotted quantity as two parts, each drawn by its own plotly trace:
-the *tail* (the newest points, in full, re-sent on every update) and the *history* (everything
-older, re-sent only when a full tail is folded into it). Once the history holds more than
-``budget`` points its older half is thinned 2:1, keeping each bucket's extremes, so recent
-history stays exact, old history gets coarser, and spikes (a throughput dip, a slow save) survive.
+A :class:`Series` holds one plotted quantity as parts, each drawn by its own plotly trace: the
+*tail* (the newest points, in full, re-sent on every update) and a few *history* chunks (everything
+older). A full tail becomes a new chunk; once every chunk slot is taken, two neighbouring chunks
+(the oldest pair of equal coarseness, else the oldest pair) are merged and thinned 2:1, keeping each
+bucket's extremes. So recent history stays exact, old history gets coarser, spikes (a throughput
+dip, a slow save) survive, and a fold re-sends at most two chunks and the tail, never the whole
+history: what an update costs stays bounded however long the job runs.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 
+@dataclass
+class _Chunk:
+    slot: int                    # the history trace that draws it
+    level: int                   # how many times it was thinned 2:1
+    cols: dict[str, list[Any]]
+
+
 class Series:
-    """Columns of equal length (``x`` first), split into history and tail.
+    """Columns of equal length (``x`` first), split into history chunks and a tail.
 
     ``key`` names the numeric columns whose sum decides which points survive thinning (their
-    minimum and maximum per bucket); with no key, evenly spaced points survive. ``join`` repeats the
-    last history point at the start of the tail so a line has no gap between the two traces.
+    minimum and maximum per bucket); with no key, evenly spaced points survive. ``join`` starts each
+    chunk and the tail with the last point of the part before, so a line has no gap between traces.
+    The history holds at most ``budget`` points, in ``budget // (tail + 1)`` chunks (at least 2).
     """
 
     def __init__(self, columns: Sequence[str], key: Sequence[str] = (), tail: int = 500, budget: int = 3000,
@@ -29,10 +40,12 @@ class Series:
         if budget < 8 or tail < 2:
             raise ValueError("budget must be >= 8 and tail >= 2")
         self.columns, self.key, self.tail_limit, self.budget, self.join = tuple(columns), tuple(key), tail, budget, join
-        self.history: dict[str, list[Any]] = {c: [] for c in self.columns}
+        self.slots = max(2, budget // (tail + 1))
+        self.parts = tuple(f"history{i}" for i in range(self.slots)) + ("tail",)
+        self.chunks: list[_Chunk] = []    # in time order
         self.tail: dict[str, list[Any]] = {c: [] for c in self.columns}
         self.appended = 0                 # points ever appended
-        self.dirty: set[str] = set()      # parts changed since take_dirty(): "tail", "history"
+        self.dirty: set[str] = set()      # parts changed since take_dirty()
 
     def append(self, *values: Any) -> None:
         for c, v in zip(self.columns, values, strict=True):
@@ -46,29 +59,46 @@ class Series:
         dirty, self.dirty = self.dirty, set()
         return dirty
 
+    def data(self, part: str) -> dict[str, list[Any]]:
+        """The columns one part draws (an unused history slot: empty columns)."""
+        if part == "tail":
+            return self.tail
+        chunk = next((ch for ch in self.chunks if f"history{ch.slot}" == part), None)
+        return chunk.cols if chunk else {c: [] for c in self.columns}
+
+    @property
+    def history(self) -> dict[str, list[Any]]:
+        """The whole history in time order (the points a join repeats, once)."""
+        out: dict[str, list[Any]] = {c: [] for c in self.columns}
+        for i, ch in enumerate(self.chunks):
+            skip = 1 if self.join and i else 0
+            for c in self.columns:
+                out[c].extend(ch.cols[c][skip:])
+        return out
+
     def _fold(self) -> None:
-        """Move the tail into the history (keeping its last point as the next tail's start if joined)."""
-        start = 1 if self.join and self.history[self.columns[0]] else 0
-        for c in self.columns:
-            self.history[c].extend(self.tail[c][start:])
-            self.tail[c] = [self.tail[c][-1]] if self.join else []
-        while len(self.history[self.columns[0]]) > self.budget:
-            self._thin_older_half()
-        self.dirty |= {"history", "tail"}
+        """Make the tail a new chunk (keeping its last point as the next tail's start if joined)."""
+        if len(self.chunks) == self.slots:
+            self._merge_one()
+        used = {ch.slot for ch in self.chunks}
+        slot = min(s for s in range(self.slots) if s not in used)
+        self.chunks.append(_Chunk(slot, 0, self.tail))
+        self.tail = {c: [v[-1]] if self.join else [] for c, v in self.tail.items()}
+        self.dirty |= {f"history{slot}", "tail"}
 
-    def _thin_older_half(self) -> None:
-        n = len(self.history[self.columns[0]])
-        half = n // 2
-        keep = thin_indices(half, half // 2, self._key(half))
-        for c in self.columns:
-            col = self.history[c]
-            self.history[c] = [col[i] for i in keep] + col[half:]
-
-    def _key(self, n: int) -> np.ndarray | None:
-        """The thinning key of the first ``n`` history points (None: no key)."""
-        if not self.key:
-            return None
-        return np.sum([np.asarray(self.history[k][:n], dtype=np.float64) for k in self.key], axis=0)
+    def _merge_one(self) -> None:
+        """Merge the oldest neighbours of equal level (else the two oldest chunks), thinned 2:1."""
+        levels = [ch.level for ch in self.chunks]
+        i = next((i for i in range(len(levels) - 1) if levels[i] == levels[i + 1]), 0)
+        a, b = self.chunks[i], self.chunks.pop(i + 1)
+        skip = 1 if self.join else 0
+        cols = {c: a.cols[c] + b.cols[c][skip:] for c in self.columns}
+        n = len(cols[self.columns[0]])
+        key = np.sum([np.asarray(cols[k], dtype=np.float64) for k in self.key], axis=0) if self.key else None
+        keep = thin_indices(n, self.tail_limit, key)
+        a.cols = {c: [v[j] for j in keep] for c, v in cols.items()}
+        a.level = max(a.level, b.level) + 1
+        self.dirty |= {f"history{a.slot}", f"history{b.slot}"}
 
 
 def thin_indices(n: int, target: int, key: np.ndarray | None = None) -> list[int]:

@@ -74,7 +74,8 @@ class Tracker:
         self.incidents = Incidents(self.mon, self._emit, created)
         self.counted: set[str] = set()                 # pod failures already reported (uid, restarts)
         self.fault_seen: set[str] = set()              # pods whose fault annotation was reported
-        self.rank_of: dict[tuple[str, int], int] = {}  # (pod, pid) -> rank
+        self.rank_of: dict[tuple[str, int], int] = {}  # (pod, pid) -> rank, for each rank's latest start
+        self.started_as: dict[int, tuple[str, int]] = {}  # rank -> its (pod, pid) key in rank_of
         self.open_logs: set[Any] = set()               # (pod uid, restarts) of the logs being followed
         self.log_pod: dict[Any, str] = {}              # ...and the pod each belongs to
         self.pod_of: dict[int, str] = {}               # rank -> the pod of its latest start
@@ -190,7 +191,10 @@ class Tracker:
 
     def _on_rank_event(self, e: Event, pod: str) -> None:
         if e.kind == "rank_start" and isinstance(e.rank, int):
-            self.rank_of[(pod, e["pid"])] = e.rank
+            old = self.started_as.get(e.rank)   # a process that has been replaced exits no more
+            if old is not None and self.rank_of.get(old) == e.rank:
+                del self.rank_of[old]
+            self.rank_of[(pod, e["pid"])], self.started_as[e.rank] = e.rank, (pod, e["pid"])
             self.pod_of[e.rank] = pod
             self.ended_ranks.discard(e.rank)
         elif e.kind == "rank_end" and isinstance(e.rank, int):
