@@ -7,20 +7,40 @@ import json
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from . import commands, nvrx
 from .commands import CLI
 from .errors import EksftError
 from .goodput import CATEGORIES
 from .job import Job, attach
-from .spec import JobSpec
+from .spec import JobSpec, _closest
 from .states import JobState
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a "did you mean" for a mistyped option: the closest of the verb's own flags, from the
+    argument table (as the magics say it)."""
+
+    words: list[str] = []
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        self.words = list(sys.argv[1:] if args is None else args)
+        return super().parse_args(args, namespace)
+
+    def error(self, message: str) -> NoReturn:
+        if "unrecognized arguments:" in message:
+            unknown = next((w for w in message.split("unrecognized arguments:", 1)[1].split() if w.startswith("-")), "")
+            verb = next((w for w in self.words if w in commands.ARGS), None)
+            if unknown:
+                known = commands.flags(CLI, [verb] if verb else None)
+                message += f" (did you mean {_closest(unknown.split('=')[0], known)}?)"
+        super().error(message)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's parser, built from :data:`commands.ARGS` (the magics build theirs from it too)."""
-    p = argparse.ArgumentParser(prog="python -m eksft_nb", description="Fault-tolerant FSDP training jobs, "
+    p = _Parser(prog="python -m eksft_nb", description="Fault-tolerant FSDP training jobs, "
                                 "launched, watched, broken on purpose and healed from the terminal.")
     commands.add_verbs(p.add_subparsers(dest="command", required=True, metavar="COMMAND"), CLI)
     return p

@@ -20,5 +20,9 @@ class JobError(EksftError):
     """A job-level operation cannot be done (unknown job, finished job, missing checkpoint...)."""
 
 
+class UnknownJobError(JobError):
+    """No job of that name (the server extension answers 404)."""
+
+
 class ControlError(EksftError):
     """A control command (fault, stop, resume) is malformed or does not apply."""

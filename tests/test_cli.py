@@ -49,6 +49,20 @@ def test_bad_run_input(args: list[str], expected: list[str]) -> None:
     assert_rejected(args, *expected)
 
 
+@pytest.mark.parametrize("args, hint", [
+    (["run", "--stepz", "3"], "did you mean --steps?"),          # run's own flags, not inject's --step
+    (["inject", "some-job", "sigkill", "--rnak", "1"], "did you mean --rank?"),
+    (["list", "--jsn"], "did you mean --json?"),
+])
+def test_a_mistyped_option_gets_the_closest_flag_of_its_command(args: list[str], hint: str) -> None:
+    before = snapshot()
+    proc = cli(*args)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "unrecognized arguments:" in last and last.endswith(f"({hint})"), proc.stderr
+    assert snapshot() == before
+
+
 def test_bad_spec_file(tmp_path: Path) -> None:
     spec = tmp_path / "job.yaml"
     spec.write_text("name: from-file\nstep: 10\n")

@@ -20,7 +20,7 @@ from tornado import web
 from tornado.iostream import StreamClosedError
 
 from .. import commands
-from ..errors import EksftError, JobError
+from ..errors import EksftError, UnknownJobError
 from ..states import FaultKind
 from . import requests
 from .manager import JobsManager, describe_error, eks_configured
@@ -28,11 +28,6 @@ from .manager import JobsManager, describe_error, eks_configured
 KEEPALIVE_S = 15.0
 # what the JupyterLab panel offers to inject: the one table of fault kinds, in its order
 FAULT_KINDS = [{"kind": k.value, "scope": k.scope.value, "help": k.description} for k in FaultKind]
-
-
-def _unknown_job(e: EksftError) -> bool:
-    """The job named in the path does not exist (the backends' own "no job named" refusals)."""
-    return isinstance(e, JobError) and e.problem.startswith(("no job named", "no EKS job named"))
 
 
 def refusing(method: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
@@ -43,7 +38,7 @@ def refusing(method: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[
         try:
             await method(self, *args)
         except EksftError as e:
-            self.set_status(404 if _unknown_job(e) else 400)
+            self.set_status(404 if isinstance(e, UnknownJobError) else 400)
             self.finish(json.dumps({"error": str(e), "problem": e.problem, "fix": e.fix}))
 
     return wrapper
