@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import _is_wrapped_exception
 
-from ..checkpoints import (COMMIT, CheckpointInfo, list_checkpoints, parse_commit, plain_name, reject, sha256_file, share,
-                           step_dir, verify)
+from ..checkpoints import (COMMIT, STEP_DIR, CheckpointInfo, list_checkpoints, parse_commit, plain_name, reject,
+                           sha256_file, share, step_dir, verify)
 from ..errors import JobError
 
 # ---- safe loading ---------------------------------------------------------------------------
@@ -405,6 +405,7 @@ class CheckpointManager:
         self.fail_next_write = False
         self.last_committed: int | None = None
         self.stager = _STAGER
+        self.ahead: set[int] | None = None  # step folders to clear before saving there, see _clear; None: not listed yet
         self.plan_cache: Any = None  # NVRx's plan cache: once two saves agree, later ones skip the planning collective
         _AsyncWriter.drain()
         if mode == "async":
@@ -461,14 +462,28 @@ class CheckpointManager:
         path = step_dir(self.root, step)
         t0 = time.perf_counter()
         self.emit("checkpoint", phase="begin", step=step, mode=self.mode)
-        if self.rank == 0 and path.is_symlink():  # not ours to follow
-            path.unlink()
-        elif self.rank == 0 and path.exists():  # leftover of a crashed save, or a rejected one
-            shutil.rmtree(path)
+        if self.ahead is None or step in self.ahead:
+            self._clear(step, path)
         if self.mode == "sync":
             self._save_sync(step, path, state, t0)
         else:
             self._save_async(step, path, state, t0)
+
+    def _clear(self, step: int, path: Path) -> None:
+        """Rank 0 removes a leftover folder at ``step`` (of a crashed, failed or rejected save, or a
+        symbolic link, not ours to follow) and lists the step folders ahead of it; every rank waits for
+        that (collective) before it writes. Later saves repeat this only for a listed step or a failed
+        one: any other folder can only be this save's own, made by a rank already writing (with the
+        save plan cached no collective comes first), so rank 0 must not remove it."""
+        ahead: list[Any] = [None]
+        if self.rank == 0:
+            if path.is_symlink():
+                path.unlink()
+            elif path.exists():
+                shutil.rmtree(path)
+            ahead[0] = {int(m.group(1)) for p in self.root.iterdir() if (m := STEP_DIR.match(p.name))}
+        dist.broadcast_object_list(ahead, src=0, group=self.group)
+        self.ahead = {s for s in ahead[0] if s > step}
 
     def _save_sync(self, step: int, path: Path, state: dict[str, Any], t0: float) -> None:
         import torch.distributed.checkpoint as dcp
@@ -608,6 +623,8 @@ class CheckpointManager:
 
     def _failed(self, step: int, errors: list[str | None]) -> None:
         self.retry = True
+        if self.ahead is not None:  # its folder stays: the last save retries at the same step
+            self.ahead.add(step)
         if self.rank == 0:
             reasons = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
             self.emit("checkpoint", phase="failed", step=step, error=reasons, retry="next step")
