@@ -329,3 +329,28 @@ def test_metadata_may_only_name_files_inside_its_folder(tmp_path: Path, group: A
     (info.path / ".metadata").write_bytes(pickle.dumps(metadata))
     with pytest.raises(JobError, match="outside the checkpoint folder"):
         load(info.path, _state(torch.nn.Linear(8, 8), 0), group)
+
+
+def test_model_state_matches_get_state_dict_across_steps_and_new_parameters(group: Any) -> None:
+    """ModelState keeps get_state_dict's per-model work across saves: what it returns must stay what
+    get_state_dict returns, also once the optimizer has state and once the parameters are new objects."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from eksft_nb.runtime.checkpoint import ModelState
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ms = ModelState(model, optim)
+    for replace in (False, False, True):
+        if replace:  # new parameter objects (and a new optimizer over them): the kept work is redone
+            model[1] = torch.nn.Linear(4, 3)
+            optim = ms.optim = torch.optim.AdamW(model.parameters(), lr=0.2)
+        model(torch.randn(2, 4)).sum().backward()
+        optim.step()
+        got, (msd, osd) = ms.state_dict(), get_state_dict(model, optim)
+        assert got["model"].keys() == msd.keys() and all(torch.equal(got["model"][k], v) for k, v in msd.items())
+        assert got["optim"]["param_groups"] == osd["param_groups"]
+        assert got["optim"]["state"].keys() == osd["state"].keys()
+        for fqn, st in osd["state"].items():
+            assert all(torch.equal(got["optim"]["state"][fqn][k], v) for k, v in st.items())
