@@ -152,7 +152,7 @@ class Stager:
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
         self._dtensors: dict[str, Any] = {}  # the staged DTensors, kept with their buffers (no new wrapper per save)
-        self.bytes = 0  # of all buffers
+        self.bytes = 0
 
     def stage(self, state: Any, prefix: str = "") -> Any:
         from torch.distributed.tensor import DTensor
@@ -178,7 +178,6 @@ class Stager:
         if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
             buf = torch.empty(src.shape, dtype=src.dtype, device="cpu").share_memory_()
             self._buffers[key] = buf
-            self.bytes = self.total_bytes()
         buf.copy_(src.detach())
         return buf
 
