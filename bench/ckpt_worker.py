@@ -174,6 +174,10 @@ class TimedStager:
         self.last_s = time.perf_counter() - t0
         return staged
 
+    @property
+    def staged_bytes(self) -> int:
+        return self.stager.staged_bytes
+
 
 METHODS = (Memcpy, TorchSave, DcpSave, DcpAsyncSave, Eksft)
 

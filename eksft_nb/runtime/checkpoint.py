@@ -153,16 +153,22 @@ class Stager:
         self._buffers: dict[str, torch.Tensor] = {}
         self._dtensors: dict[str, Any] = {}  # the staged DTensors, kept with their buffers (no new wrapper per save)
         self.bytes = 0
+        self.staged_bytes = 0
 
-    def stage(self, state: Any, prefix: str = "") -> Any:
+    def stage(self, state: Any) -> Any:
+        """The staged copy of ``state``; ``staged_bytes`` is then the size of its tensors."""
+        self.staged_bytes = 0
+        return self._stage(state, "")
+
+    def _stage(self, state: Any, prefix: str) -> Any:
         from torch.distributed.tensor import DTensor
 
         if _is_stateful(state):
-            return self.stage(state.state_dict(), prefix)
+            return self._stage(state.state_dict(), prefix)
         if isinstance(state, dict):
-            return {k: self.stage(v, f"{prefix}/{k}") for k, v in state.items()}
+            return {k: self._stage(v, f"{prefix}/{k}") for k, v in state.items()}
         if isinstance(state, list):
-            return [self.stage(v, f"{prefix}/{i}") for i, v in enumerate(state)]
+            return [self._stage(v, f"{prefix}/{i}") for i, v in enumerate(state)]
         if isinstance(state, DTensor):
             buf = self._copy(prefix, state._local_tensor)
             staged = self._dtensors.get(prefix)
@@ -179,10 +185,28 @@ class Stager:
             buf = torch.empty(src.shape, dtype=src.dtype, device="cpu").share_memory_()
             self._buffers[key] = buf
         buf.copy_(src.detach())
+        self.staged_bytes += buf.numel() * buf.element_size()
         return buf
 
     def total_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+def _save_planner() -> Any:
+    """DCP's default save planner, less a per-tensor cost: a staged DTensor's shard is its local
+    tensor, taken as it is instead of through ``to_local()`` (an autograd call per tensor per save)."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.tensor import DTensor
+
+    class Planner(DefaultSavePlanner):
+        def lookup_object(self, index: Any) -> Any:
+            obj = self.state_dict.get(index.fqn)
+            if isinstance(obj, DTensor) and type(obj._local_tensor) is torch.Tensor and not any(
+                    p.is_partial() for p in obj.placements):
+                return obj._local_tensor
+            return super().lookup_object(index)
+
+    return Planner()
 
 
 # ---- the background write (runs in NVRx's persistent writer process) -----------------------
@@ -526,13 +550,11 @@ class CheckpointManager:
             CheckpointMetadataCache,
             save_state_dict_async_plan,
         )
-        from torch.distributed.checkpoint import DefaultSavePlanner
-
         staged = self.stager.stage(state)
         writer = FileSystemWriterAsync(str(path), thread_count=1)
         if self.plan_cache is None:
             self.plan_cache = CheckpointMetadataCache()
-        plan = save_state_dict_async_plan(staged, writer, self.group, 0, planner=DefaultSavePlanner(),
+        plan = save_state_dict_async_plan(staged, writer, self.group, 0, planner=_save_planner(),
                                           enable_cache=True, metadata_cache=self.plan_cache)
         write_fn, preload_fn, args = writer.get_save_function_and_args()
         manifest = str(path / f"manifest-{self.rank}.json")
@@ -543,7 +565,7 @@ class CheckpointManager:
         _AsyncWriter.schedule(request)
         t_staged = time.perf_counter()
         self.pending = _Pending(step, path, writer, plan, t_staged, t_staged - t0, save_id)
-        self.emit("checkpoint", phase="staged", step=step, blocked_s=t_staged - t0, bytes=_tensor_bytes(staged))
+        self.emit("checkpoint", phase="staged", step=step, blocked_s=t_staged - t0, bytes=self.stager.staged_bytes)
 
     def _finalize_if_done(self, blocking: bool) -> None:
         """Commit the pending async save once every rank's write is done (collective)."""
@@ -812,17 +834,3 @@ def _fsync_dir(path: Path) -> None:
 
 def _is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
-
-
-def _tensor_bytes(state: Any) -> int:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(state, dict):
-        return sum(_tensor_bytes(v) for v in state.values())
-    if isinstance(state, list):
-        return sum(_tensor_bytes(v) for v in state)
-    if isinstance(state, DTensor):
-        state = state._local_tensor
-    if isinstance(state, torch.Tensor):
-        return state.numel() * state.element_size()
-    return 0
