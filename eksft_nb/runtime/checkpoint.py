@@ -177,7 +177,9 @@ class Stager:
             return staged
         if isinstance(state, torch.Tensor):
             return self._copy(prefix, state)
-        return pickle.loads(pickle.dumps(state))  # plain values: a private copy
+        if type(state) in (str, int, float, bool, bytes, type(None)):  # immutable: nothing to copy
+            return state
+        return pickle.loads(pickle.dumps(state))  # other plain values: a private copy
 
     def _copy(self, key: str, src: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(key)
