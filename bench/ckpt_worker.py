@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# (vocab, d_model, n_layers, n_heads): model + AdamW state of about 100 MB and 1 GB
-SIZES = {"100MB": (8192, 256, 6, 4), "1GB": (16384, 1024, 4, 16)}
+# (vocab, d_model, n_layers, n_heads): model + AdamW state of about 100 MB, 1 GB and 4 GB
+SIZES = {"100MB": (8192, 256, 6, 4), "1GB": (16384, 1024, 4, 16), "4GB": (32768, 2048, 4, 16)}
 BATCH, SEQ = 2, 32
 CLEAN_STEPS = 3          # steps before each save: the unloaded step time
 MAX_OVERLAP_STEPS = 400  # a save that is not committed after this many steps is reported as such
@@ -173,6 +173,10 @@ class TimedStager:
         staged = self.stager.stage(state)
         self.last_s = time.perf_counter() - t0
         return staged
+
+    @property
+    def staged_bytes(self) -> int:
+        return self.stager.staged_bytes
 
 
 METHODS = (Memcpy, TorchSave, DcpSave, DcpAsyncSave, Eksft)

@@ -21,7 +21,7 @@ from .jobdir import atomic_write
 
 COMMIT = "commit.json"
 REJECTED = "rejected.json"
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
+STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -107,7 +107,7 @@ def list_checkpoints(root: str | Path) -> list[CheckpointInfo]:
     if not root.is_dir():
         return out
     for p in root.iterdir():
-        m = _STEP_DIR.match(p.name)
+        m = STEP_DIR.match(p.name)
         if not m or not p.is_dir():
             continue
         info = CheckpointInfo(int(m.group(1)), p, "incomplete")

@@ -168,7 +168,7 @@ def test_a_save_does_not_commit_without_a_ranks_manifest(tmp_path: Path, group: 
 
 def test_the_background_writer_runs_at_a_lower_cpu_priority(tmp_path: Path, group: Any) -> None:
     """It shares cores with the ranks: a step must not wait for it, so it takes what they leave."""
-    from eksft_nb.runtime.checkpoint import WRITER_NICE, _AsyncWriter
+    from eksft_nb.runtime.checkpointer import WRITER_NICE, _AsyncWriter
 
     _manager(tmp_path, group, "async", [])
     _AsyncWriter.done_locally(blocking=True)  # its first request has run
@@ -339,3 +339,87 @@ def test_metadata_may_only_name_files_inside_its_folder(tmp_path: Path, group: A
     (info.path / ".metadata").write_bytes(pickle.dumps(metadata))
     with pytest.raises(JobError, match="outside the checkpoint folder"):
         load(info.path, _state(torch.nn.Linear(8, 8), 0), group)
+
+
+def test_model_state_matches_get_state_dict_across_steps_and_new_parameters(group: Any) -> None:
+    """ModelState keeps get_state_dict's per-model work across saves: what it returns must stay what
+    get_state_dict returns, also once the optimizer has state and once the parameters are new objects."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from eksft_nb.runtime.checkpointer import ModelState
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ms = ModelState(model, optim)
+    for replace in (False, False, True):
+        if replace:  # new parameter objects (and a new optimizer over them): the kept work is redone
+            model[1] = torch.nn.Linear(4, 3)
+            optim = ms.optim = torch.optim.AdamW(model.parameters(), lr=0.2)
+        model(torch.randn(2, 4)).sum().backward()
+        optim.step()
+        got, (msd, osd) = ms.state_dict(), get_state_dict(model, optim)
+        assert got["model"].keys() == msd.keys() and all(torch.equal(got["model"][k], v) for k, v in msd.items())
+        assert got["optim"]["param_groups"] == osd["param_groups"]
+        assert got["optim"]["state"].keys() == osd["state"].keys()
+        for fqn, st in osd["state"].items():
+            assert all(torch.equal(got["optim"]["state"][fqn][k], v) for k, v in st.items())
+
+
+def test_model_state_without_torchs_private_helpers_is_get_state_dict(group: Any, monkeypatch: pytest.MonkeyPatch
+                                                                       ) -> None:
+    """A torch release whose private state-dict helpers differ (users' GPU images run other torch
+    versions): ModelState falls back to the public get_state_dict, and says the same."""
+    from torch.distributed.checkpoint import state_dict as sd
+
+    from eksft_nb.runtime.checkpointer import ModelState
+
+    def other_torch(self: Any, sd: Any) -> None:   # what calling helpers that are not there raises
+        raise AttributeError("module 'torch.distributed.checkpoint.state_dict' has no attribute '_verify_options'")
+
+    monkeypatch.setattr(ModelState, "_kept_state_dict", other_torch)
+    model = torch.nn.Linear(4, 2)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    ms = ModelState(model, optim)
+    for _ in range(2):
+        got, (msd, _osd) = ms.state_dict(), sd.get_state_dict(model, optim)
+        assert got["model"].keys() == msd.keys() and all(torch.equal(got["model"][k], v) for k, v in msd.items())
+    assert ms._kept is False
+
+
+def test_fsdp_model_and_optimizer_saves_with_the_kept_work_load_bit_exact(tmp_path: Path, group: Any) -> None:
+    """FSDP2 (DTensor) model and AdamW state through ModelState and the stager's kept DTensors,
+    saved while training goes on and with the plan cached: the last save loads bit exact."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from eksft_nb.runtime.checkpointer import ModelState
+    from eksft_nb.runtime.model import build_model, loss_fn
+
+    def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model = build_model(64, 16, 2, 2, 8, 0, torch.device("cpu"), fsdp=True)
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    def snapshot(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        msd, osd = get_state_dict(model, optim)
+        flat = {f"model.{k}": v.full_tensor() for k, v in msd.items()}
+        flat |= {f"optim.{p}.{k}": v.full_tensor() if hasattr(v, "full_tensor") else v
+                 for p, st in osd["state"].items() for k, v in st.items()}
+        return {k: v.clone() for k, v in flat.items()}
+
+    model, optim = fresh()
+    mgr, state = _manager(tmp_path, group, "async", []), {"train": ModelState(model, optim)}
+    gen = torch.Generator().manual_seed(0)
+    for step in (5, 10, 15):
+        loss_fn(model, torch.randint(0, 64, (2, 9), generator=gen)).backward()
+        optim.step()
+        optim.zero_grad()
+        expected = snapshot(model, optim)
+        mgr.maybe_save(step, state)
+        loss_fn(model, torch.randint(0, 64, (2, 9), generator=gen)).backward()  # training goes on
+        optim.step()
+        mgr.finish()
+    assert mgr.plan_cache.validated_cache_reuse
+    model2, optim2 = fresh()
+    assert mgr.restore({"train": ModelState(model2, optim2)}) == 15
+    got = snapshot(model2, optim2)
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], v) for k, v in expected.items())

@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import _is_wrapped_exception
 
-from ..checkpoint_folders import (COMMIT, CheckpointInfo, list_checkpoints, parse_commit, plain_name, reject, sha256_file, share,
-                           step_dir, verify)
+from ..checkpoint_folders import (COMMIT, STEP_DIR, CheckpointInfo, list_checkpoints, parse_commit, plain_name, reject,
+                           sha256_file, share, step_dir, verify)
 from ..errors import JobError
 
 # ---- safe loading ---------------------------------------------------------------------------
@@ -151,22 +151,35 @@ class Stager:
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._dtensors: dict[str, Any] = {}  # the staged DTensors, kept with their buffers (no new wrapper per save)
         self.bytes = 0
+        self.staged_bytes = 0
 
-    def stage(self, state: Any, prefix: str = "") -> Any:
+    def stage(self, state: Any) -> Any:
+        """The staged copy of ``state``; ``staged_bytes`` is then the size of its tensors."""
+        self.staged_bytes = 0
+        return self._stage(state, "")
+
+    def _stage(self, state: Any, prefix: str) -> Any:
         from torch.distributed.tensor import DTensor
 
         if _is_stateful(state):
-            return self.stage(state.state_dict(), prefix)
+            return self._stage(state.state_dict(), prefix)
         if isinstance(state, dict):
-            return {k: self.stage(v, f"{prefix}/{k}") for k, v in state.items()}
+            return {k: self._stage(v, f"{prefix}/{k}") for k, v in state.items()}
         if isinstance(state, list):
-            return [self.stage(v, f"{prefix}/{i}") for i, v in enumerate(state)]
+            return [self._stage(v, f"{prefix}/{i}") for i, v in enumerate(state)]
         if isinstance(state, DTensor):
-            return DTensor(self._copy(prefix, state._local_tensor), state._spec, requires_grad=False)
+            buf = self._copy(prefix, state._local_tensor)
+            staged = self._dtensors.get(prefix)
+            if staged is None or staged._local_tensor is not buf or staged._spec != state._spec:
+                staged = self._dtensors[prefix] = DTensor(buf, state._spec, requires_grad=False)
+            return staged
         if isinstance(state, torch.Tensor):
             return self._copy(prefix, state)
-        return pickle.loads(pickle.dumps(state))  # plain values: a private copy
+        if type(state) in (str, int, float, bool, bytes, type(None)):  # immutable: nothing to copy
+            return state
+        return pickle.loads(pickle.dumps(state))  # other plain values: a private copy
 
     def _copy(self, key: str, src: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(key)
@@ -174,10 +187,28 @@ class Stager:
             buf = torch.empty(src.shape, dtype=src.dtype, device="cpu").share_memory_()
             self._buffers[key] = buf
         buf.copy_(src.detach())
+        self.staged_bytes += buf.numel() * buf.element_size()
         return buf
 
     def total_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+def _save_planner() -> Any:
+    """DCP's default save planner, less a per-tensor cost: a staged DTensor's shard is its local
+    tensor, taken as it is instead of through ``to_local()`` (an autograd call per tensor per save)."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.tensor import DTensor
+
+    class Planner(DefaultSavePlanner):
+        def lookup_object(self, index: Any) -> Any:
+            obj = self.state_dict.get(index.fqn)
+            if isinstance(obj, DTensor) and type(obj._local_tensor) is torch.Tensor and not any(
+                    p.is_partial() for p in obj.placements):
+                return obj._local_tensor
+            return super().lookup_object(index)
+
+    return Planner()
 
 
 # ---- the background write (runs in NVRx's persistent writer process) -----------------------
@@ -411,6 +442,7 @@ class CheckpointManager:
         self.fail_next_write = False
         self.last_committed: int | None = None
         self.stager = _STAGER
+        self.ahead: set[int] | None = None  # step folders to clear before saving there, see _clear; None: not listed yet
         self.plan_cache: Any = None  # NVRx's plan cache: once two saves agree, later ones skip the planning collective
         _AsyncWriter.drain()
         if mode == "async":
@@ -467,14 +499,28 @@ class CheckpointManager:
         path = step_dir(self.root, step)
         t0 = time.perf_counter()
         self.emit("checkpoint", phase="begin", step=step, mode=self.mode)
-        if self.rank == 0 and path.is_symlink():  # not ours to follow
-            path.unlink()
-        elif self.rank == 0 and path.exists():  # leftover of a crashed save, or a rejected one
-            shutil.rmtree(path)
+        if self.ahead is None or step in self.ahead:
+            self._clear(step, path)
         if self.mode == "sync":
             self._save_sync(step, path, state, t0)
         else:
             self._save_async(step, path, state, t0)
+
+    def _clear(self, step: int, path: Path) -> None:
+        """Rank 0 removes a leftover folder at ``step`` (of a crashed, failed or rejected save, or a
+        symbolic link, not ours to follow) and lists the step folders ahead of it; every rank waits for
+        that (collective) before it writes. Later saves repeat this only for a listed step or a failed
+        one: any other folder can only be this save's own, made by a rank already writing (with the
+        save plan cached no collective comes first), so rank 0 must not remove it."""
+        ahead: list[Any] = [None]
+        if self.rank == 0:
+            if path.is_symlink():
+                path.unlink()
+            elif path.exists():
+                shutil.rmtree(path)
+            ahead[0] = {int(m.group(1)) for p in self.root.iterdir() if (m := STEP_DIR.match(p.name))}
+        dist.broadcast_object_list(ahead, src=0, group=self.group)
+        self.ahead = {s for s in ahead[0] if s > step}
 
     def _save_sync(self, step: int, path: Path, state: dict[str, Any], t0: float) -> None:
         import torch.distributed.checkpoint as dcp
@@ -512,13 +558,11 @@ class CheckpointManager:
             CheckpointMetadataCache,
             save_state_dict_async_plan,
         )
-        from torch.distributed.checkpoint import DefaultSavePlanner
-
         staged = self.stager.stage(state)
         writer = FileSystemWriterAsync(str(path), thread_count=1)
         if self.plan_cache is None:
             self.plan_cache = CheckpointMetadataCache()
-        plan = save_state_dict_async_plan(staged, writer, self.group, 0, planner=DefaultSavePlanner(),
+        plan = save_state_dict_async_plan(staged, writer, self.group, 0, planner=_save_planner(),
                                           enable_cache=True, metadata_cache=self.plan_cache)
         write_fn, preload_fn, args = writer.get_save_function_and_args()
         manifest = str(path / f"manifest-{self.rank}.json")
@@ -529,7 +573,7 @@ class CheckpointManager:
         _AsyncWriter.schedule(request)
         t_staged = time.perf_counter()
         self.pending = _Pending(step, path, writer, plan, t_staged, t_staged - t0, save_id)
-        self.emit("checkpoint", phase="staged", step=step, blocked_s=t_staged - t0, bytes=_tensor_bytes(staged))
+        self.emit("checkpoint", phase="staged", step=step, blocked_s=t_staged - t0, bytes=self.stager.staged_bytes)
 
     def _finalize_if_done(self, blocking: bool) -> None:
         """Commit the pending async save once every rank's write is done (collective)."""
@@ -614,6 +658,8 @@ class CheckpointManager:
 
     def _failed(self, step: int, errors: list[str | None]) -> None:
         self.retry = True
+        if self.ahead is not None:  # its folder stays: the last save retries at the same step
+            self.ahead.add(step)
         if self.rank == 0:
             reasons = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
             self.emit("checkpoint", phase="failed", step=step, error=reasons, retry="next step")
@@ -745,11 +791,35 @@ class ModelState:
 
     def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
         self.model, self.optim = model, optim
+        self._key: list[Any] = []
+        self._info: Any = None
+        self._kept = True   # False once this torch lacks the private helpers the kept path calls
 
     def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        """What ``get_state_dict`` returns, without its per-call cost: it works out every parameter's
+        name and the model's wrapping (most of the time a save blocks training at ~100 MB), which
+        stays the same while the parameters are the same objects, so that is done once and kept.
+        That uses torch's private helpers (measured on torch 2.13); where a torch release has other
+        ones, the public ``get_state_dict`` does it all, every save, as before."""
+        from torch.distributed.checkpoint import state_dict as sd
 
-        msd, osd = get_state_dict(self.model, self.optim)
+        if self._kept:
+            try:
+                return self._kept_state_dict(sd)
+            except (AttributeError, TypeError):
+                self._kept = False
+        msd, osd = sd.get_state_dict(self.model, self.optim)
+        return {"model": msd, "optim": osd}
+
+    def _kept_state_dict(self, sd: Any) -> dict[str, Any]:
+        key = [self.optim, *self.model.parameters()]  # the objects the kept work is about
+        with sd._gc_context():
+            if self._info is None or len(key) != len(self._key) or any(a is not b for a, b in zip(key, self._key)):
+                self._info = sd._verify_options(self.model, (self.optim,), optim_only=False)
+                self._key = key
+            msd = sd._get_model_state_dict(self.model, self._info)
+            osd = sd._get_optim_state_dict(self.model, (self.optim,), self._info)
+            sd._verify_state_dict(msd, osd, self._info)
         return {"model": msd, "optim": osd}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -784,17 +854,3 @@ def _fsync_dir(path: Path) -> None:
 
 def _is_stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
-
-
-def _tensor_bytes(state: Any) -> int:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(state, dict):
-        return sum(_tensor_bytes(v) for v in state.values())
-    if isinstance(state, list):
-        return sum(_tensor_bytes(v) for v in state)
-    if isinstance(state, DTensor):
-        state = state._local_tensor
-    if isinstance(state, torch.Tensor):
-        return state.numel() * state.element_size()
-    return 0

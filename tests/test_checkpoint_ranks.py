@@ -1,0 +1,81 @@
+"""Checkpoints across two real ranks (two processes, gloo): what one rank does to a folder while the
+other is already writing into it."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import multiprocessing
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from eksft_nb.checkpoint_folders import list_checkpoints, step_dir
+
+STEPS = (5, 10, 15, 20)
+LEFTOVER = "__1_0.distcp.leftover"  # in the folder of step 15 before the job starts
+
+
+def _rank(rank: int, root: str, store: str, out: str) -> None:
+    """One rank: async saves at STEPS, each committed before the next. From the third save on (NVRx
+    reuses the save plan by then, so no collective precedes a write), rank 0 starts each save only once
+    rank 1's writer has finished its files for it: the order a busy rank 0 sees in training, where it
+    prunes after a commit while rank 1 goes on to the next save."""
+    os.environ["RANK"] = str(rank)
+    from eksft_nb.runtime.checkpointer import CheckpointManager, _AsyncWriter
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))
+    events: list[dict[str, Any]] = []
+    mgr = CheckpointManager(Path(root), rank=rank, world_size=2, group=dist.new_group(backend="gloo"), every=5,
+                            mode="async", keep_last=10, emit=lambda kind, **data: events.append(data))
+    if rank == 0:
+        save = mgr._save
+
+        def late_save(step: int, state: dict[str, Any]) -> None:
+            deadline = time.monotonic() + (60 if step > STEPS[1] else 0)  # if rank 1 waits for rank 0, go on
+            folder = step_dir(Path(root), step)
+            while not (folder / "manifest-1.json").exists() and not (folder / LEFTOVER).exists() \
+                    and time.monotonic() < deadline:
+                time.sleep(0.01)
+            save(step, state)
+        mgr._save = late_save  # type: ignore[method-assign]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    for step in STEPS:
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        mgr.maybe_save(step, {"model": model.state_dict()})
+        mgr.finish()
+    Path(out).write_text(json.dumps([e for e in events if e.get("phase") == "failed"]))
+    dist.destroy_process_group()
+    _AsyncWriter.stop()  # a multiprocessing child joins its children before atexit would stop the writer
+
+
+def test_rank_0_never_removes_files_another_rank_is_writing(tmp_path: Path) -> None:
+    """Once the save plan is cached no collective precedes a rank's write, so rank 1 may write its
+    files before rank 0 starts the same save: rank 0 must not take them for a leftover and remove them.
+    A real leftover is still removed, before any rank writes into its folder."""
+    root = tmp_path / "ckpt"
+    step_dir(root, 15).mkdir(parents=True)  # a leftover ahead: cleared before any rank writes into it
+    (step_dir(root, 15) / LEFTOVER).write_bytes(b"from a crashed run")
+    (step_dir(root, 15) / "commit.json").write_text("{}")
+    ctx = multiprocessing.get_context("spawn")
+    outs = [tmp_path / f"out{r}.json" for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, str(root), str(tmp_path / "store"), str(outs[r]))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert json.loads(outs[0].read_text()) == []  # no save failed
+    committed = [i.step for i in list_checkpoints(root) if i.state == "committed"]
+    assert committed == list(STEPS)
+    assert not (step_dir(root, 15) / LEFTOVER).exists()
