@@ -79,7 +79,9 @@ def test_operations_on_real_jobs(finished_job: str) -> None:
     assert (done["state"], done["ended"], done["step"], done["total_steps"]) == ("succeeded", True, 12, 12)
     assert done["restarts"] == {"inprocess": 0, "injob": 0, "job": 0} and 0 < done["goodput"] <= 1
     committed = [c["step"] for c in commands.checkpoints(finished_job) if c["state"] == "committed"]
-    assert committed[:2] == [5, 10] and done["last_checkpoint"] == committed[-1]
+    # the save due at 10 is deferred while the one at 5 is still being written (a busy machine): 10, 11 or none
+    assert committed[0] == 5 and committed[-1] == 12 == done["last_checkpoint"], committed
+    older = committed[-2]
     assert commands.summary(finished_job)["steps_done"] == 12 and "step" in commands.logs(finished_job, lines=50)
     with pytest.raises(JobError, match=r"has already ended \(succeeded\)"):
         commands.inject(finished_job, "hang", rank=1)
@@ -87,19 +89,19 @@ def test_operations_on_real_jobs(finished_job: str) -> None:
     with pytest.raises(JobError, match="no committed checkpoint at step 7"):
         commands.resume(finished_job, step=7)
 
-    row = commands.resume(finished_job, step=10, new_name="cmd-live", steps=100000)
+    row = commands.resume(finished_job, step=older, new_name="cmd-live", steps=100000)
     assert (row["name"], row["total_steps"], row["ended"]) == ("cmd-live", 100000, False)
     try:
-        assert wait_for("a step of the resumed job", lambda: commands.status("cmd-live")["step"] >= 11)
+        assert wait_for("a step of the resumed job", lambda: commands.status("cmd-live")["step"] > older)
         assert "cmd-live" in [r["name"] for r in commands.list_jobs()]
         with pytest.raises(ControlError, match="rank 7 is out of range"):
             commands.inject("cmd-live", "sigkill", rank=7)
         result = commands.inject("cmd-live", "slow-rank", rank=1, params={"delay": 0.01, "duration": 2}, wait=120)
-        assert result["fired"] and result["target"] == "rank 1" and result["when"] == "now" and result["step"] > 10
+        assert result["fired"] and result["target"] == "rank 1" and result["when"] == "now" and result["step"] > older
         assert result["message"].startswith("fired slow-rank on rank 1 of cmd-live") and result["id"] in result["message"]
     finally:
         stopped = commands.stop("cmd-live")
-    assert (stopped["state"], stopped["ended"], stopped["step"] > 10) == ("stopped", True, True)
+    assert (stopped["state"], stopped["ended"], stopped["step"] > older) == ("stopped", True, True)
     assert procs.marked(JobDir.for_name("cmd-live").supervisor()["job_uid"]) == []
 
 
