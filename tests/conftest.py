@@ -6,7 +6,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,8 @@ from typing import Any
 
 import pytest
 from hypothesis import settings
+
+from jobs import free_port, stop_server
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,12 +68,6 @@ def ip(monkeypatch: pytest.MonkeyPatch) -> Any:
     shell.magics_manager.registry["FtrainMagics"].job = None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
     """A fresh JupyterLab server on the quickstart notebook, with its own EKSFT_HOME."""
@@ -84,7 +79,7 @@ def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
                         ("@jupyterlab/notebook-extension/tracker.jupyterlab-settings", {"windowingMode": "none"})):
         (settings / name).parent.mkdir(parents=True, exist_ok=True)
         (settings / name).write_text(json.dumps(value))
-    port, token = _free_port(), secrets.token_hex(16)
+    port, token = free_port(), secrets.token_hex(16)
     env = {**os.environ, "EKSFT_HOME": str(tmp_path / "eksft"), "JUPYTERLAB_SETTINGS_DIR": str(settings),
            "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "workspaces"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
            "JUPYTER_CONFIG_DIR": str(tmp_path / "config")}
@@ -108,12 +103,7 @@ def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
     try:
         yield {"url": url, "token": token, "home": tmp_path / "eksft", "dir": tmp_path}
     finally:
-        server.terminate()
-        try:
-            server.wait(20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
+        stop_server(server, log)
         from eksft_nb.backends.local import LocalBackend
         from eksft_nb.states import ENDED
 

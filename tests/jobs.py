@@ -45,14 +45,24 @@ def job_dir(name: str) -> Path:
     return JobDir.for_name(name).path
 
 
-def wait_for(what: str, probe: Callable[[], Any], timeout: float = 300) -> Any:
+def wait_for(what: str, probe: Callable[[], Any], timeout: float = 300, every: float = 0.3) -> Any:
     """Poll ``probe`` until it returns something true; return that (fail after ``timeout`` seconds)."""
     deadline = time.time() + timeout
     while not (value := probe()):
         if time.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.3)
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {value!r})")
+        time.sleep(every)
     return value
+
+
+def stop_server(proc: subprocess.Popen, log: Any) -> None:
+    """End a server a fixture started (SIGTERM, then SIGKILL after 20 s) and close its log."""
+    proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
 
 
 def free_port() -> int:

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from conftest import REPO
+from jobs import wait_for
 
 CHROMIUM = Path("/usr/lib/chromium/chromium")
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
@@ -25,17 +24,6 @@ FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "-
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow,
               pytest.mark.skipif(not CHROMIUM.exists(), reason="Chromium is not installed (make chromium)")]
-
-
-def wait_for(what: str, probe: Callable[[], Any], timeout: float, every: float = 0.5) -> Any:
-    deadline = time.time() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.time() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {value!r})")
-        time.sleep(every)
 
 
 # in-page readers: the figure's traces by name, inside one job's dashboard

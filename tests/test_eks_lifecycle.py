@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from eks_kube import Controllers, Kube, running
+from jobs import wait_for
 
 from eksft_nb.backends.eks import EksBackend
 from eksft_nb.backends.eks.render import render
@@ -45,16 +46,6 @@ def rank_start(rank: int, pid: int, injob: int = 0, start: int = 0) -> str:
 
 def steps(first: int, last: int) -> list[str]:
     return [line("step", 0, step=s, loss=5.0 - 0.1 * s, tokens=1024, step_time=0.01) for s in range(first, last + 1)]
-
-
-def wait_for(condition, timeout: float = 10.0, what: str = "condition"):  # noqa: ANN001, ANN201
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
@@ -235,12 +226,12 @@ def test_streamed_logs_feed_the_job_monitor(kube: Kube, backend: EksBackend, ctl
     ctl.log(pods[1], rank_start(1, 41))
     ctl.log(pods[0], *steps(1, 4), line("checkpoint", 0, phase="committed", step=4, path="/checkpoints/demo/ckpt/step_00000004"),
             *steps(5, 5))
-    wait_for(lambda: job.refresh().last_step == 5, what="step 5")
+    wait_for("step 5", lambda: job.refresh().last_step == 5)
     assert job.monitor.state == "running" and job.monitor.checkpoints[4].state == "committed"
     # rank 1 is SIGKILLed: its fault event, ft_launcher's line, then the new worker group resumes from 4
     ctl.log(pods[1], line("fault", 1, fault="sigkill", id="f1", target_rank=1, at_step=6),
             "[2026-01-01 00:00:10,000] [ERROR] [ft_launcher8@demo-1] failed (exitcode: -9) local_rank: 0 (pid: 41) of binary: python")
-    wait_for(lambda: job.refresh().state == "recovering", what="the failure")
+    wait_for("the failure", lambda: job.refresh().state == "recovering")
     assert job.monitor.failures[-1]["cause"] == "injected sigkill on rank 1" and job.monitor.failures[-1]["level"] == "injob"
     ctl.log(pods[1], rank_start(1, 52, injob=1, start=4))
     ctl.log(pods[0], rank_start(0, 51, injob=1, start=4), *steps(5, 10), line("rank_end", 0, final_step=10, digest="abc123"))
@@ -268,9 +259,9 @@ def test_pod_failures_become_failure_and_restart_events(kube: Kube, backend: Eks
     for p in pods:
         ctl.run(p)
     ctl.log(pods[0], rank_start(0, 40), *steps(1, 3))
-    wait_for(lambda: job.refresh().last_step == 3, what="step 3")
+    wait_for("step 3", lambda: job.refresh().last_step == 3)
     ctl.exit(pods[1], 137, "OOMKilled")
-    failure = wait_for(lambda: job.refresh().failures and job.monitor.failures[-1], what="the OOM failure")
+    failure = wait_for("the OOM failure", lambda: job.refresh().failures and job.monitor.failures[-1])
     assert failure["level"] == "job" and failure["cause"] == (
         f"pod {pods[1]} (node 1): ft_launcher was OOM-killed (the pod reached its memory limit: raise --memory)")
     assert backend.state("demo").detail.startswith(f"recovering: pod {pods[1]} (node 1): ft_launcher was OOM-killed")
@@ -278,15 +269,15 @@ def test_pod_failures_become_failure_and_restart_events(kube: Kube, backend: Eks
     replacement = ctl.create_pods("demo", failures=1)[1]
     ctl.run(replacement)
     ctl.log(pods[0], rank_start(0, 41, injob=1, start=2), *steps(3, 4))
-    restart = wait_for(lambda: job.refresh().restarts and job.monitor.restarts[-1], what="the restart")
+    restart = wait_for("the restart", lambda: job.refresh().restarts and job.monitor.restarts[-1])
     assert (restart["level"], restart["resumed_step"], restart["rolled_back_steps"]) == ("job", 2, 1)
     # an eviction, then a lost node: the pod is marked with the fault and deleted at once
     ctl.status(replacement, "Failed", reason="Evicted", message="The node was low on resource: memory.")
-    assert wait_for(lambda: job.refresh().failures[-1]["cause"] == f"pod {replacement} (node 1): evicted: The node "
-                    "was low on resource: memory.", what="the eviction")
+    evicted = f"pod {replacement} (node 1): evicted: The node was low on resource: memory."
+    assert wait_for("the eviction", lambda: job.refresh().failures[-1]["cause"] == evicted)
     deleted = backend.lose_node("demo", 0)
     assert deleted == pods[0] and pods[0] not in stored(kube, "pods")
-    wait_for(lambda: len(job.refresh().failures) == 3, what="the node loss")
+    wait_for("the node loss", lambda: len(job.refresh().failures) == 3)
     assert job.monitor.faults[-1]["fault"] == "node-loss" and job.monitor.faults[-1]["node"] == 0
     assert job.monitor.failures[-1]["cause"] == f"injected node-loss on node 0: pod {pods[0]} (node 0) was deleted: its node is lost"
     assert calls_outside_the_role(kube, eks_spec()) == []   # no pod was modified, only deleted

@@ -38,7 +38,7 @@ from eksft_nb.errors import EksftError
 from eksft_nb.jobdir import JobDir, jobs_root
 from eksft_nb.lab import requests
 from eksft_nb.lab.manager import JobsManager
-from jobs import cli, wait_for
+from jobs import cli, stop_server, wait_for
 
 JOB = "lab-job"
 ROUTES = [("GET", "jobs"), ("POST", "jobs"), ("GET", f"jobs/{JOB}"), ("POST", f"jobs/{JOB}/inject"),
@@ -250,12 +250,7 @@ def server(eksft_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         wait_for("the server to answer", lambda: srv.request("GET", "jobs")[0] == 200, timeout=60)
         yield srv
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+        stop_server(proc, log)
 
 
 def test_every_route_needs_the_token(server: Server) -> None:

@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import psutil
@@ -23,7 +22,7 @@ from eksft_nb.errors import JobError
 from eksft_nb.events import read_all
 from eksft_nb.jobdir import JobDir, atomic_write
 from eksft_nb.spec import JobSpec, ModelConfig
-from jobs import cli, events
+from jobs import cli, events, wait_for
 
 # what NVRx's rank monitor prints when a stop cancels it (captured from a real stop), and a rank's own error
 MONITOR_CANCELLED = """\
@@ -100,13 +99,6 @@ def test_logs_drop_library_tracebacks_whole_and_keep_a_rank_s_error(tmp_path: Pa
     assert MONITOR_CANCELLED in debug and RANK_ERROR in debug
 
 
-def wait_for(condition, timeout: float = 180, what: str = "") -> None:
-    deadline = time.time() + timeout
-    while not condition():
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-
-
 @pytest.mark.slow
 def test_a_full_disk_in_the_supervisor_ends_the_job_with_the_reason_and_nothing_running(eksft_home: Path) -> None:
     jd = JobDir.for_name("disk-full")
@@ -132,31 +124,31 @@ def test_a_job_whose_supervisor_and_keeper_died_is_adopted_not_lost() -> None:
     assert cli("run", "--name", "orphan", "--model", "tiny", "--steps", "60", "--ckpt-every", "10",
                "--detach").returncode == 0
     jd = JobDir.for_name("orphan")
-    wait_for(lambda: len(events("orphan", "step")) >= 5, what="5 steps")
+    wait_for("5 steps", lambda: len(events("orphan", "step")) >= 5)
     record = jd.supervisor()
     victims = [record[who]["pid"] for who in ("keeper", "supervisor") if who in record] or [record["pid"]]
     for pid in victims:  # the keeper and the supervisor, as a careless `kill -9` would
         os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: not any(procs.alive(pid) for pid in victims), what="the supervisor to die")
+    wait_for("the supervisor to die", lambda: not any(procs.alive(pid) for pid in victims))
     submit(jd.pending, FaultCommand("sigkill", rank=1))  # an in-job restart while nobody supervises
-    wait_for(lambda: any(e["injob_restart"] == 1 for e in events("orphan", "rank_start")), what="the restart")
+    wait_for("the restart", lambda: any(e["injob_restart"] == 1 for e in events("orphan", "rank_start")))
     backend = LocalBackend()
     status = backend.state("orphan")
     assert status.state == "running" and "adopted" in status.detail, status
     with pytest.raises(JobError):
         backend.remove("orphan")
-    wait_for(lambda: backend.state("orphan").state not in ("starting", "running"), timeout=300, what="the end")
+    wait_for("the end", lambda: backend.state("orphan").state not in ("starting", "running"), 300)
     assert backend.state("orphan").state == "succeeded"
     assert max(e["step"] for e in events("orphan", "step")) == 60
     [restart] = events("orphan", "restart")  # recorded by the supervisor that adopted the job
     assert restart["level"] == "injob" and restart["blame_rank"] == 1 and "sigkill" in restart["cause"], restart
-    wait_for(lambda: not procs.marked(record["job_uid"]), timeout=30, what="the keeper and supervisor to exit")
+    wait_for("the keeper and supervisor to exit", lambda: not procs.marked(record["job_uid"]), 30)
 
 
 @pytest.mark.slow
 def test_logs_after_a_stop_carry_no_library_traceback() -> None:
     assert cli("run", "--name", "stopped-quiet", "--model", "tiny", "--steps", "100000", "--detach").returncode == 0
-    wait_for(lambda: len(events("stopped-quiet", "step")) >= 5, what="5 steps")
+    wait_for("5 steps", lambda: len(events("stopped-quiet", "step")) >= 5)
     assert cli("stop", "stopped-quiet").returncode == 0
     logs, debug = cli("logs", "stopped-quiet", "--lines", "100000").stdout, \
         cli("logs", "stopped-quiet", "--debug", "--lines", "100000").stdout
