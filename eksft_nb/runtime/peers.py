@@ -14,8 +14,10 @@ either end of its connection shuts down; so
 NCCL communicators are untouched here: NVRx's ``AbortTorchDistributed`` still aborts them, after.
 
 Which sockets are gloo's: the connected TCP sockets that torch's process-group constructor opened
-(recorded around it by :func:`track`), never one a listener that was already there accepted meanwhile
-(a store hosted by this rank serving a late client).
+for a gloo-only group (recorded around it by :func:`track`), never one a listener that was already
+there accepted meanwhile (a store hosted by this rank serving a late client). A group that mixes
+gloo and NCCL is not recorded (NCCL may open its bootstrap sockets there): its peers fall back on
+NCCL's abort and the collective timeout.
 """
 
 from __future__ import annotations
@@ -99,6 +101,9 @@ def track() -> None:
 
     @functools.wraps(create)
     def _new_process_group_helper(*args: Any, **kwargs: Any) -> Any:
+        backend = str(kwargs.get("backend", args[3] if len(args) > 3 else "")).lower()
+        if "gloo" not in backend or "nccl" in backend:   # NCCL's own sockets are NCCL's to abort
+            return create(*args, **kwargs)
         before = _sockets()
         listening = _listening_ports(before)
         try:
