@@ -92,7 +92,7 @@ def eksft_job(name: str, kinds: Sequence[str]) -> list[Recovery]:
         fault = next((e for e in events if e.kind == "fault" and e.t == restart["fault_time"]), None)
         start = restart["fault_time"] + restart["downtime_s"]
         first = next((e for e in events if e.kind == "step" and e.t >= start), None)
-        if fault is None or first is None or "phases" not in restart:
+        if fault is None or first is None or restart.get("phases") is None:
             continue
         out.append(Recovery(fault["fault"], restart["level"], fault["at_step"], restart["resumed_step"],
                             _to_completion(restart["phases"], first), first.t - fault.t))
