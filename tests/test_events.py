@@ -86,6 +86,10 @@ def test_a_restart_without_phases_still_reads() -> None:
     """Streams written before restarts had phases stay readable (the field is optional, same version)."""
     event = decode(json.dumps({"v": 1, "t": 5.0, "kind": "restart", "job": "j", "rank": None, **RESTART}))
     assert event is not None and event.get("phases") is None
+    start = {"v": 1, "t": 5.0, "kind": "rank_start", "job": "j", "rank": 0, "pid": 1, "host": "h", "job_attempt": 0,
+             "injob_restart": 0, "inprocess_iteration": 1, "world_size": 2, "start_step": 10, "t_enter": 4.0}
+    assert decode(json.dumps(start)) is not None   # written before rank_start had t_group
+    assert decode(json.dumps({**start, "t_group": "4.5"})) is None   # the incident tracker computes with it
 
 
 marks = st.none() | st.floats(0.0, 100.0)
