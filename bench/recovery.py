@@ -1,15 +1,17 @@
 """Part 2, recovery: from a fault to the first step completed after recovery, split into phases,
 per fault type and level, for eksft and for the plain-torchrun baseline (:mod:`bench.baseline`).
 
-Phases, from the job's events (boundaries are clamped to be monotone):
+Phases are the product's (:data:`eksft_nb.events.RESTART_PHASES`): eksft's from its ``restart``
+events, the baseline's from the same split (:meth:`eksft_nb.incidents.Incident.phases`) of its
+events, with torchrun's exit as the detection. The product's downtime ends where the first step
+after recovery starts; here ``first_step`` also counts that step, to its completion.
 
 - detection: fault -> the failure is known (eksft: the supervisor's ``failure.detected_at``;
   baseline: torchrun has exited, its own teardown of the surviving rank included)
-- teardown_relaunch: -> the new incarnation's ranks begin (``rank_start.t_enter``: process start,
-  or re-entry after an in-process restart; the latest rank counts)
-- setup: -> checkpoint loading begins (interpreter, imports, rendezvous, process groups, model,
-  choosing and verifying the checkpoint)
-- load: ``resume.load_s``
+- teardown: -> the new incarnation's ranks begin (process start, or re-entry after an in-process
+  restart; the latest rank counts)
+- reformation: -> its process groups are formed (interpreter, imports, rendezvous)
+- restore: -> the model is rebuilt and the checkpoint chosen, verified and loaded
 - first_step: -> the first step after recovery is completed
 """
 
@@ -21,7 +23,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from eksft_nb.events import Event, EventTail, read_all
+from eksft_nb.events import RESTART_PHASES, Event, EventTail, read_all
+from eksft_nb.incidents import Incident
 from eksft_nb.jobdir import JobDir, jobs_root
 from eksft_nb.job import launch
 from eksft_nb.spec import JobSpec
@@ -29,7 +32,7 @@ from eksft_nb.spec import JobSpec
 from .baseline import PlainTorchrunJob
 from .common import fmt, load_avg, med, ratio, stat, table
 
-PHASES = ("detection", "teardown_relaunch", "setup", "load", "first_step")
+PHASES = RESTART_PHASES
 TARGETS_S = {"inprocess": 5.0, "injob": 15.0, "job": 25.0}
 # fault type -> the level eksft is meant to heal it at
 FAULT_TYPES = {"exception": "inprocess", "hang": "inprocess", "sigkill": "injob", "segfault": "injob",
@@ -84,7 +87,16 @@ def eksft_job(name: str, kinds: Sequence[str]) -> list[Recovery]:
     finally:
         job.stop()
     events = read_all(JobDir.for_name(name).events_path)
-    return recoveries(events, [(e["detected_at"], e["level"]) for e in events if e.kind == "failure"])
+    out = []
+    for restart in (e for e in events if e.kind == "restart"):
+        fault = next((e for e in events if e.kind == "fault" and e.t == restart["fault_time"]), None)
+        start = restart["fault_time"] + restart["downtime_s"]
+        first = next((e for e in events if e.kind == "step" and e.t >= start), None)
+        if fault is None or first is None or restart.get("phases") is None:
+            continue
+        out.append(Recovery(fault["fault"], restart["level"], fault["at_step"], restart["resumed_step"],
+                            _to_completion(restart["phases"], first), first.t - fault.t))
+    return out
 
 
 def baseline_job(name: str, kinds: Sequence[str]) -> list[Recovery]:
@@ -177,17 +189,19 @@ def _recovery(fault: Event, detected: tuple[float, str], window: list[Event]) ->
         return None
     before = [e for e in window if e.t < first.t]
     starts = [e for e in before if e.kind == "rank_start"]
-    newest = max(_incarnation(e) for e in starts)
-    t_enter = max(e["t_enter"] for e in starts if _incarnation(e) == newest)
+    newest = [e for e in starts if _incarnation(e) == max(_incarnation(e) for e in starts)]
+    incident = Incident(detected[1], "", None, fault.t, detected[0], fault["at_step"] or 0,
+                        entered=max(e["t_enter"] for e in newest), grouped=max(e.get("t_group", 0.0) for e in newest),
+                        restored=max(e.t for e in newest))
     resume = next((e for e in reversed(before) if e.kind == "resume"), None)
-    load_end = resume.t if resume else max(e.t for e in starts)
-    load_s = resume["load_s"] if resume else 0.0
-    bounds = [fault.t, detected[0], t_enter, load_end - load_s, load_end, first.t]
-    for k in range(1, len(bounds)):
-        bounds[k] = max(bounds[k], bounds[k - 1])
-    phases = {name: bounds[k + 1] - bounds[k] for k, name in enumerate(PHASES)}
-    return Recovery(fault["fault"], detected[1], fault["at_step"], resume["step"] if resume else 0, phases,
-                    first.t - fault.t)
+    phases = incident.phases(first.t - first["step_time"])
+    return Recovery(fault["fault"], detected[1], fault["at_step"], resume["step"] if resume else 0,
+                    _to_completion(phases, first), first.t - fault.t)
+
+
+def _to_completion(phases: dict[str, float], first: Event) -> dict[str, float]:
+    """The product's phases (downtime to the first step's start) with that step counted to its end."""
+    return {**phases, "first_step": phases["first_step"] + first["step_time"]}
 
 
 def _incarnation(e: Event) -> tuple[int, int, int]:

@@ -13,6 +13,7 @@ from . import commands, nvrx
 from .commands import CLI
 from .errors import EksftError
 from .goodput import CATEGORIES
+from .incidents import phases_text
 from .job import Job, attach
 from .spec import JobSpec, _closest
 from .states import JobState
@@ -119,7 +120,8 @@ def follow(job: Job, as_json: bool = False) -> int:
                 bar.write(f"  ~ {f['level']} failure: {f['cause']}")
             for r in mon.restarts[seen_restarts:]:
                 bar.write(f"  + recovered ({r['level']}): resumed from step {r['resumed_step']}, "
-                          f"downtime {r['downtime_s']:.1f}s, {r['rolled_back_steps']} steps rolled back")
+                          f"downtime {r['downtime_s']:.1f}s, {r['rolled_back_steps']} steps rolled back"
+                          + (f" ({phases_text(r['phases'])})" if r.get("phases") else ""))
             fails = [c for c in mon.checkpoints.values() if c.state in ("failed", "rejected")]
             for c in fails[seen_ckpt_fail:]:
                 bar.write(f"  ! checkpoint {c.step} {c.state}: {c.error}")
@@ -155,6 +157,8 @@ def format_summary(s: dict[str, Any]) -> str:
             blamed = "-" if r["blame_rank"] is None else str(r["blame_rank"])
             lines.append(f"  {r['level']:<10}{r['cause'][:43]:<44}{blamed:>7}{r['detection_s']:>7.1f}s"
                          f"{r['downtime_s']:>9.1f}s{r['rolled_back_steps']:>6}")
+            if r.get("phases"):
+                lines.append(f"    phases: {phases_text(r['phases'])}")
     for lost in s.get("events_lost", []):  # what the events file lacks: say so, never hide it
         kinds = ", ".join(f"{n} {k}" for k, n in (lost["kinds"] or {}).items())
         lines.append(f"events lost: {lost['count']} of rank {lost['rank']} ({kinds}): {lost['error']}")

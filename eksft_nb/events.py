@@ -71,11 +71,17 @@ OPTIONAL: dict[str, dict[str, tuple[type, ...] | type]] = {
     "rank_end": {"digest": _opt_str},
     "job_end": {"digest": _opt_str, "restarts": dict},
     "rank_error": {"waiting": bool},
+    # when the incarnation began (process start, or re-entry after an in-process restart) and when its
+    # process groups were formed
+    "rank_start": {"t_enter": _num, "t_group": _num},
+    "restart": {"phases": dict},   # phase -> seconds (RESTART_PHASES), summing to downtime_s
     "gpu_health": {"note": _opt_str, "interval_s": _num},
     "gpu_fault": {"xid": _opt_int, "count": _opt_int, "throttle": _opt_int},
 }
 
 RESTART_LEVELS = tuple(level.value for level in RestartLevel)
+# a recovery's downtime, fault to the first step's start, in order (see eksft_nb.incidents)
+RESTART_PHASES = ("detection", "teardown", "reformation", "restore", "first_step")
 CHECKPOINT_PHASES = ("begin", "staged", "committed", "failed", "rejected")
 JOB_STATES = tuple(s.value for s in JobState if s in RECORDED_ENDS)   # what a job_end event may say
 GPU_FAULTS = ("xid", "ecc", "throttle")
@@ -128,12 +134,22 @@ def check(kind: str, data: dict[str, Any]) -> None:
     if kind == "restart" or kind == "failure":
         if data["level"] not in RESTART_LEVELS:
             raise SchemaError(f"{kind}.level {data['level']!r} not in {RESTART_LEVELS}")
+    if kind == "restart" and "phases" in data:
+        _check_phases(data["phases"])
     if kind == "checkpoint" and data["phase"] not in CHECKPOINT_PHASES:
         raise SchemaError(f"checkpoint.phase {data['phase']!r} not in {CHECKPOINT_PHASES}")
     if kind == "gpu_fault" and data["fault"] not in GPU_FAULTS:
         raise SchemaError(f"gpu_fault.fault {data['fault']!r} not in {GPU_FAULTS}")
     if kind == "job_end" and data["state"] not in JOB_STATES:
         raise SchemaError(f"job_end.state {data['state']!r} not in {JOB_STATES}")
+
+
+def _check_phases(phases: dict[Any, Any]) -> None:
+    for name, seconds in phases.items():
+        if name not in RESTART_PHASES:
+            raise SchemaError(f"restart.phases has {str(name)[:40]!r}, not one of {RESTART_PHASES}")
+        if type(seconds) not in (int, float) or not 0 <= seconds < math.inf:
+            raise SchemaError(f"restart.phases.{name} is not a finite number of seconds >= 0")
 
 
 def _check_type(kind: str, key: str, value: Any, types: tuple[type, ...] | type) -> None:

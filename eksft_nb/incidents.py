@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .events import Event
+from .events import RESTART_PHASES, Event
 from .monitor import JobMonitor
 from .states import RestartLevel
 
@@ -37,6 +37,25 @@ class Incident:
     last_step: int
     resumed_step: int | None = None
     gpu_fault: dict[str, Any] | None = None   # the GPU fault named as its cause
+    # the recovering ranks' latest entry, process groups formed, and restore done (their rank_start events)
+    entered: float | None = None
+    grouped: float | None = None
+    restored: float | None = None
+
+    def phases(self, end: float) -> dict[str, float]:
+        """The downtime up to ``end`` (the first step's start) split at the marks known (see
+        :data:`~eksft_nb.events.RESTART_PHASES`); an unknown or out-of-order mark makes its phase 0."""
+        last = max(end, self.fault_time)
+        bounds = [self.fault_time]
+        for mark in (self.detected_at, self.entered, self.grouped, self.restored, end):
+            bounds.append(min(max(bounds[-1] if mark is None else mark, bounds[-1]), last))
+        return {name: round(bounds[k + 1] - bounds[k], 4) for k, name in enumerate(RESTART_PHASES)}
+
+
+def phases_text(phases: dict[str, float] | None) -> str:
+    """A restart's phases in one line ("" for a restart recorded without them)."""
+    return ", ".join(f"{name.replace('_', ' ')} {phases[name]:.2f}s" for name in RESTART_PHASES
+                     if name in phases) if phases else ""
 
 
 class Incidents:
@@ -89,6 +108,11 @@ class Incidents:
                     "the worker group was restarted"
                 self.open(Incident(RestartLevel.INPROCESS if same_process else RestartLevel.INJOB, self.cause_from_ranks(fallback),
                                    self.blame(), self.fault_time(), detected, self.mon.last_step))
+            i = self.incident
+            if i is not None and e.t >= i.detected_at:   # a rank of the recovering incarnation is ready
+                i.entered = max(i.entered or 0.0, e.get("t_enter", e.t))
+                i.grouped = max(i.grouped or 0.0, e.get("t_group", i.entered))
+                i.restored = max(i.restored or 0.0, e.t)
             if self.incident is not None and e.rank == 0:
                 self.incident.resumed_step = e["start_step"]
                 if not self.steps_expected and not len(self.mon.steps) and e.t > self.incident.detected_at:
@@ -178,7 +202,8 @@ class Incidents:
         downtime = max(0.0, first_step_start - i.fault_time)
         self.emit("restart", level=i.level, cause=i.cause, blame_rank=i.blame_rank, fault_time=i.fault_time,
                   detection_s=max(0.0, i.detected_at - i.fault_time), downtime_s=downtime,
-                  rolled_back_steps=max(0, i.last_step - resumed), resumed_step=resumed)
+                  rolled_back_steps=max(0, i.last_step - resumed), resumed_step=resumed,
+                  phases=i.phases(first_step_start))
         self.last_alive = max(self.last_alive, first_step_start)
         self.recovered_to = max(self.incarnation.values(), default=None)
         self.say(f"recovered ({i.level}): resumed from step {resumed}, {downtime:.1f}s after the fault")

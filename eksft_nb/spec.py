@@ -86,7 +86,7 @@ class FaultToleranceConfig:
                                        "init:60,eval:30 (seconds; NVRx refuses sections it has no timeout for)")
     soft_timeout: float = opt(4.0, "--soft-timeout", "in-process: seconds without progress before a rank is interrupted")
     hard_timeout: float = opt(8.0, "--hard-timeout", "in-process: seconds without progress before a rank is killed")
-    collective_timeout: float = opt(3.0, "--collective-timeout", "process-group timeout while in-process restart is on (gloo cannot be aborted: this bounds recovery)")
+    collective_timeout: float = opt(3.0, "--collective-timeout", "process-group timeout while in-process restart is on: the fallback bound on a peer's wait for a rank that failed (a failure in-process shuts down its gloo connections, so peers learn at once)")
     progress_patience: int = opt(3, "--progress-patience", "give up after this many restarts in a row that resume from the same checkpoint")
 
     def sections(self) -> dict[str, float]:

@@ -98,10 +98,10 @@ def test_recovery(results: dict[str, Any]) -> None:
     assert r["by_fault"]["sigkill"]["vs_baseline"] > 0
     for rec in r["raw"]["eksft"] + r["raw"]["baseline"]:  # the phases add up to the total
         assert set(rec["phases"]) == set(r["phases"]) and all(v >= 0 for v in rec["phases"].values())
-        assert sum(rec["phases"].values()) == pytest.approx(rec["total_s"])
+        assert sum(rec["phases"].values()) == pytest.approx(rec["total_s"], abs=0.01)   # the product rounds them
         assert 0 <= rec["resumed_step"] < rec["at_step"]
     # a checkpoint was committed before every fault, so each recovery loaded one
-    assert all(rec["phases"]["load"] > 0 for rec in r["raw"]["eksft"] + r["raw"]["baseline"])
+    assert all(rec["phases"]["restore"] > 0 for rec in r["raw"]["eksft"] + r["raw"]["baseline"])
 
 
 def test_goodput(results: dict[str, Any]) -> None:

@@ -62,8 +62,9 @@ class FakeJob:
         self.emit("fault", rank=1, fault="sigkill", id="f1", target_rank=1, at_step=resumed + lost + 1)
         t = self.t
         self.emit("failure", dt=0.5, level=level, cause=cause, blame_rank=1, fault_time=t, detected_at=t + 0.5)
+        phases = {"detection": 0.5, "teardown": 0.5, "reformation": downtime - 2.0, "restore": 0.75, "first_step": 0.25}
         self.emit("restart", dt=downtime - 0.5, level=level, cause=cause, blame_rank=1, fault_time=t,
-                  detection_s=0.5, downtime_s=downtime, rolled_back_steps=lost, resumed_step=resumed)
+                  detection_s=0.5, downtime_s=downtime, rolled_back_steps=lost, resumed_step=resumed, phases=phases)
 
     def end(self, state: str = "succeeded") -> None:
         """What the supervisor does at the end: the event, and its state file."""
@@ -131,6 +132,7 @@ def test_history_is_drawn_at_once_then_each_update_sends_only_the_new_tail() -> 
     assert list(r.y) == ["in-job"] and np.allclose(r.error_x.array, [6.4])
     assert r.text[0] == "injected sigkill on rank 1 · 6.4s down"
     assert "in-job restart" in r.hovertext[0] and "10 steps rolled back" in r.hovertext[0]
+    assert "phases: detection 0.50s, teardown 0.50s, reformation 4.40s, restore 0.75s, first step 0.25s" in r.hovertext[0]
     assert list(traces(dash, "faults")["tail"].text) == ["sigkill rank 1"]
 
     sent = record(dash)

@@ -12,8 +12,10 @@ import pytest
 from eksft_nb import nvrx
 from eksft_nb.backends import procs
 from eksft_nb.checkpoint_folders import list_checkpoints
+from eksft_nb.cli import format_summary
 from eksft_nb.jobdir import JobDir
 from eksft_nb.monitor import JobMonitor
+from eksft_nb.spec import JobSpec
 from jobs import cli, events, job_dir, run_job
 
 pytestmark = pytest.mark.slow
@@ -63,6 +65,13 @@ def test_faults_at_every_level_heal_and_lose_nothing(reference_digest: str, nvrx
     assert [r["level"] for r in restarts] == ["inprocess", "injob", "inprocess", "job"]
     assert [r["blame_rank"] for r in restarts[:3]] == [0, 1, 0]
     assert all(r["downtime_s"] > 0 and r["rolled_back_steps"] >= 0 for r in restarts)
+    # every restart is split into its phases, which add up to its downtime
+    for r in restarts:
+        assert list(r["phases"]) == ["detection", "teardown", "reformation", "restore", "first_step"], r
+        assert sum(r["phases"].values()) == pytest.approx(r["downtime_s"], abs=0.01), r
+    assert format_summary(summary).count("    phases: detection ") == 4   # `summary` says them
+    # the exception's rank told its peer at once: the peer did not wait out the collective timeout
+    assert restarts[0]["detection_s"] < JobSpec().ft.collective_timeout, restarts[0]
     assert summary["digest"] == reference_digest  # bit-identical to the fault-free run, whichever NVRx
     fired = [(f["fault"], f["at_step"]) for f in events(name, "fault")]
     assert fired == [("exception", 15), ("sigkill", 30), ("hang", 45), ("kill-launcher", 60)]

@@ -6,8 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from eksft_nb.events import LOG_PREFIX, SCHEMA_VERSION, EventTail, EventWriter, SchemaError, decode, make
+from eksft_nb.events import (LOG_PREFIX, RESTART_PHASES, SCHEMA_VERSION, EventTail, EventWriter, SchemaError, decode,
+                             make)
+from eksft_nb.incidents import Incident
+from eksft_nb.states import RestartLevel
 
 
 def test_emit_validates_required_fields_and_enums() -> None:
@@ -50,3 +55,57 @@ def test_tail_returns_only_complete_new_lines(tmp_path: Path) -> None:
     assert [e["step"] for e in tail.read()] == [2]
     assert tail.read() == []
     assert (path.stat().st_mode & 0o777) == 0o600
+
+
+RESTART = {"level": "inprocess", "cause": "x", "blame_rank": 0, "fault_time": 1.0, "detection_s": 0.1,
+           "downtime_s": 1.0, "rolled_back_steps": 0, "resumed_step": 10}
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=12), inner,
+                                                                                      max_size=3), max_leaves=8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(phases=st.dictionaries(st.sampled_from([*RESTART_PHASES, "load", ""]), JSON_VALUES, max_size=6) | JSON_VALUES)
+def test_a_restart_events_phases_are_refused_in_one_line_unless_known_and_finite(phases: object) -> None:
+    """A line anyone could write: a phases field is either phase -> finite seconds >= 0, or the line is no
+    event; an emitter gets one line saying what is wrong."""
+    line = json.dumps({"v": 1, "t": 5.0, "kind": "restart", "job": "j", "rank": None, **RESTART, "phases": phases})
+    event = decode(line)
+    good = isinstance(phases, dict) and all(
+        name in RESTART_PHASES and type(s) in (int, float) and 0 <= s < float("inf") for name, s in phases.items())
+    assert (event is not None) == good
+    if good:
+        assert event["phases"] == phases
+    else:
+        with pytest.raises(SchemaError) as refused:
+            make("restart", "j", None, **RESTART, phases=phases)
+        assert "\n" not in str(refused.value) and "restart.phases" in str(refused.value)
+
+
+def test_a_restart_without_phases_still_reads() -> None:
+    """Streams written before restarts had phases stay readable (the field is optional, same version)."""
+    event = decode(json.dumps({"v": 1, "t": 5.0, "kind": "restart", "job": "j", "rank": None, **RESTART}))
+    assert event is not None and event.get("phases") is None
+    start = {"v": 1, "t": 5.0, "kind": "rank_start", "job": "j", "rank": 0, "pid": 1, "host": "h", "job_attempt": 0,
+             "injob_restart": 0, "inprocess_iteration": 1, "world_size": 2, "start_step": 10, "t_enter": 4.0}
+    assert decode(json.dumps(start)) is not None   # written before rank_start had t_group
+    assert decode(json.dumps({**start, "t_group": "4.5"})) is None   # the incident tracker computes with it
+
+
+marks = st.none() | st.floats(0.0, 100.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(fault=st.floats(0.0, 100.0), detected=st.floats(0.0, 100.0), entered=marks, grouped=marks, restored=marks,
+       end=st.floats(0.0, 100.0))
+def test_restart_phases_split_the_downtime_whatever_marks_are_known(fault: float, detected: float, entered, grouped,
+                                                                    restored, end: float) -> None:
+    """Marks from ranks' clocks and interleaved logs can be missing or out of order: the phases are still
+    all there, never negative, and add up to the downtime the restart event states."""
+    incident = Incident(RestartLevel.INPROCESS, "x", None, fault, detected, 0, entered=entered, grouped=grouped,
+                        restored=restored)
+    phases = incident.phases(end)
+    assert list(phases) == list(RESTART_PHASES)
+    assert all(s >= 0 for s in phases.values())
+    assert sum(phases.values()) == pytest.approx(max(0.0, end - fault), abs=1e-3)
+    make("restart", "j", None, **RESTART, phases=phases)   # valid as emitted

@@ -16,6 +16,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from ..gpuhealth import fault_label
+from ..incidents import phases_text
 from ..monitor import JobMonitor
 from ..states import RestartLevel
 from .series import Series
@@ -239,5 +240,6 @@ def restart_hover(r: dict[str, Any]) -> str:
     blamed = "-" if r.get("blame_rank") is None else f"rank {r['blame_rank']}"
     return (f"<b>{LEVEL_LANE.get(r['level'], r['level'])} restart</b>: {r['cause']}<br>blamed: {blamed}<br>"
             f"detected after {r['detection_s']:.1f}s, down {r['downtime_s']:.1f}s<br>"
-            f"resumed from step {r['resumed_step']}, {r['rolled_back_steps']} steps rolled back"
+            + (f"phases: {phases_text(r['phases'])}<br>" if r.get("phases") else "")
+            + f"resumed from step {r['resumed_step']}, {r['rolled_back_steps']} steps rolled back"
             + (f"<br>NVRx cycle {r['nvrx_cycle']}" if "nvrx_cycle" in r else ""))

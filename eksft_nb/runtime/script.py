@@ -168,9 +168,15 @@ class ScriptProbe:
     # ---- in-process restarts of the script's own inprocess.Wrapper --------------------------
     def _hook_wrapper(self, inprocess: ModuleType) -> None:
         """Give every ``inprocess.Wrapper`` the script makes an initialize and a finalize step that
-        report each restart iteration (composed with the script's own)."""
+        report each restart iteration (composed with the script's own), and an abort step that
+        unblocks gloo collectives at once (see :mod:`.peers`)."""
+        from nvidia_resiliency_ext.inprocess.abort import AbortTorchDistributed
         from nvidia_resiliency_ext.inprocess.finalize import Finalize
         from nvidia_resiliency_ext.inprocess.initialize import Initialize
+
+        from .peers import abort_chain, track
+
+        track()
 
         probe = self
 
@@ -194,8 +200,10 @@ class ScriptProbe:
         init = inprocess.Wrapper.__init__
 
         @functools.wraps(init)
-        def __init__(wrapper: Any, *args: Any, initialize: Any = None, finalize: Any = None, **kwargs: Any) -> None:
-            init(wrapper, *args, initialize=Entered(initialize), finalize=Failed(finalize), **kwargs)
+        def __init__(wrapper: Any, *args: Any, initialize: Any = None, finalize: Any = None,
+                     abort: Any = AbortTorchDistributed(), **kwargs: Any) -> None:
+            init(wrapper, *args, initialize=Entered(initialize), finalize=Failed(finalize), abort=abort_chain(abort),
+                 **kwargs)
 
         inprocess.Wrapper.__init__ = __init__
 

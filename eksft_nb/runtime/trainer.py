@@ -15,7 +15,12 @@ import torch.distributed as dist
 from .checkpointer import ModelState
 from .data import SyntheticCorpus
 from .model import build_model, loss_fn
+from .peers import abort_chain
+from .peers import shutdown as shutdown_gloo
 from .session import Session, session
+
+
+LAST_CALL_WAIT_S = 0.1
 
 
 class Trainer:
@@ -32,6 +37,7 @@ class Trainer:
         if self.world != spec.world_size:
             raise RuntimeError(f"world size {self.world} != spec {spec.world_size}: restarting the whole group")
         self.ckpt_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=10))
+        self.t_group = time.time()   # the process groups are formed (a recovery's re-formation ends)
         vocab, d_model, n_layers, n_heads = spec.model.dims()
         self.model = build_model(vocab, d_model, n_layers, n_heads, spec.seq, spec.seed, self.device, fsdp=True)
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=spec.lr)
@@ -65,7 +71,7 @@ class Trainer:
     def train(self) -> None:
         s, spec = self.s, self.spec
         self.step = self.ckpt.restore(self.state, spec.resume, s.restarting)
-        s.rank_start(self.step, t_enter=self.t_enter, device=str(self.device))
+        s.rank_start(self.step, t_enter=self.t_enter, t_group=self.t_group, device=str(self.device))
         tokens_per_step = spec.batch * spec.seq * self.world
         first, t_loop = self.step + 1, time.perf_counter()
         for step in range(first, spec.steps + 1):
@@ -121,6 +127,8 @@ def run(call_wrapper: Any = None) -> None:
         trainer = Trainer(s, call_wrapper, t_enter)
         trainer.train()
     except BaseException as e:
+        if call_wrapper is not None:
+            shutdown_gloo()   # peers blocked on this rank fail now, not at the collective timeout
         s.rank_error(e)
         if trainer is not None and call_wrapper is None:
             trainer.close()
@@ -129,6 +137,8 @@ def run(call_wrapper: Any = None) -> None:
 
 
 def wrapper_kwargs(s: Session) -> dict[str, Any]:
+    from nvidia_resiliency_ext.inprocess.abort import AbortTorchDistributed
+
     ft = s.spec.ft
     td = datetime.timedelta
     logdir = (s.job_dir.path / "logs") if s.job_dir else Path("/tmp")
@@ -139,4 +149,8 @@ def wrapper_kwargs(s: Session) -> dict[str, Any]:
         barrier_timeout=td(seconds=max(ft.hard_timeout * 4, 120)),
         completion_timeout=td(seconds=max(ft.hard_timeout * 4, 120)),
         monitor_process_logfile=str((logdir / "inprocess-monitor-{rank}.log").absolute()),
+        abort=abort_chain(AbortTorchDistributed()),
+        # how long the monitor threads wait, once a failure is recorded, for concurrent failures of
+        # other ranks before they abort (NVRx: 1 s); a failure tells its peers at once (see .peers)
+        last_call_wait=td(seconds=LAST_CALL_WAIT_S),
     )

@@ -37,6 +37,10 @@ def main() -> None:
         if s.spec.ft.inprocess and "EKSFT_WRAPPER_PORT" in os.environ:
             import nvidia_resiliency_ext.inprocess as inprocess
 
+            from .peers import track
+
+            track()
+
             # the Wrapper passes itself to the parameter annotated with CallWrapper (a real class,
             # not the string that `from __future__ import annotations` leaves)
             run.__annotations__["call_wrapper"] = inprocess.CallWrapper
