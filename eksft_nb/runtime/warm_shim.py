@@ -31,7 +31,8 @@ def cold(why: str) -> None:
 
 
 def request(conn: socket.socket) -> None:
-    body = json.dumps({"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+    env = {**os.environ, "EKSFT_LAUNCHER_PID": str(os.getppid())}  # the rank's parent will be the zygote
+    body = json.dumps({"argv": sys.argv[1:], "env": env, "cwd": os.getcwd()}).encode()
     conn.sendmsg([struct.pack("!I", len(body)) + body], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
                                                           struct.pack("3i", 0, 1, 2))])
 
@@ -85,7 +86,8 @@ def main() -> None:
     if code < 0:
         for sig in FORWARDED:
             signal.signal(sig, signal.SIG_DFL)
-        signal.signal(-code, signal.SIG_DFL)
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
         code = 128 - code
     os._exit(code)

@@ -31,8 +31,7 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distri
            "nvidia_resiliency_ext.checkpointing.async_ckpt.core",
            "nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async",
            "eksft_nb.runtime.session", "eksft_nb.runtime.checkpointer", "eksft_nb.runtime.trainer",
-           "eksft_nb.runtime.model", "eksft_nb.runtime.data", "eksft_nb.runtime.trainer_main",
-           "eksft_nb.runtime.script")
+           "eksft_nb.runtime.model", "eksft_nb.runtime.data")  # not the entry modules: runpy runs those afresh
 # what the interpreter or torch read once, at start-up or import: a request that differs gets a cold rank
 FIXED_AT_START = ("PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "PYTHONSAFEPATH", "PYTHONNOUSERSITE", "LD_PRELOAD",
                   "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCH_CPP_LOG_LEVEL", "PYTHONWARNINGS")
@@ -160,8 +159,9 @@ def _start(conn: socket.socket, fixed: dict, sel: selectors.BaseSelector, listen
            wake: tuple[int, int]) -> int:
     """Fork the rank a shim asks for; its pid, or 0 after telling the shim why not."""
     fds: list[int] = []
+    peer = 0
     try:
-        uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+        peer, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
         if uid != os.getuid():
             raise ValueError(f"peer uid {uid} is not ours")
         request, fds = _receive(conn)
@@ -190,6 +190,7 @@ def _start(conn: socket.socket, fixed: dict, sel: selectors.BaseSelector, listen
         os._exit(code)
     for fd in fds:
         os.close(fd)
+    print(f"forked rank {pid} for worker {peer}: {' '.join(argv)[:200]}", flush=True)
     try:
         conn.sendall(b"pid %d\n" % pid)
     except OSError:
