@@ -305,16 +305,17 @@ def _light_main() -> Any:
 
 @contextlib.contextmanager
 def _forked_if_warm() -> Any:
-    """In a warm rank (forked from its node's zygote, see :mod:`.zygote`) that runs no other thread
-    yet, let NVRx fork its writer and result-queue processes instead of spawning them: a spawned one
-    starts an interpreter and imports torch again, seconds of CPU on the rank's critical path. A
-    process with more threads spawns as before (a fork copies only the forking thread, not the locks
-    the others hold)."""
+    """In a warm rank (forked from its node's zygote, see :mod:`.zygote`) whose threads are all
+    Python's (no process group, no torch thread pool yet), let NVRx fork its writer and result-queue
+    processes instead of spawning them: a spawned one starts an interpreter and imports torch again,
+    seconds of CPU on the rank's critical path. A fork copies only the forking thread, and a native
+    thread could hold a lock the copy then never sees released: with any, they spawn as before."""
     import multiprocessing
+    import threading
 
     import torch.multiprocessing as tmp
 
-    if os.environ.get("EKSFT_WARM_RANK") != "1" or len(os.listdir("/proc/self/task")) > 1:
+    if os.environ.get("EKSFT_WARM_RANK") != "1" or len(os.listdir("/proc/self/task")) > threading.active_count():
         yield
         return
     nvrx_context = tmp.get_context

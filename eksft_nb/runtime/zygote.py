@@ -26,7 +26,9 @@ import socket
 import struct
 import sys
 
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.checkpoint",
+# torch._dynamo: FSDP2 and the optimizers import it on first use (a second of a rank's set-up)
+PRELOAD = ("torch", "torch._dynamo", "torch.optim", "torch.distributed", "torch.distributed.fsdp",
+           "torch.distributed.checkpoint",
            "nvidia_resiliency_ext.fault_tolerance", "nvidia_resiliency_ext.inprocess",
            "nvidia_resiliency_ext.checkpointing.async_ckpt.core",
            "nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async",
