@@ -23,10 +23,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
+
+from eksft_nb.backends import procs
 from eksft_nb.events import RESTART_PHASES, Event, EventTail, read_all
 from eksft_nb.incidents import Incident
 from eksft_nb.jobdir import JobDir, jobs_root
 from eksft_nb.job import launch
+from eksft_nb.launcher import ZYGOTE_MODULE
 from eksft_nb.spec import JobSpec
 
 from .baseline import PlainTorchrunJob
@@ -45,6 +49,7 @@ FAULT_RANK = {"exception": 0, "hang": 0, "sigkill": 1, "segfault": 0, "kill-laun
 SPEC = {"model.preset": "small", "steps": 100_000, "checkpoint.every": 5, "ft.max_injob_restarts": 20,
         "ft.max_job_restarts": 10}
 TIMEOUT_S = 300  # per fault: to become ready for it, and to recover from the last one
+WARM_WINDOW_S = 3.0  # how long the warm processes' CPU is sampled while the job trains
 
 
 @dataclass
@@ -63,7 +68,8 @@ def run(quick: bool) -> dict[str, Any]:
     kinds = ["exception", "sigkill", "kill-launcher"] if quick else list(FAULT_TYPES)
     baseline_kinds = ["sigkill"] if quick else [k for k in FAULT_TYPES if k not in BASELINE_SKIPPED]
     before = load_avg()
-    eksft = eksft_job("rec-eksft", kinds * repeats)
+    warm: list[dict[str, Any]] = []
+    eksft = eksft_job("rec-eksft", kinds * repeats, warm)
     base = baseline_job("rec-baseline", baseline_kinds * repeats)
     by_type = {}
     for kind in kinds:
@@ -75,15 +81,26 @@ def run(quick: bool) -> dict[str, Any]:
         by_type[kind] = entry
     return {"repeats": repeats, "phases": list(PHASES), "targets_s": TARGETS_S, "by_fault": by_type,
             "targets_met": targets_met(by_type), "load_avg_before": before, "load_avg_after": load_avg(),
+            "warm_processes": warm,
             "raw": {"eksft": [asdict(r) for r in eksft], "baseline": [asdict(r) for r in base]}}
 
 
-def eksft_job(name: str, kinds: Sequence[str]) -> list[Recovery]:
+def eksft_job(name: str, kinds: Sequence[str], warm: list[dict[str, Any]]) -> list[Recovery]:
+    """``warm`` receives the cost of the job's warm processes, measured before the first fault."""
     spec = JobSpec().replace(name=name, **SPEC).validate()
     job = launch(spec)
+
+    def fire(kind: str) -> None:
+        if not warm:
+            jd = JobDir.for_name(name)
+            deadline = time.time() + TIMEOUT_S  # the standby zygotes import torch once the ranks have started
+            while time.time() < deadline and not all("ready" in p.read_text() for p in jd.logs.glob("zygote-1.*.log")):
+                time.sleep(0.5)
+            warm.extend(warm_costs(jd.supervisor().get("job_uid", "")))
+        job.inject(kind, rank=FAULT_RANK[kind])
+
     try:
-        Injector(JobDir.for_name(name).events_path, lambda kind: job.inject(kind, rank=FAULT_RANK[kind]),
-                 lambda: job.state).run(kinds)
+        Injector(JobDir.for_name(name).events_path, fire, lambda: job.state).run(kinds)
     finally:
         job.stop()
     events = read_all(JobDir.for_name(name).events_path)
@@ -208,6 +225,33 @@ def _incarnation(e: Event) -> tuple[int, int, int]:
     return (e["job_attempt"], e["injob_restart"], e["inprocess_iteration"])
 
 
+def warm_costs(job_uid: str, window_s: float = WARM_WINDOW_S) -> list[dict[str, Any]]:
+    """What the processes kept warm for the next restart cost while the job trains: each zygote (this
+    attempt's, which forked the ranks, and the standby one for the next attempt) and each standby
+    ft_launcher. Memory: RSS, and PSS/USS (pages shared with the ranks a zygote forked count once,
+    split between them); CPU: percent of one core over ``window_s``."""
+    found = []
+    for p in procs.marked(job_uid):
+        try:
+            cmd = " ".join(p.cmdline())
+            role = "zygote" if ZYGOTE_MODULE in cmd else "standby launcher" if "local.standby" in cmd else None
+            if role:
+                found.append((p, role, p.environ().get(procs.NODE_MARK, "?"), sum(p.cpu_times()[:2])))
+        except psutil.Error:
+            continue
+    time.sleep(window_s)
+    out = []
+    for p, role, tag, cpu0 in found:
+        try:
+            mem = p.memory_full_info()
+            cpu = sum(p.cpu_times()[:2]) - cpu0
+        except psutil.Error:
+            continue
+        out.append({"role": role, "node_tag": tag, "rss_mb": round(mem.rss / 2**20, 1), "pss_mb": round(mem.pss / 2**20, 1),
+                    "uss_mb": round(mem.uss / 2**20, 1), "cpu_pct": round(100 * cpu / window_s, 2)})
+    return sorted(out, key=lambda r: (r["role"], r["node_tag"]))
+
+
 def summarise(recs: list[Recovery]) -> dict[str, Any]:
     return {"n": len(recs), "levels": sorted({r.level for r in recs}), "total_s": stat([r.total_s for r in recs]),
             "phases_s": {p: stat([r.phases[p] for r in recs]) for p in PHASES},
@@ -246,4 +290,10 @@ def report(result: dict[str, Any]) -> str:
         base = (f"{vs:.2f}x the baseline ({'faster' if met['faster_than_baseline'] else 'NOT faster'})" if vs is not None
                 else result["by_fault"][kind].get("baseline_note", "no baseline"))
         out.append(f"  {kind}: {'within' if met['within_target'] else 'NOT within'} the {FAULT_TYPES[kind]} target; {base}")
+    warm = result.get("warm_processes") or []
+    if warm:
+        out.append(table(f"   warm processes while the job trains (attempt.node; CPU over {WARM_WINDOW_S:g} s)",
+                         ["process", "RSS MB", "PSS MB", "USS MB", "CPU %"],
+                         [[f"{w['role']} {w['node_tag']}", fmt(w["rss_mb"], ".0f"), fmt(w["pss_mb"], ".0f"),
+                           fmt(w["uss_mb"], ".0f"), fmt(w["cpu_pct"], ".1f")] for w in warm]))
     return "\n".join(out) + "\n"

@@ -7,12 +7,15 @@ what runs on a laptop is what runs on the cluster.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from .nvrx import NVRx
 from .spec import JobSpec
 
 TRAINER_MODULE = "eksft_nb.runtime.trainer_main"
 SCRIPT_MODULE = "eksft_nb.runtime.script"
+ZYGOTE_MODULE = "eksft_nb.runtime.zygote"
+WARM_SHIM = str(Path(__file__).parent / "runtime" / "warm_shim.py")
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,7 @@ class Ports:
 
 def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports: Ports, run_id: str,
                   log_dir: str | None = None, nvrx: NVRx | None = None, cycle_dir: str | None = None,
-                  store_elsewhere: bool = False) -> list[str]:
+                  store_elsewhere: bool = False, warm_python: str | None = None) -> list[str]:
     """``ft_launcher ...`` for one node (argv[0] is the bare command name).
 
     ``node_rank`` may be a Kubernetes reference such as ``"$(EKSFT_NODE_RANK)"``, which the kubelet
@@ -41,6 +44,8 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
     are added (see :meth:`NVRx.launcher_flags`; ``cycle_dir`` receives its per-cycle records).
     ``store_elsewhere``: no launcher hosts the rendezvous store (the local supervisor does, so that
     any node, the first included, can be lost while a hot spare takes its place).
+    ``warm_python``: each worker is :mod:`.runtime.warm_shim` run by that interpreter, which turns it
+    into a rank forked from the node's zygote (:mod:`.runtime.zygote`) when there is one.
     """
     ft = spec.ft
     argv = [
@@ -62,6 +67,8 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
         argv.append(f"--log-dir={log_dir}")
     if nvrx is not None:
         argv += nvrx.launcher_flags(cycle_dir)
+    if warm_python:
+        argv += ["--no-python", warm_python, "-S", WARM_SHIM.replace("$", "$$")]
     if spec.script:  # the launcher substitutes ${local_rank} in its workers' args (string.Template): $ -> $$
         argv += ["-m", SCRIPT_MODULE, *(a.replace("$", "$$") for a in (spec.script, *spec.script_args))]
     else:

@@ -303,6 +303,29 @@ def _light_main() -> Any:
         sys.modules["__main__"] = script_main
 
 
+@contextlib.contextmanager
+def _forked_if_warm() -> Any:
+    """In a warm rank (forked from its node's zygote, see :mod:`.zygote`) whose threads are all
+    Python's (no process group, no torch thread pool yet), let NVRx fork its writer and result-queue
+    processes instead of spawning them: a spawned one starts an interpreter and imports torch again,
+    seconds of CPU on the rank's critical path. A fork copies only the forking thread, and a native
+    thread could hold a lock the copy then never sees released: with any, they spawn as before."""
+    import multiprocessing
+    import threading
+
+    import torch.multiprocessing as tmp
+
+    if os.environ.get("EKSFT_WARM_RANK") != "1" or len(os.listdir("/proc/self/task")) > threading.active_count():
+        yield
+        return
+    nvrx_context = tmp.get_context
+    tmp.get_context = lambda method=None: multiprocessing.get_context("fork" if method == "spawn" else method)
+    try:
+        yield
+    finally:
+        tmp.get_context = nvrx_context
+
+
 class _AsyncWriter:
     """One NVRx persistent writer per rank process, shared across in-process restarts."""
 
@@ -319,7 +342,7 @@ class _AsyncWriter:
         from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest, PersistentAsyncCaller
         from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import _get_write_results_queue
 
-        with _light_main():
+        with _light_main(), _forked_if_warm():
             _get_write_results_queue()
             # NVRx 0.6+ sets up CUDA in the writer unless told the staged state is in CPU shared memory
             cpu_only = "cpu_shm_mode" in inspect.signature(PersistentAsyncCaller).parameters

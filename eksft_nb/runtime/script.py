@@ -48,6 +48,10 @@ def main() -> None:
     from .session import session
 
     s = session()
+    if s.spec.checkpoint.mode == "async" and os.environ.get("EKSFT_WARM_RANK") == "1":
+        from .checkpointer import start_writer
+
+        start_writer()  # forked now, while the rank has no process group (see checkpointer._forked_if_warm)
     script = os.path.abspath(sys.argv[1])
     if s.spec.workdir:
         try:

@@ -238,7 +238,8 @@ class Session:
         self.emit("fault", fault=cmd.fault, id=cmd.id, target_rank=cmd.rank, at_step=step, params=cmd.params,
                   **extra)
         if cmd.fault == "kill-launcher":  # the whole node: ft_launcher's process group, this rank included
-            os.killpg(os.getpgid(os.getppid()), signal.SIGKILL)
+            # a warm rank's parent is its zygote: its shim's parent, the launcher, is named in the environment
+            os.killpg(os.getpgid(int(os.environ.get("EKSFT_LAUNCHER_PID") or os.getppid())), signal.SIGKILL)
         if cmd.fault == "exception":
             where = f" at step {step}" if step is not None else ""
             self.pending_exception = f"injected exception on rank {self.rank}{where}"

@@ -41,16 +41,18 @@ import psutil
 from ...events import EventTail, EventWriter
 from ...jobdir import JobDir, atomic_write
 from ... import nvrx
-from ...launcher import Ports, launcher_argv, rank_env
+from ...launcher import ZYGOTE_MODULE, Ports, launcher_argv, rank_env
 from ...incidents import Incidents
 from ...monitor import JobMonitor
 from ...runtime.quiet import quiet_env
+from ...runtime.warm_shim import SOCKET_ENV as WARM_SOCKET
 from ...states import RECORDED_ENDS, JobState, RestartLevel
 from .. import procs
 
 POLL_S = 0.2
 MAX_SUPERVISORS = 5    # supervisor deaths the keeper recovers from before it ends the job
 UNKNOWN_EXIT = -256    # an adopted launcher ended (not our child: its exit status is unknown)
+
 UNRECORDED = 3         # the supervisor's exit status when the job ended but writing that down failed
 # ft_launcher's log, as NVRx 0.4.1 (``[2026-01-02 03:04:05,678] [WARNING] [RankMonServer...] msg``) and
 # 0.6 (``2026-01-02 03:04:05,678 [WARNING] [host] [workload:0(0) infra:?(?)] file.py:123 msg``) write it
@@ -104,6 +106,7 @@ class Supervisor:
         self.attempt = 0
         self.nodes: list[Node] = []
         self.standby: dict[int, subprocess.Popen] = {}  # node -> a warm ft_launcher for the next attempt
+        self.zygotes: dict[str, subprocess.Popen] = {}  # node tag -> its warm-rank zygote (this attempt's, the next's)
         self.store: Any = None   # the rendezvous store, when the supervisor hosts it (hot spares)
         self.t_launch = 0.0
         self.ranks_started: set[int] = set()  # ranks of the current attempt that reported rank_start
@@ -211,14 +214,16 @@ class Supervisor:
         self.store = _rendezvous_store(ports.rdzv) if self.spec.spare_nodes else None
         warm = []
         for node in range(self.spec.nnodes + self.spec.spare_nodes):   # spares wait in the rendezvous
+            tag = f"{self.attempt}.{node}"
+            zygote = self._start_zygote(tag)
             argv = launcher_argv(self.spec, node_rank=node, rdzv_host="127.0.0.1", ports=ports, run_id=run_id,
                                  nvrx=self.nvrx, cycle_dir=str(self._cycle_dir(self.attempt)),
-                                 store_elsewhere=self.store is not None)
-            tag = f"{self.attempt}.{node}"
+                                 store_elsewhere=self.store is not None, warm_python=zygote and sys.executable)
             env = quiet_env({**os.environ,
                              **rank_env(self.spec, ports=ports, job_attempt=self.attempt, job_dir=str(self.jd.path),
                                         nvrx=self.nvrx),
-                             procs.JOB_MARK: self.job_uid, procs.NODE_MARK: tag})
+                             procs.JOB_MARK: self.job_uid, procs.NODE_MARK: tag,
+                             **({WARM_SOCKET: zygote} if zygote else {})})
             log = self._launcher_log(self.attempt, node)
             popen = self._hand_over(node, argv, env)
             if popen is None:
@@ -246,11 +251,29 @@ class Supervisor:
         """Where NVRx 0.6+ writes this attempt's cycle records (its file names restart with each launcher)."""
         return self.jd.logs / "nvrx" / f"attempt-{attempt}"
 
+    def _start_zygote(self, tag: str) -> str | None:
+        """Start the warm-rank zygote of the node ``tag`` (see :mod:`eksft_nb.runtime.zygote`) unless it
+        runs already (started as a standby); its socket name, None when the spec turns warm ranks off."""
+        if not self.spec.ft.warm_ranks:
+            return None
+        name = f"eksft-{self.job_uid}-{tag}"
+        if tag in self.zygotes and self.zygotes[tag].poll() is None:
+            return name
+        # what the ranks' interpreter and torch read at start-up must match theirs (see zygote.FIXED_AT_START)
+        env = quiet_env({**os.environ, "OMP_NUM_THREADS": str(self.spec.threads_per_rank),
+                         procs.JOB_MARK: self.job_uid, procs.NODE_MARK: tag})
+        with open(self.jd.logs / f"zygote-{tag}.log", "ab") as out:
+            self.zygotes[tag] = subprocess.Popen([sys.executable, "-m", ZYGOTE_MODULE, name], env=env, stdout=out,
+                                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.jd.path,
+                                                 start_new_session=True)
+        return name
+
     def _start_standby(self) -> None:
         """Start a warm ft_launcher per node for the next attempt (see :mod:`.standby`) once every
         rank of this attempt has set up, so that its imports take no CPU from this attempt's start-up."""
         nxt = self.attempt + 1
         for node in range(self.spec.nnodes + self.spec.spare_nodes):
+            self._start_zygote(f"{nxt}.{node}")
             env = quiet_env({**os.environ, procs.JOB_MARK: self.job_uid, procs.NODE_MARK: f"{nxt}.{node}"})
             with open(self._launcher_log(nxt, node), "ab") as out:
                 self.standby[node] = subprocess.Popen(
@@ -444,8 +467,15 @@ class Supervisor:
         deadline = time.time() + 10
         while time.time() < deadline and any(n.poll() is None for n in self.nodes):
             time.sleep(0.1)
-        keep = [os.getppid()] + ([p.pid for p in self.standby.values()] if keep_standby else [])
+        nxt = f"{self.attempt + 1}."
+        keep = [os.getppid()] + ([p.pid for p in self.standby.values()] +
+                                 [z.pid for tag, z in self.zygotes.items() if tag.startswith(nxt)] if keep_standby else [])
         procs.kill_marked(self.job_uid, keep=keep)
+        for tag, zygote in list(self.zygotes.items()):
+            if zygote.pid not in keep:
+                zygote.kill()
+                zygote.wait()
+                del self.zygotes[tag]
         for node in self.nodes:
             if node.popen is not None:
                 node.popen.wait()

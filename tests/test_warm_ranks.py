@@ -1,0 +1,137 @@
+"""Warm ranks: ranks forked from a per-node zygote that has already imported torch, behind a shim that
+ft_launcher takes for the rank itself (see eksft_nb.runtime.zygote and eksft_nb.runtime.warm_shim)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from eksft_nb.backends import procs
+from eksft_nb.launcher import WARM_SHIM, ZYGOTE_MODULE
+from jobs import events, job_dir, run_job, wait_for
+
+PROBE = """
+import os, sys, time
+print("rank", os.getpid(), os.getppid(), "torch" in sys.modules, os.getcwd(), os.environ.get("PROBE"), sys.argv[1:],
+      flush=True)
+what = sys.argv[1]
+if what == "sleep":
+    time.sleep(600)
+if what == "abort":
+    os.abort()
+sys.exit(int(what))
+"""
+
+
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory: pytest.TempPathFactory):
+    """A zygote serving ranks for this module's shims: (its socket name, its pid, the folder of probe.py)."""
+    folder = tmp_path_factory.mktemp("warm")
+    (folder / "probe.py").write_text(PROBE)
+    name = f"eksft-test-{uuid.uuid4().hex[:8]}"
+    log = folder / "zygote.log"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", ZYGOTE_MODULE, name], stdout=out, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
+    wait_for("the zygote to import torch", lambda: "ready" in log.read_text() or proc.poll() is not None)
+    assert proc.poll() is None, log.read_text()
+    yield name, proc.pid, folder
+    proc.kill()
+    proc.wait()
+
+
+def shim(zygote_name: str, folder: Path, *args: str, **env: str) -> subprocess.Popen:
+    """A worker as ft_launcher starts it: its own session, ``python -S warm_shim.py -m probe ARGS``."""
+    return subprocess.Popen([sys.executable, "-S", WARM_SHIM, "-m", "probe", *args], cwd=folder,
+                            env={**os.environ, "EKSFT_WARM_SOCKET": zygote_name, "PROBE": "here", **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def rank_line(p: subprocess.Popen) -> list[str]:
+    line = p.stdout.readline().split()
+    assert line and line[0] == "rank", (line, p.stderr.read() if p.poll() is not None else "")
+    return line
+
+
+def test_a_warm_rank_is_a_forked_child_that_runs_the_module_as_python_would(zygote) -> None:
+    name, zygote_pid, folder = zygote
+    p = shim(name, folder, "7")
+    _, pid, parent, torch_loaded, cwd, probe, *_ = rank_line(p)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 7, err
+    assert int(parent) == zygote_pid and int(pid) != p.pid  # forked by the zygote, torch already imported
+    assert torch_loaded == "True" and cwd == str(folder) and probe == "here"
+    assert "no warm rank" not in err
+
+
+def test_a_rank_that_dies_of_a_signal_takes_its_shim_with_it(zygote) -> None:
+    name, _, folder = zygote
+    p = shim(name, folder, "abort")
+    p.communicate(timeout=60)
+    assert p.returncode == -signal.SIGABRT  # as ft_launcher saw it from a cold rank
+    p = shim(name, folder, "sleep")
+    pid = int(rank_line(p)[1])
+    os.kill(pid, signal.SIGKILL)  # a rank monitor kills the rank itself
+    p.communicate(timeout=60)
+    assert p.returncode == -signal.SIGKILL
+
+
+def test_signals_reach_the_rank_and_a_killed_shim_leaves_no_orphan(zygote) -> None:
+    name, _, folder = zygote
+    p = shim(name, folder, "sleep")
+    pid = int(rank_line(p)[1])
+    os.killpg(p.pid, signal.SIGTERM)  # how torch's SubprocessHandler stops a worker
+    p.communicate(timeout=60)
+    assert p.returncode == -signal.SIGTERM and not procs.alive(pid)
+    p = shim(name, folder, "sleep")
+    pid = int(rank_line(p)[1])
+    os.killpg(p.pid, signal.SIGKILL)  # and then kills it: the zygote sees the connection close
+    p.wait(timeout=60)
+    wait_for("the orphaned rank to be killed", lambda: not procs.alive(pid), timeout=30)
+
+
+@pytest.mark.parametrize("why", ["no zygote", "an environment the zygote cannot serve"])
+def test_without_a_zygote_that_can_serve_it_the_rank_starts_cold(zygote, why: str) -> None:
+    name, _, folder = zygote
+    if why == "no zygote":
+        p = shim(f"{name}-gone", folder, "3")
+    else:  # torch read its thread count at import: a rank that wants another starts afresh
+        p = shim(name, folder, "3", OMP_NUM_THREADS="7")
+    _, pid, _, torch_loaded, *_ = rank_line(p)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 3
+    assert int(pid) == p.pid and torch_loaded == "False"  # the shim exec'd `python -u -m probe 3`
+    assert len(re.findall("no warm rank", err)) == 1, err
+
+
+@pytest.mark.slow
+def test_restarted_ranks_are_forked_warm_at_every_level_and_lose_nothing() -> None:
+    cold = run_job("cold-reference", "--steps", "40", "--no-warm-ranks")
+    warm = run_job("warm-faults", "--steps", "40", "--no-inprocess", "--fault", "sigkill:1@12",
+                   "--fault", "kill-launcher@25")
+    assert cold["state"] == warm["state"] == "succeeded", warm
+    assert [r["level"] for r in warm["restart_events"]] == ["injob", "job"]
+    assert warm["digest"] == cold["digest"]  # bit-identical to a fault-free run of cold ranks
+    logs = job_dir("warm-faults") / "logs"
+    forked = {int(pid) for log in logs.glob("zygote-*.log") for pid in re.findall(r"forked rank (\d+)", log.read_text())}
+    starts = events("warm-faults", "rank_start")
+    assert len(starts) == 6 and {e["pid"] for e in starts} <= forked  # every incarnation, the first included
+    assert {e["job_attempt"] for e in starts} == {0, 1}
+    assert not list((job_dir("cold-reference") / "logs").glob("zygote-*.log"))
+    launcher_logs = " ".join(p.read_text() for p in logs.glob("launcher-*.log"))
+    assert "no warm rank" not in launcher_logs
+    uid = (job_dir("warm-faults") / "supervisor.json").read_text()
+    uid = re.search(r'"job_uid": "(\w+)"', uid).group(1)
+    deadline = time.time() + 30
+    while procs.marked(uid) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not procs.marked(uid)  # no zygote, standby or rank outlives the job
