@@ -69,6 +69,9 @@ OPTIONAL: dict[str, dict[str, tuple[type, ...] | type]] = {
                    "path": _opt_str, "mode": str, "error": _opt_str, "reason": _opt_str},
     "fault": {"node": _opt_int, "path": _opt_str},
     "rank_end": {"digest": _opt_str},
+    # where a restore came from (memory: the ranks' in-memory copies; storage: the checkpoint folder),
+    # and, from storage, why not from memory and the seconds that check took
+    "resume": {"source": str, "verify_s": _num, "memory": _opt_str, "memory_s": _num},
     "job_end": {"digest": _opt_str, "restarts": dict},
     "rank_error": {"waiting": bool},
     "gpu_health": {"note": _opt_str, "interval_s": _num},
