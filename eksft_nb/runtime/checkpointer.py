@@ -489,7 +489,8 @@ class CheckpointManager:
         self.fail_next_write = False
         self.last_committed: int | None = None
         self.stager = _STAGER
-        self.stager.shelf.bind(self.run, rank, world_size)
+        self.shelf = _STAGER.shelf  # where the staged buffers live, and the record of the copy they hold
+        self.shelf.bind(self.run, rank, world_size)
         self.ahead: set[int] | None = None  # step folders to clear before saving there, see _clear; None: not listed yet
         self.plan_cache: Any = None  # NVRx's plan cache: once two saves agree, later ones skip the planning collective
         _AsyncWriter.drain()
@@ -699,7 +700,7 @@ class CheckpointManager:
             return
         self.last_committed = step
         if self.mode == "async":  # the staged buffers are now the newest in-memory copy
-            self.stager.shelf.committed(step, verdict[1])
+            self.shelf.committed(step, verdict[1])
         if self.rank != 0:
             return
         self.emit("checkpoint", phase="committed", step=step, path=str(path), bytes=record["bytes"],
