@@ -72,6 +72,7 @@ OPTIONAL: dict[str, dict[str, tuple[type, ...] | type]] = {
     # where a restore came from (memory: the ranks' in-memory copies; storage: the checkpoint folder),
     # and, from storage, why not from memory and the seconds that check took
     "resume": {"source": str, "verify_s": _num, "memory": _opt_str, "memory_s": _num},
+    "restart": {"restored_from": _opt_str},
     "job_end": {"digest": _opt_str, "restarts": dict},
     "rank_error": {"waiting": bool},
     "gpu_health": {"note": _opt_str, "interval_s": _num},
