@@ -64,6 +64,11 @@ def test_faults_at_every_level_heal_and_lose_nothing(reference_digest: str, nvrx
     assert [r["blame_rank"] for r in restarts[:3]] == [0, 1, 0]
     assert all(r["downtime_s"] > 0 and r["rolled_back_steps"] >= 0 for r in restarts)
     assert summary["digest"] == reference_digest  # bit-identical to the fault-free run, whichever NVRx
+    # the in-process and the in-job restart restored the newest checkpoint from the ranks' in-memory copies
+    resumes = events(name, "resume")
+    assert [e["source"] for e in resumes[:2]] == ["memory", "memory"], [e.data for e in resumes]
+    uid = JobDir(job_dir(name)).supervisor()["job_uid"]
+    assert not list(Path("/dev/shm").glob(f"*eksft-{uid}-*")), "the copies end with the job"
     fired = [(f["fault"], f["at_step"]) for f in events(name, "fault")]
     assert fired == [("exception", 15), ("sigkill", 30), ("hang", 45), ("kill-launcher", 60)]
     # the job restart ran on the launcher the supervisor had kept warm, not on a cold start

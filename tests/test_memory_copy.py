@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import multiprocessing
 import os
 import time
 import uuid
@@ -21,6 +20,7 @@ from hypothesis import strategies as st
 
 from eksft_nb.runtime import memcopy
 from eksft_nb.runtime.memcopy import Header, copy_path, decode_value, encode_value, parse_header
+from jobs import fsdp_snapshot, run_ranks
 
 # ---- the header parser ----------------------------------------------------------------------------
 
@@ -127,16 +127,6 @@ def _train(model: torch.nn.Module, optim: torch.optim.Optimizer, seed: int) -> N
     optim.zero_grad()
 
 
-def _snapshot(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    msd, osd = get_state_dict(model, optim)
-    flat = {f"model.{k}": v.full_tensor() for k, v in msd.items()}
-    flat |= {f"optim.{p}.{k}": v.full_tensor() if hasattr(v, "full_tensor") else v
-             for p, s in osd["state"].items() for k, v in s.items()}
-    return {k: v.clone() for k, v in flat.items()}
-
-
 def _wait_published(run: str, rank: int) -> None:
     """The copy's record is written in the background once its digest is computed."""
     deadline = time.monotonic() + 120
@@ -163,7 +153,7 @@ def _rank(rank: int, incarnation: int, root: str, store: str, run: str, out: str
     if incarnation == 0:
         for step in (5, 10):
             _train(model, optim, step)
-            expected = _snapshot(model, optim)  # collective
+            expected = fsdp_snapshot(model, optim)  # collective
             mgr.maybe_save(step, {"train": ModelState(model, optim), "data": {"position": step}})
             _train(model, optim, 100 + step)   # training goes on while the writer works
             mgr.finish()
@@ -185,7 +175,7 @@ def _rank(rank: int, incarnation: int, root: str, store: str, run: str, out: str
             model, optim = _model()
             data = {"position": 0}
             step = mgr.restore({"train": ModelState(model, optim), "data": data}, "latest", restarting=True)
-            got = _snapshot(model, optim)
+            got = fsdp_snapshot(model, optim)
             resume = [e for e in events if e["kind"] == "resume"][-1]
             result[case] = {"step": step, "position": data["position"], "source": resume["source"],
                             "memory": resume.get("memory"),
@@ -196,19 +186,10 @@ def _rank(rank: int, incarnation: int, root: str, store: str, run: str, out: str
 
 
 def _run(tmp_path: Path, incarnation: int, run: str) -> list[dict[str, Any]]:
-    ctx = multiprocessing.get_context("spawn")
-    store = tmp_path / f"store{incarnation}"
     outs = [tmp_path / f"out{incarnation}-{r}.json" for r in range(2)]
-    procs = [ctx.Process(target=_rank, args=(r, incarnation, str(tmp_path / "ckpt"), str(store), run, str(outs[r])))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0, 0]
+    args = [(r, incarnation, str(tmp_path / "ckpt"), str(tmp_path / f"store{incarnation}"), run, str(outs[r]))
+            for r in range(2)]
+    assert run_ranks(_rank, args) == [0, 0]
     return [json.loads(o.read_text()) for o in outs]
 
 
@@ -271,3 +252,26 @@ def test_a_copy_being_overwritten_by_a_newer_save_is_not_used(tmp_path: Path, gr
         assert events[-1]["source"] == "storage"
     finally:
         memcopy.remove_copies(run)
+
+
+def test_a_state_that_does_not_fit_in_dev_shm_keeps_no_copy(tmp_path: Path) -> None:
+    """/dev/shm too small (here a file-size limit makes reserving the file fail, as a full tmpfs
+    would): the reason, and no file left; the stager then uses anonymous shared memory as before."""
+    import resource
+    import signal
+
+    path = tmp_path / "eksft-run-0"
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+    try:
+        reserved = memcopy.reserve(path, 1 << 20)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+    assert isinstance(reserved, str) and "1 MB do not fit" in reserved and not path.exists()
+    storage = memcopy.reserve(path, 1 << 20)  # with room, the same call reserves the file
+    assert storage.nbytes() == 1 << 20 and path.stat().st_size == 1 << 20
+    shelf = memcopy.Shelf()
+    shelf.bind("", 0, 1)  # no run id: anonymous shared memory, no file
+    assert shelf.allocate(100).is_shared() and shelf.path is None and shelf.note == "the job has no run id"

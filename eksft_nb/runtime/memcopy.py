@@ -139,7 +139,7 @@ def _parse_entry(item: Any) -> Entry | str:
     if not isinstance(item, dict) or not isinstance(item.get("key"), str):
         return "its layout has an entry without a key"
     key, dtype, shape, dt = item["key"], item.get("dtype"), item.get("shape"), item.get("dtensor")
-    if dtype not in _ITEMSIZE or not isinstance(shape, list) or len(shape) > 64 \
+    if not isinstance(dtype, str) or dtype not in _ITEMSIZE or not isinstance(shape, list) or len(shape) > 64 \
             or not all(_int(n, 0, 1 << 40) for n in shape):
         return f"its layout entry {key[:80]!r} has no valid dtype and shape"
     if not _int(item.get("offset")) or item["offset"] % ALIGN or not _int(item.get("nbytes")):
@@ -218,6 +218,26 @@ def _open_checked(path: Path, flags: int) -> tuple[int, os.stat_result] | str:
 
 # ---- keeping a copy (the writing side) -----------------------------------------------------------
 
+def reserve(path: Path, nbytes: int) -> Any:
+    """A new file ``path`` of ``nbytes``, reserved in full, as a shared untyped storage; or why not
+    (/dev/shm is full or limited: then no file is left)."""
+    import torch
+
+    try:  # a new file: whatever still maps the old one (a previous incarnation's, the writer) keeps it
+        path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        return f"{path} cannot be created ({e.strerror})"
+    try:
+        os.posix_fallocate(fd, 0, nbytes)  # reserve now: a full /dev/shm fails here, not with SIGBUS later
+        return torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)
+    except OSError as e:
+        path.unlink(missing_ok=True)
+        return f"{nbytes / 1e6:.0f} MB do not fit in {path.parent} ({e.strerror}): no in-memory copy is kept"
+    finally:
+        os.close(fd)
+
+
 class Shelf:
     """The named shared-memory file the stager's buffers live in, and the record of what they hold.
 
@@ -250,29 +270,11 @@ class Shelf:
         self.begin()
         path = copy_path(*self.identity[:2]) if self.identity else None
         self.path, self._storage, self._size = None, None, 0
-        if path is None:
-            self.note = "the job has no run id"
+        reserved = reserve(path, nbytes) if path is not None else "the job has no run id"
+        if isinstance(reserved, str):
+            self.note, self._storage = reserved, torch.UntypedStorage(nbytes).share_memory_()
         else:
-            try:  # a new file: whatever still maps the old one (a previous incarnation's, the writer) keeps it
-                path.unlink(missing_ok=True)
-                opened: Any = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            except OSError as e:
-                opened = f"{path} cannot be created ({e.strerror})"
-            if isinstance(opened, str):
-                self.note = opened
-            else:
-                fd = opened
-                try:
-                    os.posix_fallocate(fd, 0, nbytes)   # reserve now: a full /dev/shm fails here, not with SIGBUS later
-                    self._storage = torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)
-                    self.path, self._size, self.note = path, nbytes, ""
-                except OSError as e:
-                    path.unlink(missing_ok=True)
-                    self.note = f"{nbytes / 1e6:.0f} MB do not fit in {SHM} ({e.strerror}): no in-memory copy is kept"
-                finally:
-                    os.close(fd)
-        if self._storage is None:
-            self._storage = torch.UntypedStorage(nbytes).share_memory_()
+            self.path, self._size, self.note, self._storage = path, nbytes, "", reserved
         return self._storage
 
     def view(self, offset: int, shape: Any, dtype: Any) -> Any:
