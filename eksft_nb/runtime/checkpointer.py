@@ -794,6 +794,8 @@ class CheckpointManager:
         t0 = time.perf_counter()
         load_fn, reason, verify_s = memcopy.prepare(self.run, self.rank, self.world_size, newest.step, newest.time,
                                                     state, self._ticker())
+        if reason and self.shelf.note:  # this process knows why it kept none
+            reason = f"{reason}; {self.shelf.note}"
         reasons = self._gather(reason)
         if not any(reasons):
             try:

@@ -5,8 +5,8 @@ buffers live in one named file per rank, ``/dev/shm/eksft-<run>-<rank>``, so the
 process: after an in-process, in-job or (same node) job-level restart the next incarnation maps the
 file and, if it holds the newest committed step, copies it back into its local shards without
 reading the checkpoint from storage. Beside it, ``eksft-<run>-<rank>.json`` records which step the
-buffers hold (written only once that save committed and the buffers' SHA-256 was computed, off the
-training thread) and their layout; it is removed before the buffers are overwritten by the next save.
+buffers hold (written only once that save committed and the buffers' checksums were computed, off
+the training thread) and their layout; it is removed before the buffers are overwritten by the next save.
 
 The files are input like any checkpoint folder (another job's, a stale run's, truncated, garbage):
 everything is checked and any doubt means "restore from storage", with one line saying why. The
@@ -18,7 +18,6 @@ Torch is imported inside the functions that need it: the supervisor imports this
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import mmap
@@ -27,6 +26,7 @@ import re
 import stat
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +39,7 @@ FORMAT, VERSION = "eksft-memory-copy", 1
 HEADER_MAX = 64 << 20          # a layout larger than this is not one we wrote
 ALIGN = 64                     # buffer offsets in the data file (cache-line aligned)
 _RUN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-_CHUNK = 16 << 20              # bytes hashed between keepalive calls
+CHUNK = 16 << 20               # the buffers' checksums: one CRC-32 per 16 MiB
 
 
 def copy_path(run: str, rank: int) -> Path | None:
@@ -114,8 +114,8 @@ def parse_header(text: str | bytes, data_size: int) -> Header | str:
         return "its header lacks the step, commit time or size"
     if raw["size"] != data_size:
         return f"its data file has {data_size} bytes, the header says {raw['size']}"
-    if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
-        return "its header has no SHA-256 digest"
+    if not isinstance(digest, str) or len(digest) != 8 * -(-raw["size"] // CHUNK) or not re.fullmatch(r"[0-9a-f]*", digest):
+        return "its header has no checksums of its buffers"
     entries, values = raw.get("entries"), raw.get("values")
     if not isinstance(entries, list) or not isinstance(values, dict) or not all(isinstance(k, str) for k in values):
         return "its header has no layout"
@@ -192,13 +192,16 @@ def dtensor_layout(dt: Any) -> dict[str, Any]:
 
 
 def digest(buffer: Any, size: int, tick: Callable[[], Any] = lambda: None) -> str:
-    """SHA-256 of the first ``size`` bytes of ``buffer`` (hashlib releases the GIL while it hashes)."""
-    h, view = hashlib.sha256(), memoryview(buffer)
-    for start in range(0, size, _CHUNK):
-        h.update(view[start:min(size, start + _CHUNK)])
+    """The checksums of the first ``size`` bytes of ``buffer``: a CRC-32 per :data:`CHUNK`, in hex.
+    They catch a copy overwritten or corrupted since (a newer save's staging cut short, stray
+    writes) at about 6 GB/s, four times SHA-256's speed here; whose file it is is checked apart
+    (owner, mode, run, rank, step, commit time). zlib releases the GIL while it sums."""
+    view, sums = memoryview(buffer), []
+    for start in range(0, size, CHUNK):
+        sums.append(f"{zlib.crc32(view[start:min(size, start + CHUNK)]):08x}")
         tick()
     view.release()
-    return h.hexdigest()
+    return "".join(sums)
 
 
 def _open_checked(path: Path, flags: int) -> tuple[int, os.stat_result] | str:
@@ -377,7 +380,7 @@ def prepare(run: str, rank: int, world_size: int, step: int, committed_at: float
         os.close(fd)
     if data is not None and digest(data, header.size, tick) != header.digest:
         data.close()
-        return None, "its buffers do not match their SHA-256 (overwritten or corrupted)", time.perf_counter() - t0
+        return None, "its buffers do not match their checksums (overwritten or corrupted)", time.perf_counter() - t0
     return (lambda: _apply(header, targets, data)), None, time.perf_counter() - t0
 
 
