@@ -9,7 +9,8 @@ Phases, from the job's events (boundaries are clamped to be monotone):
   or re-entry after an in-process restart; the latest rank counts)
 - setup: -> checkpoint loading begins (interpreter, imports, rendezvous, process groups, model,
   choosing and verifying the checkpoint)
-- load: ``resume.load_s``
+- load: ``resume.load_s`` (from the ranks' in-memory copies: all of it, their checksums included;
+  from storage: the DCP load, the files' verification falls in set-up)
 - first_step: -> the first step after recovery is completed
 """
 
@@ -52,6 +53,7 @@ class Recovery:
     resumed_step: int
     phases: dict[str, float]
     total_s: float
+    source: str | None = None  # where the checkpoint was loaded from: memory (the ranks' copies) or storage
 
 
 def run(quick: bool) -> dict[str, Any]:
@@ -187,7 +189,7 @@ def _recovery(fault: Event, detected: tuple[float, str], window: list[Event]) ->
         bounds[k] = max(bounds[k], bounds[k - 1])
     phases = {name: bounds[k + 1] - bounds[k] for k, name in enumerate(PHASES)}
     return Recovery(fault["fault"], detected[1], fault["at_step"], resume["step"] if resume else 0, phases,
-                    first.t - fault.t)
+                    first.t - fault.t, resume.get("source") if resume else None)
 
 
 def _incarnation(e: Event) -> tuple[int, int, int]:
@@ -197,7 +199,8 @@ def _incarnation(e: Event) -> tuple[int, int, int]:
 def summarise(recs: list[Recovery]) -> dict[str, Any]:
     return {"n": len(recs), "levels": sorted({r.level for r in recs}), "total_s": stat([r.total_s for r in recs]),
             "phases_s": {p: stat([r.phases[p] for r in recs]) for p in PHASES},
-            "rolled_back_steps": stat([r.at_step - 1 - r.resumed_step for r in recs])}
+            "rolled_back_steps": stat([r.at_step - 1 - r.resumed_step for r in recs]),
+            "loaded_from": {src: sum(r.source == src for r in recs) for src in sorted({r.source or "-" for r in recs})}}
 
 
 def targets_met(by_type: dict[str, Any]) -> dict[str, Any]:
@@ -232,4 +235,7 @@ def report(result: dict[str, Any]) -> str:
         base = (f"{vs:.2f}x the baseline ({'faster' if met['faster_than_baseline'] else 'NOT faster'})" if vs is not None
                 else result["by_fault"][kind].get("baseline_note", "no baseline"))
         out.append(f"  {kind}: {'within' if met['within_target'] else 'NOT within'} the {FAULT_TYPES[kind]} target; {base}")
+    loaded = [f"{kind} {', '.join(f'{src} {n}' for src, n in entry['eksft'].get('loaded_from', {}).items())}"
+              for kind, entry in result["by_fault"].items() if entry["eksft"]["n"]]
+    out.append(f"  eksft loaded the checkpoint from (memory: the ranks' in-memory copies): {'; '.join(loaded)}")
     return "\n".join(out) + "\n"
