@@ -275,3 +275,21 @@ def test_a_state_that_does_not_fit_in_dev_shm_keeps_no_copy(tmp_path: Path) -> N
     shelf = memcopy.Shelf()
     shelf.bind("", 0, 1)  # no run id: anonymous shared memory, no file
     assert shelf.allocate(100).is_shared() and shelf.path is None and shelf.note == "the job has no run id"
+
+
+def test_copies_of_jobs_with_no_live_process_are_swept_and_no_others() -> None:
+    """What a job that could not clean up left (its supervisor killed with it) goes at the next
+    launch; a live job's copies, and files that are not a job's copies, stay."""
+    dead, live = uuid.uuid4().hex[:16], uuid.uuid4().hex[:16]
+    paths = {name: Path("/dev/shm") / name for name in
+             (f"eksft-{dead}-0", f"eksft-{dead}-0.json", f".eksft-{dead}-1.json.123.tmp", f"eksft-{live}-0",
+              f"eksft-{dead}-notarank", f"eksft-test{dead[:8]}-0")}
+    try:
+        for path in paths.values():
+            path.write_bytes(b"x")
+        memcopy.remove_stale_copies({live})
+        assert sorted(n for n, p in paths.items() if p.exists()) == sorted(
+            [f"eksft-{live}-0", f"eksft-{dead}-notarank", f"eksft-test{dead[:8]}-0"])
+    finally:
+        for path in paths.values():
+            path.unlink(missing_ok=True)

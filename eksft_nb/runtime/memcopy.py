@@ -63,6 +63,22 @@ def remove_copies(run: str | None) -> int:
     return removed
 
 
+def remove_stale_copies(live: set[str]) -> int:
+    """Remove this user's in-memory copy files of local-backend jobs (16 hex digit uids) that have no
+    live process (``live``: the marks of those that do): a job whose supervisor could not clean up
+    (killed with it) leaves no memory behind once the next job is launched."""
+    removed = 0
+    for path in [*SHM.glob("eksft-*"), *SHM.glob(".eksft-*")]:
+        m = re.fullmatch(r"\.?eksft-([0-9a-f]{16})-\d+(\.json(\.\d+\.tmp)?)?", path.name)
+        try:
+            if m and m.group(1) not in live and path.lstat().st_uid == os.geteuid():
+                path.unlink()
+                removed += 1
+        except OSError:
+            pass
+    return removed
+
+
 # ---- the header --------------------------------------------------------------------------------
 
 @dataclass(frozen=True)

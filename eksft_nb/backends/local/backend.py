@@ -27,7 +27,7 @@ from ... import nvrx
 from ...jobdir import JobDir, atomic_write, jobs_root
 from ...launcher import Ports, launcher_argv, rank_env
 from ...monitor import JobMonitor
-from ...runtime.memcopy import remove_copies
+from ...runtime.memcopy import remove_copies, remove_stale_copies
 from ...runtime.quiet import quiet_env
 from ...spec import JobSpec
 from ...states import ACTIVE, JobState
@@ -78,6 +78,7 @@ class LocalBackend(Backend):
         jd.create(spec)
         for f in faults:
             submit(jd.pending, f)
+        remove_stale_copies(procs.live_marks())  # in-memory checkpoint copies that ended jobs left
         self._start_supervisor(jd, uuid.uuid4().hex[:16])
 
     def _start_supervisor(self, jd: JobDir, job_uid: str) -> None:
