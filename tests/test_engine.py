@@ -64,9 +64,12 @@ def test_faults_at_every_level_heal_and_lose_nothing(reference_digest: str, nvrx
     assert [r["blame_rank"] for r in restarts[:3]] == [0, 1, 0]
     assert all(r["downtime_s"] > 0 and r["rolled_back_steps"] >= 0 for r in restarts)
     assert summary["digest"] == reference_digest  # bit-identical to the fault-free run, whichever NVRx
-    # the in-process and the in-job restart restored the newest checkpoint from the ranks' in-memory copies
+    # the restarts loaded the newest checkpoint from the ranks' in-memory copies, unless a newer save was
+    # being staged over them when the fault hit (then from storage, saying so): the in-job one did
     resumes = events(name, "resume")
-    assert [e["source"] for e in resumes[:2]] == ["memory", "memory"], [e.data for e in resumes]
+    assert all(e["source"] == "memory" or "there is none" in e["memory"] for e in resumes), [e.data for e in resumes]
+    [injob] = [r for r in events(name, "restart") if r["level"] == "injob"]
+    assert injob["restored_from"] == "memory", injob.data
     uid = JobDir(job_dir(name)).supervisor()["job_uid"]
     assert not list(Path("/dev/shm").glob(f"*eksft-{uid}-*")), "the copies end with the job"
     fired = [(f["fault"], f["at_step"]) for f in events(name, "fault")]

@@ -746,7 +746,8 @@ class CheckpointManager:
         dist.broadcast_object_list(listing, src=0, group=self.group)
         if isinstance(listing[0], JobError):
             raise listing[0]
-        from_memory = self._restore_from_memory(listing[0][0], state) if listing[0] else None
+        # async saves stage into the in-memory copies; sync saves keep none
+        from_memory = self._restore_from_memory(listing[0][0], state) if listing[0] and self.mode == "async" else None
         if isinstance(from_memory, int):
             return from_memory
         skipped: list[dict[str, Any]] = []
@@ -792,8 +793,11 @@ class CheckpointManager:
         """Load ``newest`` from the ranks' in-memory copies if every rank's is intact (collective):
         its step, or what the storage restore that follows reports about the copies (why not, time spent)."""
         t0 = time.perf_counter()
-        load_fn, reason, verify_s = memcopy.prepare(self.run, self.rank, self.world_size, newest.step, newest.time,
-                                                    state, self._ticker())
+        try:
+            load_fn, reason, verify_s = memcopy.prepare(self.run, self.rank, self.world_size, newest.step, newest.time,
+                                                        state, self._ticker())
+        except Exception as e:  # noqa: BLE001 - every rank must reach the gather below, whatever this one met
+            load_fn, reason, verify_s = None, f"it cannot be read: {type(e).__name__}: {e}"[:300], 0.0
         if reason and self.shelf.note:  # this process knows why it kept none
             reason = f"{reason}; {self.shelf.note}"
         reasons = self._gather(reason)
