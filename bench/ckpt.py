@@ -89,7 +89,7 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
         entry["blocked_vs_dcp_save"] = ratio(med(entry["blocked_s"]), dcp)
     eksft = methods[EKSFT]
     return {"state_bytes": raw["state_bytes"], "dims": raw["dims"], "batch": raw["batch"], "seq": raw["seq"],
-            "world_size": raw["world_size"], "clean_step_s": clean, "methods": methods,
+            "world_size": raw["world_size"], "clean_step_s": clean, "methods": methods, "restore": raw.get("restore"),
             "targets_met": {"blocked_vs_floor": eksft["blocked_vs_floor"] <= TARGET_FLOOR_X,
                             "blocked_vs_dcp_save": eksft["blocked_vs_dcp_save"] <= TARGET_DCP_X}}
 
@@ -116,5 +116,12 @@ def report(result: dict[str, Any]) -> str:
         out.append(f"  eksft blocked = staging {fmt(med(e['stage_s']), '.3f')} s + DCP planning/hand-off "
                    f"{fmt(med(e['plan_and_handoff_s']), '.3f')} s.  Targets: <= {TARGET_FLOOR_X}x floor "
                    f"{'MET' if met['blocked_vs_floor'] else 'NOT MET'}, <= {TARGET_DCP_X}x dcp.save "
-                   f"{'MET' if met['blocked_vs_dcp_save'] else 'NOT MET'}\n")
+                   f"{'MET' if met['blocked_vs_dcp_save'] else 'NOT MET'}")
+        if r.get("restore"):
+            mem, sto = r["restore"]["memory"], r["restore"]["storage"]
+            out.append(f"  eksft restore (slowest rank): from memory {mem['wall_s']:.3f} s (CPU {mem['cpu_s']:.3f} s, "
+                       f"CRC-32 check {fmt(mem['verify_s'], '.3f')} s, loaded from {mem['source']}); from storage "
+                       f"{sto['wall_s']:.3f} s (CPU {sto['cpu_s']:.3f} s, SHA-256 check {fmt(sto['verify_s'], '.3f')} s, "
+                       f"loaded from {sto['source']}; the files were in the page cache)")
+        out.append("")
     return "\n".join(out)

@@ -11,7 +11,8 @@ after recovery starts; here ``first_step`` also counts that step, to its complet
 - teardown: -> the new incarnation's ranks begin (process start, or re-entry after an in-process
   restart; the latest rank counts)
 - reformation: -> its process groups are formed (interpreter, imports, rendezvous)
-- restore: -> the model is rebuilt and the checkpoint chosen, verified and loaded
+- restore: -> the model is rebuilt and the checkpoint chosen, verified and loaded (from the ranks'
+  in-memory copies, their checksums included, or from storage; ``resume.source`` says which)
 - first_step: -> the first step after recovery is completed
 """
 
@@ -60,6 +61,7 @@ class Recovery:
     resumed_step: int
     phases: dict[str, float]
     total_s: float
+    source: str | None = None  # where the checkpoint was loaded from: memory (the ranks' copies) or storage
 
 
 def run(quick: bool) -> dict[str, Any]:
@@ -213,7 +215,7 @@ def _recovery(fault: Event, detected: tuple[float, str], window: list[Event]) ->
     resume = next((e for e in reversed(before) if e.kind == "resume"), None)
     phases = incident.phases(first.t - first["step_time"])
     return Recovery(fault["fault"], detected[1], fault["at_step"], resume["step"] if resume else 0,
-                    _to_completion(phases, first), first.t - fault.t)
+                    _to_completion(phases, first), first.t - fault.t, resume.get("source") if resume else None)
 
 
 def _to_completion(phases: dict[str, float], first: Event) -> dict[str, float]:
@@ -255,7 +257,8 @@ def warm_costs(job_uid: str, window_s: float = WARM_WINDOW_S) -> list[dict[str, 
 def summarise(recs: list[Recovery]) -> dict[str, Any]:
     return {"n": len(recs), "levels": sorted({r.level for r in recs}), "total_s": stat([r.total_s for r in recs]),
             "phases_s": {p: stat([r.phases[p] for r in recs]) for p in PHASES},
-            "rolled_back_steps": stat([r.at_step - 1 - r.resumed_step for r in recs])}
+            "rolled_back_steps": stat([r.at_step - 1 - r.resumed_step for r in recs]),
+            "loaded_from": {src: sum(r.source == src for r in recs) for src in sorted({r.source or "-" for r in recs})}}
 
 
 def targets_met(by_type: dict[str, Any]) -> dict[str, Any]:
@@ -290,6 +293,9 @@ def report(result: dict[str, Any]) -> str:
         base = (f"{vs:.2f}x the baseline ({'faster' if met['faster_than_baseline'] else 'NOT faster'})" if vs is not None
                 else result["by_fault"][kind].get("baseline_note", "no baseline"))
         out.append(f"  {kind}: {'within' if met['within_target'] else 'NOT within'} the {FAULT_TYPES[kind]} target; {base}")
+    loaded = [f"{kind} {', '.join(f'{src} {n}' for src, n in entry['eksft'].get('loaded_from', {}).items())}"
+              for kind, entry in result["by_fault"].items() if entry["eksft"]["n"]]
+    out.append(f"  eksft loaded the checkpoint from (memory: the ranks' in-memory copies): {'; '.join(loaded)}")
     warm = result.get("warm_processes") or []
     if warm:
         out.append(table(f"   warm processes while the job trains (attempt.node; CPU over {WARM_WINDOW_S:g} s)",

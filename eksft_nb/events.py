@@ -69,12 +69,16 @@ OPTIONAL: dict[str, dict[str, tuple[type, ...] | type]] = {
                    "path": _opt_str, "mode": str, "error": _opt_str, "reason": _opt_str},
     "fault": {"node": _opt_int, "path": _opt_str},
     "rank_end": {"digest": _opt_str},
+    # where a restore came from (memory: the ranks' in-memory copies; storage: the checkpoint folder),
+    # and, from storage, why not from memory and the seconds that check took
+    "resume": {"source": str, "verify_s": _num, "memory": _opt_str, "memory_s": _num},
     "job_end": {"digest": _opt_str, "restarts": dict},
     "rank_error": {"waiting": bool},
     # when the incarnation began (process start, or re-entry after an in-process restart) and when its
     # process groups were formed
     "rank_start": {"t_enter": _num, "t_group": _num},
-    "restart": {"phases": dict},   # phase -> seconds (RESTART_PHASES), summing to downtime_s
+    # phases: phase -> seconds (RESTART_PHASES), summing to downtime_s; restored_from: the resume's source
+    "restart": {"phases": dict, "restored_from": _opt_str},
     "gpu_health": {"note": _opt_str, "interval_s": _num},
     "gpu_fault": {"xid": _opt_int, "count": _opt_int, "throttle": _opt_int},
 }

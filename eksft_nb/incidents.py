@@ -36,6 +36,7 @@ class Incident:
     detected_at: float
     last_step: int
     resumed_step: int | None = None
+    restored_from: str | None = None           # the resume event's source: memory or storage
     gpu_fault: dict[str, Any] | None = None   # the GPU fault named as its cause
     # the recovering ranks' latest entry, process groups formed, and restore done (their rank_start events)
     entered: float | None = None
@@ -117,6 +118,8 @@ class Incidents:
                 self.incident.resumed_step = e["start_step"]
                 if not self.steps_expected and not len(self.mon.steps) and e.t > self.incident.detected_at:
                     self.close(e.t)  # a script that reports no steps has recovered once it runs again
+        elif e.kind == "resume" and self.incident is not None:
+            self.incident.restored_from = e.get("source")
         elif e.kind == "step":
             started = e.t - e["step_time"]
             if self.incident is not None and e.t > self.incident.detected_at:
@@ -203,10 +206,12 @@ class Incidents:
         self.emit("restart", level=i.level, cause=i.cause, blame_rank=i.blame_rank, fault_time=i.fault_time,
                   detection_s=max(0.0, i.detected_at - i.fault_time), downtime_s=downtime,
                   rolled_back_steps=max(0, i.last_step - resumed), resumed_step=resumed,
-                  phases=i.phases(first_step_start))
+                  phases=i.phases(first_step_start),
+                  **({"restored_from": i.restored_from} if i.restored_from else {}))
         self.last_alive = max(self.last_alive, first_step_start)
         self.recovered_to = max(self.incarnation.values(), default=None)
-        self.say(f"recovered ({i.level}): resumed from step {resumed}, {downtime:.1f}s after the fault")
+        source = f" (loaded from {i.restored_from})" if i.restored_from else ""
+        self.say(f"recovered ({i.level}): resumed from step {resumed}{source}, {downtime:.1f}s after the fault")
 
     # ---- attribution ---------------------------------------------------------------------------
     def _gpu_cause(self) -> None:

@@ -89,3 +89,32 @@ def scrape(port: int, server: subprocess.Popen, timeout: float = 60) -> dict[tup
     assert body, f"no metrics on port {port}: {(err or b'').decode(errors='replace')[-2000:]}"
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(body) for s in family.samples}
+
+
+def run_ranks(target: Callable[..., None], args: list[tuple], timeout: float = 300) -> list[int | None]:
+    """Run ``target(*args[r])`` in one spawned process per rank; their exit codes (a rank still
+    running after ``timeout`` seconds is killed)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=target, args=a) for a in args]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return [p.exitcode for p in procs]
+
+
+def fsdp_snapshot(model: Any, optim: Any) -> dict[str, Any]:
+    """The full (unsharded) parameters and optimizer state of an FSDP2 model, cloned, by name."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optim)
+    flat = {f"model.{k}": v.full_tensor() for k, v in msd.items()}
+    flat |= {f"optim.{p}.{k}": v.full_tensor() if hasattr(v, "full_tensor") else v
+             for p, st in osd["state"].items() for k, v in st.items()}
+    return {k: v.clone() for k, v in flat.items()}

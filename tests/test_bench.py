@@ -85,6 +85,9 @@ def test_checkpoint_stall(results: dict[str, Any]) -> None:
         assert stage + rest == pytest.approx(blocked) and stage > 0
     assert_stat(s["clean_step_s"])
     assert set(s["targets_met"]) == {"blocked_vs_floor", "blocked_vs_dcp_save"}
+    restore = s["restore"]  # the last save restored from the ranks' in-memory copies, then from storage
+    assert [restore[k]["source"] for k in ("memory", "storage")] == ["memory", "storage"]
+    assert all(restore[k]["wall_s"] > 0 and restore[k]["verify_s"] >= 0 for k in ("memory", "storage"))
 
 
 def test_recovery(results: dict[str, Any]) -> None:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from eksft_nb.checkpoint_folders import list_checkpoints, verify
 from eksft_nb.errors import JobError
 from eksft_nb.runtime.checkpointer import CheckpointManager, load
+from jobs import fsdp_snapshot
 
 
 @pytest.fixture(scope="module")
@@ -390,21 +391,12 @@ def test_model_state_without_torchs_private_helpers_is_get_state_dict(group: Any
 def test_fsdp_model_and_optimizer_saves_with_the_kept_work_load_bit_exact(tmp_path: Path, group: Any) -> None:
     """FSDP2 (DTensor) model and AdamW state through ModelState and the stager's kept DTensors,
     saved while training goes on and with the plan cached: the last save loads bit exact."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
     from eksft_nb.runtime.checkpointer import ModelState
     from eksft_nb.runtime.model import build_model, loss_fn
 
     def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         model = build_model(64, 16, 2, 2, 8, 0, torch.device("cpu"), fsdp=True)
         return model, torch.optim.AdamW(model.parameters(), lr=0.01)
-
-    def snapshot(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-        msd, osd = get_state_dict(model, optim)
-        flat = {f"model.{k}": v.full_tensor() for k, v in msd.items()}
-        flat |= {f"optim.{p}.{k}": v.full_tensor() if hasattr(v, "full_tensor") else v
-                 for p, st in osd["state"].items() for k, v in st.items()}
-        return {k: v.clone() for k, v in flat.items()}
 
     model, optim = fresh()
     mgr, state = _manager(tmp_path, group, "async", []), {"train": ModelState(model, optim)}
@@ -413,7 +405,7 @@ def test_fsdp_model_and_optimizer_saves_with_the_kept_work_load_bit_exact(tmp_pa
         loss_fn(model, torch.randint(0, 64, (2, 9), generator=gen)).backward()
         optim.step()
         optim.zero_grad()
-        expected = snapshot(model, optim)
+        expected = fsdp_snapshot(model, optim)
         mgr.maybe_save(step, state)
         loss_fn(model, torch.randint(0, 64, (2, 9), generator=gen)).backward()  # training goes on
         optim.step()
@@ -421,5 +413,5 @@ def test_fsdp_model_and_optimizer_saves_with_the_kept_work_load_bit_exact(tmp_pa
     assert mgr.plan_cache.validated_cache_reuse
     model2, optim2 = fresh()
     assert mgr.restore({"train": ModelState(model2, optim2)}) == 15
-    got = snapshot(model2, optim2)
+    got = fsdp_snapshot(model2, optim2)
     assert got.keys() == expected.keys() and all(torch.equal(got[k], v) for k, v in expected.items())

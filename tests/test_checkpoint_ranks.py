@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import multiprocessing
 import os
 import time
 from pathlib import Path
@@ -15,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from eksft_nb.checkpoint_folders import list_checkpoints, step_dir
+from jobs import run_ranks
 
 STEPS = (5, 10, 15, 20)
 LEFTOVER = "__1_0.distcp.leftover"  # in the folder of step 15 before the job starts
@@ -64,17 +64,8 @@ def test_rank_0_never_removes_files_another_rank_is_writing(tmp_path: Path) -> N
     step_dir(root, 15).mkdir(parents=True)  # a leftover ahead: cleared before any rank writes into it
     (step_dir(root, 15) / LEFTOVER).write_bytes(b"from a crashed run")
     (step_dir(root, 15) / "commit.json").write_text("{}")
-    ctx = multiprocessing.get_context("spawn")
     outs = [tmp_path / f"out{r}.json" for r in range(2)]
-    procs = [ctx.Process(target=_rank, args=(r, str(root), str(tmp_path / "store"), str(outs[r]))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0, 0]
+    assert run_ranks(_rank, [(r, str(root), str(tmp_path / "store"), str(outs[r])) for r in range(2)]) == [0, 0]
     assert json.loads(outs[0].read_text()) == []  # no save failed
     committed = [i.step for i in list_checkpoints(root) if i.state == "committed"]
     assert committed == list(STEPS)

@@ -73,6 +73,14 @@ def test_faults_at_every_level_heal_and_lose_nothing(reference_digest: str, nvrx
     # the exception's rank told its peer at once: the peer did not wait out the collective timeout
     assert restarts[0]["detection_s"] < JobSpec().ft.collective_timeout, restarts[0]
     assert summary["digest"] == reference_digest  # bit-identical to the fault-free run, whichever NVRx
+    # the restarts loaded the newest checkpoint from the ranks' in-memory copies, unless a newer save was
+    # being staged over them when the fault hit (then from storage, saying so): the in-job one did
+    resumes = events(name, "resume")
+    assert all(e["source"] == "memory" or "there is none" in e["memory"] for e in resumes), [e.data for e in resumes]
+    [injob] = [r for r in events(name, "restart") if r["level"] == "injob"]
+    assert injob["restored_from"] == "memory", injob.data
+    uid = JobDir(job_dir(name)).supervisor()["job_uid"]
+    assert not list(Path("/dev/shm").glob(f"*eksft-{uid}-*")), "the copies end with the job"
     fired = [(f["fault"], f["at_step"]) for f in events(name, "fault")]
     assert fired == [("exception", 15), ("sigkill", 30), ("hang", 45), ("kill-launcher", 60)]
     # the job restart ran on the launcher the supervisor had kept warm, not on a cold start

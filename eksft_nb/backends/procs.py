@@ -46,6 +46,16 @@ def recorded(entry: dict[str, Any] | None, job_uid: str | None = None) -> psutil
 
 def marked(job_uid: str, node_tag: str | None = None) -> list[psutil.Process]:
     """The live processes that carry the job's mark (and, given, the node tag), but this one."""
+    return [p for p, env in _live_environs()
+            if env.get(JOB_MARK) == job_uid and (node_tag is None or env.get(NODE_MARK) == node_tag)]
+
+
+def live_marks() -> set[str]:
+    """The marks of every job that has a live process (that this user can see), this one's apart."""
+    return {env[JOB_MARK] for _, env in _live_environs() if env.get(JOB_MARK)}
+
+
+def _live_environs() -> list[tuple[psutil.Process, dict[str, str]]]:
     found = []
     me = os.getpid()
     for p in psutil.process_iter():
@@ -57,8 +67,7 @@ def marked(job_uid: str, node_tag: str | None = None) -> list[psutil.Process]:
                 continue
         except (psutil.Error, OSError):
             continue
-        if env.get(JOB_MARK) == job_uid and (node_tag is None or env.get(NODE_MARK) == node_tag):
-            found.append(p)
+        found.append((p, env))
     return found
 
 

@@ -45,6 +45,7 @@ from torch.distributed.checkpoint.api import _is_wrapped_exception
 from ..checkpoint_folders import (COMMIT, STEP_DIR, CheckpointInfo, list_checkpoints, parse_commit, plain_name, reject,
                            sha256_file, share, step_dir, verify)
 from ..errors import JobError
+from . import memcopy
 
 # ---- safe loading ---------------------------------------------------------------------------
 
@@ -147,18 +148,49 @@ def load(path: Path, state: dict[str, Any], group: dist.ProcessGroup | None) -> 
 # ---- staging --------------------------------------------------------------------------------
 
 class Stager:
-    """Copies a state dict into shared-memory buffers that are allocated on first use and reused."""
+    """Copies a state dict into shared-memory buffers that are allocated on first use and reused.
+
+    The buffers live in one named shared-memory file per rank (see :mod:`.memcopy`): once a save of
+    them commits, they are the newest in-memory copy of the checkpoint, which a restart of the rank
+    (in the same process or the next one on the node) restores from instead of storage."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._offsets: dict[str, int] = {}  # each buffer's place in the shared-memory file
         self._dtensors: dict[str, Any] = {}  # the staged DTensors, kept with their buffers (no new wrapper per save)
+        self._values: dict[str, Any] = {}   # the plain values of the last staging, for the copy's record
+        self._wanted: dict[str, tuple[torch.Size, torch.dtype]] = {}
+        self._fits = True
         self.bytes = 0
         self.staged_bytes = 0
+        self.shelf = memcopy.Shelf()
 
     def stage(self, state: Any) -> Any:
         """The staged copy of ``state``; ``staged_bytes`` is then the size of its tensors."""
-        self.staged_bytes = 0
-        return self._stage(state, "")
+        self.shelf.begin()  # the buffers change now: the copy they held is gone
+        staged = self._walk(state)
+        if staged is None:  # the first save, or the state changed shape: lay the buffers out anew
+            self._allocate()
+            staged = self._walk(state)
+        buffers, offsets, dtensors, values = self._buffers, self._offsets, dict(self._dtensors), self._values
+        self.shelf.staged(lambda: _describe(buffers, offsets, dtensors, values))
+        return staged
+
+    def _walk(self, state: Any) -> Any:
+        """Stage ``state`` into the buffers; None if they do not fit it (``_wanted`` says what would)."""
+        self.staged_bytes, self._fits, self._wanted, self._values = 0, True, {}, {}
+        staged = self._stage(state, "")
+        return staged if self._fits and self._wanted.keys() == self._buffers.keys() else None
+
+    def _allocate(self) -> None:
+        offsets, end = {}, 0
+        for key, (shape, dtype) in self._wanted.items():
+            offsets[key] = end
+            end += -(-shape.numel() * dtype.itemsize // memcopy.ALIGN) * memcopy.ALIGN
+        self.shelf.allocate(end)
+        self._offsets = offsets
+        self._buffers = {key: self.shelf.view(offsets[key], shape, dtype) for key, (shape, dtype) in self._wanted.items()}
+        self._dtensors = {}
 
     def _stage(self, state: Any, prefix: str) -> Any:
         from torch.distributed.tensor import DTensor
@@ -171,6 +203,8 @@ class Stager:
             return [self._stage(v, f"{prefix}/{i}") for i, v in enumerate(state)]
         if isinstance(state, DTensor):
             buf = self._copy(prefix, state._local_tensor)
+            if buf is None:
+                return state
             staged = self._dtensors.get(prefix)
             if staged is None or staged._local_tensor is not buf or staged._spec != state._spec:
                 staged = self._dtensors[prefix] = DTensor(buf, state._spec, requires_grad=False)
@@ -178,20 +212,33 @@ class Stager:
         if isinstance(state, torch.Tensor):
             return self._copy(prefix, state)
         if type(state) in (str, int, float, bool, bytes, type(None)):  # immutable: nothing to copy
+            self._values[prefix] = state
             return state
-        return pickle.loads(pickle.dumps(state))  # other plain values: a private copy
+        self._values[prefix] = copy = pickle.loads(pickle.dumps(state))  # other plain values: a private copy
+        return copy
 
-    def _copy(self, key: str, src: torch.Tensor) -> torch.Tensor:
+    def _copy(self, key: str, src: torch.Tensor) -> torch.Tensor | None:
+        self._wanted[key] = (src.shape, src.dtype)
         buf = self._buffers.get(key)
         if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu").share_memory_()
-            self._buffers[key] = buf
+            self._fits = False
+            return None
         buf.copy_(src.detach())
         self.staged_bytes += buf.numel() * buf.element_size()
         return buf
 
     def total_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+def _describe(buffers: dict[str, torch.Tensor], offsets: dict[str, int], dtensors: dict[str, Any],
+              values: dict[str, Any]) -> dict[str, Any]:
+    """The layout of a staged state, for the in-memory copy's record (run in the background)."""
+    entries = [{"key": key, "dtype": str(buf.dtype).removeprefix("torch."), "shape": list(buf.shape),
+                "offset": offsets[key], "nbytes": buf.numel() * buf.element_size(),
+                "dtensor": memcopy.dtensor_layout(dtensors[key]) if key in dtensors else None}
+               for key, buf in buffers.items()]
+    return {"entries": entries, "values": {key: memcopy.encode_value(v) for key, v in values.items()}}
 
 
 def _save_planner() -> Any:
@@ -465,6 +512,8 @@ class CheckpointManager:
         self.fail_next_write = False
         self.last_committed: int | None = None
         self.stager = _STAGER
+        self.shelf = _STAGER.shelf  # where the staged buffers live, and the record of the copy they hold
+        self.shelf.bind(self.run, rank, world_size)
         self.ahead: set[int] | None = None  # step folders to clear before saving there, see _clear; None: not listed yet
         self.plan_cache: Any = None  # NVRx's plan cache: once two saves agree, later ones skip the planning collective
         _AsyncWriter.drain()
@@ -667,12 +716,14 @@ class CheckpointManager:
                     _fsync_dir(path)
             except Exception as e:  # noqa: BLE001
                 error = f"commit: {type(e).__name__}: {e}"
-        verdict = [error]
+        verdict = [error, record.get("time")]
         dist.broadcast_object_list(verdict, src=0, group=self.group)
         if verdict[0]:
             self._failed(step, [verdict[0]] + [None] * (self.world_size - 1))
             return
         self.last_committed = step
+        if self.mode == "async":  # the staged buffers are now the newest in-memory copy
+            self.shelf.committed(step, verdict[1])
         if self.rank != 0:
             return
         self.emit("checkpoint", phase="committed", step=step, path=str(path), bytes=record["bytes"],
@@ -718,6 +769,10 @@ class CheckpointManager:
         dist.broadcast_object_list(listing, src=0, group=self.group)
         if isinstance(listing[0], JobError):
             raise listing[0]
+        # async saves stage into the in-memory copies; sync saves keep none
+        from_memory = self._restore_from_memory(listing[0][0], state) if listing[0] and self.mode == "async" else None
+        if isinstance(from_memory, int):
+            return from_memory
         skipped: list[dict[str, Any]] = []
         touched = None  # a checkpoint that verified but failed to load, part of it maybe in ``state``
         for info in listing[0]:
@@ -753,8 +808,37 @@ class CheckpointManager:
         if info.path.parent == self.root:
             self.last_committed = info.step
         self.emit("resume", step=info.step, path=str(info.path), load_s=time.perf_counter() - t1, skipped=skipped,
-                  verify_s=verify_s, verified_files=[len(share(info, r, self.world_size)) for r in range(self.world_size)])
+                  verify_s=verify_s, verified_files=[len(share(info, r, self.world_size)) for r in range(self.world_size)],
+                  source="storage", **(from_memory or {}))
         return info.step
+
+    def _restore_from_memory(self, newest: CheckpointInfo, state: dict[str, Any]) -> int | dict[str, Any]:
+        """Load ``newest`` from the ranks' in-memory copies if every rank's is intact (collective):
+        its step, or what the storage restore that follows reports about the copies (why not, time spent)."""
+        t0 = time.perf_counter()
+        try:
+            load_fn, reason, verify_s = memcopy.prepare(self.run, self.rank, self.world_size, newest.step, newest.time,
+                                                        state, self._ticker())
+        except Exception as e:  # noqa: BLE001 - every rank must reach the gather below, whatever this one met
+            load_fn, reason, verify_s = None, f"it cannot be read: {type(e).__name__}: {e}"[:300], 0.0
+        if reason and self.shelf.note:  # this process knows why it kept none
+            reason = f"{reason}; {self.shelf.note}"
+        reasons = self._gather(reason)
+        if not any(reasons):
+            try:
+                load_fn()
+            except Exception as e:  # noqa: BLE001 - storage has it: the load from there overwrites all of it
+                reason = f"it does not load: {type(e).__name__}: {e}"[:300]
+            reasons = self._gather(reason)
+        if any(reasons):
+            found = next(r for r, why in enumerate(reasons) if why)
+            return {"memory": f"not restored from memory (rank {found}: {reasons[found]})",
+                    "memory_s": time.perf_counter() - t0}
+        if newest.path.parent == self.root:
+            self.last_committed = newest.step
+        self.emit("resume", step=newest.step, path=str(newest.path), load_s=time.perf_counter() - t0, skipped=[],
+                  verify_s=verify_s, source="memory")
+        return newest.step
 
 
 def _verify_share(info: CheckpointInfo, rank: int, world_size: int, tick: Callable[[], Any]) -> str | None:

@@ -27,6 +27,7 @@ from ... import nvrx
 from ...jobdir import JobDir, atomic_write, jobs_root
 from ...launcher import Ports, launcher_argv, rank_env
 from ...monitor import JobMonitor
+from ...runtime.memcopy import remove_copies, remove_stale_copies
 from ...runtime.quiet import quiet_env
 from ...spec import JobSpec
 from ...states import ACTIVE, JobState
@@ -77,6 +78,7 @@ class LocalBackend(Backend):
         jd.create(spec)
         for f in faults:
             submit(jd.pending, f)
+        remove_stale_copies(procs.live_marks())  # in-memory checkpoint copies that ended jobs left
         self._start_supervisor(jd, uuid.uuid4().hex[:16])
 
     def _start_supervisor(self, jd: JobDir, job_uid: str) -> None:
@@ -179,6 +181,7 @@ class LocalBackend(Backend):
             if uid:
                 procs.kill_marked(uid)
                 left = procs.wait_gone(heads + procs.marked(uid), 10)
+                remove_copies(uid)  # the ranks' in-memory checkpoint copies
             if left:
                 raise JobError(f"processes {[p.pid for p in left]} of job {name!r} did not exit",
                                "kill them with `kill -9`")
@@ -198,6 +201,7 @@ class LocalBackend(Backend):
         if running:
             raise JobError(f"processes {[p.pid for p in running]} of job {name!r} still run",
                            f"stop it first: `python -m eksft_nb stop {name}`")
+        remove_copies(uid)
         shutil.rmtree(self._jd(name).path)
 
 

@@ -44,6 +44,7 @@ from ... import nvrx
 from ...launcher import ZYGOTE_MODULE, Ports, launcher_argv, rank_env
 from ...incidents import Incidents
 from ...monitor import JobMonitor
+from ...runtime.memcopy import remove_copies
 from ...runtime.quiet import quiet_env
 from ...runtime.warm_shim import SOCKET_ENV as WARM_SOCKET
 from ...states import RECORDED_ENDS, JobState, RestartLevel
@@ -145,6 +146,7 @@ class Supervisor:
         except OSError as e:  # a full disk, a folder gone read-only: end cleanly rather than orphan the launchers
             state, reason = JobState.FAILED, f"the supervisor could not go on: {e}"
         self._kill_everything()
+        remove_copies(self.job_uid)  # the ranks' in-memory checkpoint copies end with the job
         try:
             self.events.emit("job_end", state=state, reason=reason, final_step=self.mon.last_step,
                              digest=self.mon.digest, restarts=self.mon.restarts_by_level())
@@ -622,6 +624,7 @@ def keep(jd: JobDir) -> int:
     reason = (f"the supervisor died {MAX_SUPERVISORS} times (see logs/supervisor.err); the job's processes "
               "were stopped: resume it from its last checkpoint")
     procs.kill_marked(uid, keep=[os.getpid()])
+    remove_copies(uid)
     mon = JobMonitor()
     mon.update(EventTail(jd.events_path).read())
     EventWriter(jd.events_path, jd.name, rank=None).emit("job_end", state=JobState.FAILED, reason=reason,
