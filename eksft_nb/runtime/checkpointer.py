@@ -213,7 +213,8 @@ def _save_planner() -> Any:
 
 def _layout(staged: Any) -> tuple:
     """What a save plan depends on in the staged state: its nesting, keys and value types, and the
-    identity and shape of every staged tensor (the stager's reused buffers and DTensors). Plain values
+    identity of every staged tensor (the stager's reused buffers and DTensors, which it replaces when a
+    shape, dtype or sharding changes). Plain values
     may change from save to save without changing the plan: they are serialized anew every save."""
     out: list[Any] = []
 
@@ -227,9 +228,8 @@ def _layout(staged: Any) -> tuple:
             out.append(("[", len(o)))
             for v in o:
                 walk(v)
-        elif isinstance(o, torch.Tensor):
-            local = getattr(o, "_local_tensor", o)
-            out.append((id(o), id(local), local.shape, o.shape, o.dtype))
+        elif isinstance(o, torch.Tensor):  # a reshaped or retyped buffer, a new spec: new objects (Stager)
+            out.append((id(o), id(getattr(o, "_local_tensor", o))))
         else:
             out.append(type(o))
     walk(staged)
@@ -391,13 +391,15 @@ def _apply_storage_fault(fault: tuple[str, float] | None, data: list[str], other
         time.sleep(value)
 
 
-WRITER_NICE = 10  # the writer's nice level: a step never waits for it, so it yields the cores to the ranks
+WRITER_NICE = 10  # the writer's nice level where SCHED_IDLE is not available
 
 
 def _lower_priority(*_: Any) -> None:
     """The writer process's first request: lower its CPU priority, so that on hosts where it shares
     cores with the ranks it takes the cycles they leave (a save is deferred while a write runs,
-    never blocked on it) instead of slowing every step it overlaps."""
+    never blocked on it) instead of slowing every step it overlaps. SCHED_IDLE (Linux) runs it only
+    on a core nothing else wants, its per-file writer processes too (they inherit the policy); a
+    nice level still takes a share of a busy core."""
     os.nice(WRITER_NICE)
 
 
@@ -676,7 +678,7 @@ class CheckpointManager:
         manifest = str(path / f"manifest-{self.rank}.json")
         save_id = _AsyncWriter.new_id()
         if cache is not None:  # the plan is kept: this rank's files with this save's folder and plain values
-            path.mkdir(exist_ok=True)
+            path.mkdir(parents=True, exist_ok=True)
             shard = cache.write(staged, path, send_plan=_AsyncWriter.plan_sent != (_AsyncWriter.caller, cache.key))
             writer.write_buckets, writer.results_queue = cache.files, _get_write_results_queue()
             metadata = cache.metadata
@@ -930,6 +932,7 @@ class ModelState:
         self.model, self.optim = model, optim
         self._key: list[Any] = []
         self._info: Any = None
+        self._fqns: dict[tuple, frozenset[str]] = {}  # torch's name -> FQNs walk, remembered with _info
         self._kept = True   # False once this torch lacks the private helpers the kept path calls
 
     def state_dict(self) -> dict[str, Any]:
@@ -950,14 +953,33 @@ class ModelState:
 
     def _kept_state_dict(self, sd: Any) -> dict[str, Any]:
         key = [self.optim, *self.model.parameters()]  # the objects the kept work is about
-        with sd._gc_context():
+        with sd._gc_context(), self._kept_fqns(sd):
             if self._info is None or len(key) != len(self._key) or any(a is not b for a, b in zip(key, self._key)):
+                self._fqns.clear()
                 self._info = sd._verify_options(self.model, (self.optim,), optim_only=False)
                 self._key = key
             msd = sd._get_model_state_dict(self.model, self._info)
             osd = sd._get_optim_state_dict(self.model, (self.optim,), self._info)
             sd._verify_state_dict(msd, osd, self._info)
         return {"model": msd, "optim": osd}
+
+    @contextlib.contextmanager
+    def _kept_fqns(self, sd: Any) -> Any:
+        """Within it, torch's walk from a state-dict name to its FQNs (module by module, once per
+        tensor per save: half the rest of the time) answers from what it found before, while the
+        parameters are the same objects."""
+        walk, memo = sd._get_fqns, self._fqns
+
+        def kept(model: Any, name: str, *args: Any, **kwargs: Any) -> set[str]:
+            key = (id(model), name, args, tuple(sorted(kwargs.items())))
+            if key not in memo:
+                memo[key] = frozenset(walk(model, name, *args, **kwargs))
+            return set(memo[key])
+        sd._get_fqns = kept
+        try:
+            yield
+        finally:
+            sd._get_fqns = walk
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
