@@ -35,6 +35,7 @@ class Record:
     committed_s: float
     overlap_steps: list[float] = field(default_factory=list)
     stage_s: float | None = None
+    blocked_cpu_s: float = 0.0  # CPU time of the training thread while blocked (load-independent)
 
 
 class Method:
@@ -249,9 +250,9 @@ def turn(ctx: Context, method: Method, i: int, clean: list[float]) -> Record:
     """Clean steps, one save, then steps until every rank sees it committed."""
     ctx.dist.barrier()
     clean.extend(ctx.step() for _ in range(CLEAN_STEPS))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     method.save(i, ctx.steps)
-    rec = Record(blocked_s=time.perf_counter() - t0, committed_s=0.0)
+    rec = Record(blocked_s=time.perf_counter() - t0, committed_s=0.0, blocked_cpu_s=time.thread_time() - c0)
     if isinstance(method, Eksft):
         rec.stage_s = method.stager.last_s
     while not ctx.all_true(method.done(ctx.steps)):

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from eksft_nb.checkpoint_folders import list_checkpoints, verify
+from eksft_nb.checkpoint_folders import list_checkpoints, step_dir, verify
 from eksft_nb.errors import JobError
 from eksft_nb.runtime.checkpointer import CheckpointManager, load
 from jobs import fsdp_snapshot
@@ -74,7 +74,7 @@ def test_saves_that_reuse_the_cached_plan_load_bit_exact(tmp_path: Path, group: 
         expected = {k: v.clone() for k, v in model.state_dict().items()}
         mgr.maybe_save(step, _state(model, step))
         mgr.finish()
-    assert mgr.plan_cache.validated_cache_reuse  # the later saves skipped planning
+    assert mgr.plan_cache.reused == 3  # the later saves skipped planning
     [*_, info] = list_checkpoints(tmp_path)
     assert info.step == 20 and verify(info) is None
     target = _state(torch.nn.Linear(64, 64), 0)
@@ -82,6 +82,27 @@ def test_saves_that_reuse_the_cached_plan_load_bit_exact(tmp_path: Path, group: 
     assert int(target["progress"]["step"]) == 20
     for k, v in expected.items():
         assert torch.equal(target["model"][k], v), k
+
+
+def test_a_kept_save_plan_follows_the_state_it_saves(tmp_path: Path, group: Any) -> None:
+    """The save plan is kept from save to save while the staged state keeps its layout; a tensor
+    added or reshaped after that gets a new plan, and plain values are written as they are at each
+    save: every checkpoint loads back bit-exactly (a stale plan would leave the new tensor out)."""
+    mgr = _manager(tmp_path, group, "async", [])
+    gen = torch.Generator().manual_seed(0)
+    extras: list[dict[str, torch.Tensor]] = [{}, {}, {}, {"ema": torch.randn(4, 4, generator=gen)},
+                                             {"ema": torch.randn(6, generator=gen)}, {"ema": torch.randn(6, generator=gen)}]
+    weights = torch.randn(8, 8, generator=gen)
+    for i, extra in enumerate(extras):
+        step = 5 * (i + 1)
+        weights.add_(1.0)  # new values in the same tensor
+        mgr.maybe_save(step, {"w": weights, "lr": step / 7, "name": f"run{step}", **extra})
+        mgr.finish()
+        target = {"w": torch.zeros(8, 8), "lr": 0.0, "name": "", **{k: torch.zeros_like(v) for k, v in extra.items()}}
+        load(step_dir(tmp_path, step), target, group)
+        assert torch.equal(target["w"], weights) and target["lr"] == step / 7 and target["name"] == f"run{step}"
+        assert all(torch.equal(target[k], v) for k, v in extra.items()), step
+    assert mgr.plan_cache is not None and mgr.plan_cache.reused == 1  # planned at 5, 20 and 25; kept at 10, 15 and 30
 
 
 def test_corruption_is_detected_with_the_file_named(tmp_path: Path, group: Any) -> None:
@@ -410,7 +431,7 @@ def test_fsdp_model_and_optimizer_saves_with_the_kept_work_load_bit_exact(tmp_pa
         loss_fn(model, torch.randint(0, 64, (2, 9), generator=gen)).backward()  # training goes on
         optim.step()
         mgr.finish()
-    assert mgr.plan_cache.validated_cache_reuse
+    assert mgr.plan_cache.reused == 2
     model2, optim2 = fresh()
     assert mgr.restore({"train": ModelState(model2, optim2)}) == 15
     got = fsdp_snapshot(model2, optim2)

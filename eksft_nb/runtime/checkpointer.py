@@ -258,12 +258,121 @@ def _save_planner() -> Any:
     return Planner()
 
 
+def _layout(staged: Any) -> tuple:
+    """What a save plan depends on in the staged state: its nesting, keys and value types, and the
+    identity of every staged tensor (the stager's reused buffers and DTensors, which it replaces when a
+    shape, dtype or sharding changes). Plain values
+    may change from save to save without changing the plan: they are serialized anew every save."""
+    out: list[Any] = []
+
+    def walk(o: Any) -> None:
+        if isinstance(o, dict):
+            out.append(("{", len(o)))
+            for k, v in o.items():
+                out.append(("k", k))
+                walk(v)
+        elif isinstance(o, list):
+            out.append(("[", len(o)))
+            for v in o:
+                walk(v)
+        elif isinstance(o, torch.Tensor):  # a reshaped or retyped buffer, a new spec: new objects (Stager)
+            out.append((id(o), id(getattr(o, "_local_tensor", o))))
+        else:
+            out.append(type(o))
+    walk(staged)
+    return tuple(out)
+
+
+@dataclass
+class _PlanCache:
+    """A save plan kept while the staged state keeps its :func:`_layout` on every rank: the DCP
+    metadata (rank 0), this rank's files and the write items in each. A save with it hot skips DCP's
+    flattening and planning and NVRx's write buckets, and hands the writer process only its folder
+    and plain values: the writer keeps the plan, buffers included, under ``key``."""
+
+    layout: tuple
+    staged: Any  # holds the staged objects, so that no id in ``layout`` is reused while the plan is kept
+    metadata: Any
+    files: list[tuple[str, list[tuple[Any, tuple]], list[tuple[Any, torch.Tensor]]]]  # name, bytes items and where, tensor items
+    write_fn: Any
+    key: str
+    reused: int = 0
+
+    @classmethod
+    def of(cls, layout: tuple, staged: Any, writer: Any, planner: Any, metadata: Any, key: str) -> _PlanCache | None:
+        """The plan DCP and NVRx just made, to keep; None where it cannot be kept (another NVRx
+        release's bucket format, or a write item that is not one of the staged buffers)."""
+        buckets = getattr(writer, "write_buckets", None)
+        if not isinstance(buckets, list) or not buckets:
+            return None
+        buffers = {getattr(t, "_local_tensor", t).data_ptr() for t in _tensors(staged)}
+        files = []
+        for _, name, (bytes_data, tensor_data) in buckets:
+            if any(t.data_ptr() not in buffers for _, t in tensor_data):  # a copy, not a view of a staged buffer
+                return None
+            where = [(item, planner.mappings[item.index.fqn] if planner.flatten_state_dict else (item.index.fqn,))
+                     for item, _ in bytes_data]
+            files.append((name, where, list(tensor_data)))
+        return cls(layout, staged, metadata, files, writer.get_save_function_and_args()[0], key)
+
+    def write(self, staged: Any, path: Path, send_plan: bool) -> _ShardWrite:
+        """This save's part for the writer: its folder and the plain values (the writer serializes
+        them), with the plan itself only if this writer process has not got it yet."""
+        values = [[_element(staged, where) for _, where in bytes_items] for _, bytes_items, _ in self.files]
+        plan = (self.write_fn, [(name, [item for item, _ in b], t) for name, b, t in self.files]) if send_plan else None
+        return _ShardWrite(self.key, plan, str(path), values)
+
+
+def _tensors(o: Any) -> list[torch.Tensor]:
+    if isinstance(o, dict):
+        return [t for v in o.values() for t in _tensors(v)]
+    if isinstance(o, list):
+        return [t for v in o for t in _tensors(v)]
+    return [o] if isinstance(o, torch.Tensor) else []
+
+
+def _element(o: Any, where: tuple) -> Any:
+    for k in where:
+        o = o[k]
+    return o
+
+
+_WRITER_PLAN: tuple[str, Any] | None = None  # in the writer process: the plan of the saves it is sent
+
+
+class _ShardWrite:
+    """One save's write as the writer process gets it (see :meth:`_PlanCache.write`)."""
+
+    def __init__(self, key: str, plan: Any, directory: str, values: list[list[Any]]) -> None:
+        self.key, self.plan, self.directory, self.values = key, plan, directory, values
+
+    def resolve(self) -> tuple[Any, list[Any]]:
+        """In the writer process: NVRx's write function and write buckets for this save."""
+        global _WRITER_PLAN
+        if self.plan is not None:
+            _WRITER_PLAN = (self.key, self.plan)
+        if _WRITER_PLAN is None or _WRITER_PLAN[0] != self.key:
+            raise RuntimeError("the checkpoint writer does not hold this save's plan")
+        write_fn, files = _WRITER_PLAN[1]
+        buckets = []
+        for (name, bytes_items, tensor_data), values in zip(files, self.values):
+            blobs = []
+            for item, value in zip(bytes_items, values):
+                blob = io.BytesIO()
+                torch.save(value, blob)  # what DCP's planner does on the training thread
+                blob.seek(0)
+                blobs.append((item, blob))
+            buckets.append((os.path.join(self.directory, name), name, (blobs, tensor_data)))
+        return write_fn, buckets
+
+
 # ---- the background write (runs in NVRx's persistent writer process) -----------------------
 
 def write_shard(write_fn: Any, rank: int, write_buckets: Any, results_queue: Any,
                 manifest_path: str, save_id: str, fault: tuple[str, float] | None) -> None:
     """Write this rank's files with NVRx's ``write_fn``, then record their sizes and checksums in the
-    manifest. ``write_buckets`` is a callable on NVRx 0.6+, which builds the buckets in the writer process.
+    manifest. ``write_buckets`` is a callable on NVRx 0.6+, which builds the buckets in the writer process,
+    or a :class:`_ShardWrite` (then ``write_fn`` comes with its plan).
 
     Puts exactly one ``(save_id, result)`` on ``results_queue``: NVRx's write results, or the first
     error (of the write or of the manifest), so a failed save can never shift the results of the
@@ -271,6 +380,8 @@ def write_shard(write_fn: Any, rank: int, write_buckets: Any, results_queue: Any
     fault, see :func:`_apply_storage_fault`."""
     box = _Box()
     try:
+        if isinstance(write_buckets, _ShardWrite):
+            write_fn, write_buckets = write_buckets.resolve()
         write_buckets = write_buckets() if callable(write_buckets) else write_buckets
         _apply_storage_fault(fault, [p for p, _, _ in write_buckets], (manifest_path + ".tmp",))
         write_fn(rank, write_buckets, box)
@@ -327,13 +438,15 @@ def _apply_storage_fault(fault: tuple[str, float] | None, data: list[str], other
         time.sleep(value)
 
 
-WRITER_NICE = 10  # the writer's nice level: a step never waits for it, so it yields the cores to the ranks
+WRITER_NICE = 10  # the writer's nice level where SCHED_IDLE is not available
 
 
 def _lower_priority(*_: Any) -> None:
     """The writer process's first request: lower its CPU priority, so that on hosts where it shares
     cores with the ranks it takes the cycles they leave (a save is deferred while a write runs,
-    never blocked on it) instead of slowing every step it overlaps."""
+    never blocked on it) instead of slowing every step it overlaps. SCHED_IDLE (Linux) runs it only
+    on a core nothing else wants, its per-file writer processes too (they inherit the policy); a
+    nice level still takes a share of a busy core."""
     os.nice(WRITER_NICE)
 
 
@@ -378,6 +491,7 @@ class _AsyncWriter:
 
     caller: Any = None
     outstanding = 0  # requests handed over whose local completion was not yet seen
+    plan_sent: tuple[Any, str] | None = None  # (writer, plan key): the kept save plan that writer holds
     _ids = itertools.count()
 
     @classmethod
@@ -515,7 +629,8 @@ class CheckpointManager:
         self.shelf = _STAGER.shelf  # where the staged buffers live, and the record of the copy they hold
         self.shelf.bind(self.run, rank, world_size)
         self.ahead: set[int] | None = None  # step folders to clear before saving there, see _clear; None: not listed yet
-        self.plan_cache: Any = None  # NVRx's plan cache: once two saves agree, later ones skip the planning collective
+        self.plan_cache: _PlanCache | None = None  # the save plan, kept while the staged layout stays the same
+        self.plan_metadata: Any = None  # the DCP metadata of the last plan made (rank 0)
         _AsyncWriter.drain()
         if mode == "async":
             _AsyncWriter.start()
@@ -625,27 +740,50 @@ class CheckpointManager:
 
     def _save_async(self, step: int, path: Path, state: dict[str, Any], t0: float) -> None:
         from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
-        from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
-        from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import (
-            CheckpointMetadataCache,
-            save_state_dict_async_plan,
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import (
+            FileSystemWriterAsync,
+            _get_write_results_queue,
         )
         staged = self.stager.stage(state)
         writer = FileSystemWriterAsync(str(path), thread_count=1)
-        if self.plan_cache is None:
-            self.plan_cache = CheckpointMetadataCache()
-        plan = save_state_dict_async_plan(staged, writer, self.group, 0, planner=_save_planner(),
-                                          enable_cache=True, metadata_cache=self.plan_cache)
-        write_fn, preload_fn, args = writer.get_save_function_and_args()
+        cache = self._plan(staged, writer)
         manifest = str(path / f"manifest-{self.rank}.json")
-        buckets = args[1] if args[1] is not None else preload_fn  # NVRx 0.6+: built by the writer process
         save_id = _AsyncWriter.new_id()
-        request = AsyncRequest(write_shard, (write_fn, self.rank, buckets, args[2], manifest, save_id,
-                                             self._fault()), [])
-        _AsyncWriter.schedule(request)
+        if cache is not None:  # the plan is kept: this rank's files with this save's folder and plain values
+            path.mkdir(parents=True, exist_ok=True)
+            shard = cache.write(staged, path, send_plan=_AsyncWriter.plan_sent != (_AsyncWriter.caller, cache.key))
+            writer.write_buckets, writer.results_queue = cache.files, _get_write_results_queue()
+            metadata = cache.metadata
+            args: tuple = (None, self.rank, shard, writer.results_queue, manifest, save_id, self._fault())
+        else:  # planned anew, handed over whole
+            metadata = self.plan_metadata
+            write_fn, preload_fn, nvrx_args = writer.get_save_function_and_args()
+            buckets = nvrx_args[1] if nvrx_args[1] is not None else preload_fn  # NVRx 0.6+: built by the writer process
+            args = (write_fn, self.rank, buckets, nvrx_args[2], manifest, save_id, self._fault())
+        _AsyncWriter.schedule(AsyncRequest(write_shard, args, []))
+        if cache is not None:
+            _AsyncWriter.plan_sent = (_AsyncWriter.caller, cache.key)
         t_staged = time.perf_counter()
-        self.pending = _Pending(step, path, writer, plan, t_staged, t_staged - t0, save_id)
+        self.pending = _Pending(step, path, writer, (writer, metadata, None), t_staged, t_staged - t0, save_id)
         self.emit("checkpoint", phase="staged", step=step, blocked_s=t_staged - t0, bytes=self.stager.staged_bytes)
+
+    def _plan(self, staged: Any, writer: Any) -> _PlanCache | None:
+        """The save plan for ``staged``: the kept one while the staged state's layout is the same on
+        every rank (one small all-reduce says), else DCP's planning (collective), kept for the saves
+        after it. A plan that cannot be kept leaves ``writer`` prepared and returns None."""
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
+
+        layout = _layout(staged)
+        kept = self.plan_cache
+        changed = torch.tensor([int(kept is None or kept.layout != layout)], dtype=torch.int32)
+        dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=self.group)
+        if not changed.item():
+            kept.reused += 1
+            return kept
+        planner = _save_planner()
+        _, self.plan_metadata, _ = save_state_dict_async_plan(staged, writer, self.group, 0, planner=planner)
+        self.plan_cache = _PlanCache.of(layout, staged, writer, planner, self.plan_metadata, _AsyncWriter.new_id())
+        return self.plan_cache
 
     def _finalize_if_done(self, blocking: bool) -> None:
         """Commit the pending async save once every rank's write is done (collective)."""
@@ -732,6 +870,7 @@ class CheckpointManager:
 
     def _failed(self, step: int, errors: list[str | None]) -> None:
         self.retry = True
+        self.plan_cache = None  # the retry plans anew (and hands the writer the whole plan)
         if self.ahead is not None:  # its folder stays: the last save retries at the same step
             self.ahead.add(step)
         if self.rank == 0:
@@ -900,6 +1039,7 @@ class ModelState:
         self.model, self.optim = model, optim
         self._key: list[Any] = []
         self._info: Any = None
+        self._fqns: dict[tuple, frozenset[str]] = {}  # torch's name -> FQNs walk, remembered with _info
         self._kept = True   # False once this torch lacks the private helpers the kept path calls
 
     def state_dict(self) -> dict[str, Any]:
@@ -920,14 +1060,33 @@ class ModelState:
 
     def _kept_state_dict(self, sd: Any) -> dict[str, Any]:
         key = [self.optim, *self.model.parameters()]  # the objects the kept work is about
-        with sd._gc_context():
+        with sd._gc_context(), self._kept_fqns(sd):
             if self._info is None or len(key) != len(self._key) or any(a is not b for a, b in zip(key, self._key)):
+                self._fqns.clear()
                 self._info = sd._verify_options(self.model, (self.optim,), optim_only=False)
                 self._key = key
             msd = sd._get_model_state_dict(self.model, self._info)
             osd = sd._get_optim_state_dict(self.model, (self.optim,), self._info)
             sd._verify_state_dict(msd, osd, self._info)
         return {"model": msd, "optim": osd}
+
+    @contextlib.contextmanager
+    def _kept_fqns(self, sd: Any) -> Any:
+        """Within it, torch's walk from a state-dict name to its FQNs (module by module, once per
+        tensor per save: half the rest of the time) answers from what it found before, while the
+        parameters are the same objects."""
+        walk, memo = sd._get_fqns, self._fqns
+
+        def kept(model: Any, name: str, *args: Any, **kwargs: Any) -> set[str]:
+            key = (id(model), name, args, tuple(sorted(kwargs.items())))
+            if key not in memo:
+                memo[key] = frozenset(walk(model, name, *args, **kwargs))
+            return set(memo[key])
+        sd._get_fqns = kept
+        try:
+            yield
+        finally:
+            sd._get_fqns = walk
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
