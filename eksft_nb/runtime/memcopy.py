@@ -22,6 +22,7 @@ import json
 import math
 import mmap
 import os
+import queue
 import re
 import stat
 import threading
@@ -274,6 +275,8 @@ class Shelf:
         self._hashed: tuple[int, str, dict[str, Any]] | None = None   # (generation, digest, layout)
         self._commit: tuple[int, int, float] | None = None            # (generation, step, committed at)
         self.note = ""                      # why no copy is kept, if none is
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()   # stagings to sum, for the worker thread
+        self._worker = 0                    # the pid whose worker thread takes them (0: none started)
 
     def bind(self, run: str, rank: int, world_size: int) -> None:
         """Keep copies for ``rank`` of job ``run``; a different job or rank drops the current buffers."""
@@ -312,13 +315,21 @@ class Shelf:
             return self._generation
 
     def staged(self, layout: Callable[[], dict[str, Any]]) -> None:
-        """The buffers hold a staged state: hash them (and describe them) in the background."""
+        """The buffers hold a staged state: sum them (and describe them) in the background, on one
+        thread kept for it (starting a thread per save would add to the training stall)."""
         if self.path is None:
             return
+        if self._worker != os.getpid():  # none yet in this process (a forked one has none either)
+            self._jobs, self._worker = queue.SimpleQueue(), os.getpid()
+            threading.Thread(target=self._work, args=(self._jobs,), daemon=True, name="eksft-memory-copy").start()
         with self._lock:
-            generation = self._generation
-        threading.Thread(target=self._hash, args=(generation, layout), daemon=True,
-                         name="eksft-memory-copy-digest").start()
+            self._jobs.put((self._generation, layout))
+
+    def _work(self, jobs: queue.SimpleQueue) -> None:
+        while True:
+            generation, layout = jobs.get()
+            if generation == self._generation:  # else a newer staging has begun: nothing to sum
+                self._hash(generation, layout)
 
     def _hash(self, generation: int, layout: Callable[[], dict[str, Any]]) -> None:
         try:
