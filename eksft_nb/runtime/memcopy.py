@@ -51,28 +51,23 @@ def copy_path(run: str, rank: int) -> Path | None:
 def remove_copies(run: str | None) -> int:
     """Remove every in-memory copy file of job ``run`` (the job ended or was stopped or removed);
     return how many. Never touches another job's files."""
-    if not run or copy_path(run, 0) is None:
-        return 0
-    removed = 0
-    for pattern in (f"eksft-{run}-*", f".eksft-{run}-*"):  # the header's temporary file, if a write was cut short
-        for path in SHM.glob(pattern):
-            try:
-                path.unlink()
-                removed += 1
-            except OSError:
-                pass
-    return removed
+    return _remove(lambda owner: owner == run) if run else 0
 
 
 def remove_stale_copies(live: set[str]) -> int:
     """Remove this user's in-memory copy files of local-backend jobs (16 hex digit uids) that have no
     live process (``live``: the marks of those that do): a job whose supervisor could not clean up
     (killed with it) leaves no memory behind once the next job is launched."""
+    return _remove(lambda owner: re.fullmatch(r"[0-9a-f]{16}", owner) is not None and owner not in live)
+
+
+def _remove(doomed: Callable[[str], bool]) -> int:
+    """Remove this user's copy files (data, record, a record's temporary file) whose run is ``doomed``."""
     removed = 0
-    for path in [*SHM.glob("eksft-*"), *SHM.glob(".eksft-*")]:
-        m = re.fullmatch(r"\.?eksft-([0-9a-f]{16})-\d+(\.json(\.\d+\.tmp)?)?", path.name)
+    for path in SHM.glob("*eksft-*"):
+        m = re.fullmatch(r"\.?eksft-(.+)-\d+(\.json(\.\d+\.tmp)?)?", path.name)
         try:
-            if m and m.group(1) not in live and path.lstat().st_uid == os.geteuid():
+            if m and doomed(m.group(1)) and path.lstat().st_uid == os.geteuid():
                 path.unlink()
                 removed += 1
         except OSError:
