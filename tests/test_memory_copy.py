@@ -283,13 +283,15 @@ def test_copies_of_jobs_with_no_live_process_are_swept_and_no_others() -> None:
     dead, live = uuid.uuid4().hex[:16], uuid.uuid4().hex[:16]
     paths = {name: Path("/dev/shm") / name for name in
              (f"eksft-{dead}-0", f"eksft-{dead}-0.json", f".eksft-{dead}-1.json.123.tmp", f"eksft-{live}-0",
-              f"eksft-{dead}-notarank", f"eksft-test{dead[:8]}-0")}
+              f"eksft-{dead}-notarank", f"eksft-test{dead[:8]}-0", f"eksft-test{dead[:8]}-x-0")}
     try:
         for path in paths.values():
             path.write_bytes(b"x")
         memcopy.remove_stale_copies({live})
         assert sorted(n for n, p in paths.items() if p.exists()) == sorted(
-            [f"eksft-{live}-0", f"eksft-{dead}-notarank", f"eksft-test{dead[:8]}-0"])
+            [f"eksft-{live}-0", f"eksft-{dead}-notarank", f"eksft-test{dead[:8]}-0", f"eksft-test{dead[:8]}-x-0"])
+        assert memcopy.remove_copies(f"test{dead[:8]}") == 1  # not the run whose id it begins
+        assert paths[f"eksft-test{dead[:8]}-x-0"].exists()
     finally:
         for path in paths.values():
             path.unlink(missing_ok=True)

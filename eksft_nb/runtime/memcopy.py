@@ -22,6 +22,7 @@ import json
 import math
 import mmap
 import os
+import queue
 import re
 import stat
 import threading
@@ -50,28 +51,23 @@ def copy_path(run: str, rank: int) -> Path | None:
 def remove_copies(run: str | None) -> int:
     """Remove every in-memory copy file of job ``run`` (the job ended or was stopped or removed);
     return how many. Never touches another job's files."""
-    if not run or copy_path(run, 0) is None:
-        return 0
-    removed = 0
-    for pattern in (f"eksft-{run}-*", f".eksft-{run}-*"):  # the header's temporary file, if a write was cut short
-        for path in SHM.glob(pattern):
-            try:
-                path.unlink()
-                removed += 1
-            except OSError:
-                pass
-    return removed
+    return _remove(lambda owner: owner == run) if run else 0
 
 
 def remove_stale_copies(live: set[str]) -> int:
     """Remove this user's in-memory copy files of local-backend jobs (16 hex digit uids) that have no
     live process (``live``: the marks of those that do): a job whose supervisor could not clean up
     (killed with it) leaves no memory behind once the next job is launched."""
+    return _remove(lambda owner: re.fullmatch(r"[0-9a-f]{16}", owner) is not None and owner not in live)
+
+
+def _remove(doomed: Callable[[str], bool]) -> int:
+    """Remove this user's copy files (data, record, a record's temporary file) whose run is ``doomed``."""
     removed = 0
-    for path in [*SHM.glob("eksft-*"), *SHM.glob(".eksft-*")]:
-        m = re.fullmatch(r"\.?eksft-([0-9a-f]{16})-\d+(\.json(\.\d+\.tmp)?)?", path.name)
+    for path in SHM.glob("*eksft-*"):
+        m = re.fullmatch(r"\.?eksft-(.+)-\d+(\.json(\.\d+\.tmp)?)?", path.name)
         try:
-            if m and m.group(1) not in live and path.lstat().st_uid == os.geteuid():
+            if m and doomed(m.group(1)) and path.lstat().st_uid == os.geteuid():
                 path.unlink()
                 removed += 1
         except OSError:
@@ -274,6 +270,8 @@ class Shelf:
         self._hashed: tuple[int, str, dict[str, Any]] | None = None   # (generation, digest, layout)
         self._commit: tuple[int, int, float] | None = None            # (generation, step, committed at)
         self.note = ""                      # why no copy is kept, if none is
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()   # stagings to sum, for the worker thread
+        self._worker = 0                    # the pid whose worker thread takes them (0: none started)
 
     def bind(self, run: str, rank: int, world_size: int) -> None:
         """Keep copies for ``rank`` of job ``run``; a different job or rank drops the current buffers."""
@@ -312,13 +310,21 @@ class Shelf:
             return self._generation
 
     def staged(self, layout: Callable[[], dict[str, Any]]) -> None:
-        """The buffers hold a staged state: hash them (and describe them) in the background."""
+        """The buffers hold a staged state: sum them (and describe them) in the background, on one
+        thread kept for it (starting a thread per save would add to the training stall)."""
         if self.path is None:
             return
+        if self._worker != os.getpid():  # none yet in this process (a forked one has none either)
+            self._jobs, self._worker = queue.SimpleQueue(), os.getpid()
+            threading.Thread(target=self._work, args=(self._jobs,), daemon=True, name="eksft-memory-copy").start()
         with self._lock:
-            generation = self._generation
-        threading.Thread(target=self._hash, args=(generation, layout), daemon=True,
-                         name="eksft-memory-copy-digest").start()
+            self._jobs.put((self._generation, layout))
+
+    def _work(self, jobs: queue.SimpleQueue) -> None:
+        while True:
+            generation, layout = jobs.get()
+            if generation == self._generation:  # else a newer staging has begun: nothing to sum
+                self._hash(generation, layout)
 
     def _hash(self, generation: int, layout: Callable[[], dict[str, Any]]) -> None:
         try:
