@@ -260,9 +260,9 @@ def _save_planner() -> Any:
 
 def _layout(staged: Any) -> tuple:
     """What a save plan depends on in the staged state: its nesting, keys and value types, and the
-    identity of every staged tensor (the stager's reused buffers and DTensors, which it replaces when a
-    shape, dtype or sharding changes). Plain values
-    may change from save to save without changing the plan: they are serialized anew every save."""
+    identity of every staged tensor (the stager's reused buffers and DTensors, which it replaces when
+    a shape, dtype or sharding changes). Plain values may change from save to save without changing
+    the plan: they are serialized anew every save."""
     out: list[Any] = []
 
     def walk(o: Any) -> None:
@@ -438,15 +438,15 @@ def _apply_storage_fault(fault: tuple[str, float] | None, data: list[str], other
         time.sleep(value)
 
 
-WRITER_NICE = 10  # the writer's nice level where SCHED_IDLE is not available
+WRITER_NICE = 10  # the writer's nice level: a step never waits for it, so it yields the cores to the ranks
 
 
 def _lower_priority(*_: Any) -> None:
     """The writer process's first request: lower its CPU priority, so that on hosts where it shares
     cores with the ranks it takes the cycles they leave (a save is deferred while a write runs,
-    never blocked on it) instead of slowing every step it overlaps. SCHED_IDLE (Linux) runs it only
-    on a core nothing else wants, its per-file writer processes too (they inherit the policy); a
-    nice level still takes a share of a busy core."""
+    never blocked on it) instead of slowing every step it overlaps. Not SCHED_IDLE: on 2 cores it
+    measured no better (bench/README, part 3), and on a host with no idle core it would never write,
+    so no save would commit again; a nice level keeps a small share."""
     os.nice(WRITER_NICE)
 
 
