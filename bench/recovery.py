@@ -220,7 +220,10 @@ def warm_costs(job_uid: str, window_s: float = WARM_WINDOW_S) -> list[dict[str, 
     for p in procs.marked(job_uid):
         try:
             cmd = " ".join(p.cmdline())
-            role = "zygote" if ZYGOTE_MODULE in cmd else "standby launcher" if "local.standby" in cmd else None
+            # the ranks a zygote forked (and their checkpoint writers) still carry its command line
+            forked = ZYGOTE_MODULE in " ".join(p.parent().cmdline()) if p.parent() else False
+            role = ("zygote" if ZYGOTE_MODULE in cmd and not forked else
+                    "standby launcher" if "local.standby" in cmd else None)
             if role:
                 found.append((p, role, p.environ().get(procs.NODE_MARK, "?"), sum(p.cpu_times()[:2])))
         except psutil.Error:
