@@ -98,7 +98,8 @@ def eksft_job(name: str, kinds: Sequence[str], warm: list[dict[str, Any]]) -> li
             deadline = time.time() + TIMEOUT_S  # the standby zygotes import torch once the ranks have started
             while time.time() < deadline and not all("ready" in p.read_text() for p in jd.logs.glob("zygote-1.*.log")):
                 time.sleep(0.5)
-            warm.extend(warm_costs(jd.supervisor().get("job_uid", "")))
+            record = jd.supervisor()
+            warm.extend(warm_costs(record.get("job_uid", ""), record.get("pid", 0)))
         job.inject(kind, rank=FAULT_RANK[kind])
 
     try:
@@ -227,14 +228,16 @@ def _incarnation(e: Event) -> tuple[int, int, int]:
     return (e["job_attempt"], e["injob_restart"], e["inprocess_iteration"])
 
 
-def warm_costs(job_uid: str, window_s: float = WARM_WINDOW_S) -> list[dict[str, Any]]:
+def warm_costs(job_uid: str, supervisor: int, window_s: float = WARM_WINDOW_S) -> list[dict[str, Any]]:
     """What the processes kept warm for the next restart cost while the job trains: each zygote (this
     attempt's, which forked the ranks, and the standby one for the next attempt) and each standby
-    ft_launcher. Memory: RSS, and PSS/USS (pages shared with the ranks a zygote forked count once,
+    ft_launcher (the supervisor's children). Memory: RSS, and PSS/USS (pages shared with the ranks a zygote forked count once,
     split between them); CPU: percent of one core over ``window_s``."""
     found = []
     for p in procs.marked(job_uid):
         try:
+            if p.ppid() != supervisor:  # what a zygote forked (ranks, their helpers) carries its command line
+                continue
             cmd = " ".join(p.cmdline())
             role = "zygote" if ZYGOTE_MODULE in cmd else "standby launcher" if "local.standby" in cmd else None
             if role:

@@ -7,7 +7,7 @@ Layout (root: ``$EKSFT_HOME/jobs``, default ``~/.eksft/jobs``)::
         events.jsonl       telemetry (see events.py)
         supervisor.json    identities (pid, start time) of the supervisor, its keeper and the launchers; state
         supervisor.lock    held by the keeper that looks after the supervisor (one per job)
-        logs/              supervisor.log, launcher-<attempt>-<node>.log, per-rank logs
+        logs/              supervisor.log, launcher-<attempt>-<node>.log, zygote-<attempt>.<node>.log, per-rank logs
         control/pending/   fault commands waiting to fire; control/fired/ marks the ones that did
         control/rejected/  command files that failed the checks, each with its .reason (never fired)
         progress/          per-rank progress beacons (last step, where the main thread is)

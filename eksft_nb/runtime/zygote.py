@@ -128,8 +128,6 @@ def _reap(children: dict, sel: selectors.BaseSelector) -> None:
             except OSError:
                 pass
             conn.close()
-    if _stopping[0] and not children:
-        sys.exit(0)
 
 
 def _kill_group(pid: int) -> None:
