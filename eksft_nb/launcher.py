@@ -52,7 +52,8 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
         "ft_launcher",
         f"--nnodes={spec.nnodes}", f"--nproc-per-node={spec.nproc_per_node}", f"--node-rank={node_rank}",
         "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_host}:{ports.rdzv}", f"--rdzv-id={run_id}",
-        f"--max-restarts={ft.max_injob_restarts}", "--monitor-interval=1",
+        # how often the launcher polls its workers: a dead rank is noticed within it (NVRx 0.6's default)
+        f"--max-restarts={ft.max_injob_restarts}", "--monitor-interval=0.3",
         "--term-timeout=5", "--workers-stop-timeout=5",
         f"--ft-initial-rank-heartbeat-timeout={ft.initial_heartbeat_timeout:g}",
         f"--ft-rank-heartbeat-timeout={ft.heartbeat_timeout:g}",
