@@ -697,8 +697,8 @@ class CheckpointManager:
         """Rank 0 removes a leftover folder at ``step`` (of a crashed, failed or rejected save, or a
         symbolic link, not ours to follow) and lists the step folders ahead of it; every rank waits for
         that (collective) before it writes. Later saves repeat this only for a listed step or a failed
-        one: any other folder can only be this save's own, made by a rank already writing (with the
-        save plan cached no collective comes first), so rank 0 must not remove it."""
+        one: any other folder can only be this save's own, made by a rank already writing (nothing
+        orders a rank's write after rank 0's listing), so rank 0 must not remove it."""
         ahead: list[Any] = [None]
         if self.rank == 0:
             if path.is_symlink():
