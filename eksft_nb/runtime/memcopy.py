@@ -334,26 +334,27 @@ class Shelf:
             self._jobs, self._worker = queue.SimpleQueue(), os.getpid()
             threading.Thread(target=self._work, args=(self._jobs,), daemon=True, name="eksft-memory-copy").start()
         with self._lock:
-            self._jobs.put((self._generation, layout))
+            self._jobs.put((self._generation, layout, self.path, self._files))
 
     def _work(self, jobs: queue.SimpleQueue) -> None:
         while True:
-            generation, layout = jobs.get()
+            generation, *job = jobs.get()
             if generation == self._generation:  # else a newer staging has begun: nothing to sum
-                self._hash(generation, layout)
+                self._hash(generation, *job)
 
-    def _hash(self, generation: int, layout: Callable[[], dict[str, Any]]) -> None:
+    def _hash(self, generation: int, layout: Callable[[], dict[str, Any]], base: Path,
+              files: dict[str, tuple[int, int]]) -> None:
         try:
             described = layout()
             for entry in described["entries"]:
-                index, nbytes = self._files[entry["key"]]
+                index, nbytes = files[entry["key"]]
                 entry["file"], entry["digest"] = index, ""
                 if nbytes:
-                    with open(buffer_path(self.path, index), "rb") as f, \
-                            mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+                    with open(buffer_path(base, index), "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
                         entry["digest"] = digest(m, nbytes)
         except (OSError, ValueError, TypeError, KeyError) as e:
-            self.note = f"no in-memory copy: {type(e).__name__}: {e}"[:200]
+            if generation == self._generation:  # else these buffers were replaced while being summed
+                self.note = f"no in-memory copy: {type(e).__name__}: {e}"[:200]
             return
         with self._lock:
             if generation == self._generation:
