@@ -75,6 +75,8 @@ def test_saves_that_reuse_the_cached_plan_load_bit_exact(tmp_path: Path, group: 
         mgr.maybe_save(step, _state(model, step))
         mgr.finish()
     assert mgr.plan_cache.reused == 3  # the later saves skipped planning
+    staged = mgr.stager._buffers.values()  # each its own storage: NVRx clones a view on the training thread
+    assert staged and all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in staged)
     [*_, info] = list_checkpoints(tmp_path)
     assert info.step == 20 and verify(info) is None
     target = _state(torch.nn.Linear(64, 64), 0)

@@ -1,5 +1,5 @@
-"""Restoring from the newest in-memory copy (the staged buffers of the last committed save, in a
-named /dev/shm file per rank): when it is used, and that anything doubtful falls back to storage."""
+"""Restoring from the newest in-memory copy (the staged buffers of the last committed save, each in
+a named /dev/shm file of its own): when it is used, and that anything doubtful falls back to storage."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eksft_nb.runtime import memcopy
-from eksft_nb.runtime.memcopy import Header, copy_path, decode_value, encode_value, parse_header
+from eksft_nb.runtime.memcopy import Header, buffer_path, copy_path, decode_value, encode_value, parse_header
 from jobs import fsdp_snapshot, run_ranks
 
 # ---- the header parser ----------------------------------------------------------------------------
@@ -28,33 +28,38 @@ _DTYPES = sorted(memcopy._ITEMSIZE)
 
 
 @st.composite
-def headers(draw: Any) -> tuple[dict[str, Any], int]:
-    """A header as the stager writes one, and its data file's size."""
-    entries, offset = [], 0
-    for i in range(draw(st.integers(0, 6))):
+def headers(draw: Any) -> dict[str, Any]:
+    """A header as the stager writes one."""
+    count = draw(st.integers(0, 6))
+    files = draw(st.permutations(range(count + draw(st.integers(0, 2))))) if count else []
+    entries = []
+    for i in range(count):
         dtype = draw(st.sampled_from(_DTYPES))
         shape = draw(st.lists(st.integers(0, 5), max_size=3))
-        offset += draw(st.integers(0, 2)) * memcopy.ALIGN
         nbytes = math.prod(shape) * memcopy._ITEMSIZE[dtype]
         dtensor = draw(st.none() | st.just({"shape": [8], "mesh": [2], "placements": ["S(0)"], "coordinate": [1]}))
-        entries.append({"key": f"/m/{i}", "dtype": dtype, "shape": shape, "offset": offset, "nbytes": nbytes,
-                        "dtensor": dtensor})
-        offset += -(-nbytes // memcopy.ALIGN) * memcopy.ALIGN
-    size = offset + draw(st.integers(0, 100))
-    header = {"format": memcopy.FORMAT, "version": memcopy.VERSION, "run": "r1", "rank": 1, "world_size": 2,
-              "step": draw(st.integers(0, 10**6)), "committed_at": 1.5e9, "size": size, "digest": "0badcafe" * -(-size // memcopy.CHUNK),
-              "entries": entries, "values": {"/data/position": 7, "/o/betas": {"t": [0.9, 0.99]}}}
-    return header, size
+        entries.append({"key": f"/m/{i}", "dtype": dtype, "shape": shape, "file": files[i], "nbytes": nbytes,
+                        "digest": "0badcafe" * -(-nbytes // memcopy.CHUNK), "dtensor": dtensor})
+    return {"format": memcopy.FORMAT, "version": memcopy.VERSION, "run": "r1", "rank": 1, "world_size": 2,
+            "step": draw(st.integers(0, 10**6)), "committed_at": 1.5e9, "entries": entries,
+            "values": {"/data/position": 7, "/o/betas": {"t": [0.9, 0.99]}}}
+
+
+def _consistent(header: Header) -> bool:
+    """Every buffer has a file of its own, a size its shape and dtype give, and its checksums."""
+    entries = header.entries.values()
+    return len({e.file for e in entries}) == len(header.entries) and all(
+        e.nbytes == math.prod(e.shape) * memcopy._ITEMSIZE[e.dtype] and len(e.digest) == 8 * -(-e.nbytes // memcopy.CHUNK)
+        for e in entries)
 
 
 @settings(max_examples=150, deadline=None)
 @given(headers())
-def test_a_header_the_stager_writes_parses_back(case: tuple[dict[str, Any], int]) -> None:
-    raw, size = case
-    header = parse_header(json.dumps(raw), size)
+def test_a_header_the_stager_writes_parses_back(raw: dict[str, Any]) -> None:
+    header = parse_header(json.dumps(raw))
     assert isinstance(header, Header), header
-    assert (header.step, header.size, len(header.entries)) == (raw["step"], size, len(raw["entries"]))
-    assert all(e.offset + e.nbytes <= size for e in header.entries.values())
+    assert (header.step, len(header.entries)) == (raw["step"], len(raw["entries"])) and _consistent(header)
+    assert [e.file for e in header.entries.values()] == [e["file"] for e in raw["entries"]]
 
 
 _JUNK = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
@@ -64,31 +69,29 @@ _JUNK = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | s
 
 @settings(max_examples=200, deadline=None)
 @given(headers(), st.data())
-def test_a_damaged_header_is_refused_with_a_reason_never_an_exception(case: tuple[dict[str, Any], int],
-                                                                       data: Any) -> None:
+def test_a_damaged_header_is_refused_with_a_reason_never_an_exception(raw: dict[str, Any], data: Any) -> None:
     """Another job's, a stale, a truncated or a garbage header: a Header that is still consistent
-    (buffers inside the file, apart, sized by shape and dtype) or one line saying why not."""
-    raw, size = case
-    how = data.draw(st.sampled_from(["field", "entry", "truncate", "size", "bytes"]))
+    (a file per buffer, sized by shape and dtype, with its checksums) or one line saying why not."""
+    how = data.draw(st.sampled_from(["field", "entry", "shared file", "truncate", "bytes"]))
     if how == "field":
         raw[data.draw(st.sampled_from(sorted(raw)))] = data.draw(_JUNK)
     elif how == "entry" and raw["entries"]:
         entry = data.draw(st.sampled_from(raw["entries"]))
         entry[data.draw(st.sampled_from(sorted(entry)))] = data.draw(_JUNK | st.integers(-10, 10**4))
+    elif how == "shared file" and len(raw["entries"]) > 1:
+        raw["entries"][-1]["file"] = raw["entries"][0]["file"]
     text: str | bytes = json.dumps(raw)
     if how == "truncate":
         text = text[:data.draw(st.integers(0, len(text) - 1))]
-    elif how == "size":
-        size = data.draw(st.integers(0, 10**4))
     elif how == "bytes":
         text = data.draw(st.binary(max_size=200))
-    header = parse_header(text, size)
+    header = parse_header(text)
     if isinstance(header, str):
         assert header and "\n" not in header
     else:
-        spans = sorted((e.offset, e.offset + e.nbytes) for e in header.entries.values())
-        assert all(end <= size for _, end in spans) and all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
-        assert all(e.nbytes == math.prod(e.shape) * memcopy._ITEMSIZE[e.dtype] for e in header.entries.values())
+        assert _consistent(header)
+    if how == "shared file" and len(raw["entries"]) > 1:
+        assert header == f"its buffer '/m/{len(raw['entries']) - 1}' shares its file with another"
 
 
 _PLAIN = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8)
@@ -106,6 +109,7 @@ def test_plain_values_round_trip_through_the_header(value: Any) -> None:
 def test_a_run_id_that_is_not_a_plain_name_keeps_no_copy() -> None:
     assert copy_path("", 0) is None and copy_path("../x", 0) is None and copy_path("..", 0) is None
     assert copy_path("abc123", 3) == Path("/dev/shm/eksft-abc123-3")
+    assert buffer_path(copy_path("abc123", 3), 12) == Path("/dev/shm/eksft-abc123-3.12")
     assert memcopy.remove_copies("") == 0 and memcopy.remove_copies("a/b") == 0
 
 
@@ -127,10 +131,14 @@ def _train(model: torch.nn.Module, optim: torch.optim.Optimizer, seed: int) -> N
     optim.zero_grad()
 
 
+def _record(run: str, rank: int) -> Path:
+    return copy_path(run, rank).with_name(copy_path(run, rank).name + ".json")
+
+
 def _wait_published(run: str, rank: int) -> None:
     """The copy's record is written in the background once its digest is computed."""
     deadline = time.monotonic() + 120
-    while not copy_path(run, rank).with_name(copy_path(run, rank).name + ".json").exists():
+    while not _record(run, rank).exists():
         assert time.monotonic() < deadline, "the in-memory copy was never published"
         time.sleep(0.02)
 
@@ -164,13 +172,14 @@ def _rank(rank: int, incarnation: int, root: str, store: str, run: str, out: str
         saved = torch.load(Path(out).with_name("expected.pt"), weights_only=True)
         for case in ("intact", "corrupt data", "garbage header"):
             if case == "corrupt data" and rank == 1:
-                with open(copy_path(run, 1), "r+b") as f:
+                largest = max(json.loads(_record(run, 1).read_text())["entries"], key=lambda e: e["nbytes"])
+                with open(buffer_path(copy_path(run, 1), largest["file"]), "r+b") as f:
                     f.seek(100)
                     byte = f.read(1)
                     f.seek(100)
                     f.write(bytes([byte[0] ^ 0xFF]))
             if case == "garbage header" and rank == 0:
-                copy_path(run, 0).with_name(copy_path(run, 0).name + ".json").write_text('{"format": "eksft-memory-copy",')
+                _record(run, 0).write_text('{"format": "eksft-memory-copy",')
             dist.barrier()
             model, optim = _model()
             data = {"position": 0}
@@ -200,11 +209,14 @@ def test_the_next_rank_process_restores_from_memory_and_falls_back_to_storage_wh
     run = f"test{uuid.uuid4().hex[:12]}"
     try:
         _run(tmp_path, 0, run)
-        assert copy_path(run, 0).exists() and copy_path(run, 1).exists()
+        kept = [json.loads(_record(run, r).read_text())["entries"] for r in range(2)]
+        assert all(buffer_path(copy_path(run, r), e["file"]).stat().st_size == e["nbytes"]
+                   for r in range(2) for e in kept[r] if e["nbytes"])
         result = _run(tmp_path, 1, run)[0]
     finally:
         removed = memcopy.remove_copies(run)
-    assert removed == 4 and not list(Path("/dev/shm").glob(f"*eksft-{run}-*"))  # two files per rank, all gone
+    files = 2 + sum(1 for entries in kept for e in entries if e["nbytes"])  # a record and a file per buffer
+    assert removed == files and not list(Path("/dev/shm").glob(f"*eksft-{run}-*"))
     assert result["intact"] == {"step": 10, "position": 10, "source": "memory", "memory": None, "same": True}
     corrupt = result["corrupt data"]
     assert (corrupt["step"], corrupt["position"], corrupt["source"], corrupt["same"]) == (10, 10, "storage", True)
@@ -254,9 +266,33 @@ def test_a_copy_being_overwritten_by_a_newer_save_is_not_used(tmp_path: Path, gr
         memcopy.remove_copies(run)
 
 
+def test_each_staged_buffer_is_a_storage_of_its_own_and_the_save_plan_is_kept(tmp_path: Path, group: Any) -> None:
+    """Staged buffers that were views into one shared file would be cloned by NVRx on the training
+    thread at every save, and the save plan, which needs the staged buffers themselves, never kept."""
+    from eksft_nb.runtime.checkpointer import _STAGER, CheckpointManager
+
+    run = f"test{uuid.uuid4().hex[:12]}"
+    try:
+        mgr = CheckpointManager(tmp_path, rank=0, world_size=1, group=group, every=5, mode="async", keep_last=2,
+                                emit=lambda kind, **data: None, run=run)
+        model = torch.nn.Linear(16, 8)
+        for step in (5, 10, 15):
+            mgr.maybe_save(step, {"model": model.state_dict(), "step": torch.tensor(step)})
+            mgr.finish()
+        _wait_published(run, 0)
+        entries = json.loads(_record(run, 0).read_text())["entries"]
+    finally:
+        memcopy.remove_copies(run)
+    assert mgr.plan_cache is not None and mgr.plan_cache.reused == 2  # planned at 5, kept at 10 and 15
+    buffers = _STAGER._buffers
+    assert len(buffers) == 3 and all(b.untyped_storage().nbytes() == b.numel() * b.element_size() for b in buffers.values())
+    assert sorted(e["file"] for e in entries) == [0, 1, 2] and mgr.shelf.path == copy_path(run, 0)
+
+
 def test_a_state_that_does_not_fit_in_dev_shm_keeps_no_copy(tmp_path: Path) -> None:
     """/dev/shm too small (here a file-size limit makes reserving the file fail, as a full tmpfs
-    would): the reason, and no file left; the stager then uses anonymous shared memory as before."""
+    would): the reason, and no file left; a buffer whose file cannot be made leaves none of the
+    others' either, and the stager then uses anonymous shared memory as before."""
     import resource
     import signal
 
@@ -272,9 +308,23 @@ def test_a_state_that_does_not_fit_in_dev_shm_keeps_no_copy(tmp_path: Path) -> N
     assert isinstance(reserved, str) and "1 MB do not fit" in reserved and not path.exists()
     storage = memcopy.reserve(path, 1 << 20)  # with room, the same call reserves the file
     assert storage.nbytes() == 1 << 20 and path.stat().st_size == 1 << 20
+    wanted = {"/small": (torch.Size([16]), torch.float32), "/large": (torch.Size([1 << 18]), torch.float32)}
     shelf = memcopy.Shelf()
     shelf.bind("", 0, 1)  # no run id: anonymous shared memory, no file
-    assert shelf.allocate(100).is_shared() and shelf.path is None and shelf.note == "the job has no run id"
+    buffers = shelf.allocate(wanted)
+    assert all(b.is_shared() for b in buffers.values()) and shelf.path is None and shelf.note == "the job has no run id"
+    run = f"test{uuid.uuid4().hex[:12]}"
+    shelf.bind(run, 0, 1)
+    blocker = buffer_path(copy_path(run, 0), 1)  # the large buffer's file cannot be made; the small one's can
+    blocker.mkdir()
+    try:
+        buffers = shelf.allocate(wanted)
+    finally:
+        blocker.rmdir()
+        left = list(Path("/dev/shm").glob(f"*eksft-{run}-*"))
+        memcopy.remove_copies(run)
+    assert not left and shelf.path is None and f"{blocker} cannot be created" in shelf.note  # all or none
+    assert all(b.is_shared() and b.shape == wanted[k][0] for k, b in buffers.items())
 
 
 def test_copies_of_jobs_with_no_live_process_are_swept_and_no_others() -> None:
@@ -282,14 +332,15 @@ def test_copies_of_jobs_with_no_live_process_are_swept_and_no_others() -> None:
     launch; a live job's copies, and files that are not a job's copies, stay."""
     dead, live = uuid.uuid4().hex[:16], uuid.uuid4().hex[:16]
     paths = {name: Path("/dev/shm") / name for name in
-             (f"eksft-{dead}-0", f"eksft-{dead}-0.json", f".eksft-{dead}-1.json.123.tmp", f"eksft-{live}-0",
+             (f"eksft-{dead}-0", f"eksft-{dead}-0.7", f"eksft-{dead}-0.json", f".eksft-{dead}-1.json.123.tmp",
+              f"eksft-{live}-0.3",
               f"eksft-{dead}-notarank", f"eksft-test{dead[:8]}-0", f"eksft-test{dead[:8]}-x-0")}
     try:
         for path in paths.values():
             path.write_bytes(b"x")
         memcopy.remove_stale_copies({live})
         assert sorted(n for n, p in paths.items() if p.exists()) == sorted(
-            [f"eksft-{live}-0", f"eksft-{dead}-notarank", f"eksft-test{dead[:8]}-0", f"eksft-test{dead[:8]}-x-0"])
+            [f"eksft-{live}-0.3", f"eksft-{dead}-notarank", f"eksft-test{dead[:8]}-0", f"eksft-test{dead[:8]}-x-0"])
         assert memcopy.remove_copies(f"test{dead[:8]}") == 1  # not the run whose id it begins
         assert paths[f"eksft-test{dead[:8]}-x-0"].exists()
     finally:

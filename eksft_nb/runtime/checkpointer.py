@@ -150,13 +150,13 @@ def load(path: Path, state: dict[str, Any], group: dist.ProcessGroup | None) -> 
 class Stager:
     """Copies a state dict into shared-memory buffers that are allocated on first use and reused.
 
-    The buffers live in one named shared-memory file per rank (see :mod:`.memcopy`): once a save of
-    them commits, they are the newest in-memory copy of the checkpoint, which a restart of the rank
-    (in the same process or the next one on the node) restores from instead of storage."""
+    Each buffer lives in a named shared-memory file of its own, a storage of its own (see
+    :mod:`.memcopy`): once a save of them commits, they are the newest in-memory copy of the
+    checkpoint, which a restart of the rank (in the same process or the next one on the node)
+    restores from instead of storage."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
-        self._offsets: dict[str, int] = {}  # each buffer's place in the shared-memory file
         self._dtensors: dict[str, Any] = {}  # the staged DTensors, kept with their buffers (no new wrapper per save)
         self._values: dict[str, Any] = {}   # the plain values of the last staging, for the copy's record
         self._wanted: dict[str, tuple[torch.Size, torch.dtype]] = {}
@@ -172,8 +172,8 @@ class Stager:
         if staged is None:  # the first save, or the state changed shape: lay the buffers out anew
             self._allocate()
             staged = self._walk(state)
-        buffers, offsets, dtensors, values = self._buffers, self._offsets, dict(self._dtensors), self._values
-        self.shelf.staged(lambda: _describe(buffers, offsets, dtensors, values))
+        buffers, dtensors, values = self._buffers, dict(self._dtensors), self._values
+        self.shelf.staged(lambda: _describe(buffers, dtensors, values))
         return staged
 
     def _walk(self, state: Any) -> Any:
@@ -183,13 +183,7 @@ class Stager:
         return staged if self._fits and self._wanted.keys() == self._buffers.keys() else None
 
     def _allocate(self) -> None:
-        offsets, end = {}, 0
-        for key, (shape, dtype) in self._wanted.items():
-            offsets[key] = end
-            end += -(-shape.numel() * dtype.itemsize // memcopy.ALIGN) * memcopy.ALIGN
-        self.shelf.allocate(end)
-        self._offsets = offsets
-        self._buffers = {key: self.shelf.view(offsets[key], shape, dtype) for key, (shape, dtype) in self._wanted.items()}
+        self._buffers = self.shelf.allocate(self._wanted)
         self._dtensors = {}
 
     def _stage(self, state: Any, prefix: str) -> Any:
@@ -231,11 +225,11 @@ class Stager:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
 
-def _describe(buffers: dict[str, torch.Tensor], offsets: dict[str, int], dtensors: dict[str, Any],
-              values: dict[str, Any]) -> dict[str, Any]:
-    """The layout of a staged state, for the in-memory copy's record (run in the background)."""
+def _describe(buffers: dict[str, torch.Tensor], dtensors: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """The layout of a staged state, for the in-memory copy's record (run in the background; the
+    shelf adds each buffer's file and checksums)."""
     entries = [{"key": key, "dtype": str(buf.dtype).removeprefix("torch."), "shape": list(buf.shape),
-                "offset": offsets[key], "nbytes": buf.numel() * buf.element_size(),
+                "nbytes": buf.numel() * buf.element_size(),
                 "dtensor": memcopy.dtensor_layout(dtensors[key]) if key in dtensors else None}
                for key, buf in buffers.items()]
     return {"entries": entries, "values": {key: memcopy.encode_value(v) for key, v in values.items()}}

@@ -1,12 +1,15 @@
 """The newest in-memory copy of a rank's checkpoint: restore from RAM instead of storage.
 
-An async save stages the state into shared-memory buffers (see ``checkpointer.Stager``). Those
-buffers live in one named file per rank, ``/dev/shm/eksft-<run>-<rank>``, so they outlive the rank
-process: after an in-process, in-job or (same node) job-level restart the next incarnation maps the
-file and, if it holds the newest committed step, copies it back into its local shards without
-reading the checkpoint from storage. Beside it, ``eksft-<run>-<rank>.json`` records which step the
-buffers hold (written only once that save committed and the buffers' checksums were computed, off
-the training thread) and their layout; it is removed before the buffers are overwritten by the next save.
+An async save stages the state into shared-memory buffers (see ``checkpointer.Stager``). Each
+buffer lives in a named file of its own, ``/dev/shm/eksft-<run>-<rank>.<index>``, so they outlive the
+rank process: after an in-process, in-job or (same node) job-level restart the next incarnation maps
+the files and, if they hold the newest committed step, copies them back into its local shards without
+reading the checkpoint from storage. A file per buffer, not one per rank, keeps each buffer a storage
+of its own: NVRx's writer clones every CPU tensor that is a view into a larger storage, on the
+training thread, and the kept save plan needs the staged buffers themselves. Beside them,
+``eksft-<run>-<rank>.json`` records which step the buffers hold (written only once that save committed
+and the buffers' checksums were computed, off the training thread) and their layout; it is removed
+before the buffers are overwritten by the next save.
 
 The files are input like any checkpoint folder (another job's, a stale run's, truncated, garbage):
 everything is checked and any doubt means "restore from storage", with one line saying why. The
@@ -36,16 +39,21 @@ from typing import Any
 from ..jobdir import atomic_write
 
 SHM = Path("/dev/shm")
-FORMAT, VERSION = "eksft-memory-copy", 1
+FORMAT, VERSION = "eksft-memory-copy", 2
 HEADER_MAX = 64 << 20          # a layout larger than this is not one we wrote
-ALIGN = 64                     # buffer offsets in the data file (cache-line aligned)
 _RUN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 CHUNK = 16 << 20               # the buffers' checksums: one CRC-32 per 16 MiB
 
 
 def copy_path(run: str, rank: int) -> Path | None:
-    """The data file of ``rank``'s copy in job ``run``; None without a usable run id (no copy kept)."""
+    """The base name of ``rank``'s copy in job ``run`` (its record is ``<base>.json``, its buffers
+    ``<base>.<index>``); None without a usable run id (no copy kept)."""
     return SHM / f"eksft-{run}-{rank}" if _RUN.fullmatch(run or "") and run not in (".", "..") else None
+
+
+def buffer_path(base: Path, index: int) -> Path:
+    """The file of buffer ``index`` of the copy ``base``."""
+    return base.with_name(f"{base.name}.{index}")
 
 
 def remove_copies(run: str | None) -> int:
@@ -62,10 +70,10 @@ def remove_stale_copies(live: set[str]) -> int:
 
 
 def _remove(doomed: Callable[[str], bool]) -> int:
-    """Remove this user's copy files (data, record, a record's temporary file) whose run is ``doomed``."""
+    """Remove this user's copy files (buffers, record, a record's temporary file) whose run is ``doomed``."""
     removed = 0
     for path in SHM.glob("*eksft-*"):
-        m = re.fullmatch(r"\.?eksft-(.+)-\d+(\.json(\.\d+\.tmp)?)?", path.name)
+        m = re.fullmatch(r"\.?eksft-(.+)-\d+(\.\d+|\.json(\.\d+\.tmp)?)?", path.name)
         try:
             if m and doomed(m.group(1)) and path.lstat().st_uid == os.geteuid():
                 path.unlink()
@@ -82,8 +90,9 @@ class Entry:
     key: str
     dtype: str
     shape: tuple[int, ...]
-    offset: int
+    file: int                        # its file is buffer_path(copy_path(run, rank), file)
     nbytes: int
+    digest: str                      # the file's checksums (see digest)
     dtensor: dict[str, Any] | None   # the DTensor layout (global shape, mesh, placements, coordinate)
 
 
@@ -94,8 +103,6 @@ class Header:
     world_size: int
     step: int
     committed_at: float
-    size: int
-    digest: str
     entries: dict[str, Entry]
     values: dict[str, Any]          # key -> encoded plain value (see encode_value)
 
@@ -108,9 +115,9 @@ def _int(value: Any, low: int = 0, high: int = 1 << 62) -> bool:
     return type(value) is int and low <= value <= high
 
 
-def parse_header(text: str | bytes, data_size: int) -> Header | str:
-    """The header of a copy whose data file has ``data_size`` bytes, or why it cannot be used.
-    Never raises: every field is checked (types, ranges, buffers inside the file and apart)."""
+def parse_header(text: str | bytes) -> Header | str:
+    """The header of a copy, or why it cannot be used. Never raises: every field is checked (types,
+    ranges, one file per buffer, sizes and checksums that fit shapes and dtypes)."""
     try:
         raw = json.loads(text)
     except (ValueError, RecursionError) as e:
@@ -119,48 +126,45 @@ def parse_header(text: str | bytes, data_size: int) -> Header | str:
         return "its header is not an eksft memory copy"
     if raw.get("version") != VERSION:
         return f"its header has version {str(raw.get('version'))[:20]!r}, not {VERSION}"
-    run, step, t, digest = raw.get("run"), raw.get("step"), raw.get("committed_at"), raw.get("digest")
+    run, step, t = raw.get("run"), raw.get("step"), raw.get("committed_at")
     if not isinstance(run, str) or not _int(raw.get("rank"), 0, 1 << 20) or not _int(raw.get("world_size"), 1, 1 << 20):
         return "its header lacks the run, rank or world size"
-    if not _int(step) or type(t) is not float or not math.isfinite(t) or not _int(raw.get("size")):
-        return "its header lacks the step, commit time or size"
-    if raw["size"] != data_size:
-        return f"its data file has {data_size} bytes, the header says {raw['size']}"
-    if not isinstance(digest, str) or len(digest) != 8 * -(-raw["size"] // CHUNK) or not re.fullmatch(r"[0-9a-f]*", digest):
-        return "its header has no checksums of its buffers"
+    if not _int(step) or type(t) is not float or not math.isfinite(t):
+        return "its header lacks the step or commit time"
     entries, values = raw.get("entries"), raw.get("values")
     if not isinstance(entries, list) or not isinstance(values, dict) or not all(isinstance(k, str) for k in values):
         return "its header has no layout"
     parsed: dict[str, Entry] = {}
+    files: set[int] = set()
     for item in entries:
         entry = _parse_entry(item)
         if isinstance(entry, str):
             return entry
         if entry.key in parsed or entry.key in values:
             return f"its layout names {entry.key[:80]!r} twice"
+        if entry.file in files:
+            return f"its buffer {entry.key[:80]!r} shares its file with another"
         parsed[entry.key] = entry
-    end = 0
-    for entry in sorted(parsed.values(), key=lambda e: e.offset):
-        if entry.offset < end or entry.offset + entry.nbytes > data_size:
-            return f"its buffer {entry.key[:80]!r} overlaps another or lies outside the data file"
-        end = entry.offset + entry.nbytes
-    return Header(run, raw["rank"], raw["world_size"], step, t, raw["size"], digest, parsed, values)
+        files.add(entry.file)
+    return Header(run, raw["rank"], raw["world_size"], step, t, parsed, values)
 
 
 def _parse_entry(item: Any) -> Entry | str:
     if not isinstance(item, dict) or not isinstance(item.get("key"), str):
         return "its layout has an entry without a key"
-    key, dtype, shape, dt = item["key"], item.get("dtype"), item.get("shape"), item.get("dtensor")
+    key, dtype, shape, dt, sums = item["key"], item.get("dtype"), item.get("shape"), item.get("dtensor"), item.get("digest")
     if not isinstance(dtype, str) or dtype not in _ITEMSIZE or not isinstance(shape, list) or len(shape) > 64 \
             or not all(_int(n, 0, 1 << 40) for n in shape):
         return f"its layout entry {key[:80]!r} has no valid dtype and shape"
-    if not _int(item.get("offset")) or item["offset"] % ALIGN or not _int(item.get("nbytes")):
-        return f"its layout entry {key[:80]!r} has no valid offset and size"
+    if not _int(item.get("file"), 0, 1 << 30) or not _int(item.get("nbytes")):
+        return f"its layout entry {key[:80]!r} has no valid file and size"
     if item["nbytes"] != math.prod(shape) * _ITEMSIZE[dtype]:
         return f"its layout entry {key[:80]!r} has {item['nbytes']} bytes, its shape and dtype need another size"
+    if not isinstance(sums, str) or len(sums) != 8 * -(-item["nbytes"] // CHUNK) or not re.fullmatch(r"[0-9a-f]*", sums):
+        return f"its layout entry {key[:80]!r} has no checksums of its buffer"
     if dt is not None and not isinstance(dt, dict):
         return f"its layout entry {key[:80]!r} has an invalid DTensor layout"
-    return Entry(key, dtype, tuple(shape), item["offset"], item["nbytes"], dt)
+    return Entry(key, dtype, tuple(shape), item["file"], item["nbytes"], sums, dt)
 
 
 def encode_value(value: Any) -> Any:
@@ -254,21 +258,21 @@ def reserve(path: Path, nbytes: int) -> Any:
 
 
 class Shelf:
-    """The named shared-memory file the stager's buffers live in, and the record of what they hold.
+    """The named shared-memory files the stager's buffers live in (one per buffer), and the record
+    of what they hold.
 
     ``begin`` (before the buffers change) removes the record; ``staged`` hashes the buffers in a
     background thread; ``committed`` notes the committed step. The record is written once both
     are in and no newer staging has begun: a copy is published only for the step it holds."""
 
     def __init__(self) -> None:
-        self.path: Path | None = None       # the data file, once buffers live in one
+        self.path: Path | None = None       # the copy's base path, once the buffers live in its files
         self.identity: tuple[str, int, int] | None = None   # (run, rank, world size) it belongs to
-        self._storage: Any = None
-        self._size = 0
+        self._files: dict[str, tuple[int, int]] = {}        # key -> (file index, bytes) of each buffer
         self._lock = threading.Lock()
         self._generation = 0
-        self._hashed: tuple[int, str, dict[str, Any]] | None = None   # (generation, digest, layout)
-        self._commit: tuple[int, int, float] | None = None            # (generation, step, committed at)
+        self._hashed: tuple[int, dict[str, Any]] | None = None   # (generation, layout with checksums)
+        self._commit: tuple[int, int, float] | None = None       # (generation, step, committed at)
         self.note = ""                      # why no copy is kept, if none is
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()   # stagings to sum, for the worker thread
         self._worker = 0                    # the pid whose worker thread takes them (0: none started)
@@ -276,28 +280,40 @@ class Shelf:
     def bind(self, run: str, rank: int, world_size: int) -> None:
         """Keep copies for ``rank`` of job ``run``; a different job or rank drops the current buffers."""
         if self.identity != (run, rank, world_size):
-            self.identity, self._storage, self.path, self._size = (run, rank, world_size), None, None, 0
+            self.identity, self.path, self._files = (run, rank, world_size), None, {}
 
-    def allocate(self, nbytes: int) -> Any:
-        """An untyped storage of ``nbytes`` (at least 1) for the buffers: in the named file when the
-        job has a run id and /dev/shm has room, else anonymous shared memory (no copy is then kept)."""
+    def allocate(self, wanted: dict[str, tuple[Any, Any]]) -> dict[str, Any]:
+        """A buffer per key (``wanted``: key -> shape and dtype), each a shared storage of its own:
+        in its own named file when the job has a run id and /dev/shm has room for them all, else
+        (no copy is then kept) anonymous shared memory. A zero-byte buffer has no file."""
         import torch
 
-        nbytes = max(nbytes, 1)
         self.begin()
-        path = copy_path(*self.identity[:2]) if self.identity else None
-        self.path, self._storage, self._size = None, None, 0
-        reserved = reserve(path, nbytes) if path is not None else "the job has no run id"
-        if isinstance(reserved, str):
-            self.note, self._storage = reserved, torch.UntypedStorage(nbytes).share_memory_()
-        else:
-            self.path, self._size, self.note, self._storage = path, nbytes, "", reserved
-        return self._storage
-
-    def view(self, offset: int, shape: Any, dtype: Any) -> Any:
-        import torch
-
-        return torch.empty(0, dtype=dtype).set_(self._storage, offset // dtype.itemsize, tuple(shape))
+        base = copy_path(*self.identity[:2]) if self.identity else None
+        self.path, self._files = None, {}
+        if base is not None:
+            for old in SHM.glob(f"{base.name}.*"):  # a previous layout's buffers: their memory goes
+                if old.name[len(base.name) + 1:].isdigit():
+                    with contextlib.suppress(OSError):
+                        old.unlink()
+        storages: dict[str, Any] = {}
+        files = {key: (i, math.prod(shape) * dtype.itemsize) for i, (key, (shape, dtype)) in enumerate(wanted.items())}
+        why = "" if base is not None else "the job has no run id"
+        for key, (i, nbytes) in files.items() if base is not None else ():
+            reserved = reserve(buffer_path(base, i), nbytes) if nbytes else None
+            if isinstance(reserved, str):
+                why = reserved
+                break
+            if reserved is not None:
+                storages[key] = reserved
+        if why:  # all or none: what was reserved goes
+            for key in storages:
+                buffer_path(base, files[key][0]).unlink(missing_ok=True)
+            self.note = why
+            return {key: torch.empty(shape, dtype=dtype).share_memory_() for key, (shape, dtype) in wanted.items()}
+        self.path, self._files, self.note = base, files, ""
+        return {key: torch.empty(0, dtype=dtype).set_(storages[key], 0, tuple(shape)) if key in storages
+                else torch.empty(shape, dtype=dtype).share_memory_() for key, (shape, dtype) in wanted.items()}
 
     def begin(self) -> int:
         """The buffers are about to change: the copy they held is no longer valid."""
@@ -318,25 +334,31 @@ class Shelf:
             self._jobs, self._worker = queue.SimpleQueue(), os.getpid()
             threading.Thread(target=self._work, args=(self._jobs,), daemon=True, name="eksft-memory-copy").start()
         with self._lock:
-            self._jobs.put((self._generation, layout))
+            self._jobs.put((self._generation, layout, self.path, self._files))
 
     def _work(self, jobs: queue.SimpleQueue) -> None:
         while True:
-            generation, layout = jobs.get()
+            generation, *job = jobs.get()
             if generation == self._generation:  # else a newer staging has begun: nothing to sum
-                self._hash(generation, layout)
+                self._hash(generation, *job)
 
-    def _hash(self, generation: int, layout: Callable[[], dict[str, Any]]) -> None:
+    def _hash(self, generation: int, layout: Callable[[], dict[str, Any]], base: Path,
+              files: dict[str, tuple[int, int]]) -> None:
         try:
             described = layout()
-            with open(self.path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
-                hexdigest = digest(m, self._size)
-        except (OSError, ValueError, TypeError) as e:
-            self.note = f"no in-memory copy: {type(e).__name__}: {e}"[:200]
+            for entry in described["entries"]:
+                index, nbytes = files[entry["key"]]
+                entry["file"], entry["digest"] = index, ""
+                if nbytes:
+                    with open(buffer_path(base, index), "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+                        entry["digest"] = digest(m, nbytes)
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            if generation == self._generation:  # else these buffers were replaced while being summed
+                self.note = f"no in-memory copy: {type(e).__name__}: {e}"[:200]
             return
         with self._lock:
             if generation == self._generation:
-                self._hashed = (generation, hexdigest, described)
+                self._hashed = (generation, described)
                 self._publish()
 
     def committed(self, step: int, committed_at: float) -> None:
@@ -349,10 +371,10 @@ class Shelf:
         if self._hashed is None or self._commit is None or self._hashed[0] != self._commit[0] \
                 or self._commit[0] != self._generation or self.path is None:
             return
-        (_, hexdigest, described), (_, step, t) = self._hashed, self._commit
+        (_, described), (_, step, t) = self._hashed, self._commit
         run, rank, world_size = self.identity
         header = {"format": FORMAT, "version": VERSION, "run": run, "rank": rank, "world_size": world_size,
-                  "step": step, "committed_at": t, "size": self._size, "digest": hexdigest, **described}
+                  "step": step, "committed_at": t, **described}
         try:
             atomic_write(_header_path(self.path), json.dumps(header))
         except OSError as e:
@@ -379,31 +401,47 @@ def prepare(run: str, rank: int, world_size: int, step: int, committed_at: float
         text = os.read(fd, st.st_size + 1)  # one read: a header is written whole (atomic rename)
     finally:
         os.close(fd)
+    header = parse_header(text)
+    if isinstance(header, str):
+        return None, header, 0.0
+    if (header.run, header.rank, header.world_size) != (run, rank, world_size):
+        return None, (f"it is of run {header.run[:40]!r} rank {header.rank} of {header.world_size}, "
+                      f"not rank {rank} of {world_size} of this run"), 0.0
+    if (header.step, header.committed_at) != (step, committed_at):
+        return None, f"it holds step {header.step}, not the newest committed checkpoint (step {step})", 0.0
+    targets = _targets(state)
+    why = _mismatch(header, targets)
+    if why:
+        return None, why, 0.0
+    t0, data = time.perf_counter(), {}
+    for entry in header.entries.values():
+        mapped = _map_checked(buffer_path(path, entry.file), entry, tick) if entry.nbytes else None
+        if isinstance(mapped, str):
+            for m in data.values():
+                m.close()
+            return None, mapped, time.perf_counter() - t0
+        if mapped is not None:
+            data[entry.key] = mapped
+    return (lambda: _apply(header, targets, data)), None, time.perf_counter() - t0
+
+
+def _map_checked(path: Path, entry: Entry, tick: Callable[[], Any]) -> mmap.mmap | str:
+    """A private mapping of buffer file ``path`` if it is ours, has the entry's size and matches its
+    checksums; or why not."""
     opened = _open_checked(path, os.O_RDONLY)
     if isinstance(opened, str):
-        return None, opened, 0.0
+        return opened
     fd, st = opened
     try:
-        header = parse_header(text, st.st_size)
-        if isinstance(header, str):
-            return None, header, 0.0
-        if (header.run, header.rank, header.world_size) != (run, rank, world_size):
-            return None, (f"it is of run {header.run[:40]!r} rank {header.rank} of {header.world_size}, "
-                          f"not rank {rank} of {world_size} of this run"), 0.0
-        if (header.step, header.committed_at) != (step, committed_at):
-            return None, f"it holds step {header.step}, not the newest committed checkpoint (step {step})", 0.0
-        targets = _targets(state)
-        why = _mismatch(header, targets)
-        if why:
-            return None, why, 0.0
-        t0 = time.perf_counter()
-        data = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY) if header.size else None
+        if st.st_size != entry.nbytes:
+            return f"its buffer file {path.name} has {st.st_size} bytes, the header says {entry.nbytes}"
+        data = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
     finally:
         os.close(fd)
-    if data is not None and digest(data, header.size, tick) != header.digest:
+    if digest(data, entry.nbytes, tick) != entry.digest:
         data.close()
-        return None, "its buffers do not match their checksums (overwritten or corrupted)", time.perf_counter() - t0
-    return (lambda: _apply(header, targets, data)), None, time.perf_counter() - t0
+        return f"its buffers do not match their checksums ({path.name}: overwritten or corrupted)"
+    return data
 
 
 @dataclass
@@ -461,31 +499,26 @@ def _mismatch(header: Header, targets: _Targets) -> str | None:
     return None
 
 
-def _apply(header: Header, targets: _Targets, data: Any) -> None:
+def _apply(header: Header, targets: _Targets, data: dict[str, mmap.mmap]) -> None:
     """Copy the buffers into the local tensors, set the plain values, then hand each stateful
     object its filled state dict (what DCP's load does with what it reads)."""
+    import torch
+
     try:
-        if data is not None:
-            _copy_in(header, targets, data)
+        for key, entry in header.entries.items():
+            if entry.nbytes:
+                dtype = getattr(torch, entry.dtype)
+                src = torch.frombuffer(data[key], dtype=dtype, count=entry.nbytes // dtype.itemsize)
+                targets.tensors[key].copy_(src.view(entry.shape))
         for key, raw in header.values.items():
             container, index = targets.values[key]
             container[index] = decode_value(raw)
         for owner, sd in targets.owners:
             owner.load_state_dict(sd)
     finally:
-        if data is not None:
+        for m in data.values():
             with contextlib.suppress(BufferError):  # a view still held: the mapping goes with it
-                data.close()
-
-
-def _copy_in(header: Header, targets: _Targets, data: Any) -> None:
-    import torch
-
-    for key, entry in header.entries.items():
-        if entry.nbytes:
-            dtype = getattr(torch, entry.dtype)
-            src = torch.frombuffer(data, dtype=dtype, count=entry.nbytes // dtype.itemsize, offset=entry.offset)
-            targets.tensors[key].copy_(src.view(entry.shape))
+                m.close()
 
 
 def _header_path(path: Path) -> Path:
