@@ -117,7 +117,7 @@ def eksft_job(name: str, kinds: Sequence[str], warm: list[dict[str, Any]]) -> li
         if fault is None or first is None or restart.get("phases") is None:
             continue
         out.append(Recovery(fault["fault"], restart["level"], fault["at_step"], restart["resumed_step"],
-                            _to_completion(restart["phases"], first), first.t - fault.t))
+                            _to_completion(restart["phases"], first), first.t - fault.t, restart.get("restored_from")))
     return out
 
 
@@ -263,7 +263,7 @@ def summarise(recs: list[Recovery]) -> dict[str, Any]:
     return {"n": len(recs), "levels": sorted({r.level for r in recs}), "total_s": stat([r.total_s for r in recs]),
             "phases_s": {p: stat([r.phases[p] for r in recs]) for p in PHASES},
             "rolled_back_steps": stat([r.at_step - 1 - r.resumed_step for r in recs]),
-            "loaded_from": {src: sum(r.source == src for r in recs) for src in sorted({r.source or "-" for r in recs})}}
+            "loaded_from": {src: sum((r.source or "-") == src for r in recs) for src in sorted({r.source or "-" for r in recs})}}
 
 
 def targets_met(by_type: dict[str, Any]) -> dict[str, Any]:

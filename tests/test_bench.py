@@ -105,6 +105,7 @@ def test_recovery(results: dict[str, Any]) -> None:
         assert 0 <= rec["resumed_step"] < rec["at_step"]
     # a checkpoint was committed before every fault, so each recovery loaded one
     assert all(rec["phases"]["restore"] > 0 for rec in r["raw"]["eksft"] + r["raw"]["baseline"])
+    assert all(rec["source"] in ("memory", "storage") for rec in r["raw"]["eksft"])   # and says from where
 
 
 def test_goodput(results: dict[str, Any]) -> None:

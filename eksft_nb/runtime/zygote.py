@@ -120,6 +120,10 @@ def _reap(children: dict, sel: selectors.BaseSelector) -> None:
             return
         if pid == 0:
             return
+        # what the rank forked (its checkpoint writer, NVRx's result queue) ends with it, as a cold
+        # rank's helpers end in ft_launcher's killpg of the worker: they inherited its sockets, and NVRx
+        # 0.6's rank monitor serves the next incarnation only once the old connection has closed
+        _kill_group(pid)
         conn = children.pop(pid, None)
         if conn is not None:  # None: its shim is gone
             sel.unregister(conn)
