@@ -2,11 +2,12 @@
 with their rendered command, args and environment (rank 0's DNS name mapped to 127.0.0.1).
 
 It proves the manifest's launch line trains (2 pods x 1 rank), survives a SIGKILL of a rank through
-ft_launcher, and resumes from a checkpoint as a new job, with the dashboard's monitor fed by the
+ft_launcher with the restarted rank forked warm by its pod's zygote, and resumes from a checkpoint as a new job, with the dashboard's monitor fed by the
 streamed pod logs all along."""
 
 from __future__ import annotations
 
+import re
 import socket
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ from eks_kube import Controllers, Kube, running
 
 from eksft_nb.backends.eks import EksBackend, names
 from eksft_nb.control import parse_fault
+from eksft_nb.events import decode_lines
 from eksft_nb.job import Job
 from eksft_nb.spec import JobSpec
 
@@ -78,6 +80,17 @@ def test_rendered_pods_train_survive_a_sigkill_and_resume(cluster: tuple[Kube, E
     assert (restart["level"], restart["cause"], restart["blame_rank"], restart["resumed_step"]) == (
         "injob", "injected sigkill on rank 1", 1, 8)
     assert mon.resumes[-1]["path"] == "/checkpoints/replay/ckpt/step_00000008"   # as the pods see it
+    # warm ranks: each pod's entry started its zygote, and every rank it ran, the in-job restart's
+    # included, was forked by that pod's zygote (pods are told apart by their log files)
+    for pod in sorted(ctl.root.glob("replay-[0-9]-*.log")):
+        text = pod.read_text()
+        forked = {int(pid) for pid in re.findall(r"forked rank (\d+) for worker", text)}
+        starts = [e for e in decode_lines(text.splitlines()) if e.kind == "rank_start"]
+        assert starts and {e["pid"] for e in starts} <= forked, (pod.name, text[-3000:])
+        assert "no warm rank" not in text
+    rank1 = [e for p in ctl.root.glob("replay-[0-9]-*.log") for e in decode_lines(p.read_text().splitlines())
+             if e.kind == "rank_start" and e.rank == 1]
+    assert len(rank1) == 2   # its first incarnation and the one ft_launcher restarted in its pod
 
     resumed = job.resume(step=8)
     ctl.start_job(resumed.name, hosts={names.rank0_host(resumed.spec): "127.0.0.1"})

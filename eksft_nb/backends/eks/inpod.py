@@ -8,20 +8,28 @@
 - ``inject JSON``: queue a fault command (the control plane execs this).
 - ``ckpts``: the job's checkpoints, as JSON.
 - ``signal RANK SIGNAL``: signal a rank, if it runs in this pod (exit 3 if it does not).
+- ``launch ft_launcher ARGS...``: the trainer container's command when the spec keeps warm ranks
+  (``ft.warm_ranks``): starts the pod's zygote (:mod:`eksft_nb.runtime.zygote`), then becomes
+  ``ft_launcher ARGS...`` with the warm shim, as installed in this image, as its worker.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
+import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 from ...checkpoint_folders import list_checkpoints
 from ...control import FaultCommand, submit
 from ...errors import ControlError
 from ...jobdir import JobDir, atomic_write
+from ...launcher import ZYGOTE_MODULE, warm_worker, worker_index
+from ...runtime.warm_shim import SOCKET_ENV
 from ...spec import JobSpec
 from . import names
 
@@ -97,12 +105,47 @@ def send_signal(rank: int, signame: str) -> int:
     return 0
 
 
+def launch(argv: list[str]) -> int:
+    """Start the pod's zygote, then exec the launch line ``argv`` with the warm shim as its worker.
+
+    The container's main process stays ft_launcher (exec: the kubelet's SIGTERM reaches it, the pause
+    container is PID 1 and reaps). The zygote inherits the container's environment, as the ranks do,
+    so its start-up variables match theirs, and its stdout is the pod log. It dies with ft_launcher
+    (the kernel's parent-death signal, kept across the exec), and a rank it forked dies with its shim
+    (see :mod:`eksft_nb.runtime.warm_shim`), so nothing outlives the launcher to hold the pod.
+    A replaced pod starts a new zygote: only the restarts inside a pod get warm ranks."""
+    at = worker_index(argv)
+    if at is None:
+        print("eksft: error: `launch` takes a launch line (ft_launcher ... -m eksft_nb.runtime.MODULE ...): "
+              "render the pod again with this eksft-nb", file=sys.stderr)
+        return 2
+    name = f"eksft-{os.getpid()}-{uuid.uuid4().hex[:8]}"   # unique where pods share a network namespace (replay)
+    launcher = os.getpid()
+
+    def die_with_launcher() -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+        if os.getppid() != launcher:
+            os._exit(1)
+
+    subprocess.Popen([sys.executable, "-m", ZYGOTE_MODULE, name], stdin=subprocess.DEVNULL,
+                     preexec_fn=die_with_launcher)
+    os.environ[SOCKET_ENV] = name
+    try:
+        os.execvp(argv[0], [*argv[:at], *warm_worker(sys.executable), *argv[at:]])
+    except OSError as e:   # the zygote dies with this process
+        print(f"eksft: error: cannot run {argv[0]} ({e.strerror}): the image needs it on PATH", file=sys.stderr)
+    return 127
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["launch"]:
+        return launch(argv[1:])
     commands = {"prepare": (0, prepare), "inject": (1, lambda: inject(argv[1])), "ckpts": (0, ckpts),
                 "signal": (2, lambda: send_signal(int(argv[1]), argv[2]))}
     if not argv or argv[0] not in commands or len(argv) != 1 + commands[argv[0]][0] or \
             (argv[0] == "signal" and not argv[1].isdigit()):
-        print("usage: python -m eksft_nb.backends.eks.inpod {prepare | inject JSON | ckpts | signal RANK SIGNAL}",
+        print("usage: python -m eksft_nb.backends.eks.inpod {prepare | inject JSON | ckpts | signal RANK SIGNAL | "
+              "launch ft_launcher ARGS...}",
               file=sys.stderr)
         return 2
     return commands[argv[0]][1]()
