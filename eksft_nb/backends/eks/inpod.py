@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -127,14 +128,30 @@ def launch(argv: list[str]) -> int:
         if os.getppid() != launcher:
             os._exit(1)
 
-    subprocess.Popen([sys.executable, "-m", ZYGOTE_MODULE, name], stdin=subprocess.DEVNULL,
-                     preexec_fn=die_with_launcher)
+    zygote = subprocess.Popen([sys.executable, "-m", ZYGOTE_MODULE, name], stdin=subprocess.DEVNULL,
+                              preexec_fn=die_with_launcher)
+    _wait_listening(name, zygote)
     os.environ[SOCKET_ENV] = name
     try:
         os.execvp(argv[0], [*argv[:at], *warm_worker(sys.executable), *argv[at:]])
     except OSError as e:   # the zygote dies with this process
         print(f"eksft: error: cannot run {argv[0]} ({e.strerror}): the image needs it on PATH", file=sys.stderr)
     return 127
+
+
+def _wait_listening(name: str, zygote: subprocess.Popen, timeout: float = 30.0) -> None:
+    """Until the zygote listens (the first thing it does, a fraction of a second), so that the first
+    workers find it; one that cannot start leaves the ranks cold, as the shim then says."""
+    path = b" @" + name.encode() + b"\n"   # how /proc/net/unix lists an abstract socket
+    deadline = time.monotonic() + timeout
+    while zygote.poll() is None and time.monotonic() < deadline:
+        try:
+            with open("/proc/net/unix", "rb") as table:
+                if any(line.endswith(path) for line in table):
+                    return
+        except OSError:
+            return
+        time.sleep(0.01)
 
 
 def main(argv: list[str]) -> int:
