@@ -7,11 +7,13 @@ streamed pod logs all along."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from eks_kube import Controllers, Kube, running
 
@@ -37,6 +39,17 @@ def free_port_base() -> int:
             return base
         except OSError:
             continue
+
+
+def pods_processes(root: Path, job: str) -> list[str]:
+    """The live processes of a replayed job's pods (they carry its job folder under ``root``)."""
+    out = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            env = proc.environ()
+            if env.get("EKSFT_JOB") == job and env.get("EKSFT_JOB_DIR", "").startswith(str(root)):
+                out.append(f"{proc.pid} {' '.join(proc.info['cmdline'] or [])[:120]}")
+    return out
 
 
 @pytest.fixture
@@ -91,6 +104,11 @@ def test_rendered_pods_train_survive_a_sigkill_and_resume(cluster: tuple[Kube, E
     rank1 = [e for p in ctl.root.glob("replay-[0-9]-*.log") for e in decode_lines(p.read_text().splitlines())
              if e.kind == "rank_start" and e.rank == 1]
     assert len(rank1) == 2   # its first incarnation and the one ft_launcher restarted in its pod
+    # and the pods' zygotes ended with their ft_launchers: nothing of the job outlives its pods
+    deadline = time.time() + 30
+    while (left := pods_processes(ctl.root, "replay")) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not left, left
 
     resumed = job.resume(step=8)
     ctl.start_job(resumed.name, hosts={names.rank0_host(resumed.spec): "127.0.0.1"})
