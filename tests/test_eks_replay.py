@@ -83,8 +83,6 @@ def test_rendered_pods_train_survive_a_sigkill_and_resume(cluster: tuple[Kube, E
     while job.refresh().last_step < 1 and time.time() < deadline:
         time.sleep(0.2)
     injected = job.inject("slow-rank", rank=0, delay=0.01, duration=1)   # at run time, exec'd into a pod
-    # a warm rank's /proc environ is its zygote's: it is still found and signalled where it runs
-    assert backend.signal("replay", 0, "SIGCONT").startswith("replay-0-")
 
     assert job.wait(timeout=300, poll=0.5) == "succeeded", backend.logs("replay", debug=True)
     mon = job.monitor

@@ -220,12 +220,6 @@ def _become_rank(conn: socket.socket, fds: list[int], argv: list[str], env: dict
     os.environ.clear()
     os.environ.update(env)
     os.environ[WARM_ENV] = "1"
-    if env.get("RANK", "").isdigit():   # /proc/PID/environ stays the zygote's: its name tells `inpod signal` the rank
-        try:
-            with open("/proc/self/comm", "w") as comm:
-                comm.write(f"rank-{env['RANK']}")
-        except OSError:
-            pass
     code = 0
     interrupted = False
     try:

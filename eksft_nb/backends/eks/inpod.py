@@ -93,10 +93,9 @@ def send_signal(rank: int, signame: str) -> int:
     try:
         pid = json.loads((jd.progress / f"rank-{rank}.json").read_text())["pid"]
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        warm = Path(f"/proc/{pid}/comm").read_text().strip() == f"rank-{rank}"   # named so by its zygote
     except (OSError, ValueError, KeyError):
         return NOT_HERE
-    if not (f"RANK={rank}".encode() in environ or warm) or f"EKSFT_JOB={spec.name}".encode() not in environ:
+    if f"RANK={rank}".encode() not in environ or f"EKSFT_JOB={spec.name}".encode() not in environ:
         return NOT_HERE
     name = signame.upper() if signame.upper().startswith("SIG") else f"SIG{signame.upper()}"
     if name not in signal.Signals.__members__:
