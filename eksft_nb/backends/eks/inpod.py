@@ -19,6 +19,7 @@ import ctypes
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -32,6 +33,7 @@ from ...jobdir import JobDir, atomic_write
 from ...launcher import ZYGOTE_MODULE, warm_worker, worker_index
 from ...runtime.warm_shim import SOCKET_ENV
 from ...spec import JobSpec
+from ..procs import start_ticks
 from . import names
 
 NOT_HERE = 3
@@ -88,14 +90,20 @@ def ckpts() -> int:
 
 
 def send_signal(rank: int, signame: str) -> int:
-    """The rank's progress beacon names its pid; signal it only if that pid is the rank, here."""
+    """The rank's progress beacon names its pid; signal it only if that pid is the rank, here: the
+    beacon was written in this pod (its host) by the process that has that pid now (its start in
+    clock ticks), which carries the job's name. (A rank forked by the pod's zygote shows the
+    zygote's environment, without its RANK.)"""
     spec, jd = _job()
     try:
-        pid = json.loads((jd.progress / f"rank-{rank}.json").read_text())["pid"]
+        record = json.loads((jd.progress / f"rank-{rank}.json").read_text())
+        pid = record["pid"]
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError):
         return NOT_HERE
-    if f"RANK={rank}".encode() not in environ or f"EKSFT_JOB={spec.name}".encode() not in environ:
+    if (not isinstance(pid, int) or pid <= 0 or record.get("host") != socket.gethostname()
+            or record.get("start_ticks") is None or record.get("start_ticks") != start_ticks(pid)
+            or f"EKSFT_JOB={spec.name}".encode() not in environ):
         return NOT_HERE
     name = signame.upper() if signame.upper().startswith("SIG") else f"SIG{signame.upper()}"
     if name not in signal.Signals.__members__:
