@@ -69,12 +69,24 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
     if nvrx is not None:
         argv += nvrx.launcher_flags(cycle_dir)
     if warm_python:
-        argv += ["--no-python", warm_python, "-S", WARM_SHIM.replace("$", "$$")]
+        argv += warm_worker(warm_python)
     if spec.script:  # the launcher substitutes ${local_rank} in its workers' args (string.Template): $ -> $$
         argv += ["-m", SCRIPT_MODULE, *(a.replace("$", "$$") for a in (spec.script, *spec.script_args))]
     else:
         argv += ["-m", TRAINER_MODULE]
     return argv
+
+
+def warm_worker(python: str) -> list[str]:
+    """The flags that make ft_launcher's worker the warm shim run by ``python`` (this installation's
+    shim: an EKS pod computes them in the container, see ``eks.inpod.launch``)."""
+    return ["--no-python", python, "-S", WARM_SHIM.replace("$", "$$")]  # the launcher substitutes $ in workers' args
+
+
+def worker_index(argv: list[str]) -> int | None:
+    """Where the worker command (``-m`` and one of our entry modules) starts in a launch line."""
+    return next((i for i in range(1, len(argv) - 1)
+                 if argv[i] == "-m" and argv[i + 1] in (TRAINER_MODULE, SCRIPT_MODULE)), None)
 
 
 def rank_env(spec: JobSpec, *, ports: Ports, job_attempt: int, job_dir: str | None = None,

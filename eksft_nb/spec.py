@@ -76,7 +76,7 @@ class CheckpointConfig:
 @dataclass
 class FaultToleranceConfig:
     inprocess: bool = opt(True, "--inprocess", "in-process restart (inprocess.Wrapper) for exceptions and hangs; deprecated by NVRx 0.6+, and in-job restart takes over where an NVRx has none")
-    warm_ranks: bool = opt(True, "--warm-ranks", "local backend: fork ranks from a per-node process that has already imported torch and NVRx, so a restart skips seconds of start-up")
+    warm_ranks: bool = opt(True, "--warm-ranks", "fork ranks from a per-node (per-pod on EKS) process that has already imported torch and NVRx, so a restart skips seconds of start-up")
     max_injob_restarts: int = opt(3, "--max-injob-restarts", "ft_launcher worker-group restarts per launch")
     max_job_restarts: int = opt(2, "--max-job-restarts", "times the supervisor relaunches a dead launcher")
     heartbeat_timeout: float = opt(15.0, "--heartbeat-timeout", "seconds without a rank heartbeat before ft_launcher restarts the group")

@@ -18,6 +18,7 @@ from eks_kube import Controllers, Kube, running
 from jobs import wait_for
 
 from eksft_nb.backends.eks import EksBackend
+from eksft_nb.backends.procs import start_ticks
 from eksft_nb.backends.eks.render import render
 from eksft_nb.checkpoint_folders import COMMIT, sha256_file, step_dir
 from eksft_nb.errors import ControlError, JobError, SpecError
@@ -331,9 +332,15 @@ def test_inject_signal_checkpoints_stop_and_resume(kube: Kube, backend: EksBacke
         job.inject("sigkill", rank=5)
 
     # a rank process in pod 1, with its progress beacon: signalled where it runs
-    env = {**ctl.pods[pods[1]].process_env("trainer"), "RANK": "1"}
+    env = ctl.pods[pods[1]].process_env("trainer")   # a warm rank's environ has no RANK (the zygote's)
     rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
-    (job_dir / "progress" / "rank-1.json").write_text(json.dumps({"rank": 1, "pid": rank.pid}))
+    beacon = {"rank": 1, "pid": rank.pid, "host": socket.gethostname(), "start_ticks": start_ticks(rank.pid)}
+    # a beacon written in another pod, or by a process that had the pid before: not this rank
+    for other in ({"host": "another-pod"}, {"start_ticks": beacon["start_ticks"] - 1}, {"start_ticks": None}):
+        (job_dir / "progress" / "rank-1.json").write_text(json.dumps({**beacon, **other}))
+        with pytest.raises(JobError, match="rank 1 of job demo is not running in any pod"):
+            backend.signal("demo", 1, "SIGKILL")
+    (job_dir / "progress" / "rank-1.json").write_text(json.dumps(beacon))
     assert backend.signal("demo", 1, "SIGKILL") in pods and rank.wait(10) == -9
     with pytest.raises(JobError, match="rank 0 of job demo is not running in any pod"):
         backend.signal("demo", 0)

@@ -11,7 +11,8 @@ from jobs import cli
 
 from eksft_nb.backends.eks import EksBackend, checks, names, schemas
 from eksft_nb.errors import SpecError
-from eksft_nb.launcher import Ports, launcher_argv
+from eksft_nb.backends.eks.render import INPOD
+from eksft_nb.launcher import WARM_SHIM, Ports, launcher_argv
 from eksft_nb.spec import JobSpec
 
 IMAGE = "123456789012.dkr.ecr.us-west-2.amazonaws.com/eksft-nb:0.1.0"
@@ -56,9 +57,14 @@ def test_matrix_renders_valid_manifests(kind: str, nnodes: int, gpus: int, efa: 
     env = {e["name"]: e.get("value", e.get("valueFrom")) for e in trainer["env"]}
     # the local launch line, with node 0's stable DNS name: no shell, no sleep, no DNS polling
     node_rank = "$(RANK)" if kind == "pytorchjob" else "$(EKSFT_NODE_RANK)"
-    assert trainer["command"] + trainer["args"] == launcher_argv(
-        spec, node_rank=node_rank, rdzv_host=names.rank0_host(spec), ports=Ports.from_base(29500), run_id="demo")
-    assert trainer["command"] == ["ft_launcher"] and "sleep" not in text and "getent" not in text
+    line = launcher_argv(spec, node_rank=node_rank, rdzv_host=names.rank0_host(spec), ports=Ports.from_base(29500),
+                         run_id="demo")
+    # warm ranks (the default): the in-pod entry starts the pod's zygote, then runs that very line with the
+    # image's shim as its worker; the shim's path is the container's, so this machine's is nowhere
+    assert trainer["command"] == INPOD + ["launch"] and trainer["args"] == line and line[0] == "ft_launcher"
+    assert WARM_SHIM not in text and "sleep" not in text and "getent" not in text
+    cold = pod_template(EksBackend().manifests(spec.replace(**{"ft.warm_ranks": False})).workload())["spec"]
+    assert cold["containers"][0]["command"] == ["ft_launcher"] and cold["containers"][0]["args"] == line[1:]
     if kind != "pytorchjob":
         assert names.rank0_host(spec) == f"{names.pod_host(spec, 0)}.demo.default.svc.cluster.local"
         assert env["EKSFT_NODE_RANK"]["fieldRef"]["fieldPath"].endswith("['batch.kubernetes.io/job-completion-index']")

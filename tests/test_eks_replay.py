@@ -2,20 +2,24 @@
 with their rendered command, args and environment (rank 0's DNS name mapped to 127.0.0.1).
 
 It proves the manifest's launch line trains (2 pods x 1 rank), survives a SIGKILL of a rank through
-ft_launcher, and resumes from a checkpoint as a new job, with the dashboard's monitor fed by the
+ft_launcher with the restarted rank forked warm by its pod's zygote, and resumes from a checkpoint as a new job, with the dashboard's monitor fed by the
 streamed pod logs all along."""
 
 from __future__ import annotations
 
+import contextlib
+import re
 import socket
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from eks_kube import Controllers, Kube, running
 
 from eksft_nb.backends.eks import EksBackend, names
 from eksft_nb.control import parse_fault
+from eksft_nb.events import decode_lines
 from eksft_nb.job import Job
 from eksft_nb.spec import JobSpec
 
@@ -35,6 +39,17 @@ def free_port_base() -> int:
             return base
         except OSError:
             continue
+
+
+def pods_processes(root: Path, job: str) -> list[str]:
+    """The live processes of a replayed job's pods (they carry its job folder under ``root``)."""
+    out = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            env = proc.environ()
+            if env.get("EKSFT_JOB") == job and env.get("EKSFT_JOB_DIR", "").startswith(str(root)):
+                out.append(f"{proc.pid} {' '.join(proc.info['cmdline'] or [])[:120]}")
+    return out
 
 
 @pytest.fixture
@@ -78,6 +93,22 @@ def test_rendered_pods_train_survive_a_sigkill_and_resume(cluster: tuple[Kube, E
     assert (restart["level"], restart["cause"], restart["blame_rank"], restart["resumed_step"]) == (
         "injob", "injected sigkill on rank 1", 1, 8)
     assert mon.resumes[-1]["path"] == "/checkpoints/replay/ckpt/step_00000008"   # as the pods see it
+    # warm ranks: each pod's entry started its zygote, and every rank it ran, the in-job restart's
+    # included, was forked by that pod's zygote (pods are told apart by their log files)
+    for pod in sorted(ctl.root.glob("replay-[0-9]-*.log")):
+        text = pod.read_text()
+        forked = {int(pid) for pid in re.findall(r"forked rank (\d+) for worker", text)}
+        starts = [e for e in decode_lines(text.splitlines()) if e.kind == "rank_start"]
+        assert starts and {e["pid"] for e in starts} <= forked, (pod.name, text[-3000:])
+        assert "no warm rank" not in text
+    rank1 = [e for p in ctl.root.glob("replay-[0-9]-*.log") for e in decode_lines(p.read_text().splitlines())
+             if e.kind == "rank_start" and e.rank == 1]
+    assert len(rank1) == 2   # its first incarnation and the one ft_launcher restarted in its pod
+    # and the pods' zygotes ended with their ft_launchers: nothing of the job outlives its pods
+    deadline = time.time() + 30
+    while (left := pods_processes(ctl.root, "replay")) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not left, left
 
     resumed = job.resume(step=8)
     ctl.start_job(resumed.name, hosts={names.rank0_host(resumed.spec): "127.0.0.1"})

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from eksft_nb.backends import procs
-from eksft_nb.launcher import WARM_SHIM, ZYGOTE_MODULE
+from eksft_nb.backends.eks.render import INPOD
+from eksft_nb.launcher import TRAINER_MODULE, WARM_SHIM, ZYGOTE_MODULE
 from jobs import events, job_dir, run_job, wait_for
 
 PROBE = """
@@ -111,6 +112,38 @@ def test_without_a_zygote_that_can_serve_it_the_rank_starts_cold(zygote, why: st
     assert p.returncode == 3
     assert int(pid) == p.pid and torch_loaded == "False"  # the shim exec'd `python -u -m probe 3`
     assert len(re.findall("no warm rank", err)) == 1, err
+
+
+FAKE_LAUNCHER = """
+import os, subprocess, sys
+at = sys.argv.index("--no-python")
+worker = sys.argv[at + 1:sys.argv.index("-m", at)]   # python -S SHIM, as the pod's entry resolved them
+print("worker", os.environ["EKSFT_WARM_SOCKET"], *worker, flush=True)
+sys.exit(subprocess.run([*worker, "-m", "probe", "5"]).returncode)
+"""
+
+
+def test_an_eks_pods_entry_starts_its_zygote_whose_ranks_are_forked_and_which_ends_with_the_launcher(
+        tmp_path: Path) -> None:
+    """The trainer container's command with warm ranks (``inpod launch``), with a stand-in for ft_launcher
+    that runs its worker command on the probe: the shim is this installation's, the rank is forked by
+    the zygote the entry started, and the zygote ends when the launcher does (nothing holds the pod)."""
+    (tmp_path / "probe.py").write_text(PROBE)
+    (tmp_path / "launcher.py").write_text(FAKE_LAUNCHER)
+    log = tmp_path / "pod.log"
+    with open(log, "wb") as out:
+        entry = subprocess.run([sys.executable, *INPOD[1:], "launch", sys.executable, "launcher.py", "--nnodes=1",
+                                "-m", TRAINER_MODULE], cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
+                               env={**os.environ, "PROBE": "here"}, timeout=300)
+    text = log.read_text()
+    assert entry.returncode == 5, text   # the rank's status, through the shim and the launcher
+    worker = re.search(r"^worker (\S+) (.+)$", text, re.M)
+    assert worker and worker.group(2).split() == [sys.executable, "-S", WARM_SHIM], text
+    zygote = int(re.search(rf"eksft zygote {worker.group(1)}: ready \(pid (\d+)", text).group(1))
+    _, pid, parent, torch_loaded, *_ = re.search(r"^rank .*$", text, re.M).group(0).split()
+    assert int(parent) == zygote and torch_loaded == "True" and f"forked rank {pid} " in text
+    assert "no warm rank" not in text
+    wait_for("the zygote to end with its launcher", lambda: not procs.alive(zygote), timeout=30)
 
 
 @pytest.mark.slow

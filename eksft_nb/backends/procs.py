@@ -14,6 +14,7 @@ import os
 import signal
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -25,6 +26,15 @@ NODE_MARK = "EKSFT_NODE_TAG"
 def identity(pid: int) -> dict[str, Any]:
     """What names a live process for good: its pid and its start time."""
     return {"pid": pid, "started": psutil.Process(pid).create_time()}
+
+
+def start_ticks(pid: int | str = "self") -> int | None:
+    """When process ``pid`` started, in the kernel's clock ticks since boot (Linux): with the pid, it
+    names the process exactly, where a start time in seconds can match another one's."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def recorded(entry: dict[str, Any] | None, job_uid: str | None = None) -> psutil.Process | None:

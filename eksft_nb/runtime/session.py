@@ -335,6 +335,11 @@ class _Beacon(threading.Thread):
         self.session = session
         self.path = session.job_dir.progress / f"rank-{session.rank}.json"
         self.main = threading.main_thread().ident
+        # who wrote it, exactly (the pod's `signal` checks it: a rank forked by a zygote shows the
+        # zygote's environment, and pids repeat across pods that share the folder)
+        from ..backends.procs import start_ticks
+
+        self.host, self.start_ticks = socket.gethostname(), start_ticks()
         self._halt = threading.Event()
         self.start()
 
@@ -351,7 +356,7 @@ class _Beacon(threading.Thread):
                         waiting = True
                         break
                     f = f.f_back
-            record = {"rank": s.rank, "pid": os.getpid(), "t": time.time(), "step_entered": s.step_entered,
+            record = {"rank": s.rank, "pid": os.getpid(), "host": self.host, "start_ticks": self.start_ticks, "t": time.time(), "step_entered": s.step_entered,
                       "step_done": s.step_done, "t_done": s.t_done, "where": where, "in_collective": waiting,
                       "inprocess_iteration": s.inprocess_iteration, "injob_restart": s.info.injob_restart}
             tmp = self.path.with_suffix(".tmp")
@@ -393,13 +398,14 @@ def error_origin(e: BaseException) -> str:
 def _process_start() -> float:
     """When this process started (wall clock). From the kernel's tick count since boot: psutil's
     ``create_time`` adds that to the boot time in whole seconds, so it can be up to a second early."""
-    try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError, AttributeError):  # not Linux
+    from ..backends.procs import start_ticks
+
+    ticks = start_ticks()
+    if ticks is None or not hasattr(time, "CLOCK_BOOTTIME"):  # not Linux
         import psutil
 
         return psutil.Process().create_time()
+    return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
 
 
 class MonitorLink:

@@ -30,10 +30,9 @@ from . import checks, names, schemas
 from .cluster import ApiError, Cluster, explain
 from .inpod import NOT_HERE
 from .pods import PodState, parse_time, pod_state
-from .render import Manifests, render
+from .render import INPOD, Manifests, render
 from .stream import EksEvents, workload_outcome
 
-INPOD = ["python", "-m", "eksft_nb.backends.eks.inpod"]
 CONFIGMAP, SERVICE, POD, PVC = (names.KINDS[k] for k in ("ConfigMap", "Service", "Pod", "PersistentVolumeClaim"))
 PODMONITOR, WORKLOAD = names.KINDS["PodMonitor"], names.KINDS["Workload"]
 

@@ -8,21 +8,32 @@
 - ``inject JSON``: queue a fault command (the control plane execs this).
 - ``ckpts``: the job's checkpoints, as JSON.
 - ``signal RANK SIGNAL``: signal a rank, if it runs in this pod (exit 3 if it does not).
+- ``launch ft_launcher ARGS...``: the trainer container's command when the spec keeps warm ranks
+  (``ft.warm_ranks``): starts the pod's zygote (:mod:`eksft_nb.runtime.zygote`), then becomes
+  ``ft_launcher ARGS...`` with the warm shim, as installed in this image, as its worker.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
+import socket
+import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 from ...checkpoint_folders import list_checkpoints
 from ...control import FaultCommand, submit
 from ...errors import ControlError
 from ...jobdir import JobDir, atomic_write
+from ...launcher import ZYGOTE_MODULE, warm_worker, worker_index
+from ...runtime.warm_shim import SOCKET_ENV
 from ...spec import JobSpec
+from ..procs import start_ticks
 from . import names
 
 NOT_HERE = 3
@@ -79,14 +90,20 @@ def ckpts() -> int:
 
 
 def send_signal(rank: int, signame: str) -> int:
-    """The rank's progress beacon names its pid; signal it only if that pid is the rank, here."""
+    """The rank's progress beacon names its pid; signal it only if that pid is the rank, here: the
+    beacon was written in this pod (its host) by the process that has that pid now (its start in
+    clock ticks), which carries the job's name. (A rank forked by the pod's zygote shows the
+    zygote's environment, without its RANK.)"""
     spec, jd = _job()
     try:
-        pid = json.loads((jd.progress / f"rank-{rank}.json").read_text())["pid"]
+        record = json.loads((jd.progress / f"rank-{rank}.json").read_text())
+        pid = record["pid"]
         environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, TypeError):
         return NOT_HERE
-    if f"RANK={rank}".encode() not in environ or f"EKSFT_JOB={spec.name}".encode() not in environ:
+    if (not isinstance(pid, int) or pid <= 0 or record.get("host") != socket.gethostname()
+            or record.get("start_ticks") is None or record.get("start_ticks") != start_ticks(pid)
+            or f"EKSFT_JOB={spec.name}".encode() not in environ):
         return NOT_HERE
     name = signame.upper() if signame.upper().startswith("SIG") else f"SIG{signame.upper()}"
     if name not in signal.Signals.__members__:
@@ -97,12 +114,63 @@ def send_signal(rank: int, signame: str) -> int:
     return 0
 
 
+def launch(argv: list[str]) -> int:
+    """Start the pod's zygote, then exec the launch line ``argv`` with the warm shim as its worker.
+
+    The container's main process stays ft_launcher (exec: the kubelet's SIGTERM reaches it, the pause
+    container is PID 1 and reaps). The zygote inherits the container's environment, as the ranks do,
+    so its start-up variables match theirs, and its stdout is the pod log. It dies with ft_launcher
+    (the kernel's parent-death signal, kept across the exec), and a rank it forked dies with its shim
+    (see :mod:`eksft_nb.runtime.warm_shim`), so nothing outlives the launcher to hold the pod.
+    A replaced pod starts a new zygote: only the restarts inside a pod get warm ranks."""
+    at = worker_index(argv)
+    if at is None:
+        print("eksft: error: `launch` takes a launch line (ft_launcher ... -m eksft_nb.runtime.MODULE ...): "
+              "render the pod again with this eksft-nb", file=sys.stderr)
+        return 2
+    name = f"eksft-{os.getpid()}-{uuid.uuid4().hex[:8]}"   # unique where pods share a network namespace (replay)
+    launcher = os.getpid()
+
+    def die_with_launcher() -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+        if os.getppid() != launcher:
+            os._exit(1)
+
+    zygote = subprocess.Popen([sys.executable, "-m", ZYGOTE_MODULE, name], stdin=subprocess.DEVNULL,
+                              preexec_fn=die_with_launcher)
+    _wait_listening(name, zygote)
+    os.environ[SOCKET_ENV] = name
+    try:
+        os.execvp(argv[0], [*argv[:at], *warm_worker(sys.executable), *argv[at:]])
+    except OSError as e:   # the zygote dies with this process
+        print(f"eksft: error: cannot run {argv[0]} ({e.strerror}): the image needs it on PATH", file=sys.stderr)
+    return 127
+
+
+def _wait_listening(name: str, zygote: subprocess.Popen, timeout: float = 30.0) -> None:
+    """Until the zygote listens (the first thing it does, a fraction of a second), so that the first
+    workers find it; one that cannot start leaves the ranks cold, as the shim then says."""
+    path = b" @" + name.encode() + b"\n"   # how /proc/net/unix lists an abstract socket
+    deadline = time.monotonic() + timeout
+    while zygote.poll() is None and time.monotonic() < deadline:
+        try:
+            with open("/proc/net/unix", "rb") as table:
+                if any(line.endswith(path) for line in table):
+                    return
+        except OSError:
+            return
+        time.sleep(0.01)
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["launch"]:
+        return launch(argv[1:])
     commands = {"prepare": (0, prepare), "inject": (1, lambda: inject(argv[1])), "ckpts": (0, ckpts),
                 "signal": (2, lambda: send_signal(int(argv[1]), argv[2]))}
     if not argv or argv[0] not in commands or len(argv) != 1 + commands[argv[0]][0] or \
             (argv[0] == "signal" and not argv[1].isdigit()):
-        print("usage: python -m eksft_nb.backends.eks.inpod {prepare | inject JSON | ckpts | signal RANK SIGNAL}",
+        print("usage: python -m eksft_nb.backends.eks.inpod {prepare | inject JSON | ckpts | signal RANK SIGNAL | "
+              "launch ft_launcher ARGS...}",
               file=sys.stderr)
         return 2
     return commands[argv[0]][1]()

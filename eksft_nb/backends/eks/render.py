@@ -1,6 +1,7 @@
 """The Kubernetes manifests of a job, derived from its spec.
 
-Every pod runs the same ``ft_launcher`` line as a local launcher (``launch.launcher_argv``), with
+Every pod runs the same ``ft_launcher`` line as a local launcher (``launch.launcher_argv``; with warm
+ranks through ``inpod launch``, which starts the pod's zygote first), with
 the rendezvous on node 0's stable DNS name: the pods of an Indexed Job (or JobSet) have host names
 ``<job>-<index>`` and a headless Service as their subdomain, so no pod sleeps or polls DNS to find
 node 0. Job folders and checkpoints live on an FSx for Lustre volume at ``/checkpoints``; the async
@@ -41,6 +42,9 @@ CONTROL_RULES: list[tuple[str, str, list[str]]] = [
 ]
 # a queued job (--queue): what Kueue says of its Workload, read to tell "queued" from "admitted"
 QUEUE_RULES: list[tuple[str, str, list[str]]] = [("kueue.x-k8s.io", "workloads", ["list"])]
+INPOD = ["python", "-m", "eksft_nb.backends.eks.inpod"]   # the in-pod commands (exec'd, and the pods' own)
+# the trainer's command with warm ranks; its args are the launch line (see inpod.launch)
+WARM_ENTRY = [*INPOD, "launch"]
 # per-node capacity of the instance types a ClusterQueue is printed for: (vCPU, memory, GPUs, EFA)
 QUEUE_CAPACITY = {"p5.48xlarge": ("192", "2048Gi", 8, 32), "p4d.24xlarge": ("96", "1152Gi", 8, 4)}
 
@@ -222,8 +226,11 @@ def pod_template(spec: JobSpec, *, subdomain: str | None = None, attempt_from: s
     env = container_env(spec, attempt_from)
     mounts = [{"name": "checkpoints", "mountPath": names.CKPT_MOUNT},
               {"name": "config", "mountPath": names.CONFIG_MOUNT, "readOnly": True}]
+    # warm ranks: the in-pod entry starts the pod's zygote and then becomes this same ft_launcher line,
+    # its worker the shim of the image's eksft-nb (a path only the container knows)
+    command, args = (WARM_ENTRY, argv) if spec.ft.warm_ranks else (argv[:1], argv[1:])
     trainer: dict[str, Any] = {
-        "name": names.container(spec), "image": e.image, "command": argv[:1], "args": argv[1:], "env": env,
+        "name": names.container(spec), "image": e.image, "command": command, "args": args, "env": env,
         "ports": [{"name": n, "containerPort": p} for n, p in
                   zip(("rdzv", "store", "wrapper"), (e.port, e.port + 1, e.port + 2))],
         "volumeMounts": mounts + [{"name": "shm", "mountPath": names.SHM_MOUNT}],
@@ -233,7 +240,7 @@ def pod_template(spec: JobSpec, *, subdomain: str | None = None, attempt_from: s
     if e.efa_per_node:
         trainer["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}  # EFA registers pinned memory
     prepare = {"name": "prepare", "image": e.image, "env": env, "volumeMounts": mounts,
-               "command": ["python", "-m", "eksft_nb.backends.eks.inpod", "prepare"]}
+               "command": [*INPOD, "prepare"]}
     # the job's Prometheus metrics, from its folder on the shared volume, in a native sidecar (an init
     # container that keeps running, started after `prepare` and stopped once the trainer ends)
     metrics = {"name": names.METRICS, "image": e.image, "restartPolicy": "Always",
