@@ -79,6 +79,7 @@ class Incidents:
         self.recent_gpu: list[dict[str, Any]] = []      # XID and ECC faults, likewise
         self.incarnation: dict[int, tuple[int, int, int]] = {}  # rank -> (job attempt, in-job, in-process)
         self.recovered_to: tuple[int, int, int] | None = None  # the incarnation the last incident ended in
+        self.last_resume: tuple[float, str | None] = (float("-inf"), None)  # the newest restore: when, from where
         self.last_alive = t_start
         self.stuck_at: list[Any] = []   # per incident: newest committed checkpoint (or a script's step count)
         self.give_up: str | None = None
@@ -110,6 +111,8 @@ class Incidents:
                 self.open(Incident(RestartLevel.INPROCESS if same_process else RestartLevel.INJOB, self.cause_from_ranks(fallback),
                                    self.blame(), self.fault_time(), detected, self.mon.last_step))
             i = self.incident
+            if i is not None and i.restored_from is None and self.last_resume[0] >= i.fault_time:
+                i.restored_from = self.last_resume[1]
             if i is not None and e.t >= i.detected_at:   # a rank of the recovering incarnation is ready
                 i.entered = max(i.entered or 0.0, e.get("t_enter", e.t))
                 i.grouped = max(i.grouped or 0.0, e.get("t_group", i.entered))
@@ -118,8 +121,11 @@ class Incidents:
                 self.incident.resumed_step = e["start_step"]
                 if not self.steps_expected and not len(self.mon.steps) and e.t > self.incident.detected_at:
                     self.close(e.t)  # a script that reports no steps has recovered once it runs again
-        elif e.kind == "resume" and self.incident is not None:
-            self.incident.restored_from = e.get("source")
+        elif e.kind == "resume":
+            # an in-process restart restores before its rank_start opens the incident: kept for it
+            self.last_resume = (e.t, e.get("source"))
+            if self.incident is not None:
+                self.incident.restored_from = e.get("source")
         elif e.kind == "step":
             started = e.t - e["step_time"]
             if self.incident is not None and e.t > self.incident.detected_at:

@@ -67,6 +67,7 @@ def test_faults_at_every_level_heal_and_lose_nothing(reference_digest: str, nvrx
     assert all(r["downtime_s"] > 0 and r["rolled_back_steps"] >= 0 for r in restarts)
     # every restart is split into its phases, which add up to its downtime
     for r in restarts:
+        assert r["restored_from"] in ("memory", "storage"), r    # and say where the checkpoint came from
         assert list(r["phases"]) == ["detection", "teardown", "reformation", "restore", "first_step"], r
         assert sum(r["phases"].values()) == pytest.approx(r["downtime_s"], abs=0.01), r
     assert format_summary(summary).count("    phases: detection ") == 4   # `summary` says them

@@ -9,9 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eksft_nb.events import (LOG_PREFIX, RESTART_PHASES, SCHEMA_VERSION, EventTail, EventWriter, SchemaError, decode,
+from eksft_nb.events import (LOG_PREFIX, RESTART_PHASES, SCHEMA_VERSION, Event, EventTail, EventWriter, SchemaError, decode,
                              make)
-from eksft_nb.incidents import Incident
+from eksft_nb.incidents import Incident, Incidents
+from eksft_nb.monitor import JobMonitor
 from eksft_nb.states import RestartLevel
 
 
@@ -109,3 +110,24 @@ def test_restart_phases_split_the_downtime_whatever_marks_are_known(fault: float
     assert all(s >= 0 for s in phases.values())
     assert sum(phases.values()) == pytest.approx(max(0.0, end - fault), abs=1e-3)
     make("restart", "j", None, **RESTART, phases=phases)   # valid as emitted
+
+
+def test_an_inprocess_restart_says_where_its_checkpoint_came_from() -> None:
+    """An in-process restart restores before its rank_start opens the incident: the restart event
+    still names the resume's source."""
+    def start(rank: int, iteration: int, t: float, step: int) -> Event:
+        return make("rank_start", "j", rank, t, pid=100 + rank, host="h", job_attempt=0, injob_restart=0,
+                    inprocess_iteration=iteration, world_size=2, start_step=step)
+
+    stream = [start(0, 0, 1.0, 0), start(1, 0, 1.0, 0), make("step", "j", 0, 2.0, step=1, loss=1.0, tokens=1, step_time=0.1),
+              make("fault", "j", 0, 3.0, fault="exception", id="a", target_rank=0, at_step=2),
+              make("rank_error", "j", 0, 3.01, error="boom", step=2, origin="fault"),
+              make("resume", "j", 0, 3.3, step=1, path="p", load_s=0.1, skipped=[], source="memory"),
+              start(0, 1, 3.4, 1), start(1, 1, 3.4, 1), make("step", "j", 0, 3.6, step=2, loss=1.0, tokens=1, step_time=0.1)]
+    emitted: list[tuple[str, dict]] = []
+    mon = JobMonitor()
+    incidents = Incidents(mon, lambda kind, **data: emitted.append((kind, data)), 0.0)
+    for e in stream:
+        mon.update([e])
+        incidents.observe(e)
+    assert [(d["level"], d.get("restored_from")) for kind, d in emitted if kind == "restart"] == [("inprocess", "memory")]
