@@ -133,7 +133,9 @@ def test_overhead(results: dict[str, Any]) -> None:
     assert 0 < micro["emit_us"]["median"] < 10_000
     assert micro["step_protocol_off_us"]["median"] < micro["step_protocol_on_us"]["median"]
     assert_stat(micro["heartbeat_us"])  # timed inside a job's ranks, under ft_launcher
-    assert micro["step_protocol_in_situ_us"]["median"] > micro["heartbeat_us"]["min"]
+    # in a rank the protocol includes the heartbeat's round trip, which the microbenchmark's lacks (two
+    # separately timed medians of about the same size are not compared: their noise is larger than the gap)
+    assert micro["step_protocol_in_situ_us"]["median"] > micro["step_protocol_on_us"]["median"]
     assert r["step_s"] > 0 and isinstance(r["target_met"], bool)
 
 
