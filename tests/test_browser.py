@@ -67,7 +67,7 @@ def test_quickstart_in_jupyterlab(lab: dict[str, Any]) -> None:
         restarts = points("quickstart", "restarts")
         lanes = [lane for t in restarts for lane in t["y"]]
         assert "in-process" in lanes and "in-job" in lanes, lanes
-        assert steps_plotted("quickstart")[-1] == 200
+        assert steps_plotted("quickstart")[-1] == 400
         dash.scroll_into_view_if_needed()
         dash.screenshot(path=str(shots / "quickstart-dashboard.png"))
 

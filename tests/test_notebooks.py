@@ -49,11 +49,11 @@ def dashboards(nb: Any) -> list[str]:
 def check_quickstart(nb: Any) -> None:
     job = eksft_nb.attach("quickstart")
     s = job.summary()
-    assert s["state"] == "succeeded" and s["steps_done"] == 200
+    assert s["state"] == "succeeded" and s["steps_done"] == 400
     levels = [r["level"] for r in s["restart_events"]]
     assert "inprocess" in levels and "injob" in levels                   # the exception, then the killed rank
     assert {("exception", 0, 50), ("sigkill", 1, 120)} <= {(f["fault"], f["rank"], f["step"]) for f in job.monitor.faults}
-    assert "job quickstart: succeeded (all 200 steps done)" in text(nb)
+    assert "job quickstart: succeeded (all 400 steps done)" in text(nb)
     assert len(dashboards(nb)) == 1
 
 
