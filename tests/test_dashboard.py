@@ -62,7 +62,8 @@ class FakeJob:
         self.emit("fault", rank=1, fault="sigkill", id="f1", target_rank=1, at_step=resumed + lost + 1)
         t = self.t
         self.emit("failure", dt=0.5, level=level, cause=cause, blame_rank=1, fault_time=t, detected_at=t + 0.5)
-        phases = {"detection": 0.5, "teardown": 0.5, "reformation": downtime - 2.0, "restore": 0.75, "first_step": 0.25}
+        phases = {"detection": 0.5, "teardown": 0.5, "reformation": max(0.0, downtime - 2.0), "restore": 0.75,
+                  "first_step": 0.25}
         self.emit("restart", dt=downtime - 0.5, level=level, cause=cause, blame_rank=1, fault_time=t,
                   detection_s=0.5, downtime_s=downtime, rolled_back_steps=lost, resumed_step=resumed, phases=phases)
 
