@@ -156,8 +156,8 @@ def test_every_panel_answers_with_the_jobs_values_from_a_real_prometheus(tmp_pat
     from eksft_nb.job import attach
 
     name = "prom"
-    launched = cli("run", "--name", name, "--model", "tiny", "--steps", "30", "--ckpt-every", "10", "--seed", "0",
-                   "--fault", "sigkill:1@15", "--detach")
+    launched = cli("run", "--name", name, "--model", "tiny", "--steps", "200", "--ckpt-every", "10", "--seed", "0",
+                   "--detach")
     assert launched.returncode == 0, launched.stderr
     port = free_port()
     exporter = subprocess.Popen([sys.executable, "-m", "eksft_nb", "metrics", name, "--port", str(port)],
@@ -166,6 +166,12 @@ def test_every_panel_answers_with_the_jobs_values_from_a_real_prometheus(tmp_pat
     try:
         wait_for("prometheus to be ready", prom.ready, timeout=60)
         job = attach(name)
+        # the fault goes in once a scrape has seen the job train with no restart (not at a fixed step:
+        # warm ranks can reach any step before the first scrape)
+        wait_for("a scrape of the job training", lambda: series(prom.query(
+            f'max by (job) (eksft_step{{job="{name}"}})')).get((("job", name),), 0.0) >= 1, timeout=120)
+        injected = cli("inject", name, "sigkill", "--rank", "1")
+        assert injected.returncode == 0, injected.stderr
         wait_for("the job to end", lambda: job.refresh().finished, timeout=300)
         wait_for("a scrape after the job's end",
                  lambda: series(prom.query(f'max by (job) (eksft_running{{job="{name}"}})')) == {(("job", name),): 0.0}, timeout=60)
@@ -183,7 +189,7 @@ def test_every_panel_answers_with_the_jobs_values_from_a_real_prometheus(tmp_pat
         times = mon.steps.step_time[-20:]
         expected: dict[str, dict[tuple[tuple[str, str], ...], float]] = {
             "Running": {j: 0.0},
-            "Step": {j: 30.0},
+            "Step": {j: 200.0},
             "Loss": {j: mon.steps.loss[-1]},
             "Throughput (tokens/s)": {j: mon.steps.throughput()[0]},
             "Steps per second": {j: len(times) / sum(times)},
@@ -193,7 +199,7 @@ def test_every_panel_answers_with_the_jobs_values_from_a_real_prometheus(tmp_pat
             "Restarts by cause": {(("cause", "sigkill"), *j, ("level", "injob")): 1.0},
             "Restart downtime": {j: sum(r["downtime_s"] for r in summary["restart_events"])},
             "Checkpoint stall": {j: mon.checkpoint_stall_s},
-            "Newest checkpoint": {j: 30.0},
+            "Newest checkpoint": {j: 200.0},
             "Newest checkpoint age": {j: at - mon.last_committed.t_done},
             # no DCGM exporter here: the GPU rows are empty, and say nothing wrong
             "XID errors": {}, "ECC double-bit errors": {}, "GPU temperature": {}, "GPU power": {},
