@@ -42,10 +42,13 @@ class Job:
 
     def status(self) -> tuple[JobState, str]:
         """The state and why: what the events say, unless the backend knows better (the job is gone,
-        stopped, failed outside the ranks, or not started yet)."""
+        stopped, failed outside the ranks, or not started yet). An ended job is reported ended once
+        nothing of it runs; until then (a moment) it is still running, ending."""
         mon = self.refresh()
         if mon.finished:
-            return JobState(mon.state), mon.reason
+            if self.backend.settled(self.name):
+                return JobState(mon.state), mon.reason
+            return JobState.RUNNING, f"ending ({mon.state}: {mon.reason})"
         backend = self.backend.state(self.name)
         if backend.state in BACKEND_OVERRIDES:
             return JobState(backend.state), backend.detail

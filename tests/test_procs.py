@@ -19,9 +19,11 @@ from eksft_nb.backends.local import LocalBackend
 from eksft_nb.backends.local.supervisor import Supervisor
 from eksft_nb.control import FaultCommand, submit
 from eksft_nb.errors import JobError
-from eksft_nb.events import read_all
+from eksft_nb.events import EventWriter, read_all
+from eksft_nb.job import Job
 from eksft_nb.jobdir import JobDir, atomic_write
 from eksft_nb.spec import JobSpec, ModelConfig
+from eksft_nb.states import JobState
 from jobs import cli, events, wait_for
 
 # what NVRx's rank monitor prints when a stop cancels it (captured from a real stop), and a rank's own error
@@ -88,6 +90,26 @@ def test_rm_refuses_while_a_process_of_the_job_runs(tmp_path: Path) -> None:
         rank.wait()
     backend.remove("old")
     assert not (tmp_path / "old").exists()
+
+
+def test_a_job_reads_ended_only_once_its_supervisor_and_keeper_are_gone(tmp_path: Path) -> None:
+    """The supervisor records the end (``job_end``, then its record) a moment before it and its keeper
+    exit: until they have, the job is still running, ending, so that "stopped" means nothing runs."""
+    uid = "00112233445566aa"
+    keeper = subprocess.Popen(["sleep", "600"], env={**os.environ, procs.JOB_MARK: uid}, start_new_session=True)
+    try:
+        backend = fake_job(tmp_path, {"job_uid": uid, "state": "stopped", "reason": "stopped by the user",
+                                      "keeper": procs.identity(keeper.pid)})
+        EventWriter(JobDir.for_name("old", tmp_path).events_path, "old", rank=None).emit(
+            "job_end", state="stopped", reason="stopped by the user", final_step=7)
+        job = Job("old", backend)
+        state, detail = job.status()
+        assert (state, detail) == (JobState.RUNNING, "ending (stopped: stopped by the user)")
+        assert not state.ended
+    finally:
+        keeper.kill()
+        keeper.wait()
+    assert job.status() == (JobState.STOPPED, "stopped by the user")
 
 
 def test_logs_drop_library_tracebacks_whole_and_keep_a_rank_s_error(tmp_path: Path) -> None:

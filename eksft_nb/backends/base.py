@@ -118,6 +118,11 @@ class Backend(ABC):
     def state(self, name: str) -> JobSummary:
         """Where the job's processes (or pods) stand, independently of its events."""
 
+    def settled(self, name: str) -> bool:
+        """Whether nothing of a job whose events say it ended still runs: the end is recorded a moment
+        before the last process exits. A cluster's pods are the cluster's to end: True."""
+        return True
+
     @abstractmethod
     def events(self, name: str) -> EventSource: ...
 

@@ -125,6 +125,12 @@ class LocalBackend(Backend):
             pass  # another client adopted it first, or a stop holds the lock
         return JobSummary(name, self.name, JobState.RUNNING, "its supervisor was gone: a new one adopted the running job")
 
+    def settled(self, name: str) -> bool:
+        """The supervisor and its keeper, the last of a job's processes to exit, are gone."""
+        sup = self._jd(name).supervisor()
+        uid = _job_uid(sup)
+        return uid is None or not any(procs.recorded(sup.get(head), uid) for head in ("supervisor", "keeper"))
+
     def events(self, name: str) -> EventTail:
         return EventTail(self._jd(name).events_path)
 
