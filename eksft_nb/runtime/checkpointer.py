@@ -733,18 +733,22 @@ class CheckpointManager:
         self._commit(step, path, collect, blocked_s=time.perf_counter() - t0, background_s=0.0)
 
     def _save_async(self, step: int, path: Path, state: dict[str, Any], t0: float) -> None:
-        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
-        from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import (
-            FileSystemWriterAsync,
-            _get_write_results_queue,
-        )
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
+
         staged = self.stager.stage(state)
         writer = FileSystemWriterAsync(str(path), thread_count=1)
         planned, cache = self._plan(staged, writer)
-        if not planned:  # nothing to write: the commit fails this save on every rank, the next one plans anew
-            t_staged = time.perf_counter()
-            self.pending = _Pending(step, path, None, (), t_staged, t_staged - t0, "")
-            return
+        # not planned: nothing to write, and the commit fails this save on every rank (see _plan)
+        save_id, metadata = self._hand_over(path, staged, writer, cache) if planned else ("", None)
+        t_staged = time.perf_counter()
+        self.pending = _Pending(step, path, writer, (writer, metadata, None), t_staged, t_staged - t0, save_id)
+        self.emit("checkpoint", phase="staged", step=step, blocked_s=t_staged - t0, bytes=self.stager.staged_bytes)
+
+    def _hand_over(self, path: Path, staged: Any, writer: Any, cache: _PlanCache | None) -> tuple[str, Any]:
+        """Schedule this rank's write of ``staged`` into ``path``; its id and the save's DCP metadata."""
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import _get_write_results_queue
+
         manifest = str(path / f"manifest-{self.rank}.json")
         save_id = _AsyncWriter.new_id()
         if cache is not None:  # the plan is kept: this rank's files with this save's folder and plain values
@@ -761,9 +765,7 @@ class CheckpointManager:
         _AsyncWriter.schedule(AsyncRequest(write_shard, args, []))
         if cache is not None:
             _AsyncWriter.plan_sent = (_AsyncWriter.caller, cache.key)
-        t_staged = time.perf_counter()
-        self.pending = _Pending(step, path, writer, (writer, metadata, None), t_staged, t_staged - t0, save_id)
-        self.emit("checkpoint", phase="staged", step=step, blocked_s=t_staged - t0, bytes=self.stager.staged_bytes)
+        return save_id, metadata
 
     def _plan(self, staged: Any, writer: Any) -> tuple[bool, _PlanCache | None]:
         """Whether this rank writes this save, and with which kept plan (None: ``writer`` is prepared).
