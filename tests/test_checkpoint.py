@@ -88,9 +88,11 @@ def test_saves_that_reuse_the_cached_plan_load_bit_exact(tmp_path: Path, group: 
 
 def test_a_kept_save_plan_follows_the_state_it_saves(tmp_path: Path, group: Any) -> None:
     """The save plan is kept from save to save while the staged state keeps its layout; a tensor
-    added or reshaped after that gets a new plan, and plain values are written as they are at each
-    save: every checkpoint loads back bit-exactly (a stale plan would leave the new tensor out)."""
-    mgr = _manager(tmp_path, group, "async", [])
+    added or reshaped after that fails that one save (never committed: the plan is made on every
+    rank together) and the next one plans anew, and plain values are written as they are at each
+    save: every committed checkpoint loads back bit-exactly (a stale plan would leave the new tensor out)."""
+    events: list = []
+    mgr = _manager(tmp_path, group, "async", events)
     gen = torch.Generator().manual_seed(0)
     extras: list[dict[str, torch.Tensor]] = [{}, {}, {}, {"ema": torch.randn(4, 4, generator=gen)},
                                              {"ema": torch.randn(6, generator=gen)}, {"ema": torch.randn(6, generator=gen)}]
@@ -100,11 +102,45 @@ def test_a_kept_save_plan_follows_the_state_it_saves(tmp_path: Path, group: Any)
         weights.add_(1.0)  # new values in the same tensor
         mgr.maybe_save(step, {"w": weights, "lr": step / 7, "name": f"run{step}", **extra})
         mgr.finish()
+        if mgr.retry:  # the layout changed: this save failed, the next step's plans anew
+            assert step_dir(tmp_path, step) not in [i.path for i in list_checkpoints(tmp_path) if i.state == "committed"]
+            step += 1
+            mgr.maybe_save(step, {"w": weights, "lr": step / 7, "name": f"run{step}", **extra})
+            mgr.finish()
         target = {"w": torch.zeros(8, 8), "lr": 0.0, "name": "", **{k: torch.zeros_like(v) for k, v in extra.items()}}
         load(step_dir(tmp_path, step), target, group)
         assert torch.equal(target["w"], weights) and target["lr"] == step / 7 and target["name"] == f"run{step}"
         assert all(torch.equal(target[k], v) for k, v in extra.items()), step
-    assert mgr.plan_cache is not None and mgr.plan_cache.reused == 1  # planned at 5, 20 and 25; kept at 10, 15 and 30
+    assert [e["step"] for e in events if e["phase"] == "failed"] == [20, 25]  # the two layout changes, once each
+    assert mgr.plan_cache is not None and mgr.plan_cache.reused == 1  # planned at 5, 21 and 26; kept at 10, 15 and 30
+
+
+def test_a_kept_save_plan_runs_no_collective_until_the_commit(tmp_path: Path, group: Any,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the plan kept, a save's stall is this rank's alone: staging and handing the write over
+    wait for no other rank (no collective), and the committed checkpoint loads bit-exactly."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16)
+    mgr = _manager(tmp_path, group, "async", [])
+    mgr.maybe_save(5, _state(model, 5))
+    mgr.finish()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    calls: list[str] = []
+    for name in ("all_reduce", "broadcast", "broadcast_object_list", "all_gather_object", "all_gather",
+                 "gather_object", "scatter_object_list", "reduce_scatter", "barrier"):
+        real = getattr(dist, name)
+        monkeypatch.setattr(dist, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
+    mgr.maybe_save(10, _state(model, 10))
+    assert calls == [] and mgr.plan_cache.reused == 1
+    mgr.finish()
+    assert calls  # the commit is collective
+    [*_, info] = list_checkpoints(tmp_path)
+    assert info.step == 10 and info.state == "committed"
+    target = _state(torch.nn.Linear(16, 16), 0)
+    load(info.path, target, group)
+    assert all(torch.equal(target["model"][k], v) for k, v in expected.items())
 
 
 def test_corruption_is_detected_with_the_file_named(tmp_path: Path, group: Any) -> None:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from eksft_nb.checkpoint_folders import list_checkpoints, step_dir
+from eksft_nb.runtime.checkpointer import load
 from jobs import run_ranks
 
 STEPS = (5, 10, 15, 20)
@@ -23,9 +24,8 @@ LEFTOVER = "__1_0.distcp.leftover"  # in the folder of step 15 before the job st
 def _rank(rank: int, root: str, store: str, out: str) -> None:
     """One rank: async saves at STEPS, each committed before the next. From the third save on, rank 0
     starts each save late, once rank 1's writer has finished its files for it or after a few seconds
-    (the save plan is kept, but a one-integer all-reduce still precedes every write, so rank 1 waits
-    for rank 0): the order a busy rank 0 sees in training, where it prunes after a commit while rank
-    1 goes on to the next save."""
+    (with the save plan kept, rank 1 writes without waiting for rank 0): the order a busy rank 0 sees
+    in training, where it prunes after a commit while rank 1 goes on to the next save."""
     os.environ["RANK"] = str(rank)
     from eksft_nb.runtime.checkpointer import CheckpointManager, _AsyncWriter
 
@@ -70,3 +70,54 @@ def test_rank_0_never_removes_files_another_rank_is_writing(tmp_path: Path) -> N
     committed = [i.step for i in list_checkpoints(root) if i.state == "committed"]
     assert committed == list(STEPS)
     assert not (step_dir(root, 15) / LEFTOVER).exists()
+
+
+def _changing_rank(rank: int, root: str, store: str, out: str) -> None:
+    """One rank saving its own tensor every 5 steps (async, each save finished before the next);
+    from step 15 on, rank 1 alone also saves a second tensor. Writes what committed and failed,
+    and whether each committed checkpoint loads back this rank's tensors bit-exactly."""
+    os.environ["RANK"] = str(rank)
+    from eksft_nb.runtime.checkpointer import CheckpointManager, _AsyncWriter
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    group = dist.new_group(backend="gloo")
+    events: list[dict[str, Any]] = []
+    mgr = CheckpointManager(Path(root), rank=rank, world_size=2, group=group, every=5, mode="async", keep_last=10,
+                            emit=lambda kind, **data: events.append(data))
+    state = {f"w{rank}": torch.full((16, 16), float(rank))}
+    saved: dict[int, dict[str, torch.Tensor]] = {}
+    for step in range(1, 22):
+        state[f"w{rank}"].add_(1.0)
+        if rank == 1 and step == 15:
+            state["extra1"] = torch.arange(8.0)
+        if mgr.due(step):
+            saved[step] = {k: v.clone() for k, v in state.items()}
+        mgr.maybe_save(step, state)
+        mgr.finish()
+    committed = [i.step for i in list_checkpoints(Path(root)) if i.state == "committed"]
+    exact = {}
+    for step in committed:
+        target = {k: torch.zeros_like(v) for k, v in saved[step].items()}
+        load(step_dir(Path(root), step), target, group)
+        exact[step] = all(torch.equal(target[k], v) for k, v in saved[step].items())
+    Path(out).write_text(json.dumps({"failed": [[e["step"], e["error"]] for e in events if e.get("phase") == "failed"],
+                                     "committed": committed, "exact": exact, "reused": mgr.plan_cache.reused}))
+    dist.destroy_process_group()
+    _AsyncWriter.stop()
+
+
+def test_a_layout_change_on_one_rank_fails_that_save_everywhere_and_the_next_commits(tmp_path: Path) -> None:
+    """With the save plan kept, no rank checks the others' layouts before it writes. When only rank 1's
+    staged state changes layout, nothing hangs: that save fails on both ranks (never committed), the
+    next step's plans anew everywhere and commits, and every committed checkpoint loads bit-exactly."""
+    root = tmp_path / "ckpt"
+    outs = [tmp_path / f"out{r}.json" for r in range(2)]
+    assert run_ranks(_changing_rank, [(r, str(root), str(tmp_path / "store"), str(outs[r])) for r in range(2)],
+                     timeout=240) == [0, 0]
+    result = [json.loads(o.read_text()) for o in outs]
+    [[step, error]] = result[0]["failed"]  # rank 0 reports it, with rank 1's reason
+    assert step == 15 and error.startswith("rank 1: its staged state changed layout"), error
+    assert result[0]["committed"] == result[1]["committed"] == [5, 10, 16, 20]
+    assert all(r["exact"] == {"5": True, "10": True, "16": True, "20": True} for r in result)
+    assert [r["reused"] for r in result] == [1, 1]  # planned anew at 16 on both ranks, kept at 20

@@ -3,8 +3,8 @@
 A save has three stages, like torchtitan's and Megatron's async checkpointing:
 
 1. **stage** (blocks training): the state is copied into shared-memory buffers that are allocated
-   once and reused, the DCP save plan is agreed on a checkpoint-only gloo group (NVRx caches it
-   once two saves agree, so later saves skip that collective), and the write is
+   once and reused, the DCP save plan is agreed on a checkpoint-only gloo group once and kept
+   while the staged layout stays the same (later saves run no collective), and the write is
    handed to NVRx's ``PersistentAsyncCaller`` (a spawned writer process per rank). Training never
    races the writer: on CPU a "copy to host" is a no-op, so without staging the writer would read
    parameters that the next optimizer step is already changing.
@@ -733,14 +733,22 @@ class CheckpointManager:
         self._commit(step, path, collect, blocked_s=time.perf_counter() - t0, background_s=0.0)
 
     def _save_async(self, step: int, path: Path, state: dict[str, Any], t0: float) -> None:
-        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
-        from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import (
-            FileSystemWriterAsync,
-            _get_write_results_queue,
-        )
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
+
         staged = self.stager.stage(state)
         writer = FileSystemWriterAsync(str(path), thread_count=1)
-        cache = self._plan(staged, writer)
+        planned, cache = self._plan(staged, writer)
+        # not planned: nothing to write, and the commit fails this save on every rank (see _plan)
+        save_id, metadata = self._hand_over(path, staged, writer, cache) if planned else ("", None)
+        t_staged = time.perf_counter()
+        self.pending = _Pending(step, path, writer, (writer, metadata, None), t_staged, t_staged - t0, save_id)
+        self.emit("checkpoint", phase="staged", step=step, blocked_s=t_staged - t0, bytes=self.stager.staged_bytes)
+
+    def _hand_over(self, path: Path, staged: Any, writer: Any, cache: _PlanCache | None) -> tuple[str, Any]:
+        """Schedule this rank's write of ``staged`` into ``path``; its id and the save's DCP metadata."""
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import _get_write_results_queue
+
         manifest = str(path / f"manifest-{self.rank}.json")
         save_id = _AsyncWriter.new_id()
         if cache is not None:  # the plan is kept: this rank's files with this save's folder and plain values
@@ -757,27 +765,33 @@ class CheckpointManager:
         _AsyncWriter.schedule(AsyncRequest(write_shard, args, []))
         if cache is not None:
             _AsyncWriter.plan_sent = (_AsyncWriter.caller, cache.key)
-        t_staged = time.perf_counter()
-        self.pending = _Pending(step, path, writer, (writer, metadata, None), t_staged, t_staged - t0, save_id)
-        self.emit("checkpoint", phase="staged", step=step, blocked_s=t_staged - t0, bytes=self.stager.staged_bytes)
+        return save_id, metadata
 
-    def _plan(self, staged: Any, writer: Any) -> _PlanCache | None:
-        """The save plan for ``staged``: the kept one while the staged state's layout is the same on
-        every rank (one small all-reduce says), else DCP's planning (collective), kept for the saves
-        after it. A plan that cannot be kept leaves ``writer`` prepared and returns None."""
+    def _plan(self, staged: Any, writer: Any) -> tuple[bool, _PlanCache | None]:
+        """Whether this rank writes this save, and with which kept plan (None: ``writer`` is prepared).
+
+        Every rank keeps a plan or none (agreed when it is made), so a rank without one knows that
+        none has one and plans with the others (DCP's planning is collective). A rank with one
+        decides alone, with no collective on the save path: its staged layout is the plan's, and it
+        writes with it; or it changed, and it writes nothing (planning alone would hang the others,
+        and their kept plans would not match its files): the commit, collective anyway, fails the
+        save on every rank, which drops the kept plans, so the retry plans anew everywhere."""
         from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
 
         layout = _layout(staged)
         kept = self.plan_cache
-        changed = torch.tensor([int(kept is None or kept.layout != layout)], dtype=torch.int32)
-        dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=self.group)
-        if not changed.item():
+        if kept is not None:
+            if kept.layout != layout:
+                return False, None
             kept.reused += 1
-            return kept
+            return True, kept
         planner = _save_planner()
         _, self.plan_metadata, _ = save_state_dict_async_plan(staged, writer, self.group, 0, planner=planner)
-        self.plan_cache = _PlanCache.of(layout, staged, writer, planner, self.plan_metadata, _AsyncWriter.new_id())
-        return self.plan_cache
+        cache = _PlanCache.of(layout, staged, writer, planner, self.plan_metadata, _AsyncWriter.new_id())
+        everywhere = torch.tensor([int(cache is not None)], dtype=torch.int32)  # e.g. another NVRx on one rank
+        dist.all_reduce(everywhere, op=dist.ReduceOp.MIN, group=self.group)
+        self.plan_cache = cache if everywhere.item() else None
+        return True, self.plan_cache
 
     def _finalize_if_done(self, blocking: bool) -> None:
         """Commit the pending async save once every rank's write is done (collective)."""
@@ -795,15 +809,17 @@ class CheckpointManager:
             time.sleep(0.01)
         waited = time.perf_counter() - t_wait if blocking else 0.0
         self.pending = None
-        p.writer.results_queue = _Delivered(_AsyncWriter.result(p.save_id))
         results, files = None, {}
-        try:
-            results, error = p.writer.retrieve_write_results(), None
-            if _is_wrapped_exception(results):  # NVRx 0.6+ returns a write error instead of raising it
-                raise results[0]
-            files, error = _read_manifest(p.path, self.rank)
-        except Exception as e:  # noqa: BLE001
-            error = str(e.__cause__ or e)
+        error = "its staged state changed layout under the kept save plan: the next save plans anew"
+        if p.save_id:  # it handed a write over (see _plan)
+            p.writer.results_queue = _Delivered(_AsyncWriter.result(p.save_id))
+            try:
+                results, error = p.writer.retrieve_write_results(), None
+                if _is_wrapped_exception(results):  # NVRx 0.6+ returns a write error instead of raising it
+                    raise results[0]
+                files, error = _read_manifest(p.path, self.rank)
+            except Exception as e:  # noqa: BLE001
+                error = str(e.__cause__ or e)
         gathered = self._gather((results, error, files))
         errors = [err for _, err, _ in gathered]
         if any(errors):
