@@ -214,7 +214,9 @@ def test_the_hung_ranks_death_read_after_its_warm_recovery_is_no_second_incident
     launcher(15, "RankMonServer77@vm:0", "FT timeout elapsed.")
     [hang] = incidents()
     assert hang[0] == "failure" and hang[1].startswith("hang: no heartbeat from rank 0 "), hang
-    # before the next poll: the launcher reaps the killed rank and restarts the group; the new ranks step
+    # before the next poll: rank 1's monitor times out too (it waited on rank 0), the launcher reaps the
+    # killed rank and restarts the group, the new ranks step
+    launcher(15.01, "RankMonServer78@vm:1", "FT timeout elapsed.")
     launcher(15.3, "ft_launcher70", "failed (exitcode: -9) local_rank: 0 (pid: 71) of binary: /usr/bin/python")
     launcher(15.3, "ft_launcher70", "[default] Worker group FAILED. 2/3 attempts left; will restart worker group")
     start(15.5, 1)
