@@ -16,7 +16,11 @@ import pytest
 
 from eksft_nb.backends import procs
 from eksft_nb.backends.eks.render import INPOD
+from eksft_nb.backends.local.supervisor import Node, Supervisor
+from eksft_nb.events import EventWriter, make, read_all
+from eksft_nb.jobdir import JobDir
 from eksft_nb.launcher import TRAINER_MODULE, WARM_SHIM, ZYGOTE_MODULE
+from eksft_nb.spec import JobSpec, ModelConfig
 from jobs import events, job_dir, run_job, wait_for
 
 PROBE = """
@@ -168,3 +172,57 @@ def test_restarted_ranks_are_forked_warm_at_every_level_and_lose_nothing() -> No
     while procs.marked(uid) and time.time() < deadline:
         time.sleep(0.2)
     assert not procs.marked(uid)  # no zygote, standby or rank outlives the job
+
+
+def test_the_hung_ranks_death_read_after_its_warm_recovery_is_no_second_incident() -> None:
+    """A warm in-job restart can run from ft_launcher's line about the killed, hung rank to the new ranks'
+    first step within one supervisor poll, which reads the ranks' events before the launcher's log. The
+    supervisor is fed what it saw in CI, in that order: the hang was one incident, not a second
+    "rank 0 died (SIGKILL)"; a rank of the new incarnation killed later still is one."""
+    jd = JobDir.for_name("warm-race")
+    jd.create(JobSpec(name="warm-race", steps=1000, model=ModelConfig(preset="tiny")))
+    sup = Supervisor(jd)
+    log = jd.logs / "launcher-0-0.log"
+    sup.nodes = [Node(0, log, "0.0", {"pid": os.getpid(), "started": 0.0})]
+    t0 = time.time() - 60
+    ranks = [EventWriter(jd.events_path, "warm-race", rank=r) for r in (0, 1)]
+
+    def rank(r: int, t: float, kind: str, **data: object) -> None:
+        ranks[r].write(make(kind, "warm-race", r, t=t0 + t, **data))
+
+    def start(t: float, injob: int) -> None:
+        for r in (0, 1):
+            rank(r, t + r / 20, "rank_start", pid=1000 + 10 * injob + r, host="vm", job_attempt=0,
+                 injob_restart=injob, inprocess_iteration=0, world_size=2, start_step=0)
+
+    def launcher(t: float, who: str, text: str) -> None:
+        at = t0 + t
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(at)) + f",{int(at % 1 * 1000):03d}"
+        with open(log, "a") as f:
+            f.write(f"[{stamp}] [WARNING] [{who}@vm] {text}\n")
+
+    def incidents() -> list[tuple[str, str]]:
+        sup._pump()
+        return [(e.kind, e["cause"]) for e in read_all(jd.events_path) if e.kind in ("failure", "restart")]
+
+    start(1, 0)
+    for step in range(1, 6):
+        rank(0, 1 + step, "step", step=step, loss=None, tokens=None, step_time=0.1)
+    rank(0, 6.5, "fault", fault="hang", id="f1", target_rank=0, at_step=6)
+    assert incidents() == []
+    launcher(15, "RankMonServer77@vm:0", "Did not get subsequent heartbeat. Waited 8.00 seconds.")
+    launcher(15, "RankMonServer77@vm:0", "FT timeout elapsed.")
+    [hang] = incidents()
+    assert hang[0] == "failure" and hang[1].startswith("hang: no heartbeat from rank 0 "), hang
+    # before the next poll: rank 1's monitor times out too (it waited on rank 0), the launcher reaps the
+    # killed rank and restarts the group, the new ranks step
+    launcher(15.01, "RankMonServer78@vm:1", "FT timeout elapsed.")
+    launcher(15.3, "ft_launcher70", "failed (exitcode: -9) local_rank: 0 (pid: 71) of binary: /usr/bin/python")
+    launcher(15.3, "ft_launcher70", "[default] Worker group FAILED. 2/3 attempts left; will restart worker group")
+    start(15.5, 1)
+    rank(0, 15.7, "step", step=1, loss=None, tokens=None, step_time=0.1)
+    assert incidents() == [hang, ("restart", hang[1])]
+    # a rank of the new incarnation killed afterwards is a new incident
+    launcher(20, "ft_launcher70", "failed (exitcode: -9) local_rank: 1 (pid: 82) of binary: /usr/bin/python")
+    assert incidents()[2:] == [("failure", "rank 1 died (SIGKILL)")]
+    sup.log.close()

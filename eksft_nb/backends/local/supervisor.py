@@ -110,7 +110,7 @@ class Supervisor:
         self.zygotes: dict[str, subprocess.Popen] = {}  # node tag -> its warm-rank zygote (this attempt's, the next's)
         self.store: Any = None   # the rendezvous store, when the supervisor hosts it (hot spares)
         self.t_launch = 0.0
-        self.ranks_started: set[int] = set()  # ranks of the current attempt that reported rank_start
+        self.ranks_started: dict[int, float] = {}  # rank -> its newest rank_start of the current attempt
         self.stop_requested = False
         self.t_start = time.time()
         self.incidents = Incidents(self.mon, self._publish, self.t_start, say=self.say,
@@ -211,7 +211,7 @@ class Supervisor:
         run_id = f"{self.spec.name}-{self.attempt}-{uuid.uuid4().hex[:6]}"
         self.nodes = []
         self.t_launch = time.time()
-        self.ranks_started = set()
+        self.ranks_started = {}
         # with hot spares the rendezvous store lives here: a launcher that hosted it could not be lost
         self.store = _rendezvous_store(ports.rdzv) if self.spec.spare_nodes else None
         warm = []
@@ -407,7 +407,7 @@ class Supervisor:
         elif e.kind == "checkpoint" and e["phase"] in ("failed", "rejected"):
             self.say(f"checkpoint {e['step']} {e['phase']}: {e.get('error') or e.get('reason')}")
         elif e.kind == "rank_start" and e.t >= self.t_launch:
-            self.ranks_started.add(e.rank)
+            self.ranks_started[e.rank] = e.t
         elif e.kind in ("failure", "restart") and self.replayed is not None:
             self.incidents.restore(e)
         elif e.kind == "resume":
@@ -434,7 +434,8 @@ class Supervisor:
         for seen in events:
             if seen.kind == "restarting":
                 self.say(f"ft_launcher restarts the worker group ({seen.left[0]}/{seen.left[1]} in-job restarts left)")
-            elif self.incidents.incident is None and not self.stop_requested and seen.at > self.seen_until:
+            elif (self.incidents.incident is None and not self.stop_requested and seen.at > self.seen_until
+                  and not self._restarted_since(seen.at)):
                 self._read_events()  # a rank may have reported the fault just before it died
                 if seen.kind == "hang":
                     self.incidents.hang(seen.at, self.spec.ft.heartbeat_timeout, self._stuck_rank())
@@ -442,6 +443,12 @@ class Supervisor:
                     rank = next((r for r, p in self.mon.rank_pids.items() if p == seen.pid),
                                 node.index * self.spec.nproc_per_node + seen.local_rank)
                     self.incidents.worker_failed(rank, seen.exitcode, seen.at)
+
+    def _restarted_since(self, at: float) -> bool:
+        """Whether every rank has started again since ``at``: a failure ft_launcher logged then was of
+        the ranks they replaced, whose incident is accounted for. Warm ranks recover within a poll or
+        two, so that line can be read after their first step closed its incident."""
+        return len(self.ranks_started) == self.spec.world_size and min(self.ranks_started.values()) > at
 
     def _stuck_rank(self) -> int | None:
         """From the progress beacons: the rank not waiting for its peers in a collective (else the
