@@ -25,6 +25,11 @@ def steps_after(name: str, t: float) -> list[Any]:
     return [e for e in events(name, "step") if e.t > t]
 
 
+# long enough that the job still runs when the hang is injected after the sigkill's recovery, on a
+# starved machine too (the CLI's start-up alone can take seconds there)
+STEPS = 150
+
+
 def break_twice(name: str, script: str, args: str, *extra: str) -> dict:
     """Launch ``script`` unmodified, kill rank 1 at an optimizer step through the dashboard's inject,
     hang rank 0 from the CLI once it has recovered, and follow the job to its end."""
@@ -59,22 +64,22 @@ def break_twice(name: str, script: str, args: str, *extra: str) -> dict:
 
 
 def test_plain_ddp_steps_and_faults_without_a_line_of_eksft() -> None:
-    break_twice("ddp", "ddp.py", "--steps 80 --sleep 0.1")
+    break_twice("ddp", "ddp.py", f"--steps {STEPS} --sleep 0.1")
 
 
 def test_nvrx_heartbeats_script_with_a_module_beside_it_keeps_its_own_connection(tmp_path: Path) -> None:
-    break_twice("hb", "heartbeats.py", f"--steps 80 --sleep 0.1 --ckpt {tmp_path}")
+    break_twice("hb", "heartbeats.py", f"--steps {STEPS} --sleep 0.1 --ckpt {tmp_path}")
     starts = [e for e in events("hb", "rank_start")]
     assert {e["injob_restart"] for e in starts} == {0, 1, 2}
     state = __import__("torch").load(tmp_path / "state.pt", weights_only=False)
     timeouts = next(iter(state["ft"].values()))  # computed by the script and saved with its checkpoint
-    assert state["step"] == 80 and timeouts["heartbeat"]["were_calculated"]
+    assert state["step"] == STEPS and timeouts["heartbeat"]["were_calculated"]
     logs = cli("logs", "hb").stdout
-    assert "starting at step 0" in logs and any(f"starting at step {n}" in logs for n in range(10, 80, 10))
+    assert "starting at step 0" in logs and any(f"starting at step {n}" in logs for n in range(10, STEPS, 10))
 
 
 def test_nvrx_sections_script_gets_its_sections_and_heartbeats_from_its_optimizer() -> None:
-    break_twice("sections", "sections.py", "--steps 80 --sleep 0.1", "--section-timeouts", "init:60,step:20")
+    break_twice("sections", "sections.py", f"--steps {STEPS} --sleep 0.1", "--section-timeouts", "init:60,step:20")
     argv = (job_dir("sections") / "logs").glob("launcher-*.log")
     assert argv  # ft_launcher ran; its section timeouts came from the spec
     spec = eksft_nb.attach("sections").spec
