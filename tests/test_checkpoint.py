@@ -226,6 +226,21 @@ def test_a_save_does_not_commit_without_a_ranks_manifest(tmp_path: Path, group: 
     assert [i.step for i in list_checkpoints(tmp_path) if i.state == "committed"] == [6]
 
 
+def test_an_inprocess_restart_commits_the_save_a_fault_left_uncommitted(tmp_path: Path, group: Any) -> None:
+    """A fault a few steps after an async save, before a step boundary committed it: the in-process
+    restart (same process, same writer, a new manager) resumes from that save, not from scratch."""
+    model = torch.nn.Linear(16, 16)
+    events: list = []
+    _manager(tmp_path, group, "async", events).maybe_save(5, _state(model, 5))  # then the fault, before step 6 ends
+    saved = model.weight.detach().clone()
+    restarted = _manager(tmp_path, group, "async", events)
+    target = _state(torch.nn.Linear(16, 16), 0)
+    assert restarted.restore(target, "latest", restarting=True) == 5, events
+    assert int(target["progress"]["step"]) == 5 and torch.equal(target["model"]["weight"], saved)
+    assert [(e["phase"], e["step"]) for e in events if "phase" in e] == [("begin", 5), ("staged", 5), ("committed", 5)]
+    assert restarted.restore(_state(torch.nn.Linear(16, 16), 0), "latest", restarting=True) == 5  # once only
+
+
 def test_the_background_writer_runs_at_a_lower_cpu_priority(tmp_path: Path, group: Any) -> None:
     """It shares cores with the ranks: a step must not wait for it, so it takes what they leave."""
     from eksft_nb.runtime.checkpointer import WRITER_NICE, _AsyncWriter

@@ -56,7 +56,8 @@ def reference_digest() -> str:
 def test_faults_at_every_level_heal_and_lose_nothing(reference_digest: str, nvrx_release) -> None:
     version, folder = nvrx_release
     name = f"four-faults-{version.replace('.', '-')}"
-    summary = run_job(name, "--fault", "exception:0@15", "--fault", "sigkill:1@30",
+    # the exception one step after a save: no step boundary has committed it yet (the restart must still resume from it)
+    summary = run_job(name, "--fault", "exception:0@11", "--fault", "sigkill:1@30",
                       "--fault", "hang:0@45", "--fault", "kill-launcher@60", nvrx=folder)
     assert summary["state"] == "succeeded", summary
     ran_with(name, version)
@@ -65,6 +66,8 @@ def test_faults_at_every_level_heal_and_lose_nothing(reference_digest: str, nvrx
     assert [r["level"] for r in restarts] == ["inprocess", "injob", "inprocess", "job"]
     assert [r["blame_rank"] for r in restarts[:3]] == [0, 1, 0]
     assert all(r["downtime_s"] > 0 and r["rolled_back_steps"] >= 0 for r in restarts)
+    # an in-process restart resumes from the newest save, committed or not (the processes wrote it)
+    assert [restarts[0]["resumed_step"], restarts[2]["resumed_step"]] == [10, 40], restarts
     # every restart is split into its phases, which add up to its downtime
     for r in restarts:
         assert r["restored_from"] in ("memory", "storage"), r    # and say where the checkpoint came from
@@ -79,11 +82,15 @@ def test_faults_at_every_level_heal_and_lose_nothing(reference_digest: str, nvrx
     resumes = events(name, "resume")
     assert all(e["source"] == "memory" or "there is none" in e["memory"] for e in resumes), [e.data for e in resumes]
     [injob] = [r for r in events(name, "restart") if r["level"] == "injob"]
-    assert injob["restored_from"] == "memory", injob.data
+    # from memory, unless the next save was already replacing the copies when rank 1 died (a starved
+    # machine commits a save several steps after staging it): then storage, and its resume says so
+    said = [e["memory"] for e in resumes if injob["fault_time"] <= e.t <= injob.t and e.get("memory")]
+    assert injob["restored_from"] == "memory" or (said and all("there is none" in m for m in said)), \
+        (injob.data, said)
     uid = JobDir(job_dir(name)).supervisor()["job_uid"]
     assert not list(Path("/dev/shm").glob(f"*eksft-{uid}-*")), "the copies end with the job"
     fired = [(f["fault"], f["at_step"]) for f in events(name, "fault")]
-    assert fired == [("exception", 15), ("sigkill", 30), ("hang", 45), ("kill-launcher", 60)]
+    assert fired == [("exception", 11), ("sigkill", 30), ("hang", 45), ("kill-launcher", 60)]
     # the job restart ran on the launcher the supervisor had kept warm, not on a cold start
     log = (job_dir(name) / "logs" / "supervisor.log").read_text()
     assert "attempt 1: started ft_launcher on 1 node(s)" in log and "(warm standby)" in log

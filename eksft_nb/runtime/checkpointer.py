@@ -486,6 +486,7 @@ class _AsyncWriter:
     caller: Any = None
     outstanding = 0  # requests handed over whose local completion was not yet seen
     plan_sent: tuple[Any, str] | None = None  # (writer, plan key): the kept save plan that writer holds
+    unfinished: Any = None  # the _Pending save handed over and not finalized: an in-process restart commits it
     _ids = itertools.count()
 
     @classmethod
@@ -538,7 +539,7 @@ class _AsyncWriter:
     @classmethod
     def stop(cls) -> None:
         """End the writer process; a write still in flight is abandoned (its folder stays uncommitted)."""
-        caller, cls.caller, cls.outstanding = cls.caller, None, 0
+        caller, cls.caller, cls.outstanding, cls.unfinished = cls.caller, None, 0, None
         process = getattr(caller, "process", None)
         if process is None:
             return
@@ -741,7 +742,8 @@ class CheckpointManager:
         # not planned: nothing to write, and the commit fails this save on every rank (see _plan)
         save_id, metadata = self._hand_over(path, staged, writer, cache) if planned else ("", None)
         t_staged = time.perf_counter()
-        self.pending = _Pending(step, path, writer, (writer, metadata, None), t_staged, t_staged - t0, save_id)
+        self.pending = _AsyncWriter.unfinished = _Pending(step, path, writer, (writer, metadata, None), t_staged,
+                                                          t_staged - t0, save_id)
         self.emit("checkpoint", phase="staged", step=step, blocked_s=t_staged - t0, bytes=self.stager.staged_bytes)
 
     def _hand_over(self, path: Path, staged: Any, writer: Any, cache: _PlanCache | None) -> tuple[str, Any]:
@@ -808,7 +810,7 @@ class CheckpointManager:
             tick()  # waiting on the writer is progress, not a hang
             time.sleep(0.01)
         waited = time.perf_counter() - t_wait if blocking else 0.0
-        self.pending = None
+        self.pending = _AsyncWriter.unfinished = None
         results, files = None, {}
         error = "its staged state changed layout under the kept save plan: the next save plans anew"
         if p.save_id:  # it handed a write over (see _plan)
@@ -909,6 +911,7 @@ class CheckpointManager:
         anywhere is skipped everywhere, with the reason and the rank that found it (a partial load
         is overwritten by the next candidate's; with none left, this raises and the restart that
         follows starts fresh)."""
+        self._commit_unfinished()
         listing: list[Any] = [None]
         if self.rank == 0:
             try:
@@ -960,6 +963,20 @@ class CheckpointManager:
                   verify_s=verify_s, verified_files=[len(share(info, r, self.world_size)) for r in range(self.world_size)],
                   source="storage", **(from_memory or {}))
         return info.step
+
+    def _commit_unfinished(self) -> None:
+        """Commit the async save an in-process restart interrupted between its staging and its commit
+        (collective). Its commit waits for a step boundary after the write, so a fault a few steps
+        after a save would otherwise resume from the checkpoint before it, or from scratch, though
+        the same processes staged it and their writer finished it. Committed only if every rank
+        handed over that same save; a failed write is reported and retried like any other."""
+        p, _AsyncWriter.unfinished = _AsyncWriter.unfinished, None
+        if self.mode != "async":
+            return
+        mine = (p.step, str(p.path)) if p is not None and p.path.parent == self.root else None
+        if self._gather(mine) == [mine] * self.world_size and mine is not None:
+            self.pending = p
+            self._finalize_if_done(blocking=True)
 
     def _restore_from_memory(self, newest: CheckpointInfo, state: dict[str, Any]) -> int | dict[str, Any]:
         """Load ``newest`` from the ranks' in-memory copies if every rank's is intact (collective):
