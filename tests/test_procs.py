@@ -77,6 +77,16 @@ def test_stop_never_signals_a_process_that_reuses_a_recorded_pid(tmp_path: Path,
     assert backend.state("old").state in ("succeeded", "stopped")
 
 
+def test_a_recorded_process_is_known_by_its_start_ticks_when_the_clock_steps(stranger: subprocess.Popen) -> None:
+    # psutil's wall-clock start moves with the boot time whenever the system clock is stepped (NTP):
+    # the job's supervisor must not look gone then, nor another process at its pid look like it
+    entry = procs.identity(stranger.pid)
+    stepped = {**entry, "started": entry["started"] + 1.0}
+    assert procs.recorded(stepped) is not None and procs.recorded(stepped).pid == stranger.pid
+    assert procs.recorded({**entry, "ticks": entry["ticks"] - 1}) is None
+    assert procs.recorded({**entry, "ticks": None}) is not None  # recorded before ticks: the start time decides
+
+
 def test_rm_refuses_while_a_process_of_the_job_runs(tmp_path: Path) -> None:
     uid = "fedcba9876543210"
     backend = fake_job(tmp_path, {"job_uid": uid, "state": "failed", "reason": "gave up"})

@@ -13,7 +13,7 @@ import pytest
 
 import eksft_nb
 from eksft_nb.dashboard import Dashboard
-from jobs import cli, events, job_dir, run_job, wait_for
+from jobs import cli, events, job_dir, run_job, story, wait_for
 
 pytestmark = pytest.mark.slow
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -53,7 +53,7 @@ def break_twice(name: str, script: str, args: str, *extra: str) -> dict:
     faults = [(e["fault"], e["target_rank"], e["at_step"]) for e in events(name, "fault")]
     assert faults[0] == ("sigkill", 1, at) and faults[1][:2] == ("hang", 0), faults
     causes = [(r["level"], r["blame_rank"], r["cause"].split(":")[0]) for r in summary["restart_events"]]
-    assert causes == [("injob", 1, "injected sigkill on rank 1"), ("injob", 0, "hang")], summary["restart_events"]
+    assert causes == [("injob", 1, "injected sigkill on rank 1"), ("injob", 0, "hang")], story(name)
     steps = events(name, "step")
     assert all(e["loss"] is None and e["tokens"] is None and e["step_time"] > 0 for e in steps)
     assert summary["total_steps"] is None and summary["steps_done"] >= at - 1
@@ -107,14 +107,14 @@ def test_a_users_own_inprocess_wrapper_restarts_in_place_and_is_recorded() -> No
     assert hang.returncode == 0 and hang.stdout.startswith("fired hang on rank 0"), hang.stdout
     assert job.wait(400) == "succeeded"
     levels = [(r["level"], r["blame_rank"]) for r in job.refresh().restarts]
-    assert levels == [("inprocess", 1), ("injob", 1), ("injob", 0)], job.refresh().restarts
+    assert levels == [("inprocess", 1), ("injob", 1), ("injob", 0)], story("wrapped")
 
 
 def test_nvrx_scripts_as_notebook_cells_show_their_steps_and_take_the_dashboards_faults(
         ip: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.chdir(SCRIPTS)  # the notebook's folder: a cell imports the modules beside it
-    for name, script, line in (("cell-hb", "heartbeats.py", f"--script-args '--steps 60 --sleep 0.1 --ckpt {tmp_path}'"),
-                               ("cell-sections", "sections.py", "--script-args '--steps 60 --sleep 0.1' "
+    for name, script, line in (("cell-hb", "heartbeats.py", f"--script-args '--steps {STEPS} --sleep 0.1 --ckpt {tmp_path}'"),
+                               ("cell-sections", "sections.py", f"--script-args '--steps {STEPS} --sleep 0.1' "
                                                                 "--section-timeouts init:60,step:20")):
         ip.run_cell(f"%%ftrain --name {name} {' '.join(FAST)} {line}\n{(SCRIPTS / script).read_text()}")
         dash = ip.shown[-1]
@@ -123,7 +123,8 @@ def test_nvrx_scripts_as_notebook_cells_show_their_steps_and_take_the_dashboards
         dash.inject("sigkill", rank=1, step=dash.job.monitor.last_step + 10)
         assert dash.job.wait(300) == "succeeded"
         dash._thread.join(30)
-        assert [(r["level"], r["blame_rank"]) for r in dash.job.monitor.restarts] == [("injob", 1)]
+        assert [e["fault"] for e in events(name, "fault")] == ["sigkill"], story(name)
+        assert [(r["level"], r["blame_rank"]) for r in dash.job.monitor.restarts] == [("injob", 1)], story(name)
         plotted = [s for t in dash.figure.widget.data if t.name == "tokens/s" for s in t.customdata]
         assert plotted and dash.figure.widget.layout.annotations[0].text == "throughput (steps/s)"
 
@@ -189,3 +190,15 @@ def test_nvrx_own_examples_run_unmodified_and_recover(script: str, args: str, ex
     monkeypatch.chdir(tmp_path)
     name = "nvrx-" + Path(script).stem.replace("_", "-")
     break_twice(name, str(Path(NVRX_EXAMPLES) / script), args, *extra)
+
+
+def test_a_script_that_finished_while_its_supervisor_was_replaced_is_not_run_again() -> None:
+    # the successor adopts a launcher it did not start (no exit status): the ranks' own ends say the
+    # script finished, whatever the spec's --steps (the built-in trainer's) says
+    proc = cli("run", "--name", "adopted-end", "--script", str(SCRIPTS / "ddp.py"), "--script-args",
+               "--steps 30 --sleep 0.1", *FAST, "--fault", "kill-supervisor@25", "--json")
+    summary = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert summary["state"] == "succeeded" and summary["restart_events"] == [], story("adopted-end")
+    assert [e["at_step"] for e in events("adopted-end", "fault")] == [25]
+    assert "adopted the job" in (job_dir("adopted-end") / "logs" / "supervisor.log").read_text()
+    assert len(events("adopted-end", "launch")) == 1 and len(events("adopted-end", "step")) == 30, story("adopted-end")

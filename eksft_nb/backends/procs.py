@@ -24,8 +24,10 @@ NODE_MARK = "EKSFT_NODE_TAG"
 
 
 def identity(pid: int) -> dict[str, Any]:
-    """What names a live process for good: its pid and its start time."""
-    return {"pid": pid, "started": psutil.Process(pid).create_time()}
+    """What names a live process for good: its pid and its start in clock ticks since boot (see
+    :func:`start_ticks`; ``started``, the wall-clock start, is for people and for platforms without
+    ticks: psutil derives it from the boot time, which moves whenever the system clock is stepped)."""
+    return {"pid": pid, "started": psutil.Process(pid).create_time(), "ticks": start_ticks(pid)}
 
 
 def start_ticks(pid: int | str = "self") -> int | None:
@@ -45,7 +47,12 @@ def recorded(entry: dict[str, Any] | None, job_uid: str | None = None) -> psutil
         return None
     try:
         p = psutil.Process(entry["pid"])
-        if abs(p.create_time() - float(entry.get("started", -1))) > 0.01 or p.status() == psutil.STATUS_ZOMBIE:
+        ticks, now = entry.get("ticks"), start_ticks(p.pid)
+        if isinstance(ticks, int) and now is not None:
+            same = ticks == now
+        else:  # recorded without ticks: by the wall-clock start, as exact as psutil's boot time allows
+            same = abs(p.create_time() - float(entry.get("started", -1))) <= 0.01
+        if not same or p.status() == psutil.STATUS_ZOMBIE:
             return None
         if job_uid is not None and p.environ().get(JOB_MARK) != job_uid:
             return None

@@ -33,6 +33,9 @@ if state is not None:
     ft.load_state_dict(state["ft"])
     start = state["step"]
 print(f"rank {rank}: starting at step {start}", flush=True)
+if state is None:
+    time.sleep(1.0)  # the data pipeline warming up before the first batch: the computed initial timeout allows
+    # for it, and so for a restart's own start-up (loading the checkpoint) on a busy machine
 for i in range(start, args.steps):
     loss = ddp(toyjob.batch(i, rank)).square().mean()
     optim.zero_grad()

@@ -111,6 +111,7 @@ class Supervisor:
         self.store: Any = None   # the rendezvous store, when the supervisor hosts it (hot spares)
         self.t_launch = 0.0
         self.ranks_started: dict[int, float] = {}  # rank -> its newest rank_start of the current attempt
+        self.ranks_done: set[int] = set()  # ranks whose newest start in the current attempt ended with exit 0
         self.stop_requested = False
         self.t_start = time.time()
         self.incidents = Incidents(self.mon, self._publish, self.t_start, say=self.say,
@@ -166,7 +167,8 @@ class Supervisor:
         self.adoptions = _int(record.get("adoptions")) + 1
         for entry in record.get("launchers") or []:
             try:
-                ident = {"pid": int(entry["pid"]), "started": float(entry["started"])}
+                ident = {"pid": int(entry["pid"]), "started": float(entry["started"]),
+                         "ticks": entry.get("ticks") if isinstance(entry.get("ticks"), int) else None}
                 node = Node(int(entry["node"]), Path(entry["log"]), str(entry["tag"]), ident,
                             proc=procs.recorded(ident, self.job_uid), offset=int(entry.get("offset", 0)))
             except (KeyError, TypeError, ValueError):
@@ -211,7 +213,7 @@ class Supervisor:
         run_id = f"{self.spec.name}-{self.attempt}-{uuid.uuid4().hex[:6]}"
         self.nodes = []
         self.t_launch = time.time()
-        self.ranks_started = {}
+        self.ranks_started, self.ranks_done = {}, set()
         # with hot spares the rendezvous store lives here: a launcher that hosted it could not be lost
         self.store = _rendezvous_store(ports.rdzv) if self.spec.spare_nodes else None
         warm = []
@@ -239,7 +241,7 @@ class Supervisor:
             try:
                 ident = procs.identity(popen.pid)
             except psutil.Error:  # it has already ended (we have not reaped it: its pid is still ours)
-                ident = {"pid": popen.pid, "started": None}
+                ident = {"pid": popen.pid, "started": None, "ticks": None}
             self.nodes.append(Node(node, log, tag, ident, popen=popen))
             self.events.emit("launch", attempt=self.attempt, node=node, pid=popen.pid, pgid=popen.pid)
         self.say(f"attempt {self.attempt}: started ft_launcher on {len(self.nodes)} node(s), "
@@ -327,8 +329,12 @@ class Supervisor:
             time.sleep(POLL_S)
 
     def _finished(self) -> bool:
-        """Whether training is done by the events (for launchers whose exit status is unknown)."""
+        """Whether training is done by the events (for launchers whose exit status is unknown): the
+        trainer's digest or its last step; a user script, whose step count is its own, once every
+        rank of this attempt ended with exit 0."""
         self._pump()
+        if self.spec.script:
+            return len(self.ranks_done) == self.spec.world_size
         return self.mon.digest is not None or self.mon.last_step >= self.spec.steps
 
     def _spare_takes_over(self, node: Node, code: int) -> bool:
@@ -408,6 +414,9 @@ class Supervisor:
             self.say(f"checkpoint {e['step']} {e['phase']}: {e.get('error') or e.get('reason')}")
         elif e.kind == "rank_start" and e.t >= self.t_launch:
             self.ranks_started[e.rank] = e.t
+            self.ranks_done.discard(e.rank)
+        elif e.kind == "rank_end" and e.t >= self.t_launch and e.get("exit_code", 0) == 0:
+            self.ranks_done.add(e.rank)
         elif e.kind in ("failure", "restart") and self.replayed is not None:
             self.incidents.restore(e)
         elif e.kind == "resume":
