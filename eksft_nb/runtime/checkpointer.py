@@ -159,6 +159,7 @@ class Stager:
         self._buffers: dict[str, torch.Tensor] = {}
         self._dtensors: dict[str, Any] = {}  # the staged DTensors, kept with their buffers (no new wrapper per save)
         self._values: dict[str, Any] = {}   # the plain values of the last staging, for the copy's record
+        self._described: Callable[[], dict[str, Any]] | None = None  # the last staging's layout, to describe
         self._wanted: dict[str, tuple[torch.Size, torch.dtype]] = {}
         self._fits = True
         self.bytes = 0
@@ -173,8 +174,15 @@ class Stager:
             self._allocate()
             staged = self._walk(state)
         buffers, dtensors, values = self._buffers, dict(self._dtensors), self._values
-        self.shelf.staged(lambda: _describe(buffers, dtensors, values))
+        self._described = lambda: _describe(buffers, dtensors, values)
         return staged
+
+    def checksum(self) -> None:
+        """Sum the staged buffers for the in-memory copy's record, in the background. Called once the
+        save no longer blocks training: the summing thread's own Python (the layout it describes)
+        would hold the GIL the training thread needs to finish the save's hand-over."""
+        if self._described is not None:
+            self.shelf.staged(self._described)
 
     def _walk(self, state: Any) -> Any:
         """Stage ``state`` into the buffers; None if they do not fit it (``_wanted`` says what would)."""
@@ -742,6 +750,7 @@ class CheckpointManager:
         # not planned: nothing to write, and the commit fails this save on every rank (see _plan)
         save_id, metadata = self._hand_over(path, staged, writer, cache) if planned else ("", None)
         t_staged = time.perf_counter()
+        self.stager.checksum()
         self.pending = _AsyncWriter.unfinished = _Pending(step, path, writer, (writer, metadata, None), t_staged,
                                                           t_staged - t0, save_id)
         self.emit("checkpoint", phase="staged", step=step, blocked_s=t_staged - t0, bytes=self.stager.staged_bytes)
