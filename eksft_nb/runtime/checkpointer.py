@@ -750,10 +750,10 @@ class CheckpointManager:
         # not planned: nothing to write, and the commit fails this save on every rank (see _plan)
         save_id, metadata = self._hand_over(path, staged, writer, cache) if planned else ("", None)
         t_staged = time.perf_counter()
-        self.stager.checksum()
         self.pending = _AsyncWriter.unfinished = _Pending(step, path, writer, (writer, metadata, None), t_staged,
                                                           t_staged - t0, save_id)
         self.emit("checkpoint", phase="staged", step=step, blocked_s=t_staged - t0, bytes=self.stager.staged_bytes)
+        self.stager.checksum()  # last: training goes on as it starts
 
     def _hand_over(self, path: Path, staged: Any, writer: Any, cache: _PlanCache | None) -> tuple[str, Any]:
         """Schedule this rank's write of ``staged`` into ``path``; its id and the save's DCP metadata."""
