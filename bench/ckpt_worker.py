@@ -181,6 +181,9 @@ class TimedStager:
     def staged_bytes(self) -> int:
         return self.stager.staged_bytes
 
+    def checksum(self) -> None:
+        self.stager.checksum()
+
 
 METHODS = (Memcpy, TorchSave, DcpSave, DcpAsyncSave, Eksft)
 

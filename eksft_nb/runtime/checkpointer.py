@@ -159,6 +159,7 @@ class Stager:
         self._buffers: dict[str, torch.Tensor] = {}
         self._dtensors: dict[str, Any] = {}  # the staged DTensors, kept with their buffers (no new wrapper per save)
         self._values: dict[str, Any] = {}   # the plain values of the last staging, for the copy's record
+        self._described: Callable[[], dict[str, Any]] | None = None  # the last staging's layout, to describe
         self._wanted: dict[str, tuple[torch.Size, torch.dtype]] = {}
         self._fits = True
         self.bytes = 0
@@ -173,8 +174,15 @@ class Stager:
             self._allocate()
             staged = self._walk(state)
         buffers, dtensors, values = self._buffers, dict(self._dtensors), self._values
-        self.shelf.staged(lambda: _describe(buffers, dtensors, values))
+        self._described = lambda: _describe(buffers, dtensors, values)
         return staged
+
+    def checksum(self) -> None:
+        """Sum the staged buffers for the in-memory copy's record, in the background. Called once the
+        save no longer blocks training: the summing thread's own Python (the layout it describes)
+        would hold the GIL the training thread needs to finish the save's hand-over."""
+        if self._described is not None:
+            self.shelf.staged(self._described)
 
     def _walk(self, state: Any) -> Any:
         """Stage ``state`` into the buffers; None if they do not fit it (``_wanted`` says what would)."""
@@ -745,6 +753,7 @@ class CheckpointManager:
         self.pending = _AsyncWriter.unfinished = _Pending(step, path, writer, (writer, metadata, None), t_staged,
                                                           t_staged - t0, save_id)
         self.emit("checkpoint", phase="staged", step=step, blocked_s=t_staged - t0, bytes=self.stager.staged_bytes)
+        self.stager.checksum()  # last: training goes on as it starts
 
     def _hand_over(self, path: Path, staged: Any, writer: Any, cache: _PlanCache | None) -> tuple[str, Any]:
         """Schedule this rank's write of ``staged`` into ``path``; its id and the save's DCP metadata."""
