@@ -167,8 +167,7 @@ class Supervisor:
         self.adoptions = _int(record.get("adoptions")) + 1
         for entry in record.get("launchers") or []:
             try:
-                ident = {"pid": int(entry["pid"]), "started": float(entry["started"]),
-                         "ticks": entry.get("ticks") if isinstance(entry.get("ticks"), int) else None}
+                ident = {"pid": int(entry["pid"]), "started": float(entry["started"]), "ticks": entry.get("ticks")}
                 node = Node(int(entry["node"]), Path(entry["log"]), str(entry["tag"]), ident,
                             proc=procs.recorded(ident, self.job_uid), offset=int(entry.get("offset", 0)))
             except (KeyError, TypeError, ValueError):
