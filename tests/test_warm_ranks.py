@@ -225,4 +225,17 @@ def test_the_hung_ranks_death_read_after_its_warm_recovery_is_no_second_incident
     # a rank of the new incarnation killed afterwards is a new incident
     launcher(20, "ft_launcher70", "failed (exitcode: -9) local_rank: 1 (pid: 82) of binary: /usr/bin/python")
     assert incidents()[2:] == [("failure", "rank 1 died (SIGKILL)")]
+    start(20.5, 2)
+    rank(0, 20.7, "step", step=1, loss=None, tokens=None, step_time=0.1)
+    assert incidents()[3] == ("restart", "rank 1 died (SIGKILL)")
+    # a hang whose launcher lines, replacement ranks and their first step all land within one poll:
+    # the launcher's line, logged first, opens the incident with its cause
+    rank(0, 25, "fault", fault="hang", id="f2", target_rank=0, at_step=2)
+    launcher(30, "RankMonServer77@vm:0", "Did not get subsequent heartbeat. Waited 8.00 seconds.")
+    launcher(30.3, "ft_launcher70", "failed (exitcode: -9) local_rank: 0 (pid: 91) of binary: /usr/bin/python")
+    start(30.5, 3)
+    rank(0, 30.7, "step", step=1, loss=None, tokens=None, step_time=0.1)
+    failure, restart = incidents()[4:]
+    assert failure[0] == "failure" and failure[1].startswith("hang: no heartbeat from rank 0 "), failure
+    assert restart == ("restart", failure[1])
     sup.log.close()

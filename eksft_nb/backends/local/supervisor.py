@@ -381,8 +381,6 @@ class Supervisor:
     # ---- one poll ---------------------------------------------------------------------------
     def _pump(self) -> None:
         self._read_events()
-        for node in self.nodes:
-            self._read_launcher_log(node)
         self._read_cycle_records()
 
     def _read_cycle_records(self) -> None:
@@ -400,9 +398,21 @@ class Supervisor:
                              end=record.end, active_ranks=record.active_ranks)
 
     def _read_events(self) -> None:
-        for event in self.tail.read():  # one at a time: incidents see the state just before each event
+        """Fold in the ranks' new events and the launchers' new log lines, by time. The events are
+        read first, so every line logged before one of them is read too; folded by time, a warm
+        rank's start (a poll or less after the failure that replaced it) never gets ahead of the
+        launcher's line about that failure, which opens the incident with its cause."""
+        events = self.tail.read()
+        lines = sorted(((seen.at, i, node, seen) for node in self.nodes
+                        for i, seen in enumerate(self._launcher_lines(node))), key=lambda x: x[:2])
+        for event in events:  # one at a time: incidents see the state just before each event
+            # this supervisor's own events (rank None) tell when it read, not when the job did something
+            while lines and event.rank is not None and lines[0][0] <= event.t:
+                self._on_launcher_line(*lines.pop(0)[2:])
             self.mon.update([event])
             self._on_event(event)
+        for _, _, node, seen in lines:
+            self._on_launcher_line(node, seen)
 
     def _on_event(self, e: Any) -> None:
         if e.kind == "fault":
@@ -423,34 +433,36 @@ class Supervisor:
             self.say(f"resuming from checkpoint step {e['step']} (loaded in {e['load_s']:.1f}s){skipped}")
         self.incidents.observe(e)
 
-    def _read_launcher_log(self, node: Node) -> None:
+    def _launcher_lines(self, node: Node) -> list[LauncherLine]:
+        """What the node's launcher logged since the last read that the supervisor acts on."""
         try:
             with open(node.log, "rb") as f:
                 f.seek(node.offset)
                 chunk = f.read()
         except FileNotFoundError:
-            return
+            return []
         end = chunk.rfind(b"\n")
         if end < 0:
-            return
+            return []
         node.offset += end + 1
         lines = chunk[: end + 1].decode(errors="replace").splitlines()
         node.joined = node.joined or any("has joined round" in line for line in lines)
-        events = [seen for seen in map(parse_launcher_line, lines) if seen is not None]
-        if events:
+        seen = [line for line in map(parse_launcher_line, lines) if line is not None]
+        if seen:
             self._write_state(JobState.RUNNING)  # a successor reads on from here, not twice
-        for seen in events:
-            if seen.kind == "restarting":
-                self.say(f"ft_launcher restarts the worker group ({seen.left[0]}/{seen.left[1]} in-job restarts left)")
-            elif (self.incidents.incident is None and not self.stop_requested and seen.at > self.seen_until
-                  and not self._restarted_since(seen.at)):
-                self._read_events()  # a rank may have reported the fault just before it died
-                if seen.kind == "hang":
-                    self.incidents.hang(seen.at, self.spec.ft.heartbeat_timeout, self._stuck_rank())
-                else:
-                    rank = next((r for r, p in self.mon.rank_pids.items() if p == seen.pid),
-                                node.index * self.spec.nproc_per_node + seen.local_rank)
-                    self.incidents.worker_failed(rank, seen.exitcode, seen.at)
+        return seen
+
+    def _on_launcher_line(self, node: Node, seen: LauncherLine) -> None:
+        if seen.kind == "restarting":
+            self.say(f"ft_launcher restarts the worker group ({seen.left[0]}/{seen.left[1]} in-job restarts left)")
+        elif (self.incidents.incident is None and not self.stop_requested and seen.at > self.seen_until
+              and not self._restarted_since(seen.at)):
+            if seen.kind == "hang":
+                self.incidents.hang(seen.at, self.spec.ft.heartbeat_timeout, self._stuck_rank())
+            else:
+                rank = next((r for r, p in self.mon.rank_pids.items() if p == seen.pid),
+                            node.index * self.spec.nproc_per_node + seen.local_rank)
+                self.incidents.worker_failed(rank, seen.exitcode, seen.at)
 
     def _restarted_since(self, at: float) -> bool:
         """Whether every rank has started again since ``at``: a failure ft_launcher logged then was of
@@ -497,7 +509,8 @@ class Supervisor:
             if node.popen is not None:
                 node.popen.wait()
             try:
-                self._read_launcher_log(node)
+                for seen in self._launcher_lines(node):
+                    self._on_launcher_line(node, seen)
             except OSError:
                 pass
         if not keep_standby:
