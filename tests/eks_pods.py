@@ -2,7 +2,7 @@
 
 A :class:`LocalPod` takes a pod (template) exactly as rendered and starts its containers' command
 and args with their environment, resolved as kubelet resolves it (``valueFrom.fieldRef`` from the
-pod's metadata, ``$(VAR)`` references in args), on this machine. A process here cannot have the
+pod's metadata, ``configMapKeyRef`` from its ConfigMap, ``$(VAR)`` references in args), on this machine. A process here cannot have the
 pod's mount namespace, so each volume's mount path is replaced by a local folder wherever it
 appears (args, env, the ConfigMap's files; the FSx volume is one folder shared by all pods), and
 each DNS name in ``hosts`` by the address it resolves to.
@@ -68,6 +68,8 @@ class LocalPod:
         for var in self.container(container).get("env", []):
             if "value" in var:
                 env[var["name"]] = _expand(var["value"], env)
+            elif "configMapKeyRef" in var["valueFrom"]:   # the pod's own ConfigMap, the only one it names
+                env[var["name"]] = self.config[var["valueFrom"]["configMapKeyRef"]["key"]]
             else:
                 path = var["valueFrom"]["fieldRef"]["fieldPath"]
                 m = FIELD_REF.match(path)

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from jobs import cli
 
-from eksft_nb.backends.eks import EksBackend, checks, names, schemas
+from eksft_nb.backends.eks import EksBackend, names, schemas, sizing
 from eksft_nb.errors import SpecError
 from eksft_nb.backends.eks.render import INPOD
 from eksft_nb.launcher import WARM_SHIM, Ports, launcher_argv
@@ -73,9 +73,9 @@ def test_matrix_renders_valid_manifests(kind: str, nnodes: int, gpus: int, efa: 
     limits = trainer.get("resources", {}).get("limits", {})
     assert int(limits.get("nvidia.com/gpu", 0)) == gpus and int(limits.get("vpc.amazonaws.com/efa", 0)) == efa
     assert ("NCCL_SOCKET_IFNAME" in env) == bool(gpus) and (env.get("FI_PROVIDER") == "efa") == bool(efa)
-    assert ("securityContext" in trainer) == bool(efa)
+    assert "IPC_LOCK" not in text   # Pod Security "baseline" refuses it
     volumes = {v["name"]: v for v in pod["volumes"]}
-    assert volumes["shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": checks.default_shm(spec)}
+    assert volumes["shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": sizing.default_shm(spec)}
     assert volumes["checkpoints"]["persistentVolumeClaim"]["claimName"] == "fsx-claim"
     assert pod["automountServiceAccountToken"] is False and pod["shareProcessNamespace"] is True
     assert pod["initContainers"][0]["command"][-1] == "prepare"
@@ -95,10 +95,10 @@ def test_job_pods_find_node_0_through_the_headless_service() -> None:
 def test_shm_is_sized_for_checkpoint_staging() -> None:
     big, small = eks_spec(nnodes=2, gpus=8), eks_spec(nnodes=16, gpus=8)
     # gpt-1b: 12 bytes per parameter of model + AdamW state, split over the nodes, 50% headroom, +1 GiB
-    assert checks.quantity(checks.default_shm(big), "") >= 1.5 * 12 * big.model.n_params() / 2
-    assert checks.quantity(checks.default_shm(big), "") > checks.quantity(checks.default_shm(small), "")
-    assert checks.default_shm(eks_spec()) == "1Gi"
-    assert checks.shm_size(eks_spec(**{"eks.shm_size": "64Gi"})) == "64Gi"
+    assert sizing.quantity(sizing.default_shm(big), "") >= 1.5 * 12 * big.model.n_params() / 2
+    assert sizing.quantity(sizing.default_shm(big), "") > sizing.quantity(sizing.default_shm(small), "")
+    assert sizing.default_shm(eks_spec()) == "1Gi"
+    assert sizing.shm_size(eks_spec(**{"eks.shm_size": "64Gi"})) == "64Gi"
 
 
 def test_control_plane_role_grants_only_what_it_calls() -> None:
@@ -165,9 +165,12 @@ def test_schemas_reject_what_the_api_server_would() -> None:
 def test_kubernetes_version_is_selectable() -> None:
     spec = eks_spec()
     EksBackend().render(spec.replace(**{"eks.k8s_version": "1.37"}))
-    # Job.spec.backoffLimitPerIndex and podReplacementPolicy do not exist before 1.28
+    # what a version lacks is not rendered (tests/test_eks_gpu_cluster.py); the schemas still refuse it:
+    # Job.spec.backoffLimitPerIndex does not exist before 1.28
+    job = EksBackend().manifests(spec.replace(**{"eks.k8s_version": "1.27"})).workload()
+    job["spec"]["backoffLimitPerIndex"] = 2
     with pytest.raises(SpecError, match=r"invalid for Kubernetes 1\.27: spec: Additional properties"):
-        EksBackend().render(spec.replace(**{"eks.k8s_version": "1.27"}))
+        schemas.validate(job, "1.27")
 
 
 LONG = "a" * 55
@@ -180,7 +183,7 @@ INVALID = [
     ({"name": LONG, "eks.kind": "jobset", "nnodes": 16}, "too long for --kind jobset", "at most 53 characters"),
     ({"eks.checkpoint_pvc": ""}, "no checkpoint PVC name", "--pvc NAME"),
     ({"eks.image": ""}, "container image '' is missing", "--image REGISTRY/REPO:TAG"),
-    ({"eks.memory": "2Gi", "eks.shm_size": "8Gi"}, "does not cover the 8Gi memory-backed /dev/shm", "--memory 12Gi"),
+    ({"eks.memory": "2Gi", "eks.shm_size": "8Gi"}, "does not cover the 8Gi memory-backed /dev/shm", "--memory 9Gi"),
     ({"eks.cpu": "lots"}, "--cpu 'lots' is not a Kubernetes quantity", "--cpu 4 (or 500m)"),
     ({"eks.create_pvc": True}, "needs a subnet and security groups", "--fsx-subnet"),
     ({"eks.create_pvc": True, "eks.storage_size": "1000Gi", "eks.fsx_subnet": "s", "eks.fsx_security_groups": "g"},
@@ -242,13 +245,17 @@ def test_script_args_reach_the_pod_literally(kind: str, tmp_path) -> None:
 
 @pytest.mark.parametrize("kind", ["job", "jobset", "pytorchjob"])
 def test_pods_carry_the_jobs_lineage_id(kind: str) -> None:
-    """Every pod of one workload (and of its restarts) names the same run in its commits, and a job
-    resumed from another step another one: a restart then never jumps to a newer foreign checkpoint."""
+    """Every pod of one workload (and of its restarts) names the same run in its commits: the launch's
+    id, kept in the job's record (its ConfigMap), new for every launch, even of the same name and spec
+    (issue 18, finding 6): a relaunch then never takes an earlier launch's checkpoints for its own."""
     def run_of(spec: JobSpec) -> str:
         docs = [d for d in yaml.safe_load_all(EksBackend().render(spec)) if d]
-        env = {e["name"]: e.get("value") for e in pod_template(docs[-1])["spec"]["containers"][0]["env"]}
-        return env["EKSFT_JOB_UID"]
+        record = next(d for d in docs if d["kind"] == "ConfigMap")
+        template = pod_template(docs[-1])["spec"]
+        for c in template["containers"] + template["initContainers"][:1]:
+            ref = next(e["valueFrom"]["configMapKeyRef"] for e in c["env"] if e["name"] == "EKSFT_JOB_UID")
+            assert ref["name"] == record["metadata"]["name"]
+        return record["data"][ref["key"]]
 
     first = run_of(eks_spec(kind=kind))
-    assert first and first == run_of(eks_spec(kind=kind))
-    assert run_of(eks_spec(kind=kind, resume="step:10")) != first
+    assert len(first) == 16 and first != run_of(eks_spec(kind=kind))

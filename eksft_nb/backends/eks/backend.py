@@ -100,10 +100,8 @@ class EksBackend(Backend):
         faults = [f.validate(spec.world_size, spec.nnodes) for f in faults or []]
         m = self.manifests(spec, faults)
         cluster = self._cluster(spec.eks.context, spec.eks.namespace)
-        if not spec.eks.create_pvc and cluster.get(PVC, spec.eks.checkpoint_pvc) is None:
-            raise JobError(f"the checkpoint volume claim {spec.eks.checkpoint_pvc!r} does not exist in namespace "
-                           f"{cluster.namespace}", "create it (FSx for Lustre, ReadWriteMany: see the README) or add "
-                           "--create-pvc with --fsx-subnet and --fsx-security-groups")
+        if not spec.eks.create_pvc:
+            _check_claim(cluster, spec)
         submit(cluster, m.job)
         self._where[spec.name] = (spec.eks.context, spec.eks.namespace)
 
@@ -302,6 +300,21 @@ class EksBackend(Backend):
                            "retry once it runs" + (", or set EKSFT_CHECKPOINTS_MOUNT to where the FSx volume is "
                                                    "mounted here" if "checkpoints" in purpose else ""))
         return running
+
+
+def _check_claim(cluster: Cluster, spec: JobSpec) -> None:
+    """The checkpoint volume exists and every pod, on any node, can mount it (ReadWriteMany)."""
+    pvc = spec.eks.checkpoint_pvc
+    claim = cluster.get(PVC, pvc)
+    if claim is None:
+        raise JobError(f"the checkpoint volume claim {pvc!r} does not exist in namespace "
+                       f"{cluster.namespace}", "create it (FSx for Lustre, ReadWriteMany: see the README) or add "
+                       "--create-pvc with --fsx-subnet and --fsx-security-groups")
+    modes = (claim.get("spec") or {}).get("accessModes") or []
+    if "ReadWriteMany" not in modes:
+        raise JobError(f"the checkpoint volume claim {pvc!r} is {', '.join(map(str, modes)) or 'without access modes'}, "
+                       "not ReadWriteMany: the pods of other nodes could not mount it",
+                       "use an FSx for Lustre claim with accessModes [ReadWriteMany] (see the README), or --create-pvc")
 
 
 def _suspended(obj: dict[str, Any]) -> bool:

@@ -3,7 +3,6 @@ run, fails here first with one line naming the problem and the fix."""
 
 from __future__ import annotations
 
-import math
 import re
 from pathlib import Path
 
@@ -13,53 +12,13 @@ from kubernetes_validate.utils import all_versions
 from ...errors import SpecError
 from ...spec import DNS1123_LABEL, JobSpec
 from . import names
+from .instances import lookup
+from .sizing import GiB, gib, min_memory, quantity, rank_floor, shm_size
 
-GiB = 1 << 30
 MAX_GPUS_PER_NODE = 8      # no EC2 instance type has more NVIDIA GPUs
 MAX_EFA_PER_NODE = 32      # p5.48xlarge, the most EFA interfaces of any instance type
 CONFIGMAP_LIMIT = 1 << 20  # the API server's limit on a ConfigMap (spec + script)
-
-# instance type -> (NVIDIA GPUs, EFA interfaces)
-INSTANCE_TYPES: dict[str, tuple[int, int]] = {
-    "p4d.24xlarge": (8, 4),
-    "p4de.24xlarge": (8, 4),
-    "p5.48xlarge": (8, 32),
-    "p5e.48xlarge": (8, 32),
-    "p5en.48xlarge": (8, 16),
-    "g5.48xlarge": (8, 1),
-    "g6.48xlarge": (8, 1),
-}
-
-_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
-_FACTORS = {None: 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
-            "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
 _DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
-
-
-def quantity(value: str, flag: str) -> float:
-    """A Kubernetes quantity ("16Gi", "500m", "2") as a number, or a SpecError naming the flag."""
-    m = _QUANTITY.match(str(value).strip())
-    if not m:
-        raise SpecError(f"{flag} {value!r} is not a Kubernetes quantity",
-                        f"write e.g. {flag} {'4 (or 500m)' if flag == '--cpu' else '16Gi'}")
-    return float(m.group(1)) * _FACTORS[m.group(2)]
-
-
-def gib(n_bytes: float) -> str:
-    return f"{max(1, math.ceil(n_bytes / GiB))}Gi"
-
-
-def default_shm(spec: JobSpec) -> str:
-    """/dev/shm per pod: the node's share of the checkpointed state (fp32 weights and two AdamW
-    moments, 12 bytes per parameter), staged once into shared memory by the async checkpoint
-    writer, with 50% headroom, plus 1 GiB for NCCL (256 MiB for CPU pods)."""
-    state_bytes = 12 * spec.model.n_params() / spec.nnodes
-    base = GiB if spec.eks.gpus_per_node else GiB / 4
-    return gib(1.5 * state_bytes + base)
-
-
-def shm_size(spec: JobSpec) -> str:
-    return spec.eks.shm_size or default_shm(spec)
 
 
 def check(spec: JobSpec) -> JobSpec:
@@ -114,8 +73,8 @@ def check(spec: JobSpec) -> JobSpec:
 def _check_devices(spec: JobSpec) -> None:
     e = spec.eks
     gpus, efa = e.gpus_per_node, e.efa_per_node
-    known = INSTANCE_TYPES.get(e.instance_type or "")
-    max_gpus, max_efa = known or (MAX_GPUS_PER_NODE, MAX_EFA_PER_NODE)
+    known = lookup(e.instance_type)
+    max_gpus, max_efa = (known.gpus, known.efa) if known else (MAX_GPUS_PER_NODE, MAX_EFA_PER_NODE)
     where = e.instance_type if known else "an EC2 instance"
     if gpus > max_gpus:
         raise SpecError(f"{gpus} GPUs per node: {where} has at most {max_gpus}",
@@ -137,14 +96,26 @@ def _check_devices(spec: JobSpec) -> None:
 
 def _check_sizes(spec: JobSpec) -> None:
     e = spec.eks
-    shm = quantity(shm_size(spec), "--shm-size")
+    quantity(shm_size(spec), "--shm-size")   # a readable --shm-size
     if e.cpu is not None and quantity(e.cpu, "--cpu") < spec.nproc_per_node * spec.threads_per_rank * 0.5:
         raise SpecError(f"--cpu {e.cpu} is too little for {spec.nproc_per_node} ranks of {spec.threads_per_rank} "
                         "thread(s)", f"use --cpu {spec.nproc_per_node * spec.threads_per_rank} or more")
-    if e.memory is not None and quantity(e.memory, "--memory") < shm + GiB:
+    floor = rank_floor(spec)
+    if e.memory is not None and quantity(e.memory, "--memory") < min_memory(spec):
         raise SpecError(f"--memory {e.memory} does not cover the {shm_size(spec)} memory-backed /dev/shm (it counts "
-                        "against the pod's memory) plus 1Gi for the ranks",
-                        f"use --memory {gib(shm + 4 * GiB)} or more, or a smaller --shm-size")
+                        f"against the pod's memory) plus {gib(floor)} for each of the {spec.nproc_per_node} ranks",
+                        f"use --memory {gib(min_memory(spec))} or more, or a smaller --shm-size")
+    known = lookup(e.instance_type)
+    if known and e.memory is not None and quantity(e.memory, "--memory") > known.memory_gib * GiB:
+        raise SpecError(f"--memory {e.memory} is more than a {e.instance_type} has ({known.memory_gib}Gi): the pods "
+                        "would never be scheduled", f"use --memory {known.memory_request_gib}Gi or less")
+    if known and min_memory(spec) > known.memory_request_gib * GiB:
+        raise SpecError(f"a {e.instance_type} pod cannot hold the {shm_size(spec)} /dev/shm plus {gib(floor)} for each "
+                        f"of the {spec.nproc_per_node} ranks within {known.memory_request_gib}Gi",
+                        "use a smaller --shm-size or more --nnodes")
+    if known and e.cpu is not None and quantity(e.cpu, "--cpu") > known.vcpus:
+        raise SpecError(f"--cpu {e.cpu} is more than a {e.instance_type} has ({known.vcpus} vCPUs): the pods would "
+                        "never be scheduled", f"use --cpu {known.cpu_request} or less")
     if e.create_pvc:
         size = quantity(e.storage_size, "--storage-size")
         if size != 1200 * GiB and (size < 2400 * GiB or size % (2400 * GiB)):

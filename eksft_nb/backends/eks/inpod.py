@@ -4,7 +4,8 @@
 
 - ``prepare``: the init container. Creates the job folder on the shared volume (as a local job's
   folder) and queues the faults scheduled at launch; refuses a folder left by a different job of
-  the same name, so checkpoints never mix.
+  the same name, so checkpoints never mix, and, on an EFA pod, an image without the EFA provider or
+  aws-ofi-nccl (see :mod:`.efa`). A refusal exits with ``failures.CONFIG_ERROR``, which fails the job.
 - ``inject JSON``: queue a fault command (the control plane execs this).
 - ``ckpts``: the job's checkpoints, as JSON.
 - ``signal RANK SIGNAL``: signal a rank, if it runs in this pod (exit 3 if it does not).
@@ -34,7 +35,8 @@ from ...launcher import ZYGOTE_MODULE, warm_worker, worker_index
 from ...runtime.warm_shim import SOCKET_ENV
 from ...spec import JobSpec
 from ..procs import start_ticks
-from . import names
+from . import efa, names
+from .failures import CONFIG_ERROR
 
 NOT_HERE = 3
 
@@ -46,10 +48,14 @@ def _job() -> tuple[JobSpec, JobDir]:
 
 def prepare() -> int:
     spec, jd = _job()
+    if os.environ.get("FI_PROVIDER") == "efa" and (missing := efa.problem()):
+        print(f"eksft: error: this pod asks for EFA, but {missing}: use an image with the EFA installer and "
+              "aws-ofi-nccl (see the README), or --efa-per-node 0", file=sys.stderr)
+        return CONFIG_ERROR
     if jd.spec_path.exists() and JobSpec.from_json(jd.spec_path.read_text()).digest() != spec.digest():
         print(f"eksft: error: {jd.path} holds a different job named {spec.name}: remove that folder from the volume, "
               "or launch with another --name", file=sys.stderr)
-        return 1
+        return CONFIG_ERROR
     for folder in (jd.path, jd.logs, jd.pending, jd.fired, jd.progress, jd.ckpt_dir(spec)):
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     if not jd.spec_path.exists():
@@ -62,7 +68,7 @@ def prepare() -> int:
         commands = [FaultCommand.from_dict(data).validate(spec.world_size, spec.nnodes) for data in scheduled]
     except (ValueError, ControlError) as e:
         print(f"eksft: error: the scheduled faults cannot be queued: {e}", file=sys.stderr)
-        return 1
+        return CONFIG_ERROR
     for command in commands:
         if not (jd.fired / command.id).exists():  # replacement pods must not re-arm a fault that fired
             submit(jd.pending, command)
@@ -127,7 +133,7 @@ def launch(argv: list[str]) -> int:
     if at is None:
         print("eksft: error: `launch` takes a launch line (ft_launcher ... -m eksft_nb.runtime.MODULE ...): "
               "render the pod again with this eksft-nb", file=sys.stderr)
-        return 2
+        return CONFIG_ERROR
     name = f"eksft-{os.getpid()}-{uuid.uuid4().hex[:8]}"   # unique where pods share a network namespace (replay)
     launcher = os.getpid()
 
@@ -144,7 +150,7 @@ def launch(argv: list[str]) -> int:
         os.execvp(argv[0], [*argv[:at], *warm_worker(sys.executable), *argv[at:]])
     except OSError as e:   # the zygote dies with this process
         print(f"eksft: error: cannot run {argv[0]} ({e.strerror}): the image needs it on PATH", file=sys.stderr)
-    return 127
+    return CONFIG_ERROR
 
 
 def _wait_listening(name: str, zygote: subprocess.Popen, timeout: float = 30.0) -> None:

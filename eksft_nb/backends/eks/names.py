@@ -28,6 +28,7 @@ CONTROL = "eksft-control"           # ServiceAccount, Role and RoleBinding of th
 POD_SPEC = "spec.json"              # ConfigMap keys
 SUBMITTED_SPEC = "submitted-spec.json"
 FAULTS = "faults.json"
+JOB_UID = "job-uid"                 # the launch's id (EKSFT_JOB_UID), kept in the record
 
 
 @dataclass(frozen=True)

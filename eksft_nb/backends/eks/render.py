@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,8 @@ from ...launcher import Ports, launcher_argv, rank_env
 from ...runtime.quiet import quiet_env
 from ...spec import JobSpec
 from ..procs import JOB_MARK
-from . import checks, names
+from . import failures, names, sizing
+from .instances import lookup
 
 # what the control plane calls, and nothing else: (api group, resource, verbs). RBAC cannot select
 # pods by label, and the pods of an Indexed Job or a JobSet have generated names, so the pod rules
@@ -87,16 +89,18 @@ def _dump(obj: dict[str, Any]) -> str:
     return yaml.dump(obj, Dumper=_Dumper, sort_keys=False, width=1000)
 
 
-def render(spec: JobSpec, faults: list[FaultCommand] | None = None, queue_objects: bool = False) -> Manifests:
+def render(spec: JobSpec, faults: list[FaultCommand] | None = None, queue_objects: bool = False,
+           job_uid: str | None = None) -> Manifests:
     """All manifests of a job (the spec must have passed ``spec.validate()`` and ``checks.check``);
-    ``queue_objects``: also Kueue's objects for its ``--queue`` (admin), as an example to adapt."""
+    ``queue_objects``: also Kueue's objects for its ``--queue`` (admin), as an example to adapt;
+    ``job_uid``: this launch's id (default: a new one), kept in the job's record."""
     m = Manifests(admin=control_rbac(spec))
     if spec.eks.create_pvc:
         m.admin.append(storage_class(spec))
         m.job.append(checkpoint_pvc(spec))
     if queue_objects and spec.eks.queue:
         m.admin += kueue_objects(spec)
-    m.job.append(config_map(spec, faults or []))
+    m.job.append(config_map(spec, faults or [], job_uid or new_job_uid()))
     if serves_metrics(spec):
         m.job.append(pod_monitor(spec))
     if spec.eks.kind == "job":
@@ -115,7 +119,7 @@ def pod_view(spec: JobSpec) -> JobSpec:
 def script_key(spec: JobSpec) -> str:
     """The script's file name, as a ConfigMap key (and so its file name in the pods)."""
     key = re.sub(r"[^-._a-zA-Z0-9]", "_", Path(str(spec.script)).name)
-    return key if key not in (names.POD_SPEC, names.SUBMITTED_SPEC, names.FAULTS) else f"script-{key}"
+    return key if key not in (names.POD_SPEC, names.SUBMITTED_SPEC, names.FAULTS, names.JOB_UID) else f"script-{key}"
 
 
 def _meta(spec: JobSpec, name: str) -> dict[str, Any]:
@@ -135,8 +139,15 @@ def _workload_meta(spec: JobSpec) -> dict[str, Any]:
 
 # ---- the job -----------------------------------------------------------------------------------
 
-def config_map(spec: JobSpec, faults: list[FaultCommand]) -> dict[str, Any]:
-    data = {names.POD_SPEC: pod_view(spec).to_json(), names.FAULTS: json.dumps([json.loads(f.to_json()) for f in faults])}
+def new_job_uid() -> str:
+    """A launch's id, as a local job's (``EKSFT_JOB_UID``): its commits name it, so a relaunch under the
+    same name and spec never takes the checkpoints an earlier launch left for its own."""
+    return uuid.uuid4().hex[:16]
+
+
+def config_map(spec: JobSpec, faults: list[FaultCommand], job_uid: str) -> dict[str, Any]:
+    data = {names.POD_SPEC: pod_view(spec).to_json(), names.FAULTS: json.dumps([json.loads(f.to_json()) for f in faults]),
+            names.JOB_UID: job_uid}
     if spec.script:  # the ranks run the ConfigMap's copy; the record keeps the submitted path
         data[names.SUBMITTED_SPEC] = spec.to_json()
         data[script_key(spec)] = Path(spec.script).expanduser().read_text()
@@ -154,22 +165,23 @@ def headless_service(spec: JobSpec) -> dict[str, Any]:
 
 
 def indexed_job(spec: JobSpec) -> dict[str, Any]:
-    """Pods are replaced one index at a time (up to max_job_restarts each); a replacement rejoins
-    the rendezvous under the same host name. The job fails once any index runs out of retries."""
+    """Pods are replaced one index at a time (up to max_job_restarts each; before Kubernetes 1.29, up to
+    max_job_restarts in all); a replacement rejoins the rendezvous under the same host name. The job
+    fails once any index runs out of retries. See :mod:`.failures` for what is not charged."""
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": _workload_meta(spec),
             "spec": {**_suspended(spec), "completionMode": "Indexed", "completions": names.pods(spec),
                      "parallelism": names.pods(spec),
-                     "backoffLimitPerIndex": spec.ft.max_job_restarts, "maxFailedIndexes": 0,
-                     "podReplacementPolicy": "Failed",
+                     **failures.job_retries(spec), **failures.pod_failure_policy(spec),
                      "template": pod_template(spec, subdomain=spec.name, attempt_from=names.INDEX_FAILURES)}}
 
 
 def jobset(spec: JobSpec) -> dict[str, Any]:
     """Any failed pod restarts the whole set (up to max_job_restarts), like the local supervisor."""
     child = {"completionMode": "Indexed", "completions": names.pods(spec), "parallelism": names.pods(spec),
-             "backoffLimit": 0, "template": pod_template(spec, attempt_from=names.JOBSET_RESTARTS)}
+             "backoffLimit": 0, **failures.pod_failure_policy(spec),
+             "template": pod_template(spec, attempt_from=names.JOBSET_RESTARTS)}
     return {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": _workload_meta(spec),
-            "spec": {**_suspended(spec), "failurePolicy": {"maxRestarts": spec.ft.max_job_restarts},
+            "spec": {**_suspended(spec), "failurePolicy": failures.jobset_failure_policy(spec),
                      "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True,
                                  "subdomain": spec.name},
                      "replicatedJobs": [{"name": "node", "replicas": 1,
@@ -235,12 +247,14 @@ def pod_template(spec: JobSpec, *, subdomain: str | None = None, attempt_from: s
                   zip(("rdzv", "store", "wrapper"), (e.port, e.port + 1, e.port + 2))],
         "volumeMounts": mounts + [{"name": "shm", "mountPath": names.SHM_MOUNT}],
     }
-    if amounts := resources(spec):
-        trainer["resources"] = amounts
-    if e.efa_per_node:
-        trainer["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}  # EFA registers pinned memory
+    trainer["resources"] = resources(spec)
+    # no IPC_LOCK (Pod Security "baseline" refuses it): EKS's GPU AMIs run containerd with an unlimited
+    # memlock limit, which is what EFA's memory registration needs
     prepare = {"name": "prepare", "image": e.image, "env": env, "volumeMounts": mounts,
                "command": [*INPOD, "prepare"]}
+    if e.efa_per_node:   # the EFA devices, so that `prepare` can check them (the trainer reuses an init container's)
+        efa = {"vpc.amazonaws.com/efa": str(e.efa_per_node)}
+        prepare["resources"] = {"requests": dict(efa), "limits": dict(efa)}
     # the job's Prometheus metrics, from its folder on the shared volume, in a native sidecar (an init
     # container that keeps running, started after `prepare` and stopped once the trainer ends)
     metrics = {"name": names.METRICS, "image": e.image, "restartPolicy": "Always",
@@ -260,13 +274,12 @@ def pod_template(spec: JobSpec, *, subdomain: str | None = None, attempt_from: s
         "initContainers": [prepare, metrics] if serves_metrics(spec) else [prepare], "containers": [trainer],
         "volumes": [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": e.checkpoint_pvc}},
                     {"name": "config", "configMap": {"name": spec.name}},
-                    {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": checks.shm_size(spec)}}],
+                    {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": sizing.shm_size(spec)}}],
     })
-    if e.instance_type:
+    if e.instance_type:   # as given: a HyperPod node's label is the ml. name
         pod["nodeSelector"] = {"node.kubernetes.io/instance-type": e.instance_type}
-    taints = (["nvidia.com/gpu"] if e.gpus_per_node else []) + (["vpc.amazonaws.com/efa"] if e.efa_per_node else [])
-    if taints:
-        pod["tolerations"] = [{"key": t, "operator": "Exists", "effect": "NoSchedule"} for t in taints]
+    pod["tolerations"] = failures.tolerations(spec)
+    pod["affinity"] = failures.zone_affinity(spec)
     return {"metadata": {"labels": names.labels(spec), "annotations": {names.DIGEST: spec.digest()}}, "spec": pod}
 
 
@@ -283,12 +296,12 @@ def container_env(spec: JobSpec, attempt_from: str | None) -> list[dict[str, Any
                       events_stdout=True)
     if attempt_from:
         del values["EKSFT_JOB_ATTEMPT"]
-    # the job's id for checkpoint lineage: the same in every pod and across restarts of one workload
-    # (whose Jobs and pods are recreated), different for a job whose spec differs (another resume point)
-    values[JOB_MARK] = f"{spec.name}-{spec.digest()}"
     values = quiet_env(values)
     values.update(nccl_env(spec))
     env += [{"name": k, "value": literal(v)} for k, v in values.items()]
+    # the launch's id for checkpoint lineage, from the job's record: the same in every pod and across
+    # restarts of one workload (whose Jobs and pods are recreated), new for every launch
+    env.append({"name": JOB_MARK, "valueFrom": {"configMapKeyRef": {"name": spec.name, "key": names.JOB_UID}}})
     return env
 
 
@@ -299,30 +312,35 @@ def literal(text: str) -> str:
 
 
 def nccl_env(spec: JobSpec) -> dict[str, str]:
+    """NCCL and libfabric settings. NCCL logs its network choice at INFO for the INIT and NET
+    subsystems only (one "NET/OFI ..." or "NET/Socket ..." line per rank), so a fall back to TCP shows
+    in the pod log. Device RDMA is asked for only where the instance's EFA has RDMA read (elsewhere
+    libfabric aborts); on an unknown type libfabric decides from the device."""
     e = spec.eks
     if not e.gpus_per_node:
         return {}
-    env = {"NCCL_DEBUG": "WARN", "NCCL_SOCKET_IFNAME": "^docker,lo,veth"}
+    env = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET", "NCCL_SOCKET_IFNAME": "^docker,lo,veth"}
     if spec.ft.inprocess:  # let inprocess.Wrapper see NCCL errors as exceptions it can restart from
         env.update({"TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "NCCL_NVLS_ENABLE": "0"})
     if e.efa_per_node:
-        env.update({"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1",
-                    "RDMAV_FORK_SAFE": "1", "FI_LOG_LEVEL": "warn"})
+        env.update({"FI_PROVIDER": "efa", "FI_EFA_FORK_SAFE": "1", "RDMAV_FORK_SAFE": "1", "FI_LOG_LEVEL": "warn"})
+        known = lookup(e.instance_type)
+        if known and known.rdma_read:
+            env["FI_EFA_USE_DEVICE_RDMA"] = "1"
     return env
 
 
-def resources(spec: JobSpec) -> dict[str, Any]:
+def device_amounts(spec: JobSpec) -> dict[str, str]:
     e = spec.eks
-    amounts: dict[str, Any] = {}
-    if e.gpus_per_node:
-        amounts["nvidia.com/gpu"] = str(e.gpus_per_node)
-    if e.efa_per_node:
-        amounts["vpc.amazonaws.com/efa"] = str(e.efa_per_node)
-    if e.cpu:
-        amounts["cpu"] = e.cpu
-    if e.memory:
-        amounts["memory"] = e.memory
-    return {"requests": dict(amounts), "limits": dict(amounts)} if amounts else {}
+    return {**({"nvidia.com/gpu": str(e.gpus_per_node)} if e.gpus_per_node else {}),
+            **({"vpc.amazonaws.com/efa": str(e.efa_per_node)} if e.efa_per_node else {})}
+
+
+def resources(spec: JobSpec) -> dict[str, Any]:
+    """The trainer's: its devices, CPU and memory requested (see :mod:`.sizing`), memory limited to the request."""
+    devices, memory = device_amounts(spec), sizing.memory(spec)
+    return {"requests": {**devices, "cpu": sizing.cpu(spec), "memory": memory},
+            "limits": {**devices, "memory": memory}}
 
 
 def _field_env(name: str, path: str) -> dict[str, Any]:
