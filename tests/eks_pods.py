@@ -85,7 +85,7 @@ class LocalPod:
         """The image's environment (this venv first on PATH) plus the container's."""
         base = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                 "HOME": str(self.root), "LANG": os.environ.get("LANG", "C.UTF-8"),
-                **{k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ}}   # the eksft-nb under test
+                **{k: os.environ[k] for k in ("PYTHONPATH", "LD_LIBRARY_PATH") if k in os.environ}}   # the eksft-nb under test
         return {**base, **self.env(container)}
 
     def run(self, container: str, argv: list[str] | None = None, **kw: Any) -> subprocess.CompletedProcess[str]:

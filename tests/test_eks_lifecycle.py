@@ -19,6 +19,7 @@ from jobs import wait_for
 
 from eksft_nb.backends.eks import EksBackend
 from eksft_nb.backends.procs import start_ticks
+from eksft_nb.backends.eks.backend import CONFIGMAP
 from eksft_nb.backends.eks.render import render
 from eksft_nb.checkpoint_folders import COMMIT, sha256_file, step_dir
 from eksft_nb.errors import ControlError, JobError, SpecError
@@ -424,3 +425,38 @@ def test_kill_supervisor_is_refused_on_eks_before_anything_is_sent() -> None:
     with pytest.raises(JobError, match="kill-supervisor is a local fault") as refused:
         EksBackend().inject("demo", FaultCommand("kill-supervisor"))
     assert "\n" not in str(refused.value.args[0])
+
+
+def test_a_claim_other_nodes_cannot_mount_is_refused(kube: Kube, backend: EksBackend) -> None:
+    backend._cluster().create({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                               "metadata": {"name": "ebs", "namespace": NS},
+                               "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}})
+    with pytest.raises(JobError) as e:
+        backend.launch(eks_spec(**{"eks.checkpoint_pvc": "ebs"}))
+    assert "claim 'ebs' is ReadWriteOnce, not ReadWriteMany" in e.value.problem and "\n" not in str(e.value)
+    assert "accessModes [ReadWriteMany]" in e.value.fix
+    assert posts(kube) == ["persistentvolumeclaims"] * 2   # the two claims: nothing of the job was sent
+
+
+def test_every_launch_has_its_own_run_id_in_the_record(kube: Kube, backend: EksBackend, ctl: Controllers) -> None:
+    """Issue 18, finding 6: a relaunch under the same name and spec (after `rm`, which keeps the job's
+    folder and checkpoints) commits under another run id, so it never takes the earlier launch's newer
+    checkpoints for its own, nor prunes its own saves for theirs. The pods read the id from the record."""
+    def run_id() -> str:
+        return backend._cluster().get(CONFIGMAP, "demo")["data"]["job-uid"]
+
+    backend.launch(eks_spec())
+    first = run_id()
+    pods = ctl.create_pods("demo")
+    assert {ctl.pods[p].env(c)["EKSFT_JOB_UID"] for p in pods for c in ("prepare", "trainer")} == {first}
+    assert ctl.pods[pods[0]].run("prepare").returncode == 0   # the job's folder, on the shared volume
+    backend.launch(eks_spec())   # submitted again while it exists: the same launch, the same id
+    assert run_id() == first
+    backend.stop("demo", timeout=5)
+    backend.remove("demo")
+    backend.launch(eks_spec())
+    second = run_id()
+    assert len(second) == 16 and second != first
+    pods = ctl.create_pods("demo")
+    assert ctl.pods[pods[0]].run("prepare").returncode == 0   # the same job's folder: taken over
+    assert ctl.pods[pods[0]].env("trainer")["EKSFT_JOB_UID"] == second

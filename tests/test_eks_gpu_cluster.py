@@ -1,0 +1,188 @@
+"""What a real GPU cluster does to a job's pods (issue 24): 4 x p5.48xlarge rendered as `run --dry-run`
+renders it, each point checked, and every manifest valid against the real schemas; the instance
+types that differ (g5 without RDMA read, HyperPod's ml. names), Kubernetes 1.28, the memory floor,
+a script's /dev/shm, and `prepare` on an image without EFA."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import yaml
+from eks_pods import LocalPod
+from jobs import cli
+
+from eksft_nb.backends.eks import EksBackend, names, schemas, sizing
+from eksft_nb.backends.eks.failures import CONFIG_ERROR
+from eksft_nb.errors import SpecError
+from eksft_nb.spec import JobSpec
+
+IMAGE = "123456789012.dkr.ecr.us-west-2.amazonaws.com/eksft-nb:0.1.0"
+P5 = ["--nnodes", "4", "--nproc-per-node", "8", "--gpus-per-node", "8", "--efa-per-node", "32",
+      "--instance-type", "p5.48xlarge"]
+
+
+def gpu_spec(instance: str = "p5.48xlarge", efa: int = 32, kind: str = "job", **changes: object) -> JobSpec:
+    spec = JobSpec(name="llm", backend="eks", nnodes=4, nproc_per_node=8)
+    return spec.replace(**{"eks.image": IMAGE, "eks.kind": kind, "eks.gpus_per_node": 8, "eks.efa_per_node": efa,
+                           "eks.instance_type": instance, "model.preset": "gpt-8b", **changes})
+
+
+def pod_of(workload: dict) -> dict:
+    if workload["kind"] == "JobSet":
+        return workload["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]
+    return workload["spec"]["template"]
+
+
+def env_of(container: dict) -> dict:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def test_four_p5_nodes_render_for_a_real_gpu_cluster() -> None:
+    done = cli("run", "--backend", "eks", "--dry-run", "--name", "llm", "--image", IMAGE, "--model", "gpt-8b",
+               *P5, timeout=120)
+    assert done.returncode == 0, done.stderr
+    docs = [d for d in yaml.safe_load_all(done.stdout) if d]
+    for doc in docs:
+        schemas.validate(doc, "1.33")
+    job = docs[-1]
+    pod = pod_of(job)["spec"]
+    trainer, prepare = pod["containers"][0], pod["initContainers"][0]
+    env = env_of(trainer)
+    # EFA: device RDMA (p5's EFA has RDMA read); NCCL says which network it took, so a TCP fallback shows
+    assert env["FI_PROVIDER"] == "efa" and env["FI_EFA_USE_DEVICE_RDMA"] == "1"
+    assert env["NCCL_DEBUG"] == "INFO" and env["NCCL_DEBUG_SUBSYS"] == "INIT,NET"
+    # `prepare` sees the EFA devices to check them (the trainer reuses an init container's devices)
+    assert prepare["resources"]["limits"] == {"vpc.amazonaws.com/efa": "32"} and env_of(prepare)["FI_PROVIDER"] == "efa"
+    # resources: the node less the kubelet's and the DaemonSets' share; memory limited to the request, no CPU limit
+    requests, limits = trainer["resources"]["requests"], trainer["resources"]["limits"]
+    assert requests == {"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "32", "cpu": "180", "memory": "1792Gi"}
+    assert limits == {"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "32", "memory": "1792Gi"}
+    shm = next(v for v in pod["volumes"] if v["name"] == "shm")["emptyDir"]["sizeLimit"]
+    assert sizing.quantity(shm, "") + 8 * 8 * sizing.GiB <= sizing.quantity(requests["memory"], "")
+    # no capability Pod Security "baseline" refuses
+    assert "IPC_LOCK" not in done.stdout and "securityContext" not in trainer
+    # node failures: a disruption is not charged, a configuration error fails the job at once
+    assert job["spec"]["backoffLimitPerIndex"] == 2 and job["spec"]["podReplacementPolicy"] == "Failed"
+    assert job["spec"]["podFailurePolicy"]["rules"] == [
+        {"action": "FailJob", "onExitCodes": {"operator": "In", "values": [CONFIG_ERROR]}},
+        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
+    # a lost node's pods are evicted in a minute, not five
+    fast = {t["key"]: t["tolerationSeconds"] for t in pod["tolerations"] if t["effect"] == "NoExecute"}
+    assert fast == {"node.kubernetes.io/unreachable": 60, "node.kubernetes.io/not-ready": 60}
+    # one availability zone for all the job's pods
+    zone = pod["affinity"]["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert zone == [{"labelSelector": {"matchLabels": {names.JOB_LABEL: "llm"}},
+                     "topologyKey": "topology.kubernetes.io/zone"}]
+    assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "p5.48xlarge"}
+    # a JobSet: the same pod, the same child policy, and a configuration error fails the set
+    jobset = EksBackend().manifests(gpu_spec(kind="jobset")).workload()
+    child = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert child["podFailurePolicy"] == job["spec"]["podFailurePolicy"] and child["backoffLimit"] == 0
+    assert jobset["spec"]["failurePolicy"] == {"maxRestarts": 2, "rules": [
+        {"name": "configurationError", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}]}
+    assert pod_of(jobset)["spec"]["affinity"] == pod["affinity"]
+
+
+def test_g5_efa_has_no_rdma_read() -> None:
+    m = EksBackend().manifests(gpu_spec("g5.48xlarge", efa=1))
+    trainer = pod_of(m.workload())["spec"]["containers"][0]
+    env = env_of(trainer)
+    assert env["FI_PROVIDER"] == "efa" and "FI_EFA_USE_DEVICE_RDMA" not in env
+    assert trainer["resources"]["requests"]["memory"] == "672Gi" and trainer["resources"]["requests"]["cpu"] == "180"
+    with pytest.raises(SpecError, match="2 EFA devices per node: g5.48xlarge has at most 1"):
+        EksBackend().manifests(gpu_spec("g5.48xlarge", efa=2))
+
+
+def test_hyperpod_instance_names_are_understood() -> None:
+    m = EksBackend().manifests(gpu_spec("ml.p5.48xlarge"))
+    pod = pod_of(m.workload())["spec"]
+    assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "ml.p5.48xlarge"}   # the label, as given
+    assert env_of(pod["containers"][0])["FI_EFA_USE_DEVICE_RDMA"] == "1"
+    assert pod["containers"][0]["resources"]["requests"]["memory"] == "1792Gi"
+    with pytest.raises(SpecError, match="32 EFA devices per node: ml.p4d.24xlarge has at most 4"):
+        EksBackend().manifests(gpu_spec("ml.p4d.24xlarge"))
+    g6 = pod_of(EksBackend().manifests(gpu_spec("ml.g6.48xlarge", efa=1)).workload())["spec"]
+    assert "FI_EFA_USE_DEVICE_RDMA" not in env_of(g6["containers"][0])
+
+
+@pytest.mark.parametrize("kind", ["job", "jobset"])
+def test_kubernetes_1_28_gets_what_it_runs(kind: str) -> None:
+    """1.28 drops backoffLimitPerIndex and podReplacementPolicy (alpha there): one retry budget for the
+    job instead; the pod failure policy (beta from 1.26) stays, in the form 1.28's schema requires."""
+    spec = gpu_spec(kind=kind, **{"eks.k8s_version": "1.28"})
+    m = EksBackend().manifests(spec)   # validated against 1.28's schemas
+    workload = m.workload()
+    job = workload["spec"] if kind == "job" else workload["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert "backoffLimitPerIndex" not in job and "podReplacementPolicy" not in job and "maxFailedIndexes" not in job
+    assert job["backoffLimit"] == (2 if kind == "job" else 0)
+    assert job["podFailurePolicy"]["rules"][0] == {"action": "FailJob", "onPodConditions": [],
+                                                   "onExitCodes": {"operator": "In", "values": [CONFIG_ERROR]}}
+    old = EksBackend().manifests(gpu_spec(kind=kind, **{"eks.k8s_version": "1.25"})).workload()
+    old_job = old["spec"] if kind == "job" else old["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert "podFailurePolicy" not in old_job   # alpha in 1.25: off
+
+
+def test_memory_must_hold_shm_and_eight_gib_per_gpu_rank() -> None:
+    with pytest.raises(SpecError) as e:
+        EksBackend().manifests(gpu_spec(**{"eks.memory": "12Gi", "eks.shm_size": "10Gi"}))
+    assert "plus 8Gi for each of the 8 ranks" in e.value.problem and "--memory 74Gi" in e.value.fix
+    EksBackend().manifests(gpu_spec(**{"eks.memory": "74Gi", "eks.shm_size": "10Gi"}))
+    with pytest.raises(SpecError, match="more than a p5.48xlarge has"):
+        EksBackend().manifests(gpu_spec(**{"eks.memory": "3000Gi"}))
+    # unknown instance type: the floor plus /dev/shm, requested and limited
+    trainer = pod_of(EksBackend().manifests(gpu_spec(None, efa=0)).workload())["spec"]["containers"][0]
+    shm = sizing.quantity(sizing.shm_size(gpu_spec(None, efa=0)), "")
+    assert sizing.quantity(trainer["resources"]["limits"]["memory"], "") >= shm + 64 * sizing.GiB
+    assert trainer["resources"]["requests"]["cpu"] == "9"
+
+
+def test_a_scripts_shm_follows_the_pod_memory(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("pass\n")
+    sized = {spec_changes: sizing.shm_size(gpu_spec(**{"script": str(script), **dict(spec_changes)}))
+             for spec_changes in ((), (("eks.instance_type", None), ("eks.efa_per_node", 0)),
+                                  (("eks.memory", "400Gi"),))}
+    assert list(sized.values()) == ["448Gi", "64Gi", "100Gi"]
+    EksBackend().manifests(gpu_spec(script=str(script)))   # and the pod holds it
+
+
+def _efa_pod(tmp_path: Path) -> LocalPod:
+    m = EksBackend().manifests(gpu_spec(nnodes=1, **{"eks.instance_type": "p4d.24xlarge", "eks.efa_per_node": 4}))
+    config = m.job[0]["data"]
+    return LocalPod(pod_of(m.workload()), "llm-0", tmp_path, config, {names.COMPLETION_INDEX: "0",
+                                                                      names.INDEX_FAILURES: "0"})
+
+
+def test_prepare_refuses_an_efa_pod_without_the_provider_or_the_plugin(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rendered `prepare` of a p4d pod, run with its environment on this machine (no EFA here):
+    one line and the configuration-error exit code, which the pod failure policy turns into a failed job."""
+    pod = _efa_pod(tmp_path)
+    assert pod.env("prepare")["FI_PROVIDER"] == "efa"
+    done = pod.run("prepare", timeout=120)
+    assert done.returncode == CONFIG_ERROR, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "libfabric (the EFA provider) is not installed" in lines[0]
+    assert "--efa-per-node 0" in lines[0]
+    # libfabric there, but a provider that does not answer: fi_info's own words
+    bin_dir, lib_dir = tmp_path / "bin", tmp_path / "lib"
+    bin_dir.mkdir()
+    lib_dir.mkdir()
+    fi_info = bin_dir / "fi_info"
+    fi_info.write_text("#!/bin/sh\necho 'fi_getinfo: -61 (No data available)' >&2\nexit 1\n")
+    fi_info.chmod(fi_info.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")   # the image's PATH
+    done = pod.run("prepare", timeout=120)
+    assert done.returncode == CONFIG_ERROR and "fi_getinfo: -61 (No data available)" in done.stderr
+    # the provider answers, aws-ofi-nccl is missing: NCCL would use TCP
+    fi_info.write_text("#!/bin/sh\necho 'provider: efa'\n")
+    done = pod.run("prepare", timeout=120)
+    assert done.returncode == CONFIG_ERROR and "aws-ofi-nccl (libnccl-net*.so" in done.stderr
+    (lib_dir / "libnccl-net-ofi.so").write_bytes(b"")
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(lib_dir))
+    done = pod.run("prepare", timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "ready" in done.stdout
