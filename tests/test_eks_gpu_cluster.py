@@ -26,8 +26,9 @@ P5 = ["--nnodes", "4", "--nproc-per-node", "8", "--gpus-per-node", "8", "--efa-p
 
 def gpu_spec(instance: str = "p5.48xlarge", efa: int = 32, kind: str = "job", **changes: object) -> JobSpec:
     spec = JobSpec(name="llm", backend="eks", nnodes=4, nproc_per_node=8)
-    return spec.replace(**{"eks.image": IMAGE, "eks.kind": kind, "eks.gpus_per_node": 8, "eks.efa_per_node": efa,
-                           "eks.instance_type": instance, "model.preset": "gpt-8b", **changes})
+    return spec.replace(**{"eks.image": IMAGE, "eks.kind": kind, "eks.gpus_per_node": 8,
+                           "eks.efa_per_node": efa, "eks.instance_type": instance, "model.preset": "gpt-8b",
+                           **changes})
 
 
 def pod_of(workload: dict) -> dict:
@@ -55,10 +56,13 @@ def test_four_p5_nodes_render_for_a_real_gpu_cluster() -> None:
     assert env["FI_PROVIDER"] == "efa" and env["FI_EFA_USE_DEVICE_RDMA"] == "1"
     assert env["NCCL_DEBUG"] == "INFO" and env["NCCL_DEBUG_SUBSYS"] == "INIT,NET"
     # `prepare` sees the EFA devices to check them (the trainer reuses an init container's devices)
-    assert prepare["resources"]["limits"] == {"vpc.amazonaws.com/efa": "32"} and env_of(prepare)["FI_PROVIDER"] == "efa"
-    # resources: the node less the kubelet's and the DaemonSets' share; memory limited to the request, no CPU limit
+    assert prepare["resources"]["limits"] == {"vpc.amazonaws.com/efa": "32"}
+    assert env_of(prepare)["FI_PROVIDER"] == "efa"
+    # resources: the node less the kubelet's and the DaemonSets' share; memory limited to the request,
+    # no CPU limit
     requests, limits = trainer["resources"]["requests"], trainer["resources"]["limits"]
-    assert requests == {"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "32", "cpu": "180", "memory": "1792Gi"}
+    assert requests == {"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "32", "cpu": "180",
+                        "memory": "1792Gi"}
     assert limits == {"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "32", "memory": "1792Gi"}
     shm = next(v for v in pod["volumes"] if v["name"] == "shm")["emptyDir"]["sizeLimit"]
     assert sizing.quantity(shm, "") + 8 * 8 * sizing.GiB <= sizing.quantity(requests["memory"], "")
@@ -91,7 +95,8 @@ def test_g5_efa_has_no_rdma_read() -> None:
     trainer = pod_of(m.workload())["spec"]["containers"][0]
     env = env_of(trainer)
     assert env["FI_PROVIDER"] == "efa" and "FI_EFA_USE_DEVICE_RDMA" not in env
-    assert trainer["resources"]["requests"]["memory"] == "672Gi" and trainer["resources"]["requests"]["cpu"] == "180"
+    assert trainer["resources"]["requests"]["memory"] == "672Gi"
+    assert trainer["resources"]["requests"]["cpu"] == "180"
     with pytest.raises(SpecError, match="2 EFA devices per node: g5.48xlarge has at most 1"):
         EksBackend().manifests(gpu_spec("g5.48xlarge", efa=2))
 
@@ -99,7 +104,8 @@ def test_g5_efa_has_no_rdma_read() -> None:
 def test_hyperpod_instance_names_are_understood() -> None:
     m = EksBackend().manifests(gpu_spec("ml.p5.48xlarge"))
     pod = pod_of(m.workload())["spec"]
-    assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "ml.p5.48xlarge"}   # the label, as given
+    # the node label, as given
+    assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "ml.p5.48xlarge"}
     assert env_of(pod["containers"][0])["FI_EFA_USE_DEVICE_RDMA"] == "1"
     assert pod["containers"][0]["resources"]["requests"]["memory"] == "1792Gi"
     with pytest.raises(SpecError, match="32 EFA devices per node: ml.p4d.24xlarge has at most 4"):
@@ -116,10 +122,11 @@ def test_kubernetes_1_28_gets_what_it_runs(kind: str) -> None:
     m = EksBackend().manifests(spec)   # validated against 1.28's schemas
     workload = m.workload()
     job = workload["spec"] if kind == "job" else workload["spec"]["replicatedJobs"][0]["template"]["spec"]
-    assert "backoffLimitPerIndex" not in job and "podReplacementPolicy" not in job and "maxFailedIndexes" not in job
+    assert not {"backoffLimitPerIndex", "podReplacementPolicy", "maxFailedIndexes"} & set(job)
     assert job["backoffLimit"] == (2 if kind == "job" else 0)
-    assert job["podFailurePolicy"]["rules"][0] == {"action": "FailJob", "onPodConditions": [],
-                                                   "onExitCodes": {"operator": "In", "values": [CONFIG_ERROR]}}
+    assert job["podFailurePolicy"]["rules"][0] == {
+        "action": "FailJob", "onPodConditions": [],
+        "onExitCodes": {"operator": "In", "values": [CONFIG_ERROR]}}
     old = EksBackend().manifests(gpu_spec(kind=kind, **{"eks.k8s_version": "1.25"})).workload()
     old_job = old["spec"] if kind == "job" else old["spec"]["replicatedJobs"][0]["template"]["spec"]
     assert "podFailurePolicy" not in old_job   # alpha in 1.25: off
@@ -150,14 +157,14 @@ def test_a_scripts_shm_follows_the_pod_memory(tmp_path: Path) -> None:
 
 
 def _efa_pod(tmp_path: Path) -> LocalPod:
-    m = EksBackend().manifests(gpu_spec(nnodes=1, **{"eks.instance_type": "p4d.24xlarge", "eks.efa_per_node": 4}))
+    m = EksBackend().manifests(gpu_spec("p4d.24xlarge", efa=4, nnodes=1))
     config = m.job[0]["data"]
     return LocalPod(pod_of(m.workload()), "llm-0", tmp_path, config, {names.COMPLETION_INDEX: "0",
                                                                       names.INDEX_FAILURES: "0"})
 
 
-def test_prepare_refuses_an_efa_pod_without_the_provider_or_the_plugin(tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prepare_refuses_an_efa_pod_without_the_provider_or_the_plugin(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The rendered `prepare` of a p4d pod, run with its environment on this machine (no EFA here):
     one line and the configuration-error exit code, which the pod failure policy turns into a failed job."""
     pod = _efa_pod(tmp_path)

@@ -16,7 +16,8 @@ from pathlib import Path
 # where the EFA installer (and AWS's Deep Learning Containers) put libfabric and aws-ofi-nccl
 EFA_HOME = Path("/opt/amazon/efa")
 PLUGIN_DIRS = ("/opt/amazon/ofi-nccl/lib", "/opt/amazon/ofi-nccl/lib64", "/opt/aws-ofi-nccl/lib",
-               "/usr/local/lib", "/usr/lib", "/usr/lib64", "/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu")
+               "/usr/local/lib", "/usr/lib", "/usr/lib64", "/usr/lib/x86_64-linux-gnu",
+               "/usr/lib/aarch64-linux-gnu")
 LIB_DIRS = (str(EFA_HOME / "lib"), str(EFA_HOME / "lib64"), *PLUGIN_DIRS[3:])
 FI_INFO_TIMEOUT_S = 30.0
 
@@ -37,9 +38,9 @@ def problem(env: Mapping[str, str] = os.environ) -> str | None:
             return ("libfabric has no usable EFA provider (`fi_info -p efa`: "
                     f"{said[-1][:200] if said else f'exit {done.returncode}'})")
     elif not _found(env, LIB_DIRS, "libfabric.so*"):
-        return f"libfabric (the EFA provider) is not installed: no fi_info and no libfabric.so in {EFA_HOME}/lib"
+        return f"libfabric (the EFA provider) is not installed: no fi_info, no libfabric.so in {EFA_HOME}/lib"
     if not _found(env, PLUGIN_DIRS, "libnccl-net*.so*"):
-        return "aws-ofi-nccl (libnccl-net*.so, NCCL's EFA plugin) is not installed, so NCCL would use TCP sockets"
+        return "aws-ofi-nccl (libnccl-net*.so, NCCL's EFA plugin) is not installed: NCCL would use TCP"
     return None
 
 

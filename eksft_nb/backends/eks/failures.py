@@ -57,13 +57,15 @@ def job_retries(spec: JobSpec) -> dict[str, Any]:
 def jobset_failure_policy(spec: JobSpec) -> dict[str, Any]:
     """A child Job that failed through its pod failure policy (a configuration error) fails the set;
     any other failure restarts it, up to ``max_job_restarts``."""
-    rules = [{"name": "configurationError", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}]
+    rules = [{"name": "configurationError", "action": "FailJobSet",
+              "onJobFailureReasons": ["PodFailurePolicy"]}]
     return {"maxRestarts": spec.ft.max_job_restarts, **({"rules": rules} if minor(spec) >= 26 else {})}
 
 
 def tolerations(spec: JobSpec) -> list[dict[str, Any]]:
     e = spec.eks
-    taints = (["nvidia.com/gpu"] if e.gpus_per_node else []) + (["vpc.amazonaws.com/efa"] if e.efa_per_node else [])
+    taints = ["nvidia.com/gpu"] if e.gpus_per_node else []
+    taints += ["vpc.amazonaws.com/efa"] if e.efa_per_node else []
     return [{"key": t, "operator": "Exists", "effect": "NoSchedule"} for t in taints] + [
         {"key": f"node.kubernetes.io/{t}", "operator": "Exists", "effect": "NoExecute",
          "tolerationSeconds": EVICT_AFTER_S} for t in ("unreachable", "not-ready")]

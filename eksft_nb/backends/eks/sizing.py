@@ -75,7 +75,8 @@ def memory(spec: JobSpec) -> str:
 
 
 def cpu(spec: JobSpec) -> str:
-    """The trainer's CPU request: the instance's share, else a core per rank thread and one for the launcher."""
+    """The trainer's CPU request: the instance's share, else a core per rank thread and one for
+    the launcher."""
     known = lookup(spec.eks.instance_type)
     if spec.eks.cpu:
         return spec.eks.cpu
