@@ -58,6 +58,7 @@ def test_four_p5_nodes_render_for_a_real_gpu_cluster() -> None:
     # `prepare` sees the EFA devices to check them (the trainer reuses an init container's devices)
     assert prepare["resources"]["limits"] == {"vpc.amazonaws.com/efa": "32"}
     assert env_of(prepare)["FI_PROVIDER"] == "efa"
+    assert prepare["terminationMessagePolicy"] == "FallbackToLogsOnError"
     # resources: the node less the kubelet's and the DaemonSets' share; memory limited to the request,
     # no CPU limit
     requests, limits = trainer["resources"]["requests"], trainer["resources"]["limits"]

@@ -250,8 +250,9 @@ def pod_template(spec: JobSpec, *, subdomain: str | None = None, attempt_from: s
     trainer["resources"] = resources(spec)
     # no IPC_LOCK (Pod Security "baseline" refuses it): EKS's GPU AMIs run containerd with an unlimited
     # memlock limit, which is what EFA's memory registration needs
+    # a refusal's one line becomes the pod's status message (what `status` shows)
     prepare = {"name": "prepare", "image": e.image, "env": env, "volumeMounts": mounts,
-               "command": [*INPOD, "prepare"]}
+               "command": [*INPOD, "prepare"], "terminationMessagePolicy": "FallbackToLogsOnError"}
     if e.efa_per_node:   # the EFA devices, so that `prepare` can check them (the trainer reuses an init container's)
         efa = {"vpc.amazonaws.com/efa": str(e.efa_per_node)}
         prepare["resources"] = {"requests": dict(efa), "limits": dict(efa)}
