@@ -1,6 +1,10 @@
 """The EKS backend: the same job on Amazon EKS, through the official ``kubernetes`` client.
 
 - ``names``: names, labels, paths and API coordinates shared by everything below
+- ``instances``: the GPU instance types (GPUs, EFA devices, RDMA read, vCPUs, memory), HyperPod ``ml.`` names
+- ``sizing``: the trainer's CPU and memory requests and its ``/dev/shm``
+- ``failures``: node failures and preemption (pod failure policy, tolerations, zone, per Kubernetes version)
+- ``efa``: the in-pod check that the image can use EFA (libfabric's provider, aws-ofi-nccl)
 - ``checks``: EKS-specific spec checks (before anything is rendered or sent)
 - ``render``: the manifests (Indexed Job + headless Service, JobSet or PyTorchJob; ConfigMap; RBAC; FSx)
 - ``schemas``: validation of every manifest against the Kubernetes and CRD schemas
