@@ -140,6 +140,8 @@ def test_memory_must_hold_shm_and_eight_gib_per_gpu_rank() -> None:
     EksBackend().manifests(gpu_spec(**{"eks.memory": "74Gi", "eks.shm_size": "10Gi"}))
     with pytest.raises(SpecError, match="more than a p5.48xlarge has"):
         EksBackend().manifests(gpu_spec(**{"eks.memory": "3000Gi"}))
+    with pytest.raises(SpecError, match="a g5.48xlarge pod cannot hold the 640Gi /dev/shm plus 8Gi for each"):
+        EksBackend().manifests(gpu_spec("g5.48xlarge", efa=1, **{"eks.shm_size": "640Gi"}))
     # unknown instance type: the floor plus /dev/shm, requested and limited
     trainer = pod_of(EksBackend().manifests(gpu_spec(None, efa=0)).workload())["spec"]["containers"][0]
     shm = sizing.quantity(sizing.shm_size(gpu_spec(None, efa=0)), "")

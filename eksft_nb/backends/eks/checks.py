@@ -109,7 +109,7 @@ def _check_sizes(spec: JobSpec) -> None:
     if known and e.memory is not None and quantity(e.memory, "--memory") > known.memory_gib * GiB:
         raise SpecError(f"--memory {e.memory} is more than a {e.instance_type} has ({known.memory_gib}Gi): the pods "
                         "would never be scheduled", f"use --memory {known.memory_request_gib}Gi or less")
-    if known and min_memory(spec) > known.memory_request_gib * GiB:
+    if known and e.memory is None and min_memory(spec) > known.memory_request_gib * GiB:
         raise SpecError(f"a {e.instance_type} pod cannot hold the {shm_size(spec)} /dev/shm plus {gib(floor)} for each "
                         f"of the {spec.nproc_per_node} ranks within {known.memory_request_gib}Gi",
                         "use a smaller --shm-size or more --nnodes")
