@@ -11,6 +11,7 @@ Layout (root: ``$EKSFT_HOME/jobs``, default ``~/.eksft/jobs``)::
         control/pending/   fault commands waiting to fire; control/fired/ marks the ones that did
         control/rejected/  command files that failed the checks, each with its .reason (never fired)
         progress/          per-rank progress beacons (last step, where the main thread is)
+        warm/              the warm-rank zygotes' sockets, <attempt>.<node>.sock (see runtime/zygote.py)
         ckpt/              step_<N>/ checkpoints (unless checkpoint.dir points elsewhere)
 """
 
@@ -94,6 +95,10 @@ class JobDir:
     @property
     def progress(self) -> Path:
         return self.path / "progress"
+
+    @property
+    def warm(self) -> Path:
+        return self.path / "warm"
 
     def ckpt_dir(self, spec: JobSpec) -> Path:
         return Path(spec.checkpoint.dir).expanduser() if spec.checkpoint.dir else self.path / "ckpt"
