@@ -193,8 +193,10 @@ def test_a_squatter_on_the_next_zygotes_names_gets_nothing_and_the_restart_is_st
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     jd = JobDir.for_name("warm-squatted")
     uid = wait_for("the job's uid", lambda: jd.supervisor().get("job_uid"), timeout=120)
-    wait_for("the first zygote to listen", lambda: (jd.warm / "0.0.sock").exists(), timeout=120)
-    squatter = Squatter(str(jd.warm / "1.0.sock"), f"\0eksft-{uid}-1.0", f"\0eksft-{uid}-0.0")
+    first = jd.logs / "zygote-0.0.log"
+    wait_for("the first zygote", lambda: first.exists() and "ready" in first.read_text(), timeout=300)
+    (jd.path / "warm").mkdir(mode=0o700, exist_ok=True)
+    squatter = Squatter(str(jd.path / "warm" / "1.0.sock"), f"\0eksft-{uid}-1.0")
     try:
         out, err = run.communicate(timeout=600)
     finally:
