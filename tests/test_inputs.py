@@ -208,9 +208,10 @@ def test_a_checkpoint_folder_that_cannot_be_made_is_refused_in_one_line_leaving_
 
 
 def alias_bomb(levels: int, fan: int = 9) -> str:
-    """A "billion laughs" spec: each anchor a list of ``fan`` aliases of the one before."""
-    lines = ["a0: &a0 [x]"] + [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * fan)}]" for i in range(1, levels + 1)]
-    return "\n".join(lines) + f"\nsteps: *a{levels}\n"
+    """A "billion laughs" spec: a field whose list holds anchors, each a list of ``fan`` aliases of the
+    one before (``fan ** levels`` leaves once expanded)."""
+    items = ["&a0 [x]"] + [f"&a{i} [{', '.join([f'*a{i - 1}'] * fan)}]" for i in range(1, levels + 1)]
+    return "steps: [" + ", ".join(items) + "]\n"
 
 
 @pytest.mark.parametrize("levels", [6, 9])
