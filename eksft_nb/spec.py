@@ -97,7 +97,8 @@ class FaultToleranceConfig:
         found = {k: v for k, v in found.items() if v is not None}
         text = self.section_timeouts or ""
         if not isinstance(text, str):
-            raise SpecError(f"ft.section_timeouts must be text, got {_show(text)}", "write e.g. --section-timeouts init:60")
+            raise SpecError(f"ft.section_timeouts must be text, got {_show(text)}",
+                            "write e.g. --section-timeouts init:60")
         for item in text.split(","):
             name, _, seconds = item.strip().partition(":")
             if not item.strip():

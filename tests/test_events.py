@@ -90,7 +90,8 @@ def test_a_short_write_leaves_no_half_line_that_swallows_the_next_record(tmp_pat
 
     script, path = tmp_path / "short.py", tmp_path / "events.jsonl"
     script.write_text(SHORT_WRITE)
-    done = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True,
+                          timeout=120)
     assert done.returncode == 0, done.stderr
     assert path.read_bytes().count(b"\n") == 4   # the torn line ended, three whole records
     events = EventTail(path).read()

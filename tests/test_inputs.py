@@ -203,7 +203,8 @@ def test_a_checkpoint_folder_that_cannot_be_made_is_refused_in_one_line_leaving_
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = cli.main(["run", "--name", "half-made", "--ckpt-dir", "/etc/passwd/x", "--model", "tiny"])
         assert code == 2 and err.getvalue().count("\n") == 1, err.getvalue()
-        assert err.getvalue().startswith("eksft: error: cannot make the checkpoint folder /etc/passwd/x"), err.getvalue()
+        assert err.getvalue().startswith("eksft: error: cannot make the checkpoint folder /etc/passwd/x"), \
+            err.getvalue()
         assert not JobDir.for_name("half-made").path.exists()
 
 

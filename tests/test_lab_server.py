@@ -301,7 +301,8 @@ def test_a_huge_log_line_gets_a_bounded_reply_that_says_it_was_cut(server: Serve
     assert status == 200 and len(raw) < cap + 4096, len(raw)
     text = json.loads(raw)["text"]
     assert text.endswith("x\nthe end") and "start" not in text
-    assert f"launcher-0-0.log: only its last {cap} of 20971535 bytes are shown" in text.splitlines()[0], text[:300]
+    note = text.splitlines()[0]
+    assert f"launcher-0-0.log: only its last {cap} of 20971535 bytes are shown" in note, text[:300]
 
 
 def cli_error(*args: str) -> str:

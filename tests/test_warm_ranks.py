@@ -65,7 +65,8 @@ def shim(zygote: tuple[str, int, Path], *args: str, **env: str) -> subprocess.Po
     """A worker as ft_launcher starts it: its own session, ``python -S warm_shim.py -m probe ARGS``."""
     name, pid, folder = zygote
     return subprocess.Popen([sys.executable, "-S", WARM_SHIM, "-m", "probe", *args], cwd=folder,
-                            env={**os.environ, SOCKET_ENV: name, ZYGOTE_ENV: str(pid), "PROBE": "here", **env},
+                            env={**os.environ, SOCKET_ENV: name, ZYGOTE_ENV: str(pid), "PROBE": "here",
+                                 **env},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
@@ -163,7 +164,8 @@ class Squatter:
             listener.close()
 
 
-def test_a_squatter_on_the_zygotes_socket_gets_nothing_and_the_rank_starts_cold(zygote, tmp_path: Path) -> None:
+def test_a_squatter_on_the_zygotes_socket_gets_nothing_and_the_rank_starts_cold(zygote,
+                                                                                tmp_path: Path) -> None:
     """Whoever listens where the shim was told to look, as the same user (who could replace the socket
     file), or on the abstract name the shim once used, is not the zygote: it receives no byte (no
     environment, no stdio), and the rank starts cold, saying why."""
@@ -188,8 +190,8 @@ def test_a_squatter_on_the_next_zygotes_names_gets_nothing_and_the_restart_is_st
     """Before a job's second attempt (after a kill-launcher), another process binds the names its
     zygotes would take: the abstract names the shims once used and the socket paths themselves. No
     rank connects to it, and every rank of both attempts is still forked warm."""
-    run = subprocess.Popen([sys.executable, "-m", "eksft_nb", "run", "--name", "warm-squatted", *BASE, "--steps",
-                            "40", "--no-inprocess", "--fault", "kill-launcher@20", "--json"],
+    run = subprocess.Popen([sys.executable, "-m", "eksft_nb", "run", "--name", "warm-squatted", *BASE,
+                            "--steps", "40", "--no-inprocess", "--fault", "kill-launcher@20", "--json"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     jd = JobDir.for_name("warm-squatted")
     uid = wait_for("the job's uid", lambda: jd.supervisor().get("job_uid"), timeout=120)
@@ -208,7 +210,8 @@ def test_a_squatter_on_the_next_zygotes_names_gets_nothing_and_the_restart_is_st
     forked = {int(pid) for log in (jd.logs).glob("zygote-*.log")
               for pid in re.findall(r"forked rank (\d+)", log.read_text())}
     starts = events("warm-squatted", "rank_start")
-    assert {e["job_attempt"] for e in starts} == {0, 1} and {e["pid"] for e in starts} <= forked, story("warm-squatted")
+    assert {e["job_attempt"] for e in starts} == {0, 1}, story("warm-squatted")
+    assert {e["pid"] for e in starts} <= forked, story("warm-squatted")
     assert "no warm rank" not in " ".join(p.read_text() for p in jd.logs.glob("launcher-*.log"))
 
 
@@ -221,7 +224,7 @@ def test_a_ranks_group_is_killed_before_its_pid_is_freed(tmp_path: Path) -> None
     assert out.returncode == 0, out.stderr
     states, helper_alive, sent = out.stdout.split()
     assert sent == "exit" and helper_alive == "False"
-    assert states == "Z", f"the rank's pid was in state {states!r} when its group was killed (not a zombie: reaped)"
+    assert states == "Z", f"the rank was {states!r} when its group was killed (not a zombie: reaped)"
 
 
 REAP = """

@@ -5,9 +5,10 @@ it starts in tens of milliseconds) with ``EKSFT_WARM_SOCKET`` (the zygote's sock
 folder) and ``EKSFT_WARM_ZYGOTE`` (its pid) in its environment. The shim hands its argv, environment
 (secrets included), working directory and stdio to the zygote, which forks a child that becomes the
 rank with torch already imported; so before it sends anything, it checks that the process listening
-on that path is that zygote, of its own user (``SO_PEERCRED``). To ft_launcher the shim *is* the rank: catchable signals are passed
-on to the rank's process group, the shim exits with the rank's status (dying of the same signal when
-the rank did), and when the shim is SIGKILLed the zygote sees the connection close and kills the rank.
+on that path is that zygote, of its own user (``SO_PEERCRED``). To ft_launcher the shim *is* the
+rank: catchable signals are passed on to the rank's process group, the shim exits with the rank's
+status (dying of the same signal when the rank did), and when the shim is SIGKILLed the zygote sees
+the connection close and kills the rank.
 
 When there is no zygote (gone, refused, never started) the shim execs the cold command
 ``python -u -m MODULE ARGS...`` after one line on stderr saying so: the optimisation never fails a job.
@@ -75,7 +76,8 @@ def main() -> None:
         pid, uid = peer(conn)
         if (pid, uid) != (int(expected), os.getuid()):   # nothing goes to another process
             conn.close()
-            cold(f"zygote {name} is served by pid {pid} of uid {uid}, not by zygote {expected} of uid {os.getuid()}")
+            cold(f"zygote {name} is served by pid {pid} of uid {uid}, "
+                 f"not by zygote {expected} of uid {os.getuid()}")
         request(conn)
     except OSError as e:
         cold(f"zygote {name}: {e.strerror or e}")

@@ -101,7 +101,8 @@ def serve(name: str) -> int:
     try:
         listener = listen(name)  # listen first: shims that come while torch imports wait in the backlog
     except OSError as e:
-        print(f"eksft zygote {name}: cannot listen ({e.strerror or e}): its ranks start cold", file=sys.stderr)
+        print(f"eksft zygote {name}: cannot listen ({e.strerror or e}): its ranks start cold",
+              file=sys.stderr)
         return 1
     missing = preload()
     # torch's BLAS may park a thread at import; it holds no lock while parked, and a fork copies only this one

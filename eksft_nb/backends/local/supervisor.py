@@ -227,7 +227,8 @@ class Supervisor:
                              **rank_env(self.spec, ports=ports, job_attempt=self.attempt, job_dir=str(self.jd.path),
                                         nvrx=self.nvrx),
                              procs.JOB_MARK: self.job_uid, procs.NODE_MARK: tag,
-                             **({WARM_SOCKET: zygote, WARM_ZYGOTE: str(self.zygotes[tag].pid)} if zygote else {})})
+                             **({WARM_SOCKET: zygote, WARM_ZYGOTE: str(self.zygotes[tag].pid)}
+                                if zygote else {})})
             log = self._launcher_log(self.attempt, node)
             popen = self._hand_over(node, argv, env)
             if popen is None:
