@@ -3,6 +3,7 @@ ft_launcher takes for the rank itself (see eksft_nb.runtime.zygote and eksft_nb.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -22,7 +23,7 @@ from eksft_nb.backends.local.supervisor import Node, Supervisor
 from eksft_nb.events import EventWriter, make, read_all
 from eksft_nb.jobdir import JobDir
 from eksft_nb.launcher import TRAINER_MODULE, WARM_SHIM, ZYGOTE_MODULE
-from eksft_nb.runtime.warm_shim import SOCKET_ENV, ZYGOTE_ENV
+from eksft_nb.runtime.warm_shim import SOCKET_ENV, ZYGOTE_ENV, at_path
 from eksft_nb.spec import JobSpec, ModelConfig
 from jobs import BASE, events, job_dir, run_job, story, wait_for
 
@@ -183,6 +184,35 @@ def test_a_squatter_on_the_zygotes_socket_gets_nothing_and_the_rank_starts_cold(
     assert not any(squatter.received), squatter.received[0][:200]   # on main: the shim's whole environment
     assert p.returncode == 3 and int(pid) == p.pid and torch_loaded == "False", err
     assert f"not by zygote {zygote_pid}" in err and len(re.findall("no warm rank", err)) == 1, err
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
+def test_another_user_cannot_reach_the_zygote(zygote) -> None:
+    """The socket's folder is the user's own (0700): another user cannot even connect to it."""
+    name, _, _ = zygote
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:   # nobody, trying the zygote's socket as a shim would
+        code = 1
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                at_path(s, name)
+            except OSError as e:
+                os.write(w, b"refused %d" % e.errno)
+            else:
+                s.settimeout(60)
+                os.write(w, b"answered " + s.recv(100))
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    got = os.read(r, 200)
+    os.close(r)
+    assert os.waitpid(child, 0)[1] == 0
+    assert got == b"refused %d" % errno.EACCES, got
 
 
 @pytest.mark.slow
