@@ -305,6 +305,13 @@ def test_a_huge_log_line_gets_a_bounded_reply_that_says_it_was_cut(server: Serve
     assert f"launcher-0-0.log: only its last {cap} of 20971535 bytes are shown" in note, text[:300]
 
 
+def test_a_checkpoint_folder_that_cannot_be_made_is_a_refusal_not_a_server_error(server: Server) -> None:
+    status, body = server.request("POST", "jobs", {"spec": {"name": "half-made-rest", "model.preset": "tiny",
+                                                            "checkpoint.dir": "/etc/passwd/x"}})
+    assert status == 400 and body["problem"].startswith("cannot make the checkpoint folder /etc/passwd/x"), body
+    assert not (jobs_root() / "half-made-rest").exists()
+
+
 def cli_error(*args: str) -> str:
     """The line the CLI prints for a refused command, without its ``eksft: error: `` prefix."""
     proc = cli(*args)
