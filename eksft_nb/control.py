@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import stat
 import time
 import uuid
 from collections.abc import Callable
@@ -215,6 +216,31 @@ def reject(pending: Path, fired: Path, cid: str, reason: str) -> bool:
     return True
 
 
+MAX_COMMAND_BYTES = 64 << 10
+
+
+def read_command(path: Path) -> bytes:
+    """A command file's bytes, if it is a regular file (not a link, FIFO or device: opened without
+    following a link and without blocking, checked on the open descriptor) of a command's size."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise ControlError(f"command file {path.name} cannot be opened ({e.strerror or e})",
+                           "write commands as regular files (python -m eksft_nb inject)") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ControlError(f"command file {path.name} is not a regular file",
+                               "write commands as regular files (python -m eksft_nb inject)")
+        if info.st_size > MAX_COMMAND_BYTES:
+            raise ControlError(f"command file {path.name} holds {info.st_size} bytes, more than a command",
+                               "write one small JSON object per command")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read(MAX_COMMAND_BYTES + 1)
+    finally:
+        os.close(fd)
+
+
 class CommandInbox:
     """A rank's view of the pending commands: re-read when the folder's mtime changes, and at least
     every :attr:`RELIST_S` seconds, because on a filesystem with coarse timestamps (Lustre: one
@@ -242,7 +268,7 @@ class CommandInbox:
             for p in self.pending.glob("*.json"):
                 if p.stem not in self._commands:
                     try:
-                        cmd = FaultCommand.from_json(p.read_bytes())
+                        cmd = FaultCommand.from_json(read_command(p))
                         if cmd.id != p.stem:
                             raise ControlError(f"command file {p.name} holds id {cmd.id}", "name it <id>.json")
                     except (OSError, ControlError) as e:

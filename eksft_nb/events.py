@@ -178,7 +178,7 @@ def decode(line: str) -> Event | None:
     try:
         obj = json.loads(line)
     except (ValueError, RecursionError):
-        return None
+        obj = _after_torn(line)
     if not isinstance(obj, dict):
         return None
     v, kind, t = obj.pop("v", SCHEMA_VERSION), obj.pop("kind", None), obj.pop("t", None)
@@ -191,6 +191,25 @@ def decode(line: str) -> Event | None:
     except SchemaError:
         return None
     return Event(kind, float(t), job, rank, obj, v)
+
+
+RECORD_START = '{"v":'   # how every record a writer appends begins (see Event.to_json)
+TORN_TRIES = 4
+
+
+def _after_torn(line: str) -> Any:
+    """The record in a line that a torn write left in front of it (a writer that wrote part of a
+    record and then failed, then another append): parsed from a later record start, or None."""
+    at = 0
+    for _ in range(TORN_TRIES):
+        at = line.find(RECORD_START, at + 1)
+        if at < 0:
+            return None
+        try:
+            return json.loads(line[at:])
+        except (ValueError, RecursionError):
+            continue
+    return None
 
 
 class EventWriter:
@@ -210,6 +229,7 @@ class EventWriter:
         self._lost_span: tuple[float, float, str] = (0.0, 0.0, "")
         self._warned = False
         self._last_error = ""
+        self._torn = False              # the last append wrote part of a record only
         if path is not None:
             self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
 
@@ -230,13 +250,23 @@ class EventWriter:
             sys.stdout.flush()
 
     def _append(self, line: str) -> bool:
-        data = line.encode()
+        """Append one whole record: a short write is continued until all of it is written; one that
+        fails part-way leaves a torn line, which the next record ends first (so it is not swallowed)."""
+        lead = b"\n" if self._torn else b""
+        data = memoryview(lead + line.encode())
+        written = 0
         try:
-            if os.write(self._fd, data) == len(data):
-                return True
-            self._last_error = "short write"
+            while written < len(data):
+                n = os.write(self._fd, data[written:])
+                if n <= 0:
+                    raise OSError(0, "short write")
+                written += n
+            self._torn = False
+            return True
         except OSError as e:
             self._last_error = e.strerror or type(e).__name__
+            if written:
+                self._torn = written > len(lead)
         return False
 
     def _lost_record(self, now: float) -> str:

@@ -11,6 +11,7 @@ Layout (root: ``$EKSFT_HOME/jobs``, default ``~/.eksft/jobs``)::
         control/pending/   fault commands waiting to fire; control/fired/ marks the ones that did
         control/rejected/  command files that failed the checks, each with its .reason (never fired)
         progress/          per-rank progress beacons (last step, where the main thread is)
+        warm/              the warm-rank zygotes' sockets, <attempt>.<node>.sock (see runtime/zygote.py)
         ckpt/              step_<N>/ checkpoints (unless checkpoint.dir points elsewhere)
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,6 +97,10 @@ class JobDir:
     def progress(self) -> Path:
         return self.path / "progress"
 
+    @property
+    def warm(self) -> Path:
+        return self.path / "warm"
+
     def ckpt_dir(self, spec: JobSpec) -> Path:
         return Path(spec.checkpoint.dir).expanduser() if spec.checkpoint.dir else self.path / "ckpt"
 
@@ -106,11 +112,23 @@ class JobDir:
         except FileExistsError:
             raise JobError(f"a job named {self.name!r} already exists in {self.path.parent}",
                            f"choose another --name, or remove it with `python -m eksft_nb rm {self.name}`") from None
-        for sub in (self.logs, self.pending, self.fired, self.progress):
-            sub.mkdir(parents=True, mode=0o700)
-        os.chmod(self.path / "control", 0o700)
-        self.ckpt_dir(spec).mkdir(parents=True, exist_ok=True, mode=0o700)
-        atomic_write(self.spec_path, spec.to_json())
+        try:
+            for sub in (self.logs, self.pending, self.fired, self.progress):
+                sub.mkdir(parents=True, mode=0o700)
+            os.chmod(self.path / "control", 0o700)
+            try:
+                self.ckpt_dir(spec).mkdir(parents=True, exist_ok=True, mode=0o700)
+            except OSError as e:
+                raise JobError(f"cannot make the checkpoint folder {self.ckpt_dir(spec)} ({e.strerror or e})",
+                               "pass a --ckpt-dir you can create, or leave it out") from None
+            atomic_write(self.spec_path, spec.to_json())
+        except (OSError, JobError) as e:
+            # nothing half-made is left: a folder without a spec is no job that `rm` could remove
+            shutil.rmtree(self.path, ignore_errors=True)
+            if isinstance(e, JobError):
+                raise
+            raise JobError(f"cannot make the job folder {self.path} ({e.strerror or e})",
+                           "check that the folder is writable and has room") from None
 
     def spec(self) -> JobSpec:
         return JobSpec.from_json(self.spec_path.read_text())

@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import re
+import reprlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -96,7 +97,8 @@ class FaultToleranceConfig:
         found = {k: v for k, v in found.items() if v is not None}
         text = self.section_timeouts or ""
         if not isinstance(text, str):
-            raise SpecError(f"ft.section_timeouts must be text, got {text!r}", "write e.g. --section-timeouts init:60")
+            raise SpecError(f"ft.section_timeouts must be text, got {_show(text)}",
+                            "write e.g. --section-timeouts init:60")
         for item in text.split(","):
             name, _, seconds = item.strip().partition(":")
             if not item.strip():
@@ -297,7 +299,7 @@ class JobSpec:
     @classmethod
     def from_yaml(cls, text: str) -> JobSpec:
         try:
-            data = yaml.safe_load(text) or {}
+            data = yaml.load(text, Loader=_SpecLoader) or {}
         except (yaml.YAMLError, ValueError, RecursionError) as e:
             where = getattr(e, "problem_mark", None)
             at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
@@ -401,6 +403,17 @@ def parse_option_value(option: SpecOption, raw: str) -> Any:
 
 # ---- helpers --------------------------------------------------------------------------------
 
+class _SpecLoader(yaml.SafeLoader):
+    """The safe loader without aliases: a spec needs none, and a few hundred bytes of nested aliases
+    (a "billion laughs") expand to billions of nodes in whatever walks the result."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.composer.ComposerError(None, None, "aliases (*name) are not allowed in a job spec",
+                                              self.peek_event().start_mark)
+        return super().compose_node(parent, index)
+
+
 def _from_dict(cls: type, data: dict[str, Any], prefix: str) -> Any:
     if not isinstance(data, dict):
         raise SpecError(f"{prefix.rstrip('.') or 'spec'} must be a mapping, got {type(data).__name__}",
@@ -454,7 +467,7 @@ def _require_int(obj: Any, fname: str, minimum: int, prefix: str = "", why: str 
     v = getattr(obj, fname)
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
         flag = _flag_of(type(obj), fname)
-        raise SpecError(f"{prefix}{fname} must be an integer >= {minimum}, got {v!r}{why}",
+        raise SpecError(f"{prefix}{fname} must be an integer >= {minimum}, got {_show(v)}{why}",
                         f"use e.g. {flag} {max(minimum, 1)}")
 
 
@@ -469,7 +482,9 @@ def _closest(word: str, candidates: Any) -> str:
 
 def _show(value: Any) -> str:
     """A value as it may appear in a one-line message (bounded, one line)."""
-    text = repr(value)
+    short = reprlib.Repr()   # bounded before it is built: a value from a file may be any size or depth
+    short.maxlevel, short.maxstring, short.maxother = 3, 50, 50
+    text = short.repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 

@@ -65,6 +65,50 @@ JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.floats
                                                                                       max_size=3), max_leaves=8)
 
 
+SHORT_WRITE = """
+import os, resource, signal, sys
+from eksft_nb.events import EventWriter
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # past the file size limit: a short write, then EFBIG
+path = sys.argv[1]
+w = EventWriter(path, "torn", rank=0)
+w.emit("step", step=1, loss=1.0, tokens=8, step_time=0.1)
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(path) + 20, hard))
+w.emit("step", step=2, loss=1.0, tokens=8, step_time=0.1)   # 20 bytes of it fit
+resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+w.emit("step", step=3, loss=1.0, tokens=8, step_time=0.1)
+w.close()
+"""
+
+
+def test_a_short_write_leaves_no_half_line_that_swallows_the_next_record(tmp_path: Path) -> None:
+    """A write the file system cuts short (a full disk, a size limit) loses that record only: the
+    next ones (the record of what was lost, then the next step) are read whole."""
+    import subprocess
+    import sys
+
+    script, path = tmp_path / "short.py", tmp_path / "events.jsonl"
+    script.write_text(SHORT_WRITE)
+    done = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert path.read_bytes().count(b"\n") == 4   # the torn line ended, three whole records
+    events = EventTail(path).read()
+    assert [(e.kind, e.get("step")) for e in events] == [("step", 1), ("events_lost", None), ("step", 3)]
+    assert events[1]["count"] == 1 and events[1]["kinds"] == {"step": 1}
+
+
+def test_a_record_behind_a_torn_line_is_still_read(tmp_path: Path) -> None:
+    """Another writer (a rank) appended its record right after a torn one: that record survives."""
+    whole = make("step", "j", 1, step=4, loss=2.0, tokens=8, step_time=0.1).to_json()
+    torn = make("step", "j", 0, step=4, loss=2.0, tokens=8, step_time=0.1).to_json()[:30]
+    path = tmp_path / "events.jsonl"
+    path.write_text(torn + whole + "\n" + whole + "\n")
+    assert [(e.rank, e["step"]) for e in EventTail(path).read()] == [(1, 4), (1, 4)]
+    assert decode(torn + torn + whole).rank == 1 and decode(torn) is None
+
+
 @settings(max_examples=200, deadline=None)
 @given(phases=st.dictionaries(st.sampled_from([*RESTART_PHASES, "load", ""]), JSON_VALUES, max_size=6) | JSON_VALUES)
 def test_a_restart_events_phases_are_refused_in_one_line_unless_known_and_finite(phases: object) -> None:

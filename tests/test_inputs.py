@@ -193,6 +193,41 @@ def test_job_names_that_are_paths_name_no_job(name: str) -> None:
         attach(name)
 
 
+def test_a_checkpoint_folder_that_cannot_be_made_is_refused_in_one_line_leaving_no_job_behind() -> None:
+    """``run --ckpt-dir /etc/passwd/x`` (a path under a file): one line, and no half-made job folder
+    that neither ``run`` (it exists) nor ``rm`` (no such job) could clear."""
+    from eksft_nb.jobdir import JobDir
+
+    for _ in range(2):   # the same name again: refused the same way, not "already exists"
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli.main(["run", "--name", "half-made", "--ckpt-dir", "/etc/passwd/x", "--model", "tiny"])
+        assert code == 2 and err.getvalue().count("\n") == 1, err.getvalue()
+        assert err.getvalue().startswith("eksft: error: cannot make the checkpoint folder /etc/passwd/x"), \
+            err.getvalue()
+        assert not JobDir.for_name("half-made").path.exists()
+
+
+def alias_bomb(levels: int, fan: int = 9) -> str:
+    """A "billion laughs" spec: a field whose list holds anchors, each a list of ``fan`` aliases of the
+    one before (``fan ** levels`` leaves once expanded)."""
+    items = ["&a0 [x]"] + [f"&a{i} [{', '.join([f'*a{i - 1}'] * fan)}]" for i in range(1, levels + 1)]
+    return "steps: [" + ", ".join(items) + "]\n"
+
+
+@pytest.mark.parametrize("levels", [6, 9])
+def test_a_yaml_alias_bomb_is_refused_in_one_short_line(tmp_path: Path, levels: int) -> None:
+    """A few hundred bytes of nested aliases expand to billions of nodes: refused at the first alias,
+    in one line of bounded length (no repr of the expanded value)."""
+    path = tmp_path / "bomb.yaml"
+    path.write_text(alias_bomb(levels))
+    assert path.stat().st_size < 600
+    with pytest.raises(EksftError) as e:
+        JobSpec.load(path).validate()
+    refused_in_one_line(e.value)
+    assert len(str(e.value)) < 300 and "alias" in str(e.value), str(e.value)[:300]
+
+
 # ---- telemetry lines ------------------------------------------------------------------------------
 
 json_scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=6)

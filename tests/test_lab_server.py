@@ -284,6 +284,34 @@ def test_a_failing_cluster_never_fails_the_local_list(server: Server) -> None:
     assert body["backends"]["eks"]["ok"] is False and body["backends"]["eks"]["error"]
 
 
+def test_a_huge_log_line_gets_a_bounded_reply_that_says_it_was_cut(server: Server) -> None:
+    """A rank printed one 20 MB line: the logs route answers the end of the log, at most about 1 MB,
+    saying what was left out (it read 20 MB and answered them, on the server's loop)."""
+    from eksft_nb.spec import JobSpec
+
+    cap = 1 << 20   # eksft_nb.tails.MAX_LOG_BYTES
+    jd = JobDir.for_name("big-log")
+    jd.create(JobSpec(name="big-log"))
+    with open(jd.logs / "launcher-0-0.log", "w") as f:
+        f.write("start\n" + "x" * (20 << 20) + "\nthe end\n")
+    req = urllib.request.Request(f"{server.url}/eksft/jobs/big-log/logs?debug=true&lines=100000",
+                                 headers={"Authorization": f"token {server.token}"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        status, raw = r.status, r.read()
+    assert status == 200 and len(raw) < cap + 4096, len(raw)
+    text = json.loads(raw)["text"]
+    assert text.endswith("x\nthe end") and "start" not in text
+    note = text.splitlines()[0]
+    assert f"launcher-0-0.log: only its last {cap} of 20971535 bytes are shown" in note, text[:300]
+
+
+def test_a_checkpoint_folder_that_cannot_be_made_is_a_refusal_not_a_server_error(server: Server) -> None:
+    status, body = server.request("POST", "jobs", {"spec": {"name": "half-made-rest", "model.preset": "tiny",
+                                                            "checkpoint.dir": "/etc/passwd/x"}})
+    assert status == 400 and body["problem"].startswith("cannot make the checkpoint folder /etc/passwd/x"), body
+    assert not (jobs_root() / "half-made-rest").exists()
+
+
 def cli_error(*args: str) -> str:
     """The line the CLI prints for a refused command, without its ``eksft: error: `` prefix."""
     proc = cli(*args)

@@ -3,13 +3,16 @@ ft_launcher takes for the rank itself (see eksft_nb.runtime.zygote and eksft_nb.
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -20,8 +23,9 @@ from eksft_nb.backends.local.supervisor import Node, Supervisor
 from eksft_nb.events import EventWriter, make, read_all
 from eksft_nb.jobdir import JobDir
 from eksft_nb.launcher import TRAINER_MODULE, WARM_SHIM, ZYGOTE_MODULE
+from eksft_nb.runtime.warm_shim import SOCKET_ENV, ZYGOTE_ENV, at_path
 from eksft_nb.spec import JobSpec, ModelConfig
-from jobs import events, job_dir, run_job, wait_for
+from jobs import BASE, events, job_dir, run_job, story, wait_for
 
 PROBE = """
 import os, sys, time
@@ -38,10 +42,14 @@ sys.exit(int(what))
 
 @pytest.fixture(scope="module")
 def zygote(tmp_path_factory: pytest.TempPathFactory):
-    """A zygote serving ranks for this module's shims: (its socket name, its pid, the folder of probe.py)."""
+    """A zygote serving ranks for this module's shims: (its socket's path, its pid, the folder of probe.py).
+    The socket lies deeper than a socket address holds (as under a deep EKSFT_HOME)."""
     folder = tmp_path_factory.mktemp("warm")
     (folder / "probe.py").write_text(PROBE)
-    name = f"eksft-test-{uuid.uuid4().hex[:8]}"
+    deep = folder.joinpath(*["d" * 30] * 4)
+    deep.mkdir(parents=True, mode=0o700)
+    name = str(deep / "zygote.sock")
+    assert len(name) > 108
     log = folder / "zygote.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log, "wb") as out:
@@ -54,10 +62,12 @@ def zygote(tmp_path_factory: pytest.TempPathFactory):
     proc.wait()
 
 
-def shim(zygote_name: str, folder: Path, *args: str, **env: str) -> subprocess.Popen:
+def shim(zygote: tuple[str, int, Path], *args: str, **env: str) -> subprocess.Popen:
     """A worker as ft_launcher starts it: its own session, ``python -S warm_shim.py -m probe ARGS``."""
+    name, pid, folder = zygote
     return subprocess.Popen([sys.executable, "-S", WARM_SHIM, "-m", "probe", *args], cwd=folder,
-                            env={**os.environ, "EKSFT_WARM_SOCKET": zygote_name, "PROBE": "here", **env},
+                            env={**os.environ, SOCKET_ENV: name, ZYGOTE_ENV: str(pid), "PROBE": "here",
+                                 **env},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
@@ -68,8 +78,8 @@ def rank_line(p: subprocess.Popen) -> list[str]:
 
 
 def test_a_warm_rank_is_a_forked_child_that_runs_the_module_as_python_would(zygote) -> None:
-    name, zygote_pid, folder = zygote
-    p = shim(name, folder, "7")
+    _, zygote_pid, folder = zygote
+    p = shim(zygote, "7")
     _, pid, parent, torch_loaded, cwd, probe, *_ = rank_line(p)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 7, err
@@ -79,11 +89,10 @@ def test_a_warm_rank_is_a_forked_child_that_runs_the_module_as_python_would(zygo
 
 
 def test_a_rank_that_dies_of_a_signal_takes_its_shim_with_it(zygote) -> None:
-    name, _, folder = zygote
-    p = shim(name, folder, "abort")
+    p = shim(zygote, "abort")
     p.communicate(timeout=60)
     assert p.returncode == -signal.SIGABRT  # as ft_launcher saw it from a cold rank
-    p = shim(name, folder, "sleep")
+    p = shim(zygote, "sleep")
     pid = int(rank_line(p)[1])
     os.kill(pid, signal.SIGKILL)  # a rank monitor kills the rank itself
     p.communicate(timeout=60)
@@ -91,13 +100,12 @@ def test_a_rank_that_dies_of_a_signal_takes_its_shim_with_it(zygote) -> None:
 
 
 def test_signals_reach_the_rank_and_a_killed_shim_leaves_no_orphan(zygote) -> None:
-    name, _, folder = zygote
-    p = shim(name, folder, "sleep")
+    p = shim(zygote, "sleep")
     pid = int(rank_line(p)[1])
     os.killpg(p.pid, signal.SIGTERM)  # how torch's SubprocessHandler stops a worker
     p.communicate(timeout=60)
     assert p.returncode == -signal.SIGTERM and not procs.alive(pid)
-    p = shim(name, folder, "sleep")
+    p = shim(zygote, "sleep")
     pid = int(rank_line(p)[1])
     os.killpg(p.pid, signal.SIGKILL)  # and then kills it: the zygote sees the connection close
     p.wait(timeout=60)
@@ -106,16 +114,186 @@ def test_signals_reach_the_rank_and_a_killed_shim_leaves_no_orphan(zygote) -> No
 
 @pytest.mark.parametrize("why", ["no zygote", "an environment the zygote cannot serve"])
 def test_without_a_zygote_that_can_serve_it_the_rank_starts_cold(zygote, why: str) -> None:
-    name, _, folder = zygote
+    name, pid, folder = zygote
     if why == "no zygote":
-        p = shim(f"{name}-gone", folder, "3")
+        p = shim((f"{name}-gone", pid, folder), "3")
     else:  # torch read its thread count at import: a rank that wants another starts afresh
-        p = shim(name, folder, "3", OMP_NUM_THREADS="7")
+        p = shim(zygote, "3", OMP_NUM_THREADS="7")
     _, pid, _, torch_loaded, *_ = rank_line(p)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 3
     assert int(pid) == p.pid and torch_loaded == "False"  # the shim exec'd `python -u -m probe 3`
     assert len(re.findall("no warm rank", err)) == 1, err
+
+
+class Squatter:
+    """A process that listens where a zygote's shims look (a socket path, an abstract name) before the
+    zygote does: records what each connection sends it, then closes it."""
+
+    def __init__(self, *addresses: str) -> None:
+        self.listeners = []
+        for address in addresses:
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(address)
+            listener.listen(16)
+            self.listeners.append(listener)
+        self.received: list[bytes] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        import selectors
+
+        sel = selectors.DefaultSelector()
+        for listener in self.listeners:
+            sel.register(listener, selectors.EVENT_READ)
+        try:
+            while True:
+                for key, _ in sel.select():
+                    conn, _ = key.fileobj.accept()
+                    conn.settimeout(60)
+                    try:
+                        self.received.append(conn.recv(1 << 20))
+                    except OSError:
+                        self.received.append(b"")
+                    conn.close()
+        except (OSError, ValueError):   # closed
+            pass
+
+    def close(self) -> None:
+        for listener in self.listeners:
+            listener.close()
+
+
+def test_a_squatter_on_the_zygotes_socket_gets_nothing_and_the_rank_starts_cold(zygote,
+                                                                                tmp_path: Path) -> None:
+    """Whoever listens where the shim was told to look, as the same user (who could replace the socket
+    file), or on the abstract name the shim once used, is not the zygote: it receives no byte (no
+    environment, no stdio), and the rank starts cold, saying why."""
+    _, zygote_pid, folder = zygote
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    path = str(private / "zygote.sock")
+    squatter = Squatter(path, "\0" + path)
+    try:
+        p = shim((path, zygote_pid, folder), "3", SECRET="hunter2")
+        _, pid, _, torch_loaded, *_ = rank_line(p)
+        out, err = p.communicate(timeout=120)
+    finally:
+        squatter.close()
+    assert not any(squatter.received), squatter.received[0][:200]   # on main: the shim's whole environment
+    assert p.returncode == 3 and int(pid) == p.pid and torch_loaded == "False", err
+    assert f"not by zygote {zygote_pid}" in err and len(re.findall("no warm rank", err)) == 1, err
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="acting as another user needs root")
+def test_another_user_cannot_reach_the_zygote(zygote) -> None:
+    """The socket's folder is the user's own (0700): another user cannot even connect to it."""
+    name, _, _ = zygote
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:   # nobody, trying the zygote's socket as a shim would
+        code = 1
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                at_path(s, name)
+            except OSError as e:
+                os.write(w, b"refused %d" % e.errno)
+            else:
+                s.settimeout(60)
+                os.write(w, b"answered " + s.recv(100))
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    got = os.read(r, 200)
+    os.close(r)
+    assert os.waitpid(child, 0)[1] == 0
+    assert got == b"refused %d" % errno.EACCES, got
+
+
+@pytest.mark.slow
+def test_a_squatter_on_the_next_zygotes_names_gets_nothing_and_the_restart_is_still_warm() -> None:
+    """Before a job's second attempt (after a kill-launcher), another process binds the names its
+    zygotes would take: the abstract names the shims once used and the socket paths themselves. No
+    rank connects to it, and every rank of both attempts is still forked warm."""
+    run = subprocess.Popen([sys.executable, "-m", "eksft_nb", "run", "--name", "warm-squatted", *BASE,
+                            "--steps", "40", "--no-inprocess", "--fault", "kill-launcher@20", "--json"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    jd = JobDir.for_name("warm-squatted")
+    uid = wait_for("the job's uid", lambda: jd.supervisor().get("job_uid"), timeout=120)
+    first = jd.logs / "zygote-0.0.log"
+    wait_for("the first zygote", lambda: first.exists() and "ready" in first.read_text(), timeout=300)
+    (jd.path / "warm").mkdir(mode=0o700, exist_ok=True)
+    squatter = Squatter(str(jd.path / "warm" / "1.0.sock"), f"\0eksft-{uid}-1.0")
+    try:
+        out, err = run.communicate(timeout=600)
+    finally:
+        squatter.close()
+    summary = json.loads(out[out.index("{"):])
+    assert summary["state"] == "succeeded", (summary, err[-2000:])
+    assert [r["level"] for r in summary["restart_events"]] == ["job"]
+    assert squatter.received == [], [r[:200] for r in squatter.received]
+    forked = {int(pid) for log in (jd.logs).glob("zygote-*.log")
+              for pid in re.findall(r"forked rank (\d+)", log.read_text())}
+    starts = events("warm-squatted", "rank_start")
+    assert {e["job_attempt"] for e in starts} == {0, 1}, story("warm-squatted")
+    assert {e["pid"] for e in starts} <= forked, story("warm-squatted")
+    assert "no warm rank" not in " ".join(p.read_text() for p in jd.logs.glob("launcher-*.log"))
+
+
+def test_a_ranks_group_is_killed_before_its_pid_is_freed(tmp_path: Path) -> None:
+    """The zygote ends what a rank left in its group (its checkpoint writer) when the rank ends; by
+    then the rank must not have been reaped, or its pid (the group's id) could be another's."""
+    script = tmp_path / "reap.py"
+    script.write_text(REAP)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    states, helper_alive, sent = out.stdout.split()
+    assert sent == "exit" and helper_alive == "False"
+    assert states == "Z", f"the rank was {states!r} when its group was killed (not a zombie: reaped)"
+
+
+REAP = """
+import os, select, selectors, socket
+from eksft_nb.runtime import zygote
+
+seen = []   # the rank's state (as /proc shows it) each time a group is killed
+real_killpg = os.killpg
+def killpg(pgid, sig):
+    try:
+        with open(f"/proc/{pgid}/stat") as f:
+            seen.append(f.read().rsplit(")", 1)[1].split()[0])
+    except FileNotFoundError:
+        seen.append("gone")
+    real_killpg(pgid, sig)
+os.killpg = killpg
+
+r, w = os.pipe()
+rank = os.fork()
+if rank == 0:          # the rank: its own group with a helper in it (a checkpoint writer), then it ends
+    os.setsid()
+    helper = os.fork()
+    if helper == 0:
+        os.close(w)
+        os.read(r, 1)  # until killed
+        os._exit(0)
+    os.write(w, b"%d" % helper)
+    os._exit(0)
+os.close(w)
+helper = int(os.read(r, 20))
+watch = os.pidfd_open(helper)
+os.waitid(os.P_PID, rank, os.WEXITED | os.WNOWAIT)   # it has ended, not yet reaped
+mine, theirs = socket.socketpair()
+sel = selectors.DefaultSelector()
+sel.register(mine, selectors.EVENT_READ, rank)
+zygote._reap({rank: mine}, sel)
+ended = select.select([watch], [], [], 60)[0]
+print(seen[0] if seen else "none", not ended, theirs.recv(100).split()[0].decode())
+"""
 
 
 FAKE_LAUNCHER = """

@@ -135,8 +135,12 @@ class LogsHandler(Base):
     async def get(self, name: str) -> None:
         lines = requests.query_int(self.get_query_argument("lines", None), "lines", 200, 1, requests.MAX_LOG_LINES)
         debug = requests.query_bool(self.get_query_argument("debug", None), "debug")
-        text = await self.call(commands.logs, name, lines=lines, debug=debug, backend=self.backend())
-        self.finish(json.dumps({"text": text}))
+        # read (only the files' ends), cut and encoded in a worker thread: the server's loop only sends it
+        self.finish(await self.call(_logs_reply, name, lines, debug, self.backend()))
+
+
+def _logs_reply(name: str, lines: int, debug: bool, backend: str) -> str:
+    return json.dumps({"text": commands.logs(name, lines=lines, debug=debug, backend=backend)})
 
 
 class FigureHandler(Base):

@@ -2,7 +2,7 @@
 
 A fresh rank process spends seconds importing torch before it does anything, and every in-job or
 job-level restart starts fresh ranks. The zygote pays that once per node, ahead of time: it listens on
-an abstract unix socket, imports, and then waits, with no process group and no thread of its own
+a unix socket, imports, and then waits, with no process group and no thread of its own
 (a fork copies only the forking thread). Each :mod:`.warm_shim` that connects gets a forked child
 that becomes its rank: own session, the shim's stdio, environment, argv and working directory, then
 the module run as ``python -u -m MODULE`` would. The zygote tells the shim the child's pid and, when
@@ -13,7 +13,14 @@ Processes a rank forks (the checkpoint writer, see ``checkpointer._AsyncWriter``
 copies too, and, like the rank, carry the zygote's start-up environment (the job's mark) in
 ``/proc/PID/environ``, which is how :mod:`eksft_nb.backends.procs` finds and ends them.
 
-Run as ``python -m eksft_nb.runtime.zygote SOCKET_NAME`` with the job's environment.
+The socket is a path in a folder only the job's user can enter (the job folder's ``warm/``; in a pod,
+a private temporary folder), never an abstract name: anyone may bind an abstract name first and
+would then receive the ranks' environments and stdio. It appears there only once the zygote
+listens (bound under a temporary name, then renamed into place, replacing whatever was there), and
+a shim talks only to the pid it was told (see :mod:`.warm_shim`); the zygote in turn serves only its
+own user.
+
+Run as ``python -m eksft_nb.runtime.zygote SOCKET_PATH`` with the job's environment.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ import signal
 import socket
 import struct
 import sys
+
+from eksft_nb.runtime.warm_shim import at_path, peer
 
 # torch._dynamo: FSDP2 and the optimizers import it on first use (a second of a rank's set-up)
 PRELOAD = ("torch", "torch._dynamo", "torch.optim", "torch.distributed", "torch.distributed.fsdp",
@@ -64,14 +73,37 @@ def threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def serve(name: str) -> int:
+def listen(path: str) -> socket.socket:
+    """A socket listening at ``path``: bound under a temporary name beside it (mode 0600), then renamed
+    into place, so that a shim that finds the path finds it listening."""
+    folder, name = os.path.split(path)
+    temporary = os.path.join(folder, f".{name}.{os.getpid()}")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        listener.bind("\0" + name)  # listen first: shims that come while torch imports wait in the backlog
+        old = os.umask(0o177)
+        try:
+            at_path(listener, temporary, listen=True)
+        finally:
+            os.umask(old)
+        listener.listen(128)
+        os.replace(temporary, path)
+    except BaseException:
+        listener.close()
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
+        raise
+    return listener
+
+
+def serve(name: str) -> int:
+    try:
+        listener = listen(name)  # listen first: shims that come while torch imports wait in the backlog
     except OSError as e:
-        print(f"eksft zygote {name}: cannot listen ({e.strerror}): its ranks start cold", file=sys.stderr)
+        print(f"eksft zygote {name}: cannot listen ({e.strerror or e}): its ranks start cold",
+              file=sys.stderr)
         return 1
-    listener.listen(128)
     missing = preload()
     # torch's BLAS may park a thread at import; it holds no lock while parked, and a fork copies only this one
     print(f"eksft zygote {name}: ready (pid {os.getpid()}, {threads()} thread(s)"
@@ -114,16 +146,19 @@ def serve(name: str) -> int:
 
 def _reap(children: dict, sel: selectors.BaseSelector) -> None:
     while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+        try:  # an ended child, left a zombie: its pid, and so its group's id, cannot be anyone else's yet
+            ended = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         except ChildProcessError:
             return
-        if pid == 0:
+        if ended is None:
             return
+        pid = ended.si_pid
         # what the rank forked (its checkpoint writer, NVRx's result queue) ends with it, as a cold
         # rank's helpers end in ft_launcher's killpg of the worker: they inherited its sockets, and NVRx
-        # 0.6's rank monitor serves the next incarnation only once the old connection has closed
+        # 0.6's rank monitor serves the next incarnation only once the old connection has closed.
+        # Killed before the reap: once reaped, the pid may be reused, by a process of another group
         _kill_group(pid)
+        _, status = os.waitpid(pid, 0)
         conn = children.pop(pid, None)
         if conn is not None:  # None: its shim is gone
             sel.unregister(conn)
@@ -163,9 +198,9 @@ def _start(conn: socket.socket, fixed: dict, sel: selectors.BaseSelector, listen
            wake: tuple[int, int]) -> int:
     """Fork the rank a shim asks for; its pid, or 0 after telling the shim why not."""
     fds: list[int] = []
-    peer = 0
+    worker = 0
     try:
-        peer, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        worker, uid = peer(conn)
         if uid != os.getuid():
             raise ValueError(f"peer uid {uid} is not ours")
         request, fds = _receive(conn)
@@ -194,7 +229,7 @@ def _start(conn: socket.socket, fixed: dict, sel: selectors.BaseSelector, listen
         os._exit(code)
     for fd in fds:
         os.close(fd)
-    print(f"forked rank {pid} for worker {peer}: {' '.join(argv)[:200]}", flush=True)
+    print(f"forked rank {pid} for worker {worker}: {' '.join(argv)[:200]}", flush=True)
     try:
         conn.sendall(b"pid %d\n" % pid)
     except OSError:
@@ -262,7 +297,7 @@ def _become_rank(conn: socket.socket, fds: list[int], argv: list[str], env: dict
 
 def main() -> int:
     if len(sys.argv) != 2:
-        print("usage: python -m eksft_nb.runtime.zygote SOCKET_NAME", file=sys.stderr)
+        print("usage: python -m eksft_nb.runtime.zygote SOCKET_PATH", file=sys.stderr)
         return 2
     zygote = os.getpid()
 

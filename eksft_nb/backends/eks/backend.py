@@ -25,6 +25,7 @@ from ...errors import JobError, UnknownJobError
 from ...events import LOG_PREFIX
 from ...spec import JobSpec, valid_name
 from ...states import ACTIVE, JobState
+from ...tails import bounded
 from ..base import Backend, JobSummary, readable
 from . import checks, names, schemas
 from .cluster import ApiError, Cluster, explain
@@ -216,7 +217,7 @@ class EksBackend(Backend):
             tag = f"[node {state.node}] " if state.node is not None else f"[{state.name}] "
             text_lines = text.splitlines()
             out += [tag + line for line in (text_lines if debug else readable([x for x in text_lines if LOG_PREFIX not in x]))]
-        return "\n".join(out[-lines:])
+        return bounded("\n".join(out[-lines:]))
 
     # ---- control ----------------------------------------------------------------------------------------
     def inject(self, name: str, command: FaultCommand) -> FaultCommand:

@@ -23,8 +23,8 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-import uuid
 from pathlib import Path
 
 from ...checkpoint_folders import list_checkpoints
@@ -32,7 +32,7 @@ from ...control import FaultCommand, submit
 from ...errors import ControlError
 from ...jobdir import JobDir, atomic_write
 from ...launcher import ZYGOTE_MODULE, warm_worker, worker_index
-from ...runtime.warm_shim import SOCKET_ENV
+from ...runtime.warm_shim import SOCKET_ENV, ZYGOTE_ENV
 from ...spec import JobSpec
 from ..procs import start_ticks
 from . import efa, names
@@ -134,7 +134,8 @@ def launch(argv: list[str]) -> int:
         print("eksft: error: `launch` takes a launch line (ft_launcher ... -m eksft_nb.runtime.MODULE ...): "
               "render the pod again with this eksft-nb", file=sys.stderr)
         return CONFIG_ERROR
-    name = f"eksft-{os.getpid()}-{uuid.uuid4().hex[:8]}"   # unique where pods share a network namespace (replay)
+    # a private folder (0700): no other user of the pod's node or network namespace can bind or reach it
+    name = os.path.join(tempfile.mkdtemp(prefix="eksft-warm-"), "zygote.sock")
     launcher = os.getpid()
 
     def die_with_launcher() -> None:
@@ -145,7 +146,7 @@ def launch(argv: list[str]) -> int:
     zygote = subprocess.Popen([sys.executable, "-m", ZYGOTE_MODULE, name], stdin=subprocess.DEVNULL,
                               preexec_fn=die_with_launcher)
     _wait_listening(name, zygote)
-    os.environ[SOCKET_ENV] = name
+    os.environ[SOCKET_ENV], os.environ[ZYGOTE_ENV] = name, str(zygote.pid)
     try:
         os.execvp(argv[0], [*argv[:at], *warm_worker(sys.executable), *argv[at:]])
     except OSError as e:   # the zygote dies with this process
@@ -154,17 +155,11 @@ def launch(argv: list[str]) -> int:
 
 
 def _wait_listening(name: str, zygote: subprocess.Popen, timeout: float = 30.0) -> None:
-    """Until the zygote listens (the first thing it does, a fraction of a second), so that the first
-    workers find it; one that cannot start leaves the ranks cold, as the shim then says."""
-    path = b" @" + name.encode() + b"\n"   # how /proc/net/unix lists an abstract socket
+    """Until the zygote listens (the first thing it does, a fraction of a second: its socket appears
+    at ``name`` once it listens), so that the first workers find it; one that cannot start leaves
+    the ranks cold, as the shim then says."""
     deadline = time.monotonic() + timeout
-    while zygote.poll() is None and time.monotonic() < deadline:
-        try:
-            with open("/proc/net/unix", "rb") as table:
-                if any(line.endswith(path) for line in table):
-                    return
-        except OSError:
-            return
+    while zygote.poll() is None and time.monotonic() < deadline and not os.path.exists(name):
         time.sleep(0.01)
 
 

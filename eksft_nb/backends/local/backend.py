@@ -31,6 +31,7 @@ from ...runtime.memcopy import remove_copies, remove_stale_copies
 from ...runtime.quiet import quiet_env
 from ...spec import JobSpec
 from ...states import ACTIVE, JobState
+from ...tails import bounded, tail_lines
 from .. import procs
 from ..base import Backend, JobSummary, readable
 
@@ -141,15 +142,22 @@ class LocalBackend(Backend):
     def logs(self, name: str, lines: int = 200, debug: bool = False) -> str:
         jd = self._jd(name)
         out: list[str] = []
+        notes: list[str] = []   # files of which only the end is read (the notes lead the answer)
+
+        def tail(path: Path) -> list[str]:
+            note, text = tail_lines(path)
+            notes.extend([note] if note else [])
+            return text
+
         narrative = jd.logs / "supervisor.log"
         if narrative.exists():
-            out += [f"[eksft] {line}" for line in narrative.read_text().splitlines()]
+            out += [f"[eksft] {line}" for line in tail(narrative)]
         for log in sorted(jd.logs.glob("launcher-*.log"), key=lambda p: p.stat().st_mtime):
-            text = log.read_text(errors="replace").splitlines()
+            text = tail(log)
             out += text if debug else readable(text)
         if debug and (jd.logs / "supervisor.err").exists():
-            out += (jd.logs / "supervisor.err").read_text(errors="replace").splitlines()
-        return "\n".join(out[-lines:])
+            out += tail(jd.logs / "supervisor.err")
+        return "\n".join([f"[eksft] {note}" for note in notes] + [bounded("\n".join(out[-lines:]))])
 
     # ---- control -------------------------------------------------------------------------------
     def inject(self, name: str, command: FaultCommand) -> FaultCommand:

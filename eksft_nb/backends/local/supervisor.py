@@ -47,6 +47,7 @@ from ...monitor import JobMonitor
 from ...runtime.memcopy import remove_copies
 from ...runtime.quiet import quiet_env
 from ...runtime.warm_shim import SOCKET_ENV as WARM_SOCKET
+from ...runtime.warm_shim import ZYGOTE_ENV as WARM_ZYGOTE
 from ...states import RECORDED_ENDS, JobState, RestartLevel
 from .. import procs
 
@@ -226,7 +227,8 @@ class Supervisor:
                              **rank_env(self.spec, ports=ports, job_attempt=self.attempt, job_dir=str(self.jd.path),
                                         nvrx=self.nvrx),
                              procs.JOB_MARK: self.job_uid, procs.NODE_MARK: tag,
-                             **({WARM_SOCKET: zygote} if zygote else {})})
+                             **({WARM_SOCKET: zygote, WARM_ZYGOTE: str(self.zygotes[tag].pid)}
+                                if zygote else {})})
             log = self._launcher_log(self.attempt, node)
             popen = self._hand_over(node, argv, env)
             if popen is None:
@@ -256,10 +258,12 @@ class Supervisor:
 
     def _start_zygote(self, tag: str) -> str | None:
         """Start the warm-rank zygote of the node ``tag`` (see :mod:`eksft_nb.runtime.zygote`) unless it
-        runs already (started as a standby); its socket name, None when the spec turns warm ranks off."""
+        runs already (started as a standby); its socket's path (in the job's private folder: no one else
+        can bind or reach it), None when the spec turns warm ranks off."""
         if not self.spec.ft.warm_ranks:
             return None
-        name = f"eksft-{self.job_uid}-{tag}"
+        self.jd.warm.mkdir(mode=0o700, exist_ok=True)
+        name = str(self.jd.warm / f"{tag}.sock")
         if tag in self.zygotes and self.zygotes[tag].poll() is None:
             return name
         # what the ranks' interpreter and torch read at start-up must match theirs (see zygote.FIXED_AT_START)
