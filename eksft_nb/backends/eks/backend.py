@@ -34,7 +34,7 @@ from .render import INPOD, Manifests, render
 from .stream import EksEvents, workload_outcome
 
 CONFIGMAP, SERVICE, POD, PVC = (names.KINDS[k] for k in ("ConfigMap", "Service", "Pod", "PersistentVolumeClaim"))
-PODMONITOR, WORKLOAD = names.KINDS["PodMonitor"], names.KINDS["Workload"]
+PODMONITOR, NETPOL = names.KINDS["PodMonitor"], names.KINDS["NetworkPolicy"]
 
 
 class EksBackend(Backend):
@@ -148,11 +148,14 @@ class EksBackend(Backend):
         """What Kueue says of a suspended workload: "queued: ..." until its Workload is admitted (one call:
         the namespace's Workloads, the job's found by its owner reference)."""
         queue = spec.eks.queue
-        try:
-            found = cluster.request("GET", WORKLOAD.path(cluster.namespace), "list Kueue's workloads").get("items", [])
-        except ApiError as e:
-            if e.status != 404:
-                raise
+        for version in names.WORKLOAD_VERSIONS:   # the newest this cluster's Kueue serves
+            try:
+                found = cluster.request("GET", version.path(cluster.namespace), "list Kueue's workloads").get("items", [])
+                break
+            except ApiError as e:
+                if e.status != 404:
+                    raise
+        else:
             return (f"queued: suspended for queue {queue}, but this cluster has no Kueue (no Workload API) to admit "
                     "it: install Kueue, or stop the job and launch it without --queue")
         uid = obj["metadata"].get("uid")
@@ -270,7 +273,8 @@ class EksBackend(Backend):
         return target.name
 
     def stop(self, name: str, timeout: float = 60.0) -> None:
-        """Delete the workload (its pods first) and the Service; keep the record (the ConfigMap)."""
+        """Delete the workload (its pods first), the Service, and once the pods are gone the NetworkPolicy;
+        keep the record (the ConfigMap)."""
         cluster, spec, _ = self._job(name)
         cluster.delete(names.workload(spec), name, propagation="Foreground")
         cluster.delete(SERVICE, name)
@@ -278,6 +282,8 @@ class EksBackend(Backend):
         deadline = time.time() + timeout
         while (left := cluster.list(POD, names.selector(name))) and time.time() < deadline:
             time.sleep(1.0)
+        if not left:   # its pods are gone: nothing is left for the NetworkPolicy to guard
+            cluster.delete(NETPOL, name)
         if left:
             raise JobError(f"{len(left)} pod(s) of job {name} still exist after {timeout:g}s "
                            f"({', '.join(p['metadata']['name'] for p in left)})",
@@ -290,6 +296,7 @@ class EksBackend(Backend):
         if status.state in ACTIVE:
             raise JobError(f"job {name!r} is still {status.state}", "stop it first")
         cluster.delete(SERVICE, name)
+        cluster.delete(NETPOL, name)
         for note in cluster.list(CONFIGMAP, f"{names.FAULT_OF}={name}"):
             cluster.delete(CONFIGMAP, note["metadata"]["name"])
         cluster.delete(CONFIGMAP, name)
