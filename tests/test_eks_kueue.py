@@ -43,6 +43,9 @@ def test_the_pod_monitor_selects_the_pods_on_the_port_they_serve(kind: str) -> N
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NS]}
     endpoint, = monitor["spec"]["podMetricsEndpoints"]
     assert endpoint["honorLabels"] is True   # the exporter's job label is the job's name
+    # each series names its pod's node as dcgm-exporter does: the dashboard joins the GPUs of the job's nodes
+    assert endpoint["relabelings"] == [{"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "Hostname",
+                                        "action": "replace"}]
     sidecar = next(c for c in pod["spec"]["initContainers"] if c["name"] == names.METRICS)
     assert sidecar["restartPolicy"] == "Always"   # a native sidecar: it ends with the trainer
     assert [p["name"] for p in sidecar["ports"]] == [endpoint["port"]]

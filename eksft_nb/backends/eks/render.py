@@ -206,14 +206,18 @@ def serves_metrics(spec: JobSpec) -> bool:
 def pod_monitor(spec: JobSpec) -> dict[str, Any]:
     """Prometheus (kube-prometheus-stack's operator) scrapes every pod of the job on its ``metrics``
     port; ``honorLabels`` keeps the exporter's ``job`` label (the job's name). The ``release`` label is
-    what the chart's default PodMonitor selector looks for."""
+    what the chart's default PodMonitor selector looks for. Each series gets its pod's node as
+    ``Hostname``, dcgm-exporter's label for it, so the dashboard shows the GPUs of the job's nodes only
+    (the job's own GPU-health series, which name their node themselves, keep theirs)."""
     meta = _meta(spec, spec.name)
     meta["labels"]["release"] = "kube-prometheus-stack"
     return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": meta,
             "spec": {"selector": {"matchLabels": {names.JOB_LABEL: spec.name}},
                      "namespaceSelector": {"matchNames": [spec.eks.namespace]},
                      "podMetricsEndpoints": [{"port": names.METRICS, "path": "/metrics", "interval": "15s",
-                                              "honorLabels": True}]}}
+                                              "honorLabels": True, "relabelings": [
+                                                  {"sourceLabels": ["__meta_kubernetes_pod_node_name"],
+                                                   "targetLabel": "Hostname", "action": "replace"}]}]}}
 
 
 # ---- the pod -----------------------------------------------------------------------------------
