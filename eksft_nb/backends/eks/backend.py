@@ -282,12 +282,11 @@ class EksBackend(Backend):
         deadline = time.time() + timeout
         while (left := cluster.list(POD, names.selector(name))) and time.time() < deadline:
             time.sleep(1.0)
-        if not left:   # its pods are gone: nothing is left for the NetworkPolicy to guard
-            cluster.delete(NETPOL, name)
-        if left:
+        if left:   # the NetworkPolicy stays while they do (`remove` deletes it)
             raise JobError(f"{len(left)} pod(s) of job {name} still exist after {timeout:g}s "
                            f"({', '.join(p['metadata']['name'] for p in left)})",
                            "their node may be unreachable: check `kubectl get pods -l eksft.io/job=NAME -o wide`")
+        cluster.delete(NETPOL, name)   # its pods are gone: nothing is left for it to guard
 
     def remove(self, name: str) -> None:
         """Forget a job that no longer runs (its folder and checkpoints on the volume stay)."""

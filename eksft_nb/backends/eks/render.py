@@ -376,4 +376,3 @@ def control_rbac(spec: JobSpec) -> list[dict[str, Any]]:
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": names.CONTROL},
          "subjects": [{"kind": "ServiceAccount", "name": names.CONTROL, "namespace": ns}]},
     ]
-
