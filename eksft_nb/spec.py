@@ -139,6 +139,11 @@ class EksConfig:
     queue: str | None = opt(None, "--queue", "Kueue LocalQueue to submit to: the workload waits there, suspended, "
                             "until Kueue admits it")
     priority: str | None = opt(None, "--priority", "Kueue WorkloadPriorityClass of the workload (with --queue)")
+    topology: str | None = opt(None, "--topology", "Kueue topology-aware scheduling (with --queue): required or "
+                               "preferred[:LAYER], all pods under one node of EKS's topology.k8s.aws/network-node-layer-"
+                               "LAYER (1 broadest .. 3 closest, the default)")
+    prometheus_namespace: str = opt("monitoring", "--prometheus-namespace", "namespace of the Prometheus that may "
+                                    "scrape the pods' metrics port (the job's NetworkPolicy admits no one else)")
 
 
 @dataclass
@@ -257,6 +262,19 @@ class JobSpec:
         if e.priority and not e.queue:
             raise SpecError("--priority needs --queue (Kueue reads the priority class of queued workloads only)",
                             "add --queue NAME, or drop --priority")
+        if e.topology is not None and not (isinstance(e.topology, str)
+                                           and re.fullmatch(r"(required|preferred)(:[123])?", e.topology)):
+            raise SpecError(f"--topology {e.topology!r} is not a placement",
+                            "use --topology required, preferred, or either with :LAYER, e.g. required:2")
+        if e.topology and not e.queue:
+            raise SpecError("--topology needs --queue (Kueue places queued workloads only)",
+                            "add --queue NAME, or drop --topology")
+        if e.topology and e.kind == "pytorchjob":
+            raise SpecError("--topology places one pod set, but a PyTorchJob's master and workers are two",
+                            "use --kind job or jobset with --topology")
+        if not (isinstance(e.prometheus_namespace, str) and valid_name(e.prometheus_namespace)):
+            raise SpecError(f"--prometheus-namespace {e.prometheus_namespace!r} is not a Kubernetes namespace name",
+                            f"use --prometheus-namespace {_suggest_name(str(e.prometheus_namespace))}")
         return self
 
     @property

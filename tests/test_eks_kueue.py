@@ -43,6 +43,9 @@ def test_the_pod_monitor_selects_the_pods_on_the_port_they_serve(kind: str) -> N
     assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NS]}
     endpoint, = monitor["spec"]["podMetricsEndpoints"]
     assert endpoint["honorLabels"] is True   # the exporter's job label is the job's name
+    # each series names its pod's node as dcgm-exporter does: the dashboard joins the GPUs of the job's nodes
+    assert endpoint["relabelings"] == [{"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "Hostname",
+                                        "action": "replace"}]
     sidecar = next(c for c in pod["spec"]["initContainers"] if c["name"] == names.METRICS)
     assert sidecar["restartPolicy"] == "Always"   # a native sidecar: it ends with the trainer
     assert [p["name"] for p in sidecar["ports"]] == [endpoint["port"]]
@@ -115,7 +118,7 @@ def test_the_dry_run_prints_matching_queue_objects(instance: str | None, flavors
     quota = {f["name"]: {r["name"]: r["nominalQuota"] for r in f["resources"]} for f in group["flavors"]}
     assert [f["name"] for f in group["flavors"]] == flavors
     assert all(q["nvidia.com/gpu"] == "16" for q in quota.values())   # the job's 2 nodes of 8 GPUs fit
-    assert quota.get("p5-48xlarge", {"vpc.amazonaws.com/efa": "64"})["vpc.amazonaws.com/efa"] == "64"
+    assert all(q["vpc.amazonaws.com/efa"] == "8" for q in quota.values())   # and their 2 x 4 EFA devices
     workload = docs[("JobSet", "llm")] if ("JobSet", "llm") in docs else docs[("Job", "llm")]
     assert workload["metadata"]["labels"][names.QUEUE_LABEL] == "gpus"
 
@@ -133,21 +136,22 @@ def test_bad_queue_options_fail_with_problem_and_fix(changes: dict, problem: str
 
 # ---- Kueue: the lifecycle ------------------------------------------------------------------------
 
-def kueue_workload(controllers: Controllers, job: dict, conditions: list[dict]) -> None:
+def kueue_workload(controllers: Controllers, job: dict, conditions: list[dict], version: str = "v1beta1") -> None:
     """What Kueue does for a queued Job: a Workload it owns, with the conditions of its admission."""
     custom = controllers.custom
+    api = (KUEUE[0], version)
     name = f"job-{job['metadata']['name']}-1a2b3"
-    body = {"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "Workload",
+    body = {"apiVersion": f"kueue.x-k8s.io/{version}", "kind": "Workload",
             "metadata": {"name": name, "namespace": NS, "labels": {"kueue.x-k8s.io/job-uid": job["metadata"]["uid"]},
                          "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": job["metadata"]["name"],
                                               "uid": job["metadata"]["uid"], "controller": True}]},
             "spec": {"queueName": "gpus", "priorityClassName": "high", "priorityClassSource": "kueue.x-k8s.io/workloadpriorityclass",
                      "podSets": [{"name": "main", "count": 2, "template": template(job)}]}}
     try:
-        custom.get_namespaced_custom_object(*KUEUE, NS, "workloads", name)
+        custom.get_namespaced_custom_object(*api, NS, "workloads", name)
     except ApiException:
-        custom.create_namespaced_custom_object(*KUEUE, NS, "workloads", body)
-    custom.patch_namespaced_custom_object_status(*KUEUE, NS, "workloads", name, {"status": {"conditions": [
+        custom.create_namespaced_custom_object(*api, NS, "workloads", body)
+    custom.patch_namespaced_custom_object_status(*api, NS, "workloads", name, {"status": {"conditions": [
         {"lastTransitionTime": "2026-01-01T00:00:00Z", "observedGeneration": 1, **c} for c in conditions]}})
 
 
@@ -201,3 +205,128 @@ def test_queued_then_admitted_in_the_cli_and_the_dashboard(kube: Kube, backend: 
     assert backend.state("demo").detail == f"queued: waiting for quota in gpus ({preempted})"
     backend.stop("demo", timeout=5)
     assert [r for r in kube.emulator.requests if r.method.value.upper() == "DELETE" and "podmonitors" in str(r.url.path)]
+
+
+# ---- Kueue: objects that admit what they print -----------------------------------------------------
+
+P5 = ["run", "--backend", "eks", "--dry-run", "--kueue-objects", "--name", "llm", "--image", "img:1", "--nnodes", "4",
+      "--nproc-per-node", "8", "--gpus-per-node", "8", "--model", "gpt-1b", "--namespace", "training",
+      "--queue", "gpus"]
+
+
+def printed(args: list[str], capsys: pytest.CaptureFixture[str]) -> dict[tuple[str, str], dict]:
+    import yaml
+
+    assert cli.main(args) == 0   # every object validated against its schema before it is printed
+    return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(capsys.readouterr().out) if d}
+
+
+def summed_requests(workload: dict) -> dict[str, float]:
+    """Every pod of the workload (its parallelism), each as the scheduler counts it: containers plus
+    native sidecars, or its largest init container if that is more."""
+    from eksft_nb.backends.eks.checks import quantity
+
+    def requests(c: dict) -> dict[str, float]:
+        res = c.get("resources") or {}
+        return {k: quantity(v, k) for k, v in {**res.get("limits", {}), **res.get("requests", {})}.items()}
+
+    pod = template(workload)["spec"]
+    steady: dict[str, float] = {}
+    for c in pod["containers"] + [c for c in pod.get("initContainers", []) if c.get("restartPolicy") == "Always"]:
+        for k, v in requests(c).items():
+            steady[k] = steady.get(k, 0.0) + v
+    for c in pod.get("initContainers", []):
+        for k, v in requests(c).items():
+            steady[k] = max(steady.get(k, 0.0), v)
+    count = workload["spec"]["parallelism"] if workload["kind"] == "Job" else \
+        workload["spec"]["replicatedJobs"][0]["template"]["spec"]["parallelism"]
+    return {k: v * count for k, v in steady.items()}
+
+
+@pytest.mark.parametrize("extra", [[], ["--cpu", "96", "--memory", "1000Gi"], ["--kind", "jobset"]])
+def test_the_printed_quota_covers_every_pod_spares_included(extra: list[str],
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """4 x p5.48xlarge and a hot spare: five pods of 8 GPUs and 32 EFA devices each, all of which must be
+    admitted for the rendezvous to hold its spare: the ClusterQueue's quota covers what they request."""
+    from eksft_nb.backends.eks.checks import quantity
+
+    docs = printed(P5 + ["--efa-per-node", "32", "--instance-type", "p5.48xlarge", "--spare-nodes", "1"] + extra,
+                   capsys)
+    workload = docs.get(("Job", "llm")) or docs[("JobSet", "llm")]
+    need = summed_requests(workload)
+    assert need["nvidia.com/gpu"] == 40 and need["vpc.amazonaws.com/efa"] == 160
+    group, = docs[("ClusterQueue", "gpus")]["spec"]["resourceGroups"]
+    flavor, = group["flavors"]
+    quota = {r["name"]: quantity(r["nominalQuota"], r["name"]) for r in flavor["resources"]}
+    assert set(need) <= set(group["coveredResources"]) == set(quota)   # a resource not covered is never admitted
+    for resource, amount in need.items():
+        assert quota[resource] >= amount > 0, resource
+    assert quota["nvidia.com/gpu"] == 40 and quota["vpc.amazonaws.com/efa"] == 160
+    if extra[:1] == ["--cpu"]:   # the trainer's own requests are in it, not only the sidecar's
+        assert quota["cpu"] >= 5 * 96 and quota["memory"] >= 5 * 1000 * 2**30
+
+
+@pytest.mark.parametrize("instance", ["p5.48xlarge", "p5e.48xlarge", "p5en.48xlarge", "ml.p5.48xlarge"])
+def test_the_flavor_selects_the_nodes_the_pods_select(instance: str, capsys: pytest.CaptureFixture[str]) -> None:
+    docs = printed(P5 + ["--efa-per-node", "16", "--instance-type", instance], capsys)
+    pod = template(docs[("Job", "llm")])["spec"]
+    flavor, = [d for (kind, _), d in docs.items() if kind == "ResourceFlavor"]
+    assert flavor["spec"]["nodeLabels"] == pod["nodeSelector"] == {"node.kubernetes.io/instance-type": instance}
+    group, = docs[("ClusterQueue", "gpus")]["spec"]["resourceGroups"]
+    assert [f["name"] for f in group["flavors"]] == [flavor["metadata"]["name"]]
+
+
+def test_preemption_where_the_priority_class_promises_it_and_v1beta2(capsys: pytest.CaptureFixture[str]) -> None:
+    from eksft_nb.backends.eks.schemas import CRDS, SCHEMA_DIR
+
+    docs = printed(P5 + ["--priority", "high"], capsys)
+    assert docs[("WorkloadPriorityClass", "high")]["value"] > 0
+    assert docs[("ClusterQueue", "gpus")]["spec"]["preemption"] == {"withinClusterQueue": "LowerPriority"}
+    kueue = [d for d in docs.values() if d["apiVersion"].startswith("kueue.x-k8s.io/")]
+    assert len(kueue) == 5 and {d["apiVersion"] for d in kueue} == {"kueue.x-k8s.io/v1beta2"}
+    assert "v1beta2" in (SCHEMA_DIR / CRDS["ClusterQueue"]).read_text()   # the bundled CRD serves it
+    plain = printed(P5, capsys)   # no priority class, nothing promised
+    assert "preemption" not in plain[("ClusterQueue", "gpus")]["spec"]
+
+
+@pytest.mark.parametrize("kind", ["job", "jobset"])
+@pytest.mark.parametrize("topology,annotation,level", [
+    ("required", "kueue.x-k8s.io/podset-required-topology", "topology.k8s.aws/network-node-layer-3"),
+    ("preferred:2", "kueue.x-k8s.io/podset-preferred-topology", "topology.k8s.aws/network-node-layer-2"),
+])
+def test_topology_aware_scheduling_is_opt_in(kind: str, topology: str, annotation: str, level: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    docs = printed(P5 + ["--efa-per-node", "32", "--instance-type", "p5.48xlarge", "--kind", kind,
+                         "--topology", topology], capsys)
+    workload = docs[("Job" if kind == "job" else "JobSet", "llm")]
+    assert template(workload)["metadata"]["annotations"][annotation] == level
+    assert docs[("ResourceFlavor", "p5-48xlarge")]["spec"]["topologyName"] == "aws-network"
+    plain = printed(P5 + ["--kind", kind], capsys)
+    assert not any("topology" in k for k in template(plain[("Job" if kind == "job" else "JobSet", "llm")])
+                   ["metadata"]["annotations"])
+    assert all("topologyName" not in d["spec"] for (k, _), d in plain.items() if k == "ResourceFlavor")
+
+
+@pytest.mark.parametrize("changes,problem,fix", [
+    ({"eks.queue": "q", "eks.topology": "rack"}, "--topology 'rack' is not a placement", "--topology required"),
+    ({"eks.queue": "q", "eks.topology": "required:4"}, "--topology 'required:4'", "required:2"),
+    ({"eks.topology": "required"}, "--topology needs --queue", "add --queue NAME"),
+    ({"eks.queue": "q", "eks.topology": "required", "eks.kind": "pytorchjob"}, "a PyTorchJob's master and workers",
+     "--kind job or jobset"),
+])
+def test_bad_topology_fails_with_problem_and_fix(changes: dict, problem: str, fix: str) -> None:
+    with pytest.raises(SpecError) as e:
+        EksBackend().render(eks_spec(**changes))
+    assert problem in e.value.problem and fix in e.value.fix
+
+
+def test_a_kueue_that_serves_only_v1beta2_is_read(kube: Kube, backend: EksBackend, ctl: Controllers) -> None:  # noqa: F811
+    """Kueue 0.20 no longer serves v1beta1: the job's state still comes from its Workload."""
+    backend.launch(eks_spec(**{"eks.queue": "gpus"}))
+    job = ctl.custom.get_namespaced_custom_object("batch", "v1", NS, "jobs", "demo")
+    kube.emulator.resources["kueue.x-k8s.io/v1beta2/workloads"] = {"kind": "Workload", "namespaced": True,
+                                                                   "verbs": ["list", "get", "create", "patch"]}
+    waiting = "couldn't assign flavors to pod set main: insufficient quota for nvidia.com/gpu"
+    kueue_workload(ctl, job, [{"type": "QuotaReserved", "status": "False", "reason": "Pending", "message": waiting}],
+                   version="v1beta2")
+    assert backend.state("demo").detail == f"queued: waiting for quota in gpus ({waiting})"

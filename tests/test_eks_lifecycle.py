@@ -116,9 +116,11 @@ def test_submit_creates_the_rendered_objects_and_is_idempotent(kube: Kube, backe
     assert (stored(kube, "configmaps"), stored(kube, "services"), stored(kube, "jobs")) == (["demo"], ["demo"], ["demo"])
     job = raw(kube, "jobs", "demo")
     assert job["spec"]["template"] == backend.manifests(spec).workload()["spec"]["template"]  # sent as validated
-    assert posts(kube) == ["persistentvolumeclaims", "configmaps", "podmonitors", "services", "jobs"]   # the claim: the fixture's
+    assert posts(kube) == ["persistentvolumeclaims", "configmaps", "networkpolicies", "podmonitors", "services",
+                           "jobs"]   # the claim: the fixture's
+    assert stored(kube, "networkpolicies") == ["demo"]
     backend.launch(spec)   # again: every object exists with this spec, nothing changes
-    assert posts(kube)[5:] == ["configmaps", "podmonitors", "services", "jobs"]
+    assert posts(kube)[6:] == ["configmaps", "networkpolicies", "podmonitors", "services", "jobs"]
     assert stored(kube, "jobs") == ["demo"] and backend.spec("demo") == spec
 
 
@@ -149,6 +151,7 @@ def test_api_errors_are_explained_and_nothing_is_half_created(kube: Kube, backen
         backend.launch(eks_spec())
     assert problem in e.value.problem and fix in e.value.fix
     assert stored(kube, "configmaps") == stored(kube, "services") == stored(kube, "jobs") == []
+    assert stored(kube, "networkpolicies") == []
 
 
 def test_missing_crd_is_explained(kube: Kube, backend: EksBackend) -> None:
@@ -358,6 +361,8 @@ def test_inject_signal_checkpoints_stop_and_resume(kube: Kube, backend: EksBacke
     deletes = [r for r in kube.emulator.requests if r.method.value.upper() == "DELETE"]
     assert deletes[0].url.path.endswith("/jobs/demo") and deletes[0].data["propagationPolicy"] == "Foreground"
     assert stored(kube, "jobs") == stored(kube, "pods") == stored(kube, "services") == []
+    order = [r.url.path.rsplit("/", 2)[-2] for r in deletes]
+    assert stored(kube, "networkpolicies") == [] and order.index("networkpolicies") > order.index("jobs")  # pods gone
     assert stored(kube, "configmaps") == ["demo"] and backend.state("demo").state == "stopped"
     assert job.wait(timeout=10, poll=0.1) == "stopped"
     with pytest.raises(JobError, match="no running pod to list its checkpoints.*EKSFT_CHECKPOINTS_MOUNT"):

@@ -117,6 +117,7 @@ def test_control_plane_role_grants_only_what_it_calls() -> None:
         ("", "events"): {"list"},
         ("", "persistentvolumeclaims"): {"get"},
         ("monitoring.coreos.com", "podmonitors"): {"get", "create", "delete"},
+        ("networking.k8s.io", "networkpolicies"): {"get", "create", "delete"},
     }
     # a queued job's state reads Kueue's Workloads
     assert grants_for(eks_spec(kind="jobset", **{"eks.queue": "gpus"})) == {
@@ -213,7 +214,8 @@ def test_cli_dry_run_prints_the_manifests() -> None:
                    "--model", "gpt-1b", "--namespace", "training", timeout=120)
     assert done.returncode == 0, done.stderr
     docs = [d for d in yaml.safe_load_all(done.stdout) if d]
-    assert [d["kind"] for d in docs] == ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "PodMonitor", "JobSet"]
+    assert [d["kind"] for d in docs] == ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "NetworkPolicy", "PodMonitor",
+                                        "JobSet"]
     assert all(d["metadata"]["namespace"] == "training" for d in docs)
     bad = cli("run", "--backend", "eks", "--dry-run", "--image", IMAGE, "--gpus-per-node", "12", timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("eksft: error: 12 GPUs per node") and bad.stdout == ""

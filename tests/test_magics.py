@@ -25,8 +25,9 @@ SAMPLES = {"name": "opt-test", "backend": "eks", "resume": "none", "model.preset
            "ft.section_timeouts": "init:60,eval:30",
            "ft.heartbeat_timeout": "20", "eks.k8s_version": "1.32", "eks.namespace": "ml", "eks.image": "repo/img:1",
            "eks.gpus_per_node": "4", "eks.instance_type": "p5.48xlarge", "eks.storage_size": "100Gi",
-           "eks.shm_size": "1Gi", "eks.cpu": "4", "eks.memory": "8Gi"}
-REQUIRES = {"eks.priority": "--queue team-a"}   # an option that only means something beside another
+           "eks.shm_size": "1Gi", "eks.cpu": "4", "eks.memory": "8Gi", "eks.topology": "required:2"}
+REQUIRES = {"eks.priority": "--queue team-a", "eks.topology": "--queue team-a"}   # options that only mean
+# something beside another
 
 
 def current(ip: Any) -> eksft_nb.Job | None:

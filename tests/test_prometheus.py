@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -115,12 +116,13 @@ def get(url: str) -> Any:
 class Prometheus:
     """The real server, on a free port with its own config and storage (never the package's service)."""
 
-    def __init__(self, folder: Path, target: str) -> None:
+    def __init__(self, folder: Path, target: str, scrape_configs: list[dict[str, Any]] | None = None) -> None:
         self.port = free_port()
         config = folder / "prometheus.yml"
         config.write_text(json.dumps({   # YAML is a superset of JSON
             "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-            "scrape_configs": [{"job_name": "eksft", "honor_labels": True, "static_configs": [{"targets": [target]}]}]}))
+            "scrape_configs": scrape_configs or [{"job_name": "eksft", "honor_labels": True,
+                                                  "static_configs": [{"targets": [target]}]}]}))
         self.proc = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={folder / 'data'}",
                                       f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
                                      stdout=subprocess.DEVNULL, stderr=open(folder / "prometheus.log", "w"))
@@ -202,8 +204,8 @@ def test_every_panel_answers_with_the_jobs_values_from_a_real_prometheus(tmp_pat
             "Newest checkpoint": {j: 200.0},
             "Newest checkpoint age": {j: at - mon.last_committed.t_done},
             # no DCGM exporter here: the GPU rows are empty, and say nothing wrong
-            "XID errors": {}, "ECC double-bit errors": {}, "GPU temperature": {}, "GPU power": {},
-            "Clock throttle reasons": {},
+            "XID errors": {}, "Uncorrectable remapped rows": {}, "GPU temperature": {}, "GPU power": {},
+            "SM clock": {},
         }
         panels = all_panels(dashboard())
         assert sorted(p["title"] for p in panels) == sorted(expected), "a panel this test does not check"
@@ -219,6 +221,92 @@ def test_every_panel_answers_with_the_jobs_values_from_a_real_prometheus(tmp_pat
         prom.stop()
         exporter.terminate()
         exporter.wait(10)
+
+
+# dcgm-exporter's default counters (etc/default-counters.csv) in both release 3.3.9-3.6.1 and 4.5.3-4.8.2 (the
+# newest): what a stock install exports. Not in it, e.g.: DCGM_FI_DEV_ECC_DBE_VOL_TOTAL, _CLOCK_THROTTLE_REASONS;
+# DCGM_FI_PROF_GR_ENGINE_ACTIVE and the other profiling fields only from 4.0.
+DCGM_DEFAULTS = {f"DCGM_FI_DEV_{n}" for n in (
+    "SM_CLOCK", "MEM_CLOCK", "MEMORY_TEMP", "GPU_TEMP", "POWER_USAGE", "TOTAL_ENERGY_CONSUMPTION", "PCIE_REPLAY_COUNTER",
+    "GPU_UTIL", "MEM_COPY_UTIL", "ENC_UTIL", "DEC_UTIL", "XID_ERRORS", "FB_FREE", "FB_USED", "NVLINK_BANDWIDTH_TOTAL",
+    "VGPU_LICENSE_STATUS", "UNCORRECTABLE_REMAPPED_ROWS", "CORRECTABLE_REMAPPED_ROWS", "ROW_REMAP_FAILURE")}
+
+
+class Exposition(threading.Thread):
+    """Fixed Prometheus text on loopback, one page per path: stand-ins for exporters."""
+
+    def __init__(self, pages: dict[str, str]) -> None:
+        import http.server
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = pages.get(self.path, "").encode()
+                self.send_response(200 if self.path in pages else 404)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.address = f"127.0.0.1:{self.server.server_address[1]}"
+        super().__init__(daemon=True, name="exposition")
+        self.start()
+
+    def run(self) -> None:
+        self.server.serve_forever(poll_interval=0.1)
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def gpu_panels() -> list[dict[str, Any]]:
+    return [p for p in all_panels(dashboard()) if "DCGM_FI_" in p["targets"][0]["expr"]]
+
+
+def test_gpu_panels_use_only_dcgm_exporters_default_counters() -> None:
+    assert len(gpu_panels()) == 5
+    for p in gpu_panels():
+        for t in p["targets"]:
+            assert set(re.findall(r"DCGM_FI_\w+", t["expr"])) <= DCGM_DEFAULTS, (p["title"], t["expr"])
+
+
+@pytest.mark.skipif(PROMETHEUS is None, reason="the prometheus binary is not installed (`make prometheus` installs "
+                                               "Debian's package)")
+def test_gpu_panels_show_only_the_jobs_nodes_from_a_real_prometheus(tmp_path: Path) -> None:
+    """dcgm-exporter runs on every GPU node; a panel shows the nodes of the chosen job only: an EKS job's
+    pods carry their node as ``Hostname`` (the PodMonitor's relabeling, here a static target label), a
+    local job's own GPU-health series name theirs."""
+    from jobs import wait_for
+
+    dcgm = "".join(f'{m}{{gpu="{g}",UUID="GPU-{h}-{g}",Hostname="{h}"}} {v + g}\n'
+                   for m in sorted(DCGM_DEFAULTS) for h, v in (("node-a", 10), ("node-b", 50), ("node-c", 90))
+                   for g in (0, 1))
+    pages = {"/dcgm": dcgm,
+             "/eks-pod": 'eksft_running{job="llm"} 1\n',   # the EKS job's pod on node-a
+             "/local": 'eksft_running{job="here"} 1\nDCGM_FI_DEV_XID_ERRORS{gpu="0",UUID="GPU-x",Hostname="node-b",'
+                       'job="here"} 0\n'}
+    exposition = Exposition(pages)
+    prom = Prometheus(tmp_path, "", [
+        {"job_name": "nvidia-dcgm-exporter", "metrics_path": "/dcgm", "static_configs": [{"targets": [exposition.address]}]},
+        {"job_name": "eksft-eks", "honor_labels": True, "metrics_path": "/eks-pod",
+         "static_configs": [{"targets": [exposition.address], "labels": {"Hostname": "node-a"}}]},
+        {"job_name": "eksft-local", "honor_labels": True, "metrics_path": "/local",
+         "static_configs": [{"targets": [exposition.address]}]}])
+    try:
+        wait_for("prometheus to be ready", prom.ready, timeout=60)
+        wait_for("a scrape of every target", lambda: len(prom.query("up == 1")) == 3, timeout=60)
+        for job, node, base in (("llm", "node-a", 10), ("here", "node-b", 50)):
+            for p in gpu_panels():
+                expr = p["targets"][0]["expr"].replace("$job", job).replace("$node", ".*")
+                got = series(prom.query(expr))
+                assert got == {(("Hostname", node), ("gpu", str(g))): float(base + g) for g in (0, 1)}, (p["title"], got)
+    finally:
+        prom.stop()
+        exposition.stop()
 
 
 def test_restart_causes_become_few_label_values() -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import json
+import math
 import os
 import signal
 import socket
@@ -325,10 +326,20 @@ class Session:
         self.events.close()
 
 
+BEACON_WRITES_PER_SECOND = 64   # of the whole job: the job folder's file server (Lustre's MDS on EKS) sees no more
+
+
+def beacon_interval(world_size: int, heartbeat_timeout: float | None) -> float:
+    """Seconds between a rank's progress beacons: 1 s up to 64 ranks, then longer with the world so the
+    job writes ~64 beacons a second (16 s each at 1,024 ranks), but at most half the heartbeat timeout,
+    so the beacons a hang is blamed from were written after it began."""
+    return max(1.0, min(world_size / BEACON_WRITES_PER_SECOND, (heartbeat_timeout or math.inf) / 2))
+
+
 class _Beacon(threading.Thread):
-    """Writes ``progress/rank-<r>.json`` once a second: the last step entered and done, and whether
-    the main thread is waiting inside torch.distributed (so a hang can be blamed on the rank that
-    is *not* waiting for its peers)."""
+    """Writes ``progress/rank-<r>.json`` at once and then every :func:`beacon_interval`: the last step
+    entered and done, and whether the main thread is waiting inside torch.distributed (so a hang can
+    be blamed on the rank that is *not* waiting for its peers), and its pid (for ``signal``)."""
 
     def __init__(self, session: Session) -> None:
         super().__init__(daemon=True, name="eksft-beacon")
@@ -341,30 +352,36 @@ class _Beacon(threading.Thread):
 
         self.host, self.start_ticks = socket.gethostname(), start_ticks()
         self._halt = threading.Event()
+        self.interval = beacon_interval(session.info.world_size, session.spec.ft.heartbeat_timeout)
         self.start()
 
     def run(self) -> None:
-        while not self._halt.wait(1.0):
-            s = self.session
-            frame = sys._current_frames().get(self.main)
-            where, waiting = "", False
-            if frame is not None:
-                where = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} {frame.f_code.co_name}"
-                f = frame
-                while f is not None:
-                    if "/torch/distributed/" in f.f_code.co_filename.replace("\\", "/"):
-                        waiting = True
-                        break
-                    f = f.f_back
-            record = {"rank": s.rank, "pid": os.getpid(), "host": self.host, "start_ticks": self.start_ticks, "t": time.time(), "step_entered": s.step_entered,
-                      "step_done": s.step_done, "t_done": s.t_done, "where": where, "in_collective": waiting,
-                      "inprocess_iteration": s.inprocess_iteration, "injob_restart": s.info.injob_restart}
-            tmp = self.path.with_suffix(".tmp")
-            try:
-                tmp.write_text(json.dumps(record))
-                os.replace(tmp, self.path)
-            except OSError:
-                pass
+        while True:
+            self._write()
+            if self._halt.wait(self.interval):
+                return
+
+    def _write(self) -> None:
+        s = self.session
+        frame = sys._current_frames().get(self.main)
+        where, waiting = "", False
+        if frame is not None:
+            where = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} {frame.f_code.co_name}"
+            f = frame
+            while f is not None:
+                if "/torch/distributed/" in f.f_code.co_filename.replace("\\", "/"):
+                    waiting = True
+                    break
+                f = f.f_back
+        record = {"rank": s.rank, "pid": os.getpid(), "host": self.host, "start_ticks": self.start_ticks,
+                  "t": time.time(), "step_entered": s.step_entered, "step_done": s.step_done, "t_done": s.t_done, "where": where, "in_collective": waiting,
+                  "inprocess_iteration": s.inprocess_iteration, "injob_restart": s.info.injob_restart}
+        tmp = self.path.with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps(record))
+            os.replace(tmp, self.path)
+        except OSError:
+            pass
 
     def stop(self) -> None:
         self._halt.set()

@@ -7,6 +7,8 @@
 - ``efa``: the in-pod check that the image can use EFA (libfabric's provider, aws-ofi-nccl)
 - ``checks``: EKS-specific spec checks (before anything is rendered or sent)
 - ``render``: the manifests (Indexed Job + headless Service, JobSet or PyTorchJob; ConfigMap; RBAC; FSx)
+- ``kueue``: Kueue's objects sized from the rendered pods, and topology-aware placement (``--queue``)
+- ``network``: the job's NetworkPolicy (only its own pods, and Prometheus, reach its ports)
 - ``schemas``: validation of every manifest against the Kubernetes and CRD schemas
 - ``cluster``: the API connection (kubeconfig context or in-cluster) and errors a user can act on
 - ``pods``: what a pod's status means for the job (pending, image errors, OOM, eviction, loss)

@@ -35,7 +35,7 @@ from .render import INPOD, Manifests, render
 from .stream import EksEvents, workload_outcome
 
 CONFIGMAP, SERVICE, POD, PVC = (names.KINDS[k] for k in ("ConfigMap", "Service", "Pod", "PersistentVolumeClaim"))
-PODMONITOR, WORKLOAD = names.KINDS["PodMonitor"], names.KINDS["Workload"]
+PODMONITOR, NETPOL = names.KINDS["PodMonitor"], names.KINDS["NetworkPolicy"]
 
 
 class EksBackend(Backend):
@@ -147,11 +147,14 @@ class EksBackend(Backend):
         """What Kueue says of a suspended workload: "queued: ..." until its Workload is admitted (one call:
         the namespace's Workloads, the job's found by its owner reference)."""
         queue = spec.eks.queue
-        try:
-            found = cluster.request("GET", WORKLOAD.path(cluster.namespace), "list Kueue's workloads").get("items", [])
-        except ApiError as e:
-            if e.status != 404:
-                raise
+        for version in names.WORKLOAD_VERSIONS:   # the newest this cluster's Kueue serves
+            try:
+                found = cluster.request("GET", version.path(cluster.namespace), "list Kueue's workloads").get("items", [])
+                break
+            except ApiError as e:
+                if e.status != 404:
+                    raise
+        else:
             return (f"queued: suspended for queue {queue}, but this cluster has no Kueue (no Workload API) to admit "
                     "it: install Kueue, or stop the job and launch it without --queue")
         uid = obj["metadata"].get("uid")
@@ -269,7 +272,8 @@ class EksBackend(Backend):
         return target.name
 
     def stop(self, name: str, timeout: float = 60.0) -> None:
-        """Delete the workload (its pods first) and the Service; keep the record (the ConfigMap)."""
+        """Delete the workload (its pods first), the Service, and once the pods are gone the NetworkPolicy;
+        keep the record (the ConfigMap)."""
         cluster, spec, _ = self._job(name)
         cluster.delete(names.workload(spec), name, propagation="Foreground")
         cluster.delete(SERVICE, name)
@@ -277,10 +281,11 @@ class EksBackend(Backend):
         deadline = time.time() + timeout
         while (left := cluster.list(POD, names.selector(name))) and time.time() < deadline:
             time.sleep(1.0)
-        if left:
+        if left:   # the NetworkPolicy stays while they do (`remove` deletes it)
             raise JobError(f"{len(left)} pod(s) of job {name} still exist after {timeout:g}s "
                            f"({', '.join(p['metadata']['name'] for p in left)})",
                            "their node may be unreachable: check `kubectl get pods -l eksft.io/job=NAME -o wide`")
+        cluster.delete(NETPOL, name)   # its pods are gone: nothing is left for it to guard
 
     def remove(self, name: str) -> None:
         """Forget a job that no longer runs (its folder and checkpoints on the volume stay)."""
@@ -289,6 +294,7 @@ class EksBackend(Backend):
         if status.state in ACTIVE:
             raise JobError(f"job {name!r} is still {status.state}", "stop it first")
         cluster.delete(SERVICE, name)
+        cluster.delete(NETPOL, name)
         for note in cluster.list(CONFIGMAP, f"{names.FAULT_OF}={name}"):
             cluster.delete(CONFIGMAP, note["metadata"]["name"])
         cluster.delete(CONFIGMAP, name)

@@ -64,12 +64,15 @@ KINDS: dict[str, Kind] = {k.kind: k for k in (
     Kind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
     Kind("storage.k8s.io/v1", "StorageClass", "storageclasses", namespaced=False),
     Kind("monitoring.coreos.com/v1", "PodMonitor", "podmonitors"),
-    Kind("kueue.x-k8s.io/v1beta1", "Workload", "workloads"),
-    Kind("kueue.x-k8s.io/v1beta1", "LocalQueue", "localqueues"),
-    Kind("kueue.x-k8s.io/v1beta1", "ClusterQueue", "clusterqueues", namespaced=False),
-    Kind("kueue.x-k8s.io/v1beta1", "ResourceFlavor", "resourceflavors", namespaced=False),
-    Kind("kueue.x-k8s.io/v1beta1", "WorkloadPriorityClass", "workloadpriorityclasses", namespaced=False),
+    Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
+    Kind("kueue.x-k8s.io/v1beta2", "Workload", "workloads"),
+    Kind("kueue.x-k8s.io/v1beta2", "LocalQueue", "localqueues"),
+    Kind("kueue.x-k8s.io/v1beta2", "ClusterQueue", "clusterqueues", namespaced=False),
+    Kind("kueue.x-k8s.io/v1beta2", "ResourceFlavor", "resourceflavors", namespaced=False),
+    Kind("kueue.x-k8s.io/v1beta2", "WorkloadPriorityClass", "workloadpriorityclasses", namespaced=False),
 )}
+# Kueue's Workload API, newest first: v1beta2 from Kueue 0.15 (the only one from 0.20), v1beta1 before
+WORKLOAD_VERSIONS = (KINDS["Workload"], Kind("kueue.x-k8s.io/v1beta1", "Workload", "workloads"))
 WORKLOADS = {"job": KINDS["Job"], "jobset": KINDS["JobSet"], "pytorchjob": KINDS["PyTorchJob"]}
 
 

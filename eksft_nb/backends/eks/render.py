@@ -24,8 +24,9 @@ from ...launcher import Ports, launcher_argv, rank_env
 from ...runtime.quiet import quiet_env
 from ...spec import JobSpec
 from ..procs import JOB_MARK
-from . import failures, names, sizing
+from . import failures, kueue, names, sizing
 from .instances import lookup
+from .network import network_policy
 
 # what the control plane calls, and nothing else: (api group, resource, verbs). RBAC cannot select
 # pods by label, and the pods of an Indexed Job or a JobSet have generated names, so the pod rules
@@ -41,14 +42,13 @@ CONTROL_RULES: list[tuple[str, str, list[str]]] = [
     ("", "pods/exec", ["get", "create"]),
     ("", "events", ["list"]),                                    # explain pods stuck in Pending
     ("monitoring.coreos.com", "podmonitors", ["get", "create", "delete"]),   # Prometheus scrapes the pods
+    ("networking.k8s.io", "networkpolicies", ["get", "create", "delete"]),   # only the job's pods reach its ports
 ]
 # a queued job (--queue): what Kueue says of its Workload, read to tell "queued" from "admitted"
 QUEUE_RULES: list[tuple[str, str, list[str]]] = [("kueue.x-k8s.io", "workloads", ["list"])]
 INPOD = ["python", "-m", "eksft_nb.backends.eks.inpod"]   # the in-pod commands (exec'd, and the pods' own)
 # the trainer's command with warm ranks; its args are the launch line (see inpod.launch)
 WARM_ENTRY = [*INPOD, "launch"]
-# per-node capacity of the instance types a ClusterQueue is printed for: (vCPU, memory, GPUs, EFA)
-QUEUE_CAPACITY = {"p5.48xlarge": ("192", "2048Gi", 8, 32), "p4d.24xlarge": ("96", "1152Gi", 8, 4)}
 
 
 @dataclass
@@ -92,20 +92,23 @@ def _dump(obj: dict[str, Any]) -> str:
 def render(spec: JobSpec, faults: list[FaultCommand] | None = None, queue_objects: bool = False,
            job_uid: str | None = None) -> Manifests:
     """All manifests of a job (the spec must have passed ``spec.validate()`` and ``checks.check``);
-    ``queue_objects``: also Kueue's objects for its ``--queue`` (admin), as an example to adapt;
+    ``queue_objects``: also Kueue's objects for its ``--queue`` (admin), sized to admit this job;
     ``job_uid``: this launch's id (default: a new one), kept in the job's record."""
     m = Manifests(admin=control_rbac(spec))
     if spec.eks.create_pvc:
         m.admin.append(storage_class(spec))
         m.job.append(checkpoint_pvc(spec))
+    workload = {"job": indexed_job, "jobset": jobset, "pytorchjob": pytorchjob}[spec.eks.kind](spec)
+    kueue.place(workload, spec)
     if queue_objects and spec.eks.queue:
-        m.admin += kueue_objects(spec)
+        m.admin += kueue.objects(spec, workload)
     m.job.append(config_map(spec, faults or [], job_uid or new_job_uid()))
+    m.job.append(network_policy(spec, serves_metrics(spec)))   # before any pod exists
     if serves_metrics(spec):
         m.job.append(pod_monitor(spec))
     if spec.eks.kind == "job":
         m.job.append(headless_service(spec))
-    m.job.append({"job": indexed_job, "jobset": jobset, "pytorchjob": pytorchjob}[spec.eks.kind](spec))
+    m.job.append(workload)
     return m
 
 
@@ -215,14 +218,18 @@ def serves_metrics(spec: JobSpec) -> bool:
 def pod_monitor(spec: JobSpec) -> dict[str, Any]:
     """Prometheus (kube-prometheus-stack's operator) scrapes every pod of the job on its ``metrics``
     port; ``honorLabels`` keeps the exporter's ``job`` label (the job's name). The ``release`` label is
-    what the chart's default PodMonitor selector looks for."""
+    what the chart's default PodMonitor selector looks for. Each series gets its pod's node as
+    ``Hostname``, dcgm-exporter's label for it, so the dashboard shows the GPUs of the job's nodes only
+    (the job's own GPU-health series, which name their node themselves, keep theirs)."""
     meta = _meta(spec, spec.name)
     meta["labels"]["release"] = "kube-prometheus-stack"
     return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": meta,
             "spec": {"selector": {"matchLabels": {names.JOB_LABEL: spec.name}},
                      "namespaceSelector": {"matchNames": [spec.eks.namespace]},
                      "podMetricsEndpoints": [{"port": names.METRICS, "path": "/metrics", "interval": "15s",
-                                              "honorLabels": True}]}}
+                                              "honorLabels": True, "relabelings": [
+                                                  {"sourceLabels": ["__meta_kubernetes_pod_node_name"],
+                                                   "targetLabel": "Hostname", "action": "replace"}]}]}}
 
 
 # ---- the pod -----------------------------------------------------------------------------------
@@ -388,42 +395,3 @@ def control_rbac(spec: JobSpec) -> list[dict[str, Any]]:
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": names.CONTROL},
          "subjects": [{"kind": "ServiceAccount", "name": names.CONTROL, "namespace": ns}]},
     ]
-
-
-def kueue_objects(spec: JobSpec) -> list[dict[str, Any]]:
-    """A LocalQueue named ``--queue`` in the job's namespace, a ClusterQueue of the same name with quota
-    for this job's nodes of p5 or p4d capacity (one ResourceFlavor per instance type: the one
-    ``--instance-type`` picks, else both, p5 first), and the ``--priority`` WorkloadPriorityClass."""
-    e = spec.eks
-    types = [e.instance_type] if e.instance_type in QUEUE_CAPACITY else list(QUEUE_CAPACITY)
-    labels = {names.MANAGED_BY: names.MANAGER}
-    flavors = [{"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "ResourceFlavor",
-                "metadata": {"name": _flavor(t), "labels": labels},
-                "spec": {"nodeLabels": {"node.kubernetes.io/instance-type": t},
-                         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]}}
-               for t in types]
-    covered = ["cpu", "memory", "nvidia.com/gpu"] + (["vpc.amazonaws.com/efa"] if e.efa_per_node else [])
-
-    def quota(t: str) -> list[dict[str, Any]]:
-        cpu, memory, gpus, efa = QUEUE_CAPACITY[t]
-        n = spec.nnodes
-        amounts = {"cpu": str(int(cpu) * n), "memory": f"{int(memory[:-2]) * n}Gi", "nvidia.com/gpu": str(gpus * n),
-                   "vpc.amazonaws.com/efa": str(efa * n)}
-        return [{"name": r, "nominalQuota": amounts[r]} for r in covered]
-
-    objects: list[dict[str, Any]] = [*flavors, {
-        "apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "ClusterQueue", "metadata": {"name": e.queue, "labels": labels},
-        "spec": {"namespaceSelector": {}, "queueingStrategy": "BestEffortFIFO",
-                 "resourceGroups": [{"coveredResources": covered,
-                                     "flavors": [{"name": _flavor(t), "resources": quota(t)} for t in types]}]}}, {
-        "apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "LocalQueue",
-        "metadata": {"name": e.queue, "namespace": e.namespace, "labels": labels}, "spec": {"clusterQueue": e.queue}}]
-    if e.priority:
-        objects.append({"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "WorkloadPriorityClass",
-                        "metadata": {"name": e.priority, "labels": labels}, "value": 1000,
-                        "description": "eksft-nb training jobs (higher values are admitted first and may preempt)"})
-    return objects
-
-
-def _flavor(instance_type: str) -> str:
-    return instance_type.replace(".", "-")
