@@ -171,7 +171,7 @@ def resilience_test(spec: JobSpec, faults: str | None = None, expect: str | None
 
     if loss_tolerance is not None and not (isinstance(loss_tolerance, (int, float)) and 0 < loss_tolerance < 1):
         raise EksftError(f"--loss-tol {loss_tolerance!r} is not a fraction", "use e.g. --loss-tol 0.02 (2 %)")
-    return dict(run.run_test(spec, plan.parse_kinds(faults), expect, at_step=at_step, say=say, on_row=on_row,
+    return dict(run.run_test(launch, spec, plan.parse_kinds(faults), expect, at_step=at_step, say=say, on_row=on_row,
                              tolerance=card.LOSS_TOLERANCE if loss_tolerance is None else loss_tolerance))
 
 

@@ -22,14 +22,13 @@ POLL_S = 0.5
 REFERENCE_TIMEOUT_S = 3600.0
 
 
-def run_test(spec: JobSpec, kinds: Sequence[FaultKind] | None = None, expect: str | None = None, *,
-             at_step: int | None = None, tolerance: float = cards.LOSS_TOLERANCE,
+def run_test(launch: Callable[..., object], spec: JobSpec, kinds: Sequence[FaultKind] | None = None,
+             expect: str | None = None, *, at_step: int | None = None, tolerance: float = cards.LOSS_TOLERANCE,
              say: Callable[[str], object] = lambda text: None,
              on_row: Callable[[cards.Card], object] = lambda card: None) -> cards.Card:
-    """Test ``spec`` (its name is the test's: the jobs are NAME-ref and NAME-KIND). ``say`` narrates;
-    ``on_row`` gets the card after each case (a live view)."""
-    from .. import commands   # the command layer imports this module's callers
-
+    """Test ``spec`` (its name is the test's: the jobs are NAME-ref and NAME-KIND), each job started
+    with ``launch(spec, faults)`` (the command layer's). ``say`` narrates; ``on_row`` gets the card
+    after each case (a live view)."""
     checks = expectations.parse(expect)
     spec = spec.validate()
     if spec.checkpoint.dir:
@@ -46,7 +45,7 @@ def run_test(spec: JobSpec, kinds: Sequence[FaultKind] | None = None, expect: st
     ref_name = names[0]
     say(f"running the fault-free reference {ref_name} first: its checkpoints set the step the faults fire at, "
         "and its run the time the cases take")
-    commands.launch(spec.replace(name=ref_name))
+    launch(spec.replace(name=ref_name))
     ref, end = _follow(Job(ref_name, backend), REFERENCE_TIMEOUT_S)
     wall = compute(ref).wall_s
     card["reference"] = {"job": ref_name, "state": ref.state.value, "wall_s": round(wall, 2), "digest": ref.digest,
@@ -66,7 +65,7 @@ def run_test(spec: JobSpec, kinds: Sequence[FaultKind] | None = None, expect: st
     for case in plan.cases:
         say(f"case {case.kind.value}: {case.job}, {case.kind.value} on {case.target} at step {case.step}"
             + (f" ({case.note})" if case.note else ""))
-        card["rows"].append(_run_case(commands.launch, spec, case, ref, checks, wall, tolerance))
+        card["rows"].append(_run_case(launch, spec, case, ref, checks, wall, tolerance))
         r = card["rows"][-1]
         say(f"  {'pass' if r['passed'] else 'FAIL'}: healed at level {r['level'] or '-'}"
             + (f"; {'; '.join(r['why'])}" if r["why"] else ""))
