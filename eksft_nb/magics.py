@@ -154,9 +154,13 @@ class FtrainMagics(Magics):
         elif cmd == "whatif":
             from .resilience.whatif import format_report
 
-            cli.show(commands.whatif(name, ckpt_every=args.ckpt_every, inprocess=args.inprocess,
-                                     ckpt_mode=args.ckpt_mode, spares=args.spares, backend=backend), args.json,
-                     format_report)
+            from .resilience.figures import whatif_figure
+
+            report = commands.whatif(name, ckpt_every=args.ckpt_every, inprocess=args.inprocess,
+                                     ckpt_mode=args.ckpt_mode, spares=args.spares, backend=backend)
+            cli.show(report, args.json, format_report)
+            if not args.json:
+                display(whatif_figure(report))
         elif cmd == "summary":
             cli.show(commands.summary(name, backend), args.json, cli.format_summary)
         else:
@@ -177,8 +181,16 @@ class FtrainMagics(Magics):
                 raise UsageError("the cell has code and --script names a script too\n"
                                  "  → leave the cell empty to test --script, or drop --script to test the cell")
             spec = spec.replace(script=str(save_script(cell))).validate()
+        import plotly.graph_objects as go
+
+        from .resilience.figures import card_figure
+
+        live = go.FigureWidget()   # the card's figure, redrawn after each case
+        display(live)
         card = commands.resilience_test(spec, args.faults, args.expect, at_step=args.at_step,
-                                        loss_tolerance=args.loss_tol, say=print)
+                                        loss_tolerance=args.loss_tol, say=print,
+                                        on_row=lambda c: card_figure(c, live))
+        card_figure(card, live)
         if junit_path is not None:
             atomic_write(junit_path, junit(card))  # type: ignore[arg-type]
         cli.show(card, args.json, table)

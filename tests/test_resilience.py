@@ -71,6 +71,7 @@ def test_faults_fire_after_the_first_committed_checkpoint() -> None:
     assert plan.fault_step(reference()) == 10
     assert plan.fault_step(reference(commit_s=0.0)) == 7
     assert plan.fault_step(reference(ckpt_at=None)) is None
+    assert plan.fault_step(reference(ckpt_at=20, commit_s=0.0)) is None   # the last step's save protects none
 
 
 def test_the_plan_has_one_case_per_kind_that_applies() -> None:
@@ -212,3 +213,19 @@ def test_a_users_script_is_checked_by_its_loss_curve(tmp_path: Path) -> None:
     assert row["state_check"] == "match" and "loss curve within 2 %" in row["state_detail"], row
     assert row["level"] == "injob" and row["passed"] and rc == 0, card
     assert failures == {"sigkill": []}
+
+
+def test_the_cards_figure_stacks_each_cases_downtime_by_phase() -> None:
+    import plotly.graph_objects as go
+
+    from eksft_nb.resilience.figures import card_figure
+
+    phases = {"detection": 0.5, "teardown": 1.0, "reformation": 1.5, "restore": 2.0, "first_step": 0.25}
+    rows = [{"case": "sigkill", "passed": True, "level": "injob", "phases": phases},
+            {"case": "slow-rank", "passed": False, "level": "none", "phases": {}}]
+    card = {"job": "t", "passed": False, "rows": rows}
+    live = go.FigureWidget()
+    card_figure(card, live)
+    assert [t.name for t in live.data] == ["detection", "teardown", "reformation", "restore", "first step"]
+    assert [t.x[0] for t in live.data] == list(phases.values()) and [t.x[1] for t in live.data] == [0.0] * 5
+    assert list(live.data[0].y) == ["sigkill (pass, injob)", "slow-rank (FAIL, none)"]

@@ -207,3 +207,20 @@ def faulted_job() -> str:
     summary = run_job("whatif-real", "--steps", "30", "--ckpt-every", "5", "--fault", "sigkill:1@13")
     assert summary["state"] == "succeeded" and summary["restarts"]["injob"] == 1, summary
     return "whatif-real"
+
+
+def test_the_magic_shows_the_table_and_the_plot(faulted_job: str, ip: object, capsys: pytest.CaptureFixture) -> None:
+    ip.run_line_magic("ftrain", f"whatif {faulted_job} --ckpt-every 5,10 --no-inprocess")
+    out = capsys.readouterr().out
+    assert "measured (as run)" in out and "every 10, async, in-process off" in out and "recommended:" in out
+    [fig] = ip.shown
+    [line, *_] = fig.data
+    assert list(line.x) == [5, 10] and all(0 < y < 100 for y in line.y)   # ETTR in percent, per interval
+
+
+def test_the_plot_leaves_out_what_cannot_be_estimated() -> None:
+    from eksft_nb.resilience.figures import whatif_figure
+
+    report = replay(stream(level="inprocess"), spec(), Settings((5, 10), inprocess=False)).to_dict()
+    fig = whatif_figure(report)
+    assert list(fig.data[0].x) == [] and "2 setting(s) cannot be estimated" in fig.layout.title.text

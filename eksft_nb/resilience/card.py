@@ -47,7 +47,8 @@ class Card(TypedDict):
     passed: bool
 
 
-def state_check(case: JobMonitor, reference: JobMonitor, tolerance: float = LOSS_TOLERANCE) -> tuple[str, str]:
+def state_check(case: JobMonitor, reference: JobMonitor,
+                tolerance: float = LOSS_TOLERANCE) -> tuple[str, str]:
     """(match | differs | unchecked, why): the final digest where both runs report one (a deterministic
     job), else each step's loss (its last execution) within ``tolerance`` of the reference's."""
     if case.digest and reference.digest:
@@ -90,19 +91,22 @@ def row(case: Case, mon: JobMonitor, reference: JobMonitor, expect: Sequence[Exp
     phases = {p: round(sum((r.get("phases") or {}).get(p, 0.0) for r in healed), 3) for p in RESTART_PHASES}
     check, detail = state_check(mon, reference, tolerance) if state == JobState.SUCCEEDED else \
         ("unchecked", f"the job ended {state.value}" + (f" ({mon.reason})" if mon.reason else ""))
+    none = level == "none"   # absorbed without a restart: nothing detected, down or lost
     out: Row = {"case": case.kind.value, "job": case.job, "fault": case.kind.value, "target": case.target,
                 "at_step": case.step, "fired": len(fired) == len(case.faults), "level": level,
-                "detection_s": round(healed[0]["detection_s"], 3) if healed else (0.0 if level == "none" else None),
+                "detection_s": round(healed[0]["detection_s"], 3) if healed else (0.0 if none else None),
                 "downtime_s": round(sum(r["downtime_s"] for r in healed), 3) if healed else
-                (0.0 if level == "none" else None),
+                (0.0 if none else None),
                 "phases": phases if healed else {},
-                "lost": sum(r["rolled_back_steps"] for r in healed) if healed else (0 if level == "none" else None),
+                "lost": sum(r["rolled_back_steps"] for r in healed) if healed else (0 if none else None),
                 "state_check": check, "state_detail": detail, "passed": False, "why": [], "note": case.note}
     why = [end] if end else []
     if len(fired) < len(case.faults):
-        why.append(f"the fault never fired (scheduled at step {case.step}; the job reached step {mon.max_step})")
+        why.append(f"the fault never fired (scheduled at step {case.step}; the job reached step "
+                   f"{mon.max_step})")
     if state != JobState.SUCCEEDED:
-        why.append(f"the job did not heal: it ended {state.value}" + (f" ({mon.reason})" if mon.reason else ""))
+        why.append(f"the job did not heal: it ended {state.value}"
+                   + (f" ({mon.reason})" if mon.reason else ""))
     if not why:
         why = [w for w in (e.check(out) for e in expect) if w]
     out["why"], out["passed"] = why, not why
@@ -115,7 +119,8 @@ def table(card: Card) -> str:
              f"expect: {', '.join(card['expect'])}"]
     if card["problem"]:
         lines.append(f"  FAIL  {card['problem']}")
-    head = f"  {'fault':<20}{'target':<9}{'step':>5}  {'level':<10}{'detect':>8}{'downtime':>10}{'lost':>6}  " \
+    head = f"  {'fault':<20}{'target':<9}{'step':>5}  {'level':<10}{'detect':>8}{'downtime':>10}" \
+           f"{'lost':>6}  " \
            f"{'state':<10}result"
     if card["rows"]:
         lines.append(head)

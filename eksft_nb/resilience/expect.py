@@ -20,7 +20,8 @@ LEVELS = ("none", *(level.value for level in RestartLevel))
 LEVEL_WORDS = {**{w: w for w in LEVELS}, **{level.label: level.value for level in RestartLevel}}
 OPS: dict[str, Callable[[Any, Any], bool]] = {"<=": operator.le, ">=": operator.ge, "<": operator.lt,
                                                ">": operator.gt, "==": operator.eq, "=": operator.eq}
-KEYS = {"level": "who healed it (none, inprocess, injob, job)", "downtime": "seconds from fault to the next step",
+KEYS = {"level": "who healed it (none, inprocess, injob, job)",
+        "downtime": "seconds from fault to the next step",
         "detection": "seconds from fault to its detection", "lost": "steps rolled back",
         "state": "the final state (reference: the same as the fault-free run's)"}
 CLAUSE = re.compile(r"^\s*([a-z]+)\s*(<=|>=|==|<|>|=)\s*(\S+)\s*$")
@@ -65,14 +66,16 @@ def parse(text: str | None) -> list[Expectation]:
     out = []
     for clause in text.split(","):
         if not clause.strip():
-            raise EksftError(f"--expect {text!r} has an empty clause", f"separate clauses with one comma, {EXAMPLE}")
+            raise EksftError(f"--expect {text!r} has an empty clause",
+                             f"separate clauses with one comma, {EXAMPLE}")
         m = CLAUSE.match(clause)
         if not m:
             raise EksftError(f"cannot read expectation {clause.strip()!r}", f"write KEY OP VALUE, {EXAMPLE}")
         key, op, raw = m.groups()
         if key not in KEYS:
             raise EksftError(f"unknown expectation {key!r}",
-                             f"did you mean {_closest(key, KEYS)}? keys: " + "; ".join(f"{k}: {v}" for k, v in KEYS.items()))
+                             f"did you mean {_closest(key, KEYS)}? keys: "
+                             + "; ".join(f"{k}: {v}" for k, v in KEYS.items()))
         out.append(Expectation(key, op, _value(key, op, raw)))
     return out
 

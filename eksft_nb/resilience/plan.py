@@ -83,8 +83,9 @@ def _kinds() -> str:
 
 def fault_step(reference: JobMonitor) -> int | None:
     """The first step that starts after the reference run's first committed checkpoint (None: it
-    committed none), plus one step of margin for a slower case run."""
-    committed = sorted((c for c in reference.checkpoints.values() if c.state == "committed" and c.t_done),
+    committed none before its last step), plus one step of margin for a slower case run."""
+    committed = sorted((c for c in reference.checkpoints.values()   # the final save protects no step
+                        if c.state == "committed" and c.t_done and c.step < reference.max_step),
                        key=lambda c: c.step)
     if not committed:
         return None
@@ -103,12 +104,13 @@ def build(spec: JobSpec, reference: JobMonitor, base: str, kinds: Iterable[Fault
     plan = Plan([], fault_step=step)
     last = reference.max_step
     if step is None:
-        plan.problem = ("the job never committed a checkpoint in its fault-free run, so any fault loses all of "
-                        "its work" + ("" if spec.script is None else
-                                      "; if the script saves its own, pass --at-step N (a step after its first save)"))
+        plan.problem = ("the job never committed a checkpoint before its last step in its fault-free run, so "
+                        "any fault loses all of its work" + ("" if spec.script is None else "; if the script saves its own, pass "
+                                         "--at-step N (a step after its first save)"))
         return plan
     if last and step >= last:
-        plan.problem = (f"the job ends at step {last}, before a fault can follow its first checkpoint (step {step})")
+        plan.problem = f"the job ends at step {last}, before a fault can follow its first checkpoint " \
+                       f"(step {step})"
         return plan
     refused = set(refused)
     chosen = list(kinds) if kinds is not None else list(FaultKind)

@@ -23,7 +23,8 @@ REFERENCE_TIMEOUT_S = 3600.0
 
 
 def run_test(launch: Callable[..., object], spec: JobSpec, kinds: Sequence[FaultKind] | None = None,
-             expect: str | None = None, *, at_step: int | None = None, tolerance: float = cards.LOSS_TOLERANCE,
+             expect: str | None = None, *, at_step: int | None = None,
+             tolerance: float = cards.LOSS_TOLERANCE,
              say: Callable[[str], object] = lambda text: None,
              on_row: Callable[[cards.Card], object] = lambda card: None) -> cards.Card:
     """Test ``spec`` (its name is the test's: the jobs are NAME-ref and NAME-KIND), each job started
@@ -32,10 +33,11 @@ def run_test(launch: Callable[..., object], spec: JobSpec, kinds: Sequence[Fault
     checks = expectations.parse(expect)
     spec = spec.validate()
     if spec.checkpoint.dir:
-        raise EksftError("a resilience test gives each case its own checkpoints, but --ckpt-dir names one folder "
-                         "for all", "leave --ckpt-dir unset")
+        raise EksftError("a resilience test gives each case its own checkpoints, but --ckpt-dir names "
+                         "one folder for all", "leave --ckpt-dir unset")
     backend = get_backend(spec.backend)
-    names = [f"{spec.name}-ref", *(f"{spec.name}-{k.value}"[:63].rstrip("-") for k in (kinds or list(FaultKind)))]
+    names = [f"{spec.name}-ref",
+             *(f"{spec.name}-{k.value}"[:63].rstrip("-") for k in (kinds or list(FaultKind)))]
     taken = sorted({j.name for j in backend.jobs()} & set(names))
     if taken:
         raise EksftError(f"jobs {', '.join(taken)} already exist",
@@ -43,16 +45,16 @@ def run_test(launch: Callable[..., object], spec: JobSpec, kinds: Sequence[Fault
     card: cards.Card = {"job": spec.name, "expect": [c.text for c in checks], "reference": {}, "rows": [],
                         "skipped": {}, "problem": "", "passed": False}
     ref_name = names[0]
-    say(f"running the fault-free reference {ref_name} first: its checkpoints set the step the faults fire at, "
-        "and its run the time the cases take")
+    say(f"running the fault-free reference {ref_name} first: its checkpoints set the step the faults "
+        "fire at, and its run the time the cases take")
     launch(spec.replace(name=ref_name))
     ref, end = _follow(Job(ref_name, backend), REFERENCE_TIMEOUT_S)
     wall = compute(ref).wall_s
-    card["reference"] = {"job": ref_name, "state": ref.state.value, "wall_s": round(wall, 2), "digest": ref.digest,
-                         "steps": ref.max_step}
+    card["reference"] = {"job": ref_name, "state": ref.state.value, "wall_s": round(wall, 2),
+                         "digest": ref.digest, "steps": ref.max_step}
     if end or ref.state != JobState.SUCCEEDED:
-        card["problem"] = f"the reference run {ref_name} did not succeed: " + (end or f"it ended {ref.state.value}"
-                                                                              + (f" ({ref.reason})" if ref.reason else ""))
+        ended = f"it ended {ref.state.value}" + (f" ({ref.reason})" if ref.reason else "")
+        card["problem"] = f"the reference run {ref_name} did not succeed: {end or ended}"
         return card
     plan = build(spec, ref, spec.name, kinds, refused=getattr(backend, "refused_faults", ()), at_step=at_step)
     card["skipped"], card["problem"] = plan.skipped, plan.problem
@@ -60,7 +62,8 @@ def run_test(launch: Callable[..., object], spec: JobSpec, kinds: Sequence[Fault
         say(f"no case can run: {plan.problem}")
         return card
     expected = plan.expected_s(wall, spec)
-    say(f"plan: {len(plan.cases)} case(s) ({', '.join(c.kind.value for c in plan.cases)}), each fault at step "
+    kinds_text = ", ".join(c.kind.value for c in plan.cases)
+    say(f"plan: {len(plan.cases)} case(s) ({kinds_text}), each fault at step "
         f"{plan.fault_step}; the reference took {wall:.0f}s, so expect about {_minutes(expected)} in all")
     for case in plan.cases:
         say(f"case {case.kind.value}: {case.job}, {case.kind.value} on {case.target} at step {case.step}"

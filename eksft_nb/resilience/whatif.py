@@ -35,8 +35,8 @@ from ..spec import JobSpec
 from ..states import RestartLevel
 
 MAX_INTERVALS = 16
-TERMS = ("productive", "checkpoint_stall", "checkpoint_interference", "restart_downtime", "recomputed", "startup",
-         "other")
+TERMS = ("productive", "checkpoint_stall", "checkpoint_interference", "restart_downtime", "recomputed",
+         "startup", "other")
 
 
 @dataclass(frozen=True)
@@ -131,9 +131,12 @@ def parse_settings(ckpt_every: str | Sequence[int] | None, inprocess: bool | Non
                              "write e.g. --ckpt-every 5,10,20,50")
         intervals = tuple(dict.fromkeys(vals))
     if ckpt_mode is not None and ckpt_mode not in ("async", "sync"):
-        raise EksftError(f"unknown checkpoint mode {ckpt_mode!r}", "use --ckpt-mode async or --ckpt-mode sync")
-    if spares is not None and (isinstance(spares, bool) or not isinstance(spares, int) or not 0 <= spares <= 64):
-        raise EksftError(f"--spares {spares!r} is not a number of nodes from 0 to 64", "write e.g. --spares 1")
+        raise EksftError(f"unknown checkpoint mode {ckpt_mode!r}",
+                         "use --ckpt-mode async or --ckpt-mode sync")
+    if spares is not None and (isinstance(spares, bool) or not isinstance(spares, int)
+                               or not 0 <= spares <= 64):
+        raise EksftError(f"--spares {spares!r} is not a number of nodes from 0 to 64",
+                         "write e.g. --spares 1")
     return Settings(intervals, inprocess, ckpt_mode, spares)
 
 
@@ -142,11 +145,12 @@ def measure(mon: JobMonitor, spec: JobSpec, now: float | None = None) -> Inputs:
     gp = compute(mon, now)
     n = useful_steps(mon)
     if not n:
-        raise EksftError(f"job {mon.name or spec.name!r} has run no step yet", "ask again once it has trained a while")
+        raise EksftError(f"job {mon.name or spec.name!r} has run no step yet",
+                         "ask again once it has trained a while")
     step_s = gp.productive_s / n
     saves = [c for c in mon.checkpoints.values() if c.t_staged is not None]
     async_saves = [c for c in saves if c.mode == "async"]
-    writes = [(c.blocked_s or 0.0) + (c.background_s or 0.0) for c in async_saves if c.background_s is not None]
+    writes = [(c.blocked_s or 0.0) + c.background_s for c in async_saves if c.background_s is not None]
     lags = [c.t_done - c.t_begin for c in async_saves if c.t_done and c.t_begin and c.state == "committed"]
     failures = []
     for r in mon.restarts:
@@ -185,8 +189,8 @@ def predict(inp: Inputs, as_run: Setting, s: Setting) -> Row:
             stall, interference = inp.write_per_save_s, 0.0
             row.notes.append(f"a sync save blocks for the observed staging + write, {stall:.3f}s")
         else:
-            row.why = ("no async save was observed: its staging stall, interference and commit lag are unknown "
-                       "(run it once with --ckpt-mode async)")
+            row.why = ("no async save was observed: its staging stall, interference and commit lag are "
+                       "unknown (run it once with --ckpt-mode async)")
             return row
     downtimes: list[float] = []
     for f in inp.failures:
@@ -199,9 +203,9 @@ def predict(inp: Inputs, as_run: Setting, s: Setting) -> Row:
             continue
         seen = [g["downtime_s"] for g in inp.failures if g["level"] == level]
         if not seen:
-            row.why = (f"the {RestartLevel(f['level']).label} recovery at step {f['step']} would become "
-                       f"{RestartLevel(level).label}, and this job shows no {RestartLevel(level).label} recovery "
-                       "to take its downtime from")
+            now_, then = RestartLevel(f["level"]).label, RestartLevel(level).label
+            row.why = (f"the {now_} recovery at step {f['step']} would become {then}, and this job shows no "
+                       f"{then} recovery to take its downtime from")
             return row
         downtimes.append(statistics.fmean(seen))
         row.notes.append(f"the {f['level']} recovery at step {f['step']} becomes {level} "
@@ -225,12 +229,12 @@ def _level_under(f: dict[str, Any], as_run: Setting, s: Setting) -> tuple[str, s
     if level == RestartLevel.INPROCESS and not s.inprocess:
         return RestartLevel.INJOB.value, ""
     if s.inprocess and not as_run.inprocess and level == RestartLevel.INJOB and not f["node_loss"]:
-        return "", ("in-process restart was off, so none was observed: which failures it would catch, and how "
-                    "fast, cannot be told from these events")
+        return "", ("in-process restart was off, so none was observed: which failures it would catch, and "
+                    "how fast, cannot be told from these events")
     if f["node_loss"] and (s.spares > 0) != (as_run.spares > 0):
         if s.spares > 0:
-            return "", ("a node was lost and the job had no spare: a spare's takeover was never observed, so its "
-                        "downtime is unknown (hot spares may recover slower than a job restart)")
+            return "", ("a node was lost and the job had no spare: a spare's takeover was never observed, so "
+                        "its downtime is unknown (hot spares may recover slower than a job restart)")
         return RestartLevel.JOB.value, ""
     return level, ""
 
@@ -263,8 +267,8 @@ def recommend(inp: Inputs, as_run: Setting, base: Row) -> dict[str, Any]:
     tau = math.sqrt(2 * cost * (m + r)) - cost if cost < 2 * m else m
     floor_s = inp.detection_s or 0.0
     every = max(1, round(max(tau, floor_s) / t)) if t > 0 else 1
-    formula = (f"tau = sqrt(2 C (M + R)) - C = sqrt(2 x {cost:.3f} x ({m:.1f} + {r:.2f})) - {cost:.3f} = {tau:.2f}s; "
-               f"floor: detection latency {floor_s:.2f}s; / step {t:.4f}s = {every} steps")
+    formula = (f"tau = sqrt(2 C (M + R)) - C = sqrt(2 x {cost:.3f} x ({m:.1f} + {r:.2f})) - {cost:.3f} "
+               f"= {tau:.2f}s; floor: detection latency {floor_s:.2f}s; / step {t:.4f}s = {every} steps")
     row = predict(inp, as_run, replace(as_run, ckpt_every=every))
     gain = None if row.ettr is None or base.ettr is None else round(100 * (row.ettr - base.ettr), 2)
     text = f"every {every} steps" + (f": {gain:+.1f} points ETTR" if gain is not None else "") + \
@@ -274,14 +278,15 @@ def recommend(inp: Inputs, as_run: Setting, base: Row) -> dict[str, Any]:
             "text": text, "failures": len(inp.failures)}
 
 
-def replay(mon: JobMonitor, spec: JobSpec, settings: Settings = Settings(), now: float | None = None) -> Report:
+def replay(mon: JobMonitor, spec: JobSpec, settings: Settings = Settings(),
+           now: float | None = None) -> Report:
     """Every row ``settings`` asks for, the measured breakdown, and the recommendation."""
     inp = measure(mon, spec, now)
     as_run = Setting(spec.checkpoint.every, spec.ft.inprocess, spec.checkpoint.mode, spec.spare_nodes)
     base = predict(inp, as_run, as_run)
     rec = recommend(inp, as_run, base)
-    other = replace(as_run, **{k: v for k, v in (("inprocess", settings.inprocess), ("ckpt_mode", settings.ckpt_mode),
-                                                 ("spares", settings.spares)) if v is not None})
+    asked = {"inprocess": settings.inprocess, "ckpt_mode": settings.ckpt_mode, "spares": settings.spares}
+    other = replace(as_run, **{k: v for k, v in asked.items() if v is not None})
     k = as_run.ckpt_every or 10
     intervals = settings.intervals or tuple(dict.fromkeys(
         [x for x in (max(1, k // 2), k, 2 * k, rec.get("every")) if x]))
@@ -295,15 +300,14 @@ def replay(mon: JobMonitor, spec: JobSpec, settings: Settings = Settings(), now:
 def format_report(report: dict[str, Any]) -> str:
     """The report as text: the inputs, one line per setting with its terms, the recommendation."""
     i, m = report["inputs"], report["measured"]
-    lines = [f"what-if for {report['job']} (as run: every {report['as_run']['ckpt_every']}, "
-             f"{report['as_run']['ckpt_mode']}, in-process {'on' if report['as_run']['inprocess'] else 'off'}, "
-             f"{report['as_run']['spares']} spare(s))",
+    rates = (f", MTBF {i['mtbf_s']:.1f}s, recovery {i['recovery_s']:.2f}s, detection {i['detection_s']:.2f}s"
+             if i["failures"] else "")
+    terms = " + ".join(t.replace("checkpoint_", "ckpt ").replace("restart_", "") for t in TERMS)
+    lines = [f"what-if for {report['job']} (as run: {Setting(**report['as_run']).label})",
              f"measured: N {i['steps']} steps x t {i['step_s']:.4f}s; {i['saves']} saves, stall "
              f"{i['stall_per_save_s']:.3f}s + interference {i['interference_per_save_s']:.3f}s each; "
-             f"{len(i['failures'])} failure(s)" + (f", MTBF {i['mtbf_s']:.1f}s, recovery {i['recovery_s']:.2f}s, "
-                                                  f"detection {i['detection_s']:.2f}s" if i["failures"] else ""),
-             f"  {'setting':<44}{'ETTR':>7}{'wall':>9} = " + " + ".join(t.replace("checkpoint_", "ckpt ")
-                                                                       .replace("restart_", "") for t in TERMS)]
+             f"{len(i['failures'])} failure(s){rates}",
+             f"  {'setting':<44}{'ETTR':>7}{'wall':>9} = {terms}"]
     as_run = m["predicted_as_run"]
     lines.append(_row_line("measured (as run)", m["ettr"], m["wall_s"], m["terms"]))
     lines.append(_row_line("predicted (as run)", as_run["ettr"], as_run["wall_s"], as_run["terms"]))
