@@ -33,16 +33,17 @@ def test_expectations_parse_and_check() -> None:
                                         "state=reference"]
     row = {"level": "job", "downtime_s": 6.5, "detection_s": 0.2, "lost": 12, "state_check": "match",
            "state_detail": "same digest"}
-    assert [c.check(row) for c in checks] == ["healed at level job, expected level<=injob",
-                                              "downtime 6.50s, expected downtime<5s", "", "lost 12 steps, expected "
-                                              "lost<=10", ""]
+    assert [c.check(row) for c in checks] == [
+        "healed at level job, expected level<=injob", "downtime 6.50s, expected downtime<5s", "",
+        "lost 12 steps, expected lost<=10", ""]
     assert expect.parse("level<=in-process")[0].check({**row, "level": "none"}) == ""   # the label works too
     assert [c.text for c in expect.parse(None)] == ["state=reference"]
 
 
 @pytest.mark.parametrize(("text", "problem"), [
     ("levle<=injob", "unknown expectation 'levle'"), ("level<=warm", "unknown level 'warm'"),
-    ("downtime<5 s", "cannot read expectation"), ("downtime<fast", "not a duration"), ("lost<=1.5", "whole number"),
+    ("downtime<5 s", "cannot read expectation"), ("downtime<fast", "not a duration"),
+    ("lost<=1.5", "whole number"),
     ("state=same", "state=reference"), ("lost<=3,,level<=job", "empty clause"), ("lost~3", "cannot read")])
 def test_bad_expectations_are_one_line(text: str, problem: str) -> None:
     with pytest.raises(EksftError) as e:
@@ -54,9 +55,11 @@ def test_bad_expectations_are_one_line(text: str, problem: str) -> None:
 
 def reference(ckpt_at: int | None = 5, commit_s: float = 2.5, steps: int = 20) -> JobMonitor:
     """A reference run of 1 s steps whose save at ``ckpt_at`` commits ``commit_s`` after it begins."""
-    evs = [make("job_start", "j", t=T0, spec_digest="x", world_size=2, steps=steps, backend="local", host="h", pid=1)]
+    evs = [make("job_start", "j", t=T0, spec_digest="x", world_size=2, steps=steps, backend="local", host="h",
+                pid=1)]
     for step in range(1, steps + 1):
-        evs.append(make("step", "j", rank=0, t=T0 + step, step=step, loss=1.0 / step, tokens=8, step_time=1.0))
+        evs.append(make("step", "j", rank=0, t=T0 + step, step=step, loss=1.0 / step, tokens=8,
+                        step_time=1.0))
     if ckpt_at:
         evs.append(make("checkpoint", "j", rank=0, t=T0 + ckpt_at, phase="begin", step=ckpt_at, mode="async"))
         evs.append(make("checkpoint", "j", rank=0, t=T0 + ckpt_at + commit_s, phase="committed", step=ckpt_at,
@@ -80,7 +83,8 @@ def test_the_plan_has_one_case_per_kind_that_applies() -> None:
     assert [c.kind for c in p.cases] == [k for k in FaultKind if k != FaultKind.KILL_SUPERVISOR]
     assert p.skipped == {"kill-supervisor": "the local backend cannot deliver it"}
     sigkill = next(c for c in p.cases if c.kind == FaultKind.SIGKILL)
-    assert (sigkill.job, sigkill.step, sigkill.target, sigkill.faults[0].rank) == ("t-sigkill", 10, "rank 1", 1)
+    assert (sigkill.job, sigkill.step, sigkill.target, sigkill.faults[0].rank) == \
+        ("t-sigkill", 10, "rank 1", 1)
     corrupt = next(c for c in p.cases if c.kind == FaultKind.CORRUPT_CHECKPOINT)
     assert [(f.fault, f.step) for f in corrupt.faults] == [("corrupt-checkpoint", 10), ("sigkill", 11)]
     assert next(c for c in p.cases if c.kind == FaultKind.KILL_LAUNCHER).target == "node 0"
@@ -105,7 +109,8 @@ def test_named_kinds_are_checked() -> None:
     with pytest.raises(EksftError, match="names no fault"):
         plan.parse_kinds(" , ")
     with pytest.raises(EksftError, match="do not apply to this job: disk-full"):
-        plan.build(JobSpec(name="t", script="x.py"), reference(ckpt_at=None), "t", [FaultKind.DISK_FULL], at_step=3)
+        plan.build(JobSpec(name="t", script="x.py"), reference(ckpt_at=None), "t", [FaultKind.DISK_FULL],
+                   at_step=3)
 
 
 def test_state_is_the_digest_or_else_the_loss_curve() -> None:
@@ -190,7 +195,8 @@ def test_the_built_in_trainer_heals_each_fault_and_the_card_says_at_which_level(
     assert rows["exception"]["level"] == "inprocess" and rows["exception"]["passed"], rows["exception"]
     # a lost rank process is healed in-job: not what this card asked for, so the case and the test fail
     s = rows["sigkill"]
-    assert s["level"] == "injob" and not s["passed"] and s["why"] == ["healed at level injob, expected level<=inprocess"]
+    assert s["level"] == "injob" and not s["passed"]
+    assert s["why"] == ["healed at level injob, expected level<=inprocess"]
     assert sum(s["phases"].values()) == pytest.approx(s["downtime_s"], abs=0.01)
     assert rc == 1 and not card["passed"]
     assert failures == {"sigkill": ["healed at level injob, expected level<=inprocess"], "exception": []}
@@ -207,7 +213,8 @@ def test_a_job_that_never_checkpoints_fails_the_card_with_the_reason(tmp_path: P
 def test_a_users_script_is_checked_by_its_loss_curve(tmp_path: Path) -> None:
     script = str(REPO / "tests" / "scripts" / "aware.py")
     rc, card, _, failures = run_test("scr", "--script", script, "--steps", "30", "--ckpt-every", "5",
-                                     "--faults", "sigkill", "--expect", "level<=injob, state=reference", tmp=tmp_path)
+                                     "--faults", "sigkill", "--expect", "level<=injob, state=reference",
+                                     tmp=tmp_path)
     [row] = card["rows"]
     assert card["reference"]["digest"] is None   # a script reports no digest: its losses are compared
     assert row["state_check"] == "match" and "loss curve within 2 %" in row["state_detail"], row
@@ -229,3 +236,36 @@ def test_the_cards_figure_stacks_each_cases_downtime_by_phase() -> None:
     assert [t.name for t in live.data] == ["detection", "teardown", "reformation", "restore", "first step"]
     assert [t.x[0] for t in live.data] == list(phases.values()) and [t.x[1] for t in live.data] == [0.0] * 5
     assert list(live.data[0].y) == ["sigkill (pass, injob)", "slow-rank (FAIL, none)"]
+
+
+def test_a_row_reads_the_cases_events() -> None:
+    from eksft_nb.resilience.card import row
+
+    [case] = plan.build(JobSpec(name="t"), reference(), "t", [FaultKind.SIGKILL]).cases
+    ref = reference()
+    ref.digest = "d1"
+
+    def case_job(fired: bool, digest: str = "d1", state: str = "succeeded") -> JobMonitor:
+        mon = reference()
+        evs = [make("fault", "t", rank=1, t=T0 + 9.5, fault="sigkill", id=case.faults[0].id, target_rank=1,
+                    at_step=10)] if fired else []
+        evs += [make("restart", "t", t=T0 + 14, level="injob", cause="injected sigkill on rank 1",
+                     blame_rank=1, fault_time=T0 + 9.5, detection_s=0.5, downtime_s=4.0, rolled_back_steps=4,
+                     resumed_step=5,
+                     phases={"detection": 0.5, "teardown": 1.0, "reformation": 1.0, "restore": 1.5,
+                             "first_step": 0.0})] if fired else []
+        evs.append(make("job_end", "t", t=T0 + 30, state=state, reason="", final_step=20, digest=digest))
+        mon.update(evs)
+        return mon
+
+    checks = expect.parse("level<=injob, downtime<5s, lost<=4, state=reference")
+    r = row(case, case_job(True), ref, checks, "")
+    assert (r["level"], r["detection_s"], r["downtime_s"], r["lost"]) == ("injob", 0.5, 4.0, 4)
+    assert r["passed"]
+    assert r["phases"]["restore"] == 1.5 and r["state_check"] == "match"
+    r = row(case, case_job(True, digest="d2"), ref, checks, "")
+    assert not r["passed"] and r["why"] == ["state: final digest d2, the reference's d1"]
+    r = row(case, case_job(False), ref, checks, "")
+    assert not r["passed"] and r["why"][0].startswith("the fault never fired (scheduled at step 10")
+    r = row(case, case_job(True, state="failed"), ref, checks, "")
+    assert r["level"] is None and r["why"] == ["the job did not heal: it ended failed"]

@@ -12,18 +12,21 @@ from eksft_nb import commands
 from eksft_nb.errors import EksftError
 from eksft_nb.events import make
 from eksft_nb.monitor import JobMonitor
-from eksft_nb.resilience.whatif import Setting, Settings, format_report, measure, parse_settings, predict, replay
+from eksft_nb.resilience.whatif import (Setting, Settings, format_report, measure, parse_settings, predict,
+                                       replay)
 from eksft_nb.spec import JobSpec
 
 T0 = 1_000_000.0
 
 
-def stream(steps: int = 20, every: int = 5, mode: str = "sync", fault_at: int | None = 13, level: str = "injob",
-           detection: float = 1.0, downtime: float = 4.0, step_s: float = 1.0, save_s: float = 0.5,
+def stream(steps: int = 20, every: int = 5, mode: str = "sync", fault_at: int | None = 13,
+           level: str = "injob", detection: float = 1.0, downtime: float = 4.0, step_s: float = 1.0,
+           save_s: float = 0.5,
            commit_s: float = 2.5, startup: float = 2.0) -> JobMonitor:
     """The events of a job on a perfectly regular clock: a fault at the start of step ``fault_at``
     rolls back to the newest save committed by then (async saves commit ``commit_s`` after they begin)."""
-    evs = [make("job_start", "j", t=T0, spec_digest="x", world_size=2, steps=steps, backend="local", host="h", pid=1)]
+    evs = [make("job_start", "j", t=T0, spec_digest="x", world_size=2, steps=steps, backend="local", host="h",
+                pid=1)]
     t, step, faulted, commits = T0 + startup, 0, False, {}
     while step < steps:
         if step + 1 == fault_at and not faulted:
@@ -42,15 +45,15 @@ def stream(steps: int = 20, every: int = 5, mode: str = "sync", fault_at: int | 
         if every and (step % every == 0 or step == steps) and step not in commits:
             evs.append(make("checkpoint", "j", rank=0, t=t, phase="begin", step=step, mode=mode))
             if mode == "sync":
-                evs.append(make("checkpoint", "j", rank=0, t=t + save_s, phase="committed", step=step, mode=mode,
-                                blocked_s=save_s))
+                evs.append(make("checkpoint", "j", rank=0, t=t + save_s, phase="committed", step=step,
+                                mode=mode, blocked_s=save_s))
                 commits[step] = t + save_s
                 t += save_s
             else:
                 evs.append(make("checkpoint", "j", rank=0, t=t + save_s, phase="staged", step=step, mode=mode,
                                 blocked_s=save_s))
-                evs.append(make("checkpoint", "j", rank=0, t=t + commit_s, phase="committed", step=step, mode=mode,
-                                blocked_s=save_s, background_s=commit_s - save_s))
+                evs.append(make("checkpoint", "j", rank=0, t=t + commit_s, phase="committed", step=step,
+                                mode=mode, blocked_s=save_s, background_s=commit_s - save_s))
                 commits[step] = t + commit_s
                 t += save_s
     evs.append(make("job_end", "j", t=t, state="succeeded", reason="", final_step=steps))
@@ -60,8 +63,8 @@ def stream(steps: int = 20, every: int = 5, mode: str = "sync", fault_at: int | 
 
 
 def spec(every: int = 5, mode: str = "sync", inprocess: bool = True, spares: int = 0) -> JobSpec:
-    return JobSpec(name="j", spare_nodes=spares).replace(**{"checkpoint.every": every, "checkpoint.mode": mode,
-                                                            "ft.inprocess": inprocess})
+    return JobSpec(name="j", spare_nodes=spares).replace(
+        **{"checkpoint.every": every, "checkpoint.mode": mode, "ft.inprocess": inprocess})
 
 
 def as_run(s: JobSpec) -> Setting:
@@ -181,8 +184,8 @@ def test_bad_intervals_are_one_line(every: str, problem: str) -> None:
 
 def test_a_job_with_no_step_is_refused() -> None:
     mon = JobMonitor()
-    mon.update([make("job_start", "j", t=T0, spec_digest="x", world_size=2, steps=10, backend="local", host="h",
-                     pid=1)])
+    mon.update([make("job_start", "j", t=T0, spec_digest="x", world_size=2, steps=10, backend="local",
+                     host="h", pid=1)])
     with pytest.raises(EksftError, match="has run no step yet"):
         measure(mon, spec())
 
@@ -209,7 +212,8 @@ def faulted_job() -> str:
     return "whatif-real"
 
 
-def test_the_magic_shows_the_table_and_the_plot(faulted_job: str, ip: object, capsys: pytest.CaptureFixture) -> None:
+def test_the_magic_shows_the_table_and_the_plot(faulted_job: str, ip: object,
+                                                capsys: pytest.CaptureFixture) -> None:
     ip.run_line_magic("ftrain", f"whatif {faulted_job} --ckpt-every 5,10 --no-inprocess")
     out = capsys.readouterr().out
     assert "measured (as run)" in out and "every 10, async, in-process off" in out and "recommended:" in out

@@ -77,14 +77,14 @@ def _rel(a: float, b: float) -> float:
 
 
 def row(case: Case, mon: JobMonitor, reference: JobMonitor, expect: Sequence[Expectation], end: str,
-        tolerance: float = LOSS_TOLERANCE) -> Row:
+        tolerance: float = LOSS_TOLERANCE, state: JobState | None = None) -> Row:
     """The card's row for a case job whose events ``mon`` has folded; ``end``: why waiting stopped
-    ("" when the job ended by itself)."""
+    ("" when the job ended by itself); ``state``: how it ended (default: as its events say)."""
     ids = {f.id for f in case.faults}
     fired = [f for f in mon.faults if f["id"] in ids]
     first_t = min((f["t"] for f in fired), default=None)
     healed = [r for r in mon.restarts if first_t is not None and r["fault_time"] >= first_t - 1.0]
-    state = mon.state
+    state = state or mon.state
     level: str | None = None
     if fired and state == JobState.SUCCEEDED:
         level = max((r["level"] for r in healed), key=LEVELS.index, default="none")

@@ -105,8 +105,9 @@ def build(spec: JobSpec, reference: JobMonitor, base: str, kinds: Iterable[Fault
     last = reference.max_step
     if step is None:
         plan.problem = ("the job never committed a checkpoint before its last step in its fault-free run, so "
-                        "any fault loses all of its work" + ("" if spec.script is None else "; if the script saves its own, pass "
-                                         "--at-step N (a step after its first save)"))
+                        "any fault loses all of its work")
+        if spec.script is not None:
+            plan.problem += "; if the script saves its own, pass --at-step N (a step after its first save)"
         return plan
     if last and step >= last:
         plan.problem = f"the job ends at step {last}, before a fault can follow its first checkpoint " \

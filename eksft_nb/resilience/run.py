@@ -36,6 +36,10 @@ def run_test(launch: Callable[..., object], spec: JobSpec, kinds: Sequence[Fault
         raise EksftError("a resilience test gives each case its own checkpoints, but --ckpt-dir names "
                          "one folder for all", "leave --ckpt-dir unset")
     backend = get_backend(spec.backend)
+    refused = sorted(k.value for k in kinds or () if k.value in backend.refused_faults)
+    if refused:   # known before any job runs (whether a script's saves are eksft's: after its reference)
+        raise EksftError(f"the {spec.backend} backend cannot deliver {', '.join(refused)}",
+                         "leave it out of --faults")
     names = [f"{spec.name}-ref",
              *(f"{spec.name}-{k.value}"[:63].rstrip("-") for k in (kinds or list(FaultKind)))]
     taken = sorted({j.name for j in backend.jobs()} & set(names))
@@ -45,18 +49,19 @@ def run_test(launch: Callable[..., object], spec: JobSpec, kinds: Sequence[Fault
     card: cards.Card = {"job": spec.name, "expect": [c.text for c in checks], "reference": {}, "rows": [],
                         "skipped": {}, "problem": "", "passed": False}
     ref_name = names[0]
-    say(f"running the fault-free reference {ref_name} first: its checkpoints set the step the faults "
-        "fire at, and its run the time the cases take")
+    most = len([k for k in kinds or FaultKind if k.value not in backend.refused_faults])
+    say(f"running the fault-free reference {ref_name} first: up to {most} case(s) follow, each about as long "
+        "as it plus a recovery (its checkpoints set the step the faults fire at)")
     launch(spec.replace(name=ref_name))
-    ref, end = _follow(Job(ref_name, backend), REFERENCE_TIMEOUT_S)
+    ref, ref_state, end = _follow(Job(ref_name, backend), REFERENCE_TIMEOUT_S)
     wall = compute(ref).wall_s
-    card["reference"] = {"job": ref_name, "state": ref.state.value, "wall_s": round(wall, 2),
+    card["reference"] = {"job": ref_name, "state": ref_state.value, "wall_s": round(wall, 2),
                          "digest": ref.digest, "steps": ref.max_step}
-    if end or ref.state != JobState.SUCCEEDED:
-        ended = f"it ended {ref.state.value}" + (f" ({ref.reason})" if ref.reason else "")
+    if end or ref_state != JobState.SUCCEEDED:
+        ended = f"it ended {ref_state.value}" + (f" ({ref.reason})" if ref.reason else "")
         card["problem"] = f"the reference run {ref_name} did not succeed: {end or ended}"
         return card
-    plan = build(spec, ref, spec.name, kinds, refused=getattr(backend, "refused_faults", ()), at_step=at_step)
+    plan = build(spec, ref, spec.name, kinds, refused=backend.refused_faults, at_step=at_step)
     card["skipped"], card["problem"] = plan.skipped, plan.problem
     if plan.problem:
         say(f"no case can run: {plan.problem}")
@@ -81,20 +86,22 @@ def _run_case(launch: Callable[..., object], spec: JobSpec, case: Case, ref: Job
               checks: list[expectations.Expectation], wall: float, tolerance: float) -> cards.Row:
     launch(spec.replace(name=case.job), list(case.faults))
     budget = 3 * wall + 300.0 + spec.ft.heartbeat_timeout * len(case.faults)
-    mon, end = _follow(Job(case.job, get_backend(spec.backend)), budget)
-    return cards.row(case, mon, ref, checks, end, tolerance)
+    mon, state, end = _follow(Job(case.job, get_backend(spec.backend)), budget)
+    return cards.row(case, mon, ref, checks, end, tolerance, state)
 
 
-def _follow(job: Job, timeout: float) -> tuple[JobMonitor, str]:
-    """Fold the job's events until it ends; past ``timeout`` seconds stop it and say so."""
+def _follow(job: Job, timeout: float) -> tuple[JobMonitor, JobState, str]:
+    """Fold the job's events until it ends (its state as :meth:`Job.status` tells it: the backend may
+    know better than the events); past ``timeout`` seconds stop it and say so."""
     deadline = time.time() + timeout
     while True:
         state, _ = job.status()
         if state.ended:
-            return job.refresh(), ""
+            return job.refresh(), state, ""
         if time.time() > deadline:
             job.stop()
-            return job.refresh(), f"it had not ended after {timeout:.0f}s, so the test stopped it"
+            why = f"it had not ended after {timeout:.0f}s, so the test stopped it"
+            return job.refresh(), job.status()[0], why
         time.sleep(POLL_S)
 
 
