@@ -75,8 +75,10 @@ def run_test(launch: Callable[..., object], spec: JobSpec, kinds: Sequence[Fault
             + (f" ({case.note})" if case.note else ""))
         card["rows"].append(_run_case(launch, spec, case, ref, checks, wall, tolerance))
         r = card["rows"][-1]
-        say(f"  {'pass' if r['passed'] else 'FAIL'}: healed at level {r['level'] or '-'}"
-            + (f"; {'; '.join(r['why'])}" if r["why"] else ""))
+        healed = "absorbed without a restart" if r["level"] == "none" else \
+            f"healed at level {r['level'] or '-'}"
+        why = f"; {'; '.join(r['why'])}" if r["why"] else ""
+        say(f"  {'pass' if r['passed'] else 'FAIL'}: {healed}{why}")
         on_row(card)
     card["passed"] = bool(card["rows"]) and all(r["passed"] for r in card["rows"])
     return card
