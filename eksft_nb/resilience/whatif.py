@@ -30,6 +30,7 @@ from typing import Any
 
 from ..errors import EksftError
 from ..goodput import compute, useful_steps
+from ..incidents import phases_text
 from ..monitor import JobMonitor
 from ..spec import JobSpec
 from ..states import RestartLevel
@@ -73,7 +74,7 @@ class Inputs:
     interference_per_save_s: float
     write_per_save_s: float | None    # async: staging + background write (what a sync save would block for)
     commit_lag_steps: int      # async: steps from a save's start until it is committed
-    failures: list[dict[str, Any]]   # step, level, downtime_s, detection_s, lost, node_loss
+    failures: list[dict[str, Any]]   # step, level, downtime_s, detection_s, lost, node_loss, phases
     wall_s: float
     startup_s: float
     other_s: float
@@ -156,7 +157,8 @@ def measure(mon: JobMonitor, spec: JobSpec, now: float | None = None) -> Inputs:
     for r in mon.restarts:
         failures.append({"step": r["resumed_step"] + r["rolled_back_steps"], "level": r["level"],
                          "downtime_s": r["downtime_s"], "detection_s": r["detection_s"],
-                         "lost": r["rolled_back_steps"], "node_loss": _node_loss(r, spec)})
+                         "lost": r["rolled_back_steps"], "node_loss": _node_loss(r, spec),
+                         "phases": r.get("phases") or {}})
     wall = gp.wall_s
     return Inputs(
         steps=n, step_s=step_s, saves=len(saves),
@@ -307,6 +309,8 @@ def format_report(report: dict[str, Any]) -> str:
              f"measured: N {i['steps']} steps x t {i['step_s']:.4f}s; {i['saves']} saves, stall "
              f"{i['stall_per_save_s']:.3f}s + interference {i['interference_per_save_s']:.3f}s each; "
              f"{len(i['failures'])} failure(s){rates}",
+             *(f"  failure at step {f['step']}: {f['level']}, {f['downtime_s']:.2f}s down, {f['lost']} steps "
+               "lost" + (f" ({phases_text(f['phases'])})" if f["phases"] else "") for f in i["failures"]),
              f"  {'setting':<44}{'ETTR':>7}{'wall':>9} = {terms}"]
     as_run = m["predicted_as_run"]
     lines.append(_row_line("measured (as run)", m["ettr"], m["wall_s"], m["terms"]))
