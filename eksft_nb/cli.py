@@ -266,7 +266,8 @@ def cmd_test(args: argparse.Namespace) -> int:
 
     junit_path = Path(args.junit).expanduser() if args.junit else None
     if junit_path is not None and not junit_path.parent.is_dir():   # found out now, not after the test's jobs
-        raise EksftError(f"--junit {args.junit}: folder {junit_path.parent} does not exist", "create it first")
+        raise EksftError(f"--junit {args.junit}: folder {junit_path.parent} does not exist",
+                         "create it first")
     base = JobSpec.load(args.spec_file) if args.spec_file else None
     spec = commands.spec_from_args(args, base)
     say = (lambda text: print(text, file=sys.stderr, flush=True)) if args.json else print
@@ -276,7 +277,8 @@ def cmd_test(args: argparse.Namespace) -> int:
         try:
             junit_path.write_text(junit(card))   # type: ignore[arg-type]
         except OSError as e:
-            raise EksftError(f"cannot write --junit {junit_path} ({e.strerror})", "pick a writable file") from None
+            raise EksftError(f"cannot write --junit {junit_path} ({e.strerror})",
+                             "pick a writable file") from None
     show(card, args.json, table)
     return 0 if card["passed"] else 1
 
@@ -284,8 +286,9 @@ def cmd_test(args: argparse.Namespace) -> int:
 def cmd_whatif(args: argparse.Namespace) -> int:
     from .resilience.whatif import format_report
 
-    show(commands.whatif(args.name, ckpt_every=args.ckpt_every, inprocess=args.inprocess, ckpt_mode=args.ckpt_mode,
-                         spares=args.spares, backend=args.backend), args.json, format_report)
+    report = commands.whatif(args.name, ckpt_every=args.ckpt_every, inprocess=args.inprocess,
+                             ckpt_mode=args.ckpt_mode, spares=args.spares, backend=args.backend)
+    show(report, args.json, format_report)
     return 0
 
 

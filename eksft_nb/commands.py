@@ -169,10 +169,11 @@ def resilience_test(spec: JobSpec, faults: str | None = None, expect: str | None
     and check each case against ``expect``; the report card (see :mod:`.resilience.card`)."""
     from .resilience import card, plan, run
 
-    if loss_tolerance is not None and not (isinstance(loss_tolerance, (int, float)) and 0 < loss_tolerance < 1):
+    tolerance = card.LOSS_TOLERANCE if loss_tolerance is None else loss_tolerance
+    if not (isinstance(tolerance, (int, float)) and 0 < tolerance < 1):
         raise EksftError(f"--loss-tol {loss_tolerance!r} is not a fraction", "use e.g. --loss-tol 0.02 (2 %)")
-    return dict(run.run_test(launch, spec, plan.parse_kinds(faults), expect, at_step=at_step, say=say, on_row=on_row,
-                             tolerance=card.LOSS_TOLERANCE if loss_tolerance is None else loss_tolerance))
+    return dict(run.run_test(launch, spec, plan.parse_kinds(faults), expect, at_step=at_step, say=say,
+                             on_row=on_row, tolerance=tolerance))
 
 
 def whatif(name: str, *, ckpt_every: str | Sequence[int] | None = None, inprocess: bool | None = None,
@@ -295,21 +296,22 @@ ARGS: dict[str, Verb] = {v.name: v for v in (
     Verb("test", "prove a job survives each fault: a fault-free reference run, then one job per fault kind, "
          "checked against expectations; a report card (exit code 1 when a case fails)", (
         arg("--spec", dest="spec_file", help="a YAML or JSON job spec; the spec options override it"),
-        arg("--faults", metavar="KIND[,KIND...]",
-            help=f"the fault kinds to test (default: every kind that applies to the job; kinds: {FAULT_KINDS})"),
+        arg("--faults", metavar="KIND[,KIND...]", help="the fault kinds to test (default: every kind that "
+            f"applies to the job; kinds: {FAULT_KINDS})"),
         arg("--expect", metavar="CLAUSES", help="what each case must show, e.g. \"level<=injob, downtime<5s, "
             "lost<=10, state=reference\" (default: state=reference)"),
-        arg("--at-step", type=int, metavar="STEP", help="fire every fault at this step (default: the first step "
-            "after the reference run's first committed checkpoint; a script whose saves eksft cannot see needs it)"),
-        arg("--loss-tol", type=float, metavar="FRACTION", help="a job without a final digest: each step's loss "
-            "within this fraction of the reference's (default 0.02)"),
+        arg("--at-step", type=int, metavar="STEP", help="fire every fault at this step (default: the "
+            "first step after the reference run's first committed checkpoint; a script whose saves eksft "
+            "cannot see needs it)"),
+        arg("--loss-tol", type=float, metavar="FRACTION", help="a job without a final digest: each step's "
+            "loss within this fraction of the reference's (default 0.02)"),
         arg("--junit", metavar="FILE", help="also write the card as JUnit XML to FILE"),
         JSON)),
     Verb("whatif", "replay a job's failures under other settings: ETTR and time breakdown per setting, and a "
          "recommended checkpoint interval", (
         NAME, BACKEND,
-        arg("--ckpt-every", metavar="N[,N...]", help="checkpoint intervals to compare, in steps (default: the job's, "
-            "half and double it, and the recommendation)"),
+        arg("--ckpt-every", metavar="N[,N...]", help="checkpoint intervals to compare, in steps (default: "
+            "the job's, half and double it, and the recommendation)"),
         arg("--inprocess", action=argparse.BooleanOptionalAction, default=None,
             help="with or without in-process restart (default: as the job ran)"),
         arg("--ckpt-mode", choices=("async", "sync"), help="checkpoint mode (default: as the job ran)"),

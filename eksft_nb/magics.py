@@ -40,9 +40,10 @@ LINE_USAGE = """\
 %ftrain summary [NAME] [--json]       restarts, goodput, final digest
 %ftrain stop [NAME]                   stop a job; nothing of it keeps running
 %ftrain rm NAME                       delete an ended job (its checkpoints too)
-%ftrain test [--faults K,K] [--expect "level<=injob, lost<=10"] [spec options]   resilience test: a report card
-%ftrain whatif [NAME] [--ckpt-every 5,10,20] [--no-inprocess] [--ckpt-mode sync] [--spares N]   replay under other settings
-%%ftrain test [options] + code          resilience test of the cell's code
+%ftrain test [--faults K,K] [--expect "level<=injob, lost<=10"] [spec options]   a resilience report card
+%ftrain whatif [NAME] [--ckpt-every 5,10,20] [--no-inprocess] [--ckpt-mode sync] [--spares N]
+                                      the job's failures replayed under other settings
+%%ftrain test [options] + code        resilience test of the cell's code
 NAME defaults to the job this notebook launched, attached or resumed last; --backend eks (any command)
 reaches jobs on the cluster of the kubeconfig's current context."""
 
@@ -152,9 +153,8 @@ class FtrainMagics(Magics):
         elif cmd == "status":
             cli.show(commands.status(name, backend), args.json, cli.format_status)
         elif cmd == "whatif":
-            from .resilience.whatif import format_report
-
             from .resilience.figures import whatif_figure
+            from .resilience.whatif import format_report
 
             report = commands.whatif(name, ckpt_every=args.ckpt_every, inprocess=args.inprocess,
                                      ckpt_mode=args.ckpt_mode, spares=args.spares, backend=backend)
@@ -169,22 +169,22 @@ class FtrainMagics(Magics):
     def _test(self, args: argparse.Namespace, cell: str) -> None:
         """``%ftrain test`` (the job its options describe) or ``%%ftrain test`` (the cell's code): the
         narration as it runs, then the report card (and its JUnit XML with --junit)."""
+        import plotly.graph_objects as go
+
         from .resilience.card import junit, table
+        from .resilience.figures import card_figure
 
         junit_path = Path(args.junit).expanduser() if args.junit else None
         if junit_path is not None and not junit_path.parent.is_dir():
-            raise UsageError(f"--junit {args.junit}: folder {junit_path.parent} does not exist\n  → create it first")
+            raise UsageError(f"--junit {args.junit}: folder {junit_path.parent} does not exist\n"
+                             "  → create it first")
         base = JobSpec.load(args.spec_file) if args.spec_file else None
         spec = commands.spec_from_args(args, base)
         if cell.strip():
             if spec.script:
-                raise UsageError("the cell has code and --script names a script too\n"
-                                 "  → leave the cell empty to test --script, or drop --script to test the cell")
+                raise UsageError("the cell has code and --script names a script too\n  → leave the cell "
+                                 "empty to test --script, or drop --script to test the cell")
             spec = spec.replace(script=str(save_script(cell))).validate()
-        import plotly.graph_objects as go
-
-        from .resilience.figures import card_figure
-
         live = go.FigureWidget()   # the card's figure, redrawn after each case
         display(live)
         card = commands.resilience_test(spec, args.faults, args.expect, at_step=args.at_step,
