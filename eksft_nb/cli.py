@@ -259,6 +259,39 @@ def cmd_rm(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_test(args: argparse.Namespace) -> int:
+    from .resilience.card import junit, table
+
+    from pathlib import Path
+
+    junit_path = Path(args.junit).expanduser() if args.junit else None
+    if junit_path is not None and not junit_path.parent.is_dir():   # found out now, not after the test's jobs
+        raise EksftError(f"--junit {args.junit}: folder {junit_path.parent} does not exist",
+                         "create it first")
+    base = JobSpec.load(args.spec_file) if args.spec_file else None
+    spec = commands.spec_from_args(args, base)
+    say = (lambda text: print(text, file=sys.stderr, flush=True)) if args.json else print
+    card = commands.resilience_test(spec, args.faults, args.expect, at_step=args.at_step,
+                                    loss_tolerance=args.loss_tol, say=say)
+    if junit_path is not None:
+        try:
+            junit_path.write_text(junit(card))   # type: ignore[arg-type]
+        except OSError as e:
+            raise EksftError(f"cannot write --junit {junit_path} ({e.strerror})",
+                             "pick a writable file") from None
+    show(card, args.json, table)
+    return 0 if card["passed"] else 1
+
+
+def cmd_whatif(args: argparse.Namespace) -> int:
+    from .resilience.whatif import format_report
+
+    report = commands.whatif(args.name, ckpt_every=args.ckpt_every, inprocess=args.inprocess,
+                             ckpt_mode=args.ckpt_mode, spares=args.spares, backend=args.backend)
+    show(report, args.json, format_report)
+    return 0
+
+
 def cmd_metrics(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -274,4 +307,4 @@ def cmd_metrics(args: argparse.Namespace) -> int:
 
 COMMANDS = {"run": cmd_run, "watch": cmd_watch, "list": cmd_list, "status": cmd_status, "summary": cmd_summary,
             "ckpts": cmd_ckpts, "logs": cmd_logs, "inject": cmd_inject, "resume": cmd_resume, "stop": cmd_stop,
-            "rm": cmd_rm, "metrics": cmd_metrics}
+            "rm": cmd_rm, "metrics": cmd_metrics, "test": cmd_test, "whatif": cmd_whatif}

@@ -9,7 +9,7 @@ before anything is written.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
@@ -161,6 +161,32 @@ def remove(name: str, backend: str = "local") -> None:
     get_backend(backend).remove(name)  # type: ignore[attr-defined]
 
 
+def resilience_test(spec: JobSpec, faults: str | None = None, expect: str | None = None, *,
+                    at_step: int | None = None, loss_tolerance: float | None = None,
+                    say: Callable[[str], object] = lambda text: None,
+                    on_row: Callable[[Any], object] = lambda card: None) -> dict[str, Any]:
+    """Run ``spec`` fault-free, then once per fault kind that applies (``faults``: "sigkill,hang"),
+    and check each case against ``expect``; the report card (see :mod:`.resilience.card`)."""
+    from .resilience import card, plan, run
+
+    tolerance = card.LOSS_TOLERANCE if loss_tolerance is None else loss_tolerance
+    if not (isinstance(tolerance, (int, float)) and 0 < tolerance < 1):
+        raise EksftError(f"--loss-tol {loss_tolerance!r} is not a fraction", "use e.g. --loss-tol 0.02 (2 %)")
+    return dict(run.run_test(launch, spec, plan.parse_kinds(faults), expect, at_step=at_step, say=say,
+                             on_row=on_row, tolerance=tolerance))
+
+
+def whatif(name: str, *, ckpt_every: str | Sequence[int] | None = None, inprocess: bool | None = None,
+           ckpt_mode: str | None = None, spares: int | None = None, backend: str = "local") -> dict[str, Any]:
+    """The ETTR and time breakdown a job would have had under other settings, replayed from its
+    events, with a recommended checkpoint interval (see :mod:`.resilience.whatif`)."""
+    from .resilience import whatif as model
+
+    job = attach(name, backend)
+    settings = model.parse_settings(ckpt_every, inprocess, ckpt_mode, spares)
+    return model.replay(job.refresh(), job.spec, settings).to_dict()
+
+
 def spec_from_options(values: Mapping[str, Any], base: JobSpec | None = None) -> JobSpec:
     """``base`` (default: the defaults) with dotted spec fields changed, validated. A string value is
     read as the option's text would be (``"100"`` for ``steps``); other values must have the field's type."""
@@ -267,6 +293,30 @@ ARGS: dict[str, Verb] = {v.name: v for v in (
         arg("--detach", action="store_true", fronts=frozenset({CLI}), help="return at once; the job keeps running"))),
     Verb("stop", "stop a job; nothing of it keeps running", (NAME, BACKEND)),
     Verb("rm", "delete an ended job (its folder or workload; checkpoints included)", (NAME, BACKEND)),
+    Verb("test", "prove a job survives each fault: a fault-free reference run, then one job per fault kind, "
+         "checked against expectations; a report card (exit code 1 when a case fails)", (
+        arg("--spec", dest="spec_file", help="a YAML or JSON job spec; the spec options override it"),
+        arg("--faults", metavar="KIND[,KIND...]", help="the fault kinds to test (default: every kind that "
+            f"applies to the job; kinds: {FAULT_KINDS})"),
+        arg("--expect", metavar="CLAUSES", help="what each case must show, e.g. \"level<=injob, downtime<5s, "
+            "lost<=10, state=reference\" (default: state=reference)"),
+        arg("--at-step", type=int, metavar="STEP", help="fire every fault at this step (default: the "
+            "first step after the reference run's first committed checkpoint; a script whose saves eksft "
+            "cannot see needs it)"),
+        arg("--loss-tol", type=float, metavar="FRACTION", help="a job without a final digest: each step's "
+            "loss within this fraction of the reference's (default 0.02)"),
+        arg("--junit", metavar="FILE", help="also write the card as JUnit XML to FILE"),
+        JSON)),
+    Verb("whatif", "replay a job's failures under other settings: ETTR and time breakdown per setting, and a "
+         "recommended checkpoint interval", (
+        NAME, BACKEND,
+        arg("--ckpt-every", metavar="N[,N...]", help="checkpoint intervals to compare, in steps (default: "
+            "the job's, half and double it, and the recommendation)"),
+        arg("--inprocess", action=argparse.BooleanOptionalAction, default=None,
+            help="with or without in-process restart (default: as the job ran)"),
+        arg("--ckpt-mode", choices=("async", "sync"), help="checkpoint mode (default: as the job ran)"),
+        arg("--spares", type=int, metavar="N", help="hot spare nodes (default: as the job ran)"),
+        JSON)),
     Verb("metrics", "serve Prometheus metrics of jobs (all, or the ones named)", (
         arg("names", nargs="*", metavar="NAME", help="the jobs (default: all)"),
         arg("--port", type=int, default=9400),
@@ -274,6 +324,9 @@ ARGS: dict[str, Verb] = {v.name: v for v in (
         arg("--root", help="the jobs folder (default: $EKSFT_HOME/jobs; in an EKS pod: the shared volume)")),
         fronts=frozenset({CLI})),
 )}
+
+# the verbs that take every spec field as an option
+SPEC_VERBS = frozenset({"run", "test"})
 
 # the sections of the spec options, as their help groups them
 SPEC_GROUPS = {"": "job", "model.": "model", "checkpoint.": "checkpoints", "ft.": "fault tolerance", "eks.": "EKS"}
@@ -303,7 +356,7 @@ def add_verb_arguments(parser: argparse.ArgumentParser, verb: str, front: str) -
     """The arguments of ``verb`` that ``front`` takes (``run``: the spec options too)."""
     for a in ARGS[verb].args_in(front):
         a.add_to(parser, front)
-    if verb == "run":
+    if verb in SPEC_VERBS:
         add_spec_arguments(parser)
 
 
@@ -321,7 +374,7 @@ def flags(front: str, verbs: Iterable[str] | None = None) -> list[str]:
     for verb in chosen:
         if front in verb.fronts:
             out += [f for a in verb.args_in(front) for f in a.flags]
-            if verb.name == "run":
+            if verb.name in SPEC_VERBS:
                 out += [o.flag for o in spec_options()] + [f"--no-{o.flag[2:]}" for o in spec_options() if o.type is bool]
     return list(dict.fromkeys(out))
 

@@ -40,6 +40,10 @@ LINE_USAGE = """\
 %ftrain summary [NAME] [--json]       restarts, goodput, final digest
 %ftrain stop [NAME]                   stop a job; nothing of it keeps running
 %ftrain rm NAME                       delete an ended job (its checkpoints too)
+%ftrain test [--faults K,K] [--expect "level<=injob, lost<=10"] [spec options]   a resilience report card
+%ftrain whatif [NAME] [--ckpt-every 5,10,20] [--no-inprocess] [--ckpt-mode sync] [--spares N]
+                                      the job's failures replayed under other settings
+%%ftrain test [options] + code        resilience test of the cell's code
 NAME defaults to the job this notebook launched, attached or resumed last; --backend eks (any command)
 reaches jobs on the cluster of the kubeconfig's current context."""
 
@@ -64,6 +68,13 @@ def _cell_parser() -> MagicArgumentParser:
     return p
 
 
+def _test_parser() -> MagicArgumentParser:
+    """``%ftrain test``'s and ``%%ftrain test``'s parser: the test verb's options and the spec's."""
+    p = MagicArgumentParser(prog="%%ftrain test", add_help=False)
+    commands.add_verb_arguments(p, "test", MAGIC)
+    return p
+
+
 @magics_class
 class FtrainMagics(Magics):
     """``%%ftrain [options]`` launches; ``%ftrain COMMAND`` lists, attaches, injects, resumes, stops."""
@@ -73,6 +84,7 @@ class FtrainMagics(Magics):
         self.job: Job | None = None          # the job the line magic acts on when no NAME is given
         self.line_parser = _line_parser()
         self.cell_parser = _cell_parser()
+        self.test_parser = _test_parser()
 
     @line_cell_magic
     def ftrain(self, line: str, cell: str | None = None) -> None:
@@ -86,6 +98,10 @@ class FtrainMagics(Magics):
 
     # ---- %%ftrain ----------------------------------------------------------------------------
     def _cell(self, line: str, cell: str) -> None:
+        if line.split()[:1] == ["test"]:
+            self._test(_parse(self.test_parser, line.split(None, 1)[1] if len(line.split()) > 1 else "",
+                              "%%ftrain test"), cell)
+            return
         if {"-h", "--help"} & set(line.split()):
             print(self.cell_parser.format_help())
             return
@@ -106,6 +122,9 @@ class FtrainMagics(Magics):
         if args.command is None:
             raise UsageError(f"unknown command {tokens[0]!r}\n{LINE_USAGE}")
         cmd = args.command
+        if cmd == "test":   # its --backend is the job spec's
+            self._test(args, "")
+            return
         backend = args.backend or "local"
         if cmd == "list":
             cli.show(commands.list_jobs(backend), args.json, cli.format_list)
@@ -133,10 +152,48 @@ class FtrainMagics(Magics):
             print(commands.logs(name, args.lines, args.debug, backend))
         elif cmd == "status":
             cli.show(commands.status(name, backend), args.json, cli.format_status)
+        elif cmd == "whatif":
+            from .resilience.figures import whatif_figure
+            from .resilience.whatif import format_report
+
+            report = commands.whatif(name, ckpt_every=args.ckpt_every, inprocess=args.inprocess,
+                                     ckpt_mode=args.ckpt_mode, spares=args.spares, backend=backend)
+            cli.show(report, args.json, format_report)
+            if not args.json:
+                display(whatif_figure(report))
         elif cmd == "summary":
             cli.show(commands.summary(name, backend), args.json, cli.format_summary)
         else:
             cli.show(commands.checkpoints(name, backend), args.json, cli.format_checkpoints)
+
+    def _test(self, args: argparse.Namespace, cell: str) -> None:
+        """``%ftrain test`` (the job its options describe) or ``%%ftrain test`` (the cell's code): the
+        narration as it runs, then the report card (and its JUnit XML with --junit)."""
+        import plotly.graph_objects as go
+
+        from .resilience.card import junit, table
+        from .resilience.figures import card_figure
+
+        junit_path = Path(args.junit).expanduser() if args.junit else None
+        if junit_path is not None and not junit_path.parent.is_dir():
+            raise UsageError(f"--junit {args.junit}: folder {junit_path.parent} does not exist\n"
+                             "  → create it first")
+        base = JobSpec.load(args.spec_file) if args.spec_file else None
+        spec = commands.spec_from_args(args, base)
+        if cell.strip():
+            if spec.script:
+                raise UsageError("the cell has code and --script names a script too\n  → leave the cell "
+                                 "empty to test --script, or drop --script to test the cell")
+            spec = spec.replace(script=str(save_script(cell))).validate()
+        live = go.FigureWidget()   # the card's figure, redrawn after each case
+        display(live)
+        card = commands.resilience_test(spec, args.faults, args.expect, at_step=args.at_step,
+                                        loss_tolerance=args.loss_tol, say=print,
+                                        on_row=lambda c: card_figure(c, live))
+        card_figure(card, live)
+        if junit_path is not None:
+            atomic_write(junit_path, junit(card))  # type: ignore[arg-type]
+        cli.show(card, args.json, table)
 
     def _show(self, job: Job) -> None:
         """Make ``job`` the notebook's current job and display its dashboard."""
@@ -175,7 +232,8 @@ def _parse(parser: MagicArgumentParser, line: str, prog: str) -> argparse.Namesp
     except ValueError as e:
         raise UsageError(f"cannot split the {prog} line {line.strip()!r}: {e}\n  → close the quote") from None
     verb = next((v.name for v in ARGS.values() if prog == "%ftrain" and words[:1] == [v.name_in(MAGIC)]), None)
-    verbs = ["run"] if prog == "%%ftrain" else [verb] if verb else [v for v in ARGS if v != "run"]
+    verbs = ["run"] if prog == "%%ftrain" else ["test"] if prog == "%%ftrain test" else \
+        [verb] if verb else [v for v in ARGS if v != "run"]
     try:
         return parser.parse_args(words)
     except UsageError as e:

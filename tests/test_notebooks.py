@@ -82,8 +82,16 @@ def check_resume(nb: Any) -> None:
     assert resumed.digest == eksft_nb.attach("resume-demo").refresh().digest  # nothing lost by going back
 
 
+def check_lab(nb: Any) -> None:
+    out = text(nb)
+    for case in ("lab-sigkill", "lab-exception"):
+        assert eksft_nb.attach(case).state == "succeeded"
+    assert "resilience test of lab: PASSED" in out and "2 cases, 0 failed" in out
+    assert "recommended:" in out and "cannot estimate: the in-process recovery" in out
+
+
 CHECKS: dict[str, Callable[[Any], None]] = {"01_quickstart": check_quickstart, "02_checkpoint_overlap": check_overlap,
-                                             "03_resume": check_resume}
+                                             "03_resume": check_resume, "05_resilience_lab": check_lab}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

@@ -98,6 +98,7 @@ class JobSummary:
 
 class Backend(ABC):
     name: str
+    refused_faults: frozenset[str] = frozenset()   # fault kinds it cannot deliver (a resilience test skips)
 
     @abstractmethod
     def render(self, spec: JobSpec) -> str:

@@ -1,0 +1,91 @@
+"""Plotly figures of the resilience lab: a test's card (each case's downtime split into its phases,
+passed or failed), and a what-if's ETTR against the checkpoint interval."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+import plotly.graph_objects as go
+
+from ..events import RESTART_PHASES
+
+WIDTH = 840
+PHASE_COLORS = dict(zip(RESTART_PHASES, ("#d62728", "#ff7f0e", "#9467bd", "#1f77b4", "#2ca02c")))
+
+
+def card_figure(card: dict[str, Any], widget: go.FigureWidget | None = None) -> go.Figure:
+    """One horizontal bar per case, its downtime stacked by phase, labelled pass or FAIL and the level
+    that healed it. Given ``widget`` (a live view), redraws that one in place."""
+    rows = card["rows"]
+    names = [f"{r['case']} ({'pass' if r['passed'] else 'FAIL'}, {r['level'] or '-'})" for r in rows]
+    fig = widget if widget is not None else go.Figure()
+    traces = [
+        go.Bar(
+            name=p.replace("_", " "),
+            y=names,
+            x=[r["phases"].get(p, 0.0) for r in rows],
+            orientation="h",
+            marker_color=PHASE_COLORS[p],
+            hovertemplate="%{y}: %{x:.2f}s " + p.replace("_", " ") + "<extra></extra>",
+        )
+        for p in RESTART_PHASES
+    ]
+    with fig.batch_update() if widget is not None else nullcontext():
+        fig.data = []
+        fig.add_traces(traces)
+        fig.update_layout(
+            barmode="stack",
+            width=WIDTH,
+            height=140 + 36 * max(1, len(rows)),
+            title=f"resilience test of {card['job']}: downtime by phase, per case "
+            f"({'passed' if card['passed'] else 'running or failed'})",
+            xaxis_title="seconds from the fault to the first step after recovery",
+            yaxis={"autorange": "reversed"},
+            margin={"l": 10, "r": 10, "t": 50, "b": 40},
+        )
+    return fig
+
+
+def whatif_figure(report: dict[str, Any]) -> go.Figure:
+    """ETTR against the checkpoint interval (settings that cannot be estimated are left out and named
+    in the title), the measured ETTR as a line, the recommendation as a marker."""
+    rows = sorted(
+        (r for r in report["rows"] if r["ettr"] is not None), key=lambda r: r["setting"]["ckpt_every"]
+    )
+    missing = [r["label"] for r in report["rows"] if r["ettr"] is None]
+    fig = go.Figure(
+        go.Scatter(
+            x=[r["setting"]["ckpt_every"] for r in rows],
+            y=[100 * r["ettr"] for r in rows],
+            mode="lines+markers",
+            name="predicted",
+            text=[r["label"] for r in rows],
+            hovertemplate="%{text}: %{y:.1f}% ETTR<extra></extra>",
+        )
+    )
+    fig.add_hline(y=100 * report["measured"]["ettr"], line_dash="dot", annotation_text="measured (as run)")
+    rec = report["recommendation"]
+    hit = [r for r in rows if r["setting"]["ckpt_every"] == rec.get("every")]
+    if hit:
+        fig.add_trace(
+            go.Scatter(
+                x=[rec["every"]],
+                y=[100 * hit[0]["ettr"]],
+                mode="markers",
+                name=rec["text"],
+                marker={"size": 14, "symbol": "star"},
+            )
+        )
+    title = f"what-if for {report['job']}: ETTR against the checkpoint interval"
+    if missing:
+        title += f" ({len(missing)} setting(s) cannot be estimated)"
+    fig.update_layout(
+        width=WIDTH,
+        height=380,
+        title=title,
+        xaxis_title="checkpoint every N steps",
+        yaxis_title="ETTR (%)",
+        margin={"l": 10, "r": 10, "t": 50, "b": 40},
+    )
+    return fig

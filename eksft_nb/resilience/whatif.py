@@ -1,0 +1,335 @@
+"""What-if replay: the ETTR and time breakdown a job would have had under other settings, from its
+own events (folded by :class:`~eksft_nb.monitor.JobMonitor` and :func:`~eksft_nb.goodput.compute`).
+
+The model, term by term (``N`` useful steps, ``t`` clean step time, ``k`` the interval):
+
+- productive = N * t; startup and other: as measured (no setting here changes them)
+- saves = ceil(N / k); checkpoint stall = saves * stall per save; interference = saves * interference
+  per save (an async save's slowdown of the steps it overlaps); sync from async: a save blocks for
+  its staging plus its write
+- each observed failure replayed at the step it hit (s): it rolls back to the newest save it can
+  load, s - s mod k (in-job and job restarts load committed saves only: an async save becomes
+  loadable ``commit lag`` steps after it began), so recomputed = sum(lost) * t; its downtime is
+  the observed one, or the mean of the job's observed recoveries at the level the setting moves it to
+- ETTR = productive / wall (the productive share of wall time)
+
+A setting whose effect needs a recovery or a save this job never showed gets no figure, and the
+reason instead. The recommended interval is Young/Daly's, tau = sqrt(2 C (M + R)) - C (C: the cost
+of a save, M: the mean time between failures, R: a recovery's downtime), never shorter than the
+detection latency.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from ..errors import EksftError
+from ..goodput import compute, useful_steps
+from ..incidents import phases_text
+from ..monitor import JobMonitor
+from ..spec import JobSpec
+from ..states import RestartLevel
+
+MAX_INTERVALS = 16
+TERMS = ("productive", "checkpoint_stall", "checkpoint_interference", "restart_downtime", "recomputed",
+         "startup", "other")
+
+
+@dataclass(frozen=True)
+class Setting:
+    ckpt_every: int
+    inprocess: bool
+    ckpt_mode: str
+    spares: int
+
+    @property
+    def label(self) -> str:
+        return (f"every {self.ckpt_every}, {self.ckpt_mode}, in-process {'on' if self.inprocess else 'off'}, "
+                f"{self.spares} spare(s)")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What ``whatif`` was asked: intervals (None: the defaults) and the other knobs (None: as run)."""
+
+    intervals: tuple[int, ...] | None = None
+    inprocess: bool | None = None
+    ckpt_mode: str | None = None
+    spares: int | None = None
+
+
+@dataclass
+class Inputs:
+    """What the events measured, every figure the model uses."""
+
+    steps: int                 # N: useful steps
+    step_s: float              # t: clean step time (productive seconds per useful step)
+    saves: int                 # saves observed
+    stall_per_save_s: float
+    interference_per_save_s: float
+    write_per_save_s: float | None    # async: staging + background write (what a sync save would block for)
+    commit_lag_steps: int      # async: steps from a save's start until it is committed
+    failures: list[dict[str, Any]]   # step, level, downtime_s, detection_s, lost, node_loss, phases
+    wall_s: float
+    startup_s: float
+    other_s: float
+    detection_s: float | None  # mean detection latency of the observed failures
+    mtbf_s: float | None       # wall seconds per failure (None: none observed)
+    recovery_s: float | None   # mean downtime per failure
+
+
+@dataclass
+class Row:
+    setting: Setting
+    ettr: float | None = None
+    terms: dict[str, float] = field(default_factory=dict)
+    saves: int | None = None
+    lost_steps: int | None = None
+    why: str = ""          # why there is no figure
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"setting": asdict(self.setting), "label": self.setting.label, "ettr": self.ettr,
+                "terms": self.terms, "wall_s": round(sum(self.terms.values()), 3) if self.terms else None,
+                "saves": self.saves, "lost_steps": self.lost_steps, "why": self.why, "notes": self.notes}
+
+
+@dataclass
+class Report:
+    job: str
+    as_run: Setting
+    measured: dict[str, Any]
+    inputs: Inputs
+    rows: list[Row]
+    recommendation: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"job": self.job, "as_run": asdict(self.as_run), "measured": self.measured,
+                "inputs": asdict(self.inputs), "rows": [r.to_dict() for r in self.rows],
+                "recommendation": self.recommendation}
+
+
+def parse_settings(ckpt_every: str | Sequence[int] | None, inprocess: bool | None, ckpt_mode: str | None,
+                   spares: int | None) -> Settings:
+    """Check what ``whatif`` was asked; one line naming the problem otherwise."""
+    intervals = None
+    if ckpt_every is not None:
+        words = ckpt_every.split(",") if isinstance(ckpt_every, str) else list(ckpt_every)
+        vals = []
+        for w in words:
+            text = str(w).strip()
+            if not re.fullmatch(r"\d{1,7}", text) or int(text) < 1:
+                raise EksftError(f"--ckpt-every {ckpt_every!r}: {text!r} is not a whole number of steps >= 1",
+                                 "write e.g. --ckpt-every 5,10,20,50")
+            vals.append(int(text))
+        if not vals or len(vals) > MAX_INTERVALS:
+            raise EksftError(f"--ckpt-every takes 1 to {MAX_INTERVALS} intervals, got {len(vals)}",
+                             "write e.g. --ckpt-every 5,10,20,50")
+        intervals = tuple(dict.fromkeys(vals))
+    if ckpt_mode is not None and ckpt_mode not in ("async", "sync"):
+        raise EksftError(f"unknown checkpoint mode {ckpt_mode!r}",
+                         "use --ckpt-mode async or --ckpt-mode sync")
+    if spares is not None and (isinstance(spares, bool) or not isinstance(spares, int)
+                               or not 0 <= spares <= 64):
+        raise EksftError(f"--spares {spares!r} is not a number of nodes from 0 to 64",
+                         "write e.g. --spares 1")
+    return Settings(intervals, inprocess, ckpt_mode, spares)
+
+
+def measure(mon: JobMonitor, spec: JobSpec, now: float | None = None) -> Inputs:
+    """The model's inputs from a job's folded events."""
+    gp = compute(mon, now)
+    n = useful_steps(mon)
+    if not n:
+        raise EksftError(f"job {mon.name or spec.name!r} has run no step yet",
+                         "ask again once it has trained a while")
+    step_s = gp.productive_s / n
+    saves = [c for c in mon.checkpoints.values() if c.t_staged is not None]
+    async_saves = [c for c in saves if c.mode == "async"]
+    writes = [(c.blocked_s or 0.0) + c.background_s for c in async_saves if c.background_s is not None]
+    lags = [c.t_done - c.t_begin for c in async_saves if c.t_done and c.t_begin and c.state == "committed"]
+    failures = []
+    for r in mon.restarts:
+        failures.append({"step": r["resumed_step"] + r["rolled_back_steps"], "level": r["level"],
+                         "downtime_s": r["downtime_s"], "detection_s": r["detection_s"],
+                         "lost": r["rolled_back_steps"], "node_loss": _node_loss(r, spec),
+                         "phases": r.get("phases") or {}})
+    wall = gp.wall_s
+    return Inputs(
+        steps=n, step_s=step_s, saves=len(saves),
+        stall_per_save_s=gp.checkpoint_stall_s / len(saves) if saves else 0.0,
+        interference_per_save_s=gp.checkpoint_interference_s / len(async_saves) if async_saves else 0.0,
+        write_per_save_s=statistics.fmean(writes) if writes else None,
+        commit_lag_steps=math.ceil(statistics.fmean(lags) / step_s) if lags and step_s > 0 else 0,
+        failures=failures, wall_s=wall, startup_s=gp.startup_s, other_s=gp.other_s,
+        detection_s=statistics.fmean(f["detection_s"] for f in failures) if failures else None,
+        mtbf_s=wall / len(failures) if failures else None,
+        recovery_s=statistics.fmean(f["downtime_s"] for f in failures) if failures else None)
+
+
+def _node_loss(restart: dict[str, Any], spec: JobSpec) -> bool:
+    """Whether a node was lost: a job-level restart, or an in-job one where a spare took its place."""
+    return restart["level"] == RestartLevel.JOB or (spec.spare_nodes > 0 and restart["blame_rank"] is None
+                                                    and "node" in restart["cause"])
+
+
+def predict(inp: Inputs, as_run: Setting, s: Setting) -> Row:
+    """The breakdown ``inp``'s job would have had under ``s`` (it ran under ``as_run``)."""
+    row = Row(s)
+    stall, interference = inp.stall_per_save_s, inp.interference_per_save_s
+    lag = inp.commit_lag_steps if s.ckpt_mode == "async" else 0
+    if s.ckpt_mode != as_run.ckpt_mode:
+        if s.ckpt_mode == "sync":
+            if inp.write_per_save_s is None:
+                row.why = "no async save with its write time was observed, so a sync save's cost is unknown"
+                return row
+            stall, interference = inp.write_per_save_s, 0.0
+            row.notes.append(f"a sync save blocks for the observed staging + write, {stall:.3f}s")
+        else:
+            row.why = ("no async save was observed: its staging stall, interference and commit lag are "
+                       "unknown (run it once with --ckpt-mode async)")
+            return row
+    downtimes: list[float] = []
+    for f in inp.failures:
+        level, why = _level_under(f, as_run, s)
+        if why:
+            row.why = why
+            return row
+        if level == f["level"]:
+            downtimes.append(f["downtime_s"])
+            continue
+        seen = [g["downtime_s"] for g in inp.failures if g["level"] == level]
+        if not seen:
+            now_, then = RestartLevel(f["level"]).label, RestartLevel(level).label
+            row.why = (f"the {now_} recovery at step {f['step']} would become {then}, and this job shows no "
+                       f"{then} recovery to take its downtime from")
+            return row
+        downtimes.append(statistics.fmean(seen))
+        row.notes.append(f"the {f['level']} recovery at step {f['step']} becomes {level} "
+                         f"({downtimes[-1]:.2f}s, the mean of the job's {len(seen)} observed)")
+    lost = [_lost(f, s.ckpt_every, lag if level_loads_committed(f, as_run, s) else 0) for f in inp.failures]
+    saves = math.ceil(inp.steps / s.ckpt_every) if s.ckpt_every > 0 else 0
+    t = inp.step_s
+    row.terms = {"productive": inp.steps * t, "checkpoint_stall": saves * stall,
+                 "checkpoint_interference": saves * interference, "restart_downtime": sum(downtimes),
+                 "recomputed": sum(lost) * t, "startup": inp.startup_s, "other": inp.other_s}
+    row.terms = {k: round(v, 4) for k, v in row.terms.items()}
+    wall = sum(row.terms.values())
+    row.ettr = round(row.terms["productive"] / wall, 5) if wall > 0 else None
+    row.saves, row.lost_steps = saves, sum(lost)
+    return row
+
+
+def _level_under(f: dict[str, Any], as_run: Setting, s: Setting) -> tuple[str, str]:
+    """The level that would recover failure ``f`` under ``s``, or why that cannot be told."""
+    level = f["level"]
+    if level == RestartLevel.INPROCESS and not s.inprocess:
+        return RestartLevel.INJOB.value, ""
+    if s.inprocess and not as_run.inprocess and level == RestartLevel.INJOB and not f["node_loss"]:
+        return "", ("in-process restart was off, so none was observed: which failures it would catch, and "
+                    "how fast, cannot be told from these events")
+    if f["node_loss"] and (s.spares > 0) != (as_run.spares > 0):
+        if s.spares > 0:
+            return "", ("a node was lost and the job had no spare: a spare's takeover was never observed, so "
+                        "its downtime is unknown (hot spares may recover slower than a job restart)")
+        return RestartLevel.JOB.value, ""
+    return level, ""
+
+
+def level_loads_committed(f: dict[str, Any], as_run: Setting, s: Setting) -> bool:
+    """Whether the recovery of ``f`` under ``s`` restores committed saves only (in-job and job: from
+    storage; in-process: the processes' own newest save)."""
+    return _level_under(f, as_run, s)[0] != RestartLevel.INPROCESS
+
+
+def _lost(f: dict[str, Any], k: int, lag: int) -> int:
+    """Steps a failure at step ``f['step']`` loses with saves every ``k`` steps, loadable ``lag`` steps on."""
+    s = f["step"]
+    if k <= 0:
+        return s
+    back = s % k
+    if back < lag and s >= k:   # the newest save is still being written: the one before it is loaded
+        back += k
+    return min(back, s)
+
+
+def recommend(inp: Inputs, as_run: Setting, base: Row) -> dict[str, Any]:
+    """Young/Daly's interval from the measured save cost, failure rate and recovery, never shorter than
+    the detection latency; with the ETTR it gains over the job's own interval, replayed."""
+    cost = inp.stall_per_save_s + inp.interference_per_save_s
+    if inp.mtbf_s is None:
+        return {"every": None, "text": "no failure observed: the events give no failure rate, so no interval "
+                "can be recommended (the interval only bounds what a failure would lose)"}
+    m, r, t = inp.mtbf_s, inp.recovery_s or 0.0, inp.step_s
+    tau = math.sqrt(2 * cost * (m + r)) - cost if cost < 2 * m else m
+    floor_s = inp.detection_s or 0.0
+    every = max(1, round(max(tau, floor_s) / t)) if t > 0 else 1
+    formula = (f"tau = sqrt(2 C (M + R)) - C = sqrt(2 x {cost:.3f} x ({m:.1f} + {r:.2f})) - {cost:.3f} "
+               f"= {tau:.2f}s; floor: detection latency {floor_s:.2f}s; / step {t:.4f}s = {every} steps")
+    row = predict(inp, as_run, replace(as_run, ckpt_every=every))
+    gain = None if row.ettr is None or base.ettr is None else round(100 * (row.ettr - base.ettr), 2)
+    text = f"every {every} steps" + (f": {gain:+.1f} points ETTR" if gain is not None else "") + \
+        f" (now every {as_run.ckpt_every})"
+    return {"every": every, "tau_s": round(tau, 4), "save_cost_s": round(cost, 4), "mtbf_s": round(m, 3),
+            "recovery_s": round(r, 3), "floor_s": round(floor_s, 3), "gain_points": gain, "formula": formula,
+            "text": text, "failures": len(inp.failures)}
+
+
+def replay(mon: JobMonitor, spec: JobSpec, settings: Settings = Settings(),
+           now: float | None = None) -> Report:
+    """Every row ``settings`` asks for, the measured breakdown, and the recommendation."""
+    inp = measure(mon, spec, now)
+    as_run = Setting(spec.checkpoint.every, spec.ft.inprocess, spec.checkpoint.mode, spec.spare_nodes)
+    base = predict(inp, as_run, as_run)
+    rec = recommend(inp, as_run, base)
+    asked = {"inprocess": settings.inprocess, "ckpt_mode": settings.ckpt_mode, "spares": settings.spares}
+    other = replace(as_run, **{k: v for k, v in asked.items() if v is not None})
+    k = as_run.ckpt_every or 10
+    intervals = settings.intervals or tuple(dict.fromkeys(
+        [x for x in (max(1, k // 2), k, 2 * k, rec.get("every")) if x]))
+    rows = [predict(inp, as_run, replace(other, ckpt_every=i)) for i in intervals]
+    gp = compute(mon, now)
+    measured = {"ettr": round(gp.goodput, 5), "terms": {c: round(v, 4) for c, v in gp.seconds().items()},
+                "wall_s": round(gp.wall_s, 3), "predicted_as_run": base.to_dict()}
+    return Report(mon.name or spec.name, as_run, measured, inp, rows, rec)
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as text: the inputs, one line per setting with its terms, the recommendation."""
+    i, m = report["inputs"], report["measured"]
+    rates = (f", MTBF {i['mtbf_s']:.1f}s, recovery {i['recovery_s']:.2f}s, detection {i['detection_s']:.2f}s"
+             if i["failures"] else "")
+    terms = " + ".join(t.replace("checkpoint_", "ckpt ").replace("restart_", "") for t in TERMS)
+    lines = [f"what-if for {report['job']} (as run: {Setting(**report['as_run']).label})",
+             f"measured: N {i['steps']} steps x t {i['step_s']:.4f}s; {i['saves']} saves, stall "
+             f"{i['stall_per_save_s']:.3f}s + interference {i['interference_per_save_s']:.3f}s each; "
+             f"{len(i['failures'])} failure(s){rates}",
+             *(f"  failure at step {f['step']}: {f['level']}, {f['downtime_s']:.2f}s down, {f['lost']} steps "
+               "lost" + (f" ({phases_text(f['phases'])})" if f["phases"] else "") for f in i["failures"]),
+             f"  {'setting':<44}{'ETTR':>7}{'wall':>9} = {terms}"]
+    as_run = m["predicted_as_run"]
+    lines.append(_row_line("measured (as run)", m["ettr"], m["wall_s"], m["terms"]))
+    lines.append(_row_line("predicted (as run)", as_run["ettr"], as_run["wall_s"], as_run["terms"]))
+    for r in report["rows"]:
+        if r["ettr"] is None:
+            lines.append(f"  {r['label']:<44}{'-':>7}  cannot estimate: {r['why']}")
+        else:
+            lines.append(_row_line(r["label"], r["ettr"], r["wall_s"], r["terms"])
+                         + f"   ({r['saves']} saves, {r['lost_steps']} steps lost)")
+        lines += [f"      {n}" for n in r["notes"]]
+    rec = report["recommendation"]
+    lines.append(f"recommended: {rec['text']}")
+    if rec.get("formula"):
+        lines.append(f"  {rec['formula']}")
+    return "\n".join(lines)
+
+
+def _row_line(label: str, ettr: float | None, wall: float | None, terms: dict[str, float]) -> str:
+    pct = "-" if ettr is None else f"{100 * ettr:.1f}%"
+    parts = " + ".join(f"{terms.get(t, 0.0):.2f}" for t in TERMS)
+    return f"  {label:<44}{pct:>7}{(wall or 0.0):>8.2f}s = {parts}"

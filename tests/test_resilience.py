@@ -1,0 +1,271 @@
+"""The resilience test: expectations parsed strictly, the plan drawn from the reference run, the card
+in its three forms, and real jobs tested through the CLI (a built-in trainer killed twice, a job that
+never checkpoints, a user script)."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+from IPython.core.error import UsageError
+
+from eksft_nb.errors import EksftError
+from eksft_nb.events import make
+from eksft_nb.monitor import JobMonitor
+from eksft_nb.resilience import expect, plan
+from eksft_nb.resilience.card import junit, state_check, table
+from eksft_nb.spec import JobSpec
+from eksft_nb.states import FaultKind
+from jobs import cli, events, job_dir
+
+REPO = Path(__file__).resolve().parents[1]
+
+T0 = 1_000_000.0
+
+
+# ---- expectations ------------------------------------------------------------------------------
+
+def test_expectations_parse_and_check() -> None:
+    checks = expect.parse("level<=injob, downtime<5s, detection<=500ms, lost<=10, state=reference")
+    assert [c.text for c in checks] == ["level<=injob", "downtime<5s", "detection<=0.5s", "lost<=10",
+                                        "state=reference"]
+    row = {"level": "job", "downtime_s": 6.5, "detection_s": 0.2, "lost": 12, "state_check": "match",
+           "state_detail": "same digest"}
+    assert [c.check(row) for c in checks] == [
+        "healed at level job, expected level<=injob", "downtime 6.50s, expected downtime<5s", "",
+        "lost 12 steps, expected lost<=10", ""]
+    assert expect.parse("level<=in-process")[0].check({**row, "level": "none"}) == ""   # the label works too
+    assert [c.text for c in expect.parse(None)] == ["state=reference"]
+
+
+@pytest.mark.parametrize(("text", "problem"), [
+    ("levle<=injob", "unknown expectation 'levle'"), ("level<=warm", "unknown level 'warm'"),
+    ("downtime<5 s", "cannot read expectation"), ("downtime<fast", "not a duration"),
+    ("lost<=1.5", "whole number"),
+    ("state=same", "state=reference"), ("lost<=3,,level<=job", "empty clause"), ("lost~3", "cannot read")])
+def test_bad_expectations_are_one_line(text: str, problem: str) -> None:
+    with pytest.raises(EksftError) as e:
+        expect.parse(text)
+    assert problem in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+# ---- the plan ----------------------------------------------------------------------------------
+
+def reference(ckpt_at: int | None = 5, commit_s: float = 2.5, steps: int = 20) -> JobMonitor:
+    """A reference run of 1 s steps whose save at ``ckpt_at`` commits ``commit_s`` after it begins."""
+    evs = [make("job_start", "j", t=T0, spec_digest="x", world_size=2, steps=steps, backend="local", host="h",
+                pid=1)]
+    for step in range(1, steps + 1):
+        evs.append(make("step", "j", rank=0, t=T0 + step, step=step, loss=1.0 / step, tokens=8,
+                        step_time=1.0))
+    if ckpt_at:
+        evs.append(make("checkpoint", "j", rank=0, t=T0 + ckpt_at, phase="begin", step=ckpt_at, mode="async"))
+        evs.append(make("checkpoint", "j", rank=0, t=T0 + ckpt_at + commit_s, phase="committed", step=ckpt_at,
+                        mode="async", blocked_s=0.1, background_s=commit_s))
+    mon = JobMonitor()
+    mon.update(sorted(evs, key=lambda e: e.t))
+    return mon
+
+
+def test_faults_fire_after_the_first_committed_checkpoint() -> None:
+    # the save at 5 commits at 7.5 s: step 9 is the first to start after it, and one step of margin
+    assert plan.fault_step(reference()) == 10
+    assert plan.fault_step(reference(commit_s=0.0)) == 7
+    assert plan.fault_step(reference(ckpt_at=None)) is None
+    assert plan.fault_step(reference(ckpt_at=20, commit_s=0.0)) is None   # the last step's save protects none
+
+
+def test_the_plan_has_one_case_per_kind_that_applies() -> None:
+    spec = JobSpec(name="t")
+    p = plan.build(spec, reference(), "t", refused={"kill-supervisor"})
+    assert [c.kind for c in p.cases] == [k for k in FaultKind if k != FaultKind.KILL_SUPERVISOR]
+    assert p.skipped == {"kill-supervisor": "the local backend cannot deliver it"}
+    sigkill = next(c for c in p.cases if c.kind == FaultKind.SIGKILL)
+    assert (sigkill.job, sigkill.step, sigkill.target, sigkill.faults[0].rank) == \
+        ("t-sigkill", 10, "rank 1", 1)
+    corrupt = next(c for c in p.cases if c.kind == FaultKind.CORRUPT_CHECKPOINT)
+    assert [(f.fault, f.step) for f in corrupt.faults] == [("corrupt-checkpoint", 10), ("sigkill", 11)]
+    assert next(c for c in p.cases if c.kind == FaultKind.KILL_LAUNCHER).target == "node 0"
+    # a script whose saves eksft never saw: no storage faults, and --at-step places the others
+    script = JobSpec(name="t", script="train.py")
+    p = plan.build(script, reference(ckpt_at=None), "t", at_step=4)
+    assert set(p.skipped) == {k.value for k in plan.STORAGE_KINDS} and p.fault_step == 4 and not p.problem
+    assert p.expected_s(10.0, script) == pytest.approx(len(p.cases) * (10.0 + plan.RESTART_ALLOWANCE_S))
+
+
+def test_a_job_that_never_checkpoints_has_no_case_and_says_why() -> None:
+    p = plan.build(JobSpec(name="t"), reference(ckpt_at=None), "t")
+    assert not p.cases and "never committed a checkpoint" in p.problem
+    script = plan.build(JobSpec(name="t", script="x.py"), reference(ckpt_at=None), "t")
+    assert "--at-step" in script.problem
+
+
+def test_named_kinds_are_checked() -> None:
+    assert plan.parse_kinds("sigkill, hang,sigkill") == [FaultKind.SIGKILL, FaultKind.HANG]
+    with pytest.raises(EksftError, match="did you mean sigkill"):
+        plan.parse_kinds("sigkil")
+    with pytest.raises(EksftError, match="names no fault"):
+        plan.parse_kinds(" , ")
+    with pytest.raises(EksftError, match="do not apply to this job: disk-full"):
+        plan.build(JobSpec(name="t", script="x.py"), reference(ckpt_at=None), "t", [FaultKind.DISK_FULL],
+                   at_step=3)
+
+
+def test_state_is_the_digest_or_else_the_loss_curve() -> None:
+    ref, same = reference(), reference()
+    assert state_check(same, ref)[0] == "match"
+    off = reference()
+    off.steps.loss[7] *= 1.05
+    check, why = state_check(off, ref)
+    assert check == "differs" and "loss at step 8" in why and "tolerance 2 %" in why
+    assert state_check(off, ref, tolerance=0.1)[0] == "match"
+    ref.digest, same.digest = "abc", "abd"
+    assert state_check(same, ref) == ("differs", "final digest abd, the reference's abc")
+
+
+# ---- the card ----------------------------------------------------------------------------------
+
+def validate_junit(text: str) -> dict[str, list[str]]:
+    """Check the JUnit XML's structure (one testsuite of testcases, failures counted right); return
+    each testcase's failure messages by name."""
+    suite = ET.fromstring(text.split("?>", 1)[1] if text.startswith("<?xml") else text)
+    assert suite.tag == "testsuite" and suite.get("name")
+    cases = list(suite)
+    assert cases and all(c.tag == "testcase" and c.get("classname") and c.get("name") for c in cases)
+    out = {c.get("name"): [f.get("message") for f in c.findall("failure")] for c in cases}
+    assert all(all(f.get("message") and f.get("type") for f in c.findall("failure")) for c in cases)
+    assert int(suite.get("tests")) == len(cases)
+    assert int(suite.get("failures")) == sum(bool(m) for m in out.values())
+    return out
+
+
+def test_a_card_that_ran_no_case_fails_in_every_form() -> None:
+    card = {"job": "t", "expect": ["state=reference"], "reference": {}, "rows": [], "skipped": {},
+            "problem": "the job never committed a checkpoint", "passed": False}
+    assert validate_junit(junit(card)) == {"plan": ["the job never committed a checkpoint"]}
+    assert "FAILED" in table(card) and "never committed" in table(card)
+
+
+# ---- the front ends (nothing launches on bad input) ---------------------------------------------
+
+def test_bad_input_is_refused_before_any_job_runs(ip: object, tmp_path: Path) -> None:
+    before = sorted(p.name for p in (job_dir("x").parent).glob("*")) if job_dir("x").parent.exists() else []
+    proc = cli("test", "--name", "bad", "--expect", "lvl<=injob")
+    assert proc.returncode == 2 and "unknown expectation 'lvl'" in proc.stderr, proc.stderr
+    proc = cli("test", "--name", "bad", "--faults", "sigkil")
+    assert proc.returncode == 2 and "did you mean sigkill" in proc.stderr, proc.stderr
+    proc = cli("test", "--name", "bad", "--junit", str(tmp_path / "no" / "card.xml"))
+    assert proc.returncode == 2 and "does not exist" in proc.stderr, proc.stderr
+    with pytest.raises(UsageError, match="unknown expectation"):
+        ip.run_line_magic("ftrain", 'test --name bad --expect "lvl<3"')
+    with pytest.raises(UsageError, match="--script names a script too"):
+        ip.run_cell_magic("ftrain", "test --name bad --script x.py", "print(1)\n")
+    with pytest.raises(UsageError, match="did you mean --faults"):
+        ip.run_cell_magic("ftrain", "test --fualts sigkill", "print(1)\n")
+    after = sorted(p.name for p in (job_dir("x").parent).glob("*")) if job_dir("x").parent.exists() else []
+    assert after == before
+
+
+# ---- real jobs ---------------------------------------------------------------------------------
+
+def run_test(name: str, *args: str, tmp: Path) -> tuple[int, dict, str, dict[str, list[str]]]:
+    """``python -m eksft_nb test``: exit code, card, narration, JUnit failures by case."""
+    xml = tmp / f"{name}.xml"
+    proc = cli("test", "--name", name, "--model", "tiny", "--seed", "0", *args, "--json", "--junit", str(xml),
+               timeout=1500)
+    assert proc.stdout.strip().startswith("{"), proc.stderr[-3000:]
+    return proc.returncode, json.loads(proc.stdout), proc.stderr, validate_junit(xml.read_text())
+
+
+def test_the_built_in_trainer_heals_each_fault_and_the_card_says_at_which_level(tmp_path: Path) -> None:
+    rc, card, narration, failures = run_test(
+        "rt", "--steps", "40", "--ckpt-every", "5", "--faults", "sigkill,exception",
+        "--expect", "level<=inprocess, lost<=10, state=reference", tmp=tmp_path)
+    rows = {r["case"]: r for r in card["rows"]}
+    # the expected total is said before the first case runs
+    assert narration.index("expect about") < narration.index("case sigkill"), narration
+    assert card["reference"]["state"] == "succeeded" and card["reference"]["digest"]
+    for r in rows.values():
+        assert r["fired"] and r["state_check"] == "match", r   # the final digest is the reference's
+        assert r["at_step"] > 5 and r["lost"] <= 10 and r["downtime_s"] > 0
+        # each case is a real job in its own folder: its events hold the fault it fired
+        assert [e["fault"] for e in events(r["job"], "fault")] == [r["fault"]]
+    assert rows["exception"]["level"] == "inprocess" and rows["exception"]["passed"], rows["exception"]
+    # a lost rank process is healed in-job: not what this card asked for, so the case and the test fail
+    s = rows["sigkill"]
+    assert s["level"] == "injob" and not s["passed"]
+    assert s["why"] == ["healed at level injob, expected level<=inprocess"]
+    assert sum(s["phases"].values()) == pytest.approx(s["downtime_s"], abs=0.01)
+    assert rc == 1 and not card["passed"]
+    assert failures == {"sigkill": ["healed at level injob, expected level<=inprocess"], "exception": []}
+
+
+def test_a_job_that_never_checkpoints_fails_the_card_with_the_reason(tmp_path: Path) -> None:
+    rc, card, _, failures = run_test("nockpt", "--steps", "12", "--ckpt-every", "0", tmp=tmp_path)
+    assert rc == 1 and not card["passed"] and card["rows"] == []
+    assert "never committed a checkpoint" in card["problem"], card
+    assert list(failures) == ["plan"] and "never committed a checkpoint" in failures["plan"][0]
+    assert job_dir("nockpt-ref").is_dir() and not job_dir("nockpt-sigkill").exists()   # no case ran
+
+
+def test_a_users_script_is_checked_by_its_loss_curve(tmp_path: Path) -> None:
+    script = str(REPO / "tests" / "scripts" / "aware.py")
+    rc, card, _, failures = run_test("scr", "--script", script, "--steps", "30", "--ckpt-every", "5",
+                                     "--faults", "sigkill", "--expect", "level<=injob, state=reference",
+                                     tmp=tmp_path)
+    [row] = card["rows"]
+    assert card["reference"]["digest"] is None   # a script reports no digest: its losses are compared
+    assert row["state_check"] == "match" and "loss curve within 2 %" in row["state_detail"], row
+    assert row["level"] == "injob" and row["passed"] and rc == 0, card
+    assert failures == {"sigkill": []}
+
+
+def test_the_cards_figure_stacks_each_cases_downtime_by_phase() -> None:
+    import plotly.graph_objects as go
+
+    from eksft_nb.resilience.figures import card_figure
+
+    phases = {"detection": 0.5, "teardown": 1.0, "reformation": 1.5, "restore": 2.0, "first_step": 0.25}
+    rows = [{"case": "sigkill", "passed": True, "level": "injob", "phases": phases},
+            {"case": "slow-rank", "passed": False, "level": "none", "phases": {}}]
+    card = {"job": "t", "passed": False, "rows": rows}
+    live = go.FigureWidget()
+    card_figure(card, live)
+    assert [t.name for t in live.data] == ["detection", "teardown", "reformation", "restore", "first step"]
+    assert [t.x[0] for t in live.data] == list(phases.values()) and [t.x[1] for t in live.data] == [0.0] * 5
+    assert list(live.data[0].y) == ["sigkill (pass, injob)", "slow-rank (FAIL, none)"]
+
+
+def test_a_row_reads_the_cases_events() -> None:
+    from eksft_nb.resilience.card import row
+
+    [case] = plan.build(JobSpec(name="t"), reference(), "t", [FaultKind.SIGKILL]).cases
+    ref = reference()
+    ref.digest = "d1"
+
+    def case_job(fired: bool, digest: str = "d1", state: str = "succeeded") -> JobMonitor:
+        mon = reference()
+        evs = [make("fault", "t", rank=1, t=T0 + 9.5, fault="sigkill", id=case.faults[0].id, target_rank=1,
+                    at_step=10)] if fired else []
+        evs += [make("restart", "t", t=T0 + 14, level="injob", cause="injected sigkill on rank 1",
+                     blame_rank=1, fault_time=T0 + 9.5, detection_s=0.5, downtime_s=4.0, rolled_back_steps=4,
+                     resumed_step=5,
+                     phases={"detection": 0.5, "teardown": 1.0, "reformation": 1.0, "restore": 1.5,
+                             "first_step": 0.0})] if fired else []
+        evs.append(make("job_end", "t", t=T0 + 30, state=state, reason="", final_step=20, digest=digest))
+        mon.update(evs)
+        return mon
+
+    checks = expect.parse("level<=injob, downtime<5s, lost<=4, state=reference")
+    r = row(case, case_job(True), ref, checks, "")
+    assert (r["level"], r["detection_s"], r["downtime_s"], r["lost"]) == ("injob", 0.5, 4.0, 4)
+    assert r["passed"]
+    assert r["phases"]["restore"] == 1.5 and r["state_check"] == "match"
+    r = row(case, case_job(True, digest="d2"), ref, checks, "")
+    assert not r["passed"] and r["why"] == ["state: final digest d2, the reference's d1"]
+    r = row(case, case_job(False), ref, checks, "")
+    assert not r["passed"] and r["why"][0].startswith("the fault never fired (scheduled at step 10")
+    r = row(case, case_job(True, state="failed"), ref, checks, "")
+    assert r["level"] is None and r["why"] == ["the job did not heal: it ended failed"]

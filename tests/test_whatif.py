@@ -1,0 +1,230 @@
+"""What-if replay: the model checked term by term against event streams whose answers can be worked
+out by hand, then one prediction against a real job's measurement."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from eksft_nb import commands
+from eksft_nb.errors import EksftError
+from eksft_nb.events import make
+from eksft_nb.monitor import JobMonitor
+from eksft_nb.resilience.whatif import (Setting, Settings, format_report, measure, parse_settings, predict,
+                                       replay)
+from eksft_nb.spec import JobSpec
+
+T0 = 1_000_000.0
+
+
+def stream(steps: int = 20, every: int = 5, mode: str = "sync", fault_at: int | None = 13,
+           level: str = "injob", detection: float = 1.0, downtime: float = 4.0, step_s: float = 1.0,
+           save_s: float = 0.5,
+           commit_s: float = 2.5, startup: float = 2.0) -> JobMonitor:
+    """The events of a job on a perfectly regular clock: a fault at the start of step ``fault_at``
+    rolls back to the newest save committed by then (async saves commit ``commit_s`` after they begin)."""
+    evs = [make("job_start", "j", t=T0, spec_digest="x", world_size=2, steps=steps, backend="local", host="h",
+                pid=1)]
+    t, step, faulted, commits = T0 + startup, 0, False, {}
+    while step < steps:
+        if step + 1 == fault_at and not faulted:
+            faulted = True
+            resumed = max([s for s, c in commits.items() if c <= t or level == "inprocess"] or [0])
+            evs.append(make("failure", "j", t=t + detection, level=level, cause="injected sigkill on rank 1",
+                            blame_rank=1, fault_time=t, detected_at=t + detection))
+            evs.append(make("restart", "j", t=t + downtime, level=level, cause="injected sigkill on rank 1",
+                            blame_rank=1, fault_time=t, detection_s=detection, downtime_s=downtime,
+                            rolled_back_steps=step - resumed, resumed_step=resumed))
+            t, step = t + downtime, resumed
+            continue
+        step += 1
+        t += step_s
+        evs.append(make("step", "j", rank=0, t=t, step=step, loss=1.0, tokens=8, step_time=step_s))
+        if every and (step % every == 0 or step == steps) and step not in commits:
+            evs.append(make("checkpoint", "j", rank=0, t=t, phase="begin", step=step, mode=mode))
+            if mode == "sync":
+                evs.append(make("checkpoint", "j", rank=0, t=t + save_s, phase="committed", step=step,
+                                mode=mode, blocked_s=save_s))
+                commits[step] = t + save_s
+                t += save_s
+            else:
+                evs.append(make("checkpoint", "j", rank=0, t=t + save_s, phase="staged", step=step, mode=mode,
+                                blocked_s=save_s))
+                evs.append(make("checkpoint", "j", rank=0, t=t + commit_s, phase="committed", step=step,
+                                mode=mode, blocked_s=save_s, background_s=commit_s - save_s))
+                commits[step] = t + commit_s
+                t += save_s
+    evs.append(make("job_end", "j", t=t, state="succeeded", reason="", final_step=steps))
+    mon = JobMonitor()
+    mon.update(sorted(evs, key=lambda e: e.t))
+    return mon
+
+
+def spec(every: int = 5, mode: str = "sync", inprocess: bool = True, spares: int = 0) -> JobSpec:
+    return JobSpec(name="j", spare_nodes=spares).replace(
+        **{"checkpoint.every": every, "checkpoint.mode": mode, "ft.inprocess": inprocess})
+
+
+def as_run(s: JobSpec) -> Setting:
+    return Setting(s.checkpoint.every, s.ft.inprocess, s.checkpoint.mode, s.spare_nodes)
+
+
+def test_the_inputs_are_what_the_events_measured() -> None:
+    inp = measure(stream(), spec())
+    # 20 steps of 1 s; saves at 5, 10, 15, 20 blocking 0.5 s; the fault at step 13's start lost 11 and 12
+    assert (inp.steps, inp.step_s, inp.saves, inp.stall_per_save_s) == (20, 1.0, 4, 0.5)
+    assert inp.failures == [{"step": 12, "level": "injob", "downtime_s": 4.0, "detection_s": 1.0, "lost": 2,
+                             "node_loss": False, "phases": {}}]
+    assert inp.wall_s == pytest.approx(2 + 22 + 2.0 + 4.0)   # startup + steps run + stall + downtime
+    assert (inp.mtbf_s, inp.recovery_s, inp.detection_s) == (pytest.approx(30.0), 4.0, 1.0)
+    assert inp.other_s == pytest.approx(0.0, abs=1e-9)
+
+
+def test_the_replay_at_the_jobs_own_settings_is_its_measurement() -> None:
+    mon, s = stream(), spec()
+    report = replay(mon, s).to_dict()
+    row = report["measured"]["predicted_as_run"]
+    assert row["terms"] == pytest.approx(report["measured"]["terms"], abs=1e-6)
+    assert row["ettr"] == pytest.approx(20 / 30, abs=1e-4) == report["measured"]["ettr"]
+
+
+@pytest.mark.parametrize(("every", "saves", "lost", "wall"), [
+    (10, 2, 2, 2 + 20 + 1.0 + 4 + 2),     # saves at 10, 20; the fault at 12 rolls back to 10
+    (4, 5, 0, 2 + 20 + 2.5 + 4 + 0),      # a save at 12 itself: nothing lost
+    (3, 7, 0, 2 + 20 + 3.5 + 4 + 0),      # saves at 3..18 and the last step's
+    (7, 3, 5, 2 + 20 + 1.5 + 4 + 5),      # saves at 7, 14, 20; the fault at 12 rolls back to 7
+])
+def test_other_intervals_by_hand(every: int, saves: int, lost: int, wall: float) -> None:
+    s = spec()
+    row = predict(measure(stream(), s), as_run(s), as_run(s).__class__(every, True, "sync", 0))
+    assert (row.saves, row.lost_steps) == (saves, lost)
+    assert sum(row.terms.values()) == pytest.approx(wall)
+    assert row.ettr == pytest.approx(20 / wall, abs=1e-4)
+    assert row.terms["recomputed"] == lost * 1.0 and row.terms["checkpoint_stall"] == saves * 0.5
+
+
+def test_an_async_save_is_loadable_only_once_committed() -> None:
+    # saves begin at 5, 10 and commit 2.5 s later (3 steps of 1 s): the fault at step 12's start (after
+    # step 11) finds 10 still in flight, so the in-job restart loads 5 and loses 6 steps
+    mon, s = stream(mode="async", fault_at=12, save_s=0.1), spec(mode="async")
+    inp = measure(mon, s)
+    assert inp.commit_lag_steps == 3 and inp.failures[0]["lost"] == 6
+    assert predict(inp, as_run(s), as_run(s)).lost_steps == 6                     # 11 % 5 = 1 < 3: back 6
+    assert predict(inp, as_run(s), Setting(4, True, "async", 0)).lost_steps == 3  # 11 % 4 = 3: committed
+    # sync from async: a save blocks for its staging and its write (0.1 + 2.4 s)
+    sync = predict(inp, as_run(s), Setting(5, True, "sync", 0))
+    assert sync.terms["checkpoint_stall"] == pytest.approx(sync.saves * 2.5) and sync.lost_steps == 1
+    assert "blocks for the observed staging + write" in sync.notes[0]
+
+
+def test_young_daly_from_the_measured_costs() -> None:
+    report = replay(stream(), spec()).to_dict()
+    rec = report["recommendation"]
+    # C 0.5 s, M 30 s (one failure in 30 s), R 4 s: tau = sqrt(2 * 0.5 * 34) - 0.5 = 5.33 s = 5 steps of 1 s
+    assert rec["tau_s"] == pytest.approx(math.sqrt(34) - 0.5, abs=1e-3)
+    assert rec["every"] == 5 and rec["gain_points"] == 0.0
+    assert rec["text"] == "every 5 steps: +0.0 points ETTR (now every 5)"
+    assert 5 in [r["setting"]["ckpt_every"] for r in report["rows"]]   # the recommendation is one of the rows
+
+
+def test_the_interval_is_never_shorter_than_the_detection_latency() -> None:
+    # detection 8 s: wall 2 + 22 + 2 + 10 = 36, tau = sqrt(2 * 0.5 * 46) - 0.5 = 6.28 s < 8 s
+    rec = replay(stream(detection=8.0, downtime=10.0), spec()).to_dict()["recommendation"]
+    assert rec["tau_s"] == pytest.approx(math.sqrt(46) - 0.5, abs=1e-3)
+    assert rec["every"] == 8 and rec["floor_s"] == 8.0
+
+
+def test_what_the_events_cannot_tell_is_said_not_guessed() -> None:
+    # an in-process recovery without in-process restart needs an in-job one to copy: there is none
+    s = spec()
+    report = replay(stream(level="inprocess"), s, Settings((5,), inprocess=False)).to_dict()
+    [row] = report["rows"]
+    assert row["ettr"] is None and "shows no in-job recovery" in row["why"]
+    # in-process restart on, where the job ran without: none was observed
+    off = spec(inprocess=False)
+    [row] = replay(stream(), off, Settings((5,), inprocess=True)).to_dict()["rows"]
+    assert row["ettr"] is None and "in-process restart was off" in row["why"]
+    # async from sync saves: their staging and interference are unknown
+    [row] = replay(stream(), s, Settings((5,), ckpt_mode="async")).to_dict()["rows"]
+    assert row["ettr"] is None and "no async save was observed" in row["why"]
+    # a lost node with a spare: no takeover was observed
+    [row] = replay(stream(level="job"), s, Settings((5,), spares=1)).to_dict()["rows"]
+    assert row["ettr"] is None and "spare's takeover was never observed" in row["why"]
+    # no failure: no failure rate, no recommendation
+    rec = replay(stream(fault_at=None), s).to_dict()["recommendation"]
+    assert rec["every"] is None and "no failure observed" in rec["text"]
+    assert "cannot estimate" in format_report(replay(stream(level="inprocess"), s,
+                                                     Settings((5,), inprocess=False)).to_dict())
+
+
+def test_an_in_process_recovery_becomes_an_in_job_one_at_its_observed_cost() -> None:
+    # two failures: an in-process one (0.5 s) and an in-job one (4 s); without in-process restart
+    # both cost the in-job recovery's 4 s
+    mon = stream(level="inprocess", downtime=0.5)
+    mon.update([make("restart", "j", t=mon.t_end - 1, level="injob", cause="x", blame_rank=0,
+                     fault_time=mon.t_end - 5, detection_s=1.0, downtime_s=4.0, rolled_back_steps=2,
+                     resumed_step=15)])
+    s = spec()
+    row = predict(measure(mon, s), as_run(s), Setting(5, False, "sync", 0))
+    assert row.terms["restart_downtime"] == pytest.approx(4.0 + 4.0)
+    assert "becomes injob" in row.notes[0]
+
+
+@pytest.mark.parametrize(("every", "problem"), [("5,x", "'x' is not a whole number"), ("0", "'0' is not"),
+                                                 (",".join(map(str, range(1, 20))), "1 to 16 intervals")])
+def test_bad_intervals_are_one_line(every: str, problem: str) -> None:
+    with pytest.raises(EksftError) as e:
+        parse_settings(every, None, None, None)
+    assert problem in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(EksftError, match="--spares"):
+        parse_settings(None, None, None, -1)
+
+
+def test_a_job_with_no_step_is_refused() -> None:
+    mon = JobMonitor()
+    mon.update([make("job_start", "j", t=T0, spec_digest="x", world_size=2, steps=10, backend="local",
+                     host="h", pid=1)])
+    with pytest.raises(EksftError, match="has run no step yet"):
+        measure(mon, spec())
+
+
+def test_the_prediction_at_a_real_jobs_settings_matches_its_measurement(faulted_job: str) -> None:
+    """A real 2-rank job killed once: the replay at its own settings must give back what it measured."""
+    report = commands.whatif(faulted_job)
+    json.dumps(report)   # JSON-ready
+    measured, predicted = report["measured"], report["measured"]["predicted_as_run"]
+    [failure] = report["inputs"]["failures"]
+    assert failure["level"] == "injob"
+    # the rollback replayed from the interval and the commit lag is the one the job had
+    assert predicted["lost_steps"] == failure["lost"], (predicted, failure)
+    assert abs(predicted["ettr"] - measured["ettr"]) <= 0.01, (predicted, measured)
+    assert abs(predicted["wall_s"] - measured["wall_s"]) <= 0.05 * measured["wall_s"]
+
+
+@pytest.fixture(scope="module")
+def faulted_job() -> str:
+    from jobs import run_job
+
+    summary = run_job("whatif-real", "--steps", "30", "--ckpt-every", "5", "--fault", "sigkill:1@13")
+    assert summary["state"] == "succeeded" and summary["restarts"]["injob"] == 1, summary
+    return "whatif-real"
+
+
+def test_the_magic_shows_the_table_and_the_plot(faulted_job: str, ip: object,
+                                                capsys: pytest.CaptureFixture) -> None:
+    ip.run_line_magic("ftrain", f"whatif {faulted_job} --ckpt-every 5,10 --no-inprocess")
+    out = capsys.readouterr().out
+    assert "measured (as run)" in out and "every 10, async, in-process off" in out and "recommended:" in out
+    [fig] = ip.shown
+    [line, *_] = fig.data
+    assert list(line.x) == [5, 10] and all(0 < y < 100 for y in line.y)   # ETTR in percent, per interval
+
+
+def test_the_plot_leaves_out_what_cannot_be_estimated() -> None:
+    from eksft_nb.resilience.figures import whatif_figure
+
+    report = replay(stream(level="inprocess"), spec(), Settings((5, 10), inprocess=False)).to_dict()
+    fig = whatif_figure(report)
+    assert list(fig.data[0].x) == [] and "2 setting(s) cannot be estimated" in fig.layout.title.text
