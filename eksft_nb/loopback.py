@@ -57,12 +57,14 @@ def install() -> None:
     """Make every TCPStore server this process hosts for a loopback endpoint listen on loopback only.
 
     Patched on torch's class itself, so NVRx's subclasses (``inprocess.store.TCPStore``) and every
-    module that imported the name follow. A port already taken is left to torch, which fails to
-    bind it the same way (the address conflicts with any bind of the port) or reuses its own
-    multi-tenant server there."""
-    from torch.distributed import TCPStore
+    module that imported the name follow. A port already taken fails as torch's own bind would
+    (DistNetworkError: callers that may host a store then connect to it instead), except for a
+    multi-tenant store, which torch may serve from its own server already on that port."""
+    import torch.distributed as dist
 
-    host_store = TCPStore.__init__
+    if not dist.is_available():
+        return
+    host_store = dist.TCPStore.__init__
     if getattr(host_store, MARK, False):
         return
 
@@ -74,8 +76,9 @@ def install() -> None:
         if address is not None:
             try:
                 sock = listener(address, port)
-            except OSError:
-                pass
+            except OSError as e:
+                if not multi_tenant:
+                    raise dist.DistNetworkError(f"cannot listen on {address}:{port}: {e.strerror or e}") from e
             else:   # the store owns the socket from here on (it closes it when it goes)
                 port, master_listen_fd = sock.getsockname()[1], sock.detach()
         host_store(self, host_name=host_name, port=port, world_size=world_size, is_master=is_master,
@@ -84,7 +87,7 @@ def install() -> None:
 
     setattr(__init__, MARK, True)
     __init__.__doc__ = host_store.__doc__
-    TCPStore.__init__ = __init__
+    dist.TCPStore.__init__ = __init__
 
 
 def interface() -> str:
