@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from .loopback import loopback_address
 from .nvrx import NVRx
 from .spec import JobSpec
 
@@ -46,6 +47,9 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
     any node, the first included, can be lost while a hot spare takes its place).
     ``warm_python``: each worker is :mod:`.runtime.warm_shim` run by that interpreter, which turns it
     into a rank forked from the node's zygote (:mod:`.runtime.zygote`) when there is one.
+    A loopback ``rdzv_host`` means every node is this machine: it is then each node's address too, so
+    the ranks' ``MASTER_ADDR`` is loopback and the stores rank 0 hosts listen there alone (see
+    :mod:`.loopback`), not on the address the host name resolves to.
     """
     ft = spec.ft
     argv = [
@@ -64,6 +68,8 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
         argv.append("--ft-rank-section-timeouts=" + ",".join(f"{k}:{v:g}" for k, v in sections.items()))
     if store_elsewhere:
         argv.append("--rdzv-conf=is_host=false")
+    if loopback_address(rdzv_host):
+        argv.append(f"--local-addr={rdzv_host}")
     if log_dir:
         argv.append(f"--log-dir={log_dir}")
     if nvrx is not None:

@@ -28,7 +28,6 @@ from .errors import JobError
 
 DIST = "nvidia-resiliency-ext"
 OLDEST = (0, 4, 1)
-LAUNCHER_MODULE = "nvidia_resiliency_ext.fault_tolerance.launcher"
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from types import ModuleType
 from typing import Any
 
 from ..jobdir import eksft_home
+from ..loopback import install
 from .quiet import quiet_process
 from .trainer_main import exit_cleanly
 
@@ -47,6 +48,9 @@ def main() -> None:
         sys.exit("usage: python -m eksft_nb.runtime.script SCRIPT [ARGS...]")
     from .session import session
 
+    # the store init_process_group has rank 0 host (env://, from MASTER_ADDR and MASTER_PORT), and any
+    # other the script hosts, listen on loopback in a local job
+    when_imported("torch", lambda _torch: install())
     s = session()
     if s.spec.checkpoint.mode == "async" and os.environ.get("EKSFT_WARM_RANK") == "1":
         from .checkpointer import start_writer

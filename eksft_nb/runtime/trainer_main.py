@@ -25,10 +25,12 @@ def main() -> None:
     quiet_process()
     import torch
 
+    from ..loopback import install
     from .checkpointer import start_writer
     from .session import session
     from .trainer import run, wrapper_kwargs
 
+    install()   # the stores rank 0 hosts (the trainer's, the Wrapper's) listen on loopback in a local job
     s = session()
     try:
         if s.spec.checkpoint.mode == "async":

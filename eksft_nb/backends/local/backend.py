@@ -23,7 +23,7 @@ from ...checkpoint_folders import CheckpointInfo, list_checkpoints, verify
 from ...control import FaultCommand, submit
 from ...errors import JobError
 from ...events import EventTail
-from ... import nvrx
+from ... import loopback, nvrx
 from ...jobdir import JobDir, atomic_write, jobs_root
 from ...launcher import Ports, launcher_argv, rank_env
 from ...monitor import JobMonitor
@@ -50,7 +50,7 @@ class LocalBackend(Backend):
         jd = JobDir.for_name(spec.name, self.root)
         ports = Ports(29500, 29501, 29502)
         lines = [f"# job folder: {jd.path}", "# environment of each launcher (ports are picked free at launch):"]
-        for k, v in rank_env(spec, ports=ports, job_attempt=0, job_dir=str(jd.path)).items():
+        for k, v in {**rank_env(spec, ports=ports, job_attempt=0, job_dir=str(jd.path)), **loopback.env()}.items():
             lines.append(f"{k}={v}")
         for node in range(spec.nnodes + spec.spare_nodes):   # the spares' lines are the same
             argv = launcher_argv(spec, node_rank=node, rdzv_host="127.0.0.1", ports=ports, run_id=spec.name)

@@ -1,9 +1,11 @@
-"""A standby ``ft_launcher`` for a job's next attempt.
+"""A local job's ``ft_launcher``: a standby for the next attempt, or one started at once.
 
 Starting ft_launcher costs about two seconds of Python and torch imports, which a job-level
 restart would otherwise pay after a node is lost. The supervisor starts this process while the
 current attempt trains: it imports the launcher, then waits for one line on stdin with the
 attempt's argv and environment and becomes that ft_launcher. End of input means it is not needed.
+With arguments (``python -m eksft_nb.backends.local.standby ft_launcher ARGS...``) it is that
+ft_launcher at once. Either way the stores it hosts listen on loopback only (see :mod:`eksft_nb.loopback`).
 
 Run as ``python -m eksft_nb.backends.local.standby`` (the supervisor does this).
 """
@@ -14,10 +16,16 @@ import json
 import os
 import sys
 
+from ...loopback import install
+
 
 def main() -> int:
     from nvidia_resiliency_ext.fault_tolerance.launcher import main as ft_launcher_main
 
+    install()
+    if len(sys.argv) > 1:
+        sys.argv = sys.argv[1:]
+        return ft_launcher_main()
     order = sys.stdin.readline()
     if not order:
         return 0

@@ -40,7 +40,7 @@ import psutil
 
 from ...events import EventTail, EventWriter
 from ...jobdir import JobDir, atomic_write
-from ... import nvrx
+from ... import loopback, nvrx
 from ...launcher import ZYGOTE_MODULE, Ports, launcher_argv, rank_env
 from ...incidents import Incidents
 from ...monitor import JobMonitor
@@ -53,6 +53,7 @@ from .. import procs
 
 POLL_S = 0.2
 MAX_SUPERVISORS = 5    # supervisor deaths the keeper recovers from before it ends the job
+STANDBY_MODULE = "eksft_nb.backends.local.standby"   # a local job's ft_launcher (see its module)
 UNKNOWN_EXIT = -256    # an adopted launcher ended (not our child: its exit status is unknown)
 
 UNRECORDED = 3         # the supervisor's exit status when the job ended but writing that down failed
@@ -226,14 +227,15 @@ class Supervisor:
             env = quiet_env({**os.environ,
                              **rank_env(self.spec, ports=ports, job_attempt=self.attempt, job_dir=str(self.jd.path),
                                         nvrx=self.nvrx),
-                             procs.JOB_MARK: self.job_uid, procs.NODE_MARK: tag,
+                             **loopback.env(), procs.JOB_MARK: self.job_uid, procs.NODE_MARK: tag,
                              **({WARM_SOCKET: zygote, WARM_ZYGOTE: str(self.zygotes[tag].pid)}
                                 if zygote else {})})
             log = self._launcher_log(self.attempt, node)
             popen = self._hand_over(node, argv, env)
             if popen is None:
-                # the module, not the console script: NVRx installed with `pip --target` (on PYTHONPATH) has none
-                command = [sys.executable, "-m", nvrx.LAUNCHER_MODULE, *argv[1:]]
+                # a module, not the console script: NVRx installed with `pip --target` (on PYTHONPATH) has none;
+                # ours, so that the launcher's stores listen on loopback only
+                command = [sys.executable, "-m", STANDBY_MODULE, *argv]
                 with open(log, "ab") as out:
                     popen = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
                                              stdin=subprocess.DEVNULL, cwd=self.jd.path, start_new_session=True)
@@ -284,7 +286,7 @@ class Supervisor:
             env = quiet_env({**os.environ, procs.JOB_MARK: self.job_uid, procs.NODE_MARK: f"{nxt}.{node}"})
             with open(self._launcher_log(nxt, node), "ab") as out:
                 self.standby[node] = subprocess.Popen(
-                    [sys.executable, "-m", "eksft_nb.backends.local.standby"], env=env, stdin=subprocess.PIPE,
+                    [sys.executable, "-m", STANDBY_MODULE], env=env, stdin=subprocess.PIPE,
                     stdout=out, stderr=subprocess.STDOUT, cwd=self.jd.path, start_new_session=True)
 
     def _hand_over(self, node: int, argv: list[str], env: dict[str, str]) -> subprocess.Popen | None:
@@ -592,9 +594,11 @@ def _logged_at(line: str, now: float | None = None) -> float:
 
 
 def _rendezvous_store(port: int) -> Any:
-    """A c10d TCPStore server for the launchers' rendezvous (torch is imported only for this)."""
+    """A c10d TCPStore server for the launchers' rendezvous, on loopback only (torch is imported only
+    for this)."""
     from torch.distributed import TCPStore
 
+    loopback.install()
     return TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
 
 

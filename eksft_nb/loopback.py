@@ -1,0 +1,105 @@
+"""A local job listens on loopback only.
+
+torch's TCPStore server listens on every interface whatever host it is given (``*:<port>``), and what
+a store holds is trusted: NVRx's rendezvous unpickles its state from it, so whoever reaches the port
+runs code as the job's user. A local job gives every store a loopback endpoint: the rendezvous's is
+``127.0.0.1`` and the launch line's ``--local-addr`` makes the ranks' ``MASTER_ADDR`` loopback too.
+Then
+
+- :func:`install` makes any TCPStore server whose endpoint is a loopback address listen on that
+  address alone: it binds the socket and hands it to torch (``master_listen_fd``). Every process of a
+  local job that may host a store installs it: the launchers (the rendezvous store, see
+  :mod:`.backends.local.standby`), the supervisor (the rendezvous store with hot spares), and the
+  ranks (the trainer's store, ``inprocess.Wrapper``'s, and the one ``init_process_group`` makes from
+  ``MASTER_ADDR``/``MASTER_PORT`` for a user's script). A store for another endpoint (an EKS pod's)
+  is torch's own, as before;
+- :func:`env` points gloo's and NCCL's sockets at the loopback interface.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import socket
+from typing import Any
+
+import psutil
+
+MARK = "eksft_loopback"   # set on the installed ``TCPStore.__init__`` (installing twice changes nothing)
+
+
+def loopback_address(host: str) -> str | None:
+    """The address to listen on for clients that connect to ``host``, if that is this machine's
+    loopback (``localhost``, ``127.0.0.0/8``, ``::1``); else None."""
+    if host == "localhost":
+        return "127.0.0.1"
+    try:
+        return host if ipaddress.ip_address(host).is_loopback else None
+    except ValueError:
+        return None
+
+
+def listener(address: str, port: int) -> socket.socket:
+    """A TCP socket listening on ``address``:``port`` (0: a free port) and nowhere else."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as torch's own: restarts reuse the port
+        sock.bind((address, port))
+        sock.listen(socket.SOMAXCONN)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def install() -> None:
+    """Make every TCPStore server this process hosts for a loopback endpoint listen on loopback only.
+
+    Patched on torch's class itself, so NVRx's subclasses (``inprocess.store.TCPStore``) and every
+    module that imported the name follow. A port already taken fails as torch's own bind would
+    (DistNetworkError: callers that may host a store then connect to it instead), except for a
+    multi-tenant store, which torch may serve from its own server already on that port."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return
+    host_store = dist.TCPStore.__init__
+    if getattr(host_store, MARK, False):
+        return
+
+    def __init__(self: Any, host_name: str, port: int, world_size: int | None = None, is_master: bool = False,
+                 timeout: datetime.timedelta = datetime.timedelta(seconds=300), wait_for_workers: bool = True,
+                 multi_tenant: bool = False, master_listen_fd: int | None = None, use_libuv: bool = True,
+                 **more: Any) -> None:
+        address = loopback_address(host_name) if is_master and master_listen_fd is None else None
+        if address is not None:
+            try:
+                sock = listener(address, port)
+            except OSError as e:
+                if not multi_tenant:
+                    raise dist.DistNetworkError(f"cannot listen on {address}:{port}: {e.strerror or e}") from e
+            else:   # the store owns the socket from here on (it closes it when it goes)
+                port, master_listen_fd = sock.getsockname()[1], sock.detach()
+        host_store(self, host_name=host_name, port=port, world_size=world_size, is_master=is_master,
+                   timeout=timeout, wait_for_workers=wait_for_workers, multi_tenant=multi_tenant,
+                   master_listen_fd=master_listen_fd, use_libuv=use_libuv, **more)
+
+    setattr(__init__, MARK, True)
+    __init__.__doc__ = host_store.__doc__
+    dist.TCPStore.__init__ = __init__
+
+
+def interface() -> str:
+    """The name of this machine's loopback interface (``lo`` on Linux)."""
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and loopback_address(a.address) for a in addresses):
+            return name
+    return "lo"
+
+
+def env() -> dict[str, str]:
+    """Environment for a local job's ranks: gloo's and NCCL's listening sockets on loopback (by
+    default both take the address the host name resolves to, or the first network interface)."""
+    name = interface()
+    return {"GLOO_SOCKET_IFNAME": name, "NCCL_SOCKET_IFNAME": name}
