@@ -36,6 +36,7 @@ from ..gpuhealth import start as start_gpu_health
 from ..jobdir import JobDir
 from ..spec import JobSpec
 from ..states import FaultScope
+from ..timeouts import derive, resolved
 
 
 class InjectedFault(RuntimeError):
@@ -125,7 +126,7 @@ class Session:
         from .checkpointer import CheckpointManager
 
         if group is None:
-            group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=10))
+            group = dist.new_group(backend="gloo", timeout=self.checkpoint_group_timeout())
         c = self.spec.checkpoint
         manager = CheckpointManager(self.checkpoint_dir(), rank=dist.get_rank(), world_size=dist.get_world_size(),
                                     group=group, every=c.every, mode=c.mode, keep_last=c.keep_last,
@@ -133,6 +134,12 @@ class Session:
                                     storage_fault=self.storage_fault)
         self.on_save_failure = [lambda: setattr(manager, "fail_next_write", True)]
         return manager
+
+    def checkpoint_group_timeout(self) -> Any:
+        """How long a checkpoint collective waits for its peers: long enough for their reads of a restore."""
+        import datetime
+
+        return datetime.timedelta(seconds=derive(self.spec).checkpoint_group.seconds)
 
     def _checkpoint_emit(self, kind: str, **data: Any) -> None:
         if self.rank == 0 or data.get("phase") in ("failed", "rejected"):
@@ -485,6 +492,7 @@ def session() -> Session:
     if _SESSION is None:
         job_dir = os.environ.get("EKSFT_JOB_DIR")
         spec_path = os.environ.get("EKSFT_SPEC") or (str(Path(job_dir) / "spec.json") if job_dir else None)
-        spec = JobSpec.load(spec_path) if spec_path else JobSpec()
+        # a spec eksft launched has its timeouts filled in; one a script runs without eksft gets them here
+        spec = resolved(JobSpec.load(spec_path) if spec_path else JobSpec())
         _SESSION = Session(spec, Path(job_dir) if job_dir else None, RankInfo.from_env())
     return _SESSION

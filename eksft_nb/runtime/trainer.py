@@ -36,7 +36,7 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if self.world != spec.world_size:
             raise RuntimeError(f"world size {self.world} != spec {spec.world_size}: restarting the whole group")
-        self.ckpt_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=10))
+        self.ckpt_group = dist.new_group(backend="gloo", timeout=s.checkpoint_group_timeout())
         self.t_group = time.time()   # the process groups are formed (a recovery's re-formation ends)
         vocab, d_model, n_layers, n_heads = spec.model.dims()
         self.model = build_model(vocab, d_model, n_layers, n_heads, spec.seq, spec.seed, self.device, fsdp=True)

@@ -22,6 +22,7 @@ from ...control import FaultCommand
 from ...launcher import Ports, launcher_argv, rank_env
 from ...runtime.quiet import quiet_env
 from ...spec import JobSpec
+from ...timeouts import derive, resolved
 from ..procs import JOB_MARK
 from . import checks, names
 
@@ -106,7 +107,9 @@ def render(spec: JobSpec, faults: list[FaultCommand] | None = None, queue_object
 
 
 def pod_view(spec: JobSpec) -> JobSpec:
-    """The spec as the ranks read it: a user script points at its copy in the ConfigMap."""
+    """The spec as the ranks read it: the timeouts filled in for the pods (GPU-scale where they have
+    GPUs, see :mod:`eksft_nb.timeouts`); a user script points at its copy in the ConfigMap."""
+    spec = resolved(spec)
     if not spec.script:
         return spec
     return spec.replace(script=f"{names.CONFIG_MOUNT}/{script_key(spec)}")
@@ -256,7 +259,8 @@ def pod_template(spec: JobSpec, *, subdomain: str | None = None, attempt_from: s
         # the pods need no Kubernetes API; the pause container as PID 1 lets a node fault kill
         # ft_launcher (PID 1 ignores SIGKILL from inside its container) and reaps NVRx's helpers
         "automountServiceAccountToken": False, "enableServiceLinks": False, "shareProcessNamespace": True,
-        "terminationGracePeriodSeconds": 30,
+        # SIGTERM (a drain, a preemption) saves and commits before the ranks exit: the grace period covers it
+        "terminationGracePeriodSeconds": int(derive(spec).grace.seconds),
         "initContainers": [prepare, metrics] if serves_metrics(spec) else [prepare], "containers": [trainer],
         "volumes": [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": e.checkpoint_pvc}},
                     {"name": "config", "configMap": {"name": spec.name}},
