@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .nvrx import NVRx
 from .spec import JobSpec
+from .timeouts import resolved
 
 TRAINER_MODULE = "eksft_nb.runtime.trainer_main"
 SCRIPT_MODULE = "eksft_nb.runtime.script"
@@ -47,7 +48,7 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
     ``warm_python``: each worker is :mod:`.runtime.warm_shim` run by that interpreter, which turns it
     into a rank forked from the node's zygote (:mod:`.runtime.zygote`) when there is one.
     """
-    ft = spec.ft
+    ft = resolved(spec).ft   # the timeouts as the backend derives them where the spec leaves them unset
     argv = [
         "ft_launcher",
         f"--nnodes={spec.nnodes}", f"--nproc-per-node={spec.nproc_per_node}", f"--node-rank={node_rank}",

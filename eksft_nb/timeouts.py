@@ -99,6 +99,7 @@ def derive(spec: JobSpec, gpu: bool | None = None) -> Timeouts:
             "grace": (max(GPU_FLOORS["grace"], 2 * save_s + 60),
                       f"the save in flight and one more ({at} each) + 60 s to commit, floor 120 s"),
         }
+        base = {k: (float(math.ceil(v)), why) for k, (v, why) in base.items()}   # whole seconds
     else:
         base = {k: (v, "CPU default (no GPU)") for k, v in CPU_VALUES.items()}
         base["grace"] = (max(CPU_VALUES["grace"], 2 * save_s + 30),
@@ -109,8 +110,7 @@ def derive(spec: JobSpec, gpu: bool | None = None) -> Timeouts:
 
     def pick(name: str, derived: float, reason: str) -> None:
         given = mine.get(name)
-        out[name] = Timeout(float(given), "set by the user") if given is not None else \
-            Timeout(float(math.ceil(derived)) if gpu else derived, reason)
+        out[name] = Timeout(float(given), "set by the user") if given is not None else Timeout(derived, reason)
 
     pick("soft", *base["soft"])
     # the derived ones fit around what the user set: soft < hard < heartbeat <= initial, collective < hard
@@ -128,7 +128,7 @@ def derive(spec: JobSpec, gpu: bool | None = None) -> Timeouts:
     coll, why = base["collective"]
     pick("collective", *((hard / 2, "half the hard timeout (set by the user)") if coll >= hard else (coll, why)))
     for name in ("checkpoint_group", "grace"):
-        out[name] = Timeout(float(math.ceil(base[name][0])), base[name][1])
+        out[name] = Timeout(*base[name])
     return Timeouts(gpu, size, save_s, restore_s, **out)
 
 

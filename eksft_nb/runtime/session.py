@@ -119,7 +119,6 @@ class Session:
         """A :class:`~eksft_nb.runtime.checkpointer.CheckpointManager` for this job (folder, interval,
         mode and retention from the spec). ``group``: a gloo process group for checkpoint
         collectives (default: a new one over all ranks). Rank 0 reports for the collective saves."""
-        import datetime
 
         import torch.distributed as dist
 

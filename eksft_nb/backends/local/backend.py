@@ -46,10 +46,10 @@ class LocalBackend(Backend):
 
     # ---- launch -------------------------------------------------------------------------------
     def render(self, spec: JobSpec) -> str:
-        spec = resolved(spec.validate())
+        lines = [f"# {line}" for line in derive(spec.validate()).lines()]
+        spec = resolved(spec)
         jd = JobDir.for_name(spec.name, self.root)
         ports = Ports(29500, 29501, 29502)
-        lines = [f"# {line}" for line in derive(spec).lines()]
         lines += [f"# job folder: {jd.path}", "# environment of each launcher (ports are picked free at launch):"]
         for k, v in rank_env(spec, ports=ports, job_attempt=0, job_dir=str(jd.path)).items():
             lines.append(f"{k}={v}")
