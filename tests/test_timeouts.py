@@ -68,7 +68,8 @@ def test_4_x_p5_renders_the_derived_launcher_args_and_grace_period() -> None:
     pod = pod_template(workload)["spec"]
     args = pod["containers"][0]["args"]
     assert "--ft-initial-rank-heartbeat-timeout=1800" in args and "--ft-rank-heartbeat-timeout=1500" in args
-    assert pod["terminationGracePeriodSeconds"] == 660
+    assert "--term-timeout=660" in args   # SIGTERM reaches the ranks, which save before the SIGKILL
+    assert pod["terminationGracePeriodSeconds"] == 660 + 30
     config = next(m for m in manifests.job if m["kind"] == "ConfigMap")
     ft = json.loads(config["data"]["spec.json"])["ft"]          # what the ranks read
     assert (ft["soft_timeout"], ft["hard_timeout"], ft["collective_timeout"]) == (600, 1200, 60)

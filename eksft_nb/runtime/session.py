@@ -94,6 +94,8 @@ class Session:
         self._full_until, self._slow_storage = 0, (0, 0.0)   # the disk-full and slow-storage faults
         self.on_save_failure: list[Any] = []   # callbacks for the save-failure fault
         self.pending_exception: str | None = None
+        self._warned: set[str] = set()
+        self.drain: Any = None   # the built-in trainer's SIGTERM handler (see .drain)
         self._beacon = _Beacon(self) if live else None
         # one GPU health sampler per node, with its own events writer (it writes from its own thread)
         self._gpu = self._gpu_events = None
@@ -147,6 +149,12 @@ class Session:
     # -- telemetry --
     def emit(self, kind: str, **data: Any) -> None:
         self.events.emit(kind, **data)
+
+    def warn(self, what: str, message: str) -> None:
+        """One line the CLI and the dashboard show as a warning (once per ``what`` per rank process)."""
+        if what not in self._warned:
+            self._warned.add(what)
+            self.emit("warning", what=what, message=message)
 
     def rank_start(self, start_step: int, t_enter: float | None = None, **extra: Any) -> None:
         """Report that this rank is ready to train from ``start_step``. ``t_enter``: when this
@@ -260,6 +268,8 @@ class Session:
         if cmd.fault == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
         if cmd.fault == "sigterm":
+            if self.drain is not None and self.drain.is_handler():  # the fault is a rank dying of it, not a drain
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
             if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # else the script handles it: carry on
                 time.sleep(60)
@@ -427,6 +437,8 @@ class MonitorLink:
 
     def __init__(self) -> None:
         self.client: Any = None
+        # one request at a time on the monitor's socket: the keepalive thread beats while the main thread may
+        self.lock = threading.Lock()
         self.own = False              # the client is this link's (else the script's, or none)
         self.script_beats = False     # the script sends heartbeats of its own
         self._sending = False
@@ -439,15 +451,17 @@ class MonitorLink:
     def beat(self) -> None:
         if self.client is None or self.script_beats or not self.client.is_initialized:
             return
-        self._sending = True
-        try:
-            self.client.send_heartbeat()
-        finally:
-            self._sending = False
+        with self.lock:
+            self._sending = True
+            try:
+                self.client.send_heartbeat()
+            finally:
+                self._sending = False
 
     def section(self, name: str, open_: bool) -> None:
         if self.own:
-            (self.client.start_section if open_ else self.client.end_section)(name)
+            with self.lock:
+                (self.client.start_section if open_ else self.client.end_section)(name)
 
     def yield_to_script(self) -> None:
         """Hand the connection to any rank-monitor client the script initialises (patches NVRx's client)."""

@@ -26,10 +26,12 @@ def main() -> None:
     import torch
 
     from .checkpointer import start_writer
+    from .drain import Drain
     from .session import session
     from .trainer import run, wrapper_kwargs
 
     s = session()
+    s.drain = Drain().install()   # SIGTERM: save, commit and stop at the next step boundary
     try:
         if s.spec.checkpoint.mode == "async":
             # spawning the writer's processes blocks this thread for seconds on a busy machine:

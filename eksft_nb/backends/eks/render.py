@@ -259,8 +259,9 @@ def pod_template(spec: JobSpec, *, subdomain: str | None = None, attempt_from: s
         # the pods need no Kubernetes API; the pause container as PID 1 lets a node fault kill
         # ft_launcher (PID 1 ignores SIGKILL from inside its container) and reaps NVRx's helpers
         "automountServiceAccountToken": False, "enableServiceLinks": False, "shareProcessNamespace": True,
-        # SIGTERM (a drain, a preemption) saves and commits before the ranks exit: the grace period covers it
-        "terminationGracePeriodSeconds": int(derive(spec).grace.seconds),
+        # SIGTERM (a drain, a preemption) saves and commits before the ranks exit: the grace period covers
+        # it, and ft_launcher's wait for its ranks (--term-timeout, the same grace) with 30 s to spare
+        "terminationGracePeriodSeconds": int(derive(spec).grace.seconds) + 30,
         "initContainers": [prepare, metrics] if serves_metrics(spec) else [prepare], "containers": [trainer],
         "volumes": [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": e.checkpoint_pvc}},
                     {"name": "config", "configMap": {"name": spec.name}},
