@@ -99,3 +99,19 @@ def test_the_fsx_table_is_computed() -> None:
     table = fsx_table().splitlines()
     assert table[0].startswith("| model | state |") and len(table) == 5
     assert "| gpt-8b | 89.9 GB | 720 s / 1439 s | 300 s / 600 s | 90 s / 180 s |" in table
+
+
+@pytest.mark.slow
+def test_a_save_longer_than_the_checkpoint_interval_is_warned_about_in_one_line() -> None:
+    # rank 1's writes start 2 s late for steps 5-14: the async save of step 6 is still being written
+    # when step 8's is due, so that one is deferred
+    from jobs import events, run_job
+
+    name = "slow-saves"
+    summary = run_job(name, "--steps", "30", "--ckpt-every", "2", "--fault", "slow-storage:1@5")
+    assert summary["state"] == "succeeded", summary
+    [warning] = events(name, "warning")
+    assert warning.rank == 0 and warning["what"] == "slow-save"
+    assert "saves take longer than the checkpoint interval" in warning["message"] and "\n" not in warning["message"]
+    assert summary["warnings"] == [warning["message"]]
+    assert f"warning: {warning['message']}" in cli("summary", name).stdout
