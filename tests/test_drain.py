@@ -48,3 +48,19 @@ def test_sigterm_to_every_rank_saves_commits_and_stops_then_resumes_bit_identica
     assert start["step"] == step
     after = json.loads(cli("summary", "drained-resumed", "--json").stdout)
     assert after["state"] == "succeeded" and after["digest"] == reference["digest"], after
+
+
+def test_the_dashboard_says_the_warning_and_the_drain() -> None:
+    from eksft_nb.dashboard import Dashboard
+    from test_dashboard import FakeJob, said
+
+    job = FakeJob("warned-drained")
+    job.steps(1, 12)
+    job.emit("warning", rank=0, what="slow-save", message="the save before step 12 is still being written")
+    dash = Dashboard(job.handle(), live=False)
+    assert said(dash) == "warning: the save before step 12 is still being written"
+    job.emit("drain", rank=0, step=12, committed=True)
+    job.emit("job_end", dt=0.1, state="stopped", reason="drained on SIGTERM at step 12 (saved and committed)",
+             final_step=12)
+    dash.update()
+    assert said(dash) == "warned-drained stopped: drained on SIGTERM at step 12 (saved and committed)"

@@ -5,6 +5,7 @@ own values winning, and what an EKS job on 4 x p5.48xlarge is rendered with."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -99,6 +100,8 @@ def test_the_fsx_table_is_computed() -> None:
     table = fsx_table().splitlines()
     assert table[0].startswith("| model | state |") and len(table) == 5
     assert "| gpt-8b | 89.9 GB | 720 s / 1439 s | 300 s / 600 s | 90 s / 180 s |" in table
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert fsx_table() in readme   # the README's table is this one, not a hand-typed copy
 
 
 @pytest.mark.slow
