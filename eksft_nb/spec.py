@@ -21,6 +21,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 import yaml
 
 from .errors import SpecError
+from .timeouts import resolved
 
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 BACKENDS = ("local", "eks")
@@ -224,9 +225,7 @@ class JobSpec:
                 raise SpecError(f"ft.{fname} must be a positive number of seconds, got {v!r}",
                                 f"set {_flag_of(FaultToleranceConfig, fname)} to e.g. 10")
         f.sections()  # raises on a malformed --section-timeouts
-        from .timeouts import resolved  # the unset timeouts as the backend derives them, checked with the set ones
-
-        f = resolved(self).ft
+        f = resolved(self).ft   # the unset timeouts as the backend derives them, checked with the set ones
         if f.inprocess and not f.soft_timeout < f.hard_timeout:
             raise SpecError(f"soft timeout ({f.soft_timeout}s) must be shorter than hard timeout ({f.hard_timeout}s)",
                             "raise --hard-timeout or lower --soft-timeout")
@@ -484,3 +483,8 @@ def _show(value: Any) -> str:
 def _suggest_name(name: Any) -> str:
     s = re.sub(r"[^a-z0-9-]+", "-", str(name).lower()).strip("-")[:63].strip("-")
     return s or "my-job"
+
+
+def fsx_specs(presets: tuple[str, ...] = ("gpt2-125m", "gpt-1b", "gpt-8b")) -> dict[str, JobSpec]:
+    """The model presets the README's FSx throughput table is computed for (``timeouts.fsx_table``)."""
+    return {p: JobSpec(model=ModelConfig(preset=p)) for p in presets}

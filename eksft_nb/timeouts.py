@@ -13,10 +13,10 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from .spec import JobSpec
+# a JobSpec (spec.py imports this module to check the resolved timeouts, so this one takes it as Any)
+JobSpec = Any
 
 BYTES_PER_PARAM = 12   # fp32 weights + AdamW's exp_avg and exp_avg_sq
 # AWS's NVRx-on-EKS manifests (awsome-distributed-training, 3.test_cases/pytorch/nvrx/kubernetes)
@@ -139,15 +139,12 @@ def resolved(spec: JobSpec, gpu: bool | None = None) -> JobSpec:
     return dataclasses.replace(spec, ft=ft)
 
 
-def fsx_table(presets: tuple[str, ...] = ("gpt2-125m", "gpt-1b", "gpt-8b"),
-              mbps: tuple[float, ...] = (125, 300, 1000)) -> str:
-    """A Markdown table: a model preset's state, then its save and restore time per FSx throughput."""
-    from .spec import JobSpec, ModelConfig
-
+def fsx_table(specs: dict[str, JobSpec], mbps: tuple[float, ...] = (125, 300, 1000)) -> str:
+    """A Markdown table: each spec's (model preset's) state, then its save and restore time per FSx
+    throughput (the README's, from ``spec.fsx_specs()``)."""
     head = "| model | state | " + " | ".join(f"save / restore at {m:g} MB/s" for m in mbps) + " |"
     rows = [head, "|" + " --- |" * (2 + len(mbps))]
-    for preset in presets:
-        spec = JobSpec(model=ModelConfig(preset=preset))
+    for preset, spec in specs.items():
         size = state_bytes(spec)
         cells = [f"{size / (m * 1e6):.0f} s / {2 * size / (m * 1e6):.0f} s" for m in mbps]
         rows.append(f"| {preset} | {size / 1e9:.3g} GB | " + " | ".join(cells) + " |")

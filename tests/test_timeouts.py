@@ -13,7 +13,7 @@ from jobs import cli
 
 from eksft_nb.backends.eks import EksBackend
 from eksft_nb.errors import SpecError
-from eksft_nb.spec import JobSpec
+from eksft_nb.spec import JobSpec, fsx_specs
 from eksft_nb.timeouts import GPU_FLOORS, derive, fsx_table, resolved, state_bytes
 from test_eks_render import IMAGE, eks_spec, pod_template
 
@@ -97,11 +97,11 @@ def test_dry_run_prints_each_timeout_with_its_reason() -> None:
 
 
 def test_the_fsx_table_is_computed() -> None:
-    table = fsx_table().splitlines()
+    table = fsx_table(fsx_specs()).splitlines()
     assert table[0].startswith("| model | state |") and len(table) == 5
     assert "| gpt-8b | 89.9 GB | 720 s / 1439 s | 300 s / 600 s | 90 s / 180 s |" in table
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert fsx_table() in readme   # the README's table is this one, not a hand-typed copy
+    assert fsx_table(fsx_specs()) in readme   # the README's table is this one, not a hand-typed copy
 
 
 @pytest.mark.slow
