@@ -15,10 +15,10 @@ import torch.distributed as dist
 from ..timeouts import derive
 from .checkpointer import ModelState
 from .data import SyntheticCorpus
+from .keepalive import keepalive
 from .model import build_model, loss_fn
 from .peers import abort_chain
 from .peers import shutdown as shutdown_gloo
-from .keepalive import keepalive
 from .session import Session, session
 
 
