@@ -26,8 +26,8 @@ def test_sigterm_to_every_rank_saves_commits_and_stops_then_resumes_bit_identica
     wait_for("step 13", lambda: any(e["step"] >= 13 for e in events(name, "step")), timeout=300)
     ranks = {e.rank: e["pid"] for e in events(name, "rank_start")}
     assert sorted(ranks) == [0, 1]
-    for pid in ranks.values():
-        os.kill(pid, signal.SIGTERM)
+    for pid in ranks.values():   # to each rank's process group, as ft_launcher (and a warm rank's shim) sends it
+        os.killpg(os.getpgid(pid), signal.SIGTERM)
     status = wait_for("the job to end", lambda: (s := json.loads(cli("status", name, "--json").stdout))["state"]
                       not in ("starting", "running", "recovering") and s, timeout=300)
     assert status["state"] == "stopped", story(name)

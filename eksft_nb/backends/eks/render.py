@@ -139,9 +139,11 @@ def _workload_meta(spec: JobSpec) -> dict[str, Any]:
 # ---- the job -----------------------------------------------------------------------------------
 
 def config_map(spec: JobSpec, faults: list[FaultCommand]) -> dict[str, Any]:
-    data = {names.POD_SPEC: pod_view(spec).to_json(), names.FAULTS: json.dumps([json.loads(f.to_json()) for f in faults])}
-    if spec.script:  # the ranks run the ConfigMap's copy; the record keeps the submitted path
+    view = pod_view(spec)
+    data = {names.POD_SPEC: view.to_json(), names.FAULTS: json.dumps([json.loads(f.to_json()) for f in faults])}
+    if view != spec:  # the record keeps the submitted spec (the script's path, the timeouts left unset)
         data[names.SUBMITTED_SPEC] = spec.to_json()
+    if spec.script:  # the ranks run the ConfigMap's copy
         data[script_key(spec)] = Path(spec.script).expanduser().read_text()
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(spec, spec.name), "data": data}
 
