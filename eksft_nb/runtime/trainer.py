@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..timeouts import derive
-from .checkpointer import ModelState
+from .checkpointer import ModelState, stop_writer, writer_alive
 from .data import SyntheticCorpus
 from .keepalive import keepalive
 from .model import build_model, loss_fn
@@ -53,6 +53,12 @@ class Trainer:
         self.s.heartbeat()
         if self.call_wrapper is not None:
             self.call_wrapper.ping()
+
+    def _save_without_writer(self) -> None:
+        """Some rank's async writer is gone (agreed by every rank): the save in flight is abandoned
+        (never committed) and the drain's save is a sync one, on every rank."""
+        stop_writer()
+        self.ckpt.pending, self.ckpt.mode = None, "sync"
 
     def _drained(self, step: int, asked: int, save_s: float) -> None:
         """Every rank saved ``step`` (or it was committed already) and stops: rank 0 says so."""
@@ -124,10 +130,14 @@ class Trainer:
             self.optim.step()
             self.optim.zero_grad(set_to_none=True)
             # the loss summed over ranks, and how many ranks were asked to drain (SIGTERM), in one all-reduce
+            # (and how many ranks' async writers are gone: a drain's SIGTERM to a cold rank's group ends it)
             drain = float(s.drain is not None and s.drain.requested)
-            mean = torch.stack([loss.detach().float(), torch.tensor(drain, device=self.device)])
+            gone = float(drain > 0 and self.ckpt.mode == "async" and not writer_alive())
+            mean = torch.cat([loss.detach().float().reshape(1), torch.tensor([drain, gone], device=self.device)])
             dist.all_reduce(mean)
-            total, draining = mean.tolist()
+            total, draining, writers_gone = mean.tolist()
+            if writers_gone > 0:
+                self._save_without_writer()
             s.step_end(step, total / self.world, tokens_per_step, time.perf_counter() - t0)
             if self.call_wrapper is not None:
                 self.call_wrapper.ping()
