@@ -162,6 +162,7 @@ def format_summary(s: dict[str, Any]) -> str:
     for lost in s.get("events_lost", []):  # what the events file lacks: say so, never hide it
         kinds = ", ".join(f"{n} {k}" for k, n in (lost["kinds"] or {}).items())
         lines.append(f"events lost: {lost['count']} of rank {lost['rank']} ({kinds}): {lost['error']}")
+    lines += [f"warning: {w}" for w in s.get("warnings", [])]
     g = s["goodput"]
     lines.append(f"goodput: {100 * g['goodput']:.1f}% of {g['wall_s']:.1f}s wall time")
     for key in CATEGORIES:

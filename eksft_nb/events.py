@@ -59,6 +59,12 @@ KINDS: dict[str, dict[str, tuple[type, ...] | type]] = {
     # there is no NVML), and the onset of an XID, a double-bit ECC error or a clock throttle
     "gpu_health": {"node": int, "host": str, "gpus": list},
     "gpu_fault": {"node": int, "host": str, "gpu": int, "uuid": str, "fault": str, "detail": str},
+    # a rank's one-line warning that the job outgrows its settings (a save longer than the checkpoint
+    # interval, a restore longer than the timeouts allow); what: a short key, message: the line
+    "warning": {"what": str, "message": str},
+    # rank 0, when SIGTERM (a drain, a preemption) stopped the ranks: every rank saved this step;
+    # committed: whether that save (or an earlier one of the same step) is committed
+    "drain": {"step": int, "committed": bool},
     # any writer, once it can write again after failing to (a full disk): what the events file lacks
     "events_lost": {"count": int, "first_t": _num, "last_t": _num, "error": str},
 }

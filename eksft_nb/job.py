@@ -131,6 +131,7 @@ class Job:
                                      if c.state == "rejected"],
             "goodput": gp.to_dict(), "digest": mon.digest,
             "events_lost": [{k: e.get(k) for k in ("rank", "count", "error", "kinds")} for e in mon.events_lost],
+            "warnings": [w["message"] for w in mon.warnings],
         }
 
 

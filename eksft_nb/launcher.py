@@ -12,6 +12,7 @@ from pathlib import Path
 from .loopback import loopback_address
 from .nvrx import NVRx
 from .spec import JobSpec
+from .timeouts import derive, resolved
 
 TRAINER_MODULE = "eksft_nb.runtime.trainer_main"
 SCRIPT_MODULE = "eksft_nb.runtime.script"
@@ -51,14 +52,18 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
     the ranks' ``MASTER_ADDR`` is loopback and the stores rank 0 hosts listen there alone (see
     :mod:`.loopback`), not on the address the host name resolves to.
     """
-    ft = spec.ft
+    ft = resolved(spec).ft   # the timeouts as the backend derives them where the spec leaves them unset
+    # SIGTERM to the launcher (a drain, a preemption) reaches the ranks, which save before they exit: on
+    # GPUs it waits the grace period for that before SIGKILL (a restart's stop has its own timeout)
+    grace = derive(spec)
+    term = grace.grace.seconds if grace.gpu else 5
     argv = [
         "ft_launcher",
         f"--nnodes={spec.nnodes}", f"--nproc-per-node={spec.nproc_per_node}", f"--node-rank={node_rank}",
         "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_host}:{ports.rdzv}", f"--rdzv-id={run_id}",
         # how often the launcher polls its workers: a dead rank is noticed within it (NVRx 0.6's default)
         f"--max-restarts={ft.max_injob_restarts}", "--monitor-interval=0.3",
-        "--term-timeout=5", "--workers-stop-timeout=5",
+        f"--term-timeout={term:g}", "--workers-stop-timeout=5",
         f"--ft-initial-rank-heartbeat-timeout={ft.initial_heartbeat_timeout:g}",
         f"--ft-rank-heartbeat-timeout={ft.heartbeat_timeout:g}",
         "--ft-workload-check-interval=1", "--ft-enable-nic-monitor=false",

@@ -71,6 +71,8 @@ class JobMonitor:
     rank_errors: list[dict[str, Any]] = field(default_factory=list)
     resumes: list[dict[str, Any]] = field(default_factory=list)
     events_lost: list[dict[str, Any]] = field(default_factory=list)   # a writer could not write them
+    warnings: list[dict[str, Any]] = field(default_factory=list)      # warning events, in order
+    drain: dict[str, Any] | None = None   # the ranks stopped on SIGTERM after saving (the drain event)
     rank_pids: dict[int, int] = field(default_factory=dict)
     nvrx_cycles: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)  # (attempt, cycle) -> record
     gpu: GpuFold = field(default_factory=GpuFold)   # GPU health per node (gpu_health / gpu_fault events)
@@ -184,6 +186,12 @@ class JobMonitor:
 
     def _on_events_lost(self, e: Event) -> None:
         self.events_lost.append({"rank": e.rank, **e.data})
+
+    def _on_drain(self, e: Event) -> None:
+        self.drain = {"t": e.t, **e.data}
+
+    def _on_warning(self, e: Event) -> None:
+        self.warnings.append({"t": e.t, "rank": e.rank, "what": e["what"], "message": e["message"]})
 
     def _on_gpu_health(self, e: Event) -> None:
         self.gpu.on_health(e.t, e.data)

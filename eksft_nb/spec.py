@@ -22,6 +22,7 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 import yaml
 
 from .errors import SpecError
+from .timeouts import resolved
 
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 BACKENDS = ("local", "eks")
@@ -72,6 +73,8 @@ class CheckpointConfig:
     every: int = opt(10, "--ckpt-every", "save every N steps (0: never)")
     mode: Literal["async", "sync"] = opt("async", "--ckpt-mode", "async: overlap saving with training; sync: block")
     keep_last: int = opt(3, "--keep-last", "committed checkpoints to keep (>= 2, so a bad save never leaves none)")
+    storage_mbps: float = opt(300.0, "--storage-mbps", "checkpoint storage throughput in MB/s (FSx for Lustre's "
+                              "default ~300): GPU jobs size their timeouts and SIGTERM grace period from it")
 
 
 @dataclass
@@ -80,15 +83,15 @@ class FaultToleranceConfig:
     warm_ranks: bool = opt(True, "--warm-ranks", "fork ranks from a per-node (per-pod on EKS) process that has already imported torch and NVRx, so a restart skips seconds of start-up")
     max_injob_restarts: int = opt(3, "--max-injob-restarts", "ft_launcher worker-group restarts per launch")
     max_job_restarts: int = opt(2, "--max-job-restarts", "times the supervisor relaunches a dead launcher")
-    heartbeat_timeout: float = opt(15.0, "--heartbeat-timeout", "seconds without a rank heartbeat before ft_launcher restarts the group")
-    initial_heartbeat_timeout: float = opt(120.0, "--initial-heartbeat-timeout", "seconds allowed for start-up before the first heartbeat")
+    heartbeat_timeout: float | None = opt(None, "--heartbeat-timeout", "seconds without a rank heartbeat before ft_launcher restarts the group (default: 15 on CPU; on GPUs derived from the state size and --storage-mbps, see --dry-run)")
+    initial_heartbeat_timeout: float | None = opt(None, "--initial-heartbeat-timeout", "seconds allowed for start-up before the first heartbeat (default: 120 on CPU; derived on GPUs)")
     step_timeout: float | None = opt(None, "--step-timeout", "section timeout for one training step, seconds (none: heartbeats only)")
     checkpoint_timeout: float | None = opt(None, "--checkpoint-timeout", "section timeout for a checkpoint save, seconds")
     section_timeouts: str | None = opt(None, "--section-timeouts", "timeouts of a script's own NVRx sections, e.g. "
                                        "init:60,eval:30 (seconds; NVRx refuses sections it has no timeout for)")
-    soft_timeout: float = opt(4.0, "--soft-timeout", "in-process: seconds without progress before a rank is interrupted")
-    hard_timeout: float = opt(8.0, "--hard-timeout", "in-process: seconds without progress before a rank is killed")
-    collective_timeout: float = opt(3.0, "--collective-timeout", "process-group timeout while in-process restart is on: the fallback bound on a peer's wait for a rank that failed (a failure in-process shuts down its gloo connections, so peers learn at once)")
+    soft_timeout: float | None = opt(None, "--soft-timeout", "in-process: seconds without progress before a rank is interrupted (default: 4 on CPU; derived on GPUs)")
+    hard_timeout: float | None = opt(None, "--hard-timeout", "in-process: seconds without progress before a rank is killed (default: 8 on CPU; derived on GPUs)")
+    collective_timeout: float | None = opt(None, "--collective-timeout", "process-group timeout while in-process restart is on: the fallback bound on a peer's wait for a rank that failed (a failure in-process shuts down its gloo connections, so peers learn at once; default: 3 on CPU, 60 on GPUs)")
     progress_patience: int = opt(3, "--progress-patience", "give up after this many restarts in a row that resume from the same checkpoint")
 
     def sections(self) -> dict[str, float]:
@@ -217,15 +220,19 @@ class JobSpec:
         for fname in ("max_injob_restarts", "max_job_restarts"):
             _require_int(f, fname, 0, prefix="ft.")
         _require_int(f, "progress_patience", 1, prefix="ft.")
+        if not c.storage_mbps > 0:
+            raise SpecError(f"checkpoint.storage_mbps must be a positive number, got {c.storage_mbps!r}",
+                            "set --storage-mbps to your storage's throughput, e.g. 300")
         for fname in ("heartbeat_timeout", "initial_heartbeat_timeout", "soft_timeout", "hard_timeout",
                       "collective_timeout", "step_timeout", "checkpoint_timeout"):
             v = getattr(f, fname)
-            if v is None and fname in ("step_timeout", "checkpoint_timeout"):
+            if v is None:  # a section without a timeout, or a timeout derived for the backend (timeouts.py)
                 continue
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
                 raise SpecError(f"ft.{fname} must be a positive number of seconds, got {v!r}",
                                 f"set {_flag_of(FaultToleranceConfig, fname)} to e.g. 10")
         f.sections()  # raises on a malformed --section-timeouts
+        f = resolved(self).ft   # the unset timeouts as the backend derives them, checked with the set ones
         if f.inprocess and not f.soft_timeout < f.hard_timeout:
             raise SpecError(f"soft timeout ({f.soft_timeout}s) must be shorter than hard timeout ({f.hard_timeout}s)",
                             "raise --hard-timeout or lower --soft-timeout")
@@ -509,3 +516,8 @@ def _show(value: Any) -> str:
 def _suggest_name(name: Any) -> str:
     s = re.sub(r"[^a-z0-9-]+", "-", str(name).lower()).strip("-")[:63].strip("-")
     return s or "my-job"
+
+
+def fsx_specs(presets: tuple[str, ...] = ("gpt2-125m", "gpt-1b", "gpt-8b")) -> dict[str, JobSpec]:
+    """The model presets the README's FSx throughput table is computed for (``timeouts.fsx_table``)."""
+    return {p: JobSpec(model=ModelConfig(preset=p)) for p in presets}

@@ -16,6 +16,7 @@ from eksft_nb.cli import format_summary
 from eksft_nb.jobdir import JobDir
 from eksft_nb.monitor import JobMonitor
 from eksft_nb.spec import JobSpec
+from eksft_nb.timeouts import resolved
 from jobs import cli, events, job_dir, run_job
 
 pytestmark = pytest.mark.slow
@@ -75,7 +76,7 @@ def test_faults_at_every_level_heal_and_lose_nothing(reference_digest: str, nvrx
         assert sum(r["phases"].values()) == pytest.approx(r["downtime_s"], abs=0.01), r
     assert format_summary(summary).count("    phases: detection ") == 4   # `summary` says them
     # the exception's rank told its peer at once: the peer did not wait out the collective timeout
-    assert restarts[0]["detection_s"] < JobSpec().ft.collective_timeout, restarts[0]
+    assert restarts[0]["detection_s"] < resolved(JobSpec(), gpu=False).ft.collective_timeout, restarts[0]
     assert summary["digest"] == reference_digest  # bit-identical to the fault-free run, whichever NVRx
     # the restarts loaded the newest checkpoint from the ranks' in-memory copies, unless a newer save was
     # being staged over them when the fault hit (then from storage, saying so): the in-job one did

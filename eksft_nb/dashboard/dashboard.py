@@ -45,6 +45,7 @@ class Dashboard(w.VBox):
         self._next_slow = 0.0
         self.throttle = Throttle(interval)
         self.updates = 0
+        self.warnings_said = 0   # the job's warning events shown so far
         spec = self.job.spec
 
         self.header = Header(job=job.name, backend=job.backend.name, total=None if spec.script else spec.steps,
@@ -108,6 +109,9 @@ class Dashboard(w.VBox):
             h.detail = detail if state == JobState.STARTING else ""
             h.restarts = mon.restarts_by_level()
             h.last_checkpoint = committed.step if committed else None
+            if len(mon.warnings) > self.warnings_said:   # the newest warning, in one line
+                self.warnings_said = len(mon.warnings)
+                self._say(f"warning: {mon.warnings[-1]['message']}")
             now = time.monotonic()
             if ended or now >= self._next_slow:
                 self._next_slow = now + self.slow_interval
@@ -122,6 +126,8 @@ class Dashboard(w.VBox):
                 self.controls.inject.disabled = self.stop_button.disabled = True
                 if state in (JobState.FAILED, JobState.LOST):
                     self._say(f"{self.job.name} {state}: {detail or mon.reason}", error=True)
+                elif mon.drain is not None:
+                    self._say(f"{self.job.name} {state}: {mon.reason}")
             return ended
 
     def _refresh_checkpoints(self) -> None:

@@ -37,6 +37,7 @@ from ..gpuhealth import start as start_gpu_health
 from ..jobdir import JobDir
 from ..spec import JobSpec
 from ..states import FaultScope
+from ..timeouts import derive, resolved
 
 
 class InjectedFault(RuntimeError):
@@ -94,6 +95,8 @@ class Session:
         self._full_until, self._slow_storage = 0, (0, 0.0)   # the disk-full and slow-storage faults
         self.on_save_failure: list[Any] = []   # callbacks for the save-failure fault
         self.pending_exception: str | None = None
+        self._warned: set[str] = set()
+        self.drain: Any = None   # the built-in trainer's SIGTERM handler (see .drain)
         self._beacon = _Beacon(self) if live else None
         # one GPU health sampler per node, with its own events writer (it writes from its own thread)
         self._gpu = self._gpu_events = None
@@ -119,14 +122,13 @@ class Session:
         """A :class:`~eksft_nb.runtime.checkpointer.CheckpointManager` for this job (folder, interval,
         mode and retention from the spec). ``group``: a gloo process group for checkpoint
         collectives (default: a new one over all ranks). Rank 0 reports for the collective saves."""
-        import datetime
 
         import torch.distributed as dist
 
         from .checkpointer import CheckpointManager
 
         if group is None:
-            group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=10))
+            group = dist.new_group(backend="gloo", timeout=self.checkpoint_group_timeout())
         c = self.spec.checkpoint
         manager = CheckpointManager(self.checkpoint_dir(), rank=dist.get_rank(), world_size=dist.get_world_size(),
                                     group=group, every=c.every, mode=c.mode, keep_last=c.keep_last,
@@ -135,6 +137,12 @@ class Session:
         self.on_save_failure = [lambda: setattr(manager, "fail_next_write", True)]
         return manager
 
+    def checkpoint_group_timeout(self) -> Any:
+        """How long a checkpoint collective waits for its peers: long enough for their reads of a restore."""
+        import datetime
+
+        return datetime.timedelta(seconds=derive(self.spec).checkpoint_group.seconds)
+
     def _checkpoint_emit(self, kind: str, **data: Any) -> None:
         if self.rank == 0 or data.get("phase") in ("failed", "rejected"):
             self.emit(kind, **data)
@@ -142,6 +150,12 @@ class Session:
     # -- telemetry --
     def emit(self, kind: str, **data: Any) -> None:
         self.events.emit(kind, **data)
+
+    def warn(self, what: str, message: str) -> None:
+        """One line the CLI and the dashboard show as a warning (once per ``what`` per rank process)."""
+        if what not in self._warned:
+            self._warned.add(what)
+            self.emit("warning", what=what, message=message)
 
     def rank_start(self, start_step: int, t_enter: float | None = None, **extra: Any) -> None:
         """Report that this rank is ready to train from ``start_step``. ``t_enter``: when this
@@ -255,6 +269,8 @@ class Session:
         if cmd.fault == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)
         if cmd.fault == "sigterm":
+            if self.drain is not None and self.drain.is_handler():  # the fault is a rank dying of it, not a drain
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
             if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # else the script handles it: carry on
                 time.sleep(60)
@@ -438,6 +454,8 @@ class MonitorLink:
 
     def __init__(self) -> None:
         self.client: Any = None
+        # one request at a time on the monitor's socket: the keepalive thread beats while the main thread may
+        self.lock = threading.Lock()
         self.own = False              # the client is this link's (else the script's, or none)
         self.script_beats = False     # the script sends heartbeats of its own
         self._sending = False
@@ -450,15 +468,17 @@ class MonitorLink:
     def beat(self) -> None:
         if self.client is None or self.script_beats or not self.client.is_initialized:
             return
-        self._sending = True
-        try:
-            self.client.send_heartbeat()
-        finally:
-            self._sending = False
+        with self.lock:
+            self._sending = True
+            try:
+                self.client.send_heartbeat()
+            finally:
+                self._sending = False
 
     def section(self, name: str, open_: bool) -> None:
         if self.own:
-            (self.client.start_section if open_ else self.client.end_section)(name)
+            with self.lock:
+                (self.client.start_section if open_ else self.client.end_section)(name)
 
     def yield_to_script(self) -> None:
         """Hand the connection to any rank-monitor client the script initialises (patches NVRx's client)."""
@@ -502,6 +522,7 @@ def session() -> Session:
     if _SESSION is None:
         job_dir = os.environ.get("EKSFT_JOB_DIR")
         spec_path = os.environ.get("EKSFT_SPEC") or (str(Path(job_dir) / "spec.json") if job_dir else None)
-        spec = JobSpec.load(spec_path) if spec_path else JobSpec()
+        # a spec eksft launched has its timeouts filled in; one a script runs without eksft gets them here
+        spec = resolved(JobSpec.load(spec_path) if spec_path else JobSpec())
         _SESSION = Session(spec, Path(job_dir) if job_dir else None, RankInfo.from_env())
     return _SESSION

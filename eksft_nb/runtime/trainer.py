@@ -12,8 +12,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .checkpointer import ModelState
+from ..timeouts import derive
+from .checkpointer import ModelState, stop_writer, writer_alive
 from .data import SyntheticCorpus
+from .keepalive import keepalive
 from .model import build_model, loss_fn
 from .peers import abort_chain
 from .peers import shutdown as shutdown_gloo
@@ -36,7 +38,7 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if self.world != spec.world_size:
             raise RuntimeError(f"world size {self.world} != spec {spec.world_size}: restarting the whole group")
-        self.ckpt_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=10))
+        self.ckpt_group = dist.new_group(backend="gloo", timeout=s.checkpoint_group_timeout())
         self.t_group = time.time()   # the process groups are formed (a recovery's re-formation ends)
         vocab, d_model, n_layers, n_heads = spec.model.dims()
         self.model = build_model(vocab, d_model, n_layers, n_heads, spec.seq, spec.seed, self.device, fsdp=True)
@@ -51,6 +53,46 @@ class Trainer:
         self.s.heartbeat()
         if self.call_wrapper is not None:
             self.call_wrapper.ping()
+
+    def _save_without_writer(self) -> None:
+        """Some rank's async writer is gone (agreed by every rank): the save in flight is abandoned
+        (never committed) and the drain's save is a sync one, on every rank."""
+        stop_writer()
+        self.ckpt.pending, self.ckpt.mode = None, "sync"
+
+    def _drained(self, step: int, asked: int, save_s: float) -> None:
+        """Every rank saved ``step`` (or it was committed already) and stops: rank 0 says so."""
+        if self.rank == 0:
+            committed = self.ckpt.last_committed == step
+            self.s.emit("drain", step=step, committed=committed, ranks_asked=asked, save_s=save_s,
+                        path=str(self.ckpt.root) if committed else None)
+        dist.barrier(group=self.ckpt_group)
+
+    def _restore_overrun(self, budget: float, took: float | None = None) -> None:
+        """Warn that a restore outlasts the keepalive's budget: from then on the timeouts count it as a hang."""
+        if self.rank != 0:
+            return
+        ft, mbps = self.spec.ft, self.spec.checkpoint.storage_mbps
+        what = f"took {took:.0f} s" if took is not None else f"has run {budget:.0f} s"
+        self.s.warn("slow-restore", f"the restore {what}, longer than the timeouts allow ({budget:.0f} s of "
+                    f"keepalive, then the heartbeat timeout of {ft.heartbeat_timeout:g} s): set --storage-mbps to "
+                    f"what the storage delivers (now {mbps:g}) or raise --initial-heartbeat-timeout")
+
+    def _check_save_pace(self, step: int, save_s: float, was_deferred: bool, loop_s: float, steps: int) -> None:
+        """Warn when a save takes longer than the checkpoint interval: an async save still being written
+        when the next is due (so that one is deferred), or a sync save that blocks for longer."""
+        every = self.spec.checkpoint.every
+        if self.rank != 0 or not every:
+            return
+        interval_s = every * (loop_s - save_s) / steps   # the steps' time, without this save's
+        if self.ckpt.deferred and not was_deferred:
+            self.s.warn("slow-save", f"the save before step {step} is still being written when the next is due "
+                        f"(every {every} steps, ~{interval_s:.1f} s): saves take longer than the checkpoint "
+                        "interval; raise --ckpt-every or use faster storage")
+        elif self.spec.checkpoint.mode == "sync" and save_s > interval_s > 0:
+            self.s.warn("slow-save", f"the save at step {step} blocked for {save_s:.1f} s, longer than the "
+                        f"checkpoint interval (every {every} steps, ~{interval_s:.1f} s); raise --ckpt-every "
+                        "or use --ckpt-mode async")
 
     def _init_process_group(self, backend: str) -> None:
         if self.call_wrapper is None:
@@ -70,7 +112,12 @@ class Trainer:
 
     def train(self) -> None:
         s, spec = self.s, self.spec
-        self.step = self.ckpt.restore(self.state, spec.resume, s.restarting)
+        t_restore, budget = time.perf_counter(), derive(spec).initial.seconds
+        # hashing and loading a large state read for minutes: beat for the rank meanwhile, within a budget
+        with keepalive(self._keepalive, budget=budget, on_overrun=self._restore_overrun):
+            self.step = self.ckpt.restore(self.state, spec.resume, s.restarting)
+        if time.perf_counter() - t_restore > budget:
+            self._restore_overrun(budget, time.perf_counter() - t_restore)
         s.rank_start(self.step, t_enter=self.t_enter, t_group=self.t_group, device=str(self.device))
         tokens_per_step = spec.batch * spec.seq * self.world
         first, t_loop = self.step + 1, time.perf_counter()
@@ -82,20 +129,34 @@ class Trainer:
             loss.backward()
             self.optim.step()
             self.optim.zero_grad(set_to_none=True)
-            mean = loss.detach().float().clone()
+            # the loss summed over ranks, and how many ranks were asked to drain (SIGTERM), in one all-reduce
+            # (and how many ranks' async writers are gone: a drain's SIGTERM to a cold rank's group ends it)
+            drain = float(s.drain is not None and s.drain.requested)
+            gone = float(drain > 0 and self.ckpt.mode == "async" and not writer_alive())
+            mean = torch.cat([loss.detach().float().reshape(1), torch.tensor([drain, gone], device=self.device)])
             dist.all_reduce(mean)
-            s.step_end(step, mean.item() / self.world, tokens_per_step, time.perf_counter() - t0)
+            total, draining, writers_gone = mean.tolist()
+            if writers_gone > 0:
+                self._save_without_writer()
+            s.step_end(step, total / self.world, tokens_per_step, time.perf_counter() - t0)
             if self.call_wrapper is not None:
                 self.call_wrapper.ping()
             self.step = step
-            saving = self.ckpt.due(step, last=step == spec.steps)
+            last = step == spec.steps or draining > 0   # a drain saves now, blocking, like the last step
+            saving = self.ckpt.due(step, last=last)
             if saving and spec.ft.checkpoint_timeout is not None:
                 s.section("checkpoint", True)
-            self.ckpt.maybe_save(step, self.state, last=step == spec.steps)
+            t_save, deferred = time.perf_counter(), self.ckpt.deferred
+            self.ckpt.maybe_save(step, self.state, last=last)
+            self._check_save_pace(step, time.perf_counter() - t_save, deferred, time.perf_counter() - t_loop,
+                                  step - first + 1)
             if saving:
                 if spec.ft.checkpoint_timeout is not None:
                     s.section("checkpoint", False)
                 s.heartbeat()
+            if draining > 0 and step < spec.steps:
+                self._drained(step, int(draining), time.perf_counter() - t_save)
+                return
         self.ckpt.finish()
         loop_s = time.perf_counter() - t_loop
         digest = self.digest()
@@ -130,6 +191,8 @@ def run(call_wrapper: Any = None) -> None:
         if call_wrapper is not None:
             shutdown_gloo()   # peers blocked on this rank fail now, not at the collective timeout
         s.rank_error(e)
+        if s.drain is not None:
+            s.drain.die_if_requested()   # a SIGTERM it could not drain for (a peer is gone): die of it
         if trainer is not None and call_wrapper is None:
             trainer.close()
         raise  # in-process restart: the Wrapper's abort tears the process group down

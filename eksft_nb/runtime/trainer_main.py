@@ -27,11 +27,13 @@ def main() -> None:
 
     from ..loopback import install
     from .checkpointer import start_writer
+    from .drain import Drain
     from .session import session
     from .trainer import run, wrapper_kwargs
 
     install()   # the stores rank 0 hosts (the trainer's, the Wrapper's) listen on loopback in a local job
     s = session()
+    s.drain = Drain().install()   # SIGTERM: save, commit and stop at the next step boundary
     try:
         if s.spec.checkpoint.mode == "async":
             # spawning the writer's processes blocks this thread for seconds on a busy machine:

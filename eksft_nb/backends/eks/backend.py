@@ -19,6 +19,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from ...timeouts import derive
 from ...checkpoint_folders import CheckpointInfo, list_checkpoints
 from ...control import FaultCommand
 from ...errors import JobError, UnknownJobError
@@ -91,7 +92,8 @@ class EksBackend(Backend):
         return m
 
     def render(self, spec: JobSpec, queue_objects: bool = False) -> str:
-        return self.manifests(spec, queue_objects=queue_objects).to_yaml()
+        manifests = self.manifests(spec, queue_objects=queue_objects).to_yaml()
+        return "".join(f"# {line}\n" for line in derive(spec).lines()) + manifests
 
     def launch(self, spec: JobSpec, faults: list[FaultCommand] | None = None) -> None:
         """Submit the job. Submitting the same spec again is a no-op (objects that exist with this

@@ -23,6 +23,7 @@ from ...control import FaultCommand
 from ...launcher import Ports, launcher_argv, rank_env
 from ...runtime.quiet import quiet_env
 from ...spec import JobSpec
+from ...timeouts import derive, resolved
 from ..procs import JOB_MARK
 from . import failures, kueue, names, sizing
 from .instances import lookup
@@ -113,7 +114,9 @@ def render(spec: JobSpec, faults: list[FaultCommand] | None = None, queue_object
 
 
 def pod_view(spec: JobSpec) -> JobSpec:
-    """The spec as the ranks read it: a user script points at its copy in the ConfigMap."""
+    """The spec as the ranks read it: the timeouts filled in for the pods (GPU-scale where they have
+    GPUs, see :mod:`eksft_nb.timeouts`); a user script points at its copy in the ConfigMap."""
+    spec = resolved(spec)
     if not spec.script:
         return spec
     return spec.replace(script=f"{names.CONFIG_MOUNT}/{script_key(spec)}")
@@ -149,10 +152,12 @@ def new_job_uid() -> str:
 
 
 def config_map(spec: JobSpec, faults: list[FaultCommand], job_uid: str) -> dict[str, Any]:
-    data = {names.POD_SPEC: pod_view(spec).to_json(), names.FAULTS: json.dumps([json.loads(f.to_json()) for f in faults]),
+    view = pod_view(spec)
+    data = {names.POD_SPEC: view.to_json(), names.FAULTS: json.dumps([json.loads(f.to_json()) for f in faults]),
             names.JOB_UID: job_uid}
-    if spec.script:  # the ranks run the ConfigMap's copy; the record keeps the submitted path
+    if view != spec:  # the record keeps the submitted spec (the script's path, the timeouts left unset)
         data[names.SUBMITTED_SPEC] = spec.to_json()
+    if spec.script:  # the ranks run the ConfigMap's copy
         data[script_key(spec)] = Path(spec.script).expanduser().read_text()
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": _meta(spec, spec.name), "data": data}
 
@@ -278,7 +283,9 @@ def pod_template(spec: JobSpec, *, subdomain: str | None = None, attempt_from: s
         # the pods need no Kubernetes API; the pause container as PID 1 lets a node fault kill
         # ft_launcher (PID 1 ignores SIGKILL from inside its container) and reaps NVRx's helpers
         "automountServiceAccountToken": False, "enableServiceLinks": False, "shareProcessNamespace": True,
-        "terminationGracePeriodSeconds": 30,
+        # SIGTERM (a drain, a preemption) saves and commits before the ranks exit: the grace period covers
+        # it, and ft_launcher's wait for its ranks (--term-timeout, the same grace) with 30 s to spare
+        "terminationGracePeriodSeconds": int(derive(spec).grace.seconds) + 30,
         "initContainers": [prepare, metrics] if serves_metrics(spec) else [prepare], "containers": [trainer],
         "volumes": [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": e.checkpoint_pvc}},
                     {"name": "config", "configMap": {"name": spec.name}},

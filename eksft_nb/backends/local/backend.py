@@ -19,6 +19,7 @@ from pathlib import Path
 
 import psutil
 
+from ...timeouts import derive, resolved
 from ...checkpoint_folders import CheckpointInfo, list_checkpoints, verify
 from ...control import FaultCommand, submit
 from ...errors import JobError
@@ -46,10 +47,11 @@ class LocalBackend(Backend):
 
     # ---- launch -------------------------------------------------------------------------------
     def render(self, spec: JobSpec) -> str:
-        spec.validate()
+        lines = [f"# {line}" for line in derive(spec.validate()).lines()]
+        spec = resolved(spec)
         jd = JobDir.for_name(spec.name, self.root)
         ports = Ports(29500, 29501, 29502)
-        lines = [f"# job folder: {jd.path}", "# environment of each launcher (ports are picked free at launch):"]
+        lines += [f"# job folder: {jd.path}", "# environment of each launcher (ports are picked free at launch):"]
         for k, v in {**rank_env(spec, ports=ports, job_attempt=0, job_dir=str(jd.path)), **loopback.env()}.items():
             lines.append(f"{k}={v}")
         for node in range(spec.nnodes + spec.spare_nodes):   # the spares' lines are the same
@@ -76,7 +78,7 @@ class LocalBackend(Backend):
                 raise JobError(f"working directory {workdir} does not exist", "check the --workdir path")
             spec = spec.replace(script=str(Path(spec.script).resolve()), workdir=str(workdir))
         _check_resume_source(spec, jd)
-        jd.create(spec)
+        jd.create(resolved(spec))   # the timeouts its launchers and ranks use, filled in (see timeouts.py)
         for f in faults:
             submit(jd.pending, f)
         remove_stale_copies(procs.live_marks())  # in-memory checkpoint copies that ended jobs left

@@ -320,6 +320,10 @@ class Supervisor:
                 self._pump()
                 if self.spec.script:  # a user script's own loop decides when it is done; ft_launcher says it was
                     return JobState.SUCCEEDED, "the script exited 0 on every rank"
+                if (d := self.mon.drain) is not None:
+                    saved = "saved and committed" if d["committed"] else "its save could NOT be committed"
+                    return JobState.STOPPED, f"drained on SIGTERM at step {d['step']} ({saved}): resume it with " \
+                                             f"`python -m eksft_nb resume {self.spec.name}`"
                 if self.mon.digest is not None or self.mon.last_step >= self.spec.steps:
                     return JobState.SUCCEEDED, f"all {self.spec.steps} steps done"
                 return JobState.FAILED, "the launchers exited before training finished (see `logs --debug`)"

@@ -1,0 +1,75 @@
+"""SIGTERM to every rank, as a node drain or a preemption delivers it: the ranks agree on one step,
+save and commit it, and the job stops (not fails); a resume from that save ends bit-identical to a
+fault-free run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from eksft_nb.checkpoint_folders import list_checkpoints, verify
+from jobs import BASE, cli, events, job_dir, run_job, story, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def reference_digest() -> str:
+    summary = run_job("drain-reference")
+    assert summary["state"] == "succeeded", summary
+    return summary["digest"]
+
+
+# warm ranks fork their checkpoint writer (it keeps the drain's handler); a cold rank's writer is spawned
+# and dies of the SIGTERM to the rank's process group, so that drain saves without it
+@pytest.mark.parametrize("extra", [(), ("--no-warm-ranks",)], ids=["warm", "cold"])
+def test_sigterm_to_every_rank_saves_commits_and_stops_then_resumes_bit_identical(reference_digest: str,
+                                                                                   extra: tuple) -> None:
+    name = "drained" + "-cold" * bool(extra)
+    proc = cli("run", "--name", name, *BASE, *extra, "--detach")
+    assert proc.returncode == 0, proc.stderr
+    # mid checkpoint interval: after the save of step 10 is committed, a few steps into the next interval
+    wait_for("step 13", lambda: any(e["step"] >= 13 for e in events(name, "step")), timeout=300)
+    ranks = {e.rank: e["pid"] for e in events(name, "rank_start")}
+    assert sorted(ranks) == [0, 1]
+    for pid in ranks.values():   # to each rank's process group, as ft_launcher (and a warm rank's shim) sends it
+        os.killpg(os.getpgid(pid), signal.SIGTERM)
+    status = wait_for("the job to end", lambda: (s := json.loads(cli("status", name, "--json").stdout))["state"]
+                      not in ("starting", "running", "recovering") and s, timeout=300)
+    assert status["state"] == "stopped", story(name)
+    [drain] = events(name, "drain")
+    step = drain["step"]
+    assert drain["committed"] and drain["ranks_asked"] == 2 and 13 <= step < 80, drain
+    # the step it drained at is committed on disk, intact, and nothing after it was trained
+    committed = {i.step: i for i in list_checkpoints(job_dir(name) / "ckpt") if i.state == "committed"}
+    assert step in committed and verify(committed[step]) is None, committed
+    assert max(e["step"] for e in events(name, "step")) == step
+    summary = json.loads(cli("summary", name, "--json").stdout)
+    assert summary["state"] == "stopped" and f"drained on SIGTERM at step {step}" in summary["reason"], summary
+    assert summary["restarts"] == {"inprocess": 0, "injob": 0, "job": 0}   # a drain is no failure
+    # resume from the save it made: the same parameters as the run that never stopped
+    resumed = cli("resume", name, "--as", f"{name}-resumed")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    [start] = events(f"{name}-resumed", "resume")
+    assert start["step"] == step
+    after = json.loads(cli("summary", f"{name}-resumed", "--json").stdout)
+    assert after["state"] == "succeeded" and after["digest"] == reference_digest, after
+
+
+def test_the_dashboard_says_the_warning_and_the_drain() -> None:
+    from eksft_nb.dashboard import Dashboard
+    from test_dashboard import FakeJob, said
+
+    job = FakeJob("warned-drained")
+    job.steps(1, 12)
+    job.emit("warning", rank=0, what="slow-save", message="the save before step 12 is still being written")
+    dash = Dashboard(job.handle(), live=False)
+    assert said(dash) == "warning: the save before step 12 is still being written"
+    job.emit("drain", rank=0, step=12, committed=True)
+    job.emit("job_end", dt=0.1, state="stopped", reason="drained on SIGTERM at step 12 (saved and committed)",
+             final_step=12)
+    dash.update()
+    assert said(dash) == "warned-drained stopped: drained on SIGTERM at step 12 (saved and committed)"
