@@ -13,13 +13,12 @@ only version from 0.20 (the bundled CRDs, Kueue 0.19.2, serve both).
 from __future__ import annotations
 
 import math
-import re
 from fractions import Fraction
 from typing import Any
 
 from ...errors import SpecError
 from ...spec import JobSpec
-from . import names
+from . import names, quantities
 from .instances import INSTANCE_TYPES
 
 API = "kueue.x-k8s.io/v1beta2"
@@ -34,20 +33,12 @@ LAYER_LABEL = "topology.k8s.aws/network-node-layer-{}"
 PLACEMENT = {"required": "kueue.x-k8s.io/podset-required-topology",
              "preferred": "kueue.x-k8s.io/podset-preferred-topology"}
 
-_QUANTITY = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)(?:(Ki|Mi|Gi|Ti|Pi|Ei)|(n|u|m|k|M|G|T|P|E)|[eE]([+-]?\d+))?$")
-_BINARY = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60}
-_DECIMAL = {"n": -9, "u": -6, "m": -3, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
-
-
 def quantity(value: Any) -> Fraction:
-    """A Kubernetes quantity, exactly (so 50m + 50m is 100m, not a float's 0.1000...1)."""
-    m = _QUANTITY.match(str(value).strip())
-    if not m:
+    """A rendered resource amount, exactly."""
+    if (exact := quantities.parse(value)) is None:
         raise SpecError(f"a rendered resource amount {value!r} is not a Kubernetes quantity",
                         "fix the option that sets it (--cpu, --memory, ...)")
-    number, binary, decimal, exponent = m.groups()
-    scale = Fraction(_BINARY[binary]) if binary else Fraction(10) ** (_DECIMAL[decimal] if decimal else int(exponent or 0))
-    return Fraction(number) * scale
+    return exact
 
 
 def amount(resource: str, value: Fraction) -> str:
@@ -58,7 +49,7 @@ def amount(resource: str, value: Fraction) -> str:
         return str(milli // 1000) if milli % 1000 == 0 else f"{milli}m"
     whole = math.ceil(value)
     if resource in ("memory", "ephemeral-storage") or resource.startswith("hugepages-"):
-        for unit, size in reversed(_BINARY.items()):
+        for unit, size in reversed(quantities.BINARY.items()):
             if whole and whole % size == 0:
                 return f"{whole // size}{unit}"
     return str(whole)

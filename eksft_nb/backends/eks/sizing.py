@@ -10,10 +10,10 @@ loaders for nothing). ``--cpu`` and ``--memory`` override; the checks keep them 
 from __future__ import annotations
 
 import math
-import re
 
 from ...errors import SpecError
 from ...spec import JobSpec
+from . import quantities
 from .instances import lookup
 
 GiB = 1 << 30
@@ -21,18 +21,12 @@ GPU_RANK_FLOOR = 8 * GiB      # host memory a GPU rank needs at least (CUDA cont
 CPU_RANK_FLOOR = 1 * GiB      # a CPU rank of the small presets
 SCRIPT_SHM_PER_GPU_RANK = 8 * GiB   # a script's /dev/shm per rank where the pod's memory is not known
 
-_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
-_FACTORS = {None: 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
-            "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-
-
 def quantity(value: str, flag: str) -> float:
     """A Kubernetes quantity ("16Gi", "500m", "2") as a number, or a SpecError naming the flag."""
-    m = _QUANTITY.match(str(value).strip())
-    if not m:
+    if (exact := quantities.parse(value)) is None:
         raise SpecError(f"{flag} {value!r} is not a Kubernetes quantity",
                         f"write e.g. {flag} {'4 (or 500m)' if flag == '--cpu' else '16Gi'}")
-    return float(m.group(1)) * _FACTORS[m.group(2)]
+    return float(exact)
 
 
 def gib(n_bytes: float) -> str:
