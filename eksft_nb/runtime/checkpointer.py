@@ -820,8 +820,9 @@ class CheckpointManager:
         of each candidate's files (sizes, checksums, the metadata's allow-list) in parallel, sending
         heartbeats while it hashes, until all agree on one that also loads. A checkpoint that fails
         anywhere is skipped everywhere, with the reason and the rank that found it (a partial load
-        is overwritten by the next candidate's; with none left, this raises and the restart that
-        follows starts fresh)."""
+        is overwritten by the next candidate's). With none left, a start point that was named
+        (step:N, a folder) fails with the reason, never a silent start from step 0; otherwise a
+        partial load raises (the restart that follows starts fresh) and none starts at step 0, said."""
         self._commit_unfinished()
         listing: list[Any] = [None]
         if self.rank == 0:
@@ -858,9 +859,10 @@ class CheckpointManager:
             if self.rank == 0 and info.path.parent == self.root:
                 reject(info, reasons[found])
         else:
-            if resume.startswith("step:") and not restarting:
-                raise JobError(f"checkpoint step {resume.split(':')[1]} is not available in {self.root}"
-                               + (f" ({skipped[0]['reason']})" if skipped else ""),
+            if resume not in ("latest", "none"):  # a start point was named: never a silent start from step 0
+                where = (f"checkpoint step {resume.split(':')[1]} is not available in {self.root}"
+                         if resume.startswith("step:") else f"no checkpoint in {resume} can be loaded")
+                raise JobError(where + (f" (step {skipped[-1]['step']}: {skipped[-1]['reason']})" if skipped else ""),
                                "list them with `python -m eksft_nb ckpts NAME` and pick a committed one")
             if touched is not None:  # not a fresh state any more: the restart that follows skips it
                 raise JobError(f"checkpoint {touched.path} verified but failed to load, and no other checkpoint "
@@ -925,7 +927,7 @@ def _verify_share(info: CheckpointInfo, rank: int, world_size: int, tick: Callab
     reason = verify(info, mine, progress=tick)
     if reason is None and ".metadata" in mine:
         try:
-            read_metadata(info.path)
+            read_metadata(info.path, info.files)
         except JobError as e:
             reason = e.problem
     return reason
@@ -934,8 +936,8 @@ def _verify_share(info: CheckpointInfo, rank: int, world_size: int, tick: Callab
 def resume_candidates(root: Path, resume: str, restarting: bool, run: str) -> list[CheckpointInfo]:
     """The committed checkpoints to try, best first (each is verified before it is used).
 
-    A fresh start takes what ``resume`` names: latest, none, step:N or a checkpoint folder. A
-    restart (at any level) takes this run's own newest checkpoint, else the one it started from:
+    A fresh start takes what ``resume`` names: latest, none, step:N, a checkpoint (``step_N`` folder)
+    or another job's checkpoint folder (its checkpoints, newest first). A restart (at any level) takes this run's own newest checkpoint, else the one it started from:
     never a newer one that another run left in the folder."""
     committed = [i for i in reversed(list_checkpoints(root)) if i.state == "committed"]
     if resume.startswith("step:"):
@@ -943,7 +945,11 @@ def resume_candidates(root: Path, resume: str, restarting: bool, run: str) -> li
         start = [i for i in committed if i.step == want]
     elif resume not in ("latest", "none"):
         external = Path(resume).expanduser()
-        start = [i for i in reversed(list_checkpoints(external.parent)) if i.path == external and i.state == "committed"]
+        if STEP_DIR.match(external.name):  # that checkpoint and no other
+            start = [i for i in reversed(list_checkpoints(external.parent))
+                     if i.path == external and i.state == "committed"]
+        else:  # another job's checkpoint folder: its newest that loads, else the next older
+            start = [i for i in reversed(list_checkpoints(external)) if i.state == "committed"]
     elif resume == "none":
         start = []
     else:

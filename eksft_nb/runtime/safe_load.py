@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checkpoint_folders import COMMIT, parse_commit, plain_name
+from ..checkpoint_folders import COMMIT, CheckpointInfo, parse_commit, plain_name, verify
 from ..errors import JobError
 
 METADATA = ".metadata"
@@ -265,6 +265,19 @@ def open_listed(folder: Path, name: str, files: dict[str, dict[str, Any]]) -> It
         raise
     with os.fdopen(fd, "rb") as f:
         yield f
+
+
+def refusal(info: CheckpointInfo) -> str | None:
+    """Why a restore would refuse the committed checkpoint ``info`` before reading a tensor (its files'
+    sizes and checksums, what commit.json lists, the metadata), or None. For the control plane, which
+    picks a resume point before it launches (the folder must be readable from here)."""
+    reason = verify(info)
+    if reason is None:
+        try:
+            read_metadata(info.path, info.files)
+        except JobError as e:
+            reason = e.problem
+    return reason
 
 
 # ---- the metadata ---------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from ...checkpoint_folders import CheckpointInfo, list_checkpoints, verify
+from ...checkpoint_folders import STEP_DIR, CheckpointInfo, list_checkpoints, verify
 from ...control import FaultCommand, submit
 from ...errors import JobError
 from ...events import EventTail
@@ -225,6 +225,11 @@ def _check_resume_source(spec: JobSpec, jd: JobDir) -> None:
         infos = [i for i in list_checkpoints(root) if i.step == spec.resume_step]
         avail = ", ".join(str(i.step) for i in list_checkpoints(root) if i.state == "committed") or "none"
         where = f"in {root}"
+    elif not STEP_DIR.match(Path(spec.resume).name):  # a job's checkpoint folder: the ranks fall back in it
+        root = Path(spec.resume).expanduser()
+        if not any(i.state == "committed" for i in list_checkpoints(root)):
+            raise JobError(f"no committed checkpoint in {root}", "pick one listed by `python -m eksft_nb ckpts NAME`")
+        return
     else:
         path = Path(spec.resume).expanduser()
         infos = [i for i in list_checkpoints(path.parent) if i.path == path]
