@@ -267,7 +267,8 @@ ARGS: dict[str, Verb] = {v.name: v for v in (
         arg("--duration", type=int, help="slow-rank, disk-full, slow-storage: for this many steps"))),
     Verb("resume", "start a new job from a checkpoint of this one", (
         NAME, BACKEND,
-        arg("--step", type=int, help="checkpoint step (default: the newest committed)"),
+        arg("--step", type=int,
+            help="checkpoint step (default: the newest that loads; each newer one refused is said)"),
         arg("--as", dest="new_name", help="name of the new job (default: NAME-from-STEP)"),
         arg("--steps", type=int, help="train to this many steps in total"),
         arg("--detach", action="store_true", fronts=frozenset({CLI}), help="return at once; the job keeps running"))),

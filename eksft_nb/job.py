@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -173,7 +174,9 @@ def _refusal(info: CheckpointInfo) -> str | None:
     its files are not reachable from here (an EKS volume): the ranks check it, and fall back, there."""
     if not Path(info.path).exists():
         return None
-    from .runtime.safe_load import refusal
+    with warnings.catch_warnings():  # torch's import warns about pynvml: noise to whoever reads the answer
+        warnings.filterwarnings("ignore", message="The pynvml package is deprecated", category=FutureWarning)
+        from .runtime.safe_load import refusal
 
     return refusal(info)
 

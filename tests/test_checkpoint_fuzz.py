@@ -154,7 +154,8 @@ def pickle_mutations(draw: Any, spans: list[bytes]) -> bytes:
     out = list(spans)
     for _ in range(draw(st.integers(1, 3))):
         i = draw(st.integers(1, len(out) - 1))  # never the PROTO opcode
-        kind = draw(st.sampled_from(["delete", "duplicate", "swap", "opcode", "gadget", "argument", "truncate"]))
+        kind = draw(st.sampled_from(["delete", "duplicate", "swap", "opcode", "gadget", "argument",
+                                     "truncate"]))
         event(f"pickle: {kind}")
         if kind == "delete":
             del out[i]
@@ -184,12 +185,12 @@ ODD = [None, -1, 0, 1 << 70, 3.5, "x", "../outside.distcp", "/etc/passwd", "comm
 @st.composite
 def record_mutations(draw: Any) -> tuple[str, str, Any]:
     """A record of the metadata set to a value of the wrong type, size or length."""
-    target = draw(st.sampled_from(["storage.relative_path", "storage.offset", "storage.length",
-                                   "storage.transform_descriptors", "index.fqn", "index.offset", "tensor.size",
-                                   "tensor.chunks", "chunk.offsets", "chunk.sizes", "properties.dtype",
-                                   "properties.layout", "metadata.state_dict_metadata", "metadata.storage_data",
-                                   "metadata.planner_data", "metadata.storage_meta", "metadata.version",
-                                   "storage.length+1", "storage.offset+1"]))
+    target = draw(st.sampled_from([
+        "storage.relative_path", "storage.offset", "storage.length", "storage.transform_descriptors",
+        "index.fqn", "index.offset", "tensor.size", "tensor.chunks", "chunk.offsets", "chunk.sizes",
+        "properties.dtype", "properties.layout", "metadata.state_dict_metadata", "metadata.storage_data",
+        "metadata.planner_data", "metadata.storage_meta", "metadata.version", "storage.length+1",
+        "storage.offset+1"]))
     return "record", target, draw(st.sampled_from(ODD))
 
 
@@ -219,8 +220,8 @@ def _mutate_record(md: Any, target: str, value: Any, which: int) -> None:
         setattr(md, field, value)
 
 
-FOLDER_CHANGES = ["link-listed", "link-unlisted", "fifo-metadata", "fifo-data", "unlist-metadata", "deflate", "bomb",
-                  "bigger-storage", "other-tensor", "bytes-as-tensor", "metadata-dir"]
+FOLDER_CHANGES = ["link-listed", "link-unlisted", "fifo-metadata", "fifo-data", "unlist-metadata", "deflate",
+                  "bomb", "bigger-storage", "other-tensor", "bytes-as-tensor", "metadata-dir"]
 
 
 def _mutate_folder(folder: Path, outside: Path, kind: str) -> None:

@@ -70,7 +70,8 @@ _ABSENT = object()
 
 @pytest.mark.parametrize("target", [("pathlib", "PosixPath", "__truediv__"),
                                     ("torch.distributed.checkpoint.metadata", "Metadata", "__init__"),
-                                    ("torch.distributed.checkpoint.filesystem", "_StorageInfo", "__getstate__")])
+                                    ("torch.distributed.checkpoint.filesystem", "_StorageInfo",
+                                     "__getstate__")])
 def test_metadata_cannot_build_onto_an_allowed_class(tmp_path: Path, group: Any, target: tuple) -> None:
     """Finding 2: BUILD on an allowed *class* with slot state would setattr on the class itself."""
     module, cls, attr = target
@@ -148,7 +149,8 @@ def test_metadata_of_the_wrong_shape_is_a_rejection_not_a_traceback(tmp_path: Pa
 
 
 @pytest.mark.parametrize("change", ["deflated", "inflating", "longer", "shorter"])
-def test_tensor_records_are_stored_archives_as_long_as_their_tensor(tmp_path: Path, group: Any, change: str) -> None:
+def test_tensor_records_are_stored_archives_as_long_as_their_tensor(tmp_path: Path, group: Any,
+                                                                    change: str) -> None:
     """Finding 4: torch.load(weights_only=True) inflates compressed entries (a 4x4 weight whose archive
     held 32 MiB of zeros in 32 KiB); a record's length is checked against its tensor's bytes."""
     at_5 = _two_saves(tmp_path, group)
@@ -170,7 +172,8 @@ def test_tensor_records_are_stored_archives_as_long_as_their_tensor(tmp_path: Pa
         load(newest, _state(torch.nn.Linear(4, 4), 0), group)
     assert "\n" not in str(refused.value)
     assert ("compressed" in str(refused.value)) == (change in ("deflated", "inflating")), refused.value
-    _restores_step_5(tmp_path, group, at_5, "compressed" if change in ("deflated", "inflating") else "model.weight")
+    compressed = change in ("deflated", "inflating")
+    _restores_step_5(tmp_path, group, at_5, "compressed" if compressed else "model.weight")
 
 
 def test_a_relaid_genuine_checkpoint_still_loads(tmp_path: Path, group: Any) -> None:

@@ -70,8 +70,8 @@ def _classes() -> dict[tuple[str, str], Any]:
     out: dict[tuple[str, str], Any] = {
         (meta, c.__name__): c for c in (metadata.Metadata, metadata.TensorStorageMetadata,
                                         metadata.BytesStorageMetadata, metadata.ChunkStorageMetadata,
-                                        metadata.TensorProperties, metadata.MetadataIndex, metadata.StorageMeta,
-                                        metadata._MEM_FORMAT_ENCODING)}
+                                        metadata.TensorProperties, metadata.MetadataIndex,
+                                        metadata.StorageMeta, metadata._MEM_FORMAT_ENCODING)}
     out |= {("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,
             ("torch", "Size"): torch.Size, ("torch.serialization", "_get_layout"): _get_layout,
             ("collections", "OrderedDict"): collections.OrderedDict,
@@ -104,7 +104,8 @@ class _MetadataUnpickler(pickle._Unpickler):  # the Python unpickler: its opcode
     follow a dotted name from an allowed module to anywhere). A class is called only by REDUCE with
     plain arguments (sizes, paths, the enum, OrderedDict) or created empty by NEWOBJ (the dataclasses);
     BUILD sets only the fields of an instance this unpickler made (never a class's attributes, never
-    slot state); SETITEM(S)/APPEND(S) fill only dicts and lists; PERSID, EXT, INST, OBJ and sets are refused."""
+    slot state); SETITEM(S)/APPEND(S) fill only dicts and lists; PERSID, EXT, INST, OBJ and sets are
+    refused."""
 
     dispatch = dict(pickle._Unpickler.dispatch)
 
@@ -224,8 +225,9 @@ class _MetadataUnpickler(pickle._Unpickler):  # the Python unpickler: its opcode
                        (pickle.EXT4, "the extension registry"), (pickle.INST, "INST"), (pickle.OBJ, "OBJ"),
                        (pickle.EMPTY_SET, "a set"), (pickle.ADDITEMS, "a set"), (pickle.FROZENSET, "a set")):
         dispatch[_op[0]] = _refusing(_what)
-    for _op, _fn in ((pickle.REDUCE, load_reduce), (pickle.NEWOBJ, load_newobj), (pickle.NEWOBJ_EX, load_newobj_ex),
-                     (pickle.BUILD, load_build), (pickle.SETITEM, load_setitem), (pickle.SETITEMS, load_setitems),
+    for _op, _fn in ((pickle.REDUCE, load_reduce), (pickle.NEWOBJ, load_newobj),
+                     (pickle.NEWOBJ_EX, load_newobj_ex), (pickle.BUILD, load_build),
+                     (pickle.SETITEM, load_setitem), (pickle.SETITEMS, load_setitems),
                      (pickle.DICT, load_dict), (pickle.APPEND, load_append), (pickle.APPENDS, load_appends)):
         dispatch[_op[0]] = _fn
     del _op, _what, _fn
@@ -253,7 +255,7 @@ def open_listed(folder: Path, name: str, files: dict[str, dict[str, Any]]) -> It
     the recorded size: no link is followed and a FIFO or device is never waited on."""
     if not plain_name(name) or name not in files:
         raise OSError(f"{str(name)[:80]!r} is not a file commit.json lists")
-    fd = os.open(Path(folder) / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    fd = os.open(Path(folder) / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -294,14 +296,16 @@ def read_metadata(path: Path, files: dict[str, dict[str, Any]] | None = None) ->
             raise ValueError(f"{COMMIT} does not list {METADATA}")
         with open_listed(path, METADATA, files) as fh:
             data = fh.read(files[METADATA]["size"] + 1)
-        if len(data) != files[METADATA]["size"] or hashlib.sha256(data).hexdigest() != files[METADATA]["sha256"]:
+        listed = files[METADATA]
+        if len(data) != listed["size"] or hashlib.sha256(data).hexdigest() != listed["sha256"]:
             raise ValueError(f"{METADATA} changed since it was verified")
         metadata = _MetadataUnpickler(data).load()
         _check(metadata, files)
     except JobError:
         raise
     except Exception as e:  # noqa: BLE001 - whatever a crafted file raises, the answer is one line
-        why = str(e) if isinstance(e, (pickle.UnpicklingError, OSError, ValueError)) else f"{type(e).__name__}: {e}"
+        plain = isinstance(e, (pickle.UnpicklingError, OSError, ValueError))
+        why = str(e) if plain else f"{type(e).__name__}: {e}"
         raise JobError(f"refusing to load {f}: {' '.join(why.split())}"[:400], _FIX) from None
     return metadata
 
@@ -336,10 +340,12 @@ def _check(md: Any, files: dict[str, dict[str, Any]]) -> None:
             raise bad("state dict key")
         if type(entry) is m.BytesStorageMetadata:
             continue
-        if type(entry) is not m.TensorStorageMetadata or not _is_size(entry.size) or type(entry.chunks) is not list:
+        if (type(entry) is not m.TensorStorageMetadata or not _is_size(entry.size)
+                or type(entry.chunks) is not list):
             raise bad(f"entry for {fqn[:80]!r}")
         p = entry.properties
-        if type(p) is not m.TensorProperties or type(p.dtype) is not torch.dtype or type(p.layout) is not torch.layout:
+        if (type(p) is not m.TensorProperties or type(p.dtype) is not torch.dtype
+                or type(p.layout) is not torch.layout):
             raise bad(f"tensor properties of {fqn[:80]!r}")
         itemsize = torch.empty((), dtype=p.dtype).element_size()
         for c in entry.chunks:
@@ -355,8 +361,8 @@ def _check(md: Any, files: dict[str, dict[str, Any]]) -> None:
             raise bad("storage record")
         name = getattr(record, "relative_path", None)
         if not plain_name(name) or name == METADATA or name not in files:
-            raise ValueError(f"it points at {str(name)[:80]!r}, which is not a data file of the checkpoint folder "
-                             f"(outside the checkpoint folder, or not in {COMMIT})")
+            raise ValueError(f"it points at {str(name)[:80]!r}, which is not a data file of the checkpoint "
+                             f"folder (outside the checkpoint folder, or not in {COMMIT})")
         offset, length = getattr(record, "offset", None), getattr(record, "length", None)
         if not _is_count(offset) or not _is_count(length) or offset + length > files[name]["size"]:
             raise ValueError(f"a storage record of {index.fqn[:80]!r} lies outside {name}")
@@ -371,13 +377,15 @@ def _check(md: Any, files: dict[str, dict[str, Any]]) -> None:
         elif entry is None:
             raise bad(f"storage record for {index.fqn[:80]!r}")
     sm = md.storage_meta
-    if sm is not None and (type(sm) is not m.StorageMeta or not all(
-            v is None or type(v) in (str, pathlib.PosixPath) for v in (sm.checkpoint_id, sm.save_id, sm.load_id))
-            or type(sm.modules) is not list or not all(type(x) is str for x in sm.modules)):
+    ids = (getattr(sm, "checkpoint_id", None), getattr(sm, "save_id", None), getattr(sm, "load_id", None))
+    if sm is not None and (type(sm) is not m.StorageMeta
+                           or not all(v is None or type(v) in (str, pathlib.PosixPath) for v in ids)
+                           or type(sm.modules) is not list or not all(type(x) is str for x in sm.modules)):
         raise bad("storage meta")
     pd = md.planner_data
     if pd is not None and (type(pd) is not dict or not all(
-            type(k) is str and type(v) is tuple and all(type(x) in (str, int) for x in v) for k, v in pd.items())):
+            type(k) is str and type(v) is tuple and all(type(x) in (str, int) for x in v)
+            for k, v in pd.items())):
         raise bad("planner data")
     if type(md.version) not in (str, type(None)):
         raise bad("version")
