@@ -347,7 +347,7 @@ def _check(md: Any, files: dict[str, dict[str, Any]]) -> None:
         if (type(p) is not m.TensorProperties or type(p.dtype) is not torch.dtype
                 or type(p.layout) is not torch.layout):
             raise bad(f"tensor properties of {fqn[:80]!r}")
-        itemsize = torch.empty((), dtype=p.dtype).element_size()
+        itemsize = p.dtype.itemsize
         for c in entry.chunks:
             if type(c) is not m.ChunkStorageMetadata or not _is_size(c.offsets) or not _is_size(c.sizes) \
                     or len(c.offsets) != len(entry.size) or len(c.sizes) != len(entry.size):
