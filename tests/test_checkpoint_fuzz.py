@@ -16,6 +16,7 @@ import resource
 import shutil
 import signal
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,15 +43,39 @@ class Hang(BaseException):
 
 @contextmanager
 def deadline(seconds: float) -> Iterator[None]:
+    """Fail a case that runs past ``seconds``: from then on :class:`Hang` is raised in this (the main)
+    thread every second, out of a blocking system call too (opening a FIFO), until the case gives up,
+    and the case fails even if some code swallowed it (DCP's collectives catch BaseException). The
+    signal goes to this thread: a process-wide alarm may be taken by one of torch's threads."""
     def fire(*_: Any) -> None:
         raise Hang(f"a case ran past {seconds}s (a hang)")
+
+    main, done, expired = threading.get_ident(), threading.Event(), threading.Event()
+
+    def watch() -> None:
+        if done.wait(seconds):
+            return
+        expired.set()
+        while not done.is_set():
+            signal.pthread_kill(main, signal.SIGALRM)
+            done.wait(1.0)
+
     old = signal.signal(signal.SIGALRM, fire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     try:
         yield
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+        while True:  # a last Hang may land in here: stop the watcher all the same
+            try:
+                done.set()
+                watcher.join()
+                signal.signal(signal.SIGALRM, old)
+                break
+            except Hang:
+                continue
+    if expired.is_set():
+        raise Hang(f"a case ran past {seconds}s (a hang), and something swallowed the signal")
 
 
 def _peak_rss() -> int:
