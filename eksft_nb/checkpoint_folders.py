@@ -194,7 +194,9 @@ def resume_origin(resume: str, first: dict[str, Any] | None) -> str:
     named = STEP_DIR.match(path.name)
     source = (path.parent.parent if named else path.parent).name
     if first is None:
-        return f"from {source} " + (f"step {int(named.group(1))}" if named else "(its newest checkpoint that loads)")
-    refused = "; ".join(f"step {s.get('step')} refused: {s.get('reason')}" for s in first.get("skipped") or [])
+        return f"from {source} " + (f"step {int(named.group(1))}" if named
+                                    else "(its newest checkpoint that loads)")
+    refused = "; ".join(f"step {s.get('step')} refused: {s.get('reason')}"
+                        for s in first.get("skipped") or [])
     return f"from {source} step {first['step']}" + (f" ({refused})" if refused else "")
 

@@ -50,7 +50,7 @@ class InjectResult(TypedDict):
 
 
 class ResumeResult(JobRow):
-    message: str     # the line the CLI prints: where the new job starts, and each checkpoint refused before it
+    message: str     # the line the CLI prints: where the new job starts, each checkpoint refused before it
 
 
 # ---- the operations ---------------------------------------------------------------------------

@@ -91,8 +91,9 @@ class Job:
         if step is not None:
             committed = [c for c in committed if c.step == step]
             if not committed:
+                steps = ", ".join(str(c.step) for c in self.checkpoints() if c.state == "committed")
                 raise JobError(f"job {self.name!r} has no committed checkpoint at step {step}",
-                               f"pick one of: {', '.join(str(c.step) for c in self.checkpoints() if c.state == 'committed')}")
+                               f"pick one of: {steps}")
         skipped: list[dict[str, Any]] = []
         for info in reversed(committed):
             reason = _refusal(info)

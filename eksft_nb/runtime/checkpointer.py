@@ -862,7 +862,8 @@ class CheckpointManager:
             if resume not in ("latest", "none"):  # a start point was named: never a silent start from step 0
                 where = (f"checkpoint step {resume.split(':')[1]} is not available in {self.root}"
                          if resume.startswith("step:") else f"no checkpoint in {resume} can be loaded")
-                raise JobError(where + (f" (step {skipped[-1]['step']}: {skipped[-1]['reason']})" if skipped else ""),
+                why = f" (step {skipped[-1]['step']}: {skipped[-1]['reason']})" if skipped else ""
+                raise JobError(where + why,
                                "list them with `python -m eksft_nb ckpts NAME` and pick a committed one")
             if touched is not None:  # not a fresh state any more: the restart that follows skips it
                 raise JobError(f"checkpoint {touched.path} verified but failed to load, and no other checkpoint "
@@ -937,8 +938,9 @@ def resume_candidates(root: Path, resume: str, restarting: bool, run: str) -> li
     """The committed checkpoints to try, best first (each is verified before it is used).
 
     A fresh start takes what ``resume`` names: latest, none, step:N, a checkpoint (``step_N`` folder)
-    or another job's checkpoint folder (its checkpoints, newest first). A restart (at any level) takes this run's own newest checkpoint, else the one it started from:
-    never a newer one that another run left in the folder."""
+    or another job's checkpoint folder (its checkpoints, newest first). A restart (at any level) takes
+    this run's own newest checkpoint, else the one it started from: never a newer one that another
+    run left in the folder."""
     committed = [i for i in reversed(list_checkpoints(root)) if i.state == "committed"]
     if resume.startswith("step:"):
         want = int(resume.split(":")[1])

@@ -228,7 +228,8 @@ def _check_resume_source(spec: JobSpec, jd: JobDir) -> None:
     elif not STEP_DIR.match(Path(spec.resume).name):  # a job's checkpoint folder: the ranks fall back in it
         root = Path(spec.resume).expanduser()
         if not any(i.state == "committed" for i in list_checkpoints(root)):
-            raise JobError(f"no committed checkpoint in {root}", "pick one listed by `python -m eksft_nb ckpts NAME`")
+            raise JobError(f"no committed checkpoint in {root}",
+                           "pick one listed by `python -m eksft_nb ckpts NAME`")
         return
     else:
         path = Path(spec.resume).expanduser()
