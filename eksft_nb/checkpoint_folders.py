@@ -182,3 +182,21 @@ def reject(info: CheckpointInfo, reason: str) -> None:
     The record replaces whatever is there, a planted symbolic link included, instead of writing through it."""
     atomic_write(info.path / REJECTED, json.dumps({"reason": reason, "time": time.time()}))
     info.state, info.reason = "rejected", reason
+
+
+def resume_origin(resume: str, first: dict[str, Any] | None) -> str:
+    """Where a job started from another job's checkpoints, as 'from SRC step 10 (step 20 refused: why)'
+    (every checkpoint refused before the one loaded is said: a fallback is never silent); '' for a job
+    that starts from its own. ``resume``: the spec's; ``first``: its first resume event (None before it)."""
+    if resume in ("latest", "none") or resume.startswith("step:"):
+        return ""
+    path = Path(resume)
+    named = STEP_DIR.match(path.name)
+    source = (path.parent.parent if named else path.parent).name
+    if first is None:
+        return f"from {source} " + (f"step {int(named.group(1))}" if named
+                                    else "(its newest checkpoint that loads)")
+    refused = "; ".join(f"step {s.get('step')} refused: {s.get('reason')}"
+                        for s in first.get("skipped") or [])
+    return f"from {source} step {first['step']}" + (f" ({refused})" if refused else "")
+

@@ -151,6 +151,8 @@ def format_summary(s: dict[str, Any]) -> str:
     lines = [f"job {s['name']}: {s['state']}" + (f" ({s['reason']})" if s["reason"] else ""),
              f"steps done: {steps}   final parameters digest: {s['digest'] or '-'}",
              "restarts: " + ", ".join(f"{k} {v}" for k, v in s["restarts"].items())]
+    if s.get("resumed_from"):   # where it started, and each checkpoint refused before that one
+        lines.insert(1, f"resumed {s['resumed_from']}")
     if s["restart_events"]:
         lines.append(f"  {'level':<10}{'cause':<44}{'blamed':>7}{'detect':>8}{'downtime':>10}{'lost':>6}")
         for r in s["restart_events"]:
@@ -244,7 +246,7 @@ def cmd_inject(args: argparse.Namespace) -> int:
 
 def cmd_resume(args: argparse.Namespace) -> int:
     row = commands.resume(args.name, step=args.step, new_name=args.new_name, steps=args.steps, backend=args.backend)
-    print(f"launched {row['name']} from {args.name}'s checkpoint")
+    print(row["message"])
     return 0 if args.detach else follow(attach(row["name"], args.backend))
 
 

@@ -49,6 +49,10 @@ class InjectResult(TypedDict):
     message: str     # the line the CLI prints
 
 
+class ResumeResult(JobRow):
+    message: str     # the line the CLI prints: where the new job starts, each checkpoint refused before it
+
+
 # ---- the operations ---------------------------------------------------------------------------
 
 def job_row(job: Job) -> JobRow:
@@ -141,10 +145,12 @@ def checkpoints(name: str, backend: str = "local") -> list[dict[str, Any]]:
 
 
 def resume(name: str, *, step: int | None = None, new_name: str | None = None, steps: int | None = None,
-           backend: str = "local") -> JobRow:
-    """Start a new job from a committed checkpoint of ``name`` (default: the newest); the new job's row."""
+           backend: str = "local") -> ResumeResult:
+    """Start a new job from a committed checkpoint of ``name`` (``step``, or the newest the loader
+    accepts, each newer one refused said in ``message``); the new job's row."""
     changes = {"steps": steps} if steps else {}
-    return job_row(attach(name, backend).resume(step=step, name=new_name, **changes))
+    new = attach(name, backend).resume(step=step, name=new_name, **changes)
+    return {**job_row(new), "message": f"launched {new.name}, {new.note}"}
 
 
 def summary(name: str, backend: str = "local") -> dict[str, Any]:
@@ -287,7 +293,8 @@ ARGS: dict[str, Verb] = {v.name: v for v in (
         arg("--duration", type=int, help="slow-rank, disk-full, slow-storage: for this many steps"))),
     Verb("resume", "start a new job from a checkpoint of this one", (
         NAME, BACKEND,
-        arg("--step", type=int, help="checkpoint step (default: the newest committed)"),
+        arg("--step", type=int,
+            help="checkpoint step (default: the newest that loads; each newer one refused is said)"),
         arg("--as", dest="new_name", help="name of the new job (default: NAME-from-STEP)"),
         arg("--steps", type=int, help="train to this many steps in total"),
         arg("--detach", action="store_true", fronts=frozenset({CLI}), help="return at once; the job keeps running"))),

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 from .backends import Backend, get_backend
-from .checkpoint_folders import CheckpointInfo, verify
+from .checkpoint_folders import CheckpointInfo, resume_origin
 from .control import FaultCommand
 from .errors import JobError
 from .goodput import Goodput, compute
@@ -23,6 +24,7 @@ class Job:
         self.name, self.backend = name, backend
         self.monitor = JobMonitor()
         self._events = backend.events(name)
+        self.note = ""  # what the call that made this handle has to say (a resume's fallback)
 
     def __repr__(self) -> str:
         return f"Job({self.name!r}, backend={self.backend.name!r}, state={self.state.value!r})"
@@ -74,28 +76,42 @@ class Job:
         return self.backend.checkpoints(self.name)
 
     def resume(self, step: int | None = None, name: str | None = None, **changes: Any) -> Job:
-        """Start a new job from one of this job's committed checkpoints (default: the newest).
+        """Start a new job from one of this job's committed checkpoints.
 
+        With ``step``, that checkpoint or none: one the loader would refuse fails here with the reason.
+        Without, the newest that the loader accepts; each newer one refused is said in the new handle's
+        ``note`` and, once the new job has loaded it, in its resume event (summary, dashboard): the new
+        job's spec names this job's checkpoint folder, so that its ranks fall back the same way.
         The new job gets its own name and checkpoint folder; this job's checkpoints stay as they are.
         ``changes`` are dotted spec fields to change, e.g. ``**{"steps": 200}``.
         """
         committed = [c for c in self.checkpoints() if c.state == "committed"]
         if not committed:
             raise JobError(f"job {self.name!r} has no committed checkpoint", "wait for its first save, or launch anew")
-        if step is None:
-            info = committed[-1]
-        else:
-            info = next((c for c in committed if c.step == step), None)
-            if info is None:
+        if step is not None:
+            committed = [c for c in committed if c.step == step]
+            if not committed:
+                steps = ", ".join(str(c.step) for c in self.checkpoints() if c.state == "committed")
                 raise JobError(f"job {self.name!r} has no committed checkpoint at step {step}",
-                               f"pick one of: {', '.join(str(c.step) for c in committed)}")
-        reason = verify(info) if Path(info.path).exists() else None
-        if reason:
-            raise JobError(f"checkpoint at step {info.step} cannot be used: {reason}", "pick another step")
+                               f"pick one of: {steps}")
+        skipped: list[dict[str, Any]] = []
+        for info in reversed(committed):
+            reason = _refusal(info)
+            if reason is None:
+                break
+            skipped.append({"step": info.step, "reason": reason})
+        else:
+            if step is not None:
+                raise JobError(f"checkpoint at step {step} cannot be used: {reason}", "pick another step")
+            why = "; ".join(f"step {s['step']}: {s['reason']}" for s in skipped)
+            raise JobError(f"no checkpoint of job {self.name!r} can be used ({why})"[:600], "launch anew")
+        resume = str(info.path) if step is not None else str(Path(info.path).parent)
         spec = self.spec.replace(**{"name": name or _next_name(self.backend, self.name, f"-from-{info.step}"),
-                                    "resume": str(info.path), "checkpoint.dir": None, **changes})
+                                    "resume": resume, "checkpoint.dir": None, **changes})
         self.backend.launch(spec)
-        return Job(spec.name, self.backend)
+        new = Job(spec.name, self.backend)
+        new.note = f"resuming {resume_origin(str(info.path), {'step': info.step, 'skipped': skipped})}"
+        return new
 
     def stop(self, timeout: float = 60.0) -> None:
         self.backend.stop(self.name, timeout)
@@ -130,6 +146,7 @@ class Job:
             "checkpoints_rejected": [{"step": c.step, "reason": c.error} for c in mon.checkpoints.values()
                                      if c.state == "rejected"],
             "goodput": gp.to_dict(), "digest": mon.digest,
+            "resumed_from": resume_origin(self.spec.resume, mon.resumes[0] if mon.resumes else None),
             "events_lost": [{k: e.get(k) for k in ("rank", "count", "error", "kinds")} for e in mon.events_lost],
             "warnings": [w["message"] for w in mon.warnings],
         }
@@ -152,6 +169,18 @@ def attach(name: str, backend: str = "local") -> Job:
     b = get_backend(backend)
     b.spec(name)  # raises a clear error for an unknown name
     return Job(name, b)
+
+
+def _refusal(info: CheckpointInfo) -> str | None:
+    """Why the loader would refuse ``info`` (see :func:`~eksft_nb.runtime.safe_load.refusal`); None where
+    its files are not reachable from here (an EKS volume): the ranks check it, and fall back, there."""
+    if not Path(info.path).exists():
+        return None
+    with warnings.catch_warnings():  # torch's import warns about pynvml: noise to whoever reads the answer
+        warnings.filterwarnings("ignore", message="The pynvml package is deprecated", category=FutureWarning)
+        from .runtime.safe_load import refusal
+
+    return refusal(info)
 
 
 def _next_name(backend: Backend, name: str, suffix: str) -> str:

@@ -144,6 +144,7 @@ class FtrainMagics(Magics):
                                   params=cli.inject_params(args), backend=backend)["message"])
         elif cmd == "resume":
             row = commands.resume(name, step=args.step, new_name=args.new_name, steps=args.steps, backend=backend)
+            print(row["message"])
             self._show(attach(row["name"], backend))
         elif cmd == "stop":
             commands.stop(name, backend)

@@ -169,7 +169,8 @@ class JobSpec:
     threads_per_rank: int = opt(1, "--threads-per-rank", "CPU threads per rank (torch.set_num_threads)")
     checkpoint: CheckpointConfig = opt(CheckpointConfig, "", "")
     ft: FaultToleranceConfig = opt(FaultToleranceConfig, "", "")
-    resume: str = opt("latest", "--resume", "latest | none | step:N | a checkpoint folder")
+    resume: str = opt("latest", "--resume", "latest | none | step:N | a checkpoint (step_N folder) | "
+                      "a job's checkpoint folder (its newest that loads)")
     script: str | None = opt(None, "--script", "a training script to run instead of the built-in trainer")
     script_args: list[str] = opt(list, "--script-args", "arguments for --script (one string, shell-split)")
     workdir: str | None = opt(None, "--workdir", "working directory of the script on every rank (local default: the folder "

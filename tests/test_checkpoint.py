@@ -328,6 +328,14 @@ def test_restore_loads_the_newest_checkpoint_that_verifies(tmp_path: Path, group
     assert _manager(tmp_path, group, "sync", []).restore({"model": fresh}, "none") == 0
 
 
+def rewrite(folder: Path, name: str, data: bytes) -> None:
+    """What an attacker does: replace a file of a checkpoint and recompute its entry in commit.json."""
+    (folder / name).write_bytes(data)
+    record = json.loads((folder / "commit.json").read_text())
+    record["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / "commit.json").write_text(json.dumps(record))
+
+
 class _Evil:
     def __reduce__(self) -> tuple:
         return (os.system, (f"touch {_Evil.marker}",))
@@ -339,7 +347,7 @@ def test_loading_refuses_metadata_that_would_run_code(tmp_path: Path, group: Any
     mgr.maybe_save(5, _state(model, 5))
     [info] = list_checkpoints(tmp_path)
     _Evil.marker = str(tmp_path / "pwned")
-    (info.path / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    rewrite(info.path, ".metadata", pickle.dumps(_Evil()))
     with pytest.raises(JobError, match="it names posix.system, which is not a DCP metadata class"):
         load(info.path, _state(torch.nn.Linear(8, 8), 0), group)
     assert not (tmp_path / "pwned").exists()
@@ -411,7 +419,7 @@ def test_metadata_may_only_name_files_inside_its_folder(tmp_path: Path, group: A
     metadata = read_metadata(info.path)
     for record in metadata.storage_data.values():
         record.relative_path = "../../outside.distcp"
-    (info.path / ".metadata").write_bytes(pickle.dumps(metadata))
+    rewrite(info.path, ".metadata", pickle.dumps(metadata))
     with pytest.raises(JobError, match="outside the checkpoint folder"):
         load(info.path, _state(torch.nn.Linear(8, 8), 0), group)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import ipywidgets as w
 
-from ..checkpoint_folders import CheckpointInfo
+from ..checkpoint_folders import CheckpointInfo, resume_origin
 from ..errors import EksftError
 from ..goodput import compute
 from ..job import Job
@@ -49,7 +49,8 @@ class Dashboard(w.VBox):
         spec = self.job.spec
 
         self.header = Header(job=job.name, backend=job.backend.name, total=None if spec.script else spec.steps,
-                             origin=_origin(spec.resume))
+                             origin=_origin(spec.resume, None))
+        self._resume = spec.resume
         self.figure = TrainingFigure(tail=tail, budget=budget)
         self.goodput = GoodputBar()
         self.controls = FaultControls(world_size=spec.world_size, nnodes=spec.nnodes)
@@ -112,6 +113,8 @@ class Dashboard(w.VBox):
             if len(mon.warnings) > self.warnings_said:   # the newest warning, in one line
                 self.warnings_said = len(mon.warnings)
                 self._say(f"warning: {mon.warnings[-1]['message']}")
+            if mon.resumes:  # where it did start, with each checkpoint refused before that one
+                h.origin = _origin(self._resume, mon.resumes[0])
             now = time.monotonic()
             if ended or now >= self._next_slow:
                 self._next_slow = now + self.slow_interval
@@ -219,10 +222,8 @@ def _close_tree(widget: w.Widget) -> None:
     w.Widget.close(widget)
 
 
-def _origin(resume: str) -> str:
-    """'resumed from JOB step N' for a job started from another job's checkpoint folder, else ''."""
-    if resume in ("latest", "none") or resume.startswith("step:"):
-        return ""
-    path = Path(resume)
-    step = path.name.removeprefix("step_").lstrip("0") or "0"
-    return f"resumed from {path.parent.parent.name} step {step}"
+def _origin(resume: str, first: dict[str, Any] | None) -> str:
+    """'resumed from JOB step N' for a job started from another job's checkpoints (with each refused
+    before it), else ''."""
+    origin = resume_origin(resume, first)
+    return f"resumed {origin}" if origin else ""

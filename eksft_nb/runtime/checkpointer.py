@@ -15,15 +15,14 @@ A save has three stages, like torchtitan's and Megatron's async checkpointing:
    atomically. Only a folder with a ``commit.json`` is a checkpoint; a crash at any point before
    leaves the previous one untouched and loadable.
 
-Loading verifies sizes and checksums first, and unpickles nothing but DCP's own metadata classes
-and plain values.
+Loading verifies sizes and checksums first, then loads through :mod:`.safe_load`, which trusts
+only what commit.json lists and unpickles nothing but DCP's own metadata records.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import importlib
 import inspect
 import io
 import itertools
@@ -42,108 +41,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import _is_wrapped_exception
 
-from ..checkpoint_folders import (COMMIT, STEP_DIR, CheckpointInfo, list_checkpoints, parse_commit, plain_name, reject,
+from ..checkpoint_folders import (COMMIT, STEP_DIR, CheckpointInfo, list_checkpoints, parse_commit, reject,
                            sha256_file, share, step_dir, verify)
 from ..errors import JobError
 from . import memcopy
-
-# ---- safe loading ---------------------------------------------------------------------------
-
-def _safe_globals() -> frozenset[tuple[str, str]]:
-    """The exact (module, name) pairs DCP pickles into ``.metadata``: its metadata dataclasses and
-    enum, the file-system storage record, torch sizes, layouts and dtypes, and paths (the checkpoint
-    id). Measured on torch 2.13 with FSDP2 model and optimizer state, bytes and plain values."""
-    meta = "torch.distributed.checkpoint.metadata"
-    pairs = {(meta, name) for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
-                                       "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
-                                       "StorageMeta", "_MEM_FORMAT_ENCODING")}
-    pairs |= {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-              ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-              ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib._local", "PosixPath")}
-    pairs |= {("torch", name) for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
-    return frozenset(pairs)
-
-
-_SAFE_GLOBALS = _safe_globals()
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata: nothing but the allow-listed classes and plain values.
-
-    A name is looked up only if its exact (module, name) pair is allowed, and then as one attribute
-    of the module: pickle's own lookup would follow a dotted name (``"operator.attrgetter"``) from an
-    allowed module to anywhere, so no name is resolved before it is checked."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in _SAFE_GLOBALS:  # a dotted name is never in the set
-            raise pickle.UnpicklingError(f"it names {module}.{name}, which is not a DCP metadata class")
-        return getattr(importlib.import_module(module), name)
-
-
-def read_metadata(path: Path) -> Any:
-    """The DCP ``.metadata`` of the checkpoint folder ``path``, read with the allow-list and checked:
-    a DCP ``Metadata`` whose storage records name plain files of the folder. Raises :class:`JobError`
-    with one line otherwise (whoever can write the folder must not be able to run code or make the
-    loader read files elsewhere)."""
-    from torch.distributed.checkpoint.metadata import Metadata
-
-    f = Path(path) / ".metadata"
-    fix = "the folder was not written by a DCP save (or was tampered with): resume from another checkpoint"
-    try:
-        with os.fdopen(os.open(f, os.O_RDONLY | os.O_NOFOLLOW), "rb") as fh:
-            metadata = _MetadataUnpickler(fh).load()
-    except Exception as e:  # noqa: BLE001 - whatever a crafted file raises, the answer is one line
-        why = str(e) if isinstance(e, (pickle.UnpicklingError, OSError)) else f"{type(e).__name__}: {e}"
-        raise JobError(f"refusing to load {f}: {' '.join(why.split())}"[:400], fix) from None
-    if not isinstance(metadata, Metadata):
-        raise JobError(f"refusing to load {f}: it holds a {type(metadata).__name__}, not DCP metadata", fix)
-    for record in (metadata.storage_data or {}).values():
-        if not plain_name(getattr(record, "relative_path", None)):
-            raise JobError(f"refusing to load {f}: it points at {str(getattr(record, 'relative_path', ''))[:80]!r}, "
-                           "outside the checkpoint folder", fix)
-    return metadata
-
-
-def _reader_and_planner(path: Path) -> tuple[Any, Any]:
-    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-
-    class SafeReader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            metadata = read_metadata(Path(self.path))
-            if getattr(metadata, "storage_meta", None) is not None:
-                metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    class SafePlanner(DefaultLoadPlanner):
-        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            obj = torch.load(value, weights_only=True)
-            if self.flatten_state_dict:
-                from torch.distributed.checkpoint._traverse import set_element
-
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-            else:
-                self.state_dict[read_item.dest_index.fqn] = obj
-
-    return SafeReader(str(path)), SafePlanner()
-
-
-def load(path: Path, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
-    """Load a DCP checkpoint into ``state`` in place (tensors are filled, plain values replaced).
-    Tensors and bytes are read with ``torch.load(weights_only=True)``, the metadata with the allow-list."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    read_metadata(Path(path))  # fail with the reason, before any collective
-    reader, planner = _reader_and_planner(path)
-    try:
-        dcp.load(state, storage_reader=reader, planner=planner, process_group=group)
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - files that verify yet do not load
-        causes = list(e.failures.values()) if isinstance(e, CheckpointException) else [(e, None)]
-        why = " ".join("; ".join(f"{type(c).__name__}: {c}" for c, _ in causes).split())[:300]
-        raise JobError(f"cannot load the checkpoint in {path}: {why}",
-                       "it does not match this job's model and optimizer, or its files were replaced: "
-                       "resume from another checkpoint") from None
-
+from .safe_load import load, read_metadata
 
 # ---- staging --------------------------------------------------------------------------------
 
@@ -930,8 +832,9 @@ class CheckpointManager:
         of each candidate's files (sizes, checksums, the metadata's allow-list) in parallel, sending
         heartbeats while it hashes, until all agree on one that also loads. A checkpoint that fails
         anywhere is skipped everywhere, with the reason and the rank that found it (a partial load
-        is overwritten by the next candidate's; with none left, this raises and the restart that
-        follows starts fresh)."""
+        is overwritten by the next candidate's). With none left, a start point that was named
+        (step:N, a folder) fails with the reason, never a silent start from step 0; otherwise a
+        partial load raises (the restart that follows starts fresh) and none starts at step 0, said."""
         self._commit_unfinished()
         listing: list[Any] = [None]
         if self.rank == 0:
@@ -968,9 +871,11 @@ class CheckpointManager:
             if self.rank == 0 and info.path.parent == self.root:
                 reject(info, reasons[found])
         else:
-            if resume.startswith("step:") and not restarting:
-                raise JobError(f"checkpoint step {resume.split(':')[1]} is not available in {self.root}"
-                               + (f" ({skipped[0]['reason']})" if skipped else ""),
+            if resume not in ("latest", "none"):  # a start point was named: never a silent start from step 0
+                where = (f"checkpoint step {resume.split(':')[1]} is not available in {self.root}"
+                         if resume.startswith("step:") else f"no checkpoint in {resume} can be loaded")
+                why = f" (step {skipped[-1]['step']}: {skipped[-1]['reason']})" if skipped else ""
+                raise JobError(where + why,
                                "list them with `python -m eksft_nb ckpts NAME` and pick a committed one")
             if touched is not None:  # not a fresh state any more: the restart that follows skips it
                 raise JobError(f"checkpoint {touched.path} verified but failed to load, and no other checkpoint "
@@ -1035,7 +940,7 @@ def _verify_share(info: CheckpointInfo, rank: int, world_size: int, tick: Callab
     reason = verify(info, mine, progress=tick)
     if reason is None and ".metadata" in mine:
         try:
-            read_metadata(info.path)
+            read_metadata(info.path, info.files)
         except JobError as e:
             reason = e.problem
     return reason
@@ -1044,16 +949,21 @@ def _verify_share(info: CheckpointInfo, rank: int, world_size: int, tick: Callab
 def resume_candidates(root: Path, resume: str, restarting: bool, run: str) -> list[CheckpointInfo]:
     """The committed checkpoints to try, best first (each is verified before it is used).
 
-    A fresh start takes what ``resume`` names: latest, none, step:N or a checkpoint folder. A
-    restart (at any level) takes this run's own newest checkpoint, else the one it started from:
-    never a newer one that another run left in the folder."""
+    A fresh start takes what ``resume`` names: latest, none, step:N, a checkpoint (``step_N`` folder)
+    or another job's checkpoint folder (its checkpoints, newest first). A restart (at any level) takes
+    this run's own newest checkpoint, else the one it started from: never a newer one that another
+    run left in the folder."""
     committed = [i for i in reversed(list_checkpoints(root)) if i.state == "committed"]
     if resume.startswith("step:"):
         want = int(resume.split(":")[1])
         start = [i for i in committed if i.step == want]
     elif resume not in ("latest", "none"):
         external = Path(resume).expanduser()
-        start = [i for i in reversed(list_checkpoints(external.parent)) if i.path == external and i.state == "committed"]
+        if STEP_DIR.match(external.name):  # that checkpoint and no other
+            start = [i for i in reversed(list_checkpoints(external.parent))
+                     if i.path == external and i.state == "committed"]
+        else:  # another job's checkpoint folder: its newest that loads, else the next older
+            start = [i for i in reversed(list_checkpoints(external)) if i.state == "committed"]
     elif resume == "none":
         start = []
     else:

@@ -19,12 +19,11 @@ from pathlib import Path
 
 import psutil
 
-from ...timeouts import derive, resolved
-from ...checkpoint_folders import CheckpointInfo, list_checkpoints, verify
+from ... import loopback, nvrx
+from ...checkpoint_folders import STEP_DIR, CheckpointInfo, list_checkpoints, verify
 from ...control import FaultCommand, submit
 from ...errors import JobError
 from ...events import EventTail
-from ... import loopback, nvrx
 from ...jobdir import JobDir, atomic_write, jobs_root
 from ...launcher import Ports, launcher_argv, rank_env
 from ...monitor import JobMonitor
@@ -33,6 +32,7 @@ from ...runtime.quiet import quiet_env
 from ...spec import JobSpec
 from ...states import ACTIVE, JobState
 from ...tails import bounded, tail_lines
+from ...timeouts import derive, resolved
 from .. import procs
 from ..base import Backend, JobSummary, readable
 
@@ -235,6 +235,12 @@ def _check_resume_source(spec: JobSpec, jd: JobDir) -> None:
         infos = [i for i in list_checkpoints(root) if i.step == spec.resume_step]
         avail = ", ".join(str(i.step) for i in list_checkpoints(root) if i.state == "committed") or "none"
         where = f"in {root}"
+    elif not STEP_DIR.match(Path(spec.resume).name):  # a job's checkpoint folder: the ranks fall back in it
+        root = Path(spec.resume).expanduser()
+        if not any(i.state == "committed" for i in list_checkpoints(root)):
+            raise JobError(f"no committed checkpoint in {root}",
+                           "pick one listed by `python -m eksft_nb ckpts NAME`")
+        return
     else:
         path = Path(spec.resume).expanduser()
         infos = [i for i in list_checkpoints(path.parent) if i.path == path]
