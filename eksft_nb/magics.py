@@ -179,13 +179,7 @@ class FtrainMagics(Magics):
         if junit_path is not None and not junit_path.parent.is_dir():
             raise UsageError(f"--junit {args.junit}: folder {junit_path.parent} does not exist\n"
                              "  → create it first")
-        base = JobSpec.load(args.spec_file) if args.spec_file else None
-        spec = commands.spec_from_args(args, base)
-        if cell.strip():
-            if spec.script:
-                raise UsageError("the cell has code and --script names a script too\n  → leave the cell "
-                                 "empty to test --script, or drop --script to test the cell")
-            spec = spec.replace(script=str(save_script(cell))).validate()
+        spec = _cell_spec(args, cell, "test")
         live = go.FigureWidget()   # the card's figure, redrawn after each case
         display(live)
         card = commands.resilience_test(spec, args.faults, args.expect, at_step=args.at_step,
@@ -216,14 +210,20 @@ def parse_cell(line: str, cell: str, parser: MagicArgumentParser | None = None
     Raises :class:`UsageError` or :class:`EksftError` with one line that says what to write instead.
     """
     args = _parse(parser or _cell_parser(), line, "%%ftrain")
+    spec = _cell_spec(args, cell, "run")
+    return spec, commands.faults_for(spec, args.fault), args.dry_run
+
+
+def _cell_spec(args: argparse.Namespace, cell: str, verb: str) -> JobSpec:
+    """The spec a cell's options describe; code in the cell becomes the job's script."""
     base = JobSpec.load(args.spec_file) if args.spec_file else None
     spec = commands.spec_from_args(args, base)
     if cell.strip():
         if spec.script:
             raise UsageError("the cell has code and --script names a script too\n"
-                             "  → leave the cell empty to run --script, or drop --script to run the cell")
+                             f"  → leave the cell empty to {verb} --script, or drop --script to {verb} the cell")
         spec = spec.replace(script=str(save_script(cell))).validate()
-    return spec, commands.faults_for(spec, args.fault), args.dry_run
+    return spec
 
 
 def _parse(parser: MagicArgumentParser, line: str, prog: str) -> argparse.Namespace:
