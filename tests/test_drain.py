@@ -73,3 +73,57 @@ def test_the_dashboard_says_the_warning_and_the_drain() -> None:
              final_step=12)
     dash.update()
     assert said(dash) == "warned-drained stopped: drained on SIGTERM at step 12 (saved and committed)"
+
+
+# a rank SIGTERMed by ft_launcher for an in-job restart may never reach the step boundary a drain needs
+# (it hangs, or waits in C on a peer that is gone): it must still die of the signal, after its patience
+RANK = """
+import ctypes, os, signal, sys, time
+from eksft_nb.runtime.drain import Drain
+drain = Drain(patience_floor=1.0).install()
+how = sys.argv[1]
+if how == "fork":   # a forked child (a warm rank's checkpoint writer) gets a SIGTERM of its own
+    up, told = os.pipe()
+    child = os.fork()
+    if child == 0:   # os.fork returns here once the child's fork hooks ran
+        os.write(told, b"up")
+        time.sleep(60)
+        os._exit(0)
+    os.read(up, 2)
+    os.kill(child, signal.SIGTERM)
+    print("ready", flush=True)
+    time.sleep(4)   # four times the patience: the child's signal is not this rank's
+    os.kill(child, signal.SIGKILL)
+    sys.exit(0)
+print("ready", flush=True)
+if how == "python":   # as the hang fault does
+    while True:
+        time.sleep(0.05)
+if how == "c":   # a main thread stuck in C runs no Python handler (a collective on a gone peer)
+    mutex = ctypes.create_string_buffer(64)
+    libc = ctypes.CDLL(None)
+    libc.pthread_mutex_lock(mutex)
+    libc.pthread_mutex_lock(mutex)
+if how == "agreed":   # the drain is agreed at the next step boundary: the save may take its time
+    while not drain.requested:
+        time.sleep(0.01)
+    drain.agree()
+    time.sleep(4)
+    sys.exit(0)
+"""
+
+
+@pytest.mark.parametrize("how, dies", [("python", True), ("c", True), ("agreed", False), ("fork", False)])
+def test_a_sigtermed_rank_dies_of_it_unless_its_drain_is_agreed(how: str, dies: bool) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", RANK, how], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        if how != "fork":
+            proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    assert code == (-signal.SIGTERM if dies else 0), code

@@ -5,31 +5,63 @@ passes it to its ranks and waits ``--term-timeout`` before SIGKILL; the kubelet 
 ``terminationGracePeriodSeconds``; both are the grace period of :mod:`eksft_nb.timeouts`). The
 handler only records the request: the built-in trainer learns at its next step boundary whether any
 rank has one (in the all-reduce it makes there anyway), so every rank saves the same step, commits
-it and ends with a ``drain`` event. A rank that fails while draining (a peer is gone: the SIGTERM
-was the launcher stopping its workers for a restart) dies of the signal at once, as it would have.
+it and ends with a ``drain`` event.
+
+ft_launcher also sends SIGTERM to stop its workers for an in-job restart, and then a rank may never
+reach that step boundary: it hangs (the fault that caused the restart) or waits in a collective on a
+peer that is gone. So a rank whose drain is not agreed within its patience (a few step times) dies of
+the signal as it would have without a handler. A watcher thread counts that patience from the moment
+the signal arrives (Python's wakeup fd), since a main thread stuck in C runs no Python handler.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
+import threading
 import time
 from typing import Any
+
+PATIENCE_FLOOR = 15.0   # seconds a SIGTERMed rank waits at least for its drain to be agreed
+PATIENCE_STEPS = 3      # ... and at least this many of its recent step times
 
 
 class Drain:
     """The SIGTERM handler of a rank process (install it from the main thread)."""
 
-    def __init__(self) -> None:
+    def __init__(self, patience_floor: float = PATIENCE_FLOOR) -> None:
         self.requested_at: float | None = None
+        self.patience_floor = patience_floor
+        self.step_s = 0.0                 # the rank's recent step time (the trainer keeps it current)
+        self._agreed = threading.Event()  # every rank saves the same step now: no dying of the signal
+
+    @property
+    def patience(self) -> float:
+        return max(self.patience_floor, PATIENCE_STEPS * self.step_s)
 
     def install(self) -> Drain:
         signal.signal(signal.SIGTERM, self._on_signal)
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        os.register_at_fork(after_in_child=_forget_wakeup)   # a forked writer's signals are its own
+        threading.Thread(target=self._watch, args=(read,), name="eksft-drain", daemon=True).start()
         return self
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.requested_at is None:
             self.requested_at = time.time()
+
+    def _watch(self, read: int) -> None:
+        while signal.SIGTERM not in os.read(read, 64):
+            pass
+        if not self._agreed.wait(self.patience):
+            self.die()
+
+    def agree(self) -> None:
+        """Every rank drains at this step boundary: the save may take the whole grace period."""
+        self._agreed.set()
 
     @property
     def requested(self) -> bool:
@@ -41,5 +73,20 @@ class Drain:
     def die_if_requested(self) -> None:
         """End the process by SIGTERM's default action if a drain was asked for (it cannot finish)."""
         if self.requested:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
+            self.die()
+
+    @staticmethod
+    def die() -> None:
+        """SIGTERM's default action, now, from any thread: Python's handler is replaced in C (only the main
+        thread may call ``signal.signal``, and it may be stuck where no Python handler runs)."""
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.signal.argtypes, libc.signal.restype = [ctypes.c_int, ctypes.c_void_p], ctypes.c_void_p
+        libc.signal(signal.SIGTERM, None)   # SIG_DFL
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _forget_wakeup() -> None:
+    try:
+        signal.set_wakeup_fd(-1)
+    except ValueError:   # forked from a thread other than the main one: nothing was set there
+        pass

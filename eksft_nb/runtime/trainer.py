@@ -138,7 +138,12 @@ class Trainer:
             total, draining, writers_gone = mean.tolist()
             if writers_gone > 0:
                 self._save_without_writer()
-            s.step_end(step, total / self.world, tokens_per_step, time.perf_counter() - t0)
+            step_s = time.perf_counter() - t0
+            s.step_end(step, total / self.world, tokens_per_step, step_s)
+            if s.drain is not None:
+                s.drain.step_s = step_s
+                if draining > 0:
+                    s.drain.agree()
             if self.call_wrapper is not None:
                 self.call_wrapper.ping()
             self.step = step
