@@ -483,13 +483,6 @@ def start_writer() -> None:
     _AsyncWriter.start()
 
 
-def writer_alive() -> bool:
-    """Whether this process's async writer runs: a cold rank's dies of a SIGTERM to its process group
-    (how ft_launcher stops its workers), which a drain must then save without (see ``trainer``)."""
-    process = getattr(_AsyncWriter.caller, "process", None)
-    return process is not None and process.is_alive()
-
-
 def stop_writer() -> None:
     """End this process's async writer; a write in flight is abandoned (its folder stays uncommitted)."""
     _AsyncWriter.stop()

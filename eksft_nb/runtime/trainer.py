@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..timeouts import derive
-from .checkpointer import ModelState, stop_writer, writer_alive
+from .checkpointer import ModelState, stop_writer
 from .data import SyntheticCorpus
 from .keepalive import keepalive
 from .model import build_model, loss_fn
@@ -55,8 +55,9 @@ class Trainer:
             self.call_wrapper.ping()
 
     def _save_without_writer(self) -> None:
-        """Some rank's async writer is gone (agreed by every rank): the save in flight is abandoned
-        (never committed) and the drain's save is a sync one, on every rank."""
+        """A drain saves synchronously on every rank: a cold rank's async writer dies of the same SIGTERM
+        (its process group's), at a moment no rank can agree on, so the save in flight is abandoned
+        (never committed) and the writer stopped."""
         stop_writer()
         self.ckpt.pending, self.ckpt.mode = None, "sync"
 
@@ -130,13 +131,11 @@ class Trainer:
             self.optim.step()
             self.optim.zero_grad(set_to_none=True)
             # the loss summed over ranks, and how many ranks were asked to drain (SIGTERM), in one all-reduce
-            # (and how many ranks' async writers are gone: a drain's SIGTERM to a cold rank's group ends it)
             drain = float(s.drain is not None and s.drain.requested)
-            gone = float(drain > 0 and self.ckpt.mode == "async" and not writer_alive())
-            mean = torch.cat([loss.detach().float().reshape(1), torch.tensor([drain, gone], device=self.device)])
+            mean = torch.cat([loss.detach().float().reshape(1), torch.tensor([drain], device=self.device)])
             dist.all_reduce(mean)
-            total, draining, writers_gone = mean.tolist()
-            if writers_gone > 0:
+            total, draining = mean.tolist()
+            if draining > 0 and self.ckpt.mode == "async":
                 self._save_without_writer()
             step_s = time.perf_counter() - t0
             s.step_end(step, total / self.world, tokens_per_step, step_s)
