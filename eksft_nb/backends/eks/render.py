@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from ...control import FaultCommand
+from ...nccl import nccl_env as shared_nccl_env
 from ...launcher import Ports, launcher_argv, rank_env
 from ...runtime.quiet import quiet_env
 from ...spec import JobSpec
@@ -299,16 +300,7 @@ def literal(text: str) -> str:
 
 
 def nccl_env(spec: JobSpec) -> dict[str, str]:
-    e = spec.eks
-    if not e.gpus_per_node:
-        return {}
-    env = {"NCCL_DEBUG": "WARN", "NCCL_SOCKET_IFNAME": "^docker,lo,veth"}
-    if spec.ft.inprocess:  # let inprocess.Wrapper see NCCL errors as exceptions it can restart from
-        env.update({"TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "NCCL_NVLS_ENABLE": "0"})
-    if e.efa_per_node:
-        env.update({"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1",
-                    "RDMAV_FORK_SAFE": "1", "FI_LOG_LEVEL": "warn"})
-    return env
+    return shared_nccl_env(spec.eks.gpus_per_node, bool(spec.eks.efa_per_node), spec.ft.inprocess)
 
 
 def resources(spec: JobSpec) -> dict[str, Any]:

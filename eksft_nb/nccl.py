@@ -1,0 +1,17 @@
+"""NCCL's environment on GPU nodes, as every cluster backend sets it (EKS pods, Slurm jobs)."""
+
+from __future__ import annotations
+
+
+def nccl_env(gpus_per_node: int, efa: bool, inprocess: bool) -> dict[str, str]:
+    """For ranks on GPUs: warnings only, no loopback or container interfaces for NCCL's sockets; with
+    EFA (p4d, p5) libfabric's provider and the fork-safety NVRx's restarts need (they fork ranks)."""
+    if not gpus_per_node:
+        return {}
+    env = {"NCCL_DEBUG": "WARN", "NCCL_SOCKET_IFNAME": "^docker,lo,veth"}
+    if inprocess:  # let inprocess.Wrapper see NCCL errors as exceptions it can restart from
+        env.update({"TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "NCCL_NVLS_ENABLE": "0"})
+    if efa:
+        env.update({"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1",
+                    "RDMAV_FORK_SAFE": "1", "FI_LOG_LEVEL": "warn"})
+    return env
