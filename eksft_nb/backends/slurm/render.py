@@ -71,8 +71,10 @@ def node_line(spec: JobSpec) -> list[str]:
 
 def render(spec: JobSpec) -> str:
     jd = job_dir(spec)
-    srun = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-            f"--output={jd.logs}/launcher-$EKSFT_JOB_ATTEMPT-%t.log", *node_line(spec)]
+    srun = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1", f"--output={jd.logs}/launcher-$EKSFT_JOB_ATTEMPT-%t.log"]
+    node = node_line(spec)
+    # one line for srun, one for the per-node shell that adds the node rank, one per launcher flag
+    groups = [srun, node[:3], *([a] for a in node[3:])]
     lines = ["#!/bin/bash", *directives(spec),
              f"# eksft-nb job {spec.name} (spec {spec.digest()}): its folder {jd.path} is on the shared disk",
              "set -u",
@@ -85,7 +87,7 @@ def render(spec: JobSpec) -> str:
              "# the watcher records the job's start, restarts and end in its folder; it requeues the job",
              "# (a job-level restart) when a node's launcher is lost",
              f"python -m {WATCHER} {shlex.quote(str(jd.path))} -- \\",
-             "    " + " \\\n    ".join(_shell_word(a) for a in srun),
+             "    " + " \\\n    ".join(" ".join(_shell_word(a) for a in group) for group in groups),
              "rc=$?",
              f'if [ "$rc" = {REQUEUE_EXIT} ]; then scontrol requeue "$SLURM_JOB_ID"; fi',
              'exit "$rc"']
