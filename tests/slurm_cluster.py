@@ -19,6 +19,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
+
 
 def node_names() -> tuple[str, str] | None:
     """The nodes' names: the first node of an allocation is reached by its name, so the first is this
@@ -82,6 +84,7 @@ ReturnToService=2
 MpiDefault=none
 KillWait=5
 MinJobAge=600
+AuthInfo=cred_expire=10
 {nodes}
 PartitionName=gpu Nodes={','.join(names)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 """
@@ -136,3 +139,23 @@ def slurm_cluster(base: Path) -> Iterator[SlurmCluster]:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        _kill_left(conf)
+
+
+def _kill_left(conf: Path) -> None:
+    """End what the daemons left (a step on a node set down keeps its slurmstepd and ranks): every
+    process whose environment names this cluster's slurm.conf (this test process's does not)."""
+    mark = f"SLURM_CONF={conf}".encode()
+    left = []
+    for p in psutil.process_iter():
+        try:
+            if p.pid != os.getpid() and mark in Path(f"/proc/{p.pid}/environ").read_bytes().split(b"\0"):
+                left.append(p)
+        except (OSError, psutil.Error):
+            continue
+    for p in left:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(left, timeout=10)

@@ -136,7 +136,8 @@ def test_a_rank_killed_on_slurm_heals_in_job_bit_identically(cluster: SlurmClust
 
 @pytest.mark.slow
 def test_a_pending_job_says_why_and_a_stop_or_a_scancel_ends_it(cluster: SlurmCluster) -> None:
-    blocker = cluster.run("sbatch", "--parsable", "-N2", "--exclusive", "--wrap", "sleep 600").stdout.strip()
+    blocker = cluster.run("sbatch", "--parsable", "-N2", "--exclusive", "--output=/dev/null", "--wrap",
+                          "sleep 600").stdout.strip()
     try:
         wait_for("the blocker to run", lambda: "R" in cluster.run("squeue", "-h", "-j", blocker, "-o", "%t").stdout)
         run(cluster, "waits", "--exclusive", detach=True)
@@ -154,3 +155,22 @@ def test_a_pending_job_says_why_and_a_stop_or_a_scancel_ends_it(cluster: SlurmCl
     cluster.run("scancel", job_id)   # from outside eksft
     row = wait_for("the cancel", lambda: (r := status(cluster, "cancelled"))["ended"] and r)
     assert row["state"] == "stopped" and "outside eksft" in row["detail"], row
+
+
+@pytest.mark.slow
+def test_a_lost_node_is_a_job_restart_that_resumes_from_the_newest_checkpoint(cluster: SlurmCluster,
+                                                                              reference: dict) -> None:
+    node = cluster.run("sinfo", "-h", "-N", "-o", "%N").stdout.split()[-1]
+    run(cluster, "node-lost", detach=True)
+    events = cluster.shared / "node-lost" / "events.jsonl"
+    wait_for("checkpoint 10", lambda: events.exists() and any(
+        e.kind == "checkpoint" and e["phase"] == "committed" for e in read_all(events)), timeout=300, every=0.05)
+    cluster.run("scontrol", "update", f"nodename={node}", "state=down", "reason=eksft-test")   # the node is lost
+    wait_for("the failure", lambda: any(e.kind == "failure" and e["level"] == "job" for e in read_all(events)))
+    # Slurm requeues the job (--requeue); the node's slurmd answers, so it returns to service (ReturnToService=2)
+    row = wait_for("the end", lambda: (r := status(cluster, "node-lost"))["ended"] and r, timeout=300)
+    assert row["state"] == "succeeded", story(cluster, "node-lost")
+    summary = json.loads(cli(cluster, "summary", "node-lost", "--backend", "slurm", "--json").stdout)
+    assert [r["level"] for r in summary["restart_events"]] == ["job"], summary["restart_events"]
+    assert summary["restart_events"][0]["resumed_step"] >= 10
+    assert summary["digest"] == reference["digest"]

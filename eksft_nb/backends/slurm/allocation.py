@@ -30,6 +30,7 @@ from ...jobdir import JobDir
 from ...monitor import JobMonitor
 from ...states import JobState
 from ..local.supervisor import LauncherLine, parse_launcher_line
+from . import cluster
 from .render import REQUEUE_EXIT, STOP_MARK
 
 POLL_S = 0.2
@@ -75,18 +76,25 @@ class Watcher:
         self._pump()
         state, reason = self._outcome(code)
         if state is None:
-            return REQUEUE_EXIT
+            return 0 if self.signalled else REQUEUE_EXIT   # Slurm's requeue, or ours
         self.events.emit("job_end", state=state, reason=reason, final_step=self.mon.last_step,
                          digest=self.mon.digest, restarts=self.mon.restarts_by_level())
         return 0 if state == JobState.SUCCEEDED else 1
 
     def _outcome(self, code: int) -> tuple[JobState | None, str]:
         """The job's end, or (None, why) for a job-level restart (a requeue)."""
-        if self.signalled or self.jd.path.joinpath(STOP_MARK).exists():
-            if self.jd.path.joinpath(STOP_MARK).exists():
-                return JobState.STOPPED, "stopped by the user"
-            return JobState.STOPPED, ("cancelled by Slurm from outside eksft (scancel, a preemption or the time "
-                                      "limit): resume it from its last checkpoint")
+        if self.jd.path.joinpath(STOP_MARK).exists():
+            return JobState.STOPPED, "stopped by the user"
+        if self.signalled:
+            job = cluster.show_job(os.environ.get("SLURM_JOB_ID", ""))
+            if job is None or job.slurm_state == "CANCELLED":
+                return JobState.STOPPED, ("cancelled by Slurm from outside eksft (scancel): resume it from its "
+                                          "last checkpoint")
+            # a node failed, a preemption, the time limit: Slurm requeues the job (--requeue) or ends it
+            why = f", {job.reason}" if job.reason not in ("", "None") else ""
+            cause = f"Slurm ended the allocation (a node failed, a preemption or the time limit; job {job.slurm_state}{why})"
+            self.incidents.node_failed(cause, time.time())
+            return None, cause
         if self.incidents.give_up:
             return JobState.FAILED, self.incidents.give_up
         if code == 0:
