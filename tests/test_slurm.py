@@ -174,3 +174,20 @@ def test_a_lost_node_is_a_job_restart_that_resumes_from_the_newest_checkpoint(cl
     assert [r["level"] for r in summary["restart_events"]] == ["job"], summary["restart_events"]
     assert summary["restart_events"][0]["resumed_step"] >= 10
     assert summary["digest"] == reference["digest"]
+
+
+@pytest.mark.slow
+def test_a_killed_launcher_ends_the_step_and_the_job_is_requeued_from_its_checkpoint(cluster: SlurmCluster,
+                                                                                   reference: dict) -> None:
+    summary = run(cluster, "launcher-lost", "--fault", "kill-launcher@25")
+    assert summary["state"] == "succeeded", story(cluster, "launcher-lost")
+    [restart] = summary["restart_events"]
+    assert restart["level"] == "job" and "injected kill-launcher on node 0" in restart["cause"], restart
+    events = read_all(cluster.shared / "launcher-lost" / "events.jsonl")
+    # one failure: the peers' ranks that Slurm terminated with the step are no in-job failure of their own
+    [failure] = [e for e in events if e.kind == "failure"]
+    committed = [e["step"] for e in events if e.kind == "checkpoint" and e["phase"] == "committed" and e.t < failure.t]
+    assert committed and restart["resumed_step"] == committed[-1]   # the newest committed checkpoint
+    assert summary["digest"] == reference["digest"]
+    logs = cluster.shared / "launcher-lost" / "logs"   # the requeued run is attempt 1, with its own logs
+    assert (logs / "launcher-1-0.log").is_file() and (logs / "launcher-1-1.log").is_file()

@@ -156,6 +156,9 @@ class Watcher:
             return
         if len(self.ranks_started) == self.spec.world_size and min(self.ranks_started.values()) > seen.at:
             return   # every rank started again since: an incident already accounted for
+        if (seen.kind == "worker_failed" and seen.exitcode == -signal.SIGTERM
+                and not any(f["fault"] == "sigterm" for f in self.incidents.recent_faults)):
+            return   # Slurm ending the step (a lost node's peers, scancel) terminates the ranks: not an in-job failure
         if seen.kind == "hang":
             self.incidents.hang(seen.at, self.spec.ft.heartbeat_timeout)
         else:
