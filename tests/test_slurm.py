@@ -123,6 +123,19 @@ def test_a_job_runs_on_two_slurm_nodes_and_reads_as_a_local_one(cluster: SlurmCl
     assert {"reference": "succeeded"}.items() <= {r["name"]: r["state"] for r in listed}.items()
     ckpts = json.loads(cli(cluster, "ckpts", "reference", "--backend", "slurm", "--json").stdout)
     assert [c["step"] for c in ckpts if c["state"] == "committed"] == [10, 20, 30]
+    # the job's own narrative and the launchers' lines, without the launchers' noise
+    text = cli(cluster, "logs", "reference", "--backend", "slurm").stdout
+    assert "[launcher-0-0]" in text and "Rendezvous info" not in text
+
+
+@pytest.mark.slow
+def test_rm_refuses_a_running_slurm_job_and_removes_an_ended_one(cluster: SlurmCluster, reference: dict) -> None:
+    run(cluster, "to-remove", detach=True)
+    refused = cli(cluster, "rm", "to-remove", "--backend", "slurm")
+    assert refused.returncode != 0 and "stop it first" in refused.stderr and "Traceback" not in refused.stderr
+    assert cli(cluster, "stop", "to-remove", "--backend", "slurm").returncode == 0
+    assert cli(cluster, "rm", "to-remove", "--backend", "slurm").returncode == 0
+    assert not (cluster.shared / "to-remove").exists()
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -167,6 +168,14 @@ class SlurmBackend(Backend):
         if job is not None and job.state in ACTIVE:
             raise JobError(f"Slurm job {job_id} of {name} is still {job.slurm_state} after {timeout:g}s",
                            f"check `scontrol show job {job_id}` (a node may not answer)")
+
+    def remove(self, name: str) -> None:
+        """Delete an ended job's folder (checkpoints included) from the shared disk."""
+        status = self.state(name)
+        if status.state in ACTIVE:
+            raise JobError(f"job {name!r} is still {status.state} on Slurm", f"stop it first: `python -m eksft_nb stop "
+                           f"{name} --backend slurm`")
+        shutil.rmtree(self._jd(name).path)
 
 
 def _waiting(job: cluster.SlurmJob) -> str:
