@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from jobs import wait_for
@@ -126,6 +127,21 @@ def test_a_job_runs_on_two_slurm_nodes_and_reads_as_a_local_one(cluster: SlurmCl
     # the job's own narrative and the launchers' lines, without the launchers' noise
     text = cli(cluster, "logs", "reference", "--backend", "slurm").stdout
     assert "[launcher-0-0]" in text and "Rendezvous info" not in text
+
+
+@pytest.mark.slow
+def test_the_magic_lists_and_shows_a_slurm_job(cluster: SlurmCluster, reference: dict, ip: Any,
+                                                capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in ("SLURM_CONF", "PATH"):
+        monkeypatch.setenv(key, cluster.env[key])
+    monkeypatch.setenv("EKSFT_SHARED_DIR", str(cluster.shared))
+    ip.run_cell("%ftrain list --backend slurm")
+    out = capsys.readouterr().out
+    assert "reference" in out and "succeeded" in out, out
+    ip.run_cell("%ftrain status reference --backend slurm")
+    out = capsys.readouterr().out
+    assert "reference" in out and "succeeded" in out and "30/30" in out, out
 
 
 @pytest.mark.slow
