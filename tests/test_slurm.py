@@ -74,7 +74,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
 
 
 def cli(c: SlurmCluster, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {**c.env, "EKSFT_SHARED_DIR": str(c.shared)}
+    """The CLI on the "login node": it finds the jobs it launched without $EKSFT_SHARED_DIR."""
+    env = {k: v for k, v in c.env.items() if k != "EKSFT_SHARED_DIR"}
     return subprocess.run([sys.executable, "-m", "eksft_nb", *args], capture_output=True, text=True, timeout=timeout,
                           env=env)
 

@@ -17,11 +17,11 @@ from pathlib import Path
 
 from ...checkpoint_folders import CheckpointInfo, list_checkpoints
 from ...control import FaultCommand, submit
-from ...errors import JobError
+from ...errors import JobError, UnknownJobError
 from ...events import EventTail
-from ...jobdir import JobDir, atomic_write
+from ...jobdir import JobDir, atomic_write, eksft_home
 from ...monitor import JobMonitor
-from ...spec import JobSpec
+from ...spec import JobSpec, valid_name
 from ...states import ACTIVE, JobState
 from ..base import Backend, JobSummary, readable
 from . import cluster
@@ -32,22 +32,27 @@ SHARED_DIR_ENV = "EKSFT_SHARED_DIR"
 
 
 class SlurmBackend(Backend):
-    """The jobs under one shared folder (``shared_dir``, default ``$EKSFT_SHARED_DIR``); a launched
-    job's spec names its own (``--shared-dir``)."""
+    """The jobs under one shared folder (``shared_dir``, default ``$EKSFT_SHARED_DIR``) and those this
+    machine launched (each leaves a link to its folder in ``$EKSFT_HOME/slurm``); a launched job's spec
+    names its own folder (``--shared-dir``)."""
 
     name = "slurm"
 
     def __init__(self, shared_dir: str | Path | None = None) -> None:
         root = shared_dir or os.environ.get(SHARED_DIR_ENV)
         self.root = Path(root) if root else None
-        self._where: dict[str, Path] = {}   # jobs launched here under another shared folder
+        self.links = eksft_home() / "slurm"
 
     def _jd(self, name: str) -> JobDir:
-        root = self._where.get(name) or self.root
-        if root is None:
-            raise JobError("no shared folder to look for Slurm jobs in",
-                           f"set {SHARED_DIR_ENV} to the --shared-dir the jobs were launched with")
-        return JobDir.existing(name, root)
+        if valid_name(name):
+            if self.root is not None and (self.root / name / "spec.json").is_file():
+                return JobDir(self.root / name)
+            link = self.links / name
+            if link.is_symlink() and (link / "spec.json").is_file():
+                return JobDir(link.resolve())
+        raise UnknownJobError(f"no Slurm job named {name!r} was launched here"
+                              + (f" nor is one under {self.root}" if self.root else ""),
+                              f"check the name, or set {SHARED_DIR_ENV} to the --shared-dir it was launched with")
 
     def _record(self, jd: JobDir) -> dict:
         try:
@@ -82,15 +87,18 @@ class SlurmBackend(Backend):
             atomic_write(jd.path / RECORD, json.dumps({"job_id": "", "error": "sbatch failed"}))
             raise
         atomic_write(jd.path / RECORD, json.dumps({"job_id": job_id, "submitted": time.time()}))
-        self._where[spec.name] = shared
+        self.links.mkdir(parents=True, exist_ok=True, mode=0o700)
+        (self.links / spec.name).unlink(missing_ok=True)
+        (self.links / spec.name).symlink_to(jd.path)
 
     # ---- queries -------------------------------------------------------------------------------
     def jobs(self) -> list[JobSummary]:
-        if self.root is None or not self.root.is_dir():
-            return []
-        found = [p for p in self.root.glob("*") if (p / RECORD).is_file() and (p / "spec.json").is_file()]
-        found.sort(key=lambda p: p.stat().st_mtime)
-        return [self.state(p.name) for p in found]
+        found = {p.name: p for p in self.links.glob("*") if p.is_symlink()} if self.links.is_dir() else {}
+        if self.root is not None and self.root.is_dir():
+            found.update((p.name, p) for p in self.root.glob("*"))
+        mine = [p for p in found.values() if (p / RECORD).is_file() and (p / "spec.json").is_file()]
+        mine.sort(key=lambda p: p.stat().st_mtime)
+        return [self.state(p.name) for p in mine]
 
     def spec(self, name: str) -> JobSpec:
         return self._jd(name).spec()
@@ -170,12 +178,13 @@ class SlurmBackend(Backend):
                            f"check `scontrol show job {job_id}` (a node may not answer)")
 
     def remove(self, name: str) -> None:
-        """Delete an ended job's folder (checkpoints included) from the shared disk."""
+        """Delete an ended job's folder (checkpoints included) from the shared disk, and its link here."""
         status = self.state(name)
         if status.state in ACTIVE:
             raise JobError(f"job {name!r} is still {status.state} on Slurm", f"stop it first: `python -m eksft_nb stop "
                            f"{name} --backend slurm`")
         shutil.rmtree(self._jd(name).path)
+        (self.links / name).unlink(missing_ok=True)
 
 
 def _waiting(job: cluster.SlurmJob) -> str:
