@@ -5,6 +5,7 @@ a scancel from outside, and a rank killed mid-run healed in-job with a bit-ident
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -83,12 +84,28 @@ def cli(c: SlurmCluster, *args: str, timeout: float = 600) -> subprocess.Complet
 def run(c: SlurmCluster, name: str, *args: str, detach: bool = False) -> dict:
     """``run --backend slurm``: followed to its end, its JSON summary (detached: submitted, {})."""
     proc = cli(c, "run", "--backend", "slurm", "--shared-dir", str(c.shared), "--name", name, *BASE, *args,
-               "--slurm-port", str(_free_ports(1)[0]), *(["--detach"] if detach else ["--json"]))
+               "--slurm-port", str(free_base()), *(["--detach"] if detach else ["--json"]))
     if detach:
         assert proc.returncode == 0 and f"launched {name}" in proc.stdout, proc.stderr[-3000:]
         return {}
     assert proc.returncode in (0, 1) and "{" in proc.stdout, proc.stderr[-3000:]
     return json.loads(proc.stdout[proc.stdout.index("{"):])
+
+
+def free_base() -> int:
+    """A port free with the two after it (the rendezvous and the trainer's two stores)."""
+    for _ in range(200):
+        base = _free_ports(1)[0]
+        if base > 65533:
+            continue
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", base + 1))
+                b.bind(("127.0.0.1", base + 2))
+            return base
+        except OSError:
+            continue
+    raise AssertionError("no three free consecutive ports")
 
 
 def status(c: SlurmCluster, name: str) -> dict:
