@@ -71,6 +71,9 @@ class SlurmBackend(Backend):
             raise JobError(f"spec {spec.name!r} is for backend {spec.backend!r}", "launch it with --backend slurm")
         if spec.script:
             raise JobError("--script is not supported on Slurm yet", "run the built-in trainer, or use --backend local")
+        if spec.spare_nodes:
+            raise JobError("--spare-nodes is not supported on Slurm yet (a lost node is a requeue there)",
+                           "use --spare-nodes 0, or --backend local")
         shared = Path(str(spec.slurm.shared_dir))
         if not shared.is_dir():
             raise JobError(f"the shared folder {shared} does not exist here",
