@@ -16,7 +16,7 @@ CHROMIUM := /usr/lib/chromium/chromium
 LAB_PORT ?= 8888
 DEMO_NAME ?= demo-$(shell date +%H%M%S)
 
-.PHONY: setup lab demo test bench bench-quick chromium prometheus clean
+.PHONY: setup lab demo test bench bench-quick chromium prometheus slurm clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -86,6 +86,15 @@ prometheus:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
 	fi
 
+# the Slurm tests run a real controller and two node daemons on this machine (tests/slurm_cluster.py starts
+# them on free ports in a temporary folder): Debian's package, its own services play no part
+slurm:
+	@if ! command -v slurmctld >/dev/null; then \
+	  echo "installing Slurm for the Slurm backend tests (apt)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends slurm-wlm >/dev/null; \
+	fi
+
 demo: setup
 	$(PY) -m eksft_nb run --name $(DEMO_NAME) --steps 80 --model tiny --ckpt-every 10 \
 	  --fault exception:0@15 --fault sigkill:1@30 --fault hang:0@45 --fault kill-launcher@60
@@ -94,7 +103,7 @@ lab: demo
 	$(VENV)/bin/jupyter lab --port=$(LAB_PORT) $(if $(filter 0,$(shell id -u)),--allow-root,) \
 	  notebooks/01_quickstart.ipynb
 
-test: setup chromium prometheus
+test: setup chromium prometheus slurm
 	$(PY) -m pytest -q
 
 bench: setup

@@ -75,7 +75,7 @@ def list_jobs(backend: str = "local") -> list[JobRow]:
     rows: list[JobRow] = []
     for j in b.jobs():
         try:
-            rows.append(job_row(Job(j.name, b)) if backend == "local" else _summary_row(j, j.detail))
+            rows.append(job_row(Job(j.name, b)) if backend in ("local", "slurm") else _summary_row(j, j.detail))
         except EksftError as e:   # one unreadable job folder hides no other job
             rows.append(_summary_row(j, str(e)))
     return rows
@@ -254,8 +254,9 @@ class Verb:
 
 
 NAME = arg("name", help="the job", magic={"nargs": "?", "help": "the job (default: this notebook's current job)"})
-BACKEND = arg("--backend", choices=("local", "eks"), default="local",
-              help="where the job runs (eks: the kubeconfig's current context and namespace)",
+BACKEND = arg("--backend", choices=("local", "eks", "slurm"), default="local",
+              help="where the job runs (eks: the kubeconfig's current context and namespace; slurm: the jobs "
+                   "under $EKSFT_SHARED_DIR)",
               magic={"default": None, "help": "where the job runs (default: local, or the current job's)"})
 JSON = arg("--json", action="store_true", help="print JSON instead of text")
 FAULT_KINDS = ", ".join(FAULTS)
@@ -336,7 +337,8 @@ ARGS: dict[str, Verb] = {v.name: v for v in (
 SPEC_VERBS = frozenset({"run", "test"})
 
 # the sections of the spec options, as their help groups them
-SPEC_GROUPS = {"": "job", "model.": "model", "checkpoint.": "checkpoints", "ft.": "fault tolerance", "eks.": "EKS"}
+SPEC_GROUPS = {"": "job", "model.": "model", "checkpoint.": "checkpoints", "ft.": "fault tolerance", "eks.": "EKS",
+               "slurm.": "Slurm"}
 
 
 def _section(path: str) -> str:

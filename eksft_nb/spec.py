@@ -25,7 +25,7 @@ from .errors import SpecError
 from .timeouts import resolved
 
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-BACKENDS = ("local", "eks")
+BACKENDS = ("local", "eks", "slurm")
 
 
 def opt(default: Any, flag: str, help: str, **kw: Any) -> Any:
@@ -150,11 +150,29 @@ class EksConfig:
 
 
 @dataclass
+class SlurmConfig:
+    """Where and how the job runs on a Slurm cluster (ignored by the other backends)."""
+
+    shared_dir: str | None = opt(None, "--shared-dir", "Slurm: a folder every node and this machine mount at the same "
+                                 "path (FSx for Lustre, NFS): the job folder and its checkpoints go there")
+    partition: str | None = opt(None, "--partition", "Slurm partition (sbatch --partition)")
+    account: str | None = opt(None, "--account", "Slurm account to charge (sbatch --account)")
+    qos: str | None = opt(None, "--qos", "Slurm quality of service (sbatch --qos)")
+    time: str | None = opt(None, "--time", "Slurm time limit, e.g. 4:00:00 (sbatch --time)")
+    gres: str | None = opt(None, "--gres", "generic resources per node, e.g. gpu:8 (sbatch --gres)")
+    exclusive: bool = opt(False, "--exclusive", "Slurm: whole nodes, shared with no other job (sbatch --exclusive)")
+    constraint: str | None = opt(None, "--constraint", "Slurm node features, e.g. p5 (sbatch --constraint)")
+    efa: bool = opt(False, "--efa", "Slurm: set the EFA (libfabric) environment for NCCL, as on p4d/p5 nodes")
+    port: int = opt(29500, "--slurm-port", "Slurm: the rendezvous port on the allocation's first node "
+                    "(the trainer's stores use the next two)")
+
+
+@dataclass
 class JobSpec:
     """Everything needed to run one fault-tolerant FSDP training job."""
 
     name: str = opt("ftrain", "--name", "job name: a DNS-1123 label, since it becomes a Kubernetes name and a folder")
-    backend: Literal["local", "eks"] = opt("local", "--backend", "local (ranks on this machine) or eks")
+    backend: Literal["local", "eks", "slurm"] = opt("local", "--backend", "local (ranks on this machine), eks or slurm")
     nnodes: int = opt(1, "--nnodes", "nodes (one ft_launcher each)")
     nproc_per_node: int = opt(2, "--nproc-per-node", "ranks per node")
     spare_nodes: int = opt(0, "--spare-nodes", "extra nodes that wait in the rendezvous as hot spares: one takes a "
@@ -176,6 +194,7 @@ class JobSpec:
     workdir: str | None = opt(None, "--workdir", "working directory of the script on every rank (local default: the folder "
                               "the job is launched from, for a notebook cell the notebook's folder; EKS: the image's)")
     eks: EksConfig = opt(EksConfig, "", "")
+    slurm: SlurmConfig = opt(SlurmConfig, "", "")
 
     # ---- validation -------------------------------------------------------------------------
     def validate(self) -> JobSpec:
@@ -283,7 +302,26 @@ class JobSpec:
         if not (isinstance(e.prometheus_namespace, str) and valid_name(e.prometheus_namespace)):
             raise SpecError(f"--prometheus-namespace {e.prometheus_namespace!r} is not a Kubernetes namespace name",
                             f"use --prometheus-namespace {_suggest_name(str(e.prometheus_namespace))}")
+        self._validate_slurm()
         return self
+
+    def _validate_slurm(self) -> None:
+        s = self.slurm
+        _require_int(s, "port", 1024, prefix="slurm.")
+        if s.port > 65533:
+            raise SpecError(f"slurm.port {s.port} leaves no room for the two ports after it", "use e.g. --slurm-port 29500")
+        for fname in ("partition", "account", "qos", "time", "gres", "constraint"):
+            value = getattr(s, fname)
+            if value is not None and not re.fullmatch(r"[\w:.,|&*!=\[\]()+-]+", value):
+                raise SpecError(f"slurm.{fname} {_show(value)} holds characters sbatch does not take there",
+                                f"use {_flag_of(SlurmConfig, fname)} with letters, digits and :.,-_ only")
+        if self.backend == "slurm":
+            if not s.shared_dir:
+                raise SpecError("a Slurm job needs a folder every node shares (its job folder and checkpoints)",
+                                "add --shared-dir /fsx/eksft (a path mounted on this machine and every node)")
+            if not s.shared_dir.startswith("/"):
+                raise SpecError(f"--shared-dir {_show(s.shared_dir)} is not an absolute path",
+                                "use the path every node mounts, e.g. --shared-dir /fsx/eksft")
 
     @property
     def world_size(self) -> int:

@@ -1,4 +1,4 @@
-"""Backends: where a job's ranks run. ``get_backend("local" | "eks")``."""
+"""Backends: where a job's ranks run. ``get_backend("local" | "eks" | "slurm")``."""
 
 from __future__ import annotations
 
@@ -17,4 +17,8 @@ def get_backend(name: str, **kwargs: object) -> Backend:
         from .eks import EksBackend
 
         return EksBackend(**kwargs)  # type: ignore[arg-type]
-    raise SpecError(f"unknown backend {name!r}", "use --backend local or --backend eks")
+    if name == "slurm":
+        from .slurm import SlurmBackend
+
+        return SlurmBackend(**kwargs)  # type: ignore[arg-type]
+    raise SpecError(f"unknown backend {name!r}", "use --backend local, eks or slurm")

@@ -1,4 +1,4 @@
-"""The interface every backend implements (local processes, Amazon EKS)."""
+"""The interface every backend implements (local processes, Amazon EKS, Slurm)."""
 
 from __future__ import annotations
 

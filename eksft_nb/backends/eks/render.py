@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from ...control import FaultCommand
+from ...nccl import nccl_env as shared_nccl_env
 from ...launcher import Ports, launcher_argv, rank_env
 from ...runtime.quiet import quiet_env
 from ...spec import JobSpec
@@ -327,22 +328,12 @@ def literal(text: str) -> str:
 
 
 def nccl_env(spec: JobSpec) -> dict[str, str]:
-    """NCCL and libfabric settings. NCCL logs its network choice at INFO for the INIT and NET
-    subsystems only (one "NET/OFI ..." or "NET/Socket ..." line per rank), so a fall back to TCP shows
-    in the pod log. Device RDMA is asked for only where the instance's EFA has RDMA read (elsewhere
-    libfabric aborts); on an unknown type libfabric decides from the device."""
+    """NCCL and libfabric settings (:func:`eksft_nb.nccl.nccl_env`); device RDMA where the instance type's
+    EFA has RDMA read (an unknown type: libfabric decides from the device)."""
     e = spec.eks
-    if not e.gpus_per_node:
-        return {}
-    env = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET", "NCCL_SOCKET_IFNAME": "^docker,lo,veth"}
-    if spec.ft.inprocess:  # let inprocess.Wrapper see NCCL errors as exceptions it can restart from
-        env.update({"TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "NCCL_NVLS_ENABLE": "0"})
-    if e.efa_per_node:
-        env.update({"FI_PROVIDER": "efa", "FI_EFA_FORK_SAFE": "1", "RDMAV_FORK_SAFE": "1", "FI_LOG_LEVEL": "warn"})
-        known = lookup(e.instance_type)
-        if known and known.rdma_read:
-            env["FI_EFA_USE_DEVICE_RDMA"] = "1"
-    return env
+    known = lookup(e.instance_type)
+    return shared_nccl_env(e.gpus_per_node, bool(e.efa_per_node), spec.ft.inprocess,
+                           rdma_read=bool(known and known.rdma_read))
 
 
 def device_amounts(spec: JobSpec) -> dict[str, str]:

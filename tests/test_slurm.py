@@ -1,0 +1,241 @@
+"""--backend slurm: the sbatch script it prints, and real jobs on a real two-node Slurm (slurmctld and
+two slurmd on this machine, see slurm_cluster.py): run, status, list, a pending job's reason, a stop,
+a scancel from outside, and a rank killed mid-run healed in-job with a bit-identical result."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from jobs import wait_for
+from slurm_cluster import SlurmCluster, _free_ports, slurm_cluster
+
+from eksft_nb import commands
+from eksft_nb.backends.eks.render import nccl_env as eks_nccl_env
+from eksft_nb.errors import SpecError
+from eksft_nb.events import read_all
+from eksft_nb.spec import JobSpec
+
+# a small job: 2 nodes of 1 rank, tiny model, 30 steps, checkpoints every 10
+BASE = ["--nnodes", "2", "--nproc-per-node", "1", "--model", "tiny", "--steps", "30", "--ckpt-every", "10", "--seed", "0"]
+
+
+def slurm_spec(**changes: object) -> JobSpec:
+    return JobSpec().replace(backend="slurm", nnodes=2, **{"slurm.shared_dir": "/fsx/eksft", **changes})
+
+
+# ---- the sbatch script (no cluster needed) ---------------------------------------------------------
+
+def test_the_dry_run_is_an_sbatch_script_with_one_ft_launcher_per_node() -> None:
+    spec = slurm_spec(**{"slurm.partition": "gpu", "slurm.account": "ml", "slurm.qos": "high", "slurm.time": "4:00:00",
+                         "slurm.gres": "gpu:8", "slurm.exclusive": True, "slurm.constraint": "p5", "slurm.efa": True,
+                         "slurm.port": 31000})
+    script = commands.dry_run(spec)
+    lines = script.splitlines()
+    assert lines[0] == "#!/bin/bash"
+    for directive in ("--nodes=2", "--ntasks-per-node=1", "--partition=gpu", "--account=ml", "--qos=high",
+                      "--time=4:00:00", "--gres=gpu:8", "--exclusive", "--constraint=p5", "--requeue",
+                      "--output=/fsx/eksft/ftrain/logs/slurm-%j.out"):
+        assert f"#SBATCH {directive}" in lines, directive
+    # the rendezvous at the allocation's first node, found the cluster way, with no sleep or poll
+    assert 'RDZV_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)' in lines
+    assert '"--rdzv-endpoint=${RDZV_HOST}:31000"' in script and "sleep" not in script
+    srun = script[script.index("srun"):]
+    assert srun.split()[1] == "--ntasks-per-node=1" and "ft_launcher" in srun and '--node-rank="$SLURM_NODEID"' in srun
+    assert "export EKSFT_JOB_DIR=/fsx/eksft/ftrain" in lines and "export EKSFT_STORE_PORT=31001" in lines
+    # the NCCL/EFA environment of a p5 node, as an EKS pod with the same GPUs and EFA gets it
+    eks = eks_nccl_env(JobSpec().replace(**{"eks.gpus_per_node": 8, "eks.efa_per_node": 32,
+                                            "eks.instance_type": "p5.48xlarge"}))
+    assert eks["FI_PROVIDER"] == "efa"
+    for k, v in eks.items():
+        assert any(line in (f"export {k}={v}", f"export {k}='{v}'") for line in lines), k
+    # bash parses it
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+def test_a_slurm_spec_needs_a_shared_folder_and_plain_sbatch_values() -> None:
+    with pytest.raises(SpecError, match="--shared-dir"):
+        JobSpec().replace(backend="slurm").validate()
+    with pytest.raises(SpecError, match="absolute"):
+        slurm_spec(**{"slurm.shared_dir": "fsx"}).validate()
+    with pytest.raises(SpecError, match="slurm.partition"):
+        slurm_spec(**{"slurm.partition": "gpu; rm -rf /"}).validate()
+
+
+# ---- a real two-node Slurm ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    with slurm_cluster(tmp_path_factory.mktemp("slurm")) as c:
+        yield c
+
+
+def cli(c: SlurmCluster, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """The CLI on the "login node": it finds the jobs it launched without $EKSFT_SHARED_DIR."""
+    env = {k: v for k, v in c.env.items() if k != "EKSFT_SHARED_DIR"}
+    return subprocess.run([sys.executable, "-m", "eksft_nb", *args], capture_output=True, text=True, timeout=timeout,
+                          env=env)
+
+
+def run(c: SlurmCluster, name: str, *args: str, detach: bool = False) -> dict:
+    """``run --backend slurm``: followed to its end, its JSON summary (detached: submitted, {})."""
+    proc = cli(c, "run", "--backend", "slurm", "--shared-dir", str(c.shared), "--name", name, *BASE, *args,
+               "--slurm-port", str(free_base()), *(["--detach"] if detach else ["--json"]))
+    if detach:
+        assert proc.returncode == 0 and f"launched {name}" in proc.stdout, proc.stderr[-3000:]
+        return {}
+    assert proc.returncode in (0, 1) and "{" in proc.stdout, proc.stderr[-3000:]
+    return json.loads(proc.stdout[proc.stdout.index("{"):])
+
+
+def free_base() -> int:
+    """A port free with the two after it (the rendezvous and the trainer's two stores)."""
+    for _ in range(200):
+        base = _free_ports(1)[0]
+        if base > 65533:
+            continue
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", base + 1))
+                b.bind(("127.0.0.1", base + 2))
+            return base
+        except OSError:
+            continue
+    raise AssertionError("no three free consecutive ports")
+
+
+def status(c: SlurmCluster, name: str) -> dict:
+    proc = cli(c, "status", name, "--backend", "slurm", "--json")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def story(c: SlurmCluster, name: str) -> str:
+    return cli(c, "logs", name, "--backend", "slurm", "--debug", "-n", "80").stdout
+
+
+@pytest.fixture(scope="module")
+def reference(cluster: SlurmCluster) -> dict:
+    summary = run(cluster, "reference")
+    assert summary["state"] == "succeeded", story(cluster, "reference")
+    return summary
+
+
+@pytest.mark.slow
+def test_a_job_runs_on_two_slurm_nodes_and_reads_as_a_local_one(cluster: SlurmCluster, reference: dict) -> None:
+    assert reference["backend"] == "slurm" and reference["steps_done"] == 30
+    assert reference["checkpoints_committed"] == 3 and reference["restarts"] == {"inprocess": 0, "injob": 0, "job": 0}
+    folder = cluster.shared / "reference"
+    # one ft_launcher per node, each with its own log on the shared disk, the ranks' events beside them
+    assert sorted(p.name for p in (folder / "logs").glob("launcher-*.log")) == ["launcher-0-0.log", "launcher-0-1.log"]
+    events = read_all(folder / "events.jsonl")
+    starts = [e for e in events if e.kind == "rank_start"]
+    assert sorted(e.rank for e in starts) == [0, 1]
+    assert [e.kind for e in events if e.rank is None] == ["job_start", "job_end"]
+    row = status(cluster, "reference")
+    assert (row["state"], row["step"], row["last_checkpoint"]) == ("succeeded", 30, 30)
+    listed = json.loads(cli(cluster, "list", "--backend", "slurm", "--json").stdout)
+    assert {"reference": "succeeded"}.items() <= {r["name"]: r["state"] for r in listed}.items()
+    ckpts = json.loads(cli(cluster, "ckpts", "reference", "--backend", "slurm", "--json").stdout)
+    assert [c["step"] for c in ckpts if c["state"] == "committed"] == [10, 20, 30]
+    # the job's own narrative and the launchers' lines, without the launchers' noise
+    text = cli(cluster, "logs", "reference", "--backend", "slurm").stdout
+    assert "[launcher-0-0]" in text and "Rendezvous info" not in text
+
+
+@pytest.mark.slow
+def test_the_magic_lists_and_shows_a_slurm_job(cluster: SlurmCluster, reference: dict, ip: Any,
+                                                capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in ("SLURM_CONF", "PATH"):
+        monkeypatch.setenv(key, cluster.env[key])
+    monkeypatch.setenv("EKSFT_SHARED_DIR", str(cluster.shared))
+    ip.run_cell("%ftrain list --backend slurm")
+    out = capsys.readouterr().out
+    assert "reference" in out and "succeeded" in out, out
+    ip.run_cell("%ftrain status reference --backend slurm")
+    out = capsys.readouterr().out
+    assert "reference" in out and "succeeded" in out and "30/30" in out, out
+
+
+@pytest.mark.slow
+def test_rm_refuses_a_running_slurm_job_and_removes_an_ended_one(cluster: SlurmCluster, reference: dict) -> None:
+    run(cluster, "to-remove", detach=True)
+    refused = cli(cluster, "rm", "to-remove", "--backend", "slurm")
+    assert refused.returncode != 0 and "stop it first" in refused.stderr and "Traceback" not in refused.stderr
+    assert cli(cluster, "stop", "to-remove", "--backend", "slurm").returncode == 0
+    assert cli(cluster, "rm", "to-remove", "--backend", "slurm").returncode == 0
+    assert not (cluster.shared / "to-remove").exists()
+
+
+@pytest.mark.slow
+def test_a_rank_killed_on_slurm_heals_in_job_bit_identically(cluster: SlurmCluster, reference: dict) -> None:
+    summary = run(cluster, "killed", "--fault", "sigkill:1@15")
+    assert summary["state"] == "succeeded", story(cluster, "killed")
+    assert [r["level"] for r in summary["restart_events"]] == ["injob"], summary["restart_events"]
+    assert summary["restart_events"][0]["blame_rank"] == 1
+    assert summary["digest"] == reference["digest"]   # bit-identical to the fault-free run
+
+
+@pytest.mark.slow
+def test_a_pending_job_says_why_and_a_stop_or_a_scancel_ends_it(cluster: SlurmCluster) -> None:
+    blocker = cluster.run("sbatch", "--parsable", "-N2", "--exclusive", "--output=/dev/null", "--wrap",
+                          "sleep 600").stdout.strip()
+    try:
+        wait_for("the blocker to run", lambda: "R" in cluster.run("squeue", "-h", "-j", blocker, "-o", "%t").stdout)
+        run(cluster, "waits", "--exclusive", detach=True)
+        row = wait_for("the pending reason", lambda: (r := status(cluster, "waits"))["detail"].startswith(
+            "waiting: Resources") and r)
+        assert (row["state"], row["detail"]) == ("starting", "waiting: Resources in partition gpu")
+        assert cli(cluster, "stop", "waits", "--backend", "slurm").returncode == 0
+        row = status(cluster, "waits")
+        assert row["state"] == "stopped" and row["detail"].startswith("stopped by the user"), row
+    finally:
+        cluster.run("scancel", blocker)
+    run(cluster, "cancelled", detach=True)
+    wait_for("a step", lambda: status(cluster, "cancelled")["step"] >= 1, timeout=300)
+    job_id = json.loads((cluster.shared / "cancelled" / "slurm.json").read_text())["job_id"]
+    cluster.run("scancel", job_id)   # from outside eksft
+    row = wait_for("the cancel", lambda: (r := status(cluster, "cancelled"))["ended"] and r)
+    assert row["state"] == "stopped" and "outside eksft" in row["detail"], row
+
+
+@pytest.mark.slow
+def test_a_lost_node_is_a_job_restart_that_resumes_from_the_newest_checkpoint(cluster: SlurmCluster,
+                                                                              reference: dict) -> None:
+    node = cluster.run("sinfo", "-h", "-N", "-o", "%N").stdout.split()[-1]
+    run(cluster, "node-lost", detach=True)
+    events = cluster.shared / "node-lost" / "events.jsonl"
+    wait_for("checkpoint 10", lambda: events.exists() and any(
+        e.kind == "checkpoint" and e["phase"] == "committed" for e in read_all(events)), timeout=300, every=0.05)
+    cluster.run("scontrol", "update", f"nodename={node}", "state=down", "reason=eksft-test")   # the node is lost
+    wait_for("the failure", lambda: any(e.kind == "failure" and e["level"] == "job" for e in read_all(events)))
+    # Slurm requeues the job (--requeue); the node's slurmd answers, so it returns to service (ReturnToService=2)
+    row = wait_for("the end", lambda: (r := status(cluster, "node-lost"))["ended"] and r, timeout=300)
+    assert row["state"] == "succeeded", story(cluster, "node-lost")
+    summary = json.loads(cli(cluster, "summary", "node-lost", "--backend", "slurm", "--json").stdout)
+    assert [r["level"] for r in summary["restart_events"]] == ["job"], summary["restart_events"]
+    assert summary["restart_events"][0]["resumed_step"] >= 10
+    assert summary["digest"] == reference["digest"]
+
+
+@pytest.mark.slow
+def test_a_killed_launcher_ends_the_step_and_the_job_is_requeued_from_its_checkpoint(cluster: SlurmCluster,
+                                                                                   reference: dict) -> None:
+    summary = run(cluster, "launcher-lost", "--fault", "kill-launcher@25")
+    assert summary["state"] == "succeeded", story(cluster, "launcher-lost")
+    [restart] = summary["restart_events"]
+    assert restart["level"] == "job" and "injected kill-launcher on node 0" in restart["cause"], restart
+    events = read_all(cluster.shared / "launcher-lost" / "events.jsonl")
+    # one failure: the peers' ranks that Slurm terminated with the step are no in-job failure of their own
+    [failure] = [e for e in events if e.kind == "failure"]
+    committed = [e["step"] for e in events if e.kind == "checkpoint" and e["phase"] == "committed" and e.t < failure.t]
+    assert committed and restart["resumed_step"] == committed[-1]   # the newest committed checkpoint
+    assert summary["digest"] == reference["digest"]
+    logs = cluster.shared / "launcher-lost" / "logs"   # the requeued run is attempt 1, with its own logs
+    assert (logs / "launcher-1-0.log").is_file() and (logs / "launcher-1-1.log").is_file()
