@@ -4,12 +4,14 @@
 are the same reach from plain Python, ``Dashboard(job)`` shows a job's live dashboard.
 """
 
+from importlib.metadata import version as _version
+
 from .errors import EksftError, JobError, SpecError
 from .job import Job, attach, launch
 from .spec import JobSpec
 
 __all__ = ["Dashboard", "EksftError", "Job", "JobError", "JobSpec", "SpecError", "attach", "launch", "load_ipython_extension"]
-__version__ = "0.1.0"
+__version__ = _version("eksft-nb")  # one source: nbext/package.json, read by the build
 
 
 def load_ipython_extension(ipython):
