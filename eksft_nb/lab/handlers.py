@@ -11,15 +11,16 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from jupyter_server.base.handlers import APIHandler
+from jupyter_server.base.handlers import APIHandler, AuthenticatedFileHandler
 from jupyter_server.utils import url_path_join
 from tornado import web
 from tornado.iostream import StreamClosedError
 
-from .. import commands
+from .. import commands, plotly_bundle
 from ..errors import EksftError, UnknownJobError
 from ..states import FaultKind
 from . import requests
@@ -203,4 +204,7 @@ def setup(serverapp: Any) -> JobsManager:
     web_app.settings["eksft_manager"] = manager
     base = url_path_join(web_app.settings["base_url"], "eksft")
     web_app.add_handlers(".*$", [(url_path_join(base, path), handler) for path, handler in ROUTES])
+    # the dashboard figure's JavaScript (see plotly_bundle): plotly's own file, to the logged-in browser
+    route = url_path_join(base, "plotly", f"({re.escape(plotly_bundle.BUNDLE)})")
+    web_app.add_handlers(".*$", [(route, AuthenticatedFileHandler, {"path": str(plotly_bundle.bundle_dir())})])
     return manager
