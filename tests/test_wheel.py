@@ -43,6 +43,11 @@ def run(cmd: list[Any], cwd: Path, env: dict[str, str], timeout: float = 900) ->
     return proc
 
 
+def plain(proc: subprocess.CompletedProcess) -> str:
+    """What a Jupyter list command printed (both streams), without its colours."""
+    return re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
+
+
 def clean_tree(dest: Path) -> Path:
     """The files git tracks or would track (working copies), nothing it ignores: no node_modules, no build."""
     names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
@@ -108,11 +113,11 @@ def test_the_wheel_is_the_whole_install(tmp_path: Path) -> None:
     assert "ftrain" in run([py, "-c", magic], tmp_path, env).stdout
 
     # both extensions, enabled and OK, from the venv's own share/ and etc/
-    labext = run([bindir / "jupyter", "labextension", "list"], tmp_path, env)
-    lines = [line for line in (labext.stdout + labext.stderr).splitlines() if "eksft-nb-labextension" in line]
-    assert len(lines) == 1 and "enabled" in lines[0] and "OK" in lines[0] and "eksft-nb" in lines[0], lines
-    server = run([bindir / "jupyter", "server", "extension", "list"], tmp_path, env)
-    text = server.stdout + server.stderr
+    labext = plain(run([bindir / "jupyter", "labextension", "list"], tmp_path, env))
+    lines = [line for line in labext.splitlines() if "eksft-nb-labextension" in line]
+    assert len(lines) == 1 and "enabled" in lines[0] and "OK" in lines[0] and "eksft-nb" in lines[0], labext
+    assert f"{venv}/share/jupyter/labextensions" in labext, labext
+    text = plain(run([bindir / "jupyter", "server", "extension", "list"], tmp_path, env))
     assert f"{venv}/etc/jupyter" in text and "eksft_nb.lab enabled" in text, text
     assert re.search(r"eksft_nb\.lab\s+OK", text), text
 
