@@ -4,14 +4,11 @@
 are the same reach from plain Python, ``Dashboard(job)`` shows a job's live dashboard.
 """
 
-from importlib.metadata import version as _version
-
 from .errors import EksftError, JobError, SpecError
 from .job import Job, attach, launch
 from .spec import JobSpec
 
 __all__ = ["Dashboard", "EksftError", "Job", "JobError", "JobSpec", "SpecError", "attach", "launch", "load_ipython_extension"]
-__version__ = _version("eksft-nb")  # one source: nbext/package.json, read by the build
 
 
 def load_ipython_extension(ipython):
@@ -25,4 +22,8 @@ def __getattr__(name: str):
         from .dashboard import Dashboard
 
         return Dashboard
+    if name == "__version__":  # one source, nbext/package.json, which the build writes into the metadata
+        from importlib.metadata import version
+
+        return version("eksft-nb")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -76,6 +76,8 @@ def test_the_wheel_is_the_whole_install(tmp_path: Path) -> None:
     src = clean_tree(tmp_path / "src")
     run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", tmp_path / "dist", src], tmp_path, env)
     (wheel,) = (tmp_path / "dist").glob("eksft_nb-*.whl")
+    version = json.loads((REPO / "nbext" / "package.json").read_text())["version"]   # the one source
+    assert wheel.name.startswith(f"eksft_nb-{version}-"), wheel.name
     print(f"wheel: {wheel.name}, {wheel.stat().st_size / 2**20:.2f} MB")
 
     # it carries the prebuilt extension and the server extension's config; it needs no build tool to run
@@ -98,7 +100,7 @@ def test_the_wheel_is_the_whole_install(tmp_path: Path) -> None:
     run([py, "-m", "pip", "install", "-q", TORCH_SPEC], tmp_path, env)
     run([py, "-m", "pip", "install", "-q", wheel], tmp_path, env)
     where = run([py, "-c", "import eksft_nb; print(eksft_nb.__file__, eksft_nb.__version__)"], tmp_path, env).stdout
-    assert where.startswith(str(venv)), where
+    assert where.startswith(str(venv)) and where.split()[1] == version, where
 
     # the CLI: a short job whose killed rank is healed by a restart
     out = run([py, "-m", "eksft_nb", "run", "--name", JOB, "--model", "tiny", "--steps", "12", "--ckpt-every", "5",
