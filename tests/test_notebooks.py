@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,16 +15,6 @@ from nbclient import NotebookClient
 import eksft_nb
 from conftest import REPO
 
-CHROMIUM = Path("/usr/lib/chromium/chromium")
-FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync"]
-# the last step the quickstart's figure draws (its throughput trace's step numbers), once drawn
-LAST_STEP_DRAWN_JS = """() => {
-  const plot = document.querySelector('.eksft-job-quickstart .js-plotly-plot');
-  const steps = plot && plot.data ? plot.data.filter(t => t.name === 'tokens/s')
-                                         .flatMap(t => Array.from(t.customdata || [])) : [];
-  return steps.length ? Math.max(...steps) : null;
-}"""
 NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 _RUNS: dict[str, tuple[Any, Path]] = {}
 
@@ -139,24 +128,3 @@ def test_committed_notebooks_are_light() -> None:
     for path in NOTEBOOKS:
         assert path.stat().st_size < 100_000, path
         assert "widgets" not in nbformat.read(path, as_version=4).metadata, path  # no saved widget state
-
-
-@pytest.mark.browser
-@pytest.mark.skipif(not CHROMIUM.exists(), reason="Chromium is not installed (make chromium)")
-def test_a_saved_notebook_draws_its_dashboard_from_its_widget_state(lab: dict[str, Any],
-                                                                     tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Reopened in JupyterLab, nothing run: the figure draws from the saved state, its JavaScript from the server."""
-    from playwright.sync_api import sync_playwright
-
-    _, saved = executed(REPO / "notebooks" / "01_quickstart.ipynb", tmp_path_factory.mktemp("notebooks"))
-    shutil.copy(saved, lab["dir"] / "root" / saved.name)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=FLAGS)
-        page = browser.new_page(viewport={"width": 1280, "height": 2000})
-        try:
-            page.goto(f"{lab['url']}/lab/tree/{saved.name}?token={lab['token']}")
-            last = page.wait_for_function(LAST_STEP_DRAWN_JS, timeout=120_000, polling=500).json_value()
-        finally:
-            page.screenshot(path=str(lab["dir"] / "saved.png"))
-            browser.close()
-    assert last == 400
