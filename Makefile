@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e '.[dev]'
+	SKIP_JUPYTER_BUILDER=1 $(PY) -m pip install -q -e '.[dev]'   # nbext/ is built below, step by step
 	touch $@
 
 # A second NVRx for the tests, beside the one pip resolved (0.4.1 where glibc < 2.39): the engine's fault
@@ -42,11 +42,12 @@ $(NVRX_TEST_DIR)/.installed: $(VENV)/.installed
 	$(PY) -m pip install -q defusedxml httpx "nvidia-ml-py>=12.570.86" packaging "psutil>=6" pyyaml
 	touch $@
 
-# The JupyterLab extension (nbext/, TypeScript): npm ci from the committed lock file, tsc, then JupyterLab's
-# builder into eksft_nb/labextension/, installed as a prebuilt extension into the venv. Each step re-runs
-# only when its inputs change (a cold run: about 15 s; needs Node.js >= 20.19 and npm).
+# The JupyterLab extension (nbext/, TypeScript): npm ci from the committed lock file, then `npm run build:prod`
+# (tsc, JupyterLab's builder) into eksft_nb/labextension/, installed as a prebuilt extension into the venv, as
+# `pip install` of a wheel does. Each step re-runs only when its inputs change (a cold run: about 15 s; needs
+# Node.js >= 20.19 and npm). A wheel (pip wheel ., python -m build) runs the same steps: nbext/build.py.
 LABEXT := $(VENV)/share/jupyter/labextensions/eksft-nb-labextension
-NBEXT_SRC := $(wildcard nbext/src/*.ts) $(wildcard nbext/style/*) nbext/tsconfig.json
+NBEXT_SRC := $(wildcard nbext/src/*.ts) $(wildcard nbext/style/*) nbext/tsconfig.json nbext/install.json
 
 nbext/node_modules/.installed: nbext/package.json nbext/package-lock.json
 	@command -v npm >/dev/null || { echo "eksft: error: npm is missing, needed to build the JupyterLab extension" \
@@ -55,10 +56,9 @@ nbext/node_modules/.installed: nbext/package.json nbext/package-lock.json
 	touch $@
 
 $(VENV)/.nbext-installed: nbext/node_modules/.installed $(NBEXT_SRC) $(VENV)/.installed
-	rm -rf nbext/lib eksft_nb/labextension
-	cd nbext && node_modules/.bin/tsc
-	$(VENV)/bin/jupyter-builder build nbext >/dev/null
+	cd nbext && PATH="$(abspath $(VENV))/bin:$$PATH" npm run --silent build:prod >/dev/null
 	rm -rf $(LABEXT) && mkdir -p $(dir $(LABEXT)) && cp -r eksft_nb/labextension $(LABEXT)
+	cp nbext/install.json $(LABEXT)/
 	touch $@
 
 setup: $(VENV)/.installed $(NVRX_TEST_DIR)/.installed $(VENV)/.nbext-installed
@@ -113,4 +113,4 @@ bench-quick: setup
 	$(PY) -m bench --quick
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info nbext/node_modules nbext/lib eksft_nb/labextension
+	rm -rf $(VENV) .pytest_cache build dist *.egg-info nbext/node_modules nbext/lib eksft_nb/labextension

@@ -9,7 +9,6 @@ from .job import Job, attach, launch
 from .spec import JobSpec
 
 __all__ = ["Dashboard", "EksftError", "Job", "JobError", "JobSpec", "SpecError", "attach", "launch", "load_ipython_extension"]
-__version__ = "0.1.0"
 
 
 def load_ipython_extension(ipython):
@@ -23,4 +22,8 @@ def __getattr__(name: str):
         from .dashboard import Dashboard
 
         return Dashboard
+    if name == "__version__":  # one source, nbext/package.json, which the build writes into the metadata
+        from importlib.metadata import version
+
+        return version("eksft-nb")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -71,8 +72,15 @@ def ip(monkeypatch: pytest.MonkeyPatch) -> Any:
 @pytest.fixture
 def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
     """A fresh JupyterLab server on the quickstart notebook, with its own EKSFT_HOME."""
+    with jupyterlab(tmp_path, Path(sys.executable).parent / "jupyter") as server:
+        yield server
+
+
+@contextlib.contextmanager
+def jupyterlab(tmp_path: Path, jupyter: Path, env: dict[str, str] | None = None) -> Iterator[dict[str, Any]]:
+    """A JupyterLab server started by ``jupyter`` (that environment's), with ``env`` over os.environ."""
     root, settings = tmp_path / "root", tmp_path / "settings"
-    root.mkdir()
+    root.mkdir(parents=True)
     shutil.copy(REPO / "notebooks" / "01_quickstart.ipynb", root)
     for name, value in (("@jupyterlab/apputils-extension/notification.jupyterlab-settings",
                          {"fetchNews": "false", "checkForUpdates": False}),
@@ -82,10 +90,10 @@ def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
     port, token = free_port(), secrets.token_hex(16)
     env = {**os.environ, "EKSFT_HOME": str(tmp_path / "eksft"), "JUPYTERLAB_SETTINGS_DIR": str(settings),
            "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "workspaces"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
-           "JUPYTER_CONFIG_DIR": str(tmp_path / "config")}
+           "JUPYTER_CONFIG_DIR": str(tmp_path / "config"), **(env or {})}
     log = open(tmp_path / "lab.log", "wb")
     server = subprocess.Popen(
-        [str(Path(sys.executable).parent / "jupyter"), "lab", "--no-browser", "--allow-root", "--ip=127.0.0.1",
+        [str(jupyter), "lab", "--no-browser", "--allow-root", "--ip=127.0.0.1",
          f"--port={port}", "--port-retries=0", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
          "--LabApp.expose_app_in_browser=True", "--LabApp.news_url=None",
          "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
@@ -101,13 +109,13 @@ def lab(tmp_path: Path) -> Iterator[dict[str, Any]]:
                 raise RuntimeError(f"JupyterLab did not start; see {tmp_path / 'lab.log'}") from None
             time.sleep(0.3)
     try:
-        yield {"url": url, "token": token, "home": tmp_path / "eksft", "dir": tmp_path}
+        yield {"url": url, "token": token, "home": Path(env["EKSFT_HOME"]), "dir": tmp_path}
     finally:
         stop_server(server, log)
         from eksft_nb.backends.local import LocalBackend
         from eksft_nb.states import ENDED
 
-        backend = LocalBackend(tmp_path / "eksft" / "jobs")
+        backend = LocalBackend(Path(env["EKSFT_HOME"]) / "jobs")
         for job in backend.jobs():
             if job.state not in ENDED:
                 backend.stop(job.name)

@@ -396,3 +396,19 @@ def test_a_job_from_a_terminal_in_the_api(server: Server) -> None:
         assert status == 400 and reply["error"] == cli_error("resume", JOB, "--step", "7")
     finally:
         stream.close()
+
+
+def test_the_dashboard_figures_script_is_served_to_a_logged_in_browser_only(server: Server) -> None:
+    from eksft_nb import plotly_bundle
+
+    bundle = (plotly_bundle.bundle_dir() / plotly_bundle.BUNDLE).read_bytes()
+    url = f"{server.url}/eksft/{plotly_bundle.ROUTE}"
+    req = urllib.request.Request(url, headers={"Authorization": f"token {server.token}"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.status == 200 and "javascript" in r.headers["Content-Type"], (r.status, r.headers)
+        assert r.read() == bundle
+    try:
+        with urllib.request.urlopen(url, timeout=120) as r:   # no token: the login page, never the file
+            assert r.read() != bundle and "/login" in r.url
+    except urllib.error.HTTPError as e:
+        assert e.code == 403

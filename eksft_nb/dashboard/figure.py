@@ -19,6 +19,7 @@ from ..gpuhealth import fault_label
 from ..incidents import phases_text
 from ..monitor import JobMonitor
 from ..states import RestartLevel
+from ..plotly_bundle import LOADER
 from .series import Series
 
 WIDTH = 840
@@ -31,6 +32,12 @@ ROW_TITLES = ("throughput (tokens/s)", "loss",   # a user script reports no toke
               "checkpoint saves: training blocked (red) vs writing in the background (green), seconds",
               "faults and restarts (line: downtime until the first step after recovery)",
               "GPU health per node: ok (green), throttled (orange), XID/ECC fault (red), no GPU (grey)")
+
+
+class FigureWidget(go.FigureWidget):
+    """plotly's FigureWidget with a loader for its JavaScript, so its saved state is its data (see plotly_bundle)."""
+
+    _esm = LOADER
 
 
 def _f32(values: list[Any]) -> np.ndarray:
@@ -63,7 +70,7 @@ class TrainingFigure:
         self.t0: float | None = None
         self.unit = "tok/s"                 # "steps/s" once a step without tokens arrives (a user script's)
         self._unit_shown = "tok/s"
-        self.widget: go.FigureWidget | None = None
+        self.widget: FigureWidget | None = None
         self.traces: dict[tuple[str, str], list[Any]] = {}
         self._seen_steps = self._seen_restarts = self._seen_faults = self._seen_gpu = self._seen_gpu_faults = 0
         self._seen_saves: set[tuple[int, float]] = set()
@@ -143,12 +150,12 @@ class TrainingFigure:
         self._set_unit(fig.layout, [t for key, t in zip(order, fig.data) if key[0] == "tokens/s"])
         return fig
 
-    def build(self) -> go.FigureWidget:
+    def build(self) -> FigureWidget:
         """Create the widget with everything ingested so far."""
         fig, order = self._draw()
         for series in self.series.values():
             series.take_dirty()
-        self.widget = go.FigureWidget(fig)
+        self.widget = FigureWidget(fig)
         for (key, trace) in zip(order, self.widget.data):
             self.traces.setdefault(key, []).append(trace)
         self._show_unit()
