@@ -258,7 +258,7 @@ def test_a_ranks_group_is_killed_before_its_pid_is_freed(tmp_path: Path) -> None
 
 
 REAP = """
-import os, select, selectors, socket
+import os, select, selectors, signal, socket
 from eksft_nb.runtime import zygote
 
 seen = []   # the rank's state (as /proc shows it) each time a group is killed
@@ -277,9 +277,9 @@ rank = os.fork()
 if rank == 0:          # the rank: its own group with a helper in it (a checkpoint writer), then it ends
     os.setsid()
     helper = os.fork()
-    if helper == 0:
+    if helper == 0:    # until killed (it reads nothing from the pipe: the rank's pid is for the test)
         os.close(w)
-        os.read(r, 1)  # until killed
+        signal.pause()
         os._exit(0)
     os.write(w, b"%d" % helper)
     os._exit(0)

@@ -16,6 +16,7 @@ from ..errors import EksftError
 from ..monitor import JobMonitor
 from ..spec import JobSpec, _closest
 from ..states import FaultKind, FaultScope
+from ..timeouts import resolved
 
 # kinds that act on the checkpoints eksft writes: they apply where the reference run showed such saves
 STORAGE_KINDS = frozenset({FaultKind.SAVE_FAILURE, FaultKind.DISK_FULL, FaultKind.SLOW_STORAGE,
@@ -54,9 +55,9 @@ class Plan:
 
     def expected_s(self, reference_wall_s: float, spec: JobSpec) -> float:
         """Seconds the cases should take: each a reference run plus its recovery."""
-        total = 0.0
+        total, ft = 0.0, resolved(spec).ft
         for case in self.cases:
-            extra = spec.ft.heartbeat_timeout if case.kind in HANG_KINDS and not spec.ft.inprocess else 0.0
+            extra = ft.heartbeat_timeout if case.kind in HANG_KINDS and not ft.inprocess else 0.0
             total += reference_wall_s + RESTART_ALLOWANCE_S * len(case.faults) + extra
         return total
 

@@ -14,6 +14,7 @@ from ..job import Job
 from ..monitor import JobMonitor
 from ..spec import JobSpec
 from ..states import FaultKind, JobState
+from ..timeouts import resolved
 from . import card as cards
 from . import expect as expectations
 from .plan import Case, build
@@ -87,7 +88,7 @@ def run_test(launch: Callable[..., object], spec: JobSpec, kinds: Sequence[Fault
 def _run_case(launch: Callable[..., object], spec: JobSpec, case: Case, ref: JobMonitor,
               checks: list[expectations.Expectation], wall: float, tolerance: float) -> cards.Row:
     launch(spec.replace(name=case.job), list(case.faults))
-    budget = 3 * wall + 300.0 + spec.ft.heartbeat_timeout * len(case.faults)
+    budget = 3 * wall + 300.0 + resolved(spec).ft.heartbeat_timeout * len(case.faults)
     mon, state, end = _follow(Job(case.job, get_backend(spec.backend)), budget)
     return cards.row(case, mon, ref, checks, end, tolerance, state)
 
