@@ -166,6 +166,15 @@ class SlurmConfig:
     port: int = opt(29500, "--slurm-port", "Slurm: the rendezvous port on the allocation's first node "
                     "(the trainer's stores use the next two)")
 
+    @property
+    def gpus_per_node(self) -> int:
+        """From ``--gres gpu:N`` (or ``gpu:TYPE:N``); 0 without GPUs."""
+        for item in (self.gres or "").split(","):
+            parts = item.split(":")
+            if parts[0] == "gpu":
+                return int(parts[-1]) if len(parts) > 1 and parts[-1].isdigit() else 1
+        return 0
+
 
 @dataclass
 class JobSpec:

@@ -29,6 +29,7 @@ from ...incidents import Incidents
 from ...jobdir import JobDir
 from ...monitor import JobMonitor
 from ...states import JobState
+from ...timeouts import resolved
 from ..local.supervisor import LauncherLine, parse_launcher_line
 from . import cluster
 from .render import REQUEUE_EXIT, STOP_MARK
@@ -40,7 +41,7 @@ _LOG = re.compile(r"launcher-(\d+)-(\d+)\.log$")
 class Watcher:
     def __init__(self, jd: JobDir, srun: list[str]) -> None:
         self.jd, self.srun = jd, srun
-        self.spec = jd.spec()
+        self.spec = resolved(jd.spec())   # the timeouts its launchers run with
         self.attempt = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
         self.events = EventWriter(jd.events_path, self.spec.name, rank=None)
         self.tail = EventTail(jd.events_path)

@@ -28,15 +28,6 @@ def job_dir(spec: JobSpec) -> JobDir:
     return JobDir.for_name(spec.name, Path(str(spec.slurm.shared_dir)))
 
 
-def gpus_per_node(spec: JobSpec) -> int:
-    """From ``--gres gpu:N`` (or ``gpu:TYPE:N``); 0 without GPUs."""
-    for item in (spec.slurm.gres or "").split(","):
-        parts = item.split(":")
-        if parts[0] == "gpu":
-            return int(parts[-1]) if len(parts) > 1 and parts[-1].isdigit() else 1
-    return 0
-
-
 def directives(spec: JobSpec) -> list[str]:
     s, jd = spec.slurm, job_dir(spec)
     lines = [f"--job-name={spec.name}", f"--nodes={spec.nnodes}", "--ntasks-per-node=1",
@@ -57,7 +48,7 @@ def environment(spec: JobSpec) -> dict[str, str]:
     values[JOB_MARK] = f"{spec.name}-{spec.digest()}"   # one lineage for every node and requeue of this job
     values = quiet_env(values)
     # --efa means a p4d/p5-class node (its help says so): EFA with RDMA read
-    values.update(nccl_env(gpus_per_node(spec), spec.slurm.efa, spec.ft.inprocess, rdma_read=spec.slurm.efa))
+    values.update(nccl_env(spec.slurm.gpus_per_node, spec.slurm.efa, spec.ft.inprocess, rdma_read=spec.slurm.efa))
     return values
 
 
