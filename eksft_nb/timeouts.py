@@ -67,8 +67,8 @@ def state_bytes(spec: JobSpec) -> int:
 
 
 def on_gpu(spec: JobSpec) -> bool:
-    """Whether the job's ranks run on GPUs: EKS pods or Slurm nodes (``--gres gpu:N``) that request them, or a local job on CUDA (a cheap
-    probe of the driver, so the command line need not import torch)."""
+    """Whether the job's ranks run on GPUs: EKS pods or Slurm nodes (``--gres gpu:N``) that request them,
+    or a local job on CUDA (a cheap probe of the driver, so the command line need not import torch)."""
     if spec.backend == "eks":
         return spec.eks.gpus_per_node > 0
     if spec.backend == "slurm":
