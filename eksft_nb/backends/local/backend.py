@@ -26,7 +26,6 @@ from ...errors import JobError
 from ...events import EventTail
 from ...jobdir import JobDir, atomic_write, jobs_root
 from ...launcher import Ports, launcher_argv, rank_env
-from ...monitor import JobMonitor
 from ...runtime.memcopy import remove_copies, remove_stale_copies
 from ...runtime.quiet import quiet_env
 from ...spec import JobSpec
@@ -35,6 +34,7 @@ from ...tails import bounded, tail_lines
 from ...timeouts import derive, resolved
 from .. import procs
 from ..base import Backend, JobSummary, readable
+from ..inbox import queue_fault
 
 class LocalBackend(Backend):
     name = "local"
@@ -163,19 +163,7 @@ class LocalBackend(Backend):
 
     # ---- control -------------------------------------------------------------------------------
     def inject(self, name: str, command: FaultCommand) -> FaultCommand:
-        jd = self._jd(name)
-        spec = jd.spec()
-        command.validate(spec.world_size, spec.nnodes)
-        status = self.state(name)
-        if status.state not in ACTIVE:
-            raise JobError(f"job {name!r} has already ended ({status.state}): faults only go to a running job",
-                           "launch a new job (or resume this one from a checkpoint) and inject into that")
-        if command.step is not None:
-            mon = JobMonitor()
-            mon.update(EventTail(jd.events_path).read())
-            command.validate(spec.world_size, spec.nnodes, current_step=mon.last_step)
-        submit(jd.pending, command)
-        return command
+        return queue_fault(self._jd(name), self.state(name).state, command)
 
     def stop(self, name: str, timeout: float = 60.0) -> None:
         """Ask the supervisor (and its keeper) to end the job, then end whatever still carries the

@@ -20,10 +20,10 @@ from ...control import FaultCommand, submit
 from ...errors import JobError, UnknownJobError
 from ...events import EventTail
 from ...jobdir import JobDir, atomic_write, eksft_home
-from ...monitor import JobMonitor
 from ...spec import JobSpec, valid_name
 from ...states import ACTIVE, JobState
 from ..base import Backend, JobSummary, readable
+from ..inbox import queue_fault
 from . import cluster
 from .render import STOP_MARK, job_dir, render
 
@@ -37,6 +37,7 @@ class SlurmBackend(Backend):
     names its own folder (``--shared-dir``)."""
 
     name = "slurm"
+    refused_faults = frozenset({"kill-supervisor"})   # no eksft supervisor runs in the allocation
 
     def __init__(self, shared_dir: str | Path | None = None) -> None:
         root = shared_dir or os.environ.get(SHARED_DIR_ENV)
@@ -148,22 +149,10 @@ class SlurmBackend(Backend):
     # ---- control -------------------------------------------------------------------------------
     def inject(self, name: str, command: FaultCommand) -> FaultCommand:
         """Queue the fault in the job folder on the shared disk (the ranks fire it)."""
-        if command.fault == "kill-supervisor":
+        if command.fault in self.refused_faults:
             raise JobError("kill-supervisor is a local fault: on Slurm no eksft supervisor runs",
                            "use kill-launcher to lose a node, or sigkill to lose a rank")
-        jd = self._jd(name)
-        spec = jd.spec()
-        command.validate(spec.world_size, spec.nnodes)
-        status = self.state(name)
-        if status.state not in ACTIVE:
-            raise JobError(f"job {name!r} is not running ({status.state}): faults only go to a running job",
-                           "launch a new job (or resume this one from a checkpoint) and inject into that")
-        if command.step is not None:
-            mon = JobMonitor()
-            mon.update(EventTail(jd.events_path).read())
-            command.validate(spec.world_size, spec.nnodes, current_step=mon.last_step)
-        submit(jd.pending, command)
-        return command
+        return queue_fault(self._jd(name), self.state(name).state, command)
 
     def stop(self, name: str, timeout: float = 60.0) -> None:
         """``scancel`` the job (marked as the user's stop first); returns once Slurm says it ended."""
