@@ -239,3 +239,17 @@ def test_a_killed_launcher_ends_the_step_and_the_job_is_requeued_from_its_checkp
     assert summary["digest"] == reference["digest"]
     logs = cluster.shared / "launcher-lost" / "logs"   # the requeued run is attempt 1, with its own logs
     assert (logs / "launcher-1-0.log").is_file() and (logs / "launcher-1-1.log").is_file()
+
+
+def test_a_slurm_jobs_huge_log_line_is_answered_bounded(tmp_path: Any) -> None:
+    """The job folder on the shared disk is anyone-in-the-job's to grow: logs read only the end of each file."""
+    from eksft_nb.backends.slurm.backend import SlurmBackend
+    from eksft_nb.tails import MAX_LOG_BYTES
+
+    job = tmp_path / "big"
+    (job / "logs").mkdir(parents=True)
+    (job / "spec.json").write_text(JobSpec(name="big").to_json())
+    (job / "logs" / "launcher-0.log").write_text("x" * (20 << 20) + "\nthe last line\n")
+    answer = SlurmBackend(shared_dir=tmp_path).logs("big", debug=True)
+    assert len(answer) < 2 * MAX_LOG_BYTES and answer.endswith("the last line")
+    assert f"only its last {MAX_LOG_BYTES} of" in answer.splitlines()[0]

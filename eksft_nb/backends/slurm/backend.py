@@ -22,6 +22,7 @@ from ...events import EventTail
 from ...jobdir import JobDir, atomic_write, eksft_home
 from ...spec import JobSpec, valid_name
 from ...states import ACTIVE, JobState
+from ...tails import bounded, tail_lines
 from ..base import Backend, JobSummary, readable
 from ..inbox import queue_fault
 from . import cluster
@@ -139,12 +140,14 @@ class SlurmBackend(Backend):
         """The batch script's output, then each node's launcher log (``srun`` writes one per node)."""
         jd = self._jd(name)
         out: list[str] = []
+        notes: list[str] = []   # files of which only the end is read (anything in the job can grow them)
         logs = sorted(jd.logs.glob("slurm-*.out")) + sorted(jd.logs.glob("launcher-*.log"), key=lambda p: p.stat().st_mtime)
         for log in logs:
-            text = log.read_text(errors="replace").splitlines()
+            note, text = tail_lines(log)
+            notes.extend([note] if note else [])
             tag = f"[{log.stem}] "
             out += [tag + line for line in (text if debug else readable(text))]
-        return "\n".join(out[-lines:])
+        return "\n".join([f"[eksft] {note}" for note in notes] + [bounded("\n".join(out[-lines:]))])
 
     # ---- control -------------------------------------------------------------------------------
     def inject(self, name: str, command: FaultCommand) -> FaultCommand:
