@@ -170,8 +170,7 @@ class FtrainMagics(Magics):
     def _test(self, args: argparse.Namespace, cell: str) -> None:
         """``%ftrain test`` (the job its options describe) or ``%%ftrain test`` (the cell's code): the
         narration as it runs, then the report card (and its JUnit XML with --junit)."""
-        import plotly.graph_objects as go
-
+        from .dashboard.figure import FigureWidget
         from .resilience.card import junit, table
         from .resilience.figures import card_figure
 
@@ -180,7 +179,7 @@ class FtrainMagics(Magics):
             raise UsageError(f"--junit {args.junit}: folder {junit_path.parent} does not exist\n"
                              "  → create it first")
         spec = _cell_spec(args, cell, "test")
-        live = go.FigureWidget()   # the card's figure, redrawn after each case
+        live = FigureWidget()   # the card's figure, redrawn after each case (its JavaScript by reference)
         display(live)
         card = commands.resilience_test(spec, args.faults, args.expect, at_step=args.at_step,
                                         loss_tolerance=args.loss_tol, say=print,
