@@ -126,9 +126,11 @@ def test_saved_with_widget_state_after_a_full_run_is_at_most_2_mb(path: Path,
     state = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
     for model_id in dashboards(nb):
         one = dashboard_state(state, model_id)
-        assert 10_000 < one <= 2**20, f"a dashboard's saved state: {one / 2**20:.2f} MB"
+        # a dashboard carries its figure's data and its panels; a figure shown alone (the resilience card's) its data
+        least = 1_000 if "_py2js_update" in state[model_id]["state"] else 10_000
+        assert least < one <= 2**20, f"a displayed widget's saved state: {one / 2**20:.2f} MB"
     figures = [m for m in state.values() if "_py2js_update" in m["state"]]
-    assert len(figures) == len(dashboards(nb))                             # one figure per dashboard, not per panel
+    assert len(figures) == len(dashboards(nb))                             # one figure per view, not per panel
     assert all(len(f["state"].get("_esm", "")) < 10_000 for f in figures)  # plotly's bundle by reference
 
 
