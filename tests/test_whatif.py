@@ -76,7 +76,7 @@ def test_the_inputs_are_what_the_events_measured() -> None:
     # 20 steps of 1 s; saves at 5, 10, 15, 20 blocking 0.5 s; the fault at step 13's start lost 11 and 12
     assert (inp.steps, inp.step_s, inp.saves, inp.stall_per_save_s) == (20, 1.0, 4, 0.5)
     assert inp.failures == [{"step": 12, "level": "injob", "downtime_s": 4.0, "detection_s": 1.0, "lost": 2,
-                             "node_loss": False, "phases": {}}]
+                             "node_loss": False, "phases": {}, "committed": 10}]
     assert inp.wall_s == pytest.approx(2 + 22 + 2.0 + 4.0)   # startup + steps run + stall + downtime
     assert (inp.mtbf_s, inp.recovery_s, inp.detection_s) == (pytest.approx(30.0), 4.0, 1.0)
     assert inp.other_s == pytest.approx(0.0, abs=1e-9)
@@ -157,6 +157,17 @@ def test_what_the_events_cannot_tell_is_said_not_guessed() -> None:
     assert rec["every"] is None and "no failure observed" in rec["text"]
     assert "cannot estimate" in format_report(replay(stream(level="inprocess"), s,
                                                      Settings((5,), inprocess=False)).to_dict())
+
+
+def test_the_job_s_own_interval_restores_the_save_it_had_committed_not_the_median_lag() -> None:
+    # async saves commit 2.5 steps after they begin (lag 3 steps), yet the save at 10 was committed
+    # before the fault at step 13's start (it overlapped the stall): the job lost 2 steps, not 7
+    s = spec(mode="async")
+    inp = measure(stream(mode="async", commit_s=2.5), s)
+    assert inp.commit_lag_steps == 3 and inp.failures[0]["lost"] == 2
+    assert predict(inp, as_run(s), as_run(s)).lost_steps == 2
+    # another interval has no observed saves: the median lag decides (12 % 4 = 0 < 3: back to 8)
+    assert predict(inp, as_run(s), Setting(4, True, "async", 0)).lost_steps == 4
 
 
 def test_an_in_process_recovery_becomes_an_in_job_one_at_its_observed_cost() -> None:

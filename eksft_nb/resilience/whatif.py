@@ -9,7 +9,8 @@ The model, term by term (``N`` useful steps, ``t`` clean step time, ``k`` the in
   its staging plus its write
 - each observed failure replayed at the step it hit (s): it rolls back to the newest save it can
   load, s - s mod k (in-job and job restarts load committed saves only: an async save becomes
-  loadable ``commit lag`` steps after it began), so recomputed = sum(lost) * t; its downtime is
+  loadable ``commit lag`` steps after it began, the median observed; at the job's own interval the
+  newest save committed when it failed is known from its events), so recomputed = sum(lost) * t; its downtime is
   the observed one, or the mean of the job's observed recoveries at the level the setting moves it to
 - ETTR = productive / wall (the productive share of wall time)
 
@@ -73,8 +74,8 @@ class Inputs:
     stall_per_save_s: float
     interference_per_save_s: float
     write_per_save_s: float | None    # async: staging + background write (what a sync save would block for)
-    commit_lag_steps: int      # async: steps from a save's start until it is committed
-    failures: list[dict[str, Any]]   # step, level, downtime_s, detection_s, lost, node_loss, phases
+    commit_lag_steps: int      # async: median steps from a save's start until it is committed
+    failures: list[dict[str, Any]]   # step, level, downtime_s, detection_s, lost, node_loss, phases, committed
     wall_s: float
     startup_s: float
     other_s: float
@@ -152,20 +153,26 @@ def measure(mon: JobMonitor, spec: JobSpec, now: float | None = None) -> Inputs:
     saves = [c for c in mon.checkpoints.values() if c.t_staged is not None]
     async_saves = [c for c in saves if c.mode == "async"]
     writes = [(c.blocked_s or 0.0) + c.background_s for c in async_saves if c.background_s is not None]
-    lags = [c.t_done - c.t_begin for c in async_saves if c.t_done and c.t_begin and c.state == "committed"]
+    lags = [math.ceil((c.t_done - c.t_begin) / step_s) for c in async_saves
+            if c.t_done and c.t_begin and c.state == "committed" and step_s > 0]
+    committed = sorted((c.t_done, c.step) for c in mon.checkpoints.values()
+                       if c.state == "committed" and c.t_done is not None)
     failures = []
     for r in mon.restarts:
         failures.append({"step": r["resumed_step"] + r["rolled_back_steps"], "level": r["level"],
                          "downtime_s": r["downtime_s"], "detection_s": r["detection_s"],
                          "lost": r["rolled_back_steps"], "node_loss": _node_loss(r, spec),
-                         "phases": r.get("phases") or {}})
+                         "phases": r.get("phases") or {},
+                         # the newest save on storage when it failed: what its own interval restores
+                         "committed": max((st for t, st in committed if t <= r["fault_time"] and st <= r["resumed_step"]
+                                           + r["rolled_back_steps"]), default=0)})
     wall = gp.wall_s
     return Inputs(
         steps=n, step_s=step_s, saves=len(saves),
         stall_per_save_s=gp.checkpoint_stall_s / len(saves) if saves else 0.0,
         interference_per_save_s=gp.checkpoint_interference_s / len(async_saves) if async_saves else 0.0,
         write_per_save_s=statistics.fmean(writes) if writes else None,
-        commit_lag_steps=math.ceil(statistics.fmean(lags) / step_s) if lags and step_s > 0 else 0,
+        commit_lag_steps=statistics.median_low(lags) if lags else 0,
         failures=failures, wall_s=wall, startup_s=gp.startup_s, other_s=gp.other_s,
         detection_s=statistics.fmean(f["detection_s"] for f in failures) if failures else None,
         mtbf_s=wall / len(failures) if failures else None,
@@ -212,7 +219,7 @@ def predict(inp: Inputs, as_run: Setting, s: Setting) -> Row:
         downtimes.append(statistics.fmean(seen))
         row.notes.append(f"the {f['level']} recovery at step {f['step']} becomes {level} "
                          f"({downtimes[-1]:.2f}s, the mean of the job's {len(seen)} observed)")
-    lost = [_lost(f, s.ckpt_every, lag if level_loads_committed(f, as_run, s) else 0) for f in inp.failures]
+    lost = [_lost(f, s, as_run, lag, level_loads_committed(f, as_run, s)) for f in inp.failures]
     saves = math.ceil(inp.steps / s.ckpt_every) if s.ckpt_every > 0 else 0
     t = inp.step_s
     row.terms = {"productive": inp.steps * t, "checkpoint_stall": saves * stall,
@@ -247,11 +254,17 @@ def level_loads_committed(f: dict[str, Any], as_run: Setting, s: Setting) -> boo
     return _level_under(f, as_run, s)[0] != RestartLevel.INPROCESS
 
 
-def _lost(f: dict[str, Any], k: int, lag: int) -> int:
-    """Steps a failure at step ``f['step']`` loses with saves every ``k`` steps, loadable ``lag`` steps on."""
-    s = f["step"]
+def _lost(f: dict[str, Any], setting: Setting, as_run: Setting, lag: int, from_storage: bool) -> int:
+    """Steps a failure at step ``f['step']`` loses under ``setting``. Restored from storage with the job's
+    own saves: back to the newest one committed when it failed (observed). Otherwise back to a save every
+    ``k`` steps, loadable ``lag`` steps after it began (the median commit lag observed) from storage."""
+    s, k = f["step"], setting.ckpt_every
     if k <= 0:
         return s
+    own = (k, setting.ckpt_mode) == (as_run.ckpt_every, as_run.ckpt_mode)
+    if from_storage and own and f.get("committed") is not None:
+        return max(0, s - f["committed"])
+    lag = lag if from_storage else 0
     back = s % k
     if back < lag and s >= k:   # the newest save is still being written: the one before it is loaded
         back += k
