@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eksft_nb.backends import procs
+from eksft_nb import procs
 from eksft_nb.control import FaultCommand, submit
 from eksft_nb.jobdir import JobDir
 from eksft_nb.launcher import TRAINER_MODULE

@@ -26,7 +26,7 @@ from typing import Any
 
 import psutil
 
-from eksft_nb.backends import procs
+from eksft_nb import procs
 from eksft_nb.events import RESTART_PHASES, Event, EventTail, read_all
 from eksft_nb.incidents import Incident
 from eksft_nb.jobdir import JobDir, jobs_root

@@ -11,7 +11,7 @@ import pytest
 
 import eksft_nb
 from eksft_nb import commands
-from eksft_nb.backends import procs
+from eksft_nb import procs
 from eksft_nb.commands import ARGS, BOTH, CLI, MAGIC
 from eksft_nb.control import FAULTS
 from eksft_nb.errors import ControlError, JobError, SpecError
@@ -173,3 +173,8 @@ def test_the_package_imports_have_no_cycle() -> None:
     for name in sorted(graph):
         visit(name, [])
     assert "eksft_nb.job" in graph["eksft_nb.dashboard.dashboard"]   # the graph is read, not empty
+    # the ranks' code sits below the backends that launch it: it never imports one
+    upward = sorted((name, dep) for name, deps in graph.items() for dep in deps
+                    if name.startswith("eksft_nb.runtime") and dep.startswith("eksft_nb.backends"))
+    assert not upward, f"runtime imports a backend: {upward}"
+    assert "eksft_nb.procs" in graph["eksft_nb.runtime.session"]   # lazy imports inside functions count

@@ -18,7 +18,7 @@ from eks_kube import Controllers, Kube, running
 from jobs import wait_for
 
 from eksft_nb.backends.eks import EksBackend
-from eksft_nb.backends.procs import start_ticks
+from eksft_nb.procs import start_ticks
 from eksft_nb.backends.eks.backend import CONFIGMAP
 from eksft_nb.backends.eks.render import render
 from eksft_nb.checkpoint_folders import COMMIT, sha256_file, step_dir

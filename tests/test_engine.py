@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from eksft_nb import nvrx
-from eksft_nb.backends import procs
+from eksft_nb import procs
 from eksft_nb.checkpoint_folders import list_checkpoints
 from eksft_nb.cli import format_summary
 from eksft_nb.jobdir import JobDir

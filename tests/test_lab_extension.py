@@ -74,7 +74,7 @@ def test_jobs_panel_in_jupyterlab(lab: dict[str, Any], monkeypatch: pytest.Monke
 
 def drive(page: Any, lab: dict[str, Any], shots: Path) -> None:
     """Launch from a terminal, watch, inject, attach, switch themes and stop, all from the page."""
-    from eksft_nb.backends import procs
+    from eksft_nb import procs
     from eksft_nb.jobdir import JobDir
 
     page.goto(f"{lab['url']}/lab/tree/01_quickstart.ipynb?token={lab['token']}")

@@ -385,7 +385,7 @@ def test_a_job_from_a_terminal_in_the_api(server: Server) -> None:
         # stop through the API: nothing of the job runs afterwards
         status, reply = server.request("POST", f"jobs/{JOB}/stop", {})
         assert status == 200 and reply["state"] == "stopped" and reply["ended"] is True, reply
-        from eksft_nb.backends import procs
+        from eksft_nb import procs
 
         uid = JobDir.for_name(JOB).supervisor()["job_uid"]
         assert procs.marked(uid) == []

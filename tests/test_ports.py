@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from eksft_nb.backends import procs
+from eksft_nb import procs
 from eksft_nb.jobdir import JobDir
 from jobs import BASE, story, wait_for
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from eksft_nb.backends import procs
+from eksft_nb import procs
 from eksft_nb.backends.local import LocalBackend
 from eksft_nb.backends.local.supervisor import Supervisor
 from eksft_nb.control import FaultCommand, submit

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from eksft_nb.backends import procs
+from eksft_nb import procs
 from eksft_nb.backends.eks.render import INPOD
 from eksft_nb.backends.local.supervisor import Node, Supervisor
 from eksft_nb.events import EventWriter, make, read_all

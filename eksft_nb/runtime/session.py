@@ -321,7 +321,7 @@ class Session:
     def _kill_supervisor(self) -> dict[str, Any]:
         """SIGKILL the job's local supervisor: the one ``supervisor.json`` names, if that pid is still
         the process it names and carries this job's mark."""
-        from ..backends import procs
+        from .. import procs
 
         record = self.job_dir.supervisor() if self.job_dir else {}
         victim = procs.recorded(record.get("supervisor"), os.environ.get(procs.JOB_MARK) or "")
@@ -364,7 +364,7 @@ class _Beacon(threading.Thread):
         self.main = threading.main_thread().ident
         # who wrote it, exactly (the pod's `signal` checks it: a rank forked by a zygote shows the
         # zygote's environment, and pids repeat across pods that share the folder)
-        from ..backends.procs import start_ticks
+        from ..procs import start_ticks
 
         self.host, self.start_ticks = socket.gethostname(), start_ticks()
         self._halt = threading.Event()
@@ -431,7 +431,7 @@ def error_origin(e: BaseException) -> str:
 def _process_start() -> float:
     """When this process started (wall clock). From the kernel's tick count since boot: psutil's
     ``create_time`` adds that to the boot time in whole seconds, so it can be up to a second early."""
-    from ..backends.procs import start_ticks
+    from ..procs import start_ticks
 
     ticks = start_ticks()
     if ticks is None or not hasattr(time, "CLOCK_BOOTTIME"):  # not Linux

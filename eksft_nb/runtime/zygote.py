@@ -11,7 +11,7 @@ kills the child's process group at once.
 
 Processes a rank forks (the checkpoint writer, see ``checkpointer._AsyncWriter``) are cheap
 copies too, and, like the rank, carry the zygote's start-up environment (the job's mark) in
-``/proc/PID/environ``, which is how :mod:`eksft_nb.backends.procs` finds and ends them.
+``/proc/PID/environ``, which is how :mod:`eksft_nb.procs` finds and ends them.
 
 The socket is a path in a folder only the job's user can enter (the job folder's ``warm/``; in a pod,
 a private temporary folder), never an abstract name: anyone may bind an abstract name first and

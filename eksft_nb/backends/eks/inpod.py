@@ -34,7 +34,7 @@ from ...jobdir import JobDir, atomic_write
 from ...launcher import ZYGOTE_MODULE, warm_worker, worker_index
 from ...runtime.warm_shim import SOCKET_ENV, ZYGOTE_ENV
 from ...spec import JobSpec
-from ..procs import start_ticks
+from ...procs import start_ticks
 from . import efa, names
 from .failures import CONFIG_ERROR
 

@@ -25,7 +25,7 @@ from ...launcher import Ports, launcher_argv, rank_env
 from ...runtime.quiet import quiet_env
 from ...spec import JobSpec
 from ...timeouts import derive, resolved
-from ..procs import JOB_MARK
+from ...procs import JOB_MARK
 from . import failures, kueue, names, sizing
 from .instances import lookup
 from .network import network_policy

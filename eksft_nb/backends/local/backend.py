@@ -3,7 +3,7 @@
 A job runs under a detached supervisor (its own session), so it survives the kernel or shell that
 launched it; any process can attach to it by name through its folder. A supervisor that dies is
 replaced by one that adopts the running job (see :mod:`.supervisor`); the job's processes are found
-by identity (see :mod:`eksft_nb.backends.procs`), so no query or stop ever signals a process that merely reuses a pid.
+by identity (see :mod:`eksft_nb.procs`), so no query or stop ever signals a process that merely reuses a pid.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from ...spec import JobSpec
 from ...states import ACTIVE, JobState
 from ...tails import bounded, tail_lines
 from ...timeouts import derive, resolved
-from .. import procs
+from ... import procs
 from ..base import Backend, JobSummary, readable
 from ..inbox import queue_fault
 

@@ -49,7 +49,7 @@ from ...runtime.quiet import quiet_env
 from ...runtime.warm_shim import SOCKET_ENV as WARM_SOCKET
 from ...runtime.warm_shim import ZYGOTE_ENV as WARM_ZYGOTE
 from ...states import RECORDED_ENDS, JobState, RestartLevel
-from .. import procs
+from ... import procs
 
 POLL_S = 0.2
 MAX_SUPERVISORS = 5    # supervisor deaths the keeper recovers from before it ends the job

@@ -15,7 +15,7 @@ from ...launcher import Ports, launcher_argv, rank_env
 from ...nccl import nccl_env
 from ...runtime.quiet import quiet_env
 from ...spec import JobSpec
-from ..procs import JOB_MARK
+from ...procs import JOB_MARK
 
 RDZV_HOST = "${RDZV_HOST}"     # the batch shell fills it in: the allocation's first node
 WATCHER = "eksft_nb.backends.slurm.allocation"
