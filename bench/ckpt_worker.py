@@ -137,7 +137,7 @@ class Eksft(Method):
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
-        from eksft_nb.runtime.checkpointer import CheckpointManager
+        from eksft_nb.runtime.checkpoint.manager import CheckpointManager
 
         self.events: list[dict[str, Any]] = []
         # every=0: never due on its own; save() makes the chosen step due, as a schedule would
@@ -195,7 +195,7 @@ class Context:
         import torch
         import torch.distributed as dist
 
-        from eksft_nb.runtime.checkpointer import ModelState, start_writer
+        from eksft_nb.runtime.checkpoint.manager import ModelState, start_writer
         from eksft_nb.runtime.model import build_model
 
         self.torch, self.dist = torch, dist

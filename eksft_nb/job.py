@@ -178,7 +178,7 @@ def _refusal(info: CheckpointInfo) -> str | None:
         return None
     with warnings.catch_warnings():  # torch's import warns about pynvml: noise to whoever reads the answer
         warnings.filterwarnings("ignore", message="The pynvml package is deprecated", category=FutureWarning)
-        from .runtime.safe_load import refusal
+        from .runtime.checkpoint.safe_load import refusal
 
     return refusal(info)
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from eksft_nb.checkpoint_folders import list_checkpoints, step_dir, verify
 from eksft_nb.errors import JobError
-from eksft_nb.runtime.checkpointer import CheckpointManager, load
+from eksft_nb.runtime.checkpoint.manager import CheckpointManager, load
 from jobs import fsdp_snapshot
 
 
@@ -177,7 +177,7 @@ def test_a_real_write_failure_does_not_shift_the_results_of_later_saves(tmp_path
     later save must read its own result and commit the state it saved."""
     import resource
 
-    from eksft_nb.runtime.checkpointer import _AsyncWriter
+    from eksft_nb.runtime.checkpoint.manager import _AsyncWriter
 
     model = torch.nn.Linear(16, 16)
     events: list = []
@@ -210,7 +210,7 @@ def test_a_real_write_failure_does_not_shift_the_results_of_later_saves(tmp_path
 
 
 def test_a_save_does_not_commit_without_a_ranks_manifest(tmp_path: Path, group: Any) -> None:
-    from eksft_nb.runtime.checkpointer import _AsyncWriter
+    from eksft_nb.runtime.checkpoint.manager import _AsyncWriter
 
     model = torch.nn.Linear(16, 16)
     events: list = []
@@ -243,7 +243,7 @@ def test_an_inprocess_restart_commits_the_save_a_fault_left_uncommitted(tmp_path
 
 def test_the_background_writer_runs_at_a_lower_cpu_priority(tmp_path: Path, group: Any) -> None:
     """It shares cores with the ranks: a step must not wait for it, so it takes what they leave."""
-    from eksft_nb.runtime.checkpointer import WRITER_NICE, _AsyncWriter
+    from eksft_nb.runtime.checkpoint.manager import WRITER_NICE, _AsyncWriter
 
     _manager(tmp_path, group, "async", [])
     _AsyncWriter.done_locally(blocking=True)  # its first request has run
@@ -414,7 +414,7 @@ def test_metadata_may_only_name_files_inside_its_folder(tmp_path: Path, group: A
     mgr = _manager(tmp_path, group, "sync", [])
     mgr.maybe_save(5, _state(model, 5))
     [info] = list_checkpoints(tmp_path)
-    from eksft_nb.runtime.checkpointer import read_metadata
+    from eksft_nb.runtime.checkpoint.manager import read_metadata
 
     metadata = read_metadata(info.path)
     for record in metadata.storage_data.values():
@@ -429,7 +429,7 @@ def test_model_state_matches_get_state_dict_across_steps_and_new_parameters(grou
     get_state_dict returns, also once the optimizer has state and once the parameters are new objects."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from eksft_nb.runtime.checkpointer import ModelState
+    from eksft_nb.runtime.checkpoint.manager import ModelState
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
@@ -455,7 +455,7 @@ def test_model_state_without_torchs_private_helpers_is_get_state_dict(group: Any
     versions): ModelState falls back to the public get_state_dict, and says the same."""
     from torch.distributed.checkpoint import state_dict as sd
 
-    from eksft_nb.runtime.checkpointer import ModelState
+    from eksft_nb.runtime.checkpoint.manager import ModelState
 
     def other_torch(self: Any, sd: Any) -> None:   # what calling helpers that are not there raises
         raise AttributeError("module 'torch.distributed.checkpoint.state_dict' has no attribute '_verify_options'")
@@ -473,7 +473,7 @@ def test_model_state_without_torchs_private_helpers_is_get_state_dict(group: Any
 def test_fsdp_model_and_optimizer_saves_with_the_kept_work_load_bit_exact(tmp_path: Path, group: Any) -> None:
     """FSDP2 (DTensor) model and AdamW state through ModelState and the stager's kept DTensors,
     saved while training goes on and with the plan cached: the last save loads bit exact."""
-    from eksft_nb.runtime.checkpointer import ModelState
+    from eksft_nb.runtime.checkpoint.manager import ModelState
     from eksft_nb.runtime.model import build_model, loss_fn
 
     def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

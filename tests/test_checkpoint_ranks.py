@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from eksft_nb.checkpoint_folders import list_checkpoints, step_dir
-from eksft_nb.runtime.checkpointer import load
+from eksft_nb.runtime.checkpoint.manager import load
 from jobs import run_ranks
 
 STEPS = (5, 10, 15, 20)
@@ -27,7 +27,7 @@ def _rank(rank: int, root: str, store: str, out: str) -> None:
     (with the save plan kept, rank 1 writes without waiting for rank 0): the order a busy rank 0 sees
     in training, where it prunes after a commit while rank 1 goes on to the next save."""
     os.environ["RANK"] = str(rank)
-    from eksft_nb.runtime.checkpointer import CheckpointManager, _AsyncWriter
+    from eksft_nb.runtime.checkpoint.manager import CheckpointManager, _AsyncWriter
 
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=120))
@@ -77,7 +77,7 @@ def _changing_rank(rank: int, root: str, store: str, out: str) -> None:
     from step 15 on, rank 1 alone also saves a second tensor. Writes what committed and failed,
     and whether each committed checkpoint loads back this rank's tensors bit-exactly."""
     os.environ["RANK"] = str(rank)
-    from eksft_nb.runtime.checkpointer import CheckpointManager, _AsyncWriter
+    from eksft_nb.runtime.checkpoint.manager import CheckpointManager, _AsyncWriter
 
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))

@@ -148,7 +148,7 @@ def _rank(rank: int, incarnation: int, root: str, store: str, run: str, out: str
     is killed. Incarnation 1 is the next process of the same rank: it restores from memory, then
     from storage once rank 1's copy is corrupted, and once rank 0's record is garbage."""
     os.environ["RANK"] = str(rank)
-    from eksft_nb.runtime.checkpointer import CheckpointManager, ModelState, _AsyncWriter
+    from eksft_nb.runtime.checkpoint.manager import CheckpointManager, ModelState, _AsyncWriter
 
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=120))
@@ -236,7 +236,7 @@ def group() -> Any:
 def test_a_copy_being_overwritten_by_a_newer_save_is_not_used(tmp_path: Path, group: Any) -> None:
     """The fault hits while a newer save is staged (its write then fails): the buffers no longer hold
     the newest committed step, so it comes from storage; another run's copy is never looked at."""
-    from eksft_nb.runtime.checkpointer import CheckpointManager
+    from eksft_nb.runtime.checkpoint.manager import CheckpointManager
 
     run = f"test{uuid.uuid4().hex[:12]}"
     events: list[dict[str, Any]] = []
@@ -269,7 +269,7 @@ def test_a_copy_being_overwritten_by_a_newer_save_is_not_used(tmp_path: Path, gr
 def test_each_staged_buffer_is_a_storage_of_its_own_and_the_save_plan_is_kept(tmp_path: Path, group: Any) -> None:
     """Staged buffers that were views into one shared file would be cloned by NVRx on the training
     thread at every save, and the save plan, which needs the staged buffers themselves, never kept."""
-    from eksft_nb.runtime.checkpointer import _STAGER, CheckpointManager
+    from eksft_nb.runtime.checkpoint.manager import _STAGER, CheckpointManager
 
     run = f"test{uuid.uuid4().hex[:12]}"
     try:

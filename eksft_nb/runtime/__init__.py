@@ -22,7 +22,7 @@ from typing import Any
 # same name is loaded: a lazy attribute would be shadowed by the submodule
 from .session import InjectedFault, Session, session
 
-_EXPORTS = {"CheckpointManager": ".checkpointer", "ModelState": ".checkpointer"}
+_EXPORTS = {"CheckpointManager": ".checkpoint", "ModelState": ".checkpoint"}
 __all__ = ["CheckpointManager", "InjectedFault", "ModelState", "Session", "session"]
 
 

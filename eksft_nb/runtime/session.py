@@ -125,7 +125,7 @@ class Session:
 
         import torch.distributed as dist
 
-        from .checkpointer import CheckpointManager
+        from .checkpoint import CheckpointManager
 
         if group is None:
             group = dist.new_group(backend="gloo", timeout=self.checkpoint_group_timeout())

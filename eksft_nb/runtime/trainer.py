@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..timeouts import derive
-from .checkpointer import ModelState, stop_writer
+from .checkpoint import ModelState, stop_writer
 from .data import SyntheticCorpus
 from .keepalive import keepalive
 from .model import build_model, loss_fn

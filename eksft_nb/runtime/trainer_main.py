@@ -26,7 +26,7 @@ def main() -> None:
     import torch
 
     from ..loopback import install
-    from .checkpointer import start_writer
+    from .checkpoint import start_writer
     from .drain import Drain
     from .session import session
     from .trainer import run, wrapper_kwargs

@@ -39,8 +39,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..checkpoint_folders import COMMIT, CheckpointInfo, parse_commit, plain_name, verify
-from ..errors import JobError
+from ...checkpoint_folders import COMMIT, CheckpointInfo, parse_commit, plain_name, verify
+from ...errors import JobError
 
 METADATA = ".metadata"
 # what torch.save adds to a tensor's bytes (its archive's records, names and alignment), with room to spare
@@ -237,7 +237,7 @@ class _MetadataUnpickler(pickle._Unpickler):  # the Python unpickler: its opcode
 
 def listed_files(path: Path) -> dict[str, dict[str, Any]]:
     """The files ``path/commit.json`` lists (name -> size and sha256), read without following links."""
-    from ..checkpoint_folders import STEP_DIR, _read_plain
+    from ...checkpoint_folders import STEP_DIR, _read_plain
 
     m = STEP_DIR.match(Path(path).name)
     try:

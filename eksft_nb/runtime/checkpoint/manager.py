@@ -41,10 +41,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import _is_wrapped_exception
 
-from ..checkpoint_folders import (COMMIT, STEP_DIR, CheckpointInfo, list_checkpoints, parse_commit, reject,
+from ...checkpoint_folders import (COMMIT, STEP_DIR, CheckpointInfo, list_checkpoints, parse_commit, reject,
                            sha256_file, share, step_dir, verify)
-from ..errors import JobError
-from . import memcopy
+from ...errors import JobError
+from .. import memcopy
 from .safe_load import load, read_metadata
 
 # ---- staging --------------------------------------------------------------------------------
