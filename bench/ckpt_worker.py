@@ -131,13 +131,13 @@ class DcpAsyncSave(Method):
 
 
 class Eksft(Method):
-    """eksft's async path: :class:`~eksft_nb.runtime.checkpointer.CheckpointManager` as the trainer uses it."""
+    """eksft's async path: :class:`~eksft_nb.runtime.checkpoint.CheckpointManager` as the trainer uses it."""
 
     name = "eksft async"
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
-        from eksft_nb.runtime.checkpoint.manager import CheckpointManager
+        from eksft_nb.runtime.checkpoint import CheckpointManager
 
         self.events: list[dict[str, Any]] = []
         # every=0: never due on its own; save() makes the chosen step due, as a schedule would
@@ -145,7 +145,7 @@ class Eksft(Method):
         self.mgr = CheckpointManager(self.dir, rank=ctx.rank, world_size=ctx.world, group=ctx.ckpt_group, every=0,
                                      mode="async", keep_last=2,
                                      emit=lambda kind, **data: self.events.append({"kind": kind, **data}),
-                                     run=f"bench{os.getppid()}")
+                                     run=f"bench{os.getppid()}", process=ctx.process)
         self.saving: int | None = None
         self.stager = self.mgr.stager = TimedStager(self.mgr.stager)
 
@@ -195,11 +195,12 @@ class Context:
         import torch
         import torch.distributed as dist
 
-        from eksft_nb.runtime.checkpoint.manager import ModelState, start_writer
+        from eksft_nb.runtime.checkpoint import CheckpointProcess, ModelState
         from eksft_nb.runtime.model import build_model
 
         self.torch, self.dist = torch, dist
-        start_writer()  # as the trainer does: the writer process spawns while the model is built
+        self.process = CheckpointProcess()  # the rank process's writer and buffers, as the session's
+        self.process.writer.start()  # as the trainer does: the writer process spawns while the model is built
         torch.set_num_threads(1)
         dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()

@@ -1,7 +1,7 @@
 """Checkpoint folders as the control plane sees them: listing, verification, rejection (no torch).
 
 A checkpoint is a ``step_<N>`` folder holding DCP files and a ``commit.json`` that records the step,
-the world size and every file with its size and SHA-256. See ``runtime/checkpointer.py`` for saving.
+the world size and every file with its size and SHA-256. See ``runtime/checkpoint/`` for saving.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class CheckpointInfo:
     world_size: int | None = None
     reason: str = ""
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
-    run: str = ""                   # the run that committed it (see runtime.checkpointer.run_id)
+    run: str = ""                   # the run that committed it (see runtime.checkpoint.run_id)
 
     def to_dict(self) -> dict[str, Any]:
         return {"step": self.step, "path": str(self.path), "state": self.state, "bytes": self.bytes,

@@ -172,8 +172,9 @@ def attach(name: str, backend: str = "local") -> Job:
 
 
 def _refusal(info: CheckpointInfo) -> str | None:
-    """Why the loader would refuse ``info`` (see :func:`~eksft_nb.runtime.safe_load.refusal`); None where
-    its files are not reachable from here (an EKS volume): the ranks check it, and fall back, there."""
+    """Why the loader would refuse ``info`` (see :func:`~eksft_nb.runtime.checkpoint.safe_load.refusal`);
+    None where its files are not reachable from here (an EKS volume): the ranks check it, and fall back,
+    there."""
     if not Path(info.path).exists():
         return None
     with warnings.catch_warnings():  # torch's import warns about pynvml: noise to whoever reads the answer

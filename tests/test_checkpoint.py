@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from eksft_nb.checkpoint_folders import list_checkpoints, step_dir, verify
 from eksft_nb.errors import JobError
-from eksft_nb.runtime.checkpoint.manager import CheckpointManager, load
+from eksft_nb.runtime.checkpoint import CheckpointManager, CheckpointProcess, load
 from jobs import fsdp_snapshot
 
 
@@ -28,9 +28,18 @@ def group() -> Any:
     dist.destroy_process_group()
 
 
-def _manager(root: Path, group: Any, mode: str, events: list) -> CheckpointManager:
+@pytest.fixture(scope="module")
+def process() -> Any:
+    """The test process's writer and buffers, shared by its managers as a rank process's are."""
+    shared = CheckpointProcess()
+    yield shared
+    shared.writer.stop()
+
+
+def _manager(root: Path, group: Any, mode: str, events: list,
+             process: CheckpointProcess) -> CheckpointManager:
     return CheckpointManager(root, rank=0, world_size=1, group=group, every=5, mode=mode, keep_last=2,
-                             emit=lambda kind, **data: events.append(data))
+                             emit=lambda kind, **data: events.append(data), process=process)
 
 
 def _state(model: torch.nn.Module, step: int) -> dict[str, Any]:
@@ -38,11 +47,12 @@ def _state(model: torch.nn.Module, step: int) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
-def test_save_is_the_state_at_save_time_and_loads_bit_exact(tmp_path: Path, group: Any, mode: str) -> None:
+def test_save_is_the_state_at_save_time_and_loads_bit_exact(tmp_path: Path, group: Any,
+                                                            process: CheckpointProcess, mode: str) -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64)
     events: list = []
-    mgr = _manager(tmp_path, group, mode, events)
+    mgr = _manager(tmp_path, group, mode, events, process)
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     mgr.maybe_save(5, _state(model, 5))
     with torch.no_grad():  # training goes on while the async writer works: it must not see this
@@ -63,10 +73,11 @@ def test_save_is_the_state_at_save_time_and_loads_bit_exact(tmp_path: Path, grou
         assert torch.equal(target["model"][k], v), k
 
 
-def test_saves_that_reuse_the_cached_plan_load_bit_exact(tmp_path: Path, group: Any) -> None:
+def test_saves_that_reuse_the_cached_plan_load_bit_exact(tmp_path: Path, group: Any,
+                                                         process: CheckpointProcess) -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64)
-    mgr = _manager(tmp_path, group, "async", [])
+    mgr = _manager(tmp_path, group, "async", [], process)
     for step in (5, 10, 15, 20):
         with torch.no_grad():
             for p in model.parameters():
@@ -86,13 +97,14 @@ def test_saves_that_reuse_the_cached_plan_load_bit_exact(tmp_path: Path, group: 
         assert torch.equal(target["model"][k], v), k
 
 
-def test_a_kept_save_plan_follows_the_state_it_saves(tmp_path: Path, group: Any) -> None:
+def test_a_kept_save_plan_follows_the_state_it_saves(tmp_path: Path, group: Any,
+                                                     process: CheckpointProcess) -> None:
     """The save plan is kept from save to save while the staged state keeps its layout; a tensor
     added or reshaped after that fails that one save (never committed: the plan is made on every
     rank together) and the next one plans anew, and plain values are written as they are at each
     save: every committed checkpoint loads back bit-exactly (a stale plan would leave the new tensor out)."""
     events: list = []
-    mgr = _manager(tmp_path, group, "async", events)
+    mgr = _manager(tmp_path, group, "async", events, process)
     gen = torch.Generator().manual_seed(0)
     extras: list[dict[str, torch.Tensor]] = [{}, {}, {}, {"ema": torch.randn(4, 4, generator=gen)},
                                              {"ema": torch.randn(6, generator=gen)}, {"ema": torch.randn(6, generator=gen)}]
@@ -116,12 +128,13 @@ def test_a_kept_save_plan_follows_the_state_it_saves(tmp_path: Path, group: Any)
 
 
 def test_a_kept_save_plan_runs_no_collective_until_the_commit(tmp_path: Path, group: Any,
+                                                              process: CheckpointProcess,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """With the plan kept, a save's stall is this rank's alone: staging and handing the write over
     wait for no other rank (no collective), and the committed checkpoint loads bit-exactly."""
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 16)
-    mgr = _manager(tmp_path, group, "async", [])
+    mgr = _manager(tmp_path, group, "async", [], process)
     mgr.maybe_save(5, _state(model, 5))
     mgr.finish()
     with torch.no_grad():
@@ -143,9 +156,10 @@ def test_a_kept_save_plan_runs_no_collective_until_the_commit(tmp_path: Path, gr
     assert all(torch.equal(target["model"][k], v) for k, v in expected.items())
 
 
-def test_corruption_is_detected_with_the_file_named(tmp_path: Path, group: Any) -> None:
+def test_corruption_is_detected_with_the_file_named(tmp_path: Path, group: Any,
+                                                    process: CheckpointProcess) -> None:
     model = torch.nn.Linear(16, 16)
-    mgr = _manager(tmp_path, group, "async", [])
+    mgr = _manager(tmp_path, group, "async", [], process)
     mgr.maybe_save(5, _state(model, 5))
     mgr.finish()
     [info] = list_checkpoints(tmp_path)
@@ -158,10 +172,11 @@ def test_corruption_is_detected_with_the_file_named(tmp_path: Path, group: Any) 
     assert "has" in verify(info) and "commit record says" in verify(info)
 
 
-def test_a_failed_write_is_reported_and_retried_at_the_next_step(tmp_path: Path, group: Any) -> None:
+def test_a_failed_write_is_reported_and_retried_at_the_next_step(tmp_path: Path, group: Any,
+                                                                 process: CheckpointProcess) -> None:
     model = torch.nn.Linear(16, 16)
     events: list = []
-    mgr = _manager(tmp_path, group, "async", events)
+    mgr = _manager(tmp_path, group, "async", events, process)
     mgr.fail_next_write = True
     mgr.maybe_save(5, _state(model, 5))
     mgr.maybe_save(6, _state(model, 6), last=True)  # finalizes the failure, then retries
@@ -171,18 +186,17 @@ def test_a_failed_write_is_reported_and_retried_at_the_next_step(tmp_path: Path,
     assert committed == [6]
 
 
-def test_a_real_write_failure_does_not_shift_the_results_of_later_saves(tmp_path: Path, group: Any) -> None:
+def test_a_real_write_failure_does_not_shift_the_results_of_later_saves(tmp_path: Path, group: Any,
+                                                                        process: CheckpointProcess) -> None:
     """The writer process may write no file past 64 bytes (a file-size limit: the kernel fails the
     writes with EFBIG), so the shard and then the manifest fail to write; once it may again, every
     later save must read its own result and commit the state it saved."""
     import resource
 
-    from eksft_nb.runtime.checkpoint.manager import _AsyncWriter
-
     model = torch.nn.Linear(16, 16)
     events: list = []
-    mgr = _manager(tmp_path, group, "async", events)
-    pid = _AsyncWriter.caller.process.pid
+    mgr = _manager(tmp_path, group, "async", events, process)
+    pid = mgr.writer.caller.process.pid
     soft, hard = resource.prlimit(pid, resource.RLIMIT_FSIZE)
     resource.prlimit(pid, resource.RLIMIT_FSIZE, (64, hard))
     try:
@@ -209,14 +223,13 @@ def test_a_real_write_failure_does_not_shift_the_results_of_later_saves(tmp_path
         assert torch.equal(target["model"]["weight"], saved[info.step])
 
 
-def test_a_save_does_not_commit_without_a_ranks_manifest(tmp_path: Path, group: Any) -> None:
-    from eksft_nb.runtime.checkpoint.manager import _AsyncWriter
-
+def test_a_save_does_not_commit_without_a_ranks_manifest(tmp_path: Path, group: Any,
+                                                         process: CheckpointProcess) -> None:
     model = torch.nn.Linear(16, 16)
     events: list = []
-    mgr = _manager(tmp_path, group, "async", events)
+    mgr = _manager(tmp_path, group, "async", events, process)
     mgr.maybe_save(5, _state(model, 5))
-    _AsyncWriter.done_locally(blocking=True)
+    mgr.writer.done_locally(blocking=True)
     (tmp_path / "step_00000005" / "manifest-0.json").unlink()  # the rank's record of its files is lost
     mgr.finish()
     [failed] = [e for e in events if e["phase"] == "failed"]
@@ -226,14 +239,16 @@ def test_a_save_does_not_commit_without_a_ranks_manifest(tmp_path: Path, group: 
     assert [i.step for i in list_checkpoints(tmp_path) if i.state == "committed"] == [6]
 
 
-def test_an_inprocess_restart_commits_the_save_a_fault_left_uncommitted(tmp_path: Path, group: Any) -> None:
+def test_an_inprocess_restart_commits_the_save_a_fault_left_uncommitted(tmp_path: Path, group: Any,
+                                                                        process: CheckpointProcess) -> None:
     """A fault a few steps after an async save, before a step boundary committed it: the in-process
     restart (same process, same writer, a new manager) resumes from that save, not from scratch."""
     model = torch.nn.Linear(16, 16)
     events: list = []
-    _manager(tmp_path, group, "async", events).maybe_save(5, _state(model, 5))  # then the fault, before step 6 ends
+    first = _manager(tmp_path, group, "async", events, process)
+    first.maybe_save(5, _state(model, 5))  # then the fault, before step 6 ends
     saved = model.weight.detach().clone()
-    restarted = _manager(tmp_path, group, "async", events)
+    restarted = _manager(tmp_path, group, "async", events, process)
     target = _state(torch.nn.Linear(16, 16), 0)
     assert restarted.restore(target, "latest", restarting=True) == 5, events
     assert int(target["progress"]["step"]) == 5 and torch.equal(target["model"]["weight"], saved)
@@ -241,34 +256,39 @@ def test_an_inprocess_restart_commits_the_save_a_fault_left_uncommitted(tmp_path
     assert restarted.restore(_state(torch.nn.Linear(16, 16), 0), "latest", restarting=True) == 5  # once only
 
 
-def test_the_background_writer_runs_at_a_lower_cpu_priority(tmp_path: Path, group: Any) -> None:
+def test_the_background_writer_runs_at_a_lower_cpu_priority(tmp_path: Path, group: Any,
+                                                            process: CheckpointProcess) -> None:
     """It shares cores with the ranks: a step must not wait for it, so it takes what they leave."""
-    from eksft_nb.runtime.checkpoint.manager import WRITER_NICE, _AsyncWriter
+    from eksft_nb.runtime.checkpoint.writer import WRITER_NICE
 
-    _manager(tmp_path, group, "async", [])
-    _AsyncWriter.done_locally(blocking=True)  # its first request has run
+    writer = _manager(tmp_path, group, "async", [], process).writer
+    writer.done_locally(blocking=True)  # its first request has run
     ours = os.getpriority(os.PRIO_PROCESS, 0)
-    assert os.getpriority(os.PRIO_PROCESS, _AsyncWriter.caller.process.pid) == min(19, ours + WRITER_NICE)
+    assert os.getpriority(os.PRIO_PROCESS, writer.caller.process.pid) == min(19, ours + WRITER_NICE)
 
 
-def test_restore_keeps_heartbeating_while_it_hashes(tmp_path: Path, group: Any) -> None:
+def test_restore_keeps_heartbeating_while_it_hashes(tmp_path: Path, group: Any,
+                                                    process: CheckpointProcess) -> None:
     state = {"w": torch.randn(3 << 20)}  # 12 MiB: three 4 MiB blocks to hash
-    _manager(tmp_path, group, "sync", []).maybe_save(5, state)
+    _manager(tmp_path, group, "sync", [], process).maybe_save(5, state)
     beats: list = []
     mgr = CheckpointManager(tmp_path, rank=0, world_size=1, group=group, every=5, mode="sync", keep_last=2,
-                            emit=lambda kind, **data: None, keepalive=lambda: beats.append(1))
+                            emit=lambda kind, **data: None, keepalive=lambda: beats.append(1),
+                            process=process)
     mgr.keepalive_every = 0.0  # every call of the keepalive is seen
     assert mgr.restore({"w": torch.zeros(3 << 20)}, "latest") == 5
     assert len(beats) >= 3
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
-def test_a_full_disk_fails_saves_until_it_has_room_again(tmp_path: Path, group: Any, mode: str) -> None:
+def test_a_full_disk_fails_saves_until_it_has_room_again(tmp_path: Path, group: Any,
+                                                         process: CheckpointProcess, mode: str) -> None:
     model = torch.nn.Linear(16, 16)
     events: list = []
     fault: list = [("full", 0.0)]  # the disk-full fault in force: writes go to /dev/full (ENOSPC)
     mgr = CheckpointManager(tmp_path, rank=0, world_size=1, group=group, every=5, mode=mode, keep_last=2,
-                            emit=lambda kind, **data: events.append(data), storage_fault=lambda: fault[0])
+                            emit=lambda kind, **data: events.append(data), storage_fault=lambda: fault[0],
+                            process=process)
     mgr.maybe_save(5, _state(model, 5))
     mgr.finish()
     mgr.maybe_save(6, _state(model, 6))  # the retry fails too
@@ -284,10 +304,12 @@ def test_a_full_disk_fails_saves_until_it_has_room_again(tmp_path: Path, group: 
     assert int(target["progress"]["step"]) == 7 and torch.equal(target["model"]["weight"], model.weight)
 
 
-def test_slow_storage_delays_the_background_write_not_training(tmp_path: Path, group: Any) -> None:
+def test_slow_storage_delays_the_background_write_not_training(tmp_path: Path, group: Any,
+                                                               process: CheckpointProcess) -> None:
     events: list = []
     mgr = CheckpointManager(tmp_path, rank=0, world_size=1, group=group, every=5, mode="async", keep_last=2,
-                            emit=lambda kind, **data: events.append(data), storage_fault=lambda: ("slow", 1.0))
+                            emit=lambda kind, **data: events.append(data), storage_fault=lambda: ("slow", 1.0),
+                            process=process)
     mgr.maybe_save(5, _state(torch.nn.Linear(16, 16), 5))
     mgr.finish()
     [staged] = [e for e in events if e["phase"] == "staged"]
@@ -295,19 +317,21 @@ def test_slow_storage_delays_the_background_write_not_training(tmp_path: Path, g
     assert committed["background_s"] >= 1.0 > staged["blocked_s"]
 
 
-def test_old_checkpoints_are_pruned_to_keep_last(tmp_path: Path, group: Any) -> None:
+def test_old_checkpoints_are_pruned_to_keep_last(tmp_path: Path, group: Any,
+                                                 process: CheckpointProcess) -> None:
     model = torch.nn.Linear(8, 8)
-    mgr = _manager(tmp_path, group, "sync", [])
+    mgr = _manager(tmp_path, group, "sync", [], process)
     for step in (5, 10, 15, 20):
         mgr.maybe_save(step, _state(model, step))
     assert [i.step for i in list_checkpoints(tmp_path)] == [15, 20]
 
 
-def test_restore_loads_the_newest_checkpoint_that_verifies(tmp_path: Path, group: Any) -> None:
+def test_restore_loads_the_newest_checkpoint_that_verifies(tmp_path: Path, group: Any,
+                                                           process: CheckpointProcess) -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 16)
     events: list = []
-    mgr = _manager(tmp_path, group, "sync", events)
+    mgr = _manager(tmp_path, group, "sync", events, process)
     mgr.maybe_save(5, {"model": model, "step": 5})
     at_5 = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
@@ -317,7 +341,8 @@ def test_restore_loads_the_newest_checkpoint_that_verifies(tmp_path: Path, group
     (newest.path / "__0_0.distcp").write_bytes(b"garbage")
 
     fresh = torch.nn.Linear(16, 16)
-    step = _manager(tmp_path, group, "sync", events).restore({"model": fresh}, "latest", restarting=True)
+    restarted = _manager(tmp_path, group, "sync", events, process)
+    step = restarted.restore({"model": fresh}, "latest", restarting=True)
     assert step == 5
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in at_5.items())
     rejected = [e for e in events if e.get("phase") == "rejected"]
@@ -325,7 +350,7 @@ def test_restore_loads_the_newest_checkpoint_that_verifies(tmp_path: Path, group
     resumed = [e for e in events if "skipped" in e][0]
     assert resumed["step"] == 5 and resumed["skipped"][0]["step"] == 10
     assert list_checkpoints(tmp_path)[-1].state == "rejected"
-    assert _manager(tmp_path, group, "sync", []).restore({"model": fresh}, "none") == 0
+    assert _manager(tmp_path, group, "sync", [], process).restore({"model": fresh}, "none") == 0
 
 
 def rewrite(folder: Path, name: str, data: bytes) -> None:
@@ -341,9 +366,10 @@ class _Evil:
         return (os.system, (f"touch {_Evil.marker}",))
 
 
-def test_loading_refuses_metadata_that_would_run_code(tmp_path: Path, group: Any) -> None:
+def test_loading_refuses_metadata_that_would_run_code(tmp_path: Path, group: Any,
+                                                      process: CheckpointProcess) -> None:
     model = torch.nn.Linear(8, 8)
-    mgr = _manager(tmp_path, group, "sync", [])
+    mgr = _manager(tmp_path, group, "sync", [], process)
     mgr.maybe_save(5, _state(model, 5))
     [info] = list_checkpoints(tmp_path)
     _Evil.marker = str(tmp_path / "pwned")
@@ -376,10 +402,11 @@ def hostile_metadata(command: str) -> bytes:
             + b".")
 
 
-def test_a_dotted_name_in_metadata_cannot_reach_os_system(tmp_path: Path, group: Any) -> None:
+def test_a_dotted_name_in_metadata_cannot_reach_os_system(tmp_path: Path, group: Any,
+                                                          process: CheckpointProcess) -> None:
     model = torch.nn.Linear(8, 8)
     events: list = []
-    mgr = _manager(tmp_path, group, "sync", events)
+    mgr = _manager(tmp_path, group, "sync", events, process)
     mgr.maybe_save(5, _state(model, 5))
     mgr.maybe_save(10, _state(model, 10))
     newest = list_checkpoints(tmp_path)[-1]
@@ -401,7 +428,7 @@ def test_a_dotted_name_in_metadata_cannot_reach_os_system(tmp_path: Path, group:
 
     # a restart skips it with the reason and loads the older checkpoint, which is real
     target = _state(torch.nn.Linear(8, 8), 0)
-    assert _manager(tmp_path, group, "sync", events).restore(target, "latest", restarting=True) == 5
+    assert _manager(tmp_path, group, "sync", events, process).restore(target, "latest", restarting=True) == 5
     assert int(target["progress"]["step"]) == 5
     assert torch.equal(target["model"]["weight"], model.weight)
     [rejected] = [e for e in events if e.get("phase") == "rejected"]
@@ -409,12 +436,13 @@ def test_a_dotted_name_in_metadata_cannot_reach_os_system(tmp_path: Path, group:
     assert not marker.exists()
 
 
-def test_metadata_may_only_name_files_inside_its_folder(tmp_path: Path, group: Any) -> None:
+def test_metadata_may_only_name_files_inside_its_folder(tmp_path: Path, group: Any,
+                                                        process: CheckpointProcess) -> None:
     model = torch.nn.Linear(8, 8)
-    mgr = _manager(tmp_path, group, "sync", [])
+    mgr = _manager(tmp_path, group, "sync", [], process)
     mgr.maybe_save(5, _state(model, 5))
     [info] = list_checkpoints(tmp_path)
-    from eksft_nb.runtime.checkpoint.manager import read_metadata
+    from eksft_nb.runtime.checkpoint import read_metadata
 
     metadata = read_metadata(info.path)
     for record in metadata.storage_data.values():
@@ -429,7 +457,7 @@ def test_model_state_matches_get_state_dict_across_steps_and_new_parameters(grou
     get_state_dict returns, also once the optimizer has state and once the parameters are new objects."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from eksft_nb.runtime.checkpoint.manager import ModelState
+    from eksft_nb.runtime.checkpoint import ModelState
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
@@ -455,7 +483,7 @@ def test_model_state_without_torchs_private_helpers_is_get_state_dict(group: Any
     versions): ModelState falls back to the public get_state_dict, and says the same."""
     from torch.distributed.checkpoint import state_dict as sd
 
-    from eksft_nb.runtime.checkpoint.manager import ModelState
+    from eksft_nb.runtime.checkpoint import ModelState
 
     def other_torch(self: Any, sd: Any) -> None:   # what calling helpers that are not there raises
         raise AttributeError("module 'torch.distributed.checkpoint.state_dict' has no attribute '_verify_options'")
@@ -470,10 +498,11 @@ def test_model_state_without_torchs_private_helpers_is_get_state_dict(group: Any
     assert ms._kept is False
 
 
-def test_fsdp_model_and_optimizer_saves_with_the_kept_work_load_bit_exact(tmp_path: Path, group: Any) -> None:
+def test_fsdp_model_and_optimizer_saves_with_the_kept_work_load_bit_exact(tmp_path: Path, group: Any,
+                                                                          process: CheckpointProcess) -> None:
     """FSDP2 (DTensor) model and AdamW state through ModelState and the stager's kept DTensors,
     saved while training goes on and with the plan cached: the last save loads bit exact."""
-    from eksft_nb.runtime.checkpoint.manager import ModelState
+    from eksft_nb.runtime.checkpoint import ModelState
     from eksft_nb.runtime.model import build_model, loss_fn
 
     def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -481,7 +510,7 @@ def test_fsdp_model_and_optimizer_saves_with_the_kept_work_load_bit_exact(tmp_pa
         return model, torch.optim.AdamW(model.parameters(), lr=0.01)
 
     model, optim = fresh()
-    mgr, state = _manager(tmp_path, group, "async", []), {"train": ModelState(model, optim)}
+    mgr, state = _manager(tmp_path, group, "async", [], process), {"train": ModelState(model, optim)}
     gen = torch.Generator().manual_seed(0)
     for step in (5, 10, 15):
         loss_fn(model, torch.randint(0, 64, (2, 9), generator=gen)).backward()

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from ckpt_craft import deflated, fingerprint, inflating, name, relay, rewrite, tensor_archive, text
 from eksft_nb.checkpoint_folders import list_checkpoints, step_dir, verify
 from eksft_nb.errors import JobError
-from eksft_nb.runtime.checkpoint.manager import CheckpointManager, load
+from eksft_nb.runtime.checkpoint import CheckpointManager, load
 
 DEADLINE_S = 60          # one case: verify, load and restore (a genuine one takes well under a second)
 ARENA_ALLOWANCE = 8 << 20  # what the interpreter and allocators may add to the peak RSS on their own

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from eksft_nb.checkpoint_folders import COMMIT, REJECTED, list_checkpoints, verify
 from eksft_nb.errors import JobError
-from eksft_nb.runtime.checkpoint.manager import CheckpointManager, load
+from eksft_nb.runtime.checkpoint import CheckpointManager, load
 from test_checkpoint import hostile_metadata
 
 STEP = "step_00000005"

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from eksft_nb.checkpoint_folders import list_checkpoints, step_dir
-from eksft_nb.runtime.checkpoint.manager import load
+from eksft_nb.runtime.checkpoint import load
 from jobs import run_ranks
 
 STEPS = (5, 10, 15, 20)
@@ -27,7 +27,7 @@ def _rank(rank: int, root: str, store: str, out: str) -> None:
     (with the save plan kept, rank 1 writes without waiting for rank 0): the order a busy rank 0 sees
     in training, where it prunes after a commit while rank 1 goes on to the next save."""
     os.environ["RANK"] = str(rank)
-    from eksft_nb.runtime.checkpoint.manager import CheckpointManager, _AsyncWriter
+    from eksft_nb.runtime.checkpoint import CheckpointManager
 
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=120))
@@ -54,7 +54,7 @@ def _rank(rank: int, root: str, store: str, out: str) -> None:
         mgr.finish()
     Path(out).write_text(json.dumps([e for e in events if e.get("phase") == "failed"]))
     dist.destroy_process_group()
-    _AsyncWriter.stop()  # a multiprocessing child joins its children before atexit would stop the writer
+    mgr.writer.stop()  # a multiprocessing child joins its children before atexit would stop the writer
 
 
 def test_rank_0_never_removes_files_another_rank_is_writing(tmp_path: Path) -> None:
@@ -77,7 +77,7 @@ def _changing_rank(rank: int, root: str, store: str, out: str) -> None:
     from step 15 on, rank 1 alone also saves a second tensor. Writes what committed and failed,
     and whether each committed checkpoint loads back this rank's tensors bit-exactly."""
     os.environ["RANK"] = str(rank)
-    from eksft_nb.runtime.checkpoint.manager import CheckpointManager, _AsyncWriter
+    from eksft_nb.runtime.checkpoint import CheckpointManager
 
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
@@ -104,7 +104,7 @@ def _changing_rank(rank: int, root: str, store: str, out: str) -> None:
     Path(out).write_text(json.dumps({"failed": [[e["step"], e["error"]] for e in events if e.get("phase") == "failed"],
                                      "committed": committed, "exact": exact, "reused": mgr.plan_cache.reused}))
     dist.destroy_process_group()
-    _AsyncWriter.stop()
+    mgr.writer.stop()
 
 
 def test_a_layout_change_on_one_rank_fails_that_save_everywhere_and_the_next_commits(tmp_path: Path) -> None:

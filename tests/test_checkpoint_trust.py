@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ckpt_craft import build_on_class, deflated, fingerprint, inflating, relay, rewrite, tensor_archive
 from eksft_nb.checkpoint_folders import REJECTED, list_checkpoints, step_dir
 from eksft_nb.errors import JobError
-from eksft_nb.runtime.checkpoint.manager import CheckpointManager, load
+from eksft_nb.runtime.checkpoint import CheckpointManager, load
 
 
 @pytest.fixture(scope="module")

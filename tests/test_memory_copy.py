@@ -148,7 +148,7 @@ def _rank(rank: int, incarnation: int, root: str, store: str, run: str, out: str
     is killed. Incarnation 1 is the next process of the same rank: it restores from memory, then
     from storage once rank 1's copy is corrupted, and once rank 0's record is garbage."""
     os.environ["RANK"] = str(rank)
-    from eksft_nb.runtime.checkpoint.manager import CheckpointManager, ModelState, _AsyncWriter
+    from eksft_nb.runtime.checkpoint import CheckpointManager, ModelState
 
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=120))
@@ -191,7 +191,7 @@ def _rank(rank: int, incarnation: int, root: str, store: str, run: str, out: str
                             "same": got.keys() == saved.keys() and all(torch.equal(got[k], v) for k, v in saved.items())}
     Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
-    _AsyncWriter.stop()
+    mgr.writer.stop()
 
 
 def _run(tmp_path: Path, incarnation: int, run: str) -> list[dict[str, Any]]:
@@ -233,16 +233,28 @@ def group() -> Any:
     dist.destroy_process_group()
 
 
-def test_a_copy_being_overwritten_by_a_newer_save_is_not_used(tmp_path: Path, group: Any) -> None:
+@pytest.fixture(scope="module")
+def process() -> Any:
+    """The test process's writer and buffers, shared by its managers as a rank process's are."""
+    from eksft_nb.runtime.checkpoint import CheckpointProcess
+
+    shared = CheckpointProcess()
+    yield shared
+    shared.writer.stop()
+
+
+def test_a_copy_being_overwritten_by_a_newer_save_is_not_used(tmp_path: Path, group: Any,
+                                                              process: Any) -> None:
     """The fault hits while a newer save is staged (its write then fails): the buffers no longer hold
     the newest committed step, so it comes from storage; another run's copy is never looked at."""
-    from eksft_nb.runtime.checkpoint.manager import CheckpointManager
+    from eksft_nb.runtime.checkpoint import CheckpointManager
 
     run = f"test{uuid.uuid4().hex[:12]}"
     events: list[dict[str, Any]] = []
     try:
         mgr = CheckpointManager(tmp_path, rank=0, world_size=1, group=group, every=5, mode="async", keep_last=3,
-                                emit=lambda kind, **data: events.append({"kind": kind, **data}), run=run)
+                                emit=lambda kind, **data: events.append({"kind": kind, **data}), run=run,
+                                process=process)
         model = torch.nn.Linear(16, 16)
         mgr.maybe_save(5, {"model": model.state_dict()})
         mgr.finish()
@@ -259,22 +271,24 @@ def test_a_copy_being_overwritten_by_a_newer_save_is_not_used(tmp_path: Path, gr
         assert resume["source"] == "storage" and "there is none" in resume["memory"]
         assert all(torch.equal(fresh.state_dict()[k], v) for k, v in at_5.items())
         other = CheckpointManager(tmp_path, rank=0, world_size=1, group=group, every=5, mode="async", keep_last=3,
-                                  emit=lambda kind, **data: events.append({"kind": kind, **data}), run=run + "x")
+                                  emit=lambda kind, **data: events.append({"kind": kind, **data}), run=run + "x",
+                                  process=process)
         assert other.restore({"model": fresh}, "latest", restarting=False) == 5
         assert events[-1]["source"] == "storage"
     finally:
         memcopy.remove_copies(run)
 
 
-def test_each_staged_buffer_is_a_storage_of_its_own_and_the_save_plan_is_kept(tmp_path: Path, group: Any) -> None:
+def test_each_staged_buffer_is_a_storage_of_its_own_and_the_save_plan_is_kept(tmp_path: Path, group: Any,
+                                                                               process: Any) -> None:
     """Staged buffers that were views into one shared file would be cloned by NVRx on the training
     thread at every save, and the save plan, which needs the staged buffers themselves, never kept."""
-    from eksft_nb.runtime.checkpoint.manager import _STAGER, CheckpointManager
+    from eksft_nb.runtime.checkpoint import CheckpointManager
 
     run = f"test{uuid.uuid4().hex[:12]}"
     try:
         mgr = CheckpointManager(tmp_path, rank=0, world_size=1, group=group, every=5, mode="async", keep_last=2,
-                                emit=lambda kind, **data: None, run=run)
+                                emit=lambda kind, **data: None, run=run, process=process)
         model = torch.nn.Linear(16, 8)
         for step in (5, 10, 15):
             mgr.maybe_save(step, {"model": model.state_dict(), "step": torch.tensor(step)})
@@ -284,7 +298,7 @@ def test_each_staged_buffer_is_a_storage_of_its_own_and_the_save_plan_is_kept(tm
     finally:
         memcopy.remove_copies(run)
     assert mgr.plan_cache is not None and mgr.plan_cache.reused == 2  # planned at 5, kept at 10 and 15
-    buffers = _STAGER._buffers
+    buffers = mgr.stager._buffers
     assert len(buffers) == 3 and all(b.untyped_storage().nbytes() == b.numel() * b.element_size() for b in buffers.values())
     assert sorted(e["file"] for e in entries) == [0, 1, 2] and mgr.shelf.path == copy_path(run, 0)
 

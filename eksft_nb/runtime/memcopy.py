@@ -1,6 +1,6 @@
 """The newest in-memory copy of a rank's checkpoint: restore from RAM instead of storage.
 
-An async save stages the state into shared-memory buffers (see ``checkpointer.Stager``). Each
+An async save stages the state into shared-memory buffers (see ``checkpoint.staging.Stager``). Each
 buffer lives in a named file of its own, ``/dev/shm/eksft-<run>-<rank>.<index>``, so they outlive the
 rank process: after an in-process, in-job or (same node) job-level restart the next incarnation maps
 the files and, if they hold the newest committed step, copies them back into its local shards without

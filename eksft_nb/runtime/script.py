@@ -53,9 +53,8 @@ def main() -> None:
     when_imported("torch", lambda _torch: install())
     s = session()
     if s.spec.checkpoint.mode == "async" and os.environ.get("EKSFT_WARM_RANK") == "1":
-        from .checkpoint import start_writer
-
-        start_writer()  # forked now, while the rank has no process group (see checkpointer._forked_if_warm)
+        # forked now, while the rank has no process group (see checkpoint.writer._forked_if_warm)
+        s.checkpointing().writer.start()
     script = os.path.abspath(sys.argv[1])
     if s.spec.workdir:
         try:

@@ -94,6 +94,7 @@ class Session:
         self._slow_until, self._slow_delay = 0, 0.0
         self._full_until, self._slow_storage = 0, (0, 0.0)   # the disk-full and slow-storage faults
         self.on_save_failure: list[Any] = []   # callbacks for the save-failure fault
+        self._checkpointing: Any = None   # the process's checkpoint writer and buffers (checkpointing())
         self.pending_exception: str | None = None
         self._warned: set[str] = set()
         self.drain: Any = None   # the built-in trainer's SIGTERM handler (see .drain)
@@ -118,8 +119,17 @@ class Session:
             raise JobError("no checkpoint folder", "set checkpoint.dir in the spec, or run under eksft (EKSFT_JOB_DIR)")
         return self.job_dir.path / "ckpt"
 
+    def checkpointing(self) -> Any:
+        """This rank process's :class:`~eksft_nb.runtime.checkpoint.CheckpointProcess`: the async writer
+        and the staging buffers, which outlive the managers of in-process restarts."""
+        from .checkpoint import CheckpointProcess
+
+        if self._checkpointing is None:
+            self._checkpointing = CheckpointProcess()
+        return self._checkpointing
+
     def checkpoints(self, group: Any = None, atomic: Any = None, keepalive: Any = None) -> Any:
-        """A :class:`~eksft_nb.runtime.checkpointer.CheckpointManager` for this job (folder, interval,
+        """A :class:`~eksft_nb.runtime.checkpoint.CheckpointManager` for this job (folder, interval,
         mode and retention from the spec). ``group``: a gloo process group for checkpoint
         collectives (default: a new one over all ranks). Rank 0 reports for the collective saves."""
 
@@ -133,7 +143,7 @@ class Session:
         manager = CheckpointManager(self.checkpoint_dir(), rank=dist.get_rank(), world_size=dist.get_world_size(),
                                     group=group, every=c.every, mode=c.mode, keep_last=c.keep_last,
                                     emit=self._checkpoint_emit, atomic=atomic, keepalive=keepalive or self.heartbeat,
-                                    storage_fault=self.storage_fault)
+                                    storage_fault=self.storage_fault, process=self.checkpointing())
         self.on_save_failure = [lambda: setattr(manager, "fail_next_write", True)]
         return manager
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..timeouts import derive
-from .checkpoint import ModelState, stop_writer
+from .checkpoint import ModelState
 from .data import SyntheticCorpus
 from .keepalive import keepalive
 from .model import build_model, loss_fn
@@ -58,7 +58,7 @@ class Trainer:
         """A drain saves synchronously on every rank: a cold rank's async writer dies of the same SIGTERM
         (its process group's), at a moment no rank can agree on, so the save in flight is abandoned
         (never committed) and the writer stopped."""
-        stop_writer()
+        self.ckpt.writer.stop()
         self.ckpt.pending, self.ckpt.mode = None, "sync"
 
     def _drained(self, step: int, asked: int, save_s: float) -> None:

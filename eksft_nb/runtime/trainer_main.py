@@ -26,7 +26,6 @@ def main() -> None:
     import torch
 
     from ..loopback import install
-    from .checkpoint import start_writer
     from .drain import Drain
     from .session import session
     from .trainer import run, wrapper_kwargs
@@ -38,7 +37,7 @@ def main() -> None:
         if s.spec.checkpoint.mode == "async":
             # spawning the writer's processes blocks this thread for seconds on a busy machine:
             # do it before the in-process Wrapper starts timing progress
-            start_writer()
+            s.checkpointing().writer.start()
         if s.spec.ft.inprocess and "EKSFT_WRAPPER_PORT" in os.environ:
             import nvidia_resiliency_ext.inprocess as inprocess
 

@@ -9,7 +9,7 @@ the module run as ``python -u -m MODULE`` would. The zygote tells the shim the c
 it ends, its wait status; when the shim's connection closes (the launcher SIGKILLed its worker) it
 kills the child's process group at once.
 
-Processes a rank forks (the checkpoint writer, see ``checkpointer._AsyncWriter``) are cheap
+Processes a rank forks (the checkpoint writer, see ``checkpoint.writer.AsyncWriter``) are cheap
 copies too, and, like the rank, carry the zygote's start-up environment (the job's mark) in
 ``/proc/PID/environ``, which is how :mod:`eksft_nb.procs` finds and ends them.
 

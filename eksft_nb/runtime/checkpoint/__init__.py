@@ -1,5 +1,32 @@
-"""Sharded checkpoints for one rank: see :mod:`.manager`."""
+"""Sharded checkpoints: DCP format, NVRx's persistent async writer, commit records, safe loading.
 
-from .manager import CheckpointManager, ModelState, load, read_metadata, start_writer, stop_writer
+A save has three stages, like torchtitan's and Megatron's async checkpointing:
 
-__all__ = ["CheckpointManager", "ModelState", "load", "read_metadata", "start_writer", "stop_writer"]
+1. **stage** (blocks training): the state is copied into shared-memory buffers that are allocated
+   once and reused (:mod:`.staging`), the DCP save plan is agreed on a checkpoint-only gloo group
+   once and kept while the staged layout stays the same (:mod:`.plan`: later saves run no
+   collective), and the write is handed to NVRx's ``PersistentAsyncCaller`` (:mod:`.writer`, a
+   writer process per rank).
+2. **write** (background): NVRx's ``FileSystemWriterAsync`` writes this rank's shard and fsyncs it;
+   the writer then records each file's size and SHA-256 in ``manifest-<rank>.json``.
+3. **commit** (collective, at a step boundary once every rank's write is done): rank 0 writes the
+   DCP ``.metadata`` and then ``commit.json`` (step, world size, every file with size and checksum)
+   atomically (:mod:`.manager`). Only a folder with a ``commit.json`` is a checkpoint; a crash at
+   any point before leaves the previous one untouched and loadable.
+
+Loading verifies sizes and checksums first, then loads through :mod:`.safe_load`, which trusts
+only what commit.json lists and unpickles nothing but DCP's own metadata records.
+
+The writer and the staging buffers outlive a manager (:class:`CheckpointProcess`, owned by the rank
+process's session); :mod:`.state` holds :class:`ModelState`, :mod:`.storage_faults` the injected
+storage faults. Laid out like torchtitan's ``checkpointer/`` package.
+"""
+
+from .manager import CheckpointManager
+from .process import CheckpointProcess
+from .resume import resume_candidates, run_id
+from .safe_load import load, read_metadata
+from .state import ModelState
+
+__all__ = ["CheckpointManager", "CheckpointProcess", "ModelState", "load", "read_metadata",
+           "resume_candidates", "run_id"]
