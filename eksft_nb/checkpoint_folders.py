@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .jobdir import atomic_write
+from .states import CheckpointState
 
 COMMIT = "commit.json"
 REJECTED = "rejected.json"
@@ -86,7 +87,7 @@ def parse_commit(data: Any, step: int) -> str | dict[str, Any]:
 class CheckpointInfo:
     step: int
     path: Path
-    state: str                      # committed | incomplete | rejected
+    state: CheckpointState          # committed | incomplete | rejected
     bytes: int = 0
     time: float | None = None
     world_size: int | None = None
@@ -110,7 +111,7 @@ def list_checkpoints(root: str | Path) -> list[CheckpointInfo]:
         m = STEP_DIR.match(p.name)
         if not m or not p.is_dir():
             continue
-        info = CheckpointInfo(int(m.group(1)), p, "incomplete")
+        info = CheckpointInfo(int(m.group(1)), p, CheckpointState.INCOMPLETE)
         if p.is_symlink():
             info.reason = "the folder is a symbolic link (checkpoints are real folders)"
             out.append(info)
@@ -122,12 +123,12 @@ def list_checkpoints(root: str | Path) -> list[CheckpointInfo]:
         except (OSError, ValueError, RecursionError) as e:
             commit = f"commit.json cannot be read ({type(e).__name__})"
         if isinstance(commit, dict):
-            info.state, info.bytes, info.time = "committed", commit["bytes"], commit["time"]
+            info.state, info.bytes, info.time = CheckpointState.COMMITTED, commit["bytes"], commit["time"]
             info.world_size, info.files, info.run = commit["world_size"], commit["files"], commit.get("run", "")
         else:
             info.reason = commit
         if (p / REJECTED).exists():
-            info.state = "rejected"
+            info.state = CheckpointState.REJECTED
             try:
                 info.reason = str(json.loads(_read_plain(p / REJECTED))["reason"])[:500]
             except (OSError, ValueError, KeyError, TypeError, RecursionError):
@@ -150,7 +151,7 @@ def verify(info: CheckpointInfo, names: list[str] | None = None,
            progress: Callable[[], Any] | None = None) -> str | None:
     """None if the files of a committed checkpoint (``names``, default all) are present as regular
     files with their recorded size and checksum, else why not."""
-    if info.state != "committed":
+    if info.state != CheckpointState.COMMITTED:
         return info.reason or "no commit record (the save did not finish)"
     for name in sorted(info.files) if names is None else names:
         meta = info.files[name]
@@ -181,7 +182,7 @@ def reject(info: CheckpointInfo, reason: str) -> None:
     """Mark a checkpoint as unusable (kept for inspection; the next save of that step replaces it).
     The record replaces whatever is there, a planted symbolic link included, instead of writing through it."""
     atomic_write(info.path / REJECTED, json.dumps({"reason": reason, "time": time.time()}))
-    info.state, info.reason = "rejected", reason
+    info.state, info.reason = CheckpointState.REJECTED, reason
 
 
 def resume_origin(resume: str, first: dict[str, Any] | None) -> str:

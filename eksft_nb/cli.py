@@ -16,7 +16,7 @@ from .goodput import CATEGORIES
 from .incidents import phases_text
 from .job import Job, attach
 from .spec import JobSpec, _closest
-from .states import JobState
+from .states import CheckpointState, JobState
 
 
 class _Parser(argparse.ArgumentParser):
@@ -122,7 +122,8 @@ def follow(job: Job, as_json: bool = False) -> int:
                 bar.write(f"  + recovered ({r['level']}): resumed from step {r['resumed_step']}, "
                           f"downtime {r['downtime_s']:.1f}s, {r['rolled_back_steps']} steps rolled back"
                           + (f" ({phases_text(r['phases'])})" if r.get("phases") else ""))
-            fails = [c for c in mon.checkpoints.values() if c.state in ("failed", "rejected")]
+            fails = [c for c in mon.checkpoints.values()
+                     if c.state in (CheckpointState.FAILED, CheckpointState.REJECTED)]
             for c in fails[seen_ckpt_fail:]:
                 bar.write(f"  ! checkpoint {c.step} {c.state}: {c.error}")
             seen_faults, seen_failures, seen_restarts = len(mon.faults), len(mon.failures), len(mon.restarts)

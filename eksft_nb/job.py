@@ -14,7 +14,7 @@ from .errors import JobError
 from .goodput import Goodput, compute
 from .monitor import JobMonitor
 from .spec import JobSpec
-from .states import BACKEND_OVERRIDES, JobState
+from .states import BACKEND_OVERRIDES, CheckpointState, JobState
 
 
 class Job:
@@ -85,13 +85,14 @@ class Job:
         The new job gets its own name and checkpoint folder; this job's checkpoints stay as they are.
         ``changes`` are dotted spec fields to change, e.g. ``**{"steps": 200}``.
         """
-        committed = [c for c in self.checkpoints() if c.state == "committed"]
+        committed = [c for c in self.checkpoints() if c.state == CheckpointState.COMMITTED]
         if not committed:
             raise JobError(f"job {self.name!r} has no committed checkpoint", "wait for its first save, or launch anew")
         if step is not None:
             committed = [c for c in committed if c.step == step]
             if not committed:
-                steps = ", ".join(str(c.step) for c in self.checkpoints() if c.state == "committed")
+                steps = ", ".join(str(c.step) for c in self.checkpoints()
+                                  if c.state == CheckpointState.COMMITTED)
                 raise JobError(f"job {self.name!r} has no committed checkpoint at step {step}",
                                f"pick one of: {steps}")
         skipped: list[dict[str, Any]] = []
@@ -142,9 +143,10 @@ class Job:
             "restart_events": [{k: r[k] for k in ("level", "cause", "blame_rank", "downtime_s", "detection_s",
                                                   "rolled_back_steps", "resumed_step")}
                                | {"phases": r.get("phases"), "restored_from": r.get("restored_from")} for r in mon.restarts],
-            "checkpoints_committed": sum(c.state == "committed" for c in mon.checkpoints.values()),
+            "checkpoints_committed": sum(c.state == CheckpointState.COMMITTED
+                                         for c in mon.checkpoints.values()),
             "checkpoints_rejected": [{"step": c.step, "reason": c.error} for c in mon.checkpoints.values()
-                                     if c.state == "rejected"],
+                                     if c.state == CheckpointState.REJECTED],
             "goodput": gp.to_dict(), "digest": mon.digest,
             "resumed_from": resume_origin(self.spec.resume, mon.resumes[0] if mon.resumes else None),
             "events_lost": [{k: e.get(k) for k in ("rank", "count", "error", "kinds")} for e in mon.events_lost],

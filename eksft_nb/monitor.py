@@ -10,7 +10,7 @@ from typing import Any
 
 from .events import Event
 from .gpuhealth import GpuFold
-from .states import RECORDED_ENDS, JobState, RestartLevel
+from .states import RECORDED_ENDS, CheckpointState, JobState, RestartLevel
 
 
 @dataclass
@@ -20,7 +20,7 @@ class CheckpointRecord:
     t_begin: float | None = None
     t_staged: float | None = None
     t_done: float | None = None
-    state: str = "in-flight"   # in-flight | committed | failed | rejected
+    state: CheckpointState = CheckpointState.IN_FLIGHT   # in flight, committed, failed or rejected
     blocked_s: float | None = None
     background_s: float | None = None
     bytes: int | None = None
@@ -103,7 +103,7 @@ class JobMonitor:
 
     @property
     def last_committed(self) -> CheckpointRecord | None:
-        done = [c for c in self.checkpoints.values() if c.state == "committed"]
+        done = [c for c in self.checkpoints.values() if c.state == CheckpointState.COMMITTED]
         return max(done, key=lambda c: c.step) if done else None
 
     def restarts_by_level(self) -> dict[str, int]:
@@ -150,12 +150,12 @@ class JobMonitor:
         elif phase == "committed":
             # sync saves block for all of it; async ones only for staging plus any wait at the end
             self.checkpoint_stall_s += max(0.0, (e.get("blocked_s") or 0.0) - (rec.blocked_s or 0.0))
-            rec.state, rec.t_done, rec.path = "committed", e.t, e.get("path")
+            rec.state, rec.t_done, rec.path = CheckpointState.COMMITTED, e.t, e.get("path")
             rec.blocked_s, rec.background_s, rec.bytes = e.get("blocked_s"), e.get("background_s"), e.get("bytes")
             if rec.t_staged is None:
                 rec.t_staged = (rec.t_begin or e.t) + (rec.blocked_s or 0.0)
         elif phase in ("failed", "rejected"):
-            rec.state, rec.t_done = phase, e.t
+            rec.state, rec.t_done = CheckpointState(phase), e.t
             rec.error = e.get("error") or e.get("reason")
 
     def _on_fault(self, e: Event) -> None:

@@ -40,6 +40,17 @@ BACKEND_OVERRIDES: frozenset[JobState] = frozenset({JobState.LOST, JobState.STOP
 ACTIVE: frozenset[JobState] = frozenset({JobState.STARTING, JobState.RUNNING})
 
 
+class CheckpointState(_Str):
+    """Where a checkpoint stands. A step folder on disk is committed, incomplete or rejected (by a
+    restore); a save the monitor follows is in flight until it is committed, failed or rejected."""
+
+    IN_FLIGHT = "in-flight"
+    COMMITTED = "committed"
+    INCOMPLETE = "incomplete"
+    FAILED = "failed"
+    REJECTED = "rejected"
+
+
 class RestartLevel(_Str):
     """Who recovered the job: NVRx's in-process wrapper, ft_launcher (in-job), or the supervisor (job)."""
 

@@ -526,3 +526,35 @@ def test_fsdp_model_and_optimizer_saves_with_the_kept_work_load_bit_exact(tmp_pa
     assert mgr.restore({"train": ModelState(model2, optim2)}) == 15
     got = fsdp_snapshot(model2, optim2)
     assert got.keys() == expected.keys() and all(torch.equal(got[k], v) for k, v in expected.items())
+
+
+def test_managers_share_the_writer_and_buffers_only_of_the_process_they_are_given(
+        tmp_path: Path, group: Any, process: CheckpointProcess) -> None:
+    """An in-process restart's manager gets the rank process's writer and staging buffers; a manager
+    made without them has its own, and staging through it leaves the others' buffers as they were."""
+    first = _manager(tmp_path / "a", group, "sync", [], process)
+    restarted = _manager(tmp_path / "a", group, "sync", [], process)
+    assert first.writer is restarted.writer is process.writer
+    assert first.stager is restarted.stager is process.stager
+    other = CheckpointManager(tmp_path / "b", rank=0, world_size=1, group=group, every=5, mode="sync",
+                              keep_last=2, emit=lambda kind, **data: None)
+    assert other.writer is not process.writer and other.stager is not process.stager
+    before = dict(process.stager._buffers)
+    other.stager.stage({"w": torch.ones(4)})
+    assert process.stager._buffers == before and other.stager._buffers.keys() == {"/w"}
+
+
+def test_checkpoint_states_are_the_enums_members(tmp_path: Path, group: Any,
+                                                 process: CheckpointProcess) -> None:
+    from eksft_nb.checkpoint_folders import reject
+    from eksft_nb.states import CheckpointState
+
+    mgr = _manager(tmp_path, group, "sync", [], process)
+    mgr.maybe_save(5, {"w": torch.ones(2)})
+    mgr.maybe_save(10, {"w": torch.ones(2)})
+    step_dir(tmp_path, 15).mkdir()
+    reject(list_checkpoints(tmp_path)[0], "a test")
+    states = [i.state for i in list_checkpoints(tmp_path)]
+    assert states == [CheckpointState.REJECTED, CheckpointState.COMMITTED, CheckpointState.INCOMPLETE]
+    assert all(type(s) is CheckpointState for s in states)
+    assert json.dumps(states) == '["rejected", "committed", "incomplete"]'   # the wire keeps the words

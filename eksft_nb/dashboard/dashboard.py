@@ -19,7 +19,7 @@ from ..checkpoint_folders import CheckpointInfo, resume_origin
 from ..errors import EksftError
 from ..goodput import compute
 from ..job import Job
-from ..states import JobState
+from ..states import CheckpointState, JobState
 from .figure import TrainingFigure
 from .parts import CheckpointTable, FaultControls, GoodputBar, Header, LogTail
 from .series import Throttle
@@ -138,12 +138,14 @@ class Dashboard(w.VBox):
         try:
             infos = self.job.checkpoints()
         except EksftError as e:  # e.g. an EKS job whose pods are gone: what its events said was committed
+            done = sorted((r for r in records.values() if r.state == CheckpointState.COMMITTED),
+                          key=lambda r: r.step)
             infos = [CheckpointInfo(r.step, Path(r.path or ""), r.state, r.bytes or 0, r.t_done, reason=e.problem)
-                     for r in sorted(records.values(), key=lambda r: r.step) if r.state == "committed"]
+                     for r in done]
         rows = []
         for info in infos:
             rec = records.get(info.step)
-            timed = rec is not None and rec.state == "committed"
+            timed = rec is not None and rec.state == CheckpointState.COMMITTED
             rows.append({"step": info.step, "state": info.state, "mib": info.bytes / 2**20, "time": info.time,
                          "blocked": rec.blocked_s if timed else None, "background": rec.background_s if timed else None,
                          "note": info.reason})

@@ -18,7 +18,7 @@ from plotly.subplots import make_subplots
 from ..gpuhealth import fault_label
 from ..incidents import phases_text
 from ..monitor import JobMonitor
-from ..states import RestartLevel
+from ..states import CheckpointState, RestartLevel
 from ..plotly_bundle import LOADER
 from .series import Series
 
@@ -96,7 +96,7 @@ class TrainingFigure:
             self.series["loss"].append(x, s.loss[i], s.step[i])
         self._seen_steps = len(s)
         saves = [c for c in mon.checkpoints.values()
-                 if c.state == "committed" and (c.step, c.t_done) not in self._seen_saves]
+                 if c.state == CheckpointState.COMMITTED and (c.step, c.t_done) not in self._seen_saves]
         for c in sorted(saves, key=lambda c: c.t_begin or c.t_done or 0.0):
             self._seen_saves.add((c.step, c.t_done))
             self.series["checkpoints"].append((c.t_begin or c.t_done or t0) - t0, c.blocked_s or 0.0,

@@ -15,7 +15,7 @@ from traitlets import Dict, Float, Int, List, Unicode, observe
 from ..control import FAULTS
 from ..errors import ControlError
 from ..goodput import CATEGORIES
-from ..states import FaultScope, JobState, RestartLevel
+from ..states import CheckpointState, FaultScope, JobState, RestartLevel
 
 STATE_COLORS = {JobState.RUNNING: "#2ca02c", JobState.RECOVERING: "#ff7f0e", JobState.SUCCEEDED: "#1f77b4",
                 JobState.FAILED: "#d62728", JobState.LOST: "#d62728", JobState.STOPPED: "#7f7f7f",
@@ -202,12 +202,13 @@ class _CheckpointRow(w.HBox):
             self.button.add_class(f"eksft-resume-{r['step']}")
         self.step = r["step"]
         self.layout.display = "flex"
-        self.button.layout.visibility = "visible" if r["state"] == "committed" else "hidden"
+        self.button.layout.visibility = "visible" if r["state"] == CheckpointState.COMMITTED else "hidden"
         cell = "padding:0 10px 0 0"
         when = time.strftime("%H:%M:%S", time.localtime(r["time"])) if r.get("time") else "-"
         timing = ("" if r.get("blocked") is None else
                   f"blocked {r['blocked']:.3f}s, background {r.get('background') or 0.0:.3f}s")
-        color = {"committed": "#2ca02c", "rejected": "#d62728"}.get(r["state"], "#7f7f7f")
+        color = {CheckpointState.COMMITTED: "#2ca02c",
+                 CheckpointState.REJECTED: "#d62728"}.get(r["state"], "#7f7f7f")
         self.text.value = (f"<span style='font-family:monospace;font-size:12px'><span style='{cell}'>step "
                            f"<b>{r['step']}</b></span><span style='{cell};color:{color}'>{r['state']}</span>"
                            f"<span style='{cell}'>{r['mib']:.2f} MiB</span><span style='{cell}'>{when}</span>"

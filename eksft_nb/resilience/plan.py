@@ -15,7 +15,7 @@ from ..control import FaultCommand
 from ..errors import EksftError
 from ..monitor import JobMonitor
 from ..spec import JobSpec, _closest
-from ..states import FaultKind, FaultScope
+from ..states import CheckpointState, FaultKind, FaultScope
 from ..timeouts import resolved
 
 # kinds that act on the checkpoints eksft writes: they apply where the reference run showed such saves
@@ -86,7 +86,7 @@ def fault_step(reference: JobMonitor) -> int | None:
     """The first step that starts after the reference run's first committed checkpoint (None: it
     committed none before its last step), plus one step of margin for a slower case run."""
     committed = sorted((c for c in reference.checkpoints.values()   # the final save protects no step
-                        if c.state == "committed" and c.t_done and c.step < reference.max_step),
+                        if c.state == CheckpointState.COMMITTED and c.t_done and c.step < reference.max_step),
                        key=lambda c: c.step)
     if not committed:
         return None
@@ -100,7 +100,7 @@ def build(spec: JobSpec, reference: JobMonitor, base: str, kinds: Iterable[Fault
           refused: Iterable[str] = (), at_step: int | None = None) -> Plan:
     """The cases for ``spec`` given its reference run. ``refused``: kinds the backend cannot deliver;
     ``at_step``: fire here instead (a script whose own saves eksft cannot see)."""
-    eksft_saves = any(c.state == "committed" for c in reference.checkpoints.values())
+    eksft_saves = any(c.state == CheckpointState.COMMITTED for c in reference.checkpoints.values())
     step = at_step if at_step is not None else fault_step(reference)
     plan = Plan([], fault_step=step)
     last = reference.max_step

@@ -34,7 +34,7 @@ from ..goodput import compute, useful_steps
 from ..incidents import phases_text
 from ..monitor import JobMonitor
 from ..spec import JobSpec
-from ..states import RestartLevel
+from ..states import CheckpointState, RestartLevel
 
 MAX_INTERVALS = 16
 TERMS = ("productive", "checkpoint_stall", "checkpoint_interference", "restart_downtime", "recomputed",
@@ -154,9 +154,9 @@ def measure(mon: JobMonitor, spec: JobSpec, now: float | None = None) -> Inputs:
     async_saves = [c for c in saves if c.mode == "async"]
     writes = [(c.blocked_s or 0.0) + c.background_s for c in async_saves if c.background_s is not None]
     lags = [math.ceil((c.t_done - c.t_begin) / step_s) for c in async_saves
-            if c.t_done and c.t_begin and c.state == "committed" and step_s > 0]
+            if c.t_done and c.t_begin and c.state == CheckpointState.COMMITTED and step_s > 0]
     committed = sorted((c.t_done, c.step) for c in mon.checkpoints.values()
-                       if c.state == "committed" and c.t_done is not None)
+                       if c.state == CheckpointState.COMMITTED and c.t_done is not None)
     failures = []
     for r in mon.restarts:
         failures.append({"step": r["resumed_step"] + r["rolled_back_steps"], "level": r["level"],

@@ -36,7 +36,7 @@ from ..events import EventWriter
 from ..gpuhealth import start as start_gpu_health
 from ..jobdir import JobDir
 from ..spec import JobSpec
-from ..states import FaultScope
+from ..states import CheckpointState, FaultScope
 from ..timeouts import derive, resolved
 
 
@@ -316,7 +316,8 @@ class Session:
         """Flip 64 bytes in the middle of the largest shard of the newest committed checkpoint."""
         from ..checkpoint_folders import list_checkpoints
 
-        committed = [i for i in list_checkpoints(self.checkpoint_dir()) if i.state == "committed"]
+        committed = [i for i in list_checkpoints(self.checkpoint_dir())
+                     if i.state == CheckpointState.COMMITTED]
         if not committed:
             return {"path": None, "note": "no committed checkpoint yet: nothing corrupted"}
         victim = max(committed[-1].path.glob("*.distcp"), key=lambda f: f.stat().st_size)

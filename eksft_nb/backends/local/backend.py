@@ -29,7 +29,7 @@ from ...launcher import Ports, launcher_argv, rank_env
 from ...runtime.memcopy import remove_copies, remove_stale_copies
 from ...runtime.quiet import quiet_env
 from ...spec import JobSpec
-from ...states import ACTIVE, JobState
+from ...states import ACTIVE, CheckpointState, JobState
 from ...tails import bounded, tail_lines
 from ...timeouts import derive, resolved
 from ... import procs
@@ -221,18 +221,20 @@ def _check_resume_source(spec: JobSpec, jd: JobDir) -> None:
     if spec.resume.startswith("step:"):
         root = jd.ckpt_dir(spec)
         infos = [i for i in list_checkpoints(root) if i.step == spec.resume_step]
-        avail = ", ".join(str(i.step) for i in list_checkpoints(root) if i.state == "committed") or "none"
+        committed = [i for i in list_checkpoints(root) if i.state == CheckpointState.COMMITTED]
+        avail = ", ".join(str(i.step) for i in committed) or "none"
         where = f"in {root}"
     elif not STEP_DIR.match(Path(spec.resume).name):  # a job's checkpoint folder: the ranks fall back in it
         root = Path(spec.resume).expanduser()
-        if not any(i.state == "committed" for i in list_checkpoints(root)):
+        if not any(i.state == CheckpointState.COMMITTED for i in list_checkpoints(root)):
             raise JobError(f"no committed checkpoint in {root}",
                            "pick one listed by `python -m eksft_nb ckpts NAME`")
         return
     else:
         path = Path(spec.resume).expanduser()
         infos = [i for i in list_checkpoints(path.parent) if i.path == path]
-        avail = ", ".join(str(i.path) for i in list_checkpoints(path.parent) if i.state == "committed") or "none"
+        committed = [i for i in list_checkpoints(path.parent) if i.state == CheckpointState.COMMITTED]
+        avail = ", ".join(str(i.path) for i in committed) or "none"
         where = f"at {path}"
     if not infos:
         raise JobError(f"no checkpoint {where} (committed: {avail})", "pick one listed by `python -m eksft_nb ckpts NAME`")

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.api import _is_wrapped_exception
 from ...checkpoint_folders import (COMMIT, STEP_DIR, CheckpointInfo, list_checkpoints, reject, sha256_file, share,
                                    step_dir)
 from ...errors import JobError
+from ...states import CheckpointState
 from .. import memcopy
 from . import storage_faults
 from .plan import PlanCache, layout, save_planner
@@ -344,7 +345,7 @@ class CheckpointManager:
 
     def _prune(self, newest: int) -> None:
         infos = list_checkpoints(self.root)
-        committed = [i for i in infos if i.state == "committed"]
+        committed = [i for i in infos if i.state == CheckpointState.COMMITTED]
         keep = {i.step for i in committed[-self.keep_last:]}
         for info in infos:
             if info.step not in keep and info.step < newest:

@@ -9,6 +9,7 @@ from typing import Any
 
 from ...checkpoint_folders import STEP_DIR, CheckpointInfo, list_checkpoints, share, verify
 from ...errors import JobError
+from ...states import CheckpointState
 from .safe_load import read_metadata
 
 
@@ -40,7 +41,7 @@ def resume_candidates(root: Path, resume: str, restarting: bool, run: str) -> li
     or another job's checkpoint folder (its checkpoints, newest first). A restart (at any level) takes
     this run's own newest checkpoint, else the one it started from: never a newer one that another
     run left in the folder."""
-    committed = [i for i in reversed(list_checkpoints(root)) if i.state == "committed"]
+    committed = [i for i in reversed(list_checkpoints(root)) if i.state == CheckpointState.COMMITTED]
     if resume.startswith("step:"):
         want = int(resume.split(":")[1])
         start = [i for i in committed if i.step == want]
@@ -48,9 +49,9 @@ def resume_candidates(root: Path, resume: str, restarting: bool, run: str) -> li
         external = Path(resume).expanduser()
         if STEP_DIR.match(external.name):  # that checkpoint and no other
             start = [i for i in reversed(list_checkpoints(external.parent))
-                     if i.path == external and i.state == "committed"]
+                     if i.path == external and i.state == CheckpointState.COMMITTED]
         else:  # another job's checkpoint folder: its newest that loads, else the next older
-            start = [i for i in reversed(list_checkpoints(external)) if i.state == "committed"]
+            start = [i for i in reversed(list_checkpoints(external)) if i.state == CheckpointState.COMMITTED]
     elif resume == "none":
         start = []
     else:
