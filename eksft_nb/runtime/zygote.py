@@ -41,7 +41,7 @@ PRELOAD = ("torch", "torch._dynamo", "torch.optim", "torch.distributed", "torch.
            "nvidia_resiliency_ext.fault_tolerance", "nvidia_resiliency_ext.inprocess",
            "nvidia_resiliency_ext.checkpointing.async_ckpt.core",
            "nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async",
-           "eksft_nb.runtime.session", "eksft_nb.runtime.checkpoint", "eksft_nb.runtime.trainer",
+           "eksft_nb.runtime.session", "eksft_nb.runtime.checkpoint.manager", "eksft_nb.runtime.trainer",
            "eksft_nb.runtime.model", "eksft_nb.runtime.data")  # not the entry modules: runpy runs those afresh
 # what the interpreter or torch read once, at start-up or import: a request that differs gets a cold rank
 FIXED_AT_START = ("PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "PYTHONSAFEPATH", "PYTHONNOUSERSITE", "LD_PRELOAD",

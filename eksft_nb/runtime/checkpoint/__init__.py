@@ -22,11 +22,21 @@ process's session); :mod:`.state` holds :class:`ModelState`, :mod:`.storage_faul
 storage faults. Laid out like torchtitan's ``checkpointer/`` package.
 """
 
-from .manager import CheckpointManager
-from .process import CheckpointProcess
-from .resume import resume_candidates, run_id
-from .safe_load import load, read_metadata
-from .state import ModelState
+from __future__ import annotations
 
-__all__ = ["CheckpointManager", "CheckpointProcess", "ModelState", "load", "read_metadata",
-           "resume_candidates", "run_id"]
+from typing import Any
+
+# imported on first use: the writer process runs :mod:`.writer` as its main module, which the package
+# must not have imported before (runpy warns of it on the ranks' stderr)
+_EXPORTS = {"CheckpointManager": ".manager", "CheckpointProcess": ".process", "ModelState": ".state",
+            "load": ".safe_load", "read_metadata": ".safe_load", "resume_candidates": ".resume",
+            "run_id": ".resume"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(name)
+    import importlib
+
+    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
