@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 from . import commands, nvrx
 from .commands import CLI
 from .errors import EksftError
+from .fault_registry import target_text
 from .goodput import CATEGORIES
 from .incidents import phases_text
 from .job import Job, attach
@@ -112,10 +113,8 @@ def follow(job: Job, as_json: bool = False) -> int:
                 said = detail
                 bar.write(f"  . {said}")
             for f in mon.faults[seen_faults:]:
-                target = (f"rank {f['rank']}" if f["rank"] is not None else
-                          f"node {f['node']}" if f.get("node") is not None else "the job")
                 at = f" at step {f['step']}" if f["step"] is not None else ""
-                bar.write(f"  ! fault fired: {f['fault']} on {target}{at}")
+                bar.write(f"  ! fault fired: {f['fault']} on {target_text(f['rank'], f.get('node'))}{at}")
             for f in mon.failures[seen_failures:]:
                 bar.write(f"  ~ {f['level']} failure: {f['cause']}")
             for r in mon.restarts[seen_restarts:]:

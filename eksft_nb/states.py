@@ -62,7 +62,8 @@ class FaultScope(_Str):
 
 
 class FaultKind(_Str):
-    """Every fault that can be injected; :attr:`scope` says what it targets, :attr:`description` what it does."""
+    """Every fault that can be injected; :attr:`scope` says what it targets, :attr:`description` what it
+    does (both from :data:`~eksft_nb.fault_registry.REGISTRY`)."""
 
     EXCEPTION = "exception"
     HANG = "hang"
@@ -79,32 +80,12 @@ class FaultKind(_Str):
 
     @property
     def scope(self) -> FaultScope:
-        return _FAULTS[self][0]
+        from .fault_registry import REGISTRY   # the table imports these words
+
+        return REGISTRY[self].scope
 
     @property
     def description(self) -> str:
-        return _FAULTS[self][1]
+        from .fault_registry import REGISTRY
 
-
-_FAULTS: dict[FaultKind, tuple[FaultScope, str]] = {
-    FaultKind.EXCEPTION: (FaultScope.RANK, "raise an exception in the training loop"),
-    FaultKind.HANG: (FaultScope.RANK, "stop making progress (sleep forever inside the step; a user script's rank "
-                                      "fired by time is stopped with SIGSTOP)"),
-    FaultKind.SIGKILL: (FaultScope.RANK, "the rank process is killed (SIGKILL), like the OOM killer"),
-    FaultKind.SIGTERM: (FaultScope.RANK, "the rank process receives SIGTERM"),
-    FaultKind.SEGFAULT: (FaultScope.RANK, "the rank process crashes with a segmentation fault"),
-    FaultKind.SLOW_RANK: (FaultScope.RANK, "the rank sleeps `delay` seconds per step for `duration` steps "
-                                           "(a straggler)"),
-    FaultKind.SAVE_FAILURE: (FaultScope.RANK, "the rank's next checkpoint write fails; training continues, "
-                                              "the save is retried"),
-    FaultKind.DISK_FULL: (FaultScope.RANK, "the rank's disk is full for `duration` steps: its checkpoint and event "
-                                           "writes fail (ENOSPC); saves are retried, lost events are counted"),
-    FaultKind.SLOW_STORAGE: (FaultScope.RANK, "the rank's checkpoint writes start `delay` seconds late for "
-                                              "`duration` steps"),
-    FaultKind.KILL_LAUNCHER: (FaultScope.NODE, "the node's ft_launcher and all its ranks die at once "
-                                               "(a node is lost)"),
-    FaultKind.CORRUPT_CHECKPOINT: (FaultScope.JOB, "flip bytes in the latest committed checkpoint "
-                                                   "(resume must skip it)"),
-    FaultKind.KILL_SUPERVISOR: (FaultScope.JOB, "the job's supervisor is killed (SIGKILL); a new one adopts the "
-                                                "running job"),
-}
+        return REGISTRY[self].description

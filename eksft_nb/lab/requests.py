@@ -12,7 +12,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .. import commands
-from ..control import FaultCommand, _integer
+from ..control import FaultCommand
+from ..fault_registry import integer
 from ..errors import ControlError
 from ..spec import JobSpec, _show
 
@@ -35,9 +36,9 @@ INJECT: dict[str, Check] = {"fault": _ANY, "rank": _ANY, "step": _ANY, "after": 
                             "duration": _ANY, "backend": _BACKEND}
 STOP: dict[str, Check] = {"backend": _BACKEND}
 RESUME: dict[str, Check] = {
-    "step": (_optional(_integer), "a committed checkpoint's step (an integer), or null for the newest"),
+    "step": (_optional(integer), "a committed checkpoint's step (an integer), or null for the newest"),
     "as": (_optional(lambda v: isinstance(v, str)), "the new job's name (a string), or null"),
-    "steps": (_optional(_integer), "an integer (steps in total), or null"),
+    "steps": (_optional(integer), "an integer (steps in total), or null"),
     "backend": _BACKEND}
 LAUNCH: dict[str, Check] = {
     "spec": (lambda v: isinstance(v, dict), 'an object of spec fields, e.g. {"steps": 80, "model.preset": "tiny"}'),
