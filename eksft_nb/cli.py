@@ -250,8 +250,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    commands.stop(args.name, args.backend)
-    print(f"stopped {args.name}; no process of it is left")
+    print(commands.stop(args.name, args.backend)["message"])
     return 0
 
 

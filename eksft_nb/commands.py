@@ -53,6 +53,10 @@ class ResumeResult(JobRow):
     message: str     # the line the CLI prints: where the new job starts, each checkpoint refused before it
 
 
+class StopResult(JobRow):
+    message: str     # the line the CLI prints
+
+
 # ---- the operations ---------------------------------------------------------------------------
 
 def job_row(job: Job) -> JobRow:
@@ -75,13 +79,13 @@ def list_jobs(backend: str = "local") -> list[JobRow]:
     rows: list[JobRow] = []
     for j in b.jobs():
         try:
-            rows.append(job_row(Job(j.name, b)) if backend in ("local", "slurm") else _summary_row(j, j.detail))
+            rows.append(job_row(Job(j.name, b)) if backend in ("local", "slurm") else summary_row(j, j.detail))
         except EksftError as e:   # one unreadable job folder hides no other job
-            rows.append(_summary_row(j, str(e)))
+            rows.append(summary_row(j, str(e)))
     return rows
 
 
-def _summary_row(j: JobSummary, detail: str) -> JobRow:
+def summary_row(j: JobSummary, detail: str) -> JobRow:
     """A row from the backend's view alone (no events read)."""
     state = JobState(j.state) if j.state in set(JobState) else JobState.FAILED
     return {"name": j.name, "backend": j.backend, "state": state.value, "step": 0, "total_steps": None,
@@ -118,26 +122,31 @@ def inject(name: str, fault: str, *, rank: int | None = None, step: int | None =
            node: int = 0, params: dict[str, Any] | None = None, backend: str = "local",
            wait: float = 0.0) -> InjectResult:
     """Queue a fault into a running job; wait up to ``wait`` seconds for a rank to fire it."""
+    command = FaultCommand(fault, rank=rank, step=step, after=after, node=node, params=dict(params or {}))
+    return inject_command(name, command, backend=backend, wait=wait)
+
+
+def inject_command(name: str, command: FaultCommand, *, backend: str = "local", wait: float = 0.0) -> InjectResult:
+    """:func:`inject` of a command already built (the server reads one from a request body)."""
     job = attach(name, backend)
-    cmd = job.inject(fault, rank=rank, step=step, node=node, after=after, **(params or {}))
-    target = f"rank {cmd.rank}" if cmd.rank is not None else f"node {cmd.node}"
+    cmd = job.backend.inject(job.name, command)
     fired = job.fired(cmd, timeout=wait)
     if fired is not None:
         at = f" at step {fired['step']}" if fired["step"] is not None else ""
-        message = f"fired {cmd.fault} on {target} of {job.name}{at}"
+        message = f"fired {cmd.fault} on {cmd.target} of {job.name}{at}"
     else:
-        message = f"queued {cmd.fault} for {target} of {job.name} ({cmd.when}); it shows as fired when the rank fires it"
+        message = f"queued {cmd.fault} for {cmd.target} of {job.name} ({cmd.when}); it shows as fired when the rank fires it"
     when = f"step {cmd.step}" if cmd.step is not None else f"after {cmd.after:g}s" if cmd.after is not None else "now"
-    return {"id": cmd.id, "job": job.name, "fault": cmd.fault, "target": target, "when": when,
+    return {"id": cmd.id, "job": job.name, "fault": cmd.fault, "target": cmd.target, "when": when,
             "fired": fired is not None, "step": fired["step"] if fired is not None else None,
             "message": f"{message}; id {cmd.id}"}
 
 
-def stop(name: str, backend: str = "local") -> JobRow:
+def stop(name: str, backend: str = "local") -> StopResult:
     """End the job; when this returns nothing of it runs."""
     job = attach(name, backend)
     job.stop()
-    return job_row(job)
+    return {**job_row(job), "message": f"stopped {job.name}; nothing of it keeps running"}
 
 
 def checkpoints(name: str, backend: str = "local") -> list[dict[str, Any]]:
@@ -164,7 +173,7 @@ def logs(name: str, lines: int = 200, debug: bool = False, backend: str = "local
 
 def remove(name: str, backend: str = "local") -> None:
     """Delete an ended job (its folder or workload, checkpoints included)."""
-    get_backend(backend).remove(name)  # type: ignore[attr-defined]
+    get_backend(backend).remove(name)
 
 
 def resilience_test(spec: JobSpec, faults: str | None = None, expect: str | None = None, *,

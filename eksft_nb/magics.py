@@ -147,8 +147,7 @@ class FtrainMagics(Magics):
             print(row["message"])
             self._show(attach(row["name"], backend))
         elif cmd == "stop":
-            commands.stop(name, backend)
-            print(f"stopped {name}; nothing of it keeps running")
+            print(commands.stop(name, backend)["message"])
         elif cmd == "logs":
             print(commands.logs(name, args.lines, args.debug, backend))
         elif cmd == "status":

@@ -95,8 +95,8 @@ class InjectHandler(Base):
     @web.authenticated
     @refusing
     async def post(self, name: str) -> None:
-        args = requests.inject_args(requests.body(self.request.body, requests.INJECT))
-        await self.reply(commands.inject, name, args.pop("fault"), **args)
+        command, backend = requests.inject_args(requests.body(self.request.body, requests.INJECT))
+        await self.reply(commands.inject_command, name, command, backend=backend)
 
 
 class StopHandler(Base):

@@ -68,15 +68,13 @@ def body(raw: bytes, shape: Mapping[str, Check]) -> dict[str, Any]:
     return data
 
 
-def inject_args(data: dict[str, Any]) -> dict[str, Any]:
-    """The keyword arguments of ``commands.inject`` (but ``name``), types checked as a fault command's."""
+def inject_args(data: dict[str, Any]) -> tuple[FaultCommand, str]:
+    """The fault command (types checked as a command file's) and the backend of ``commands.inject_command``."""
     if "fault" not in data:
         raise ControlError("the request lacks its fault", 'send e.g. {"fault": "sigkill", "rank": 1}')
     params = {k: data[k] for k in ("delay", "duration") if k in data}
     fields = {k: data[k] for k in ("fault", "rank", "step", "after", "node") if k in data}
-    command = FaultCommand.from_dict({**fields, "params": params})   # the command file's own type checks
-    return {"fault": command.fault, "rank": command.rank, "step": command.step, "after": command.after,
-            "node": command.node, "params": params, "backend": data.get("backend", "local")}
+    return FaultCommand.from_dict({**fields, "params": params}), data.get("backend", "local")
 
 
 def launch_args(data: dict[str, Any]) -> tuple[JobSpec, list[FaultCommand]]:
