@@ -62,8 +62,7 @@ class FaultScope(_Str):
 
 
 class FaultKind(_Str):
-    """Every fault that can be injected; :attr:`scope` says what it targets, :attr:`description` what it
-    does (both from :data:`~eksft_nb.fault_registry.REGISTRY`)."""
+    """Every fault that can be injected; what each targets and does: :data:`~eksft_nb.fault_registry.REGISTRY`."""
 
     EXCEPTION = "exception"
     HANG = "hang"
@@ -77,15 +76,3 @@ class FaultKind(_Str):
     KILL_LAUNCHER = "kill-launcher"
     CORRUPT_CHECKPOINT = "corrupt-checkpoint"
     KILL_SUPERVISOR = "kill-supervisor"
-
-    @property
-    def scope(self) -> FaultScope:
-        from .fault_registry import REGISTRY   # the table imports these words
-
-        return REGISTRY[self].scope
-
-    @property
-    def description(self) -> str:
-        from .fault_registry import REGISTRY
-
-        return REGISTRY[self].description

@@ -15,14 +15,14 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..control import FaultCommand
 from ..fault_registry import REGISTRY
 from ..states import FaultKind, FaultScope
 
-if TYPE_CHECKING:
-    from .session import Session
+# a session is a .session.Session, which imports this module: typed Any here to keep the arrow one-way
+Session = Any
 
 # raises the injected exception in a user script's main thread (a real-time signal no library claims;
 # macOS has none)
