@@ -38,6 +38,8 @@ RECORDED_ENDS: frozenset[JobState] = ENDED - {JobState.LOST}
 BACKEND_OVERRIDES: frozenset[JobState] = frozenset({JobState.LOST, JobState.STOPPED, JobState.FAILED,
                                                     JobState.STARTING})
 ACTIVE: frozenset[JobState] = frozenset({JobState.STARTING, JobState.RUNNING})
+# the ends that are a failure: the dashboard and the lab panel (nbext/src/model.ts FAILED) flag them
+FAILED_ENDS: frozenset[JobState] = frozenset({JobState.FAILED, JobState.LOST})
 
 
 class RestartLevel(_Str):

@@ -20,7 +20,7 @@ from ..checkpoint_folders import CheckpointInfo, resume_origin
 from ..errors import EksftError
 from ..goodput import compute
 from ..job import Job, attach
-from ..states import JobState
+from ..states import FAILED_ENDS, JobState
 from .figure import TrainingFigure
 from .parts import CheckpointTable, FaultControls, GoodputBar, Header, LogTail
 from .series import Throttle
@@ -128,7 +128,7 @@ class Dashboard(w.VBox):
             if ended:
                 self.ended = True
                 self.controls.inject.disabled = self.stop_button.disabled = True
-                if state in (JobState.FAILED, JobState.LOST):
+                if state in FAILED_ENDS:
                     self._say(f"{self.job.name} {state}: {detail or mon.reason}", error=True)
                 elif mon.drain is not None:
                     self._say(f"{self.job.name} {state}: {mon.reason}")
