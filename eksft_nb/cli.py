@@ -63,10 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     base = JobSpec.load(args.spec_file) if args.spec_file else None
-    spec = commands.spec_from_args(args, base)
+    spec = commands.spec_from_args(args, base, validate=False)   # the launch (or dry run) validates it
     if args.dry_run:
-        commands.faults_for(spec, args.fault)
-        print(commands.dry_run(spec, queue_objects=args.kueue_objects))
+        print(commands.dry_run(spec, queue_objects=args.kueue_objects, faults=args.fault))
         return 0
     row = commands.launch(spec, args.fault)
     print(f"launched {row['name']}: {describe(spec)}")

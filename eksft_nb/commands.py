@@ -102,19 +102,26 @@ def faults_for(spec: JobSpec, faults: Iterable[str | FaultCommand]) -> list[Faul
     return [(parse_fault(f) if isinstance(f, str) else f).validate(spec.world_size, spec.nnodes) for f in faults]
 
 
+def prepare(spec: JobSpec, faults: Iterable[str | FaultCommand] = ()) -> tuple[JobSpec, list[FaultCommand]]:
+    """The one validation of a launch: the spec, then the scheduled faults against it."""
+    spec = spec.validate()
+    return spec, faults_for(spec, faults)
+
+
 def launch(spec: JobSpec, faults: Sequence[str | FaultCommand] = ()) -> JobRow:
     """Validate the spec and the faults, start the job detached, return its first row."""
-    spec = spec.validate()
-    commands = faults_for(spec, faults)
+    spec, commands = prepare(spec, faults)
     b = get_backend(spec.backend)
     b.launch(spec, commands)
     return job_row(Job(spec.name, b))
 
 
-def dry_run(spec: JobSpec, queue_objects: bool = False) -> str:
-    """What :func:`launch` would start (EKS: the manifests; local: the launchers' commands).
-    ``queue_objects``: on EKS, also a Kueue LocalQueue, ClusterQueue and ResourceFlavors for the job's queue."""
-    backend = get_backend(spec.validate().backend)
+def dry_run(spec: JobSpec, queue_objects: bool = False, faults: Sequence[str | FaultCommand] = ()) -> str:
+    """What :func:`launch` would start (EKS: the manifests; local: the launchers' commands), the spec and
+    ``faults`` checked as a launch checks them. ``queue_objects``: on EKS, also a Kueue LocalQueue,
+    ClusterQueue and ResourceFlavors for the job's queue."""
+    spec, _ = prepare(spec, faults)
+    backend = get_backend(spec.backend)
     return backend.render(spec, queue_objects=True) if queue_objects and spec.backend == "eks" else backend.render(spec)
 
 
@@ -202,9 +209,10 @@ def whatif(name: str, *, ckpt_every: str | Sequence[int] | None = None, inproces
     return model.replay(job.refresh(), job.spec, settings).to_dict()
 
 
-def spec_from_options(values: Mapping[str, Any], base: JobSpec | None = None) -> JobSpec:
-    """``base`` (default: the defaults) with dotted spec fields changed, validated. A string value is
-    read as the option's text would be (``"100"`` for ``steps``); other values must have the field's type."""
+def spec_from_options(values: Mapping[str, Any], base: JobSpec | None = None, validate: bool = True) -> JobSpec:
+    """``base`` (default: the defaults) with dotted spec fields changed, validated unless a launch will
+    (``validate=False``). A string value is read as the option's text would be (``"100"`` for ``steps``);
+    other values must have the field's type."""
     options = {o.path: o for o in spec_options()}
     changes = {}
     for path, raw in values.items():
@@ -213,7 +221,8 @@ def spec_from_options(values: Mapping[str, Any], base: JobSpec | None = None) ->
             raise SpecError(f"unknown spec field {path!r}", f"did you mean {_closest(path, options)}?")
         changes[path] = parse_option_value(opt, raw) if isinstance(raw, str) else raw
     spec = base or JobSpec()
-    return (spec.replace(**changes) if changes else spec).validate()
+    spec = spec.replace(**changes) if changes else spec
+    return spec.validate() if validate else spec
 
 
 # ---- the argument table -----------------------------------------------------------------------
@@ -408,6 +417,7 @@ def positionals(verb: str, front: str) -> str:
     return " ".join(words)
 
 
-def spec_from_args(args: argparse.Namespace, base: JobSpec | None = None) -> JobSpec:
+def spec_from_args(args: argparse.Namespace, base: JobSpec | None = None, validate: bool = True) -> JobSpec:
     """Apply the spec options present in ``args`` (parsed with :func:`add_spec_arguments`) to ``base``."""
-    return spec_from_options({o.path: getattr(args, o.path) for o in spec_options() if hasattr(args, o.path)}, base)
+    return spec_from_options({o.path: getattr(args, o.path) for o in spec_options() if hasattr(args, o.path)}, base,
+                             validate)

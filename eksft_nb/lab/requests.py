@@ -79,8 +79,7 @@ def inject_args(data: dict[str, Any]) -> tuple[FaultCommand, str]:
 
 def launch_args(data: dict[str, Any]) -> tuple[JobSpec, list[FaultCommand]]:
     """The spec (dotted fields over the defaults; text values read as the CLI reads its options) and faults."""
-    spec = commands.spec_from_options(data.get("spec", {}))
-    return spec, commands.faults_for(spec, data.get("faults", []))
+    return commands.prepare(commands.spec_from_options(data.get("spec", {}), validate=False), data.get("faults", []))
 
 
 def query_int(raw: str | None, name: str, default: int, low: int, high: int) -> int:
