@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 from . import commands, nvrx
 from .commands import CLI
 from .errors import EksftError
+from .fault_registry import target_text
 from .goodput import CATEGORIES
 from .incidents import phases_text
 from .job import Job, attach
@@ -62,10 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     base = JobSpec.load(args.spec_file) if args.spec_file else None
-    spec = commands.spec_from_args(args, base)
+    spec = commands.spec_from_args(args, base, validate=False)   # the launch (or dry run) validates it
     if args.dry_run:
-        commands.faults_for(spec, args.fault)
-        print(commands.dry_run(spec, queue_objects=args.kueue_objects))
+        print(commands.dry_run(spec, queue_objects=args.kueue_objects, faults=args.fault))
         return 0
     row = commands.launch(spec, args.fault)
     print(f"launched {row['name']}: {describe(spec)}")
@@ -112,10 +112,8 @@ def follow(job: Job, as_json: bool = False) -> int:
                 said = detail
                 bar.write(f"  . {said}")
             for f in mon.faults[seen_faults:]:
-                target = (f"rank {f['rank']}" if f["rank"] is not None else
-                          f"node {f['node']}" if f.get("node") is not None else "the job")
                 at = f" at step {f['step']}" if f["step"] is not None else ""
-                bar.write(f"  ! fault fired: {f['fault']} on {target}{at}")
+                bar.write(f"  ! fault fired: {f['fault']} on {target_text(f['rank'], f.get('node'))}{at}")
             for f in mon.failures[seen_failures:]:
                 bar.write(f"  ~ {f['level']} failure: {f['cause']}")
             for r in mon.restarts[seen_restarts:]:
@@ -252,8 +250,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    commands.stop(args.name, args.backend)
-    print(f"stopped {args.name}; no process of it is left")
+    print(commands.stop(args.name, args.backend)["message"])
     return 0
 
 

@@ -53,6 +53,10 @@ class ResumeResult(JobRow):
     message: str     # the line the CLI prints: where the new job starts, each checkpoint refused before it
 
 
+class StopResult(JobRow):
+    message: str     # the line the CLI prints
+
+
 # ---- the operations ---------------------------------------------------------------------------
 
 def job_row(job: Job) -> JobRow:
@@ -75,13 +79,13 @@ def list_jobs(backend: str = "local") -> list[JobRow]:
     rows: list[JobRow] = []
     for j in b.jobs():
         try:
-            rows.append(job_row(Job(j.name, b)) if backend in ("local", "slurm") else _summary_row(j, j.detail))
+            rows.append(job_row(Job(j.name, b)) if backend in ("local", "slurm") else summary_row(j, j.detail))
         except EksftError as e:   # one unreadable job folder hides no other job
-            rows.append(_summary_row(j, str(e)))
+            rows.append(summary_row(j, str(e)))
     return rows
 
 
-def _summary_row(j: JobSummary, detail: str) -> JobRow:
+def summary_row(j: JobSummary, detail: str) -> JobRow:
     """A row from the backend's view alone (no events read)."""
     state = JobState(j.state) if j.state in set(JobState) else JobState.FAILED
     return {"name": j.name, "backend": j.backend, "state": state.value, "step": 0, "total_steps": None,
@@ -98,19 +102,26 @@ def faults_for(spec: JobSpec, faults: Iterable[str | FaultCommand]) -> list[Faul
     return [(parse_fault(f) if isinstance(f, str) else f).validate(spec.world_size, spec.nnodes) for f in faults]
 
 
+def prepare(spec: JobSpec, faults: Iterable[str | FaultCommand] = ()) -> tuple[JobSpec, list[FaultCommand]]:
+    """The one validation of a launch: the spec, then the scheduled faults against it."""
+    spec = spec.validate()
+    return spec, faults_for(spec, faults)
+
+
 def launch(spec: JobSpec, faults: Sequence[str | FaultCommand] = ()) -> JobRow:
     """Validate the spec and the faults, start the job detached, return its first row."""
-    spec = spec.validate()
-    commands = faults_for(spec, faults)
+    spec, commands = prepare(spec, faults)
     b = get_backend(spec.backend)
     b.launch(spec, commands)
     return job_row(Job(spec.name, b))
 
 
-def dry_run(spec: JobSpec, queue_objects: bool = False) -> str:
-    """What :func:`launch` would start (EKS: the manifests; local: the launchers' commands).
-    ``queue_objects``: on EKS, also a Kueue LocalQueue, ClusterQueue and ResourceFlavors for the job's queue."""
-    backend = get_backend(spec.validate().backend)
+def dry_run(spec: JobSpec, queue_objects: bool = False, faults: Sequence[str | FaultCommand] = ()) -> str:
+    """What :func:`launch` would start (EKS: the manifests; local: the launchers' commands), the spec and
+    ``faults`` checked as a launch checks them. ``queue_objects``: on EKS, also a Kueue LocalQueue,
+    ClusterQueue and ResourceFlavors for the job's queue."""
+    spec, _ = prepare(spec, faults)
+    backend = get_backend(spec.backend)
     return backend.render(spec, queue_objects=True) if queue_objects and spec.backend == "eks" else backend.render(spec)
 
 
@@ -118,26 +129,31 @@ def inject(name: str, fault: str, *, rank: int | None = None, step: int | None =
            node: int = 0, params: dict[str, Any] | None = None, backend: str = "local",
            wait: float = 0.0) -> InjectResult:
     """Queue a fault into a running job; wait up to ``wait`` seconds for a rank to fire it."""
+    command = FaultCommand(fault, rank=rank, step=step, after=after, node=node, params=dict(params or {}))
+    return inject_command(name, command, backend=backend, wait=wait)
+
+
+def inject_command(name: str, command: FaultCommand, *, backend: str = "local", wait: float = 0.0) -> InjectResult:
+    """:func:`inject` of a command already built (the server reads one from a request body)."""
     job = attach(name, backend)
-    cmd = job.inject(fault, rank=rank, step=step, node=node, after=after, **(params or {}))
-    target = f"rank {cmd.rank}" if cmd.rank is not None else f"node {cmd.node}"
+    cmd = job.backend.inject(job.name, command)
     fired = job.fired(cmd, timeout=wait)
     if fired is not None:
         at = f" at step {fired['step']}" if fired["step"] is not None else ""
-        message = f"fired {cmd.fault} on {target} of {job.name}{at}"
+        message = f"fired {cmd.fault} on {cmd.target} of {job.name}{at}"
     else:
-        message = f"queued {cmd.fault} for {target} of {job.name} ({cmd.when}); it shows as fired when the rank fires it"
+        message = f"queued {cmd.fault} for {cmd.target} of {job.name} ({cmd.when}); it shows as fired when the rank fires it"
     when = f"step {cmd.step}" if cmd.step is not None else f"after {cmd.after:g}s" if cmd.after is not None else "now"
-    return {"id": cmd.id, "job": job.name, "fault": cmd.fault, "target": target, "when": when,
+    return {"id": cmd.id, "job": job.name, "fault": cmd.fault, "target": cmd.target, "when": when,
             "fired": fired is not None, "step": fired["step"] if fired is not None else None,
             "message": f"{message}; id {cmd.id}"}
 
 
-def stop(name: str, backend: str = "local") -> JobRow:
+def stop(name: str, backend: str = "local") -> StopResult:
     """End the job; when this returns nothing of it runs."""
     job = attach(name, backend)
     job.stop()
-    return job_row(job)
+    return {**job_row(job), "message": f"stopped {job.name}; nothing of it keeps running"}
 
 
 def checkpoints(name: str, backend: str = "local") -> list[dict[str, Any]]:
@@ -164,7 +180,7 @@ def logs(name: str, lines: int = 200, debug: bool = False, backend: str = "local
 
 def remove(name: str, backend: str = "local") -> None:
     """Delete an ended job (its folder or workload, checkpoints included)."""
-    get_backend(backend).remove(name)  # type: ignore[attr-defined]
+    get_backend(backend).remove(name)
 
 
 def resilience_test(spec: JobSpec, faults: str | None = None, expect: str | None = None, *,
@@ -193,9 +209,10 @@ def whatif(name: str, *, ckpt_every: str | Sequence[int] | None = None, inproces
     return model.replay(job.refresh(), job.spec, settings).to_dict()
 
 
-def spec_from_options(values: Mapping[str, Any], base: JobSpec | None = None) -> JobSpec:
-    """``base`` (default: the defaults) with dotted spec fields changed, validated. A string value is
-    read as the option's text would be (``"100"`` for ``steps``); other values must have the field's type."""
+def spec_from_options(values: Mapping[str, Any], base: JobSpec | None = None, validate: bool = True) -> JobSpec:
+    """``base`` (default: the defaults) with dotted spec fields changed, validated unless a launch will
+    (``validate=False``). A string value is read as the option's text would be (``"100"`` for ``steps``);
+    other values must have the field's type."""
     options = {o.path: o for o in spec_options()}
     changes = {}
     for path, raw in values.items():
@@ -204,7 +221,8 @@ def spec_from_options(values: Mapping[str, Any], base: JobSpec | None = None) ->
             raise SpecError(f"unknown spec field {path!r}", f"did you mean {_closest(path, options)}?")
         changes[path] = parse_option_value(opt, raw) if isinstance(raw, str) else raw
     spec = base or JobSpec()
-    return (spec.replace(**changes) if changes else spec).validate()
+    spec = spec.replace(**changes) if changes else spec
+    return spec.validate() if validate else spec
 
 
 # ---- the argument table -----------------------------------------------------------------------
@@ -399,6 +417,7 @@ def positionals(verb: str, front: str) -> str:
     return " ".join(words)
 
 
-def spec_from_args(args: argparse.Namespace, base: JobSpec | None = None) -> JobSpec:
+def spec_from_args(args: argparse.Namespace, base: JobSpec | None = None, validate: bool = True) -> JobSpec:
     """Apply the spec options present in ``args`` (parsed with :func:`add_spec_arguments`) to ``base``."""
-    return spec_from_options({o.path: getattr(args, o.path) for o in spec_options() if hasattr(args, o.path)}, base)
+    return spec_from_options({o.path: getattr(args, o.path) for o in spec_options() if hasattr(args, o.path)}, base,
+                             validate)

@@ -12,7 +12,6 @@ exclusively, so a fault fires exactly once even when a restart rolls the job bac
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import stat
@@ -24,43 +23,26 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ControlError
+from .fault_registry import REGISTRY, integer, number, target_text
 from .jobdir import atomic_write
 from .spec import _closest, _show
 from .states import FaultKind, FaultScope
 
-# fault -> (what it targets, what it does): the table in states.FaultKind, by name
-FAULTS: dict[str, tuple[FaultScope, str]] = {k.value: (k.scope, k.description) for k in FaultKind}
-
-
-# fault -> parameter -> (default, check, what the check means): the only parameters a command may carry
-PARAMS: dict[str, dict[str, tuple[Any, Callable[[Any], bool], str]]] = {
-    "slow-rank": {"delay": (0.5, lambda v: _number(v) and 0 < v <= 3600, "seconds per step, > 0 and <= 3600"),
-                  "duration": (20, lambda v: _integer(v) and 1 <= v <= 10**9, "steps, an integer >= 1")},
-    "disk-full": {"duration": (10, lambda v: _integer(v) and 1 <= v <= 10**6, "steps, an integer >= 1")},
-    "slow-storage": {"duration": (10, lambda v: _integer(v) and 1 <= v <= 10**6, "steps, an integer >= 1"),
-                     "delay": (2.0, lambda v: _number(v) and 0 < v <= 3600, "seconds per write, > 0 and <= 3600")},
-}
+# fault -> (what it targets, what it does), by name, from the one table
+FAULTS: dict[str, tuple[FaultScope, str]] = {k.value: (d.scope, d.description) for k, d in REGISTRY.items()}
 ID = re.compile(r"[A-Za-z0-9_-]{1,64}")   # a command's id names its files: no path, no dot
-
-
-def _integer(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _number(v: Any) -> bool:
-    return (_integer(v) or isinstance(v, float)) and math.isfinite(v)
 
 
 # field -> (check, what it must be)
 FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "fault": (lambda v: isinstance(v, str), "a fault name (a string)"),
-    "rank": (lambda v: v is None or _integer(v), "an integer rank, or null"),
-    "step": (lambda v: v is None or _integer(v), "an integer step, or null"),
-    "node": (_integer, "an integer node"),
+    "rank": (lambda v: v is None or integer(v), "an integer rank, or null"),
+    "step": (lambda v: v is None or integer(v), "an integer step, or null"),
+    "node": (integer, "an integer node"),
     "params": (lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v), "a JSON object"),
     "id": (lambda v: isinstance(v, str) and ID.fullmatch(v) is not None, "1-64 letters, digits, '-' or '_'"),
-    "after": (lambda v: v is None or (_number(v) and 0 <= v < 1e7), "seconds from when it was queued (>= 0), or null"),
-    "queued_at": (lambda v: v is None or _number(v), "a time in seconds since the epoch, or null"),
+    "after": (lambda v: v is None or (number(v) and 0 <= v < 1e7), "seconds from when it was queued (>= 0), or null"),
+    "queued_at": (lambda v: v is None or number(v), "a time in seconds since the epoch, or null"),
 }
 
 
@@ -85,6 +67,11 @@ class FaultCommand:
     @property
     def scope(self) -> FaultScope:
         return FAULTS[self.fault][0]
+
+    @property
+    def target(self) -> str:
+        """Whom it hits, in words: ``rank 1``, ``node 0`` or ``the job``."""
+        return target_text(self.rank, self.node if self.scope == FaultScope.NODE else None)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -148,27 +135,40 @@ class FaultCommand:
                                    f"use --step {current_step + 1} or later, or omit --step to inject now")
         if self.after is not None and self.step is not None:
             raise ControlError("a fault fires at a step or after a time, not both", "drop --step or --after")
-        allowed = PARAMS.get(self.fault, {})
+        allowed = REGISTRY[FaultKind(self.fault)].params
         unknown = sorted(set(self.params) - set(allowed))
         if unknown:
             takes = f"it takes only {', '.join(allowed)}" if allowed else "it takes none"
             raise ControlError(f"{self.fault} has no parameter(s) {_show(', '.join(unknown))}", f"leave them out: {takes}")
-        for name, (default, ok, what) in allowed.items():
-            value = self.params.setdefault(name, default)
-            if not ok(value):
-                raise ControlError(f"{self.fault} parameter {name} is {_show(value)}", f"use {what}")
+        for name, param in allowed.items():
+            value = self.params.setdefault(name, param.default)
+            if not param.check(value):
+                raise ControlError(f"{self.fault} parameter {name} is {_show(value)}", f"use {param.what}")
         return self
 
 
+WHEN_FIX = "write now, the step to fire at (e.g. 120), or seconds from now (e.g. 30s)"
+
+
+def parse_when(text: str) -> tuple[int | None, float | None]:
+    """``(step, after)`` from when a fault fires, in words: ``now`` (or nothing), a step (``120`` or
+    ``step 120``) or seconds (``30s``). Raises :class:`ValueError` for anything else."""
+    when = text.strip().lower()
+    if when in ("", "now"):
+        return None, None
+    if when.endswith("s") and not when.startswith("step"):
+        return None, float(when[:-1])
+    return int(when.removeprefix("step").strip()), None
+
+
 def parse_fault(text: str) -> FaultCommand:
-    """Parse the compact form ``kind[:rank][@step|@SECONDSs]`` used by ``--fault`` (e.g. ``sigkill:1@30``,
-    or ``hang:0@45s`` for 45 seconds after launch)."""
-    body, _, when = text.partition("@")
+    """Parse the compact form ``kind[:rank][@when]`` used by ``--fault`` (e.g. ``sigkill:1@30``,
+    or ``hang:0@45s`` for 45 seconds after launch); ``when`` as :func:`parse_when` reads it."""
+    body, at_sign, when = text.partition("@")
     kind, _, target = body.partition(":")
     try:
         rank_or_node = int(target) if target else None
-        after = float(when[:-1]) if when.endswith("s") else None
-        at = int(when) if when and after is None else None
+        at, after = parse_when(when) if at_sign and when.strip() not in ("", "now") else (None, None)
     except ValueError:
         raise ControlError(f"cannot parse fault {text!r}",
                            "write kind[:rank][@step] (or @SECONDSs: seconds after launch), e.g. exception:0@15, "

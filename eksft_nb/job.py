@@ -52,6 +52,8 @@ class Job:
                 return JobState(mon.state), mon.reason
             return JobState.RUNNING, f"ending ({mon.state}: {mon.reason})"
         backend = self.backend.state(self.name)
+        if backend.orphaned:   # the one place a look at a job starts something: nothing else would
+            return JobState.RUNNING, self.backend.adopt(self.name)
         if backend.state in BACKEND_OVERRIDES:
             return JobState(backend.state), backend.detail
         return JobState(mon.state), backend.detail

@@ -105,11 +105,12 @@ class FtrainMagics(Magics):
         if {"-h", "--help"} & set(line.split()):
             print(self.cell_parser.format_help())
             return
-        spec, faults, dry_run = parse_cell(line, cell, self.cell_parser)
-        if dry_run:
-            print(commands.dry_run(spec))
+        args = _parse(self.cell_parser, line, "%%ftrain")
+        spec = _cell_spec(args, cell, "run")   # validated once, with the faults, by the launch (or dry run)
+        if args.dry_run:
+            print(commands.dry_run(spec, faults=args.fault))
             return
-        row = commands.launch(spec, faults)
+        row = commands.launch(spec, args.fault)
         self._show(attach(row["name"], spec.backend))
 
     # ---- %ftrain -----------------------------------------------------------------------------
@@ -147,8 +148,7 @@ class FtrainMagics(Magics):
             print(row["message"])
             self._show(attach(row["name"], backend))
         elif cmd == "stop":
-            commands.stop(name, backend)
-            print(f"stopped {name}; nothing of it keeps running")
+            print(commands.stop(name, backend)["message"])
         elif cmd == "logs":
             print(commands.logs(name, args.lines, args.debug, backend))
         elif cmd == "status":
@@ -178,7 +178,7 @@ class FtrainMagics(Magics):
         if junit_path is not None and not junit_path.parent.is_dir():
             raise UsageError(f"--junit {args.junit}: folder {junit_path.parent} does not exist\n"
                              "  → create it first")
-        spec = _cell_spec(args, cell, "test")
+        spec = _cell_spec(args, cell, "test").validate()
         live = FigureWidget()   # the card's figure, redrawn after each case (its JavaScript by reference)
         display(live)
         card = commands.resilience_test(spec, args.faults, args.expect, at_step=args.at_step,
@@ -209,19 +209,19 @@ def parse_cell(line: str, cell: str, parser: MagicArgumentParser | None = None
     Raises :class:`UsageError` or :class:`EksftError` with one line that says what to write instead.
     """
     args = _parse(parser or _cell_parser(), line, "%%ftrain")
-    spec = _cell_spec(args, cell, "run")
-    return spec, commands.faults_for(spec, args.fault), args.dry_run
+    spec, faults = commands.prepare(_cell_spec(args, cell, "run"), args.fault)
+    return spec, faults, args.dry_run
 
 
 def _cell_spec(args: argparse.Namespace, cell: str, verb: str) -> JobSpec:
-    """The spec a cell's options describe; code in the cell becomes the job's script."""
+    """The spec a cell's options describe, not yet validated; code in the cell becomes the job's script."""
     base = JobSpec.load(args.spec_file) if args.spec_file else None
-    spec = commands.spec_from_args(args, base)
+    spec = commands.spec_from_args(args, base, validate=False)
     if cell.strip():
         if spec.script:
             raise UsageError("the cell has code and --script names a script too\n"
                              f"  → leave the cell empty to {verb} --script, or drop --script to {verb} the cell")
-        spec = spec.replace(script=str(save_script(cell))).validate()
+        spec = spec.replace(script=str(save_script(cell)))
     return spec
 
 

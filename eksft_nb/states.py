@@ -38,6 +38,8 @@ RECORDED_ENDS: frozenset[JobState] = ENDED - {JobState.LOST}
 BACKEND_OVERRIDES: frozenset[JobState] = frozenset({JobState.LOST, JobState.STOPPED, JobState.FAILED,
                                                     JobState.STARTING})
 ACTIVE: frozenset[JobState] = frozenset({JobState.STARTING, JobState.RUNNING})
+# the ends that are a failure: the dashboard and the lab panel (nbext/src/model.ts FAILED) flag them
+FAILED_ENDS: frozenset[JobState] = frozenset({JobState.FAILED, JobState.LOST})
 
 
 class CheckpointState(_Str):
@@ -73,7 +75,7 @@ class FaultScope(_Str):
 
 
 class FaultKind(_Str):
-    """Every fault that can be injected; :attr:`scope` says what it targets, :attr:`description` what it does."""
+    """Every fault that can be injected; what each targets and does: :data:`~eksft_nb.fault_registry.REGISTRY`."""
 
     EXCEPTION = "exception"
     HANG = "hang"
@@ -87,35 +89,3 @@ class FaultKind(_Str):
     KILL_LAUNCHER = "kill-launcher"
     CORRUPT_CHECKPOINT = "corrupt-checkpoint"
     KILL_SUPERVISOR = "kill-supervisor"
-
-    @property
-    def scope(self) -> FaultScope:
-        return _FAULTS[self][0]
-
-    @property
-    def description(self) -> str:
-        return _FAULTS[self][1]
-
-
-_FAULTS: dict[FaultKind, tuple[FaultScope, str]] = {
-    FaultKind.EXCEPTION: (FaultScope.RANK, "raise an exception in the training loop"),
-    FaultKind.HANG: (FaultScope.RANK, "stop making progress (sleep forever inside the step; a user script's rank "
-                                      "fired by time is stopped with SIGSTOP)"),
-    FaultKind.SIGKILL: (FaultScope.RANK, "the rank process is killed (SIGKILL), like the OOM killer"),
-    FaultKind.SIGTERM: (FaultScope.RANK, "the rank process receives SIGTERM"),
-    FaultKind.SEGFAULT: (FaultScope.RANK, "the rank process crashes with a segmentation fault"),
-    FaultKind.SLOW_RANK: (FaultScope.RANK, "the rank sleeps `delay` seconds per step for `duration` steps "
-                                           "(a straggler)"),
-    FaultKind.SAVE_FAILURE: (FaultScope.RANK, "the rank's next checkpoint write fails; training continues, "
-                                              "the save is retried"),
-    FaultKind.DISK_FULL: (FaultScope.RANK, "the rank's disk is full for `duration` steps: its checkpoint and event "
-                                           "writes fail (ENOSPC); saves are retried, lost events are counted"),
-    FaultKind.SLOW_STORAGE: (FaultScope.RANK, "the rank's checkpoint writes start `delay` seconds late for "
-                                              "`duration` steps"),
-    FaultKind.KILL_LAUNCHER: (FaultScope.NODE, "the node's ft_launcher and all its ranks die at once "
-                                               "(a node is lost)"),
-    FaultKind.CORRUPT_CHECKPOINT: (FaultScope.JOB, "flip bytes in the latest committed checkpoint "
-                                                   "(resume must skip it)"),
-    FaultKind.KILL_SUPERVISOR: (FaultScope.JOB, "the job's supervisor is killed (SIGKILL); a new one adopts the "
-                                                "running job"),
-}

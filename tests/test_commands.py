@@ -15,6 +15,7 @@ from eksft_nb import procs
 from eksft_nb.commands import ARGS, BOTH, CLI, MAGIC
 from eksft_nb.control import FAULTS
 from eksft_nb.errors import ControlError, JobError, SpecError
+from eksft_nb.fault_registry import REGISTRY
 from eksft_nb.jobdir import JobDir, jobs_root
 from eksft_nb.spec import JobSpec, spec_options
 from eksft_nb.states import ENDED, FaultKind, FaultScope, JobState, RestartLevel
@@ -29,8 +30,8 @@ def test_states_are_their_strings() -> None:
     assert ENDED == {JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED, JobState.LOST}
     assert [s for s in JobState if s.ended] == sorted(ENDED, key=list(JobState).index)
     assert [level.value for level in RestartLevel] == ["inprocess", "injob", "job"]
-    assert {k: (FaultKind(k).scope, FaultKind(k).description) for k in FAULTS} == FAULTS
-    assert {FaultKind(k).scope for k in FAULTS} == set(FaultScope)
+    assert {k: (REGISTRY[FaultKind(k)].scope, REGISTRY[FaultKind(k)].description) for k in FAULTS} == FAULTS
+    assert {d.scope for d in REGISTRY.values()} == set(FaultScope) and list(REGISTRY) == list(FaultKind)
 
 
 def test_spec_from_options_reads_text_and_json_values_and_refuses_like_the_cli() -> None:

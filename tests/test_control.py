@@ -12,12 +12,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eksft_nb.control import FAULTS, PARAMS, FaultCommand, parse_fault, submit
+from eksft_nb.control import FAULTS, FaultCommand, parse_fault, submit
 from eksft_nb.errors import ControlError
+from eksft_nb.fault_registry import REGISTRY
 from eksft_nb.events import read_all
 from eksft_nb.jobdir import JobDir
 from eksft_nb.runtime.session import RankInfo, Session
 from eksft_nb.spec import JobSpec
+from eksft_nb.states import FaultKind
 
 SPEC = JobSpec(name="cmds", nnodes=2, nproc_per_node=2, steps=10)
 BAD = {
@@ -126,8 +128,9 @@ def test_generated_commands_are_accepted_whole_or_refused_in_one_line(data: dict
     assert cmd.rank is None or (type(cmd.rank) is int and 0 <= cmd.rank < world)
     assert type(cmd.node) is int and 0 <= cmd.node < nnodes
     # exactly the fault's parameters, each in its range (the ranks use them without further checks)
-    assert set(cmd.params) == set(PARAMS.get(cmd.fault, {}))
-    assert all(ok(cmd.params[name]) for name, (_, ok, _) in PARAMS.get(cmd.fault, {}).items())
+    params = REGISTRY[FaultKind(cmd.fault)].params
+    assert set(cmd.params) == set(params)
+    assert all(p.check(cmd.params[name]) for name, p in params.items())
     if cmd.fault == "slow-rank":
         assert float(cmd.params["delay"]) > 0 and int(cmd.params["duration"]) >= 1
     assert FaultCommand.from_json(cmd.to_json()).validate(world, nnodes) == cmd

@@ -285,7 +285,7 @@ def test_inject_controls_write_the_command_the_job_reads(tmp_path: Path) -> None
     c.inject.click()
     (cmd,) = [json.loads(p.read_text()) for p in job.dir.pending.glob("*.json")]
     assert (cmd["fault"], cmd["rank"], cmd["step"]) == ("sigkill", 1, None)
-    assert "queued sigkill for rank 1 (now)" in said(dash)
+    assert "queued sigkill for rank 1 of inject (now)" in said(dash)
 
     c.fault.value, c.when.value = "hang", "step 40"
     c.inject.click()
@@ -355,7 +355,7 @@ def test_a_real_job_resumed_and_broken_from_its_dashboard() -> None:
     assert child.job.monitor.steps.step[0] == older + 1
     child.controls.fault.value, child.controls.target.value = "sigkill", 1
     child.controls.inject.click()
-    assert "queued sigkill for rank 1 (now)" in said(child)
+    assert f"queued sigkill for rank 1 of {child.job.name} (now)" in said(child)
     wait_for("an in-job restart on the resumed job's figure",
              lambda: "in-job" in [lane for t in child.figure.widget.data if t.name == "restarts" for lane in t.y], 180)
     child.stop_button.click()

@@ -10,6 +10,7 @@ event (and in the dashboard figure), and a stop through the API leaves no proces
 from __future__ import annotations
 
 import asyncio
+import html
 import http.client
 import http.cookiejar
 import json
@@ -74,8 +75,9 @@ def test_request_bodies_are_read_or_refused_in_one_line(raw: bytes) -> None:
             assert "\n" not in str(e) and e.problem and len(str(e)) < 1000, str(e)
             continue
         if shape is requests.INJECT:
-            assert isinstance(args["fault"], str) and set(args) <= {"fault", "rank", "step", "after", "node",
-                                                                    "params", "backend"}
+            command, backend = args
+            assert isinstance(command.fault, str) and isinstance(backend, str)
+            assert set(command.params) <= {"delay", "duration"}
         elif shape is requests.LAUNCH:
             spec, faults = args
             assert spec.validate() is spec and all(f.fault for f in faults)
@@ -412,3 +414,50 @@ def test_the_dashboard_figures_script_is_served_to_a_logged_in_browser_only(serv
             assert r.read() != bundle and "/login" in r.url
     except urllib.error.HTTPError as e:
         assert e.code == 403
+
+
+def test_every_front_end_says_the_command_layers_line_for_an_inject(server: Server, ip: Any,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """The widget, the CLI, the magic and REST, on one job folder (written with the real schema, no
+    process runs): a refused inject is the same line everywhere, and so is a queued one."""
+    from IPython.core.error import UsageError
+
+    from eksft_nb.dashboard import Dashboard
+    from eksft_nb.events import EventWriter, make
+    from eksft_nb.job import attach
+    from eksft_nb.spec import JobSpec
+
+    name = "every-front"
+    jd = JobDir.for_name(name)
+    jd.create(JobSpec().replace(name=name, steps=100).validate())
+    out = EventWriter(jd.events_path, name)
+    out.write(make("job_start", name, None, spec_digest="x", world_size=2, steps=100, backend="local", host="h", pid=1))
+    for step in range(1, 6):
+        out.write(make("step", name, 0, step=step, loss=1.0, tokens=1, step_time=0.1))
+    dash = Dashboard(attach(name), live=False)
+
+    def widget(**kwargs: Any) -> str:
+        dash.inject("sigkill", **kwargs)
+        return html.unescape(re.sub(r"<[^>]*>", "", dash.message.value))
+
+    def magic(line: str) -> str:
+        capsys.readouterr()
+        ip.run_line_magic("ftrain", line)
+        return capsys.readouterr().out.strip()
+
+    refused = "step 3 has already passed (the job is at step 5): use --step 6 or later, or omit --step to inject now"
+    status, body = server.request("POST", f"jobs/{name}/inject", {"fault": "sigkill", "rank": 1, "step": 3})
+    assert (status, body["error"]) == (400, refused), body
+    assert cli_error("inject", name, "sigkill", "--rank", "1", "--step", "3") == refused
+    with pytest.raises(UsageError) as raised:
+        magic(f"inject {name} sigkill --rank 1 --step 3")
+    assert str(raised.value) == refused.replace(": use", "\n  → use")   # the magic's two-line form of it
+    assert widget(rank=1, step=3) == refused
+    assert list(jd.pending.glob("*.json")) == []
+
+    queued = f"queued sigkill for rank 1 of {name} (at step 50); it shows as fired when the rank fires it; id "
+    status, body = server.request("POST", f"jobs/{name}/inject", {"fault": "sigkill", "rank": 1, "step": 50})
+    said = [body["message"], cli("inject", name, "sigkill", "--rank", "1", "--step", "50").stdout.strip(),
+            widget(rank=1, step=50), magic(f"inject {name} sigkill --rank 1 --step 50")]
+    ids = {p.stem for p in jd.pending.glob("*.json")}
+    assert len(ids) == 4 and [s.startswith(queued) and s.removeprefix(queued) in ids for s in said] == [True] * 4, said

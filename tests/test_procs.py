@@ -20,7 +20,7 @@ from eksft_nb.backends.local.supervisor import Supervisor
 from eksft_nb.control import FaultCommand, submit
 from eksft_nb.errors import JobError
 from eksft_nb.events import EventWriter, read_all
-from eksft_nb.job import Job
+from eksft_nb.job import Job, attach
 from eksft_nb.jobdir import JobDir, atomic_write
 from eksft_nb.spec import JobSpec, ModelConfig
 from eksft_nb.states import JobState
@@ -165,8 +165,11 @@ def test_a_job_whose_supervisor_and_keeper_died_is_adopted_not_lost() -> None:
     submit(jd.pending, FaultCommand("sigkill", rank=1))  # an in-job restart while nobody supervises
     wait_for("the restart", lambda: any(e["injob_restart"] == 1 for e in events("orphan", "rank_start")))
     backend = LocalBackend()
-    status = backend.state("orphan")
-    assert status.state == "running" and "adopted" in status.detail, status
+    status = backend.state("orphan")   # a query starts nothing: the job is orphaned, not yet adopted
+    assert (status.state, status.orphaned) == ("running", True) and "nothing supervises" in status.detail, status
+    assert not any(procs.recorded(jd.supervisor().get(who), record["job_uid"]) for who in ("keeper", "supervisor"))
+    state, detail = attach("orphan").status()   # looking at the job adopts it
+    assert state == "running" and "adopted" in detail, detail
     with pytest.raises(JobError):
         backend.remove("orphan")
     wait_for("the end", lambda: backend.state("orphan").state not in ("starting", "running"), 300)

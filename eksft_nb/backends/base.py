@@ -9,7 +9,9 @@ from typing import Protocol
 
 from ..checkpoint_folders import CheckpointInfo
 from ..control import FaultCommand
+from ..errors import JobError
 from ..events import Event
+from ..fault_registry import refused
 from ..spec import JobSpec
 from ..states import JobState
 
@@ -94,15 +96,23 @@ class JobSummary:
     backend: str
     state: JobState
     detail: str = ""
+    orphaned: bool = False   # its processes run and nothing supervises them: :meth:`Backend.adopt` starts one
 
 
 class Backend(ABC):
+    """The whole contract: every operation the command layer asks of a backend is here."""
+
     name: str
-    refused_faults: frozenset[str] = frozenset()   # fault kinds it cannot deliver (a resilience test skips)
+
+    @property
+    def refused_faults(self) -> frozenset[str]:
+        """Fault kinds it cannot deliver (a resilience test skips them), from the fault registry."""
+        return refused(self.name)
 
     @abstractmethod
-    def render(self, spec: JobSpec) -> str:
-        """What ``launch`` would start, as text (the dry run)."""
+    def render(self, spec: JobSpec, queue_objects: bool = False) -> str:
+        """What ``launch`` would start, as text (the dry run). ``queue_objects``: also the scheduler's
+        queue objects for the job's queue, where the backend has a scheduler with them (EKS: Kueue)."""
 
     @abstractmethod
     def launch(self, spec: JobSpec, faults: list[FaultCommand] | None = None) -> None:
@@ -118,6 +128,11 @@ class Backend(ABC):
     @abstractmethod
     def state(self, name: str) -> JobSummary:
         """Where the job's processes (or pods) stand, independently of its events."""
+
+    def adopt(self, name: str) -> str:
+        """Start a supervisor for an orphaned job (see :attr:`JobSummary.orphaned`); what was done. Only
+        the local backend runs supervisors of its own: elsewhere nothing is ever orphaned."""
+        return ""
 
     def settled(self, name: str) -> bool:
         """Whether nothing of a job whose events say it ended still runs: the end is recorded a moment
@@ -140,3 +155,19 @@ class Backend(ABC):
     @abstractmethod
     def stop(self, name: str, timeout: float = 60.0) -> None:
         """End the job; returns once nothing of it runs."""
+
+    @abstractmethod
+    def remove(self, name: str) -> None:
+        """Delete an ended job (its folder or workload); refuse one that still runs."""
+
+    def signal(self, name: str, rank: int, signame: str = "SIGKILL") -> str:
+        """Signal a rank process directly, from outside the job; where it ran. A backend that cannot
+        reach the ranks' processes refuses: a fault command reaches them through the job's inbox."""
+        raise JobError(f"the {self.name} backend cannot signal a rank's process directly",
+                       f"inject a fault instead: python -m eksft_nb inject {name} sigkill --rank {rank}")
+
+    def lose_node(self, name: str, node: int) -> str:
+        """Take a node away at once, from outside the job (EKS: delete its pod); what was lost. A backend
+        that cannot refuses: the kill-launcher fault loses a node from inside."""
+        raise JobError(f"the {self.name} backend cannot take a node away from outside the job",
+                       f"inject a fault instead: python -m eksft_nb inject {name} kill-launcher --node {node}")

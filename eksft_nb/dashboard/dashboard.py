@@ -15,11 +15,12 @@ from typing import Any
 
 import ipywidgets as w
 
+from .. import commands
 from ..checkpoint_folders import CheckpointInfo, resume_origin
 from ..errors import EksftError
 from ..goodput import compute
-from ..job import Job
-from ..states import CheckpointState, JobState
+from ..job import Job, attach
+from ..states import FAILED_ENDS, CheckpointState, JobState
 from .figure import TrainingFigure
 from .parts import CheckpointTable, FaultControls, GoodputBar, Header, LogTail
 from .series import Throttle
@@ -127,7 +128,7 @@ class Dashboard(w.VBox):
             if ended:
                 self.ended = True
                 self.controls.inject.disabled = self.stop_button.disabled = True
-                if state in (JobState.FAILED, JobState.LOST):
+                if state in FAILED_ENDS:
                     self._say(f"{self.job.name} {state}: {detail or mon.reason}", error=True)
                 elif mon.drain is not None:
                     self._say(f"{self.job.name} {state}: {mon.reason}")
@@ -168,28 +169,31 @@ class Dashboard(w.VBox):
             return
         self.inject(**kwargs)
 
-    def inject(self, fault: str, **kwargs: Any) -> None:
-        """Inject a fault into the job (what the Inject button does); the outcome shows in the message line."""
+    def inject(self, fault: str, *, rank: int | None = None, step: int | None = None, after: float | None = None,
+               node: int = 0, **params: Any) -> None:
+        """Inject a fault into the job (what the Inject button does); the outcome shows in the message line,
+        the command layer's line (the CLI's and the panel's)."""
         try:
-            cmd = self.job.inject(fault, **kwargs)
+            said = commands.inject(self.job.name, fault, rank=rank, step=step, after=after, node=node, params=params,
+                                   backend=self.job.backend.name)["message"]
         except EksftError as e:
             self._say(str(e), error=True)
             return
-        target = f"rank {cmd.rank}" if cmd.rank is not None else f"node {cmd.node}"
-        self._say(f"queued {cmd.fault} for {target} ({cmd.when}); the figure marks it when it fires")
+        self._say(said)
 
     def resume(self, step: int) -> Dashboard | None:
         """Start a new job from the checkpoint at ``step`` and show its dashboard below this one."""
+        backend = self.job.backend.name
         try:
-            new = self.job.resume(step=step)
+            row = commands.resume(self.job.name, step=step, backend=backend)
         except EksftError as e:
             self._say(str(e), error=True)
             return None
-        child = Dashboard(new, **self._options)
+        child = Dashboard(attach(row["name"], backend), **self._options)
         old, self.resumed.children = self.resumed.children, (child,)
         for dash in old:
             dash.close()
-        self._say(f"resumed from the checkpoint at step {step} as {new.name}: it starts at step {step + 1}")
+        self._say(row["message"])
         return child
 
     def stop(self) -> None:
@@ -199,12 +203,12 @@ class Dashboard(w.VBox):
 
         def run() -> None:
             try:
-                self.job.stop()
+                said = commands.stop(self.job.name, self.job.backend.name)["message"]
             except EksftError as e:
                 self._say(str(e), error=True)
                 self.stop_button.disabled = False
                 return
-            self._say(f"stopped {self.job.name}; nothing of it keeps running")
+            self._say(said)
 
         threading.Thread(target=run, daemon=True).start()
 

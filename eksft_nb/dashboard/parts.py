@@ -12,7 +12,7 @@ from typing import Any
 import ipywidgets as w
 from traitlets import Dict, Float, Int, List, Unicode, observe
 
-from ..control import FAULTS
+from ..control import FAULTS, WHEN_FIX, parse_when
 from ..errors import ControlError
 from ..goodput import CATEGORIES
 from ..states import CheckpointState, FaultScope, JobState, RestartLevel
@@ -133,18 +133,10 @@ class FaultControls(w.HBox):
 
     def command(self) -> dict[str, Any]:
         """Keyword arguments for :meth:`Job.inject` from the current choices."""
-        when = self.when.value.strip().lower()
-        step: int | None = None
-        after: float | None = None
-        if when not in ("", "now"):
-            try:
-                if when.endswith("s") and not when.startswith("step"):
-                    after = float(when[:-1])
-                else:
-                    step = int(when.removeprefix("step").strip())
-            except ValueError:
-                raise ControlError(f"cannot read when={self.when.value!r}",
-                                   "write now, the step to fire at (e.g. 120), or seconds from now (e.g. 30s)") from None
+        try:
+            step, after = parse_when(self.when.value)
+        except ValueError:
+            raise ControlError(f"cannot read when={self.when.value!r}", WHEN_FIX) from None
         fault = self.fault.value
         if FAULTS[fault][0] == FaultScope.NODE:
             return {"fault": fault, "node": self.target.value, "step": step, "after": after}

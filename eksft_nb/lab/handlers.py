@@ -22,13 +22,13 @@ from tornado.iostream import StreamClosedError
 
 from .. import commands, plotly_bundle
 from ..errors import EksftError, UnknownJobError
-from ..states import FaultKind
+from ..fault_registry import REGISTRY
 from . import requests
 from .manager import JobsManager, describe_error, eks_configured
 
 KEEPALIVE_S = 15.0
 # what the JupyterLab panel offers to inject: the one table of fault kinds, in its order
-FAULT_KINDS = [{"kind": k.value, "scope": k.scope.value, "help": k.description} for k in FaultKind]
+FAULT_KINDS = [{"kind": k.value, "scope": d.scope.value, "help": d.description} for k, d in REGISTRY.items()]
 
 
 def refusing(method: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
@@ -95,8 +95,8 @@ class InjectHandler(Base):
     @web.authenticated
     @refusing
     async def post(self, name: str) -> None:
-        args = requests.inject_args(requests.body(self.request.body, requests.INJECT))
-        await self.reply(commands.inject, name, args.pop("fault"), **args)
+        command, backend = requests.inject_args(requests.body(self.request.body, requests.INJECT))
+        await self.reply(commands.inject_command, name, command, backend=backend)
 
 
 class StopHandler(Base):

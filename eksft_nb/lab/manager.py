@@ -31,9 +31,9 @@ MAX_BEHIND = 1000                         # messages a client may have left unre
 
 def eks_configured() -> bool:
     """Whether a kubeconfig is set ($KUBECONFIG or ~/.kube/config): only then are EKS jobs listed."""
-    from ..backends.eks.cluster import _kubeconfig_files
+    from ..backends.eks.cluster import kubeconfig_files
 
-    return bool(_kubeconfig_files())
+    return bool(kubeconfig_files())
 
 
 def describe_error(e: BaseException) -> str:
@@ -113,7 +113,7 @@ class JobsManager:
         try:
             row = commands.job_row(fold.job)
         except EksftError as e:   # a folder that cannot be read is listed with its problem, as by `list`
-            row = commands._summary_row(self.local.state(fold.job.name), str(e))
+            row = commands.summary_row(self.local.state(fold.job.name), str(e))
         mon = fold.job.monitor
         if quiet:                  # history: nothing to announce
             fold.restarts, fold.failures = len(mon.restarts), len(mon.failures)

@@ -12,7 +12,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .. import commands
-from ..control import FaultCommand, _integer
+from ..control import FaultCommand
+from ..fault_registry import integer
 from ..errors import ControlError
 from ..spec import JobSpec, _show
 
@@ -35,9 +36,9 @@ INJECT: dict[str, Check] = {"fault": _ANY, "rank": _ANY, "step": _ANY, "after": 
                             "duration": _ANY, "backend": _BACKEND}
 STOP: dict[str, Check] = {"backend": _BACKEND}
 RESUME: dict[str, Check] = {
-    "step": (_optional(_integer), "a committed checkpoint's step (an integer), or null for the newest"),
+    "step": (_optional(integer), "a committed checkpoint's step (an integer), or null for the newest"),
     "as": (_optional(lambda v: isinstance(v, str)), "the new job's name (a string), or null"),
-    "steps": (_optional(_integer), "an integer (steps in total), or null"),
+    "steps": (_optional(integer), "an integer (steps in total), or null"),
     "backend": _BACKEND}
 LAUNCH: dict[str, Check] = {
     "spec": (lambda v: isinstance(v, dict), 'an object of spec fields, e.g. {"steps": 80, "model.preset": "tiny"}'),
@@ -67,21 +68,18 @@ def body(raw: bytes, shape: Mapping[str, Check]) -> dict[str, Any]:
     return data
 
 
-def inject_args(data: dict[str, Any]) -> dict[str, Any]:
-    """The keyword arguments of ``commands.inject`` (but ``name``), types checked as a fault command's."""
+def inject_args(data: dict[str, Any]) -> tuple[FaultCommand, str]:
+    """The fault command (types checked as a command file's) and the backend of ``commands.inject_command``."""
     if "fault" not in data:
         raise ControlError("the request lacks its fault", 'send e.g. {"fault": "sigkill", "rank": 1}')
     params = {k: data[k] for k in ("delay", "duration") if k in data}
     fields = {k: data[k] for k in ("fault", "rank", "step", "after", "node") if k in data}
-    command = FaultCommand.from_dict({**fields, "params": params})   # the command file's own type checks
-    return {"fault": command.fault, "rank": command.rank, "step": command.step, "after": command.after,
-            "node": command.node, "params": params, "backend": data.get("backend", "local")}
+    return FaultCommand.from_dict({**fields, "params": params}), data.get("backend", "local")
 
 
 def launch_args(data: dict[str, Any]) -> tuple[JobSpec, list[FaultCommand]]:
     """The spec (dotted fields over the defaults; text values read as the CLI reads its options) and faults."""
-    spec = commands.spec_from_options(data.get("spec", {}))
-    return spec, commands.faults_for(spec, data.get("faults", []))
+    return commands.prepare(commands.spec_from_options(data.get("spec", {}), validate=False), data.get("faults", []))
 
 
 def query_int(raw: str | None, name: str, default: int, low: int, high: int) -> int:

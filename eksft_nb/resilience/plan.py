@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from ..control import FaultCommand
 from ..errors import EksftError
+from ..fault_registry import REGISTRY
 from ..monitor import JobMonitor
 from ..spec import JobSpec, _closest
 from ..states import CheckpointState, FaultKind, FaultScope
@@ -41,9 +42,7 @@ class Case:
 
     @property
     def target(self) -> str:
-        first = self.faults[0]
-        return {FaultScope.RANK: f"rank {first.rank}", FaultScope.NODE: f"node {first.node}"}.get(
-            first.scope, "the job")
+        return self.faults[0].target
 
 
 @dataclass
@@ -147,6 +146,6 @@ def _case(kind: FaultKind, spec: JobSpec, job: str, step: int) -> Case:
 
 
 def _command(kind: FaultKind, rank: int, step: int) -> FaultCommand:
-    if kind.scope == FaultScope.RANK:
+    if REGISTRY[kind].scope == FaultScope.RANK:
         return FaultCommand(kind.value, rank=rank, step=step)
     return FaultCommand(kind.value, step=step)

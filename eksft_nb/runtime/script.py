@@ -36,6 +36,7 @@ from typing import Any
 
 from ..jobdir import eksft_home
 from ..loopback import install
+from .faults import fire_due
 from .quiet import quiet_process
 from .trainer_main import exit_cleanly
 
@@ -95,7 +96,7 @@ class ScriptProbe:
     where a script resumes from its own checkpoint is not known from outside."""
 
     def __init__(self, s: Any) -> None:
-        from .session import FAULT_SIGNAL
+        from .faults import FAULT_SIGNAL
 
         self.s = s
         self.steps = 0
@@ -155,11 +156,7 @@ class ScriptProbe:
         if s.rank == 0 and s.instrumented:
             s.emit("step", step=step, loss=None, tokens=None, step_time=step_time)
         s.lingering_faults(step)
-        if s.inbox is not None:
-            with self._lock:
-                due = [c for c in s.commands() if c.step is not None and s.due(c, step + 1) and s.inbox.take(c)]
-            for cmd in due:
-                s._fire(cmd, step + 1)
+        fire_due(s, step + 1, steps_only=True, lock=self._lock)
 
     # ---- faults now or after a delay --------------------------------------------------------
     def _poll(self) -> None:
@@ -167,10 +164,7 @@ class ScriptProbe:
         while not self._halt.wait(POLL_S):
             if s.reports_steps:  # the script's step_begin fires its commands at step starts
                 return
-            with self._lock:
-                due = [c for c in s.commands() if c.step is None and s.due(c, None) and s.inbox.take(c)]
-            for cmd in due:
-                s._fire(cmd, self.steps + 1 if self.steps else None, main_thread=self.main)
+            fire_due(s, None, at=self.steps + 1 if self.steps else None, main_thread=self.main, lock=self._lock)
 
     # ---- in-process restarts of the script's own inprocess.Wrapper --------------------------
     def _hook_wrapper(self, inprocess: ModuleType) -> None:

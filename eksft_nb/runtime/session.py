@@ -16,12 +16,10 @@ steps, heartbeats and faults from its optimizer steps.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import json
 import math
 import os
-import signal
 import socket
 import sys
 import threading
@@ -36,17 +34,12 @@ from ..events import EventWriter
 from ..gpuhealth import start as start_gpu_health
 from ..jobdir import JobDir
 from ..spec import JobSpec
-from ..states import CheckpointState, FaultScope
 from ..timeouts import derive, resolved
+from .faults import fire_due
 
 
 class InjectedFault(RuntimeError):
     """The exception raised by the ``exception`` fault."""
-
-
-# raises the injected exception in a user script's main thread (a real-time signal no library claims;
-# macOS has none)
-FAULT_SIGNAL = signal.SIGRTMIN + 3 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
 
 
 @dataclass(frozen=True)
@@ -194,10 +187,7 @@ class Session:
     def step_begin(self, step: int) -> None:
         self.reports_steps = True
         self.step_entered = step
-        if self.inbox is not None:
-            for cmd in self.commands():
-                if self.due(cmd, step) and self.inbox.take(cmd):
-                    self._fire(cmd, step)
+        fire_due(self, step)
         self.lingering_faults(step)
         if self.sections:
             self.section("step", True)
@@ -234,70 +224,6 @@ class Session:
         if step < self._slow_until:
             time.sleep(self._slow_delay)
 
-    def _mine(self, cmd: FaultCommand) -> bool:
-        if cmd.scope == FaultScope.RANK:
-            return cmd.rank == self.rank
-        if cmd.scope == FaultScope.NODE:
-            return cmd.node == self.info.node and self.info.local_rank == 0
-        return self.rank == 0
-
-    def due(self, cmd: FaultCommand, step: int | None) -> bool:
-        """Whether this rank fires ``cmd`` now: at the start of ``step`` (None: between steps, where
-        only commands without a step are due), or once its ``after`` delay has passed."""
-        if not self._mine(cmd):
-            return False
-        if cmd.after is not None:
-            return time.time() >= (cmd.queued_at or 0.0) + cmd.after
-        return cmd.step is None or (step is not None and cmd.step <= step)
-
-    def _fire(self, cmd: FaultCommand, step: int | None, main_thread: int | None = None) -> None:
-        """Fire a claimed command. ``main_thread``: fired from another thread, for a user script:
-        an exception is then raised in that thread by :data:`FAULT_SIGNAL`, and a hang stops the
-        whole process (SIGSTOP) instead of sleeping in the step."""
-        at = step if step is not None else self.step_done + 1   # the first step the fault affects
-        extra = {"node": cmd.node} if cmd.scope == FaultScope.NODE else {}
-        if cmd.fault == "corrupt-checkpoint":
-            extra = self._corrupt_latest_checkpoint()
-        if cmd.fault == "kill-supervisor":
-            extra = self._kill_supervisor()
-        self.emit("fault", fault=cmd.fault, id=cmd.id, target_rank=cmd.rank, at_step=step, params=cmd.params,
-                  **extra)
-        if cmd.fault == "kill-launcher":  # the whole node: ft_launcher's process group, this rank included
-            # a warm rank's parent is its zygote: its shim's parent, the launcher, is named in the environment
-            os.killpg(os.getpgid(int(os.environ.get("EKSFT_LAUNCHER_PID") or os.getppid())), signal.SIGKILL)
-        if cmd.fault == "exception":
-            where = f" at step {step}" if step is not None else ""
-            self.pending_exception = f"injected exception on rank {self.rank}{where}"
-            if main_thread is None:
-                self.raise_pending()
-            signal.pthread_kill(main_thread, FAULT_SIGNAL)
-        if cmd.fault == "hang" and main_thread is not None:
-            os.kill(os.getpid(), signal.SIGSTOP)  # ft_launcher's monitor sends SIGCONT and kills it
-        if cmd.fault == "hang":
-            while True:  # an in-process restart interrupts this with an asynchronous exception
-                time.sleep(0.05)
-        if cmd.fault == "sigkill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        if cmd.fault == "sigterm":
-            if self.drain is not None and self.drain.is_handler():  # the fault is a rank dying of it, not a drain
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-            if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:  # else the script handles it: carry on
-                time.sleep(60)
-        if cmd.fault == "segfault":
-            ctypes.string_at(0)
-        if cmd.fault == "slow-rank":
-            self._slow_until = at + int(cmd.params["duration"])
-            self._slow_delay = float(cmd.params["delay"])
-        if cmd.fault == "save-failure":
-            for callback in self.on_save_failure:
-                callback()
-        if cmd.fault == "disk-full":
-            self._full_until = at + int(cmd.params.get("duration", 10))
-            self.events.divert("/dev/full")
-        if cmd.fault == "slow-storage":
-            self._slow_storage = (at + int(cmd.params.get("duration", 10)), float(cmd.params.get("delay", 2.0)))
-
     def storage_fault(self) -> tuple[str, float] | None:
         """The storage fault in force at the current step: ("full", 0), ("slow", delay) or None."""
         if self.step_entered < self._full_until:
@@ -307,39 +233,10 @@ class Session:
         return None
 
     def raise_pending(self, *_signal: Any) -> None:
-        """Raise the injected exception (also the :data:`FAULT_SIGNAL` handler, in the main thread)."""
+        """Raise the injected exception (also the :data:`~.faults.FAULT_SIGNAL` handler, in the main thread)."""
         message, self.pending_exception = self.pending_exception, None
         if message:
             raise InjectedFault(message)
-
-    def _corrupt_latest_checkpoint(self) -> dict[str, Any]:
-        """Flip 64 bytes in the middle of the largest shard of the newest committed checkpoint."""
-        from ..checkpoint_folders import list_checkpoints
-
-        committed = [i for i in list_checkpoints(self.checkpoint_dir())
-                     if i.state == CheckpointState.COMMITTED]
-        if not committed:
-            return {"path": None, "note": "no committed checkpoint yet: nothing corrupted"}
-        victim = max(committed[-1].path.glob("*.distcp"), key=lambda f: f.stat().st_size)
-        middle = victim.stat().st_size // 2
-        with open(victim, "r+b") as f:
-            f.seek(middle)
-            chunk = f.read(64)
-            f.seek(middle)
-            f.write(bytes(b ^ 0xFF for b in chunk))
-        return {"path": str(victim), "checkpoint_step": committed[-1].step}
-
-    def _kill_supervisor(self) -> dict[str, Any]:
-        """SIGKILL the job's local supervisor: the one ``supervisor.json`` names, if that pid is still
-        the process it names and carries this job's mark."""
-        from .. import procs
-
-        record = self.job_dir.supervisor() if self.job_dir else {}
-        victim = procs.recorded(record.get("supervisor"), os.environ.get(procs.JOB_MARK) or "")
-        if victim is None:
-            return {"note": "no supervisor of this job runs here: nothing killed"}
-        victim.kill()
-        return {"supervisor_pid": victim.pid}
 
     def close(self) -> None:
         if self._beacon is not None:

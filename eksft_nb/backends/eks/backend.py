@@ -50,7 +50,6 @@ class EksBackend(Backend):
     """
 
     name = "eks"
-    refused_faults = frozenset({"kill-supervisor"})   # no eksft supervisor runs on the cluster
 
     def __init__(self, namespace: str | None = None, context: str | None = None, *,
                  api_client: client.ApiClient | None = None, checkpoints_mount: str | None = None,

@@ -45,7 +45,7 @@ class Cluster:
     @classmethod
     def connect(cls, context: str | None = None, namespace: str | None = None, timeout: float = 30.0) -> Cluster:
         cfg = client.Configuration()
-        if context or _kubeconfig_files():
+        if context or kubeconfig_files():
             default_ns = _load_kubeconfig(context, cfg)
         elif os.environ.get("KUBERNETES_SERVICE_HOST"):
             try:
@@ -200,14 +200,14 @@ def _root(e: BaseException) -> str:
     return text.split(": ", 1)[1] if text.startswith("<") and ": " in text else text
 
 
-def _kubeconfig_files() -> list[Path]:
+def kubeconfig_files() -> list[Path]:
     paths = os.environ.get("KUBECONFIG") or "~/.kube/config"
     return [Path(p).expanduser() for p in paths.split(os.pathsep) if p and Path(p).expanduser().is_file()]
 
 
 def _load_kubeconfig(context: str | None, cfg: client.Configuration) -> str:
     where = os.environ.get("KUBECONFIG") or "~/.kube/config"   # read now: the client reads it at import
-    if not _kubeconfig_files():
+    if not kubeconfig_files():
         raise JobError(f"--context {context} needs a kubeconfig, and none was found at {where}",
                        "run `aws eks update-kubeconfig --name CLUSTER --region REGION`")
     try:

@@ -46,7 +46,7 @@ class LocalBackend(Backend):
         return JobDir.existing(name, self.root)
 
     # ---- launch -------------------------------------------------------------------------------
-    def render(self, spec: JobSpec) -> str:
+    def render(self, spec: JobSpec, queue_objects: bool = False) -> str:
         lines = [f"# {line}" for line in derive(spec.validate()).lines()]
         spec = resolved(spec)
         jd = JobDir.for_name(spec.name, self.root)
@@ -109,8 +109,8 @@ class LocalBackend(Backend):
         return self._jd(name).spec()
 
     def state(self, name: str) -> JobSummary:
-        """From ``supervisor.json`` and the processes it names. A job whose processes run while neither
-        its supervisor nor its keeper does is adopted here by a new supervisor, never left ``lost``."""
+        """From ``supervisor.json`` and the processes it names; a query, it starts nothing. A job whose
+        processes run while neither its supervisor nor its keeper does is ``orphaned``: see :meth:`adopt`."""
         jd = self._jd(name)
         sup = jd.supervisor()
         state = str(sup.get("state", JobState.STARTING))
@@ -122,11 +122,20 @@ class LocalBackend(Backend):
         if not procs.marked(uid):
             return JobSummary(name, self.name, JobState.LOST, "the supervisor is gone (the machine restarted, or it "
                               f"was killed) and nothing of the job runs; see {jd.logs / 'supervisor.err'}")
+        return JobSummary(name, self.name, JobState.RUNNING, "its supervisor is gone: nothing supervises the running "
+                          "job", orphaned=True)
+
+    def adopt(self, name: str) -> str:
+        """Start a new supervisor (and keeper) for an orphaned job, so that it is never left ``lost``."""
+        jd = self._jd(name)
+        uid = _job_uid(jd.supervisor())
+        if uid is None:
+            return ""
         try:
             self._start_supervisor(jd, uid)
         except JobError:
             pass  # another client adopted it first, or a stop holds the lock
-        return JobSummary(name, self.name, JobState.RUNNING, "its supervisor was gone: a new one adopted the running job")
+        return "its supervisor was gone: a new one adopted the running job"
 
     def settled(self, name: str) -> bool:
         """The supervisor and its keeper, the last of a job's processes to exit, are gone."""
