@@ -15,15 +15,14 @@ import shutil
 import time
 from pathlib import Path
 
-from ...checkpoint_folders import CheckpointInfo, list_checkpoints
 from ...control import FaultCommand, submit
 from ...errors import JobError, UnknownJobError
-from ...events import EventTail
 from ...jobdir import JobDir, atomic_write, eksft_home
 from ...spec import JobSpec, valid_name
 from ...states import ACTIVE, JobState
 from ...tails import bounded, tail_lines
 from ..base import Backend, JobSummary, readable
+from ..folder import FolderJobs
 from ..inbox import queue_fault
 from . import cluster
 from .render import STOP_MARK, job_dir, render
@@ -32,7 +31,7 @@ RECORD = "slurm.json"
 SHARED_DIR_ENV = "EKSFT_SHARED_DIR"
 
 
-class SlurmBackend(Backend):
+class SlurmBackend(FolderJobs, Backend):
     """The jobs under one shared folder (``shared_dir``, default ``$EKSFT_SHARED_DIR``) and those this
     machine launched (each leaves a link to its folder in ``$EKSFT_HOME/slurm``); a launched job's spec
     names its own folder (``--shared-dir``)."""
@@ -105,9 +104,6 @@ class SlurmBackend(Backend):
         mine.sort(key=lambda p: p.stat().st_mtime)
         return [self.state(p.name) for p in mine]
 
-    def spec(self, name: str) -> JobSpec:
-        return self._jd(name).spec()
-
     def state(self, name: str) -> JobSummary:
         """Slurm's view: pending (with its reason), running, cancelled; lost once Slurm forgot a job
         whose events never recorded an end."""
@@ -128,13 +124,6 @@ class SlurmBackend(Backend):
             return JobSummary(name, self.name, JobState.FAILED, f"Slurm job {job_id} {job.slurm_state}"
                               + (f" ({job.reason})" if job.reason not in ("", "None") else ""))
         return JobSummary(name, self.name, job.state, f"Slurm job {job_id} on {job.nodes}")
-
-    def events(self, name: str) -> EventTail:
-        return EventTail(self._jd(name).events_path)
-
-    def checkpoints(self, name: str) -> list[CheckpointInfo]:
-        jd = self._jd(name)
-        return list_checkpoints(jd.ckpt_dir(jd.spec()))
 
     def logs(self, name: str, lines: int = 200, debug: bool = False) -> str:
         """The batch script's output, then each node's launcher log (``srun`` writes one per node)."""
