@@ -25,7 +25,7 @@ from ..base import Backend, JobSummary, readable
 from ..folder import FolderJobs
 from ..inbox import queue_fault
 from . import cluster
-from .render import STOP_MARK, job_dir, render
+from .render import STOP_MARK, job_dir, new_job_uid, render
 
 RECORD = "slurm.json"
 SHARED_DIR_ENV = "EKSFT_SHARED_DIR"
@@ -81,7 +81,8 @@ class SlurmBackend(FolderJobs, Backend):
                            "mount it on this machine at the path the nodes use, or fix --shared-dir")
         faults = [f.validate(spec.world_size, spec.nnodes) for f in faults or []]
         jd = job_dir(spec)
-        script = render(spec)
+        job_uid = new_job_uid()
+        script = render(spec, job_uid)
         jd.create(spec)   # refuses a job folder that exists
         for f in faults:
             submit(jd.pending, f)
@@ -90,7 +91,8 @@ class SlurmBackend(FolderJobs, Backend):
         except JobError:
             atomic_write(jd.path / RECORD, json.dumps({"job_id": "", "error": "sbatch failed"}))
             raise
-        atomic_write(jd.path / RECORD, json.dumps({"job_id": job_id, "submitted": time.time()}))
+        atomic_write(jd.path / RECORD, json.dumps({"job_id": job_id, "job_uid": f"{job_uid}-{job_id}",
+                                                       "submitted": time.time()}))
         self.links.mkdir(parents=True, exist_ok=True, mode=0o700)
         (self.links / spec.name).unlink(missing_ok=True)
         (self.links / spec.name).symlink_to(jd.path)
