@@ -180,6 +180,31 @@ def test_the_magic_lists_and_shows_a_slurm_job(cluster: SlurmCluster, reference:
 
 
 @pytest.mark.slow
+def test_the_lab_panel_lists_slurm_jobs(cluster: SlurmCluster, reference: dict,
+                                        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """What the panel renders: the server extension's job list and its stream, with the Slurm jobs this
+    machine launched (no $EKSFT_SHARED_DIR, no kubeconfig), and a Slurm job's dashboard figure."""
+    from test_lab_server import Stream, jupyter_server, row
+
+    tmp = tmp_path_factory.mktemp("lab")
+    env = {**{k: v for k, v in cluster.env.items() if k != "EKSFT_SHARED_DIR"}, "KUBECONFIG": str(tmp / "none")}
+    with jupyter_server(tmp, env) as server:
+        code, body = server.request("GET", "jobs")
+        assert code == 200 and body["backends"]["slurm"] == {"ok": True, "error": None}, body
+        assert "eks" not in body["backends"]
+        listed = row(body, "reference")
+        assert listed and (listed["backend"], listed["state"], listed["step"]) == ("slurm", "succeeded", 30), body
+        stream = Stream(server)
+        try:
+            _, data = stream.wait("the Slurm job", lambda k, d: k == "jobs" and row(d, "reference") is not None, 120)
+            assert row(data, "reference")["backend"] == "slurm" and data["backends"]["slurm"]["ok"]
+        finally:
+            stream.close()
+        code, figure = server.request("GET", "jobs/reference/figure?backend=slurm")
+        assert code == 200 and figure["data"], figure
+
+
+@pytest.mark.slow
 def test_rm_refuses_a_running_slurm_job_and_removes_an_ended_one(cluster: SlurmCluster, reference: dict) -> None:
     run(cluster, "to-remove", detach=True)
     refused = cli(cluster, "rm", "to-remove", "--backend", "slurm")
@@ -208,7 +233,7 @@ def test_an_exception_and_a_hang_injected_from_the_cli_heal_in_process_and_resum
     assert injected.returncode == 0 and "queued hang for rank 1 of in-process" in injected.stdout, injected.stderr
     watched = cli(cluster, "watch", "in-process", "--backend", "slurm")
     assert watched.returncode == 0, story(cluster, "in-process")
-    assert watched.stderr.count("recovered (inprocess)") == 2, watched.stderr[-3000:]
+    assert watched.stdout.count("recovered (inprocess)") == 2, watched.stdout[-3000:]
     summary = json.loads(cli(cluster, "summary", "in-process", "--backend", "slurm", "--json").stdout)
     assert [(r["level"], r["blame_rank"]) for r in summary["restart_events"]] == [("inprocess", 0), ("inprocess", 1)]
     fired = [(e["fault"], e["at_step"]) for e in read_all(cluster.shared / "in-process" / "events.jsonl")
