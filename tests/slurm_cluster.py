@@ -58,6 +58,22 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
+def free_base() -> int:
+    """A port free with the two after it (the rendezvous and the trainer's two stores)."""
+    for _ in range(200):
+        base = _free_ports(1)[0]
+        if base > 65533:
+            continue
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", base + 1))
+                b.bind(("127.0.0.1", base + 2))
+            return base
+        except OSError:
+            continue
+    raise AssertionError("no three free consecutive ports")
+
+
 def config(d: Path, ports: list[int], names: tuple[str, str]) -> str:
     ctld, slurmd, *node_ports = ports
     nodes = "\n".join(f"NodeName={n} NodeHostname=localhost Port={p} CPUs=2 RealMemory=4000 State=UNKNOWN"
