@@ -4,12 +4,15 @@ a scancel from outside, and a rank killed mid-run healed in-job with a bit-ident
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
 from typing import Any
 
+import psutil
 import pytest
 from jobs import wait_for
 from slurm_cluster import SlurmCluster, free_base, slurm_cluster
@@ -307,6 +310,36 @@ def test_a_lost_node_is_a_job_restart_that_resumes_from_the_newest_checkpoint(cl
     summary = json.loads(cli(cluster, "summary", "node-lost", "--backend", "slurm", "--json").stdout)
     assert [r["level"] for r in summary["restart_events"]] == ["job"], summary["restart_events"]
     assert summary["restart_events"][0]["resumed_step"] >= 10
+    assert summary["digest"] == reference["digest"]
+
+
+@pytest.mark.slow
+def test_a_lost_first_node_is_a_job_restart_recorded_by_the_requeued_run(cluster: SlurmCluster,
+                                                                       reference: dict) -> None:
+    """The allocation's first node runs the watcher: lost with it, nothing records the failure, so the
+    requeued run does, and resumes from the newest committed checkpoint."""
+    run(cluster, "first-lost", detach=True)
+    events = cluster.shared / "first-lost" / "events.jsonl"
+    wait_for("checkpoint 10", lambda: events.exists() and any(
+        e.kind == "checkpoint" and e["phase"] == "committed" for e in read_all(events)), timeout=300, every=0.05)
+    job_id = json.loads((cluster.shared / "first-lost" / "slurm.json").read_text())["job_id"]
+    job = cluster.run("scontrol", "show", "job", "-o", job_id).stdout
+    [first] = re.findall(r"BatchHost=(\S+)", job)
+    gone = cluster.job_processes(job_id, first)
+    assert any("allocation" in " ".join(p.cmdline()) for p in gone), [p.cmdline() for p in gone]
+    for p in gone:   # the node stops at once: nothing on it records anything more
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.suspend()
+    cluster.run("scontrol", "update", f"nodename={first}", "state=down", "reason=eksft-test")
+    for p in gone:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    row = wait_for("the end", lambda: (r := status(cluster, "first-lost"))["ended"] and r, timeout=600)
+    assert row["state"] == "succeeded", story(cluster, "first-lost")
+    summary = json.loads(cli(cluster, "summary", "first-lost", "--backend", "slurm", "--json").stdout)
+    [restart] = summary["restart_events"]
+    assert restart["level"] == "job" and "first node was lost" in restart["cause"], restart
+    assert restart["resumed_step"] >= 10
     assert summary["digest"] == reference["digest"]
 
 
