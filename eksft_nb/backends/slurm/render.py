@@ -58,7 +58,6 @@ def environment(spec: JobSpec) -> dict[str, str]:
     """Every launcher's and rank's environment, but the attempt and the job's id (the batch shell sets them)."""
     values = rank_env(spec, ports=Ports.from_base(spec.slurm.port), job_attempt=0, job_dir=str(job_dir(spec).path))
     del values["EKSFT_JOB_ATTEMPT"]
-    values.pop(JOB_MARK, None)
     values = quiet_env(values)
     # --efa means a p4d/p5-class node (its help says so): EFA with RDMA read
     values.update(nccl_env(spec.slurm.gpus_per_node, spec.slurm.efa, spec.ft.inprocess, rdma_read=spec.slurm.efa))
