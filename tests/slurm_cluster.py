@@ -42,6 +42,19 @@ class SlurmCluster:
     def run(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
         return subprocess.run(list(argv), capture_output=True, text=True, timeout=30, env=self.env, check=check)
 
+    def job_processes(self, job_id: str, node: str) -> list[psutil.Process]:
+        """What job ``job_id`` runs on ``node`` (its batch script, launcher and ranks there): every process
+        whose environment names the job and the node."""
+        marks = {f"SLURM_JOB_ID={job_id}".encode(), f"SLURMD_NODENAME={node}".encode()}
+        found = []
+        for p in psutil.process_iter():
+            try:
+                if marks <= set(Path(f"/proc/{p.pid}/environ").read_bytes().split(b"\0")):
+                    found.append(p)
+            except (OSError, psutil.Error):
+                continue
+        return found
+
     def idle_nodes(self) -> int:
         out = self.run("sinfo", "-h", "-N", "-o", "%N %t", check=False).stdout.split()
         return sum(1 for state in out[1::2] if state == "idle")
@@ -56,6 +69,22 @@ def _free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def free_base() -> int:
+    """A port free with the two after it (the rendezvous and the trainer's two stores)."""
+    for _ in range(200):
+        base = _free_ports(1)[0]
+        if base > 65533:
+            continue
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", base + 1))
+                b.bind(("127.0.0.1", base + 2))
+            return base
+        except OSError:
+            continue
+    raise AssertionError("no three free consecutive ports")
 
 
 def config(d: Path, ports: list[int], names: tuple[str, str]) -> str:

@@ -26,6 +26,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -216,22 +217,29 @@ def row(data: dict[str, Any], name: str) -> dict[str, Any] | None:
 
 @pytest.fixture(scope="module")
 def server(eksft_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """``jupyter server`` with the extension enabled by the shipped config file, a token, its own
-    Jupyter folders, and an unreachable cluster in its kubeconfig."""
+    """``jupyter server`` with the extension, and an unreachable cluster in its kubeconfig."""
     tmp = tmp_path_factory.mktemp("lab")
-    conf = tmp / "config" / "jupyter_server_config.d"
-    conf.mkdir(parents=True)
-    shutil.copy(REPO / "jupyter-config" / "jupyter_server_config.d" / "eksft_nb.json", conf)
-    (tmp / "root").mkdir()
     kubeconfig = tmp / "kubeconfig"
     kubeconfig.write_text(json.dumps({
         "apiVersion": "v1", "kind": "Config", "current-context": "gone",
         "clusters": [{"name": "gone", "cluster": {"server": "https://127.0.0.1:9"}}],
         "contexts": [{"name": "gone", "context": {"cluster": "gone", "user": "u", "namespace": "default"}}],
         "users": [{"name": "u", "user": {"token": "x"}}]}))
+    with jupyter_server(tmp, {**os.environ, "KUBECONFIG": str(kubeconfig)}) as srv:
+        yield srv
+
+
+@contextmanager
+def jupyter_server(tmp: Path, env: dict[str, str]) -> Iterator[Server]:
+    """``jupyter server`` in ``env`` with the extension enabled by the shipped config file, a token and
+    its own Jupyter folders under ``tmp``; stopped on exit."""
+    conf = tmp / "config" / "jupyter_server_config.d"
+    conf.mkdir(parents=True)
+    shutil.copy(REPO / "jupyter-config" / "jupyter_server_config.d" / "eksft_nb.json", conf)
+    (tmp / "root").mkdir()
     token = secrets.token_hex(16)
-    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(tmp / "config"), "JUPYTER_RUNTIME_DIR": str(tmp / "runtime"),
-           "JUPYTER_DATA_DIR": str(tmp / "data"), "KUBECONFIG": str(kubeconfig)}
+    env = {**env, "JUPYTER_CONFIG_DIR": str(tmp / "config"), "JUPYTER_RUNTIME_DIR": str(tmp / "runtime"),
+           "JUPYTER_DATA_DIR": str(tmp / "data")}
     log = open(tmp / "server.log", "wb")
     proc = subprocess.Popen(
         [str(Path(sys.executable).parent / "jupyter"), "server", "--no-browser", "--allow-root", "--ip=127.0.0.1",

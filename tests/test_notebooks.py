@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +27,26 @@ def executed(path: Path, tmp_root: Path) -> tuple[Any, Path]:
     """Run a notebook once per session (its jobs land in the session's EKSFT_HOME) and save it."""
     if path.stem not in _RUNS:
         nb = nbformat.read(path, as_version=4)
-        NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(tmp_root)}}).execute()
+        with kernel_env(path, tmp_root) as env:
+            NotebookClient(nb, timeout=900, kernel_name="python3",
+                           resources={"metadata": {"path": str(tmp_root)}}).execute(env=env)
         out = tmp_root / path.name
         nbformat.write(nb, out)
         _RUNS[path.stem] = (nb, out)
     return _RUNS[path.stem]
+
+
+@contextmanager
+def kernel_env(path: Path, tmp_root: Path) -> Iterator[dict[str, str]]:
+    """The kernel's environment: 06_slurm's has a real two-node Slurm (skipped where slurm-wlm is absent),
+    its shared folder and a free rendezvous port; the cluster stops when the notebook has run."""
+    if path.stem != "06_slurm":
+        yield dict(os.environ)
+        return
+    from slurm_cluster import free_base, slurm_cluster
+
+    with slurm_cluster(tmp_root / "slurm") as cluster:
+        yield {**cluster.env, "EKSFT_SHARED_DIR": str(cluster.shared), "EKSFT_SLURM_PORT": str(free_base())}
 
 
 def text(nb: Any) -> str:
@@ -91,8 +108,25 @@ def check_lab(nb: Any) -> None:
     assert "recommended:" in out and "cannot estimate: the in-process recovery" in out
 
 
+def check_slurm(nb: Any) -> None:
+    """Both faults healed at their levels on the two Slurm nodes, and the resumed job went on from step 60."""
+    from eksft_nb.events import read_all
+
+    (_, saved) = _RUNS["06_slurm"]
+    shared = saved.parent / "slurm" / "shared"
+    out = text(nb)
+    assert "#SBATCH --nodes=2" in out and "job slurm-demo: succeeded (all 60 steps done)" in out
+    events = read_all(shared / "slurm-demo" / "events.jsonl")
+    assert [e["level"] for e in events if e.kind == "restart"] == ["injob", "inprocess"]
+    assert sorted({e.rank for e in events if e.kind == "rank_start"}) == [0, 1]
+    assert "job slurm-demo-from-60: succeeded (all 80 steps done)" in out
+    resumed = read_all(shared / "slurm-demo-from-60" / "events.jsonl")
+    assert {e["step"] for e in resumed if e.kind == "resume"} == {60}
+
+
 CHECKS: dict[str, Callable[[Any], None]] = {"01_quickstart": check_quickstart, "02_checkpoint_overlap": check_overlap,
-                                             "03_resume": check_resume, "05_resilience_lab": check_lab}
+                                             "03_resume": check_resume, "05_resilience_lab": check_lab,
+                                             "06_slurm": check_slurm}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

@@ -4,22 +4,26 @@ a scancel from outside, and a rank killed mid-run healed in-job with a bit-ident
 
 from __future__ import annotations
 
+import contextlib
 import json
-import socket
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
 from typing import Any
 
+import psutil
 import pytest
 from jobs import wait_for
-from slurm_cluster import SlurmCluster, _free_ports, slurm_cluster
+from slurm_cluster import SlurmCluster, free_base, slurm_cluster
 
 from eksft_nb import commands
 from eksft_nb.backends.eks.render import nccl_env as eks_nccl_env
+from eksft_nb.backends.slurm.backend import SlurmBackend
 from eksft_nb.errors import SpecError
 from eksft_nb.events import read_all
 from eksft_nb.spec import JobSpec
+from eksft_nb.states import JobState
 
 # a small job: 2 nodes of 1 rank, tiny model, 30 steps, checkpoints every 10
 BASE = ["--nnodes", "2", "--nproc-per-node", "1", "--model", "tiny", "--steps", "30", "--ckpt-every", "10", "--seed", "0"]
@@ -58,6 +62,16 @@ def test_the_dry_run_is_an_sbatch_script_with_one_ft_launcher_per_node() -> None
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
 
 
+def test_every_launch_of_a_slurm_job_has_its_own_id() -> None:
+    """A relaunch under the same name and spec (or a second sbatch of a printed script) commits under
+    another id, so it never takes an earlier launch's checkpoints for its own; a requeue keeps the id
+    (the Slurm job id is part of it)."""
+    marks = [[line for line in commands.dry_run(slurm_spec()).splitlines() if "EKSFT_JOB_UID" in line]
+             for _ in range(2)]
+    assert all(len(m) == 1 and m[0].endswith('-$SLURM_JOB_ID"') for m in marks), marks
+    assert marks[0] != marks[1]
+
+
 def test_a_slurm_spec_needs_a_shared_folder_and_plain_sbatch_values() -> None:
     with pytest.raises(SpecError, match="--shared-dir"):
         JobSpec().replace(backend="slurm").validate()
@@ -91,22 +105,6 @@ def run(c: SlurmCluster, name: str, *args: str, detach: bool = False) -> dict:
         return {}
     assert proc.returncode in (0, 1) and "{" in proc.stdout, proc.stderr[-3000:]
     return json.loads(proc.stdout[proc.stdout.index("{"):])
-
-
-def free_base() -> int:
-    """A port free with the two after it (the rendezvous and the trainer's two stores)."""
-    for _ in range(200):
-        base = _free_ports(1)[0]
-        if base > 65533:
-            continue
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", base + 1))
-                b.bind(("127.0.0.1", base + 2))
-            return base
-        except OSError:
-            continue
-    raise AssertionError("no three free consecutive ports")
 
 
 def status(c: SlurmCluster, name: str) -> dict:
@@ -143,6 +141,10 @@ def test_a_job_runs_on_two_slurm_nodes_and_reads_as_a_local_one(cluster: SlurmCl
     assert {"reference": "succeeded"}.items() <= {r["name"]: r["state"] for r in listed}.items()
     ckpts = json.loads(cli(cluster, "ckpts", "reference", "--backend", "slurm", "--json").stdout)
     assert [c["step"] for c in ckpts if c["state"] == "committed"] == [10, 20, 30]
+    # every checkpoint was committed under this launch's id (its part and the Slurm job id)
+    record = json.loads((folder / "slurm.json").read_text())
+    assert record["job_uid"].endswith(f"-{record['job_id']}")
+    assert {c.run for c in SlurmBackend(shared_dir=cluster.shared).checkpoints("reference")} == {record["job_uid"]}
     # the job's own narrative and the launchers' lines, without the launchers' noise
     text = cli(cluster, "logs", "reference", "--backend", "slurm").stdout
     assert "[launcher-0-0]" in text and "Rendezvous info" not in text
@@ -164,6 +166,31 @@ def test_the_magic_lists_and_shows_a_slurm_job(cluster: SlurmCluster, reference:
 
 
 @pytest.mark.slow
+def test_the_lab_panel_lists_slurm_jobs(cluster: SlurmCluster, reference: dict,
+                                        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """What the panel renders: the server extension's job list and its stream, with the Slurm jobs this
+    machine launched (no $EKSFT_SHARED_DIR, no kubeconfig), and a Slurm job's dashboard figure."""
+    from test_lab_server import Stream, jupyter_server, row
+
+    tmp = tmp_path_factory.mktemp("lab")
+    env = {**{k: v for k, v in cluster.env.items() if k != "EKSFT_SHARED_DIR"}, "KUBECONFIG": str(tmp / "none")}
+    with jupyter_server(tmp, env) as server:
+        code, body = server.request("GET", "jobs")
+        assert code == 200 and body["backends"]["slurm"] == {"ok": True, "error": None}, body
+        assert "eks" not in body["backends"]
+        listed = row(body, "reference")
+        assert listed and (listed["backend"], listed["state"], listed["step"]) == ("slurm", "succeeded", 30), body
+        stream = Stream(server)
+        try:
+            _, data = stream.wait("the Slurm job", lambda k, d: k == "jobs" and row(d, "reference") is not None, 120)
+            assert row(data, "reference")["backend"] == "slurm" and data["backends"]["slurm"]["ok"]
+        finally:
+            stream.close()
+        code, figure = server.request("GET", "jobs/reference/figure?backend=slurm")
+        assert code == 200 and figure["data"], figure
+
+
+@pytest.mark.slow
 def test_rm_refuses_a_running_slurm_job_and_removes_an_ended_one(cluster: SlurmCluster, reference: dict) -> None:
     run(cluster, "to-remove", detach=True)
     refused = cli(cluster, "rm", "to-remove", "--backend", "slurm")
@@ -180,6 +207,68 @@ def test_a_rank_killed_on_slurm_heals_in_job_bit_identically(cluster: SlurmClust
     assert [r["level"] for r in summary["restart_events"]] == ["injob"], summary["restart_events"]
     assert summary["restart_events"][0]["blame_rank"] == 1
     assert summary["digest"] == reference["digest"]   # bit-identical to the fault-free run
+
+
+@pytest.mark.slow
+def test_an_exception_and_a_hang_injected_from_the_cli_heal_in_process_and_resume_continues(
+        cluster: SlurmCluster, reference: dict) -> None:
+    """The engine's in-process faults on Slurm, one scheduled at launch, one injected into the running
+    job from the CLI; `watch` follows it to its end; `ckpts` and `resume` read and continue it."""
+    run(cluster, "in-process", "--fault", "exception:0@11", detach=True)
+    injected = cli(cluster, "inject", "in-process", "hang", "--rank", "1", "--step", "22", "--backend", "slurm")
+    assert injected.returncode == 0 and "queued hang for rank 1 of in-process" in injected.stdout, injected.stderr
+    watched = cli(cluster, "watch", "in-process", "--backend", "slurm")
+    assert watched.returncode == 0, story(cluster, "in-process")
+    assert watched.stdout.count("recovered (inprocess)") == 2, watched.stdout[-3000:]
+    summary = json.loads(cli(cluster, "summary", "in-process", "--backend", "slurm", "--json").stdout)
+    assert [(r["level"], r["blame_rank"]) for r in summary["restart_events"]] == [("inprocess", 0), ("inprocess", 1)]
+    fired = [(e["fault"], e["at_step"]) for e in read_all(cluster.shared / "in-process" / "events.jsonl")
+             if e.kind == "fault"]
+    assert fired == [("exception", 11), ("hang", 22)], fired
+    assert summary["digest"] == reference["digest"]   # the same recovery levels as locally, bit-identical
+    ckpts = json.loads(cli(cluster, "ckpts", "in-process", "--backend", "slurm", "--json").stdout)
+    assert [c["step"] for c in ckpts if c["state"] == "committed"] == [10, 20, 30]
+    resumed = cli(cluster, "resume", "in-process", "--steps", "40", "--as", "in-process-more", "--backend", "slurm")
+    assert resumed.returncode == 0 and "launched in-process-more" in resumed.stdout, resumed.stderr
+    assert cli(cluster, "watch", "in-process-more", "--backend", "slurm").returncode == 0, story(cluster, "in-process-more")
+    events = read_all(cluster.shared / "in-process-more" / "events.jsonl")
+    assert {e["step"] for e in events if e.kind == "resume"} == {30}   # it loaded step 30
+    assert max(e["step"] for e in events if e.kind == "step") == 40
+
+
+@pytest.mark.slow
+def test_the_magic_injects_into_resumes_and_stops_a_slurm_job(cluster: SlurmCluster, reference: dict, ip: Any,
+                                                              capsys: pytest.CaptureFixture[str],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in ("SLURM_CONF", "PATH"):
+        monkeypatch.setenv(key, cluster.env[key])
+    ip.run_cell(f"%%ftrain --backend slurm --shared-dir {cluster.shared} --name magic {' '.join(BASE)} "
+                f"--slurm-port {free_base()}\n")
+    job = ip.magics_manager.registry["FtrainMagics"].job
+    assert job is not None and job.name == "magic" and job.backend.name == "slurm"
+    try:
+        ip.run_cell("%ftrain inject magic sigkill --rank 1 --step 15 --backend slurm")
+        assert "queued sigkill for rank 1 of magic" in capsys.readouterr().out
+        assert job.wait(timeout=600) == JobState.SUCCEEDED, story(cluster, "magic")
+        summary = job.summary()
+        assert [(r["level"], r["blame_rank"]) for r in summary["restart_events"]] == [("injob", 1)]
+        assert summary["digest"] == reference["digest"]
+        ip.run_cell("%ftrain ckpts --json")
+        assert [c["step"] for c in json.loads(capsys.readouterr().out) if c["state"] == "committed"] == [10, 20, 30]
+        ip.run_cell("%ftrain resume --steps 300")   # the notebook's job: the resumed one from now on
+        assert "launched magic-from-30" in capsys.readouterr().out
+        resumed = ip.magics_manager.registry["FtrainMagics"].job
+        events = cluster.shared / "magic-from-30" / "events.jsonl"
+        wait_for("a step after the resume", lambda: events.exists() and any(
+            e.kind == "step" and e["step"] > 30 for e in read_all(events)), timeout=300)
+        ip.run_cell("%ftrain stop")
+        assert "stopped magic-from-30" in capsys.readouterr().out
+        row = status(cluster, "magic-from-30")
+        assert row["state"] == "stopped" and row["detail"].startswith("stopped by the user"), row
+        assert resumed.name == "magic-from-30"
+    finally:
+        for shown in ip.shown:
+            getattr(shown, "close", lambda: None)()
 
 
 @pytest.mark.slow
@@ -221,6 +310,36 @@ def test_a_lost_node_is_a_job_restart_that_resumes_from_the_newest_checkpoint(cl
     summary = json.loads(cli(cluster, "summary", "node-lost", "--backend", "slurm", "--json").stdout)
     assert [r["level"] for r in summary["restart_events"]] == ["job"], summary["restart_events"]
     assert summary["restart_events"][0]["resumed_step"] >= 10
+    assert summary["digest"] == reference["digest"]
+
+
+@pytest.mark.slow
+def test_a_lost_first_node_is_a_job_restart_recorded_by_the_requeued_run(cluster: SlurmCluster,
+                                                                       reference: dict) -> None:
+    """The allocation's first node runs the watcher: lost with it, nothing records the failure, so the
+    requeued run does, and resumes from the newest committed checkpoint."""
+    run(cluster, "first-lost", detach=True)
+    events = cluster.shared / "first-lost" / "events.jsonl"
+    wait_for("checkpoint 10", lambda: events.exists() and any(
+        e.kind == "checkpoint" and e["phase"] == "committed" for e in read_all(events)), timeout=300, every=0.05)
+    job_id = json.loads((cluster.shared / "first-lost" / "slurm.json").read_text())["job_id"]
+    job = cluster.run("scontrol", "show", "job", "-o", job_id).stdout
+    [first] = re.findall(r"BatchHost=(\S+)", job)
+    gone = cluster.job_processes(job_id, first)
+    assert any("allocation" in " ".join(p.cmdline()) for p in gone), [p.cmdline() for p in gone]
+    for p in gone:   # the node stops at once: nothing on it records anything more
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.suspend()
+    cluster.run("scontrol", "update", f"nodename={first}", "state=down", "reason=eksft-test")
+    for p in gone:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    row = wait_for("the end", lambda: (r := status(cluster, "first-lost"))["ended"] and r, timeout=600)
+    assert row["state"] == "succeeded", story(cluster, "first-lost")
+    summary = json.loads(cli(cluster, "summary", "first-lost", "--backend", "slurm", "--json").stdout)
+    [restart] = summary["restart_events"]
+    assert restart["level"] == "job" and "first node was lost" in restart["cause"], restart
+    assert restart["resumed_step"] >= 10
     assert summary["digest"] == reference["digest"]
 
 

@@ -24,7 +24,7 @@ from .. import commands, plotly_bundle
 from ..errors import EksftError, UnknownJobError
 from ..fault_registry import REGISTRY
 from . import requests
-from .manager import JobsManager, describe_error, eks_configured
+from .manager import CLUSTERS, JobsManager, describe_error
 
 KEEPALIVE_S = 15.0
 # what the JupyterLab panel offers to inject: the one table of fault kinds, in its order
@@ -65,16 +65,18 @@ class JobsHandler(Base):
     @web.authenticated
     @refusing
     async def get(self) -> None:
-        """Every local job, and the EKS ones where a kubeconfig is set (a failing cluster is reported,
-        never fails the list)."""
+        """Every local job, and those of each cluster set up here (EKS: a kubeconfig; Slurm: a shared
+        folder, or a job launched here); a failing cluster is reported, never fails the list."""
         jobs = await self.call(commands.list_jobs, "local")
         backends: dict[str, Any] = {"local": {"ok": True}}
-        if await self.call(eks_configured):
+        for name, configured in CLUSTERS.items():
+            if not await self.call(configured):
+                continue
             try:
-                jobs += await self.call(commands.list_jobs, "eks")
-                backends["eks"] = {"ok": True, "error": None}
+                jobs += await self.call(commands.list_jobs, name)
+                backends[name] = {"ok": True, "error": None}
             except Exception as e:
-                backends["eks"] = {"ok": False, "error": describe_error(e)}
+                backends[name] = {"ok": False, "error": describe_error(e)}
         self.finish(json.dumps({"jobs": jobs, "backends": backends, "faults": FAULT_KINDS}))
 
     @web.authenticated

@@ -4,9 +4,10 @@ While at least one client listens to the stream, a task in the server's event lo
 ``interval`` seconds. Each tick runs in one worker thread (so the folds are only ever touched by
 it): it lists the local jobs folder, folds the new events of every job still running (an ended
 job is folded once more, then left alone), and returns what changed; the loop then pushes a
-``jobs`` event, and a ``restart`` or ``failure`` event per new record, to every client. EKS jobs
-(only where a kubeconfig is set) are listed by a slower task of their own, so a slow or failing
-cluster never delays the local list: its error shows in ``backends.eks.error``.
+``jobs`` event, and a ``restart`` or ``failure`` event per new record, to every client. The jobs of a
+cluster (EKS where a kubeconfig is set, Slurm where a shared folder is set or this machine launched
+one) are listed by a slower task per cluster, so a slow or failing cluster never delays the local
+list: its error shows in ``backends.<name>.error``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from .. import commands
@@ -34,6 +36,18 @@ def eks_configured() -> bool:
     from ..backends.eks.cluster import kubeconfig_files
 
     return bool(kubeconfig_files())
+
+
+def slurm_configured() -> bool:
+    """Whether Slurm jobs can be listed here: ``$EKSFT_SHARED_DIR`` is set, or this machine launched one."""
+    from ..backends.slurm.backend import SHARED_DIR_ENV
+    from ..jobdir import eksft_home
+
+    return bool(os.environ.get(SHARED_DIR_ENV)) or any((eksft_home() / "slurm").glob("*"))
+
+
+# each cluster is listed by a task of its own, once it is set up here
+CLUSTERS = MappingProxyType({"eks": eks_configured, "slurm": slurm_configured})
 
 
 def describe_error(e: BaseException) -> str:
@@ -61,12 +75,11 @@ class Fold:
 class JobsManager:
     """Owns the folds and the stream's clients; see the module docstring."""
 
-    def __init__(self, interval: float = 0.5, eks_interval: float = 5.0) -> None:
-        self.interval, self.eks_interval = interval, eks_interval
+    def __init__(self, interval: float = 0.5, cluster_interval: float = 5.0) -> None:
+        self.interval, self.cluster_interval = interval, cluster_interval
         self.local = get_backend("local")
         self.folds: dict[str, Fold] = {}                     # local jobs, by name
-        self.eks: dict[str, Any] = {}        # once a kubeconfig is found: {"ok", "error", "jobs"}
-        self._eks_checked = False
+        self.clusters: dict[str, dict[str, Any]] = {}   # once a cluster is set up: name -> {"ok", "error", "jobs"}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="eksft-fold")
         self._clients: set[asyncio.Queue[Message | None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
@@ -150,9 +163,9 @@ class JobsManager:
         """The ``jobs`` event's data: every job's row, and how each backend's listing went."""
         jobs = [f.row for f in self.folds.values() if f.row is not None]
         backends: dict[str, Any] = {"local": {"ok": True}}
-        if self.eks:
-            jobs += self.eks["jobs"]
-            backends["eks"] = {"ok": self.eks["ok"], "error": self.eks["error"]}
+        for name, listed in self.clusters.items():
+            jobs += listed["jobs"]
+            backends[name] = {"ok": listed["ok"], "error": listed["error"]}
         return {"jobs": jobs, "backends": backends}
 
     # ---- the stream (in the server's event loop) -------------------------------------------------
@@ -184,12 +197,10 @@ class JobsManager:
         loop = asyncio.get_running_loop()
         first = True
         try:
-            if not self._eks_checked:   # (in a thread: looking imports the Kubernetes client, a second or so)
-                self._eks_checked = True
-                if await loop.run_in_executor(None, eks_configured):
-                    self.eks = {"ok": True, "error": None, "jobs": []}
-            if self.eks:
-                self._tasks.append(asyncio.ensure_future(self._run_eks()))
+            for name, configured in CLUSTERS.items():   # the first list says which clusters are set up
+                if name not in self.clusters and await loop.run_in_executor(None, configured):
+                    self.clusters[name] = {"ok": True, "error": None, "jobs": []}
+                self._tasks.append(asyncio.ensure_future(self._run_cluster(name)))
             while self._clients:
                 try:
                     changed, news = await loop.run_in_executor(self._pool, self.tick, first)
@@ -208,18 +219,22 @@ class JobsManager:
                     task.cancel()
             self._tasks, self._snapshot = [], None
 
-    async def _run_eks(self) -> None:
+    async def _run_cluster(self, name: str) -> None:
+        """List the cluster's jobs every ``cluster_interval`` once it is set up (a Slurm job launched
+        from a notebook sets it up later; looking for a kubeconfig imports the client, so in a thread)."""
         loop = asyncio.get_running_loop()
         while True:
-            try:
-                jobs, ok, error = await loop.run_in_executor(None, commands.list_jobs, "eks"), True, None
-            except Exception as e:   # unreachable cluster, expired credentials: shown, never fatal
-                jobs, ok, error = self.eks["jobs"], False, describe_error(e)
-            new = {"ok": ok, "error": error, "jobs": jobs}
-            if new != self.eks:
-                self.eks = new
-                self._publish("jobs", self.rows())
-            await asyncio.sleep(self.eks_interval)
+            if name in self.clusters or await loop.run_in_executor(None, CLUSTERS[name]):
+                before = self.clusters.setdefault(name, {"ok": True, "error": None, "jobs": []})
+                try:
+                    jobs, ok, error = await loop.run_in_executor(None, commands.list_jobs, name), True, None
+                except Exception as e:   # unreachable cluster, expired credentials: shown, never fatal
+                    jobs, ok, error = before["jobs"], False, describe_error(e)
+                new = {"ok": ok, "error": error, "jobs": jobs}
+                if new != before:
+                    self.clusters[name] = new
+                    self._publish("jobs", self.rows())
+            await asyncio.sleep(self.cluster_interval)
 
     def close(self) -> None:
         for task in self._tasks:

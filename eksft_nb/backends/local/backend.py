@@ -20,10 +20,9 @@ from pathlib import Path
 import psutil
 
 from ... import loopback, nvrx
-from ...checkpoint_folders import STEP_DIR, CheckpointInfo, list_checkpoints, verify
+from ...checkpoint_folders import STEP_DIR, list_checkpoints, verify
 from ...control import FaultCommand, submit
 from ...errors import JobError
-from ...events import EventTail
 from ...jobdir import JobDir, atomic_write, jobs_root
 from ...launcher import Ports, launcher_argv, rank_env
 from ...runtime.memcopy import remove_copies, remove_stale_copies
@@ -34,9 +33,10 @@ from ...tails import bounded, tail_lines
 from ...timeouts import derive, resolved
 from ... import procs
 from ..base import Backend, JobSummary, readable
+from ..folder import FolderJobs
 from ..inbox import queue_fault
 
-class LocalBackend(Backend):
+class LocalBackend(FolderJobs, Backend):
     name = "local"
 
     def __init__(self, root: Path | None = None) -> None:
@@ -105,9 +105,6 @@ class LocalBackend(Backend):
         found.sort(key=lambda p: p.stat().st_mtime)
         return [self.state(p.name) for p in found]
 
-    def spec(self, name: str) -> JobSpec:
-        return self._jd(name).spec()
-
     def state(self, name: str) -> JobSummary:
         """From ``supervisor.json`` and the processes it names; a query, it starts nothing. A job whose
         processes run while neither its supervisor nor its keeper does is ``orphaned``: see :meth:`adopt`."""
@@ -142,13 +139,6 @@ class LocalBackend(Backend):
         sup = self._jd(name).supervisor()
         uid = _job_uid(sup)
         return uid is None or not any(procs.recorded(sup.get(head), uid) for head in ("supervisor", "keeper"))
-
-    def events(self, name: str) -> EventTail:
-        return EventTail(self._jd(name).events_path)
-
-    def checkpoints(self, name: str) -> list[CheckpointInfo]:
-        jd = self._jd(name)
-        return list_checkpoints(jd.ckpt_dir(jd.spec()))
 
     def logs(self, name: str, lines: int = 200, debug: bool = False) -> str:
         jd = self._jd(name)

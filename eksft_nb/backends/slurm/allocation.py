@@ -67,6 +67,8 @@ class Watcher:
             self.events.emit("job_start", spec_digest=self.spec.digest(), world_size=self.spec.world_size,
                              steps=None if self.spec.script else self.spec.steps, backend="slurm",
                              host=socket.gethostname(), pid=os.getpid(), nvrx=here.version if here else None)
+        elif self.attempt > 0 and self.incidents.incident is None:
+            self._unrecorded_end(backlog[-1].t)
         step = subprocess.Popen(self.srun, stdin=subprocess.DEVNULL)
         while step.poll() is None and not self.incidents.give_up:
             self._pump()
@@ -81,6 +83,14 @@ class Watcher:
         self.events.emit("job_end", state=state, reason=reason, final_step=self.mon.last_step,
                          digest=self.mon.digest, restarts=self.mon.restarts_by_level())
         return 0 if state == JobState.SUCCEEDED else 1
+
+    def _unrecorded_end(self, last_seen: float) -> None:
+        """A requeued run whose previous run recorded no failure: the watcher died with the allocation's
+        first node (or someone requeued the job from outside eksft). The job-level incident it could not
+        record is recorded now, from the last event that run left."""
+        cause = (f"the run before attempt {self.attempt} ended without a word from its watcher: the allocation's "
+                 "first node was lost (or the job was requeued from outside eksft), and Slurm requeued the job")
+        self.incidents.node_failed(cause, time.time(), ended_at=last_seen)
 
     def _outcome(self, code: int) -> tuple[JobState | None, str]:
         """The job's end, or (None, why) for a job-level restart (a requeue)."""

@@ -15,24 +15,23 @@ import shutil
 import time
 from pathlib import Path
 
-from ...checkpoint_folders import CheckpointInfo, list_checkpoints
 from ...control import FaultCommand, submit
 from ...errors import JobError, UnknownJobError
-from ...events import EventTail
 from ...jobdir import JobDir, atomic_write, eksft_home
 from ...spec import JobSpec, valid_name
 from ...states import ACTIVE, JobState
 from ...tails import bounded, tail_lines
 from ..base import Backend, JobSummary, readable
+from ..folder import FolderJobs
 from ..inbox import queue_fault
 from . import cluster
-from .render import STOP_MARK, job_dir, render
+from .render import STOP_MARK, job_dir, new_job_uid, render
 
 RECORD = "slurm.json"
 SHARED_DIR_ENV = "EKSFT_SHARED_DIR"
 
 
-class SlurmBackend(Backend):
+class SlurmBackend(FolderJobs, Backend):
     """The jobs under one shared folder (``shared_dir``, default ``$EKSFT_SHARED_DIR``) and those this
     machine launched (each leaves a link to its folder in ``$EKSFT_HOME/slurm``); a launched job's spec
     names its own folder (``--shared-dir``)."""
@@ -82,7 +81,8 @@ class SlurmBackend(Backend):
                            "mount it on this machine at the path the nodes use, or fix --shared-dir")
         faults = [f.validate(spec.world_size, spec.nnodes) for f in faults or []]
         jd = job_dir(spec)
-        script = render(spec)
+        job_uid = new_job_uid()
+        script = render(spec, job_uid)
         jd.create(spec)   # refuses a job folder that exists
         for f in faults:
             submit(jd.pending, f)
@@ -91,7 +91,8 @@ class SlurmBackend(Backend):
         except JobError:
             atomic_write(jd.path / RECORD, json.dumps({"job_id": "", "error": "sbatch failed"}))
             raise
-        atomic_write(jd.path / RECORD, json.dumps({"job_id": job_id, "submitted": time.time()}))
+        atomic_write(jd.path / RECORD, json.dumps({"job_id": job_id, "job_uid": f"{job_uid}-{job_id}",
+                                                       "submitted": time.time()}))
         self.links.mkdir(parents=True, exist_ok=True, mode=0o700)
         (self.links / spec.name).unlink(missing_ok=True)
         (self.links / spec.name).symlink_to(jd.path)
@@ -104,9 +105,6 @@ class SlurmBackend(Backend):
         mine = [p for p in found.values() if (p / RECORD).is_file() and (p / "spec.json").is_file()]
         mine.sort(key=lambda p: p.stat().st_mtime)
         return [self.state(p.name) for p in mine]
-
-    def spec(self, name: str) -> JobSpec:
-        return self._jd(name).spec()
 
     def state(self, name: str) -> JobSummary:
         """Slurm's view: pending (with its reason), running, cancelled; lost once Slurm forgot a job
@@ -128,13 +126,6 @@ class SlurmBackend(Backend):
             return JobSummary(name, self.name, JobState.FAILED, f"Slurm job {job_id} {job.slurm_state}"
                               + (f" ({job.reason})" if job.reason not in ("", "None") else ""))
         return JobSummary(name, self.name, job.state, f"Slurm job {job_id} on {job.nodes}")
-
-    def events(self, name: str) -> EventTail:
-        return EventTail(self._jd(name).events_path)
-
-    def checkpoints(self, name: str) -> list[CheckpointInfo]:
-        jd = self._jd(name)
-        return list_checkpoints(jd.ckpt_dir(jd.spec()))
 
     def logs(self, name: str, lines: int = 200, debug: bool = False) -> str:
         """The batch script's output, then each node's launcher log (``srun`` writes one per node)."""

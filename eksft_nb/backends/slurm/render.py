@@ -8,6 +8,7 @@ environment is :func:`eksft_nb.nccl.nccl_env`'s, as in the EKS pods.
 from __future__ import annotations
 
 import shlex
+import uuid
 from pathlib import Path
 
 from ...jobdir import JobDir
@@ -41,11 +42,22 @@ def directives(spec: JobSpec) -> list[str]:
     return [f"#SBATCH {line}" for line in lines]
 
 
+def new_job_uid() -> str:
+    """A launch's part of its id (``EKSFT_JOB_UID``); the Slurm job id completes it in the batch shell."""
+    return uuid.uuid4().hex[:16]
+
+
+def uid_line(job_uid: str) -> str:
+    """The job's id, one for every node and requeue of one submission (a requeue keeps ``$SLURM_JOB_ID``),
+    another for every launch and every sbatch of a printed script: its commits name it, so a relaunch under
+    the same name and spec never takes an earlier launch's checkpoints (or processes) for its own."""
+    return f'export {JOB_MARK}="{job_uid}-$SLURM_JOB_ID"'
+
+
 def environment(spec: JobSpec) -> dict[str, str]:
-    """Every launcher's and rank's environment, but the attempt (the batch shell sets it per requeue)."""
+    """Every launcher's and rank's environment, but the attempt and the job's id (the batch shell sets them)."""
     values = rank_env(spec, ports=Ports.from_base(spec.slurm.port), job_attempt=0, job_dir=str(job_dir(spec).path))
     del values["EKSFT_JOB_ATTEMPT"]
-    values[JOB_MARK] = f"{spec.name}-{spec.digest()}"   # one lineage for every node and requeue of this job
     values = quiet_env(values)
     # --efa means a p4d/p5-class node (its help says so): EFA with RDMA read
     values.update(nccl_env(spec.slurm.gpus_per_node, spec.slurm.efa, spec.ft.inprocess, rdma_read=spec.slurm.efa))
@@ -61,7 +73,8 @@ def node_line(spec: JobSpec) -> list[str]:
     return ["bash", "-c", head, *argv]
 
 
-def render(spec: JobSpec) -> str:
+def render(spec: JobSpec, job_uid: str | None = None) -> str:
+    """The sbatch script; ``job_uid`` is the launch's (a new one when not given)."""
     jd = job_dir(spec)
     srun = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1", f"--output={jd.logs}/launcher-$EKSFT_JOB_ATTEMPT-%t.log"]
     node = node_line(spec)
@@ -73,6 +86,7 @@ def render(spec: JobSpec) -> str:
              "# the environment of every launcher and rank",
              *(f"export {k}={shlex.quote(v)}" for k, v in environment(spec).items()),
              'export EKSFT_JOB_ATTEMPT="${SLURM_RESTART_COUNT:-0}"',
+             uid_line(job_uid or new_job_uid()),
              "# the rendezvous is at the allocation's first node (this script runs there), ports "
              f"{spec.slurm.port}-{spec.slurm.port + 2}",
              'RDZV_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
