@@ -37,7 +37,6 @@ class SlurmBackend(FolderJobs, Backend):
     names its own folder (``--shared-dir``)."""
 
     name = "slurm"
-    refused_faults = frozenset({"kill-supervisor"})   # no eksft supervisor runs in the allocation
 
     def __init__(self, shared_dir: str | Path | None = None) -> None:
         root = shared_dir or os.environ.get(SHARED_DIR_ENV)
@@ -63,7 +62,8 @@ class SlurmBackend(FolderJobs, Backend):
         return record if isinstance(record, dict) and str(record.get("job_id", "")).isdigit() else {}
 
     # ---- launch -------------------------------------------------------------------------------
-    def render(self, spec: JobSpec) -> str:
+    def render(self, spec: JobSpec, queue_objects: bool = False) -> str:
+        """The sbatch script (``queue_objects``: Slurm has no queue objects to add)."""
         return render(spec.validate())
 
     def launch(self, spec: JobSpec, faults: list[FaultCommand] | None = None) -> None:
