@@ -174,6 +174,15 @@ def set_settings(name: str, values: Sequence[str] | Mapping[str, Any], backend: 
         time.sleep(0.2)
 
 
+def settings_in_force(name: str, backend: str = "local") -> dict[str, Any]:
+    """The live settings a job runs with: seq, values, and the step they took effect at (None: the spec's)."""
+    job = attach(name, backend)
+    record = job.backend.settings(job.name)
+    if record is None:
+        raise ControlError(f"the {backend} backend keeps no live settings", "read the job's spec (status, summary)")
+    return {"job": job.name, **record}
+
+
 def apply_whatif(name: str, backend: str = "local", wait: float = 0.0) -> SettingsResult:
     """Set the checkpoint interval the what-if recommends for ``name``, live."""
     rec = whatif(name, backend=backend)["recommendation"]

@@ -198,3 +198,29 @@ def test_a_live_interval_lands_on_every_rank_at_one_step_and_holds_across_restar
     assert (spec.checkpoint.every, spec.checkpoint.keep_last) == (6, 4)
     assert attach("live-resumed").wait(timeout=600).value == "succeeded", story("live-resumed")
     assert os.path.exists(job_dir("live-resumed") / "ckpt" / f"step_{kept[-2] + 6:08d}")
+
+
+# ---- the dashboard (a job folder written with the real event schema; no process runs) -----------
+
+def test_the_dashboard_marks_a_change_on_the_timeline_and_shows_it_in_force() -> None:
+    from test_dashboard import FakeJob, traces
+
+    from eksft_nb.dashboard import Dashboard
+
+    job = FakeJob("live-dash", steps=40)
+    job.steps(1, 7)
+    for rank in (1, 0):
+        job.emit("setting", rank=rank, seq=1, step=7, changes={"ckpt-every": [10, 25]},
+                 values={"ckpt-every": 25, "keep-last": 3})
+    job.steps(8, 9)
+    dash = Dashboard(job.handle(), live=False)
+    try:
+        assert list(traces(dash, "settings")["tail"].text) == ["ckpt-every 10→25 @ step 7"]
+        assert list(traces(dash, "settings")["tail"].y) == ["setting"]
+        assert dash.settings.boxes["ckpt-every"].value == 25 and dash.settings.changes() == {}
+        dash.set_settings(dash.settings.changes())
+        assert "nothing to set" in dash.message.value
+        dash.settings.boxes["keep-last"].value = 1     # below the box's minimum: it holds 2
+        assert dash.settings.changes() == {"keep-last": 2}
+    finally:
+        dash.close()
