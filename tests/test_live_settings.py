@@ -224,3 +224,19 @@ def test_the_dashboard_marks_a_change_on_the_timeline_and_shows_it_in_force() ->
         assert dash.settings.changes() == {"keep-last": 2}
     finally:
         dash.close()
+
+
+def test_apply_whatif_without_a_recommendation_is_refused_in_one_line() -> None:
+    """A job that never failed gives no failure rate: there is no interval to apply, and nothing is written."""
+    from test_dashboard import FakeJob
+
+    from eksft_nb import commands
+
+    job = FakeJob("live-no-failure", steps=20)
+    job.steps(1, 20)
+    job.save(10, 0.01, 0.02)
+    job.end()
+    with pytest.raises(ControlError) as e:
+        commands.apply_whatif("live-no-failure")
+    assert str(e.value).startswith("the what-if recommends no interval (no failure observed")
+    assert "\n" not in str(e.value) and not settings.request_path(job.dir).exists()
