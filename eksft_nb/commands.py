@@ -150,13 +150,14 @@ def set_settings(name: str, values: Sequence[str] | Mapping[str, Any], backend: 
     rank takes them at the same step; wait up to ``wait`` seconds for that step (see :mod:`.settings`)."""
     from . import settings
 
-    changes = settings.check_values(values) if isinstance(values, Mapping) else settings.parse_assignments(values)
+    changes = (settings.check_values(values) if isinstance(values, Mapping)
+               else settings.parse_assignments(values))
     job = attach(name, backend)
     asked = job.backend.set_settings(job.name, changes)
     diff = {k: [asked["before"][k], v] for k, v in asked["values"].items() if asked["before"][k] != v}
     said = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in diff.items())
-    result: SettingsResult = {"job": job.name, "seq": asked["seq"], "values": asked["values"], "changes": diff,
-                              "applied": False, "step": None, "message": ""}
+    result: SettingsResult = {"job": job.name, "seq": asked["seq"], "values": asked["values"],
+                              "changes": diff, "applied": False, "step": None, "message": ""}
     if asked["seq"] is None:
         now = " ".join(f"{k}={v}" for k, v in asked["values"].items())
         return {**result, "message": f"{job.name} already runs with {now}: nothing changed"}
@@ -169,8 +170,8 @@ def set_settings(name: str, values: Sequence[str] | Mapping[str, Any], backend: 
             return {**result, "applied": True, "step": steps[0] if len(steps) == 1 else None,
                     "message": f"{job.name}: {said}, taken by all {len(taken['ranks'])} ranks at {at}"}
         if time.monotonic() >= deadline:
-            return {**result, "message": f"{job.name}: queued {said} (change {asked['seq']}); every rank takes it "
-                    "at the same step, the next they all reach"}
+            return {**result, "message": f"{job.name}: queued {said} (change {asked['seq']}); every rank "
+                    "takes it at the same step, the next they all reach"}
         time.sleep(0.2)
 
 
@@ -179,7 +180,8 @@ def settings_in_force(name: str, backend: str = "local") -> dict[str, Any]:
     job = attach(name, backend)
     record = job.backend.settings(job.name)
     if record is None:
-        raise ControlError(f"the {backend} backend keeps no live settings", "read the job's spec (status, summary)")
+        raise ControlError(f"the {backend} backend keeps no live settings",
+                           "read the job's spec (status, summary)")
     return {"job": job.name, **record}
 
 
@@ -391,8 +393,8 @@ ARGS: dict[str, Verb] = {v.name: v for v in (
             help="with or without in-process restart (default: as the job ran)"),
         arg("--ckpt-mode", choices=("async", "sync"), help="checkpoint mode (default: as the job ran)"),
         arg("--spares", type=int, metavar="N", help="hot spare nodes (default: as the job ran)"),
-        arg("--apply", action="store_true", help="set the recommended checkpoint interval on the running job, "
-            "live (as `set NAME ckpt-every=N`)"),
+        arg("--apply", action="store_true", help="set the recommended checkpoint interval on the running "
+            "job, live (as `set NAME ckpt-every=N`)"),
         JSON)),
     Verb("metrics", "serve Prometheus metrics of jobs (all, or the ones named)", (
         arg("names", nargs="*", metavar="NAME", help="the jobs (default: all)"),

@@ -151,8 +151,8 @@ class FtrainMagics(Magics):
             print(row["message"])
             self._show(attach(row["name"], backend))
         elif cmd == "set":
-            cli.show(commands.set_settings(name, args.assignments, backend=backend, wait=args.wait), args.json,
-                     lambda r: r["message"])
+            result = commands.set_settings(name, args.assignments, backend=backend, wait=args.wait)
+            cli.show(result, args.json, lambda r: r["message"])
         elif cmd == "stop":
             commands.stop(name, backend)
             print(f"stopped {name}; nothing of it keeps running")

@@ -190,8 +190,9 @@ class JobMonitor:
 
     def _on_setting(self, e: Event) -> None:
         """One record per change: when and at which step each rank took it (the same, when agreed)."""
-        record = self.settings.setdefault(e["seq"], {"seq": e["seq"], "t": e.t, "step": e["step"],
-                                                     "changes": e["changes"], "values": e["values"], "ranks": {}})
+        first = {"seq": e["seq"], "t": e.t, "step": e["step"], "changes": e["changes"], "values": e["values"],
+                 "ranks": {}}
+        record = self.settings.setdefault(e["seq"], first)
         record["ranks"].setdefault(e.rank, e["step"])
 
     def _on_drain(self, e: Event) -> None:

@@ -30,7 +30,7 @@ from .jobdir import JobDir, atomic_write
 from .spec import JobSpec, _closest, _show, spec_options
 
 VERSION = 1
-MAX_VALUE = 1_000_000   # the ranks agree in a float32 all-reduce: integers up to 2**24 are exact
+MAX_VALUE = 1_000_000  # the ranks agree in a float32 all-reduce: integers up to 2**24 are exact
 
 
 @dataclass(frozen=True)
@@ -88,9 +88,13 @@ def check_name(raw: Any) -> str:
     if frozen is not None:
         why = FROZEN.get(frozen, "the ranks read it once, when they start")
         flag = f"--{frozen}" if frozen in flags else "--nnodes and --nproc-per-node"
-        raise ControlError(f"{frozen} cannot change while the job runs ({why})",
-                           f"set one of {live_names()}, or launch a new job with {flag}")
-    raise ControlError(f"unknown setting {_show(raw)}", f"did you mean {_closest(key, LIVE)}? Live: {live_names()}")
+        raise ControlError(
+            f"{frozen} cannot change while the job runs ({why})",
+            f"set one of {live_names()}, or launch a new job with {flag}",
+        )
+    raise ControlError(
+        f"unknown setting {_show(raw)}", f"did you mean {_closest(key, LIVE)}? Live: {live_names()}"
+    )
 
 
 def check_value(name: str, raw: Any) -> int:
@@ -110,10 +114,14 @@ def check_value(name: str, raw: Any) -> int:
 def check_values(values: Any) -> dict[str, int]:
     """A mapping of setting names to values (a request's, a record's), every one checked; at least one."""
     if not isinstance(values, Mapping) or not values:
-        raise ControlError(f"settings {_show(values)} are not a non-empty object of name to value",
-                           "give e.g. ckpt-every=25 keep-last=5")
+        raise ControlError(
+            f"settings {_show(values)} are not a non-empty object of name to value",
+            "give e.g. ckpt-every=25 keep-last=5",
+        )
     if len(values) > MAX_RECORD_KEYS:
-        raise ControlError(f"{len(values)} settings in one change", f"change at most {len(LIVE)}: {live_names()}")
+        raise ControlError(
+            f"{len(values)} settings in one change", f"change at most {len(LIVE)}: {live_names()}"
+        )
     out: dict[str, int] = {}
     for raw, value in values.items():
         name = check_name(raw)
@@ -152,6 +160,7 @@ def spec_changes(values: Mapping[str, int]) -> dict[str, int]:
 
 # ---- the records ------------------------------------------------------------------------------
 
+
 def request_path(jd: JobDir) -> Path:
     return jd.pending.parent / "settings.json"
 
@@ -168,13 +177,23 @@ def read_record(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError):
-        raise ControlError(f"{path.name} is not valid JSON", "write settings with `python -m eksft_nb set`") from None
-    if not isinstance(data, dict) or data.get("v") != VERSION or not _integer(data.get("seq")) \
-            or not 1 <= data["seq"] <= MAX_VALUE:
-        raise ControlError(f"{path.name} is not a version-{VERSION} settings record",
-                           "write settings with `python -m eksft_nb set`")
+        raise ControlError(
+            f"{path.name} is not valid JSON", "write settings with `python -m eksft_nb set`"
+        ) from None
+    if (
+        not isinstance(data, dict)
+        or data.get("v") != VERSION
+        or not _integer(data.get("seq"))
+        or not 1 <= data["seq"] <= MAX_VALUE
+    ):
+        raise ControlError(
+            f"{path.name} is not a version-{VERSION} settings record",
+            "write settings with `python -m eksft_nb set`",
+        )
     if "step" in data and not (_integer(data["step"]) and data["step"] >= 0):
-        raise ControlError(f"{path.name} step is {_show(data['step'])}", "it must be a step (an integer >= 0)")
+        raise ControlError(
+            f"{path.name} step is {_show(data['step'])}", "it must be a step (an integer >= 0)"
+        )
     return {"seq": data["seq"], "values": check_values(data.get("values")), "step": data.get("step")}
 
 
@@ -210,5 +229,9 @@ def write_request(jd: JobDir, spec: JobSpec, changes: Mapping[str, int]) -> dict
 
 
 def write_effective(jd: JobDir, seq: int, values: Mapping[str, int], step: int) -> None:
-    atomic_write(effective_path(jd), json.dumps({"v": VERSION, "seq": seq, "values": dict(values), "step": step,
-                                                 "t": time.time()}, sort_keys=True))
+    atomic_write(
+        effective_path(jd),
+        json.dumps(
+            {"v": VERSION, "seq": seq, "values": dict(values), "step": step, "t": time.time()}, sort_keys=True
+        ),
+    )

@@ -190,7 +190,8 @@ class Dashboard(w.VBox):
         if not values:
             self._say("nothing to set: change a value first")
             return
-        self._in_background(lambda: commands.set_settings(self.job.name, values, backend=self.job.backend.name))
+        backend = self.job.backend.name
+        self._in_background(lambda: commands.set_settings(self.job.name, values, backend=backend))
 
     def apply_whatif(self) -> None:
         """Set the checkpoint interval the what-if recommends from the job's own failures (Apply what-if)."""

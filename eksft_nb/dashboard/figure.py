@@ -64,7 +64,7 @@ class TrainingFigure:
             "faults": Series(("x", "lane", "text"), **kw),
             "restarts": Series(("x", "lane", "downtime", "text", "hover", "where"), key=("downtime",), **kw),
             "gpu faults": Series(("x", "lane", "text"), **kw),
-            "settings": Series(("x", "lane", "text"), **kw),   # live changes (set), where every rank took them
+            "settings": Series(("x", "lane", "text"), **kw),  # live changes, where the ranks took them
             # a point per node per sample: a many-node job's strip would re-send a large tail every 10 s
             "gpu": Series(("x", "lane", "color", "label", "hover"), tail=max(2, tail // 5), budget=max(8, budget // 5)),
         }
@@ -113,7 +113,8 @@ class TrainingFigure:
         self._seen_gpu_faults = len(mon.gpu.faults)
         for seq in sorted(set(mon.settings) - self._seen_settings):
             self._seen_settings.add(seq)
-            self.series["settings"].append(mon.settings[seq]["t"] - t0, "setting", setting_label(mon.settings[seq]))
+            change = mon.settings[seq]
+            self.series["settings"].append(change["t"] - t0, "setting", setting_label(change))
         for g in mon.gpu.since(self._seen_gpu):
             label = g["text"] if g["status"] == "none" else ""   # "no GPU" is said once, on the strip
             self.series["gpu"].append(g["t"] - t0, f"node {g['node']}", GPU_STATUS[g["status"]], label, g["text"])
@@ -213,7 +214,8 @@ class TrainingFigure:
             return [dict(cls=go.Scatter, row=5, name=name, meta=part, mode="markers+text", textposition="middle right",
                          marker=dict(symbol="square", size=9), textfont=dict(size=10, color=GPU_STATUS["none"]),
                          hovertemplate="%{hovertext}<extra></extra>")]
-        marker = {"faults": "triangle-down", "restarts": "diamond", "gpu faults": "x", "settings": "star"}[name]
+        marker = {"faults": "triangle-down", "restarts": "diamond", "gpu faults": "x",
+                  "settings": "star"}[name]
         style = dict(cls=go.Scatter, row=4, name=name, meta=part, mode="markers+text",
                      marker=dict(symbol=marker, size=10, color=color), textfont=dict(size=10, color=color))
         if name == "faults":
@@ -221,7 +223,8 @@ class TrainingFigure:
         if name == "gpu faults":
             return [dict(style, textposition="top right", hovertemplate="GPU fault: %{text}<extra></extra>")]
         if name == "settings":
-            return [dict(style, textposition="top right", hovertemplate="live setting: %{text}<extra></extra>")]
+            return [dict(style, textposition="top right",
+                         hovertemplate="live setting: %{text}<extra></extra>")]
         return [dict(style, hovertemplate="%{hovertext}<extra></extra>",
                      error_x=dict(type="data", symmetric=False, width=0, thickness=3, color=color))]
 

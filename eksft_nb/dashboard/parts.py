@@ -161,12 +161,15 @@ class SettingsControls(w.HBox):
     def __init__(self, **kwargs: Any) -> None:
         short = {"description_width": "initial"}
         self.boxes = {name: w.BoundedIntText(min=live.low, max=MAX_VALUE, description=name, tooltip=live.help,
-                                             style=short, layout=w.Layout(width="150px")).add_class(f"eksft-{name}")
+                                             style=short, layout=w.Layout(width="150px"))
                       for name, live in LIVE.items()}
+        for name, box in self.boxes.items():
+            box.add_class(f"eksft-{name}")
         self.set = w.Button(description="Set", icon="sliders", tooltip="every rank takes it at the same step"
                             ).add_class("eksft-set")
         self.whatif = w.Button(description="Apply what-if", icon="magic", layout=w.Layout(width="140px"),
-                               tooltip="set the checkpoint interval the what-if recommends").add_class("eksft-apply")
+                               tooltip="set the checkpoint interval the what-if recommends")
+        self.whatif.add_class("eksft-apply")
         super().__init__([*self.boxes.values(), self.set, self.whatif], **kwargs)
         self.add_class("eksft-settings")
 

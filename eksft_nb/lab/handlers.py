@@ -110,7 +110,7 @@ class SettingsHandler(Base):
     @web.authenticated
     @refusing
     async def post(self, name: str) -> None:
-        """``{"values": {"ckpt-every": 25}}`` or ``{"whatif": true}``: changed live (see commands.set_settings)."""
+        """``{"values": {"ckpt-every": 25}}`` or ``{"whatif": true}``: see commands.set_settings."""
         data = requests.body(self.request.body, requests.SETTINGS)
         backend = data.get("backend", "local")
         if data.get("whatif") and "values" not in data:

@@ -18,21 +18,30 @@ from ..jobdir import JobDir
 from ..settings import LIVE, in_force, of_spec, read_record, request_path, write_effective
 from ..spec import JobSpec
 
-RELIST_S = 1.0   # the request is re-read at least this often (coarse file timestamps, see CommandInbox)
+RELIST_S = 1.0  # the request is re-read at least this often (coarse file timestamps, see CommandInbox)
 
 
 class LiveSettings:
     """The settings in force on one rank; built at each (re)start from the effective record."""
 
-    def __init__(self, jd: JobDir | None, spec: JobSpec, rank: int, emit: Callable[..., Any],
-                 warn: Callable[[str, str], Any]) -> None:
+    def __init__(
+        self,
+        jd: JobDir | None,
+        spec: JobSpec,
+        rank: int,
+        emit: Callable[..., Any],
+        warn: Callable[[str, str], Any],
+    ) -> None:
         self.jd, self.rank, self.emit, self.warn = jd, rank, emit, warn
         self.seq, self.values = 0, of_spec(spec)
         if jd is not None:
             try:
                 self.seq, self.values, _ = in_force(jd, spec)
-            except (OSError, ControlError) as e:   # the spec's values, said
-                warn("settings", f"the live settings record cannot be read ({e}); the spec's settings are in force")
+            except (OSError, ControlError) as e:  # the spec's values, said
+                warn(
+                    "settings",
+                    f"the live settings record cannot be read ({e}); the spec's settings are in force",
+                )
         self._proposed = (self.seq, dict(self.values))
         self._seen: tuple[int, int] | None = None
         self._read_at = -float("inf")
@@ -79,7 +88,10 @@ class LiveSettings:
             try:
                 write_effective(self.jd, seq, new, step)
             except OSError as e:
-                self.warn("settings-record", f"the live settings cannot be recorded ({e.strerror or e}): they "
-                          "hold until the next restart, which starts with the ones recorded before")
+                self.warn(
+                    "settings-record",
+                    f"the live settings cannot be recorded ({e.strerror or e}): they "
+                    "hold until the next restart, which starts with the ones recorded before",
+                )
         self.emit("setting", seq=seq, step=step, changes=changes, values=new)
         return changes
