@@ -106,8 +106,8 @@ def check_value(name: str, raw: Any) -> int:
     fix = f"use an integer from {live.low} to {MAX_VALUE} ({live.help})"
     if not _integer(value):
         raise ControlError(f"{name}={_show(raw)} is not an integer", fix)
-    if not live.low <= value <= MAX_VALUE:
-        raise ControlError(f"{name}={_show(raw)} is out of range", fix)
+    if not live.low <= value <= MAX_VALUE:   # said alike whether it came as text (CLI) or a number (REST)
+        raise ControlError(f"{name}={value} is out of range", fix)
     return value
 
 

@@ -55,7 +55,7 @@ def test_a_value_is_taken_exactly_when_it_is_in_range(name: str, value: int) -> 
         ("lr=0.1", "lr cannot change while the job runs (the ranks read it once, when they start)"),
         ("ckpt-evry=5", "unknown setting 'ckpt-evry': did you mean ckpt-every?"),
         ("ckpt-every=five", "ckpt-every='five' is not an integer"),
-        ("keep-last=1", "keep-last='1' is out of range"),
+        ("keep-last=1", "keep-last=1 is out of range"),
         ("ckpt-every", "'ckpt-every' is not NAME=VALUE"),
     ],
 )
