@@ -249,6 +249,12 @@ def cmd_resume(args: argparse.Namespace) -> int:
     return 0 if args.detach else follow(attach(row["name"], args.backend))
 
 
+def cmd_set(args: argparse.Namespace) -> int:
+    result = commands.set_settings(args.name, args.assignments, backend=args.backend, wait=args.wait)
+    show(result, args.json, lambda r: r["message"])
+    return 0
+
+
 def cmd_stop(args: argparse.Namespace) -> int:
     print(commands.stop(args.name, args.backend)["message"])
     return 0
@@ -290,6 +296,8 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     report = commands.whatif(args.name, ckpt_every=args.ckpt_every, inprocess=args.inprocess,
                              ckpt_mode=args.ckpt_mode, spares=args.spares, backend=args.backend)
     show(report, args.json, format_report)
+    if args.apply:
+        print(commands.apply_whatif(args.name, backend=args.backend, wait=30.0)["message"])
     return 0
 
 
@@ -308,4 +316,4 @@ def cmd_metrics(args: argparse.Namespace) -> int:
 
 COMMANDS = {"run": cmd_run, "watch": cmd_watch, "list": cmd_list, "status": cmd_status, "summary": cmd_summary,
             "ckpts": cmd_ckpts, "logs": cmd_logs, "inject": cmd_inject, "resume": cmd_resume, "stop": cmd_stop,
-            "rm": cmd_rm, "metrics": cmd_metrics, "test": cmd_test, "whatif": cmd_whatif}
+            "rm": cmd_rm, "set": cmd_set, "metrics": cmd_metrics, "test": cmd_test, "whatif": cmd_whatif}

@@ -9,13 +9,14 @@ before anything is written.
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 from .backends import JobSummary, get_backend
 from .control import FAULTS, FaultCommand, parse_fault
-from .errors import EksftError, SpecError
+from .errors import ControlError, EksftError, SpecError
 from .goodput import compute
 from .job import Job, attach
 from .spec import JobSpec, _closest, parse_option_value, spec_options
@@ -47,6 +48,16 @@ class InjectResult(TypedDict):
     fired: bool
     step: int | None  # where it fired
     message: str     # the line the CLI prints
+
+
+class SettingsResult(TypedDict):
+    job: str
+    seq: int | None               # the change's number; None: nothing to change
+    values: dict[str, int]        # every live setting once it is taken
+    changes: dict[str, list[int]]  # name -> [old, new]
+    applied: bool                 # every rank took it (within the wait)
+    step: int | None              # the step every rank took it at
+    message: str                  # the line the CLI prints
 
 
 class ResumeResult(JobRow):
@@ -147,6 +158,56 @@ def inject_command(name: str, command: FaultCommand, *, backend: str = "local", 
     return {"id": cmd.id, "job": job.name, "fault": cmd.fault, "target": cmd.target, "when": when,
             "fired": fired is not None, "step": fired["step"] if fired is not None else None,
             "message": f"{message}; id {cmd.id}"}
+
+
+def set_settings(name: str, values: Sequence[str] | Mapping[str, Any], backend: str = "local",
+                 wait: float = 0.0) -> SettingsResult:
+    """Change live settings of a running job (``["ckpt-every=25"]`` or ``{"ckpt-every": 25}``): every
+    rank takes them at the same step; wait up to ``wait`` seconds for that step (see :mod:`.settings`)."""
+    from . import settings
+
+    changes = (settings.check_values(values) if isinstance(values, Mapping)
+               else settings.parse_assignments(values))
+    job = attach(name, backend)
+    asked = job.backend.set_settings(job.name, changes)
+    diff = {k: [asked["before"][k], v] for k, v in asked["values"].items() if asked["before"][k] != v}
+    said = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in diff.items())
+    result: SettingsResult = {"job": job.name, "seq": asked["seq"], "values": asked["values"],
+                              "changes": diff, "applied": False, "step": None, "message": ""}
+    if asked["seq"] is None:
+        now = " ".join(f"{k}={v}" for k, v in asked["values"].items())
+        return {**result, "message": f"{job.name} already runs with {now}: nothing changed"}
+    deadline = time.monotonic() + wait
+    while True:
+        taken = job.refresh().settings.get(asked["seq"])
+        if taken is not None and len(taken["ranks"]) >= job.spec.world_size:
+            steps = sorted(set(taken["ranks"].values()))
+            at = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps}"
+            return {**result, "applied": True, "step": steps[0] if len(steps) == 1 else None,
+                    "message": f"{job.name}: {said}, taken by all {len(taken['ranks'])} ranks at {at}"}
+        if time.monotonic() >= deadline:
+            return {**result, "message": f"{job.name}: queued {said} (change {asked['seq']}); every rank "
+                    "takes it at the same step, the next they all reach"}
+        time.sleep(0.2)
+
+
+def settings_in_force(name: str, backend: str = "local") -> dict[str, Any]:
+    """The live settings a job runs with: seq, values, and the step they took effect at (None: the spec's)."""
+    job = attach(name, backend)
+    record = job.backend.settings(job.name)
+    if record is None:
+        raise ControlError(f"the {backend} backend keeps no live settings",
+                           "read the job's spec (status, summary)")
+    return {"job": job.name, **record}
+
+
+def apply_whatif(name: str, backend: str = "local", wait: float = 0.0) -> SettingsResult:
+    """Set the checkpoint interval the what-if recommends for ``name``, live."""
+    rec = whatif(name, backend=backend)["recommendation"]
+    if rec["every"] is None:
+        raise ControlError(f"the what-if recommends no interval ({rec['text']})",
+                           "apply one yourself, e.g. set NAME ckpt-every=20")
+    return set_settings(name, {"ckpt-every": rec["every"]}, backend=backend, wait=wait)
 
 
 def stop(name: str, backend: str = "local") -> StopResult:
@@ -317,6 +378,14 @@ ARGS: dict[str, Verb] = {v.name: v for v in (
         arg("--as", dest="new_name", help="name of the new job (default: NAME-from-STEP)"),
         arg("--steps", type=int, help="train to this many steps in total"),
         arg("--detach", action="store_true", fronts=frozenset({CLI}), help="return at once; the job keeps running"))),
+    Verb("set", "change live settings of a running job; every rank takes them at the same step, and they "
+         "hold across restarts (live: ckpt-every, keep-last)", (
+        NAME,
+        arg("assignments", nargs="+", metavar="SETTING=VALUE", help="e.g. ckpt-every=25 keep-last=5"),
+        BACKEND,
+        arg("--wait", type=float, default=30.0, metavar="SECONDS",
+            help="wait this long for every rank to take it (default 30; 0: return once queued)"),
+        JSON)),
     Verb("stop", "stop a job; nothing of it keeps running", (NAME, BACKEND)),
     Verb("rm", "delete an ended job (its folder or workload; checkpoints included)", (NAME, BACKEND)),
     Verb("test", "prove a job survives each fault: a fault-free reference run, then one job per fault kind, "
@@ -342,6 +411,8 @@ ARGS: dict[str, Verb] = {v.name: v for v in (
             help="with or without in-process restart (default: as the job ran)"),
         arg("--ckpt-mode", choices=("async", "sync"), help="checkpoint mode (default: as the job ran)"),
         arg("--spares", type=int, metavar="N", help="hot spare nodes (default: as the job ran)"),
+        arg("--apply", action="store_true", help="set the recommended checkpoint interval on the running "
+            "job, live (as `set NAME ckpt-every=N`)"),
         JSON)),
     Verb("metrics", "serve Prometheus metrics of jobs (all, or the ones named)", (
         arg("names", nargs="*", metavar="NAME", help="the jobs (default: all)"),

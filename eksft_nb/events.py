@@ -65,6 +65,9 @@ KINDS: dict[str, dict[str, tuple[type, ...] | type]] = {
     # rank 0, when SIGTERM (a drain, a preemption) stopped the ranks: every rank saved this step;
     # committed: whether that save (or an earlier one of the same step) is committed
     "drain": {"step": int, "committed": bool},
+    # every rank, when it takes a live settings change (eksft_nb.settings) at the start of step's save
+    # decision: seq numbers the change, changes: name -> [old, new], values: every live setting in force
+    "setting": {"seq": int, "step": int, "changes": dict, "values": dict},
     # any writer, once it can write again after failing to (a full disk): what the events file lacks
     "events_lost": {"count": int, "first_t": _num, "last_t": _num, "error": str},
 }

@@ -9,8 +9,9 @@ from typing import Any
 
 from .backends import Backend, get_backend
 from .checkpoint_folders import CheckpointInfo, resume_origin
+from . import settings
 from .control import FaultCommand
-from .errors import JobError
+from .errors import ControlError, JobError
 from .goodput import Goodput, compute
 from .monitor import JobMonitor
 from .spec import JobSpec
@@ -109,12 +110,25 @@ class Job:
             why = "; ".join(f"step {s['step']}: {s['reason']}" for s in skipped)
             raise JobError(f"no checkpoint of job {self.name!r} can be used ({why})"[:600], "launch anew")
         resume = str(info.path) if step is not None else str(Path(info.path).parent)
+        try:
+            live, unread = self._live_settings(), ""
+        except ControlError as e:   # a record that does not read: the spec's settings, said
+            live, unread = {}, f" (the live settings record was refused, {e}: the spec's settings hold)"
         spec = self.spec.replace(**{"name": name or _next_name(self.backend, self.name, f"-from-{info.step}"),
-                                    "resume": resume, "checkpoint.dir": None, **changes})
+                                    "resume": resume, "checkpoint.dir": None, **settings.spec_changes(live),
+                                    **changes})
         self.backend.launch(spec)
         new = Job(spec.name, self.backend)
         new.note = f"resuming {resume_origin(str(info.path), {'step': info.step, 'skipped': skipped})}"
+        if live:
+            new.note += " with the live settings in force: " + " ".join(f"{k}={v}" for k, v in live.items())
+        new.note += unread
         return new
+
+    def _live_settings(self) -> dict[str, int]:
+        """The live settings changed while the job ran (``set``), which a job resumed from it keeps."""
+        record = self.backend.settings(self.name)
+        return record["values"] if record is not None and record["step"] is not None else {}
 
     def stop(self, timeout: float = 60.0) -> None:
         self.backend.stop(self.name, timeout)

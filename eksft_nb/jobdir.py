@@ -4,12 +4,14 @@ Layout (root: ``$EKSFT_HOME/jobs``, default ``~/.eksft/jobs``)::
 
     <root>/<name>/
         spec.json          the JobSpec this job runs
+        settings.json      the live settings in force (see settings.py), once one was changed
         events.jsonl       telemetry (see events.py)
         supervisor.json    identities (pid, start time) of the supervisor, its keeper and the launchers; state
         supervisor.lock    held by the keeper that looks after the supervisor (one per job)
         logs/              supervisor.log, launcher-<attempt>-<node>.log, zygote-<attempt>.<node>.log, per-rank logs
         control/pending/   fault commands waiting to fire; control/fired/ marks the ones that did
         control/rejected/  command files that failed the checks, each with its .reason (never fired)
+        control/settings.json  the newest live settings request, for rank 0 to propose
         progress/          per-rank progress beacons (last step, where the main thread is)
         warm/              the warm-rank zygotes' sockets, <attempt>.<node>.sock (see runtime/zygote.py)
         ckpt/              step_<N>/ checkpoints (unless checkpoint.dir points elsewhere)

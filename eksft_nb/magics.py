@@ -38,11 +38,13 @@ LINE_USAGE = """\
 %ftrain resume [NAME] [--step S] [--as NEW] [--steps N]   a new job from a checkpoint, with its dashboard
 %ftrain logs [NAME] [-n LINES] [--debug]
 %ftrain summary [NAME] [--json]       restarts, goodput, final digest
+%ftrain set [NAME] ckpt-every=25 keep-last=5   change live settings; every rank takes them at one step
 %ftrain stop [NAME]                   stop a job; nothing of it keeps running
 %ftrain rm NAME                       delete an ended job (its checkpoints too)
 %ftrain test [--faults K,K] [--expect "level<=injob, lost<=10"] [spec options]   a resilience report card
-%ftrain whatif [NAME] [--ckpt-every 5,10,20] [--no-inprocess] [--ckpt-mode sync] [--spares N]
-                                      the job's failures replayed under other settings
+%ftrain whatif [NAME] [--ckpt-every 5,10,20] [--no-inprocess] [--ckpt-mode sync] [--spares N] [--apply]
+                                      the job's failures replayed under other settings (--apply: set
+                                      the recommended interval live)
 %%ftrain test [options] + code        resilience test of the cell's code
 NAME defaults to the job this notebook launched, attached or resumed last; --backend eks (any command)
 reaches jobs on the cluster of the kubeconfig's current context."""
@@ -136,6 +138,8 @@ class FtrainMagics(Magics):
             commands.remove(args.name, backend)
             print(f"removed {args.name}")
             return
+        if cmd == "set" and args.name and "=" in args.name:   # no NAME: the first word is a setting
+            args.assignments, args.name = [args.name, *args.assignments], None
         job = self._job(args.name, args.backend)
         name, backend = job.name, job.backend.name
         if cmd == "attach":
@@ -147,6 +151,9 @@ class FtrainMagics(Magics):
             row = commands.resume(name, step=args.step, new_name=args.new_name, steps=args.steps, backend=backend)
             print(row["message"])
             self._show(attach(row["name"], backend))
+        elif cmd == "set":
+            result = commands.set_settings(name, args.assignments, backend=backend, wait=args.wait)
+            cli.show(result, args.json, lambda r: r["message"])
         elif cmd == "stop":
             print(commands.stop(name, backend)["message"])
         elif cmd == "logs":
@@ -162,6 +169,8 @@ class FtrainMagics(Magics):
             cli.show(report, args.json, format_report)
             if not args.json:
                 display(whatif_figure(report))
+            if args.apply:
+                print(commands.apply_whatif(name, backend=backend, wait=30.0)["message"])
         elif cmd == "summary":
             cli.show(commands.summary(name, backend), args.json, cli.format_summary)
         else:

@@ -72,6 +72,7 @@ class JobMonitor:
     resumes: list[dict[str, Any]] = field(default_factory=list)
     events_lost: list[dict[str, Any]] = field(default_factory=list)   # a writer could not write them
     warnings: list[dict[str, Any]] = field(default_factory=list)      # warning events, in order
+    settings: dict[int, dict[str, Any]] = field(default_factory=dict)  # live changes by seq (setting events)
     drain: dict[str, Any] | None = None   # the ranks stopped on SIGTERM after saving (the drain event)
     rank_pids: dict[int, int] = field(default_factory=dict)
     nvrx_cycles: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)  # (attempt, cycle) -> record
@@ -186,6 +187,13 @@ class JobMonitor:
 
     def _on_events_lost(self, e: Event) -> None:
         self.events_lost.append({"rank": e.rank, **e.data})
+
+    def _on_setting(self, e: Event) -> None:
+        """One record per change: when and at which step each rank took it (the same, when agreed)."""
+        first = {"seq": e["seq"], "t": e.t, "step": e["step"], "changes": e["changes"], "values": e["values"],
+                 "ranks": {}}
+        record = self.settings.setdefault(e["seq"], first)
+        record["ranks"].setdefault(e.rank, e["step"])
 
     def _on_drain(self, e: Event) -> None:
         self.drain = {"t": e.t, **e.data}

@@ -40,10 +40,11 @@ from eksft_nb.errors import EksftError
 from eksft_nb.jobdir import JobDir, jobs_root
 from eksft_nb.lab import requests
 from eksft_nb.lab.manager import JobsManager
-from jobs import cli, stop_server, wait_for
+from jobs import cli, events, stop_server, wait_for
 
 JOB = "lab-job"
 ROUTES = [("GET", "jobs"), ("POST", "jobs"), ("GET", f"jobs/{JOB}"), ("POST", f"jobs/{JOB}/inject"),
+          ("GET", f"jobs/{JOB}/settings"), ("POST", f"jobs/{JOB}/settings"),
           ("POST", f"jobs/{JOB}/stop"), ("POST", f"jobs/{JOB}/resume"), ("GET", f"jobs/{JOB}/checkpoints"),
           ("GET", f"jobs/{JOB}/summary"), ("GET", f"jobs/{JOB}/logs"), ("GET", f"jobs/{JOB}/figure"),
           ("GET", "stream")]
@@ -363,6 +364,9 @@ def test_a_job_from_a_terminal_in_the_api(server: Server) -> None:
                    (f"jobs/{JOB}/inject", {"fault": "hang", "step": 1}, ["inject", JOB, "hang", "--step", "1"]),
                    (f"jobs/{JOB}/inject", {"fault": "slow-rank", "delay": -1.0},
                     ["inject", JOB, "slow-rank", "--delay", "-1"]),
+                   (f"jobs/{JOB}/settings", {"values": {"ckpt-mode": "sync"}},
+                    ["set", JOB, "ckpt-mode=sync"]),
+                   (f"jobs/{JOB}/settings", {"values": {"keep-last": 1}}, ["set", JOB, "keep-last=1"]),
                    ("jobs", {"spec": {"name": "other", "steps": "many"}}, ["run", "--name", "other", "--steps", "many"]),
                    ("jobs", {"spec": {"name": "Not_A_Label"}}, ["run", "--name", "Not_A_Label"])]
         with ThreadPoolExecutor(4) as pool:
@@ -376,7 +380,20 @@ def test_a_job_from_a_terminal_in_the_api(server: Server) -> None:
             status, reply = server.request("POST", f"jobs/{JOB}/inject", body)
             assert status == 400 and reply["problem"] and "\n" not in reply["error"], (body, reply)
         assert server.request("POST", "jobs/no-such-job/inject", {"fault": "sigkill"})[0] == 404
+        for body in ({"values": {}}, {"values": {"ckpt-every": 5}, "whatif": True}, {"values": [5]}):
+            status, reply = server.request("POST", f"jobs/{JOB}/settings", body)
+            assert status == 400 and reply["problem"] and "\n" not in reply["error"], (body, reply)
         assert on_disk() == before, "a refused request changed files on disk"
+
+        # a live setting through the API: every rank takes it at one step, and GET says it is in force
+        status, reply = server.request("POST", f"jobs/{JOB}/settings", {"values": {"ckpt-every": 7}})
+        assert status == 200 and reply["changes"] == {"ckpt-every": [10, 7]}, reply
+        taken = wait_for("both ranks' setting events", lambda: len(events(JOB, "setting")) == 2 and
+                         events(JOB, "setting"), timeout=120)
+        assert len({e["step"] for e in taken}) == 1 and {e.rank for e in taken} == {0, 1}
+        status, reply = server.request("GET", f"jobs/{JOB}/settings")
+        assert status == 200 and reply["values"]["ckpt-every"] == 7, reply
+        assert reply["step"] == taken[0]["step"], reply
 
         # a sigkill through the API: a restart on the stream, and in the dashboard's figure
         status, reply = server.request("POST", f"jobs/{JOB}/inject", {"fault": "sigkill", "rank": 1})
@@ -389,6 +406,7 @@ def test_a_job_from_a_terminal_in_the_api(server: Server) -> None:
         assert status == 200
         traces = {(t["name"], t["meta"]): t for t in figure["data"]}
         assert traces[("faults", "tail")]["text"] == ["sigkill rank 1"]
+        assert traces[("settings", "tail")]["text"] == [f"ckpt-every 10→7 @ step {taken[0]['step']}"]
         assert len(traces[("restarts", "tail")]["text"]) == 1
         assert traces[("tokens/s", "tail")]["x"]
 

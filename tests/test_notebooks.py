@@ -106,6 +106,18 @@ def check_lab(nb: Any) -> None:
         assert eksft_nb.attach(case).state == "succeeded"
     assert "resilience test of lab: PASSED" in out and "2 cases, 0 failed" in out
     assert "recommended:" in out and "cannot estimate: the in-process recovery" in out
+    # the recommendation, applied live: both ranks took it at one step, and the job saved by it
+    live = eksft_nb.attach("lab-live").refresh()
+    from eksft_nb import commands
+
+    every = commands.whatif("lab-sigkill")["recommendation"]["every"]
+    assert live.state == "succeeded" and list(live.settings) == [1], live.settings
+    change = live.settings[1]
+    assert change["changes"] == {"ckpt-every": [40, every]}
+    assert change["ranks"] == {0: change["step"], 1: change["step"]}
+    assert f"lab-live: ckpt-every 40 -> {every}, taken by all 2 ranks at step {change['step']}" in out
+    later = sorted(s for s, c in live.checkpoints.items() if c.state == "committed" and s > change["step"])
+    assert later and all(s % every == 0 or s == 100 for s in later), later
 
 
 def check_slurm(nb: Any) -> None:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..checkpoint_folders import CheckpointInfo
 from ..control import FaultCommand
-from ..errors import JobError
+from ..errors import ControlError, JobError
 from ..events import Event
 from ..fault_registry import refused
 from ..spec import JobSpec
@@ -145,6 +146,16 @@ class Backend(ABC):
     @abstractmethod
     def inject(self, name: str, command: FaultCommand) -> FaultCommand:
         """Deliver a validated fault command to a running job."""
+
+    def set_settings(self, name: str, changes: Mapping[str, int]) -> dict[str, Any]:
+        """Queue checked live settings for a running job (see :mod:`eksft_nb.settings`)."""
+        raise ControlError(f"the {self.name} backend does not take live settings yet",
+                           "stop the job and resume it with the new settings, or run it on local or slurm")
+
+    def settings(self, name: str) -> dict[str, Any] | None:
+        """The live settings in force: seq, values, and the step they took effect at (None: the spec's);
+        None from a backend that keeps none."""
+        return None
 
     @abstractmethod
     def checkpoints(self, name: str) -> list[CheckpointInfo]: ...

@@ -1,10 +1,14 @@
-"""Faults for a job whose folder this machine can write (local jobs, Slurm jobs on the shared disk):
-checked against the job, then queued in its ``control/pending`` for its ranks to fire."""
+"""Faults and live settings for a job whose folder this machine can write (local jobs, Slurm jobs on
+the shared disk): checked against the job, then queued in its ``control/`` folder for its ranks."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+from .. import settings
 from ..control import FaultCommand, submit
-from ..errors import JobError
+from ..errors import ControlError, JobError
 from ..events import EventTail
 from ..jobdir import JobDir
 from ..monitor import JobMonitor
@@ -25,3 +29,22 @@ def queue_fault(jd: JobDir, state: JobState, command: FaultCommand) -> FaultComm
         command.validate(spec.world_size, spec.nnodes, current_step=mon.last_step)
     submit(jd.pending, command)
     return command
+
+
+def queue_settings(jd: JobDir, state: JobState, changes: Mapping[str, int]) -> dict[str, Any]:
+    """Queue checked live ``changes`` for the running job in ``jd`` (see :func:`settings.write_request`)."""
+    spec = jd.spec()
+    if spec.script:
+        raise ControlError(f"job {spec.name!r} runs a script: its own loop decides when it saves",
+                           "live settings go to the built-in trainer; change the script's own interval")
+    if state not in ACTIVE:
+        how = "has already ended" if state in ENDED else "is not running"
+        raise JobError(f"job {spec.name!r} {how} ({state}): live settings only go to a running job",
+                       "resume it (it starts with the settings in force when it stopped) or launch anew")
+    return settings.write_request(jd, spec, changes)
+
+
+def settings_in_force(jd: JobDir) -> dict[str, Any]:
+    """The live settings in force (the spec's until a change) and the step they took effect at."""
+    seq, values, step = settings.in_force(jd, jd.spec())
+    return {"seq": seq, "values": values, "step": step}

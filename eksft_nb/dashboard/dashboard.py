@@ -15,14 +15,14 @@ from typing import Any
 
 import ipywidgets as w
 
-from .. import commands
+from .. import commands, settings
 from ..checkpoint_folders import CheckpointInfo, resume_origin
 from ..errors import EksftError
 from ..goodput import compute
 from ..job import Job, attach
 from ..states import FAILED_ENDS, CheckpointState, JobState
 from .figure import TrainingFigure
-from .parts import CheckpointTable, FaultControls, GoodputBar, Header, LogTail
+from .parts import CheckpointTable, FaultControls, GoodputBar, Header, LogTail, SettingsControls
 from .series import Throttle
 
 
@@ -55,6 +55,8 @@ class Dashboard(w.VBox):
         self.figure = TrainingFigure(tail=tail, budget=budget)
         self.goodput = GoodputBar()
         self.controls = FaultControls(world_size=spec.world_size, nnodes=spec.nnodes)
+        self.settings = SettingsControls(values=settings.of_spec(spec))
+        self.settings.layout.display = "none" if spec.script else None   # a script's own loop saves
         self.stop_button = w.Button(description="Stop job", button_style="danger", icon="stop").add_class("eksft-stop")
         self.message = w.HTML().add_class("eksft-message")
         self.checkpoints = CheckpointTable(self.resume)
@@ -62,6 +64,8 @@ class Dashboard(w.VBox):
         self.resumed = w.VBox().add_class("eksft-resumed")
 
         self.controls.inject.on_click(self._inject_clicked)
+        self.settings.set.on_click(lambda _b: self.set_settings(self.settings.changes()))
+        self.settings.whatif.on_click(lambda _b: self.apply_whatif())
         self.stop_button.on_click(lambda _b: self.stop())
         self.log_tail.observe(lambda _c: self._refresh_log() if self.log_tail.is_open else None, "selected_index")
 
@@ -70,6 +74,7 @@ class Dashboard(w.VBox):
         figure.add_class("eksft-figure")
         super().__init__([self.header, figure, self.goodput,
                           w.HBox([self.controls, self.stop_button], layout=w.Layout(flex_flow="row wrap")),
+                          self.settings,
                           self.message, self.checkpoints, self.log_tail, self.resumed])
         self.add_class("eksft-dashboard")
         self.add_class(f"eksft-job-{job.name}")
@@ -114,6 +119,8 @@ class Dashboard(w.VBox):
             if len(mon.warnings) > self.warnings_said:   # the newest warning, in one line
                 self.warnings_said = len(mon.warnings)
                 self._say(f"warning: {mon.warnings[-1]['message']}")
+            if mon.settings:   # the newest change every rank took
+                self.settings.values = mon.settings[max(mon.settings)]["values"]
             if mon.resumes:  # where it did start, with each checkpoint refused before that one
                 h.origin = _origin(self._resume, mon.resumes[0])
             now = time.monotonic()
@@ -128,6 +135,7 @@ class Dashboard(w.VBox):
             if ended:
                 self.ended = True
                 self.controls.inject.disabled = self.stop_button.disabled = True
+                self.settings.set.disabled = self.settings.whatif.disabled = True
                 if state in FAILED_ENDS:
                     self._say(f"{self.job.name} {state}: {detail or mon.reason}", error=True)
                 elif mon.drain is not None:
@@ -180,6 +188,28 @@ class Dashboard(w.VBox):
             self._say(str(e), error=True)
             return
         self._say(said)
+
+    def set_settings(self, values: dict[str, int]) -> None:
+        """Change live settings (what Set does); the figure marks the step every rank takes them at."""
+        if not values:
+            self._say("nothing to set: change a value first")
+            return
+        backend = self.job.backend.name
+        self._in_background(lambda: commands.set_settings(self.job.name, values, backend=backend))
+
+    def apply_whatif(self) -> None:
+        """Set the checkpoint interval the what-if recommends from the job's own failures (Apply what-if)."""
+        self._in_background(lambda: commands.apply_whatif(self.job.name, backend=self.job.backend.name))
+
+    def _in_background(self, change: Any) -> None:
+        """Run a settings command off the kernel's thread; its line (or refusal) goes to the message line."""
+        def run() -> None:
+            try:
+                self._say(change()["message"])
+            except EksftError as e:
+                self._say(str(e), error=True)
+
+        threading.Thread(target=run, daemon=True).start()
 
     def resume(self, step: int) -> Dashboard | None:
         """Start a new job from the checkpoint at ``step`` and show its dashboard below this one."""

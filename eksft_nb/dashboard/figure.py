@@ -23,14 +23,14 @@ from ..plotly_bundle import LOADER
 from .series import Series
 
 WIDTH = 840
-LANES = ("fault", "in-process", "in-job", "job")
+LANES = ("setting", "fault", "in-process", "in-job", "job")
 LEVEL_LANE = {level.value: level.label for level in RestartLevel}
 COLORS = {"tokens/s": "#1f77b4", "loss": "#ff7f0e", "blocked": "#d62728", "background": "#2ca02c",
-          "faults": "#7f7f7f", "restarts": "#9467bd", "gpu faults": "#d62728"}
+          "faults": "#7f7f7f", "restarts": "#9467bd", "gpu faults": "#d62728", "settings": "#17becf"}
 GPU_STATUS = {"ok": "#2ca02c", "throttled": "#ff7f0e", "fault": "#d62728", "none": "#bbbbbb"}
 ROW_TITLES = ("throughput (tokens/s)", "loss",   # a user script reports no tokens: steps/s, and no loss
               "checkpoint saves: training blocked (red) vs writing in the background (green), seconds",
-              "faults and restarts (line: downtime until the first step after recovery)",
+              "live settings, faults and restarts (line: downtime until the first step after recovery)",
               "GPU health per node: ok (green), throttled (orange), XID/ECC fault (red), no GPU (grey)")
 
 
@@ -64,6 +64,7 @@ class TrainingFigure:
             "faults": Series(("x", "lane", "text"), **kw),
             "restarts": Series(("x", "lane", "downtime", "text", "hover", "where"), key=("downtime",), **kw),
             "gpu faults": Series(("x", "lane", "text"), **kw),
+            "settings": Series(("x", "lane", "text"), **kw),  # live changes, where the ranks took them
             # a point per node per sample: a many-node job's strip would re-send a large tail every 10 s
             "gpu": Series(("x", "lane", "color", "label", "hover"), tail=max(2, tail // 5), budget=max(8, budget // 5)),
         }
@@ -74,6 +75,7 @@ class TrainingFigure:
         self.traces: dict[tuple[str, str], list[Any]] = {}
         self._seen_steps = self._seen_restarts = self._seen_faults = self._seen_gpu = self._seen_gpu_faults = 0
         self._seen_saves: set[tuple[int, float]] = set()
+        self._seen_settings: set[int] = set()
         self._per_lane: dict[str, int] = {}
 
     # ---- data --------------------------------------------------------------------------------
@@ -109,6 +111,10 @@ class TrainingFigure:
             if f["fault"] != "throttle":   # throttling shows in the health strip; XIDs and ECC errors beside restarts
                 self.series["gpu faults"].append(f["t"] - t0, "fault", fault_label(f))
         self._seen_gpu_faults = len(mon.gpu.faults)
+        for seq in sorted(set(mon.settings) - self._seen_settings):
+            self._seen_settings.add(seq)
+            change = mon.settings[seq]
+            self.series["settings"].append(change["t"] - t0, "setting", setting_label(change))
         for g in mon.gpu.since(self._seen_gpu):
             label = g["text"] if g["status"] == "none" else ""   # "no GPU" is said once, on the strip
             self.series["gpu"].append(g["t"] - t0, f"node {g['node']}", GPU_STATUS[g["status"]], label, g["text"])
@@ -208,13 +214,17 @@ class TrainingFigure:
             return [dict(cls=go.Scatter, row=5, name=name, meta=part, mode="markers+text", textposition="middle right",
                          marker=dict(symbol="square", size=9), textfont=dict(size=10, color=GPU_STATUS["none"]),
                          hovertemplate="%{hovertext}<extra></extra>")]
-        marker = {"faults": "triangle-down", "restarts": "diamond", "gpu faults": "x"}[name]
+        marker = {"faults": "triangle-down", "restarts": "diamond", "gpu faults": "x",
+                  "settings": "star"}[name]
         style = dict(cls=go.Scatter, row=4, name=name, meta=part, mode="markers+text",
                      marker=dict(symbol=marker, size=10, color=color), textfont=dict(size=10, color=color))
         if name == "faults":
             return [dict(style, textposition="top right", hovertemplate="injected %{text}<extra></extra>")]
         if name == "gpu faults":
             return [dict(style, textposition="top right", hovertemplate="GPU fault: %{text}<extra></extra>")]
+        if name == "settings":
+            return [dict(style, textposition="top right",
+                         hovertemplate="live setting: %{text}<extra></extra>")]
         return [dict(style, hovertemplate="%{hovertext}<extra></extra>",
                      error_x=dict(type="data", symmetric=False, width=0, thickness=3, color=color))]
 
@@ -228,7 +238,7 @@ class TrainingFigure:
             step = _i32(cols["step"])
             return [dict(x=x, y=_f32(cols["blocked"]), customdata=step),
                     dict(x=x, y=_f32(cols["background"]), customdata=step)]
-        if name in ("faults", "gpu faults"):
+        if name in ("faults", "gpu faults", "settings"):
             return [dict(x=x, y=list(cols["lane"]), text=list(cols["text"]))]
         if name == "gpu":
             return [dict(x=x, y=list(cols["lane"]), marker=dict(color=list(cols["color"])), text=list(cols["label"]),
@@ -236,6 +246,12 @@ class TrainingFigure:
         down = _f32(cols["downtime"])
         return [dict(x=x, y=list(cols["lane"]), text=list(cols["text"]), hovertext=list(cols["hover"]),
                      textposition=list(cols["where"]), error_x=dict(array=down, arrayminus=np.zeros_like(down)))]
+
+
+def setting_label(r: dict[str, Any]) -> str:
+    """The text next to a live setting's marker: what changed and the step every rank took it at."""
+    changed = ", ".join(f"{k} {old}→{new}" for k, (old, new) in r["changes"].items()) or "no change"
+    return f"{changed} @ step {r['step']}"
 
 
 def restart_label(r: dict[str, Any]) -> str:

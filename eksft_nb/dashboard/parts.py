@@ -15,6 +15,7 @@ from traitlets import Dict, Float, Int, List, Unicode, observe
 from ..control import FAULTS, WHEN_FIX, parse_when
 from ..errors import ControlError
 from ..goodput import CATEGORIES
+from ..settings import LIVE, MAX_VALUE
 from ..states import CheckpointState, FaultScope, JobState, RestartLevel
 
 STATE_COLORS = {JobState.RUNNING: "#2ca02c", JobState.RECOVERING: "#ff7f0e", JobState.SUCCEEDED: "#1f77b4",
@@ -141,6 +142,39 @@ class FaultControls(w.HBox):
         if FAULTS[fault][0] == FaultScope.NODE:
             return {"fault": fault, "node": self.target.value, "step": step, "after": after}
         return {"fault": fault, "rank": self.target.value, "step": step, "after": after}
+
+
+class SettingsControls(w.HBox):
+    """The live settings (see :mod:`eksft_nb.settings`): one box per setting, Set, and Apply what-if
+    (the recommended checkpoint interval, replayed from the job's own failures)."""
+
+    values = Dict()   # the settings in force: name -> value
+
+    def __init__(self, **kwargs: Any) -> None:
+        short = {"description_width": "initial"}
+        self.boxes = {name: w.BoundedIntText(min=live.low, max=MAX_VALUE, description=name, tooltip=live.help,
+                                             style=short, layout=w.Layout(width="150px"))
+                      for name, live in LIVE.items()}
+        for name, box in self.boxes.items():
+            box.add_class(f"eksft-{name}")
+        self.set = w.Button(description="Set", icon="sliders", tooltip="every rank takes it at the same step"
+                            ).add_class("eksft-set")
+        self.whatif = w.Button(description="Apply what-if", icon="magic", layout=w.Layout(width="140px"),
+                               tooltip="set the checkpoint interval the what-if recommends")
+        self.whatif.add_class("eksft-apply")
+        super().__init__([*self.boxes.values(), self.set, self.whatif], **kwargs)
+        self.add_class("eksft-settings")
+
+    @observe("values")
+    def _render(self, change: Any) -> None:
+        """Show a newly taken value; a box the user is editing keeps the text unless it changed under it."""
+        for name, value in self.values.items():
+            if name in self.boxes and (change["old"] or {}).get(name) != value:
+                self.boxes[name].value = value
+
+    def changes(self) -> dict[str, int]:
+        """The boxes that differ from what is in force."""
+        return {name: box.value for name, box in self.boxes.items() if box.value != self.values.get(name)}
 
 
 class CheckpointTable(w.VBox):

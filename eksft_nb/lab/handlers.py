@@ -21,12 +21,13 @@ from tornado import web
 from tornado.iostream import StreamClosedError
 
 from .. import commands, plotly_bundle
-from ..errors import EksftError, UnknownJobError
+from ..errors import ControlError, EksftError, UnknownJobError
 from ..fault_registry import REGISTRY
 from . import requests
 from .manager import CLUSTERS, JobsManager, describe_error
 
 KEEPALIVE_S = 15.0
+SETTINGS_WAIT_S = 10.0   # a change answers once every rank took it, or as queued after this long
 # what the JupyterLab panel offers to inject: the one table of fault kinds, in its order
 FAULT_KINDS = [{"kind": k.value, "scope": d.scope.value, "help": d.description} for k, d in REGISTRY.items()]
 
@@ -99,6 +100,28 @@ class InjectHandler(Base):
     async def post(self, name: str) -> None:
         command, backend = requests.inject_args(requests.body(self.request.body, requests.INJECT))
         await self.reply(commands.inject_command, name, command, backend=backend)
+
+
+class SettingsHandler(Base):
+    @web.authenticated
+    @refusing
+    async def get(self, name: str) -> None:
+        """The live settings in force: seq, values, and the step they took effect at (null: the spec's)."""
+        await self.reply(commands.settings_in_force, name, backend=self.backend())
+
+    @web.authenticated
+    @refusing
+    async def post(self, name: str) -> None:
+        """``{"values": {"ckpt-every": 25}}`` or ``{"whatif": true}``: see commands.set_settings."""
+        data = requests.body(self.request.body, requests.SETTINGS)
+        backend = data.get("backend", "local")
+        if data.get("whatif") and "values" not in data:
+            await self.reply(commands.apply_whatif, name, backend=backend, wait=SETTINGS_WAIT_S)
+            return
+        if "values" not in data or data.get("whatif"):
+            raise ControlError("the request needs values or whatif, not both nor neither",
+                               'send e.g. {"values": {"ckpt-every": 25}} or {"whatif": true}')
+        await self.reply(commands.set_settings, name, data["values"], backend=backend, wait=SETTINGS_WAIT_S)
 
 
 class StopHandler(Base):
@@ -202,6 +225,7 @@ ROUTES: list[tuple[str, type[Base]]] = [
     ("jobs", JobsHandler),
     ("jobs/([^/]+)", JobHandler),
     ("jobs/([^/]+)/inject", InjectHandler),
+    ("jobs/([^/]+)/settings", SettingsHandler),
     ("jobs/([^/]+)/stop", StopHandler),
     ("jobs/([^/]+)/resume", ResumeHandler),
     ("jobs/([^/]+)/checkpoints", CheckpointsHandler),

@@ -40,6 +40,10 @@ RESUME: dict[str, Check] = {
     "as": (_optional(lambda v: isinstance(v, str)), "the new job's name (a string), or null"),
     "steps": (_optional(integer), "an integer (steps in total), or null"),
     "backend": _BACKEND}
+SETTINGS: dict[str, Check] = {
+    "values": (lambda v: isinstance(v, dict), 'an object of live settings, e.g. {"ckpt-every": 25}'),
+    "whatif": (lambda v: isinstance(v, bool), "true to apply the what-if's recommended interval"),
+    "backend": _BACKEND}
 LAUNCH: dict[str, Check] = {
     "spec": (lambda v: isinstance(v, dict), 'an object of spec fields, e.g. {"steps": 80, "model.preset": "tiny"}'),
     "faults": (lambda v: isinstance(v, list) and len(v) <= MAX_FAULTS and all(isinstance(f, str) for f in v),

@@ -16,6 +16,7 @@ from ..timeouts import derive
 from .checkpoint import ModelState
 from .data import SyntheticCorpus
 from .keepalive import keepalive
+from .live import LiveSettings
 from .model import build_model, loss_fn
 from .peers import abort_chain
 from .peers import shutdown as shutdown_gloo
@@ -48,6 +49,12 @@ class Trainer:
         self.state = {"train": ModelState(self.model, self.optim), "data": self.data}
         self.ckpt = s.checkpoints(self.ckpt_group, atomic=call_wrapper.atomic if call_wrapper else None,
                                   keepalive=self._keepalive)
+        self.live = LiveSettings(s.job_dir, spec, self.rank, s.emit, s.warn)
+        self._set_live(self.live.values)
+
+    def _set_live(self, values: dict[str, int]) -> None:
+        """The checkpoint manager saves and prunes by the live settings in force (see .live)."""
+        self.ckpt.every, self.ckpt.keep_last = values["ckpt-every"], values["keep-last"]
 
     def _keepalive(self) -> None:
         self.s.heartbeat()
@@ -82,7 +89,7 @@ class Trainer:
     def _check_save_pace(self, step: int, save_s: float, was_deferred: bool, loop_s: float, steps: int) -> None:
         """Warn when a save takes longer than the checkpoint interval: an async save still being written
         when the next is due (so that one is deferred), or a sync save that blocks for longer."""
-        every = self.spec.checkpoint.every
+        every = self.ckpt.every
         if self.rank != 0 or not every:
             return
         interval_s = every * (loop_s - save_s) / steps   # the steps' time, without this save's
@@ -119,7 +126,8 @@ class Trainer:
             self.step = self.ckpt.restore(self.state, spec.resume, s.restarting)
         if time.perf_counter() - t_restore > budget:
             self._restore_overrun(budget, time.perf_counter() - t_restore)
-        s.rank_start(self.step, t_enter=self.t_enter, t_group=self.t_group, device=str(self.device))
+        s.rank_start(self.step, t_enter=self.t_enter, t_group=self.t_group, device=str(self.device),
+                     settings=self.live.values)
         tokens_per_step = spec.batch * spec.seq * self.world
         first, t_loop = self.step + 1, time.perf_counter()
         for step in range(first, spec.steps + 1):
@@ -130,11 +138,15 @@ class Trainer:
             loss.backward()
             self.optim.step()
             self.optim.zero_grad(set_to_none=True)
-            # the loss summed over ranks, and how many ranks were asked to drain (SIGTERM), in one all-reduce
+            # in one all-reduce: the loss summed over ranks, how many ranks were asked to drain (SIGTERM),
+            # and rank 0's live settings (the others add zeros)
             drain = float(s.drain is not None and s.drain.requested)
-            mean = torch.cat([loss.detach().float().reshape(1), torch.tensor([drain], device=self.device)])
+            mean = torch.cat([loss.detach().float().reshape(1),
+                              torch.tensor([drain, *self.live.proposal()], device=self.device)])
             dist.all_reduce(mean)
-            total, draining = mean.tolist()
+            total, draining, *proposed = mean.tolist()
+            if self.live.agree(proposed, step) is not None:
+                self._set_live(self.live.values)
             if draining > 0 and self.ckpt.mode == "async":
                 self._save_without_writer()
             step_s = time.perf_counter() - t0

@@ -13,7 +13,9 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from ...control import FaultCommand, submit
 from ...errors import JobError, UnknownJobError
@@ -23,7 +25,7 @@ from ...states import ACTIVE, JobState
 from ...tails import bounded, tail_lines
 from ..base import Backend, JobSummary, readable
 from ..folder import FolderJobs
-from ..inbox import queue_fault
+from ..inbox import queue_fault, queue_settings, settings_in_force
 from . import cluster
 from .render import STOP_MARK, job_dir, new_job_uid, render
 
@@ -147,6 +149,12 @@ class SlurmBackend(FolderJobs, Backend):
             raise JobError("kill-supervisor is a local fault: on Slurm no eksft supervisor runs",
                            "use kill-launcher to lose a node, or sigkill to lose a rank")
         return queue_fault(self._jd(name), self.state(name).state, command)
+
+    def set_settings(self, name: str, changes: Mapping[str, int]) -> dict[str, Any]:
+        return queue_settings(self._jd(name), self.state(name).state, changes)
+
+    def settings(self, name: str) -> dict[str, Any]:
+        return settings_in_force(self._jd(name))
 
     def stop(self, name: str, timeout: float = 60.0) -> None:
         """``scancel`` the job (marked as the user's stop first); returns once Slurm says it ended."""
