@@ -23,6 +23,7 @@ from ..states import JobState
 from .figure import TrainingFigure
 from .parts import CheckpointTable, FaultControls, GoodputBar, Header, LogTail
 from .series import Throttle
+from .whatif_tab import WhatIfTab
 
 
 class Dashboard(w.VBox):
@@ -59,6 +60,7 @@ class Dashboard(w.VBox):
         self.checkpoints = CheckpointTable(self.resume)
         self.log_tail = LogTail(lines=log_lines)
         self.resumed = w.VBox().add_class("eksft-resumed")
+        self.whatif = WhatIfTab(self.job)
 
         self.controls.inject.on_click(self._inject_clicked)
         self.stop_button.on_click(lambda _b: self.stop())
@@ -67,7 +69,9 @@ class Dashboard(w.VBox):
         self._fold()                            # the whole history so far, before the figure exists
         figure = self.figure.build()
         figure.add_class("eksft-figure")
-        super().__init__([self.header, figure, self.goodput,
+        self.tabs = w.Tab([figure, self.whatif], titles=["training", "what-if"]).add_class("eksft-tabs")
+        self.tabs.observe(lambda _c: self._refresh_whatif(), "selected_index")
+        super().__init__([self.header, self.tabs, self.goodput,
                           w.HBox([self.controls, self.stop_button], layout=w.Layout(flex_flow="row wrap")),
                           self.message, self.checkpoints, self.log_tail, self.resumed])
         self.add_class("eksft-dashboard")
@@ -124,6 +128,7 @@ class Dashboard(w.VBox):
                 self._refresh_checkpoints()
                 if self.log_tail.is_open or ended:
                     self._refresh_log()
+                self._refresh_whatif()
             if ended:
                 self.ended = True
                 self.controls.inject.disabled = self.stop_button.disabled = True
@@ -148,6 +153,10 @@ class Dashboard(w.VBox):
                          "blocked": rec.blocked_s if timed else None, "background": rec.background_s if timed else None,
                          "note": info.reason})
         self.checkpoints.rows = rows
+
+    def _refresh_whatif(self) -> None:
+        if self.tabs.selected_index == 1:
+            self.whatif.refresh()
 
     def _refresh_log(self) -> None:
         self.log_tail.text = self.job.logs(lines=self.log_tail.lines)
