@@ -125,6 +125,18 @@ def test_state_is_the_digest_or_else_the_loss_curve() -> None:
     assert state_check(same, ref) == ("differs", "final digest abd, the reference's abc")
 
 
+def test_a_job_that_reports_no_state_must_run_all_the_references_steps() -> None:
+    # an unmodified script: no digest, no loss; a case that resumed redoes steps, one that left its
+    # loop early (a SIGTERM it caught, exit 0) runs fewer
+    ref, redone, early = reference(), reference(steps=26), reference(steps=14)
+    for mon in (ref, redone, early):
+        mon.steps.loss[:] = [None] * len(mon.steps.loss)
+    check, why = state_check(redone, ref)
+    assert check == "match" and "ran 26 optimizer steps" in why and "reference's 20" in why, why
+    check, why = state_check(early, ref)
+    assert check == "differs" and "ran 14 optimizer steps, fewer than the reference's 20: it stopped early" in why
+
+
 # ---- the card ----------------------------------------------------------------------------------
 
 def validate_junit(text: str) -> dict[str, list[str]]:
