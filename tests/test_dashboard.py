@@ -378,23 +378,26 @@ def test_the_whatif_tab_shows_the_replay_its_plot_and_the_recommendation_in_one_
     dash = Dashboard(job.handle(), live=False)
     tab = dash.whatif
     assert dash.tabs.titles == ("training", "what-if") and dash.tabs.selected_index == 0
-    assert tab.recommendation == {} and tab.table.value == "" and not tab.plot.data   # not replayed until opened
+    assert tab.recommendation == {} and tab.table.value == "" and not tab.plot.data   # replayed once opened
 
     dash.tabs.selected_index = 1
     report = commands.whatif("wif")
     rec = report["recommendation"]
     assert rec["every"] and tab.recommendation == {"every": rec["every"], "text": rec["text"]}
     line = html.unescape(re.sub(r"<[^>]*>", "", tab.line.value))
-    assert re.fullmatch(rf"recommended: every {rec['every']} steps: [+-]\d+\.\d points ETTR \(now every 10\)", line)
+    assert re.fullmatch(rf"recommended: every {rec['every']} steps: [+-]\d+\.\d points ETTR \(now every 10\)",
+                        line)
     assert "tau = sqrt(2 C (M + R)) - C" in html.unescape(tab.formula.value)
     cells = [[html.unescape(c) for c in re.findall(r"<td>(.*?)</td>", r)]
              for r in re.findall(r"<tr>(.*?)</tr>", tab.table.value) if "<td>" in r]
-    assert [r[0] for r in cells] == ["measured (as run)", "predicted (as run)", *(r["label"] for r in report["rows"])]
+    labels = [r["label"] for r in report["rows"]]
+    assert [r[0] for r in cells] == ["measured (as run)", "predicted (as run)", *labels]
     assert cells[0][1] == f"{100 * report['measured']['ettr']:.1f}%"
     assert {r["setting"]["ckpt_every"] for r in report["rows"]} >= {5, 10, 20, rec["every"]}
     [predicted] = [t for t in tab.plot.data if t.name == "predicted"]
-    shown = sorted((r["setting"]["ckpt_every"], 100 * r["ettr"]) for r in report["rows"] if r["ettr"] is not None)
-    assert list(predicted.x) == [x for x, _ in shown] and list(predicted.y) == pytest.approx([y for _, y in shown])
+    shown = sorted((r["setting"]["ckpt_every"], 100 * r["ettr"]) for r in report["rows"] if r["ettr"])
+    assert list(predicted.x) == [x for x, _ in shown]
+    assert list(predicted.y) == pytest.approx([y for _, y in shown])
     assert any(t.name == rec["text"] for t in tab.plot.data)                # the recommendation, marked
 
 

@@ -21,8 +21,9 @@ def view(report: dict[str, Any]) -> dict[str, Any]:
     rows = [_cells("measured (as run)", m["ettr"], m["wall_s"], m["terms"], None, None, ""),
             _cells("predicted (as run)", **_predicted(m["predicted_as_run"]))]
     rows += [_cells(r["label"], **_predicted(r)) for r in report["rows"]]
-    return {"job": report["job"], "line": rec["text"], "every": rec.get("every"), "formula": rec.get("formula", ""),
-            "columns": COLUMNS, "rows": rows, "figure": json.loads(whatif_figure(report).to_json())}
+    return {"job": report["job"], "line": rec["text"], "every": rec.get("every"),
+            "formula": rec.get("formula", ""), "columns": COLUMNS, "rows": rows,
+            "figure": json.loads(whatif_figure(report).to_json())}
 
 
 def _predicted(row: dict[str, Any]) -> dict[str, Any]:
