@@ -224,8 +224,9 @@ def test_a_job_that_never_checkpoints_fails_the_card_with_the_reason(tmp_path: P
     assert job_dir("nockpt-ref").is_dir() and not job_dir("nockpt-sigkill").exists()   # no case ran
 
 
-def test_a_users_script_is_checked_by_its_loss_curve(tmp_path: Path) -> None:
+def test_a_users_script_is_checked_by_its_loss_curve(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     script = str(REPO / "tests" / "scripts" / "aware.py")
+    monkeypatch.chdir(tmp_path)   # each of the test's jobs runs the script in a folder of its own, made here
     rc, card, _, failures = run_test("scr", "--script", script, "--steps", "30", "--ckpt-every", "5",
                                      "--faults", "sigkill", "--expect", "level<=injob, state=reference",
                                      tmp=tmp_path)
@@ -234,11 +235,23 @@ def test_a_users_script_is_checked_by_its_loss_curve(tmp_path: Path) -> None:
     assert row["state_check"] == "match" and "loss curve within 2 %" in row["state_detail"], row
     assert row["level"] == "injob" and row["passed"] and rc == 0, card
     assert failures == {"sigkill": []}
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["scr-ref", "scr-sigkill"]
+
+
+def test_a_scripts_working_folders_must_be_new(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "old-sigkill").mkdir()
+    proc = cli("test", "--name", "old", "--script", str(REPO / "tests" / "scripts" / "aware.py"))
+    assert proc.returncode == 2 and f"working folders {tmp_path / 'old-sigkill'} exist already" in proc.stderr, \
+        proc.stderr
+    assert not job_dir("old-ref").exists() and not (tmp_path / "old-ref").exists()   # nothing ran
 
 
 NVRX_EXAMPLES = os.environ.get("EKSFT_NVRX_EXAMPLES")
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(3600)   # nine real jobs, each about a minute on 2 busy cores
 @pytest.mark.skipif(not NVRX_EXAMPLES, reason="set EKSFT_NVRX_EXAMPLES to the examples/ folder of the "
                     "installed NVRx release (not shipped here; see README)")
 def test_nvrx_heartbeats_example_unmodified_passes_every_applicable_fault(
@@ -251,7 +264,7 @@ def test_nvrx_heartbeats_example_unmodified_passes_every_applicable_fault(
            "--output_dir out"
     rc, card, narration, failures = run_test(
         "nvhb", "--script", str(script), "--script-args", args, "--no-inprocess", "--heartbeat-timeout", "8",
-        "--at-step", "110", tmp=tmp_path, timeout=3000)
+        "--at-step", "110", tmp=tmp_path, timeout=3300)
     applicable = [k.value for k in FaultKind if k not in plan.STORAGE_KINDS]   # local refuses none
     assert [r["case"] for r in card["rows"]] == applicable, narration[-3000:]
     why = "it acts on checkpoints eksft writes, and the reference run showed none"

@@ -59,7 +59,7 @@ def run_test(launch: Callable[..., object], spec: JobSpec, kinds: Sequence[Fault
     if folders:
         say(f"each job runs the script in its own working folder under {folders[ref_name].parent}, so what "
             "it saves beside itself (its own checkpoints) never carries over from one job to the next")
-    launch(_in(spec.replace(name=ref_name), folders))
+    launch(_in(spec, folders, ref_name))
     ref, ref_state, end = _follow(Job(ref_name, backend), REFERENCE_TIMEOUT_S)
     wall = compute(ref).wall_s
     card["reference"] = {"job": ref_name, "state": ref_state.value, "wall_s": round(wall, 2),
@@ -116,8 +116,8 @@ def _work_folders(spec: JobSpec, backend: str, names: list[str]) -> dict[str, Pa
     return folders
 
 
-def _in(spec: JobSpec, folders: dict[str, Path], name: str | None = None) -> JobSpec:
-    name = name or spec.name
+def _in(spec: JobSpec, folders: dict[str, Path], name: str) -> JobSpec:
+    """``spec`` as the test's job ``name``, in its working folder if it has one (made now)."""
     spec = spec.replace(name=name)
     if name not in folders:
         return spec
