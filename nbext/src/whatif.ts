@@ -22,7 +22,7 @@ export class WhatIfTab {
   readonly actions = el('span', 'eksft-whatif-actions');
   /** The figure, for the dashboard to draw. */
   figure: { data: any[]; layout: any } | null = null;
-  readonly plot = el('div', 'eksft-plot eksft-whatif-plot');
+  readonly plot = el('div', 'eksft-whatif-plot');
 
   constructor(private job: string) {
     const head = el('div', 'eksft-whatif-head');
