@@ -361,3 +361,52 @@ def test_a_real_job_resumed_and_broken_from_its_dashboard() -> None:
     child.stop_button.click()
     wait_for("the dashboard to say stopped", lambda: "stopped" in said(child), 120)
     assert child.job.wait(30) == "stopped"
+
+
+def test_the_whatif_tab_shows_the_replay_its_plot_and_the_recommendation_in_one_line() -> None:
+    from eksft_nb import commands
+
+    job = FakeJob("wif", steps=40, **{"checkpoint.every": 10})
+    job.steps(1, 20)
+    job.save(10, blocked=0.2, background=0.3)
+    job.save(20, blocked=0.2, background=0.3)
+    job.steps(21, 25)
+    job.restart("injob", "injected sigkill on rank 1", downtime=3.0, resumed=20, lost=5)
+    job.steps(21, 40)
+    job.save(30, blocked=0.2, background=0.3)
+    job.end()
+    dash = Dashboard(job.handle(), live=False)
+    tab = dash.whatif
+    assert dash.tabs.titles == ("training", "what-if") and dash.tabs.selected_index == 0
+    assert tab.recommendation == {} and tab.table.value == "" and not tab.plot.data   # replayed once opened
+
+    dash.tabs.selected_index = 1
+    report = commands.whatif("wif")
+    rec = report["recommendation"]
+    assert rec["every"] and tab.recommendation == {"every": rec["every"], "text": rec["text"]}
+    line = html.unescape(re.sub(r"<[^>]*>", "", tab.line.value))
+    assert re.fullmatch(rf"recommended: every {rec['every']} steps: [+-]\d+\.\d points ETTR \(now every 10\)",
+                        line)
+    assert "tau = sqrt(2 C (M + R)) - C" in html.unescape(tab.formula.value)
+    cells = [[html.unescape(c) for c in re.findall(r"<td>(.*?)</td>", r)]
+             for r in re.findall(r"<tr>(.*?)</tr>", tab.table.value) if "<td>" in r]
+    labels = [r["label"] for r in report["rows"]]
+    assert [r[0] for r in cells] == ["measured (as run)", "predicted (as run)", *labels]
+    assert cells[0][1] == f"{100 * report['measured']['ettr']:.1f}%"
+    assert {r["setting"]["ckpt_every"] for r in report["rows"]} >= {5, 10, 20, rec["every"]}
+    [predicted] = [t for t in tab.plot.data if t.name == "predicted"]
+    shown = sorted((r["setting"]["ckpt_every"], 100 * r["ettr"]) for r in report["rows"] if r["ettr"])
+    assert list(predicted.x) == [x for x, _ in shown]
+    assert list(predicted.y) == pytest.approx([y for _, y in shown])
+    assert any(t.name == rec["text"] for t in tab.plot.data)                # the recommendation, marked
+
+
+def test_the_whatif_tab_of_a_job_without_failures_says_why_it_recommends_nothing() -> None:
+    job = FakeJob("wif-clean", steps=20, **{"checkpoint.every": 10})
+    job.steps(1, 20)
+    job.save(10, blocked=0.2, background=0.3)
+    job.end()
+    dash = Dashboard(job.handle(), live=False)
+    dash.tabs.selected_index = 1
+    assert dash.whatif.recommendation["every"] is None
+    assert "no failure observed" in dash.whatif.line.value and "<table" in dash.whatif.table.value

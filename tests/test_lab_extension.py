@@ -126,6 +126,23 @@ def drive(page: Any, lab: dict[str, Any], shots: Path) -> None:
     page.locator(f'.eksft-dashboard[data-job="{JOB}"]:not([data-restarts="0"])').wait_for(timeout=30_000)
     page.wait_for_function(RESTART_MARKERS_JS, arg=JOB, timeout=30_000, polling=250)
 
+    # the dashboard's what-if tab: the recommendation in one line, the table, ETTR against the interval
+    dash.locator(".eksft-tab-whatif").click()
+    whatif = dash.locator(".eksft-whatif")
+    dash.locator(".eksft-whatif-plot.js-plotly-plot").wait_for(timeout=120_000)
+    assert dash.locator(".eksft-plot.js-plotly-plot").first.is_hidden()     # the training tab is shut
+    line = whatif.locator(".eksft-whatif-line").inner_text()
+    assert re.fullmatch(r"recommended: every \d+ steps: [+-]\d+\.\d points ETTR \(now every 10\)", line), line
+    assert whatif.get_attribute("data-every") == line.split()[2]             # what an apply action reads
+    labels = whatif.locator(".eksft-whatif-table tbody tr td:first-child").all_inner_texts()
+    assert labels[:2] == ["measured (as run)", "predicted (as run)"] and len(labels) >= 4, labels
+    names = page.evaluate("(job) => document.querySelector(`.eksft-dashboard[data-job=\"${job}\"] "
+                          ".eksft-whatif-plot`).data.map(t => t.name)", JOB)
+    assert names[0] == "predicted" and any(n.startswith("every ") for n in names[1:]), names
+    dash.screenshot(path=str(shots / "lab-whatif.png"))
+    dash.locator(".eksft-tab-training").click()
+    assert whatif.is_hidden() and dash.locator(".eksft-plot.js-plotly-plot").first.is_visible()
+
     # attach: the line lands in the open notebook as a new cell
     row.locator(".eksft-attach").click()
     page.wait_for_function(f"() => ({CELLS_JS})().includes('%ftrain attach {JOB}')", timeout=30_000,

@@ -47,7 +47,7 @@ ROUTES = [("GET", "jobs"), ("POST", "jobs"), ("GET", f"jobs/{JOB}"), ("POST", f"
           ("GET", f"jobs/{JOB}/settings"), ("POST", f"jobs/{JOB}/settings"),
           ("POST", f"jobs/{JOB}/stop"), ("POST", f"jobs/{JOB}/resume"), ("GET", f"jobs/{JOB}/checkpoints"),
           ("GET", f"jobs/{JOB}/summary"), ("GET", f"jobs/{JOB}/logs"), ("GET", f"jobs/{JOB}/figure"),
-          ("GET", "stream")]
+          ("GET", f"jobs/{JOB}/whatif"), ("GET", "stream")]
 
 
 # ---- the body parser, on anything JSON can carry -------------------------------------------------
@@ -418,6 +418,18 @@ def test_a_job_from_a_terminal_in_the_api(server: Server) -> None:
         uid = JobDir.for_name(JOB).supervisor()["job_uid"]
         assert procs.marked(uid) == []
         stream.wait("the stop", lambda k, d: k == "jobs" and (row(d, JOB) or {}).get("state") == "stopped", 30)
+
+        # the job view's what-if: the replay of its events as the widget tab shows it (cells and figure)
+        from eksft_nb import commands
+        from eksft_nb.resilience.whatif_view import view
+
+        status, whatif = server.request("GET", f"jobs/{JOB}/whatif")
+        assert status == 200 and whatif == json.loads(json.dumps(view(commands.whatif(JOB)))), whatif
+        assert re.fullmatch(r"every \d+ steps: [+-]\d+\.\d points ETTR \(now every 10\)", whatif["line"])
+        assert [r[0] for r in whatif["rows"]][:2] == ["measured (as run)", "predicted (as run)"]
+        assert [t["name"] for t in whatif["figure"]["data"]][0] == "predicted"
+        status, reply = server.request("GET", "jobs/no-such-job/whatif")
+        assert status == 404 and reply["error"] == cli_error("whatif", "no-such-job")
 
         # once stopped, its checkpoints hold still: resume refuses a step that is not one, as the CLI does
         status, reply = server.request("POST", f"jobs/{JOB}/resume", {"step": 7})

@@ -5,6 +5,7 @@ never checkpoints, a user script)."""
 from __future__ import annotations
 
 import json
+import os
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from eksft_nb.errors import EksftError
 from eksft_nb.events import make
 from eksft_nb.monitor import JobMonitor
 from eksft_nb.resilience import expect, plan
-from eksft_nb.resilience.card import junit, state_check, table
+from eksft_nb.resilience.card import Row, junit, state_check, table
 from eksft_nb.spec import JobSpec
 from eksft_nb.states import FaultKind
 from jobs import cli, events, job_dir
@@ -125,6 +126,18 @@ def test_state_is_the_digest_or_else_the_loss_curve() -> None:
     assert state_check(same, ref) == ("differs", "final digest abd, the reference's abc")
 
 
+def test_a_job_that_reports_no_state_must_run_all_the_references_steps() -> None:
+    # an unmodified script: no digest, no loss; a case that resumed redoes steps, one that left its
+    # loop early (a SIGTERM it caught, exit 0) runs fewer
+    ref, redone, early = reference(), reference(steps=26), reference(steps=14)
+    for mon in (ref, redone, early):
+        mon.steps.loss[:] = [None] * len(mon.steps.loss)
+    check, why = state_check(redone, ref)
+    assert check == "match" and "ran 26 optimizer steps" in why and "reference's 20" in why, why
+    check, why = state_check(early, ref)
+    assert check == "differs" and "ran 14 optimizer steps, fewer than the reference's 20: it stopped early" in why
+
+
 # ---- the card ----------------------------------------------------------------------------------
 
 def validate_junit(text: str) -> dict[str, list[str]]:
@@ -170,11 +183,12 @@ def test_bad_input_is_refused_before_any_job_runs(ip: object, tmp_path: Path) ->
 
 # ---- real jobs ---------------------------------------------------------------------------------
 
-def run_test(name: str, *args: str, tmp: Path) -> tuple[int, dict, str, dict[str, list[str]]]:
+def run_test(name: str, *args: str, tmp: Path,
+             timeout: float = 1500) -> tuple[int, dict, str, dict[str, list[str]]]:
     """``python -m eksft_nb test``: exit code, card, narration, JUnit failures by case."""
     xml = tmp / f"{name}.xml"
     proc = cli("test", "--name", name, "--model", "tiny", "--seed", "0", *args, "--json", "--junit", str(xml),
-               timeout=1500)
+               timeout=timeout)
     assert proc.stdout.strip().startswith("{"), proc.stderr[-3000:]
     return proc.returncode, json.loads(proc.stdout), proc.stderr, validate_junit(xml.read_text())
 
@@ -210,8 +224,9 @@ def test_a_job_that_never_checkpoints_fails_the_card_with_the_reason(tmp_path: P
     assert job_dir("nockpt-ref").is_dir() and not job_dir("nockpt-sigkill").exists()   # no case ran
 
 
-def test_a_users_script_is_checked_by_its_loss_curve(tmp_path: Path) -> None:
+def test_a_users_script_is_checked_by_its_loss_curve(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     script = str(REPO / "tests" / "scripts" / "aware.py")
+    monkeypatch.chdir(tmp_path)   # each of the test's jobs runs the script in a folder of its own, made here
     rc, card, _, failures = run_test("scr", "--script", script, "--steps", "30", "--ckpt-every", "5",
                                      "--faults", "sigkill", "--expect", "level<=injob, state=reference",
                                      tmp=tmp_path)
@@ -220,6 +235,53 @@ def test_a_users_script_is_checked_by_its_loss_curve(tmp_path: Path) -> None:
     assert row["state_check"] == "match" and "loss curve within 2 %" in row["state_detail"], row
     assert row["level"] == "injob" and row["passed"] and rc == 0, card
     assert failures == {"sigkill": []}
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["scr-ref", "scr-sigkill"]
+
+
+def test_a_scripts_working_folders_must_be_new(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "old-sigkill").mkdir()
+    proc = cli("test", "--name", "old", "--script", str(REPO / "tests" / "scripts" / "aware.py"))
+    assert proc.returncode == 2 and f"working folders {tmp_path / 'old-sigkill'} exist already" in proc.stderr, \
+        proc.stderr
+    assert not job_dir("old-ref").exists() and not (tmp_path / "old-ref").exists()   # nothing ran
+
+
+NVRX_EXAMPLES = os.environ.get("EKSFT_NVRX_EXAMPLES")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)   # nine real jobs, each about a minute on 2 busy cores
+@pytest.mark.skipif(not NVRX_EXAMPLES, reason="set EKSFT_NVRX_EXAMPLES to the examples/ folder of the "
+                    "installed NVRx release (not shipped here; see README)")
+def test_nvrx_heartbeats_example_unmodified_passes_every_applicable_fault(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # NVRx's own example, as its release ships it: it saves checkpoint.pt into --output_dir at each epoch's
+    # end (100 steps of 2 ranks x batch 8) and resumes from it, and reports neither loss nor digest
+    script = Path(str(NVRX_EXAMPLES)) / "fault_tolerance" / "train_ddp_heartbeats_api.py"
+    monkeypatch.chdir(tmp_path)
+    args = "--device cpu --hidden 64 --train_dataset_size 1600 --val_dataset_size 200 --epochs 2 --batch 8 " \
+           "--output_dir out"
+    rc, card, narration, failures = run_test(
+        "nvhb", "--script", str(script), "--script-args", args, "--no-inprocess", "--heartbeat-timeout", "8",
+        "--at-step", "110", tmp=tmp_path, timeout=3300)
+    applicable = [k.value for k in FaultKind if k not in plan.STORAGE_KINDS]   # local refuses none
+    assert [r["case"] for r in card["rows"]] == applicable, narration[-3000:]
+    why = "it acts on checkpoints eksft writes, and the reference run showed none"
+    assert card["skipped"] == {k.value: why for k in FaultKind if k in plan.STORAGE_KINDS}
+    for r in card["rows"]:
+        assert set(r) == set(Row.__annotations__) and r["fired"] and r["at_step"] == 110, r
+        assert r["passed"] and r["why"] == [] and r["state_check"] == "match", (r, narration[-3000:])
+        assert "optimizer steps" in r["state_detail"] and "at least the reference's" in r["state_detail"], r
+        # each job ran in a working folder of its own: the script's checkpoint there is its own
+        assert (tmp_path / r["job"] / "out" / "checkpoint.pt").is_file()
+    rows = {r["case"]: r for r in card["rows"]}
+    for kind in ("exception", "hang", "sigkill", "segfault"):   # a rank lost: ft_launcher restarts the ranks
+        assert rows[kind]["level"] == "injob" and rows[kind]["downtime_s"] > 0, rows[kind]
+    assert rows["kill-launcher"]["level"] == "job", rows["kill-launcher"]
+    assert rc == 0 and card["passed"] and card["problem"] == ""
+    assert failures == {k: [] for k in applicable}   # the JUnit XML: every case a testcase, none failed
+    assert (tmp_path / "nvhb-ref" / "out" / "checkpoint.pt").is_file()
 
 
 def test_the_cards_figure_stacks_each_cases_downtime_by_phase() -> None:

@@ -24,6 +24,7 @@ from ..states import FAILED_ENDS, CheckpointState, JobState
 from .figure import TrainingFigure
 from .parts import CheckpointTable, FaultControls, GoodputBar, Header, LogTail, SettingsControls
 from .series import Throttle
+from .whatif_tab import WhatIfTab
 
 
 class Dashboard(w.VBox):
@@ -62,6 +63,7 @@ class Dashboard(w.VBox):
         self.checkpoints = CheckpointTable(self.resume)
         self.log_tail = LogTail(lines=log_lines)
         self.resumed = w.VBox().add_class("eksft-resumed")
+        self.whatif = WhatIfTab(self.job)
 
         self.controls.inject.on_click(self._inject_clicked)
         self.settings.set.on_click(lambda _b: self.set_settings(self.settings.changes()))
@@ -72,7 +74,9 @@ class Dashboard(w.VBox):
         self._fold()                            # the whole history so far, before the figure exists
         figure = self.figure.build()
         figure.add_class("eksft-figure")
-        super().__init__([self.header, figure, self.goodput,
+        self.tabs = w.Tab([figure, self.whatif], titles=["training", "what-if"]).add_class("eksft-tabs")
+        self.tabs.observe(lambda _c: self._refresh_whatif(), "selected_index")
+        super().__init__([self.header, self.tabs, self.goodput,
                           w.HBox([self.controls, self.stop_button], layout=w.Layout(flex_flow="row wrap")),
                           self.settings,
                           self.message, self.checkpoints, self.log_tail, self.resumed])
@@ -132,6 +136,7 @@ class Dashboard(w.VBox):
                 self._refresh_checkpoints()
                 if self.log_tail.is_open or ended:
                     self._refresh_log()
+                self._refresh_whatif()
             if ended:
                 self.ended = True
                 self.controls.inject.disabled = self.stop_button.disabled = True
@@ -159,6 +164,10 @@ class Dashboard(w.VBox):
                          "blocked": rec.blocked_s if timed else None, "background": rec.background_s if timed else None,
                          "note": info.reason})
         self.checkpoints.rows = rows
+
+    def _refresh_whatif(self) -> None:
+        if self.tabs.selected_index == 1:
+            self.whatif.refresh()
 
     def _refresh_log(self) -> None:
         self.log_tail.text = self.job.logs(lines=self.log_tail.lines)

@@ -177,6 +177,20 @@ class FigureHandler(Base):
         self.finish(await self.manager.figure(name, self.backend()))
 
 
+class WhatIfHandler(Base):
+    @web.authenticated
+    @refusing
+    async def get(self, name: str) -> None:
+        """The job view's what-if tab: the recommendation, the table's cells, the plot (plotly JSON)."""
+        self.finish(await self.call(_whatif_reply, name, self.backend()))
+
+
+def _whatif_reply(name: str, backend: str) -> str:
+    from ..resilience.whatif_view import view
+
+    return json.dumps(view(commands.whatif(name, backend=backend)))
+
+
 class StreamHandler(Base):
     """Server-sent events: ``jobs`` first and on every change, ``restart`` and ``failure`` as they
     happen, a ``: keepalive`` comment every 15 s."""
@@ -232,6 +246,7 @@ ROUTES: list[tuple[str, type[Base]]] = [
     ("jobs/([^/]+)/summary", SummaryHandler),
     ("jobs/([^/]+)/logs", LogsHandler),
     ("jobs/([^/]+)/figure", FigureHandler),
+    ("jobs/([^/]+)/whatif", WhatIfHandler),
     ("stream", StreamHandler),
 ]
 

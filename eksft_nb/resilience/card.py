@@ -50,14 +50,15 @@ class Card(TypedDict):
 def state_check(case: JobMonitor, reference: JobMonitor,
                 tolerance: float = LOSS_TOLERANCE) -> tuple[str, str]:
     """(match | differs | unchecked, why): the final digest where both runs report one (a deterministic
-    job), else each step's loss (its last execution) within ``tolerance`` of the reference's."""
+    job), else each step's loss (its last execution) within ``tolerance`` of the reference's, else
+    (neither reported) whether it ran all of the reference's steps."""
     if case.digest and reference.digest:
         if case.digest == reference.digest:
             return "match", f"final digest {case.digest} as the reference's"
         return "differs", f"final digest {case.digest}, the reference's {reference.digest}"
     ref, got = _losses(reference), _losses(case)
     if not ref:
-        return "unchecked", "the job reports neither a final digest nor its loss"
+        return _steps_run(case, reference)
     missing = sorted(set(ref) - set(got))
     if missing:
         return "differs", f"{len(missing)} of the reference's steps never ran (first: step {missing[0]})"
@@ -66,6 +67,21 @@ def state_check(case: JobMonitor, reference: JobMonitor,
         return "differs", (f"loss at step {worst} is {got[worst]:.5g}, the reference's {ref[worst]:.5g} "
                            f"(tolerance {100 * tolerance:g} %)")
     return "match", f"loss curve within {100 * tolerance:g} % of the reference's at all {len(ref)} steps"
+
+
+def _steps_run(case: JobMonitor, reference: JobMonitor) -> tuple[str, str]:
+    """A job that reports neither a final digest nor its loss (an unmodified script) shows of its state
+    only the optimizer steps it ran, repeats after a restore included: fewer than the reference's means
+    it stopped early (e.g. a script that leaves its loop on SIGTERM and exits 0)."""
+    ran, want = len(case.steps.step), len(reference.steps.step)
+    unreported = "it reports neither a final digest nor its loss"
+    if not want:
+        return "unchecked", f"{unreported}, and the reference ran no step"
+    if ran < want:
+        return "differs", f"it ran {ran} optimizer steps, fewer than the reference's {want}: it stopped early " \
+                          f"({unreported})"
+    return "match", f"it ran {ran} optimizer steps (repeats included), at least the reference's {want} " \
+                    f"({unreported}, so its weights are not compared)"
 
 
 def _losses(mon: JobMonitor) -> dict[int, float]:

@@ -4,8 +4,10 @@ the outcome is a :class:`~eksft_nb.resilience.card.Card`."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from ..backends import get_backend
 from ..errors import EksftError
@@ -47,13 +49,17 @@ def run_test(launch: Callable[..., object], spec: JobSpec, kinds: Sequence[Fault
     if taken:
         raise EksftError(f"jobs {', '.join(taken)} already exist",
                          "choose another --name, or remove them with `python -m eksft_nb rm NAME`")
+    folders = _work_folders(spec, backend.name, names)
     card: cards.Card = {"job": spec.name, "expect": [c.text for c in checks], "reference": {}, "rows": [],
                         "skipped": {}, "problem": "", "passed": False}
     ref_name = names[0]
     most = len([k for k in kinds or FaultKind if k.value not in backend.refused_faults])
     say(f"running the fault-free reference {ref_name} first: up to {most} case(s) follow, each about as long "
         "as it plus a recovery (its checkpoints set the step the faults fire at)")
-    launch(spec.replace(name=ref_name))
+    if folders:
+        say(f"each job runs the script in its own working folder under {folders[ref_name].parent}, so what "
+            "it saves beside itself (its own checkpoints) never carries over from one job to the next")
+    launch(_in(spec, folders, ref_name))
     ref, ref_state, end = _follow(Job(ref_name, backend), REFERENCE_TIMEOUT_S)
     wall = compute(ref).wall_s
     card["reference"] = {"job": ref_name, "state": ref_state.value, "wall_s": round(wall, 2),
@@ -74,7 +80,8 @@ def run_test(launch: Callable[..., object], spec: JobSpec, kinds: Sequence[Fault
     for case in plan.cases:
         say(f"case {case.kind.value}: {case.job}, {case.kind.value} on {case.target} at step {case.step}"
             + (f" ({case.note})" if case.note else ""))
-        card["rows"].append(_run_case(launch, spec, case, ref, checks, wall, tolerance))
+        case_spec = _in(spec, folders, case.job)
+        card["rows"].append(_run_case(launch, case_spec, case, ref, checks, wall, tolerance))
         r = card["rows"][-1]
         healed = "absorbed without a restart" if r["level"] == "none" else \
             f"healed at level {r['level'] or '-'}"
@@ -91,6 +98,31 @@ def _run_case(launch: Callable[..., object], spec: JobSpec, case: Case, ref: Job
     budget = 3 * wall + 300.0 + resolved(spec).ft.heartbeat_timeout * len(case.faults)
     mon, state, end = _follow(Job(case.job, get_backend(spec.backend)), budget)
     return cards.row(case, mon, ref, checks, end, tolerance, state)
+
+
+def _work_folders(spec: JobSpec, backend: str, names: list[str]) -> dict[str, Path]:
+    """A script's working folder for each job of the test, ``WORKDIR/JOB`` (none may exist yet; each is
+    made when its job starts). A script that resumes from files it writes in its folder (NVRx's
+    examples: their ``checkpoint.pt``) would otherwise start each case from the previous job's end.
+    EKS runs the script in the image's folder, so there each pod's own filesystem is fresh already."""
+    if spec.script is None or backend == "eks":
+        return {}
+    base = Path(spec.workdir or os.getcwd()).expanduser().resolve()
+    folders = {n: base / n for n in names}
+    there = sorted(str(p) for p in folders.values() if p.exists())
+    if there:
+        raise EksftError(f"the test's working folders {', '.join(there)} exist already",
+                         "remove them, or choose another --name")
+    return folders
+
+
+def _in(spec: JobSpec, folders: dict[str, Path], name: str) -> JobSpec:
+    """``spec`` as the test's job ``name``, in its working folder if it has one (made now)."""
+    spec = spec.replace(name=name)
+    if name not in folders:
+        return spec
+    folders[name].mkdir(parents=True)
+    return spec.replace(workdir=str(folders[name]))
 
 
 def _follow(job: Job, timeout: float) -> tuple[JobMonitor, JobState, str]:

@@ -1,13 +1,15 @@
 /**
  * One job's dashboard in the main area: its row (state, step, restarts, goodput, checkpoint) and the
  * figure the Python dashboard code builds (GET /eksft/jobs/NAME/figure), drawn with plotly.js. The figure
- * is fetched again when the stream says the job changed, at most once per REFRESH_MS.
+ * is fetched again when the stream says the job changed, at most once per REFRESH_MS. A second tab shows
+ * the job's what-if (whatif.ts), fetched the same way while it is the tab shown.
  */
 import { Widget } from '@lumino/widgets';
 
 import { jobPath, request } from './api';
 import { JobsModel } from './model';
-import { el, JobSummary } from './rows';
+import { button, el, JobSummary } from './rows';
+import { WhatIfTab } from './whatif';
 
 const REFRESH_MS = 2000;
 
@@ -33,10 +35,21 @@ export class Dashboard extends Widget {
     const s = this._summary;
     stats.append(s.state, s.step, s.goodput, s.ckpt);
     this._error.setAttribute('role', 'alert');
-    this.node.append(stats, s.restarts, this._error, this._plot);
+    const tabs = el('div', 'eksft-tabs', '', { role: 'tablist' });
+    for (const [tab, label] of [
+      ['training', 'training'],
+      ['whatif', 'what-if']
+    ] as const) {
+      const b = button(`eksft-tab eksft-tab-${tab}`, label, `Show the ${label} view of ${job}`, () => this._select(tab));
+      b.setAttribute('role', 'tab');
+      this._tabs.set(tab, b);
+      tabs.append(b);
+    }
+    this.whatif = new WhatIfTab(job);
+    this.node.append(stats, s.restarts, tabs, this._error, this._plot, this.whatif.node);
+    this._select('training');
     model.changed.connect(this._onChanged, this);
     this._show();
-    this.refresh();
   }
 
   /** Fetch and draw the figure now, or once the current fetch or the throttle window is over. */
@@ -55,9 +68,15 @@ export class Dashboard extends Widget {
   /** Redraw with the current theme's colours (the figure itself is unchanged). */
   restyle(): void {
     if (this._figure) {
-      void this._render();
+      void this._render(this._plot, this._figure);
+    }
+    if (this.whatif.figure) {
+      void this._render(this.whatif.plot, this.whatif.figure);
     }
   }
+
+  /** The what-if tab (its `actions` element takes an action on the recommendation). */
+  readonly whatif: WhatIfTab;
 
   dispose(): void {
     if (this.isDisposed) {
@@ -67,16 +86,27 @@ export class Dashboard extends Widget {
       window.clearTimeout(this._timer);
     }
     this.model.changed.disconnect(this._onChanged, this);
-    if (plotly && this._drawn) {
-      void plotly.then(P => P.purge(this._plot));
+    if (plotly && this._drawn.size) {
+      void plotly.then(P => this._drawn.forEach(node => P.purge(node)));
     }
     super.dispose();
   }
 
   protected onResize(): void {
-    if (this._drawn && plotly) {
-      void plotly.then(P => P.Plots.resize(this._plot));
+    if (this._drawn.size && plotly) {
+      void plotly.then(P => this._drawn.forEach(node => P.Plots.resize(node)));
     }
+  }
+
+  private _select(tab: 'training' | 'whatif'): void {
+    this._tab = tab;
+    this.node.dataset.tab = tab;
+    for (const [name, b] of this._tabs) {
+      b.setAttribute('aria-selected', String(name === tab));
+    }
+    this._plot.hidden = tab !== 'training';
+    this.whatif.node.hidden = tab !== 'whatif';
+    this.refresh();
   }
 
   private _onChanged(_: JobsModel, changed: Set<string>): void {
@@ -98,10 +128,16 @@ export class Dashboard extends Widget {
     this._again = false;
     try {
       const backend = this.model.get(this.job)?.backend;
+      if (this._tab === 'whatif') {
+        if ((await this.whatif.load(backend)) && this.whatif.figure) {
+          await this._render(this.whatif.plot, this.whatif.figure);
+        }
+        return;
+      }
       const query = backend && backend !== 'local' ? `?backend=${backend}` : '';
       this._figure = await request<{ data: any[]; layout: any }>(jobPath(this.job, 'figure') + query);
       this._error.textContent = '';
-      await this._render();
+      await this._render(this._plot, this._figure);
     } catch (e) {
       this._error.textContent = (e as Error).message;
     } finally {
@@ -113,15 +149,15 @@ export class Dashboard extends Widget {
     }
   }
 
-  private async _render(): Promise<void> {
+  private async _render(node: HTMLElement, figure: { data: any[]; layout: any }): Promise<void> {
     const P = await loadPlotly();
-    if (this.isDisposed || !this._figure) {
+    if (this.isDisposed) {
       return;
     }
-    const layout = themed(this._figure.layout || {});
-    await P.react(this._plot, this._figure.data || [], layout, { displaylogo: false, responsive: true });
-    this._drawn = true;
-    this._plot.dataset.light = document.body.dataset.jpThemeLight ?? '';
+    const layout = themed(figure.layout || {});
+    await P.react(node, figure.data || [], layout, { displaylogo: false, responsive: true });
+    this._drawn.add(node);
+    node.dataset.light = document.body.dataset.jpThemeLight ?? '';
   }
 
   private _summary = new JobSummary();
@@ -132,7 +168,9 @@ export class Dashboard extends Widget {
   private _inFlight = false;
   private _again = false;
   private _last = 0;
-  private _drawn = false;
+  private _drawn = new Set<HTMLElement>();
+  private _tab: 'training' | 'whatif' = 'training';
+  private _tabs = new Map<string, HTMLButtonElement>();
 }
 
 /** The figure's layout in JupyterLab's colours (light or dark), sized by its panel (not the widget's fixed size). */
