@@ -3,7 +3,9 @@ own events (folded by :class:`~eksft_nb.monitor.JobMonitor` and :func:`~eksft_nb
 
 The model, term by term (``N`` useful steps, ``t`` clean step time, ``k`` the interval):
 
-- productive = N * t; startup and other: as measured (no setting here changes them)
+- productive = N * t; startup: as measured; other: as measured, plus the time between steps each
+  further save costs beyond its stall (an async save's commit, agreed by the ranks between steps),
+  observed: the gaps between steps, less the stall, less a gap's median at every step, per save
 - saves = ceil(N / k), of three kinds that cost differently: the first save after each start of the
   ranks (the job's start and every recovery: it waits for a fresh writer and plans the save anew), the
   last step's (it waits for its write to commit), and the rest. Each kind costs its observed mean
@@ -14,7 +16,8 @@ The model, term by term (``N`` useful steps, ``t`` clean step time, ``k`` the in
 - each observed failure replayed at the step it hit (s): it rolls back to the newest save it can
   load, s - s mod k (in-job and job restarts load committed saves only: an async save becomes
   loadable ``commit lag`` steps after it began, the median observed; at the job's own interval the
-  newest save committed when it failed is known from its events), so recomputed = sum(lost) * t; its downtime is
+  newest save committed when it failed is known from its events), so recomputed = sum(lost) * the observed time of a recomputed step (it runs right after a restart,
+  slower than a clean one; t where none was recomputed); its downtime is
   the observed one, or the mean of the job's observed recoveries at the level the setting moves it to
 - ETTR = productive / wall (the productive share of wall time)
 
@@ -88,6 +91,8 @@ class Inputs:
     recovery_s: float | None   # mean downtime per failure
     first_save_stall_s: float | None = None   # mean stall of the first save after each start of the ranks
     last_save_stall_s: float | None = None    # the last step's save (None: the job has not saved it yet)
+    recompute_step_s: float | None = None     # seconds per recomputed step (None: none was recomputed)
+    other_per_save_s: float = 0.0             # time between steps a save costs beyond its stall
 
 
 @dataclass
@@ -174,6 +179,7 @@ def measure(mon: JobMonitor, spec: JobSpec, now: float | None = None) -> Inputs:
                                            + r["rolled_back_steps"]), default=0)})
     wall = gp.wall_s
     first, last, rest = _save_kinds(mon, spec, saves)
+    lost = sum(r["rolled_back_steps"] for r in mon.restarts)
     return Inputs(
         steps=n, step_s=step_s, saves=len(saves),
         stall_per_save_s=((gp.checkpoint_stall_s - sum(first) - sum(last)) / len(rest) if rest
@@ -186,7 +192,27 @@ def measure(mon: JobMonitor, spec: JobSpec, now: float | None = None) -> Inputs:
         mtbf_s=wall / len(failures) if failures else None,
         recovery_s=statistics.fmean(f["downtime_s"] for f in failures) if failures else None,
         first_save_stall_s=statistics.fmean(first) if first else None,
-        last_save_stall_s=last[0] if last else None)
+        last_save_stall_s=last[0] if last else None,
+        recompute_step_s=gp.recomputed_s / lost if lost and gp.recomputed_s > 0 else None,
+        other_per_save_s=_between_steps_per_save(mon, gp.checkpoint_stall_s - sum(last), len(saves)))
+
+
+def _between_steps_per_save(mon: JobMonitor, stall_s: float, saves: int) -> float:
+    """Seconds between steps each save costs beyond its stall (``stall_s``: the stall of the saves a step
+    followed): the gaps between consecutive steps (a restart's excluded), less the stall, less the median
+    gap at every step, per save."""
+    s = mon.steps
+    if not saves or len(s) < 3:
+        return 0.0
+    faults = sorted(r["fault_time"] for r in mon.restarts)
+    gaps = []
+    for i in range(1, len(s)):
+        start, prev = s.t[i] - s.step_time[i], s.t[i - 1]
+        if s.step[i] == s.step[i - 1] + 1 and not any(prev <= f <= start for f in faults):
+            gaps.append(max(0.0, start - prev))
+    if not gaps:
+        return 0.0
+    return max(0.0, sum(gaps) - stall_s - len(gaps) * statistics.median(gaps)) / saves
 
 
 def _save_kinds(mon: JobMonitor, spec: JobSpec, saves: list[Any]) -> tuple[list[float], list[float], list[Any]]:
@@ -245,13 +271,17 @@ def predict(inp: Inputs, as_run: Setting, s: Setting) -> Row:
     lost = [_lost(f, s, as_run, lag, level_loads_committed(f, as_run, s)) for f in inp.failures]
     saves = math.ceil(inp.steps / s.ckpt_every) if s.ckpt_every > 0 else 0
     t = inp.step_s
+    other = inp.other_s
     if s.ckpt_mode == as_run.ckpt_mode:
         stall_s = _stall(inp, s, lost, saves, stall)
+        if as_run.ckpt_every > 0:
+            other += (saves - math.ceil(inp.steps / as_run.ckpt_every)) * inp.other_per_save_s
     else:
         stall_s = saves * stall
     row.terms = {"productive": inp.steps * t, "checkpoint_stall": stall_s,
                  "checkpoint_interference": saves * interference, "restart_downtime": sum(downtimes),
-                 "recomputed": sum(lost) * t, "startup": inp.startup_s, "other": inp.other_s}
+                 "recomputed": sum(lost) * (inp.recompute_step_s or t), "startup": inp.startup_s,
+                 "other": max(0.0, other)}
     row.terms = {k: round(v, 4) for k, v in row.terms.items()}
     wall = sum(row.terms.values())
     row.ettr = round(row.terms["productive"] / wall, 5) if wall > 0 else None
