@@ -16,8 +16,8 @@ The model, term by term (``N`` useful steps, ``t`` clean step time, ``k`` the in
 - each observed failure replayed at the step it hit (s): it rolls back to the newest save it can
   load, s - s mod k (in-job and job restarts load committed saves only: an async save becomes
   loadable ``commit lag`` steps after it began, the median observed; at the job's own interval the
-  newest save committed when it failed is known from its events), so recomputed = sum(lost) * the observed time of a recomputed step (it runs right after a restart,
-  slower than a clean one; t where none was recomputed); its downtime is
+  newest save committed when it failed is known from its events), so recomputed = sum(lost) * the observed time of a lost step (the steps a failure throws away ran
+  beside the write of the save before them, slower than the mean step; t where none was lost); its downtime is
   the observed one, or the mean of the job's observed recoveries at the level the setting moves it to
 - ETTR = productive / wall (the productive share of wall time)
 
@@ -91,7 +91,7 @@ class Inputs:
     recovery_s: float | None   # mean downtime per failure
     first_save_stall_s: float | None = None   # mean stall of the first save after each start of the ranks
     last_save_stall_s: float | None = None    # the last step's save (None: the job has not saved it yet)
-    recompute_step_s: float | None = None     # seconds per recomputed step (None: none was recomputed)
+    recompute_step_s: float | None = None     # seconds per lost step, as it ran (None: none was lost)
     other_per_save_s: float = 0.0             # time between steps a save costs beyond its stall
 
 
@@ -194,12 +194,12 @@ def measure(mon: JobMonitor, spec: JobSpec, now: float | None = None) -> Inputs:
         first_save_stall_s=statistics.fmean(first) if first else None,
         last_save_stall_s=last[0] if last else None,
         recompute_step_s=gp.recomputed_s / lost if lost and gp.recomputed_s > 0 else None,
-        other_per_save_s=_between_steps_per_save(mon, gp.checkpoint_stall_s - sum(last), len(saves)))
+        other_per_save_s=_between_steps_per_save(mon, gp.checkpoint_stall_s - sum(last), len(saves) - len(last)))
 
 
 def _between_steps_per_save(mon: JobMonitor, stall_s: float, saves: int) -> float:
-    """Seconds between steps each save costs beyond its stall (``stall_s``: the stall of the saves a step
-    followed): the gaps between consecutive steps (a restart's excluded), less the stall, less the median
+    """Seconds between steps each save a step followed (``saves`` of them, their stall ``stall_s``) costs
+    beyond its stall: the gaps between consecutive steps (a restart's excluded), less the stall, less the median
     gap at every step, per save."""
     s = mon.steps
     if not saves or len(s) < 3:
