@@ -112,8 +112,8 @@ def measured(name: str, extra: dict[str, Any]) -> dict[str, Any]:
     report = commands.whatif(name)
     return {"name": name, "ettr": round(gp.goodput, 5), "terms": {k: round(v, 4) for k, v in gp.seconds().items()},
             "wall_s": round(gp.wall_s, 3), "useful_steps": useful_steps(mon), "step_s": report["inputs"]["step_s"],
-            "failures": [{k: f[k] for k in ("step", "level", "downtime_s", "lost", "committed")}
-                         for f in report["inputs"]["failures"]],
+            "failures": [{**{k: f[k] for k in ("step", "level", "downtime_s", "lost", "committed")}, "cause": r["cause"]}
+                         for f, r in zip(report["inputs"]["failures"], mon.restarts)],
             "saves": report["inputs"]["saves"], "commit_lag_steps": report["inputs"]["commit_lag_steps"],
             "as_run_predicted": report["measured"]["predicted_as_run"]["ettr"], **extra}
 
@@ -147,8 +147,14 @@ def report(result: dict[str, Any]) -> str:
              "A's events alone; ETTR = productive / wall seconds (the what-if's, not goodput.ettr); "
              "error = predicted - measured; seconds per term")
     met = "MET" if result["target_met"] else "NOT MET"
+    runs = [(f"B {label}", r["b"]) for label, r in result["settings"].items()] + \
+        [(f"A beside {label}", r["a"]) for label, r in result["settings"].items()]
+    unscheduled = [f"{who}: {f['level']} at step {f['step'] + 1} ({f['cause']})" for who, r in runs
+                   for f in r["failures"] if not f["cause"].startswith("injected")]
     own = [abs(r["a"]["as_run_predicted"] - r["a"]["ettr"]) * 100 for r in result["settings"].values()]
     return table(title, head, rows) + (
         f"  largest error {result['max_error_points']:.2f} points (target <= {result['target_points']:.0f}) {met}; "
         f"each A replayed at its own settings: within {max(own):.2f} points"
-        + (f"; A run twice side by side: {noise['points']:+.2f} points apart" if noise else "") + "\n")
+        + (f"; A run twice side by side: {noise['points']:+.2f} points apart" if noise else "") + "\n"
+        + (f"  failures no fault was scheduled for (the what-if replays them at the step they hit): "
+           f"{'; '.join(unscheduled)}\n" if unscheduled else ""))

@@ -174,16 +174,20 @@ def test_whatif_proof(results: dict[str, Any]) -> None:
     scheduled = [int(f.split("@")[1]) for f in r["faults"]]
     for label, c in r["settings"].items():
         a, b, predicted = c["a"], c["b"], c["predicted"]
-        # the seeded schedule hit the same steps in both runs (a failure's step: the last one it completed)
+        # the seeded schedule hit the same steps in both runs (a failure's step: the last one it completed);
+        # a loaded machine may add a failure of its own (a soft timeout), reported, not scheduled
+        injected = {}
         for run in (a, b):
-            assert [f["step"] + 1 for f in run["failures"]] == scheduled, (label, run["failures"])
+            injected[run["name"]] = [f for f in run["failures"] if f["cause"].startswith("injected")]
+            assert [f["step"] + 1 for f in injected[run["name"]]] == scheduled, (label, run["failures"])
             assert run["useful_steps"] == r["steps"] and 0 < run["ettr"] < 1
             assert sum(run["terms"].values()) >= 0.99 * run["wall_s"]
-        assert [f["level"] for f in a["failures"]] == ["inprocess", "injob"] * (len(scheduled) // 2)
+        levels = {name: [f["level"] for f in fs] for name, fs in injected.items()}
+        assert levels[a["name"]] == ["inprocess", "injob"] * (len(scheduled) // 2)
         if label == "in-process off":   # every failure was healed by restarting the ranks
-            assert [f["level"] for f in b["failures"]] == ["injob"] * len(scheduled)
+            assert levels[b["name"]] == ["injob"] * len(scheduled)
         else:
-            assert [f["level"] for f in b["failures"]] == [f["level"] for f in a["failures"]]
+            assert levels[b["name"]] == levels[a["name"]]
         assert 0 < predicted["ettr"] < 1 and set(predicted["terms"]) == set(b["terms"])
         assert c["error_points"] == pytest.approx(100 * (predicted["ettr"] - b["ettr"]), abs=0.01)
         # A's own settings replayed from its events give back what it measured
