@@ -90,8 +90,9 @@ def side_by_side(name_a: str, changes_a: dict[str, Any], name_b: str, changes_b:
     swings by minutes, both meet the same load (run one after the other, they met 5.7 and 20)."""
     before = load_avg()
     t0 = time.time()
-    jobs = [launch(JobSpec().replace(name=name, **{"ft.max_injob_restarts": 20, **changes}).validate(), faults)
-            for name, changes in ((name_a, changes_a), (name_b, changes_b))]
+    specs = [JobSpec().replace(name=name, **{"ft.max_injob_restarts": 20, **changes}).validate()
+             for name, changes in ((name_a, changes_a), (name_b, changes_b))]
+    jobs = [launch(spec, faults) for spec in specs]
     try:
         states = [job.wait(timeout=1800) for job in jobs]
     finally:
@@ -100,7 +101,8 @@ def side_by_side(name_a: str, changes_a: dict[str, Any], name_b: str, changes_b:
                 job.stop()
     for job, state in zip(jobs, states):
         if state != JobState.SUCCEEDED:
-            raise EksftError(f"bench job {job.name} ended {state}, not succeeded", f"see its logs: {job.logs(40)}")
+            raise EksftError(f"bench job {job.name} ended {state}, not succeeded",
+                             f"see its logs: {job.logs(40)}")
     extra = {"run_s": round(time.time() - t0, 1), "load_avg_before": before, "load_avg_after": load_avg()}
     return measured(name_a, extra), measured(name_b, extra)
 
@@ -110,10 +112,12 @@ def measured(name: str, extra: dict[str, Any]) -> dict[str, Any]:
     mon = attach(name).refresh()
     gp = compute(mon)
     report = commands.whatif(name)
-    return {"name": name, "ettr": round(gp.goodput, 5), "terms": {k: round(v, 4) for k, v in gp.seconds().items()},
-            "wall_s": round(gp.wall_s, 3), "useful_steps": useful_steps(mon), "step_s": report["inputs"]["step_s"],
-            "failures": [{**{k: f[k] for k in ("step", "level", "downtime_s", "lost", "committed")}, "cause": r["cause"]}
-                         for f, r in zip(report["inputs"]["failures"], mon.restarts)],
+    terms = {k: round(v, 4) for k, v in gp.seconds().items()}
+    return {"name": name, "ettr": round(gp.goodput, 5), "terms": terms,
+            "wall_s": round(gp.wall_s, 3), "useful_steps": useful_steps(mon),
+            "step_s": report["inputs"]["step_s"],
+            "failures": [{**{k: f[k] for k in ("step", "level", "downtime_s", "lost", "committed")},
+                          "cause": r["cause"]} for f, r in zip(report["inputs"]["failures"], mon.restarts)],
             "saves": report["inputs"]["saves"], "commit_lag_steps": report["inputs"]["commit_lag_steps"],
             "as_run_predicted": report["measured"]["predicted_as_run"]["ettr"], **extra}
 
@@ -125,15 +129,18 @@ def report(result: dict[str, Any]) -> str:
     def line(label: str, r: dict[str, Any], pred: dict[str, Any] | None = None, err: float | None = None,
              ) -> list[list[str]]:
         terms = r["terms"]
-        row = [label, fmt(100 * r["ettr"], ".1f", " %"), "-" if pred is None else fmt(100 * pred["ettr"], ".1f", " %"),
-               fmt(err, "+.2f"), fmt(r["wall_s"], ".1f"), fmt(1000 * r["step_s"], ".0f"),
+        predicted = "-" if pred is None else fmt(100 * pred["ettr"], ".1f", " %")
+        row = [label, fmt(100 * r["ettr"], ".1f", " %"), predicted, fmt(err, "+.2f"), fmt(r["wall_s"], ".1f"),
+               fmt(1000 * r["step_s"], ".0f"),
                str(sum(f["lost"] for f in r["failures"])), str(r["saves"]),
-               *[fmt(terms.get(t), ".2f") for t in TERMS], f"{r['load_avg_before'][0]}->{r['load_avg_after'][0]}"]
+               *[fmt(terms.get(t), ".2f") for t in TERMS],
+               f"{r['load_avg_before'][0]}->{r['load_avg_after'][0]}"]
         if pred is None:
             return [row]
         p = pred["terms"]
-        return [row, ["  predicted from A", "", "", "", fmt(sum(p.values()), ".1f"), "", str(pred["lost_steps"]),
-                      str(pred["saves"]), *[fmt(p.get(t), ".2f") for t in TERMS], ""]]
+        return [row, ["  predicted from A", "", "", "", fmt(sum(p.values()), ".1f"), "",
+                      str(pred["lost_steps"]), str(pred["saves"]), *[fmt(p.get(t), ".2f") for t in TERMS],
+                      ""]]
 
     rows: list[list[str]] = []
     for label, r in result["settings"].items():
@@ -142,8 +149,9 @@ def report(result: dict[str, Any]) -> str:
     noise = result["noise"]
     if noise:
         rows += line("A", noise["a"]) + line("A again (noise floor)", noise["b"], None, noise["points"])
-    title = (f"7. what-if proof: {result['steps']} steps, 2 ranks, async saves, faults {', '.join(result['faults'])} "
-             f"(seed {result['seed']}) in every run; each B runs beside its A (same load) and is predicted from "
+    title = (f"7. what-if proof: {result['steps']} steps, 2 ranks, async saves, faults "
+             f"{', '.join(result['faults'])} (seed {result['seed']}) in every run; each B runs beside its A "
+             "(same load) and is predicted from "
              "A's events alone; ETTR = productive / wall seconds (the what-if's, not goodput.ettr); "
              "error = predicted - measured; seconds per term")
     met = "MET" if result["target_met"] else "NOT MET"
@@ -153,7 +161,8 @@ def report(result: dict[str, Any]) -> str:
                    for f in r["failures"] if not f["cause"].startswith("injected")]
     own = [abs(r["a"]["as_run_predicted"] - r["a"]["ettr"]) * 100 for r in result["settings"].values()]
     return table(title, head, rows) + (
-        f"  largest error {result['max_error_points']:.2f} points (target <= {result['target_points']:.0f}) {met}; "
+        f"  largest error {result['max_error_points']:.2f} points "
+        f"(target <= {result['target_points']:.0f}) {met}; "
         f"each A replayed at its own settings: within {max(own):.2f} points"
         + (f"; A run twice side by side: {noise['points']:+.2f} points apart" if noise else "") + "\n"
         + (f"  failures no fault was scheduled for (the what-if replays them at the step they hit): "

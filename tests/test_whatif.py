@@ -28,8 +28,8 @@ def stream(steps: int = 20, every: int = 5, mode: str = "sync", fault_at: int | 
     """The events of a job on a perfectly regular clock: a fault at the start of step ``fault_at``
     rolls back to the newest save committed by then (async saves commit ``commit_s`` after they begin).
     The first save after each start blocks ``first_save_s``, the last step's ``last_save_s`` (default
-    ``save_s``). A (sync) job's steps the fault will roll back take ``lost_s`` (default ``step_s``); each save but the last
-    is followed by ``commit_gap_s`` between steps that is not its stall."""
+    ``save_s``). A (sync) job's steps the fault will roll back take ``lost_s`` (default ``step_s``); each
+    save but the last is followed by ``commit_gap_s`` between steps that is not its stall."""
     plain_save_s = save_s
     evs = [make("job_start", "j", t=T0, spec_digest="x", world_size=2, steps=steps, backend="local", host="h",
                 pid=1)]
@@ -139,7 +139,8 @@ def test_a_start_s_first_save_and_the_last_one_cost_what_they_cost_at_any_interv
     inp = measure(stream(first_save_s=3.0, last_save_s=2.0), s)
     assert predict(inp, as_run(s), as_run(s)).terms["checkpoint_stall"] == pytest.approx(8.5)  # as measured
     # every 10: saves at 10 (the start's first) and 20 (the last; the restart from 10 saves next there)
-    assert predict(inp, as_run(s), Setting(10, True, "sync", 0)).terms["checkpoint_stall"] == pytest.approx(5.0)
+    row = predict(inp, as_run(s), Setting(10, True, "sync", 0))
+    assert row.terms["checkpoint_stall"] == pytest.approx(5.0)
     # every 4: 4 and 16 (the first after the restart from 12) at 3 s, 8 and 12 at 0.5 s, 20 at 2 s
     row = predict(inp, as_run(s), Setting(4, True, "sync", 0))
     assert (row.saves, row.lost_steps, row.terms["checkpoint_stall"]) == (5, 0, pytest.approx(9.0))
@@ -158,8 +159,8 @@ def test_a_recomputed_step_and_a_save_s_commit_cost_what_the_job_showed() -> Non
     row = predict(inp, as_run(s), Setting(7, True, "sync", 0))
     assert (row.saves, row.lost_steps) == (3, 5)
     assert row.terms["recomputed"] == pytest.approx(7.5) and row.terms["other"] == pytest.approx(0.4)
-    assert predict(inp, as_run(s), as_run(s)).terms == pytest.approx(replay(stream(lost_s=1.5, commit_gap_s=0.2),
-                                                                            s).to_dict()["measured"]["terms"], abs=1e-3)
+    measured = replay(stream(lost_s=1.5, commit_gap_s=0.2), s).to_dict()["measured"]["terms"]
+    assert predict(inp, as_run(s), as_run(s)).terms == pytest.approx(measured, abs=1e-3)
     assert (inp.recompute_step_s, inp.other_per_save_s) == (pytest.approx(1.5), pytest.approx(0.2))
 
 

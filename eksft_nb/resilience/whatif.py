@@ -16,10 +16,12 @@ The model, term by term (``N`` useful steps, ``t`` clean step time, ``k`` the in
 - each observed failure replayed at the step it hit (s): it rolls back to the newest save it can
   load, s - s mod k (in-job and job restarts load committed saves only: an async save becomes
   loadable ``commit lag`` steps after it began, the median observed; at the job's own interval the
-  newest save committed when it failed is known from its events), so recomputed = sum(lost) * the observed time of a lost step (the steps a failure throws away ran
-  beside the write of the save before them, slower than the mean step; t where none was lost); its downtime is
-  the observed one, or the mean of the job's observed recoveries at the level the setting moves it to
-- ETTR = productive / wall (the productive share of wall time)
+  newest save committed when it failed is known from its events), so recomputed = sum(lost) * the
+  observed time of a lost step (the steps a failure throws away ran beside the write of the save
+  before them, slower than the mean step; t where none was lost); its downtime is the observed one,
+  or the mean of the job's observed recoveries at the level the setting moves it to
+- ETTR = productive / wall (the productive share of wall time; not :func:`~eksft_nb.goodput.ettr`,
+  useful steps per wall second against a fault-free run)
 
 A setting whose effect needs a recovery or a save this job never showed gets no figure, and the
 reason instead. The recommended interval is Young/Daly's, tau = sqrt(2 C (M + R)) - C (C: the cost
@@ -194,13 +196,14 @@ def measure(mon: JobMonitor, spec: JobSpec, now: float | None = None) -> Inputs:
         first_save_stall_s=statistics.fmean(first) if first else None,
         last_save_stall_s=last[0] if last else None,
         recompute_step_s=gp.recomputed_s / lost if lost and gp.recomputed_s > 0 else None,
-        other_per_save_s=_between_steps_per_save(mon, gp.checkpoint_stall_s - sum(last), len(saves) - len(last)))
+        other_per_save_s=_between_steps_per_save(mon, gp.checkpoint_stall_s - sum(last),
+                                                 len(saves) - len(last)))
 
 
 def _between_steps_per_save(mon: JobMonitor, stall_s: float, saves: int) -> float:
     """Seconds between steps each save a step followed (``saves`` of them, their stall ``stall_s``) costs
-    beyond its stall: the gaps between consecutive steps (a restart's excluded), less the stall, less the median
-    gap at every step, per save."""
+    beyond its stall: the gaps between consecutive steps (a restart's excluded), less the stall, less the
+    median gap at every step, per save."""
     s = mon.steps
     if not saves or len(s) < 3:
         return 0.0
@@ -215,14 +218,15 @@ def _between_steps_per_save(mon: JobMonitor, stall_s: float, saves: int) -> floa
     return max(0.0, sum(gaps) - stall_s - len(gaps) * statistics.median(gaps)) / saves
 
 
-def _save_kinds(mon: JobMonitor, spec: JobSpec, saves: list[Any]) -> tuple[list[float], list[float], list[Any]]:
+def _save_kinds(mon: JobMonitor, spec: JobSpec,
+                saves: list[Any]) -> tuple[list[float], list[float], list[Any]]:
     """The stalls of the first save after each start of the ranks and of the last step's save, and the other
     saves: the first waits for a fresh writer and plans anew, the last waits for its write to commit."""
     saves = sorted(saves, key=lambda c: c.t_begin or c.t_staged)
     last = {id(c) for c in saves if c.step == spec.steps}
     starts = [mon.t_start or 0.0] + [r["fault_time"] for r in mon.restarts]
-    firsts = {id(c) for p in starts for c in saves[:1] + [c for c in saves if (c.t_begin or c.t_staged) > p][:1]
-              if (c.t_begin or c.t_staged) > p and id(c) not in last}
+    firsts = {id(c) for p in starts for c in [c for c in saves if (c.t_begin or c.t_staged) > p][:1]
+              if id(c) not in last}
     return ([c.blocked_s or 0.0 for c in saves if id(c) in firsts],
             [c.blocked_s or 0.0 for c in saves if id(c) in last],
             [c for c in saves if id(c) not in firsts | last])
@@ -298,7 +302,8 @@ def _stall(inp: Inputs, s: Setting, lost: list[int], saves: int, per_save: float
         return 0.0
     last = 1 if inp.last_save_stall_s is not None else 0
     resumed = [0] + [f["step"] - lost_ for f, lost_ in zip(inp.failures, lost)]
-    firsts = len({(r // k + 1) * k for r in resumed if (r // k + 1) * k < n}) if inp.first_save_stall_s is not None else 0
+    nexts = {(r // k + 1) * k for r in resumed}   # the save after each start
+    firsts = 0 if inp.first_save_stall_s is None else len({x for x in nexts if x < n})
     rest = max(0, saves - last - firsts)
     return rest * per_save + firsts * (inp.first_save_stall_s or 0.0) + last * (inp.last_save_stall_s or 0.0)
 
