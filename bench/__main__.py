@@ -13,7 +13,7 @@ from typing import Any
 
 from .common import REPO, machine, private_home
 
-PARTS = ("ckpt", "recovery", "goodput", "overhead", "dashboard", "scale")
+PARTS = ("ckpt", "recovery", "goodput", "overhead", "dashboard", "scale", "whatif")
 
 
 def main(argv: list[str] | None = None) -> int:

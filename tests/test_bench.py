@@ -29,7 +29,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     [path] = out.glob("bench-quick-*.json")
     assert f"results: {path}" in proc.stdout
-    for title in ("1. checkpoint stall", "2. recovery", "3. goodput", "4. overhead", "5. dashboard", "6. scale"):
+    for title in ("1. checkpoint stall", "2. recovery", "3. goodput", "4. overhead", "5. dashboard", "6. scale",
+                  "7. what-if proof"):
         assert title in proc.stdout
     return json.loads(path.read_text())
 
@@ -46,7 +47,7 @@ def assert_stat(s: dict[str, Any], n: int | None = None, positive: bool = True) 
 
 def test_the_run_is_complete_and_leaves_nothing_running(results: dict[str, Any]) -> None:
     assert results["quick"] is True and results["errors"] == {}
-    assert set(results["parts"]) == {"ckpt", "recovery", "goodput", "overhead", "dashboard", "scale"}
+    assert set(results["parts"]) == {"ckpt", "recovery", "goodput", "overhead", "dashboard", "scale", "whatif"}
     m = results["machine"]
     assert m["nproc"] >= 1 and m["ram_gib"] > 0 and m["cpu"] and len(m["load_avg"]) == 3
     home = results["home"]
@@ -165,3 +166,31 @@ def test_scale(results: dict[str, Any]) -> None:
     assert r["restarts"][2][1].startswith("GPU fault") and r["final_step"] > 0
     assert r["metric_samples"] > 0 and r["peak_held_mib"] > 0
     assert 0 < r["push_kb"]["median"] <= r["push_kb"]["max"] <= r["dashboard_kb"]
+
+
+def test_whatif_proof(results: dict[str, Any]) -> None:
+    r = results["parts"]["whatif"]
+    assert set(r["settings"]) == {"interval x0.5", "interval x2", "in-process off"}
+    scheduled = [int(f.split("@")[1]) for f in r["faults"]]
+    for label, c in r["settings"].items():
+        a, b, predicted = c["a"], c["b"], c["predicted"]
+        # the seeded schedule hit the same steps in both runs (a failure's step: the last one it completed);
+        # a loaded machine may add a failure of its own (a soft timeout), reported, not scheduled
+        injected = {}
+        for run in (a, b):
+            injected[run["name"]] = [f for f in run["failures"] if f["cause"].startswith("injected")]
+            assert [f["step"] + 1 for f in injected[run["name"]]] == scheduled, (label, run["failures"])
+            assert run["useful_steps"] == r["steps"] and 0 < run["ettr"] < 1
+            assert sum(run["terms"].values()) >= 0.99 * run["wall_s"]
+        levels = {name: [f["level"] for f in fs] for name, fs in injected.items()}
+        assert levels[a["name"]] == ["inprocess", "injob"] * (len(scheduled) // 2)
+        if label == "in-process off":   # every failure was healed by restarting the ranks
+            assert levels[b["name"]] == ["injob"] * len(scheduled)
+        else:
+            assert levels[b["name"]] == levels[a["name"]]
+        assert 0 < predicted["ettr"] < 1 and set(predicted["terms"]) == set(b["terms"])
+        assert c["error_points"] == pytest.approx(100 * (predicted["ettr"] - b["ettr"]), abs=0.01)
+        # A's own settings replayed from its events give back what it measured
+        assert a["as_run_predicted"] == pytest.approx(a["ettr"], abs=0.02)
+    assert r["max_error_points"] == max(abs(c["error_points"]) for c in r["settings"].values())
+    assert isinstance(r["target_met"], bool)

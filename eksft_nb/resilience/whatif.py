@@ -3,16 +3,25 @@ own events (folded by :class:`~eksft_nb.monitor.JobMonitor` and :func:`~eksft_nb
 
 The model, term by term (``N`` useful steps, ``t`` clean step time, ``k`` the interval):
 
-- productive = N * t; startup and other: as measured (no setting here changes them)
-- saves = ceil(N / k); checkpoint stall = saves * stall per save; interference = saves * interference
-  per save (an async save's slowdown of the steps it overlaps); sync from async: a save blocks for
-  its staging plus its write
+- productive = N * t; startup: as measured; other: as measured, plus the time between steps each
+  further save costs beyond its stall (an async save's commit, agreed by the ranks between steps),
+  observed: the gaps between steps, less the stall, less a gap's median at every step, per save
+- saves = ceil(N / k), of three kinds that cost differently: the first save after each start of the
+  ranks (the job's start and every recovery: it waits for a fresh writer and plans the save anew), the
+  last step's (it waits for its write to commit), and the rest. Each kind costs its observed mean
+  stall; the firsts are counted by replaying the restarts under ``k`` (the save after each resumed
+  step), so a longer interval saves no stall on them. Interference = saves * interference per save
+  (an async save's slowdown of the steps it overlaps); sync from async: a save blocks for its
+  staging plus its write
 - each observed failure replayed at the step it hit (s): it rolls back to the newest save it can
   load, s - s mod k (in-job and job restarts load committed saves only: an async save becomes
   loadable ``commit lag`` steps after it began, the median observed; at the job's own interval the
-  newest save committed when it failed is known from its events), so recomputed = sum(lost) * t; its downtime is
-  the observed one, or the mean of the job's observed recoveries at the level the setting moves it to
-- ETTR = productive / wall (the productive share of wall time)
+  newest save committed when it failed is known from its events), so recomputed = sum(lost) * the
+  observed time of a lost step (the steps a failure throws away ran beside the write of the save
+  before them, slower than the mean step; t where none was lost); its downtime is the observed one,
+  or the mean of the job's observed recoveries at the level the setting moves it to
+- ETTR = productive / wall (the productive share of wall time; not :func:`~eksft_nb.goodput.ettr`,
+  useful steps per wall second against a fault-free run)
 
 A setting whose effect needs a recovery or a save this job never showed gets no figure, and the
 reason instead. The recommended interval is Young/Daly's, tau = sqrt(2 C (M + R)) - C (C: the cost
@@ -71,7 +80,7 @@ class Inputs:
     steps: int                 # N: useful steps
     step_s: float              # t: clean step time (productive seconds per useful step)
     saves: int                 # saves observed
-    stall_per_save_s: float
+    stall_per_save_s: float    # mean stall of a save that is neither a start's first nor the last step's
     interference_per_save_s: float
     write_per_save_s: float | None    # async: staging + background write (what a sync save would block for)
     commit_lag_steps: int      # async: median steps from a save's start until it is committed
@@ -82,6 +91,10 @@ class Inputs:
     detection_s: float | None  # mean detection latency of the observed failures
     mtbf_s: float | None       # wall seconds per failure (None: none observed)
     recovery_s: float | None   # mean downtime per failure
+    first_save_stall_s: float | None = None   # mean stall of the first save after each start of the ranks
+    last_save_stall_s: float | None = None    # the last step's save (None: the job has not saved it yet)
+    recompute_step_s: float | None = None     # seconds per lost step, as it ran (None: none was lost)
+    other_per_save_s: float = 0.0             # time between steps a save costs beyond its stall
 
 
 @dataclass
@@ -167,16 +180,56 @@ def measure(mon: JobMonitor, spec: JobSpec, now: float | None = None) -> Inputs:
                          "committed": max((st for t, st in committed if t <= r["fault_time"] and st <= r["resumed_step"]
                                            + r["rolled_back_steps"]), default=0)})
     wall = gp.wall_s
+    first, last, rest = _save_kinds(mon, spec, saves)
+    lost = sum(r["rolled_back_steps"] for r in mon.restarts)
     return Inputs(
         steps=n, step_s=step_s, saves=len(saves),
-        stall_per_save_s=gp.checkpoint_stall_s / len(saves) if saves else 0.0,
+        stall_per_save_s=((gp.checkpoint_stall_s - sum(first) - sum(last)) / len(rest) if rest
+                          else gp.checkpoint_stall_s / len(saves) if saves else 0.0),
         interference_per_save_s=gp.checkpoint_interference_s / len(async_saves) if async_saves else 0.0,
         write_per_save_s=statistics.fmean(writes) if writes else None,
         commit_lag_steps=statistics.median_low(lags) if lags else 0,
         failures=failures, wall_s=wall, startup_s=gp.startup_s, other_s=gp.other_s,
         detection_s=statistics.fmean(f["detection_s"] for f in failures) if failures else None,
         mtbf_s=wall / len(failures) if failures else None,
-        recovery_s=statistics.fmean(f["downtime_s"] for f in failures) if failures else None)
+        recovery_s=statistics.fmean(f["downtime_s"] for f in failures) if failures else None,
+        first_save_stall_s=statistics.fmean(first) if first else None,
+        last_save_stall_s=last[0] if last else None,
+        recompute_step_s=gp.recomputed_s / lost if lost and gp.recomputed_s > 0 else None,
+        other_per_save_s=_between_steps_per_save(mon, gp.checkpoint_stall_s - sum(last),
+                                                 len(saves) - len(last)))
+
+
+def _between_steps_per_save(mon: JobMonitor, stall_s: float, saves: int) -> float:
+    """Seconds between steps each save a step followed (``saves`` of them, their stall ``stall_s``) costs
+    beyond its stall: the gaps between consecutive steps (a restart's excluded), less the stall, less the
+    median gap at every step, per save."""
+    s = mon.steps
+    if not saves or len(s) < 3:
+        return 0.0
+    faults = sorted(r["fault_time"] for r in mon.restarts)
+    gaps = []
+    for i in range(1, len(s)):
+        start, prev = s.t[i] - s.step_time[i], s.t[i - 1]
+        if s.step[i] == s.step[i - 1] + 1 and not any(prev <= f <= start for f in faults):
+            gaps.append(max(0.0, start - prev))
+    if not gaps:
+        return 0.0
+    return max(0.0, sum(gaps) - stall_s - len(gaps) * statistics.median(gaps)) / saves
+
+
+def _save_kinds(mon: JobMonitor, spec: JobSpec,
+                saves: list[Any]) -> tuple[list[float], list[float], list[Any]]:
+    """The stalls of the first save after each start of the ranks and of the last step's save, and the other
+    saves: the first waits for a fresh writer and plans anew, the last waits for its write to commit."""
+    saves = sorted(saves, key=lambda c: c.t_begin or c.t_staged)
+    last = {id(c) for c in saves if c.step == spec.steps}
+    starts = [mon.t_start or 0.0] + [r["fault_time"] for r in mon.restarts]
+    firsts = {id(c) for p in starts for c in [c for c in saves if (c.t_begin or c.t_staged) > p][:1]
+              if id(c) not in last}
+    return ([c.blocked_s or 0.0 for c in saves if id(c) in firsts],
+            [c.blocked_s or 0.0 for c in saves if id(c) in last],
+            [c for c in saves if id(c) not in firsts | last])
 
 
 def _node_loss(restart: dict[str, Any], spec: JobSpec) -> bool:
@@ -222,14 +275,37 @@ def predict(inp: Inputs, as_run: Setting, s: Setting) -> Row:
     lost = [_lost(f, s, as_run, lag, level_loads_committed(f, as_run, s)) for f in inp.failures]
     saves = math.ceil(inp.steps / s.ckpt_every) if s.ckpt_every > 0 else 0
     t = inp.step_s
-    row.terms = {"productive": inp.steps * t, "checkpoint_stall": saves * stall,
+    other = inp.other_s
+    if s.ckpt_mode == as_run.ckpt_mode:
+        stall_s = _stall(inp, s, lost, saves, stall)
+        if as_run.ckpt_every > 0:
+            other += (saves - math.ceil(inp.steps / as_run.ckpt_every)) * inp.other_per_save_s
+    else:
+        stall_s = saves * stall
+    row.terms = {"productive": inp.steps * t, "checkpoint_stall": stall_s,
                  "checkpoint_interference": saves * interference, "restart_downtime": sum(downtimes),
-                 "recomputed": sum(lost) * t, "startup": inp.startup_s, "other": inp.other_s}
+                 "recomputed": sum(lost) * (inp.recompute_step_s or t), "startup": inp.startup_s,
+                 "other": max(0.0, other)}
     row.terms = {k: round(v, 4) for k, v in row.terms.items()}
     wall = sum(row.terms.values())
     row.ettr = round(row.terms["productive"] / wall, 5) if wall > 0 else None
     row.saves, row.lost_steps = saves, sum(lost)
     return row
+
+
+def _stall(inp: Inputs, s: Setting, lost: list[int], saves: int, per_save: float) -> float:
+    """The stall of ``saves`` saves every ``s.ckpt_every`` steps: the last step's and the first after each
+    start (the job's, and each recovery's resumed step ``step - lost``) at their observed costs, the rest at
+    ``per_save``."""
+    k, n = s.ckpt_every, inp.steps
+    if k <= 0 or not saves:
+        return 0.0
+    last = 1 if inp.last_save_stall_s is not None else 0
+    resumed = [0] + [f["step"] - lost_ for f, lost_ in zip(inp.failures, lost)]
+    nexts = {(r // k + 1) * k for r in resumed}   # the save after each start
+    firsts = 0 if inp.first_save_stall_s is None else len({x for x in nexts if x < n})
+    rest = max(0, saves - last - firsts)
+    return rest * per_save + firsts * (inp.first_save_stall_s or 0.0) + last * (inp.last_save_stall_s or 0.0)
 
 
 def _level_under(f: dict[str, Any], as_run: Setting, s: Setting) -> tuple[str, str]:
