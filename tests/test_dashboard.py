@@ -399,6 +399,7 @@ def test_the_whatif_tab_shows_the_replay_its_plot_and_the_recommendation_in_one_
     assert list(predicted.x) == [x for x, _ in shown]
     assert list(predicted.y) == pytest.approx([y for _, y in shown])
     assert any(t.name == rec["text"] for t in tab.plot.data)                # the recommendation, marked
+    assert tab.actions.children == (dash.settings.whatif,) and dash.settings.whatif.disabled  # Apply: ended job
 
 
 def test_the_whatif_tab_of_a_job_without_failures_says_why_it_recommends_nothing() -> None:

@@ -64,6 +64,8 @@ class Dashboard(w.VBox):
         self.log_tail = LogTail(lines=log_lines)
         self.resumed = w.VBox().add_class("eksft-resumed")
         self.whatif = WhatIfTab(self.job)
+        if not spec.script:   # the same Apply, beside the recommendation it applies
+            self.whatif.actions.children = (self.settings.whatif,)
 
         self.controls.inject.on_click(self._inject_clicked)
         self.settings.set.on_click(lambda _b: self.set_settings(self.settings.changes()))
