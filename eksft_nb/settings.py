@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .control import _integer, read_command
+from .control import read_command
+from .fault_registry import integer
 from .errors import ControlError
 from .jobdir import JobDir, atomic_write
 from .spec import JobSpec, _closest, _show, spec_options
@@ -104,7 +105,7 @@ def check_value(name: str, raw: Any) -> int:
     if isinstance(raw, str):
         value = int(raw.strip()) if VALUE.fullmatch(raw.strip()) else None
     fix = f"use an integer from {live.low} to {MAX_VALUE} ({live.help})"
-    if not _integer(value):
+    if not integer(value):
         raise ControlError(f"{name}={_show(raw)} is not an integer", fix)
     if not live.low <= value <= MAX_VALUE:   # said alike whether it came as text (CLI) or a number (REST)
         raise ControlError(f"{name}={value} is out of range", fix)
@@ -183,14 +184,14 @@ def read_record(path: Path) -> dict[str, Any] | None:
     if (
         not isinstance(data, dict)
         or data.get("v") != VERSION
-        or not _integer(data.get("seq"))
+        or not integer(data.get("seq"))
         or not 1 <= data["seq"] <= MAX_VALUE
     ):
         raise ControlError(
             f"{path.name} is not a version-{VERSION} settings record",
             "write settings with `python -m eksft_nb set`",
         )
-    if "step" in data and not (_integer(data["step"]) and data["step"] >= 0):
+    if "step" in data and not (integer(data["step"]) and data["step"] >= 0):
         raise ControlError(
             f"{path.name} step is {_show(data['step'])}", "it must be a step (an integer >= 0)"
         )

@@ -165,7 +165,7 @@ def _inject_ahead(name: str, fault: str, *extra: str) -> None:
 
 
 def test_a_live_interval_lands_on_every_rank_at_one_step_and_holds_across_restarts() -> None:
-    name = "live"
+    name = "live-interval"
     proc = cli(
         "run",
         "--name",
