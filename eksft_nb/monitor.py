@@ -74,6 +74,7 @@ class JobMonitor:
     warnings: list[dict[str, Any]] = field(default_factory=list)      # warning events, in order
     drain: dict[str, Any] | None = None   # the ranks stopped on SIGTERM after saving (the drain event)
     rank_pids: dict[int, int] = field(default_factory=dict)
+    nvrx: str | None = None   # the NVRx version the job ran with, as its supervisor found it (job_start)
     nvrx_cycles: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)  # (attempt, cycle) -> record
     gpu: GpuFold = field(default_factory=GpuFold)   # GPU health per node (gpu_health / gpu_fault events)
     digest: str | None = None
@@ -121,6 +122,7 @@ class JobMonitor:
         self.name = e.job
         self.t_start = self.t_start or e.t
         self.total_steps, self.world_size, self.backend = e["steps"], e["world_size"], e["backend"]
+        self.nvrx = e.get("nvrx") if isinstance(e.get("nvrx"), str) else None
         self.state = JobState.RUNNING
 
     def _on_rank_start(self, e: Event) -> None:

@@ -11,6 +11,8 @@ from eksft_nb.backends.eks import EksBackend, schemas
 from eksft_nb.backends.local import LocalBackend
 from eksft_nb.errors import SpecError
 from eksft_nb.spec import JobSpec
+from jobs import cli
+from test_engine import NVRX_06
 
 
 @pytest.mark.parametrize("kind", ["job", "jobset"])
@@ -37,3 +39,17 @@ def test_local_jobs_start_a_launcher_per_spare_and_refuse_a_negative_count() -> 
     assert text.count("ft_launcher ") == 3 and text.count("--nnodes=2 ") == 3
     with pytest.raises(SpecError, match="spare_nodes"):
         JobSpec(name="spares", spare_nodes=-1).validate()
+
+
+def test_a_local_job_with_spares_is_refused_in_one_line_where_nvrx_has_the_barrier_rendezvous() -> None:
+    """NVRx 0.6's barrier rendezvous counts a spare against --nnodes and closes the job when it joins (the
+    job then fails after its restarts): refused before anything starts, with what to do instead."""
+    if not (NVRX_06 / "nvidia_resiliency_ext").is_dir():
+        pytest.skip(f"NVRx 0.6.0 is not installed in {NVRX_06} (`make setup` installs it)")
+    proc = cli("run", "--name", "spare-barrier", "--nnodes", "2", "--nproc-per-node", "1", "--spare-nodes", "1",
+               nvrx=NVRX_06)
+    assert proc.returncode != 0
+    [line] = proc.stderr.strip().splitlines()
+    assert "--spare-nodes 1: NVRx 0.6.0's barrier rendezvous counts a hot spare against --nnodes" in line, line
+    assert "use --spare-nodes 0" in line, line
+    assert "spare-barrier" not in cli("list").stdout   # nothing was started or saved

@@ -33,6 +33,7 @@ from ..errors import EksftError
 from ..goodput import compute, useful_steps
 from ..incidents import phases_text
 from ..monitor import JobMonitor
+from ..nvrx import NVRx
 from ..spec import JobSpec
 from ..states import RestartLevel
 
@@ -82,6 +83,7 @@ class Inputs:
     detection_s: float | None  # mean detection latency of the observed failures
     mtbf_s: float | None       # wall seconds per failure (None: none observed)
     recovery_s: float | None   # mean downtime per failure
+    nvrx: str | None = None    # the NVRx version the job ran with (None: not recorded)
 
 
 @dataclass
@@ -176,7 +178,8 @@ def measure(mon: JobMonitor, spec: JobSpec, now: float | None = None) -> Inputs:
         failures=failures, wall_s=wall, startup_s=gp.startup_s, other_s=gp.other_s,
         detection_s=statistics.fmean(f["detection_s"] for f in failures) if failures else None,
         mtbf_s=wall / len(failures) if failures else None,
-        recovery_s=statistics.fmean(f["downtime_s"] for f in failures) if failures else None)
+        recovery_s=statistics.fmean(f["downtime_s"] for f in failures) if failures else None,
+        nvrx=mon.nvrx)
 
 
 def _node_loss(restart: dict[str, Any], spec: JobSpec) -> bool:
@@ -188,6 +191,9 @@ def _node_loss(restart: dict[str, Any], spec: JobSpec) -> bool:
 def predict(inp: Inputs, as_run: Setting, s: Setting) -> Row:
     """The breakdown ``inp``'s job would have had under ``s`` (it ran under ``as_run``)."""
     row = Row(s)
+    if s.spares > 0 and inp.nvrx and (refused := NVRx(inp.nvrx).spares_refused):
+        row.why = f"hot spares do not pay off with this job's NVRx: {refused}"
+        return row
     stall, interference = inp.stall_per_save_s, inp.interference_per_save_s
     lag = inp.commit_lag_steps if s.ckpt_mode == "async" else 0
     if s.ckpt_mode != as_run.ckpt_mode:

@@ -352,21 +352,22 @@ class Supervisor:
         """A launcher died but enough others run for a full job: NVRx's rendezvous moves a hot spare
         from its redundancy list into the lost node's place, and the survivors restart their workers
         with it (an in-job restart). Any launcher may be the lost one: the rendezvous store is ours."""
+        detected = time.time()
         alive = [n for n in self.nodes if n is not node and n.poll() is None]
         if not self.spec.spare_nodes or code == UNKNOWN_EXIT or len(alive) < self.spec.nnodes:
             return False
         self._pump()
+        if node.joined:
+            self._hand_spare_over(node)   # first: the spare comes in while the lost node's ranks are ended
         self.nodes.remove(node)
         procs.kill_marked(self.job_uid, node.tag)   # a lost node loses its ranks too (they outlive a killed launcher)
         how = signal.Signals(-code).name if code < 0 and -code in signal.Signals._value2member_map_ else f"exit {code}"
         if not node.joined:
             self.say(f"spare ft_launcher {node.index} ended ({how}); {len(alive) - self.spec.nnodes} spare(s) left")
             return True
-        detected = time.time()
         cause = f"its ft_launcher (launcher {node.index}) was lost ({how}); a hot spare took its place"
         self.say(f"{cause} ({len(alive) - self.spec.nnodes} spare(s) left)")
         self.incidents.node_failed(cause, detected, level=RestartLevel.INJOB)
-        self._hand_spare_over(node)
         return True
 
     def _hand_spare_over(self, node: Node) -> None:
