@@ -64,8 +64,8 @@ def _rendezvous(store, run_id: str, state) -> None:
 
 def test_the_handover_expires_only_the_lost_launchers_keep_alive_and_refuses_a_foreign_state() -> None:
     """The supervisor's handover (NVRx 0.4's legacy rendezvous, in the store it hosts): the lost launcher's
-    node gets an expired keep-alive, so every node's next sync drops it and moves the spare in; the
-    others' are untouched. A state naming anything but the rendezvous's own classes is refused, not run."""
+    node gets an expired keep-alive, so every node's next sync drops it, and a spare waits for the next
+    round; the others' keep-alives are untouched. A state naming anything but the rendezvous's own classes is refused, not run."""
     import base64
     import os
     import pickle
@@ -94,7 +94,8 @@ def test_the_handover_expires_only_the_lost_launchers_keep_alive_and_refuses_a_f
     assert expire(store, "r1", 101) == 1
     after = pickle.loads(base64.b64decode(store.get("torch.rendezvous.r1")))
     assert after.last_heartbeats == {lost: EXPIRED, survivor: now, spare: now}
-    assert after.participants == {lost: 1, survivor: 0} and after.redundancy_list == {spare}   # NVRx drops it
+    assert after.participants == {lost: 1, survivor: 0}   # NVRx's own sync drops it
+    assert after.redundancy_list == set() and after.wait_list == {spare}   # the survivors' agents see it waiting
     assert expire(store, "r1", 999) == 0 and expire(store, "no-such-run", 101) == 0
 
     class Evil:

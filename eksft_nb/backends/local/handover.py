@@ -4,10 +4,11 @@ That rendezvous keeps a spare in its redundancy list while the round has ``max_n
 drops a participant only once its keep-alive has expired: 3 beats of 5 s, fixed in 0.4.1 (no
 ``--rdzv-conf`` key sets them). Meanwhile the survivors wait (their ranks stuck on the lost peer until
 the rank heartbeat timeout): a spare took 18-23 s where a job restart took 7. The supervisor hosts the
-rendezvous store and sees a launcher die within a poll, so it expires that launcher's keep-alive in
-the rendezvous state itself. Every node then applies NVRx's own rule on its next sync: the lost node
-leaves the round, the spare moves to the wait list, the survivors' agents see a node waiting and
-restart their workers into a new round with it.
+rendezvous store and sees a launcher die within a poll, so it edits the rendezvous state itself: the
+lost launcher's keep-alive expired, and one spare moved from the redundancy list to the wait list (what
+the spare would do itself once the lost node was gone, a second or two of its polling later). Every
+node then applies NVRx's own rule on its next sync: the lost node leaves the round, and the survivors'
+agents, seeing a node waiting, restart their workers into a new round with the spare.
 
 The state is NVRx's pickled ``_RendezvousState`` under torch's ``torch.rendezvous.<run id>`` key; it is
 read with an unpickler that builds only the classes such a state holds, and written back with the
@@ -54,8 +55,9 @@ def _load(raw: bytes) -> Any:
 
 def expire(store: Any, run_id: str, launcher_pid: int) -> int:
     """Mark the rendezvous nodes of the ft_launcher ``launcher_pid`` (a node descriptor carries its
-    launcher's pid) as expired in ``store``'s rendezvous ``run_id``. Returns how many were marked (0: it
-    held no place, or the state is not the legacy rendezvous's)."""
+    launcher's pid) as expired in ``store``'s rendezvous ``run_id`` and, if one was a participant, move a
+    spare to the wait list. Returns how many were marked (0: it held no place, or the state is not the
+    legacy rendezvous's)."""
     key = "torch.rendezvous." + run_id
     for _ in range(TRIES):
         try:
@@ -75,6 +77,13 @@ def expire(store: Any, run_id: str, launcher_pid: int) -> int:
             return 0
         for node in lost:
             beats[node] = EXPIRED
+        spares = getattr(state, "redundancy_list", None)
+        waiting = getattr(state, "wait_list", None)
+        if (isinstance(spares, set) and isinstance(waiting, set) and spares
+                and any(n in getattr(state, "participants", {}) for n in lost)):
+            spare = min(spares, key=repr)
+            spares.discard(spare)
+            waiting.add(spare)
         new = base64.b64encode(pickle.dumps(state)).decode()
         try:
             written = store.compare_set(key, raw.decode(), new)
