@@ -14,6 +14,9 @@ after recovery starts; here ``first_step`` also counts that step, to its complet
 - restore: -> the model is rebuilt and the checkpoint chosen, verified and loaded (from the ranks'
   in-memory copies, their checksums included, or from storage; ``resume.source`` says which)
 - first_step: -> the first step after recovery is completed
+
+Then a lost node (``kill-launcher``) in 2-node jobs, with a hot spare and without (a job restart),
+interleaved so that both see the same load: whether the spare recovers at or under the job restart.
 """
 
 from __future__ import annotations
