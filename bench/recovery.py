@@ -14,6 +14,9 @@ after recovery starts; here ``first_step`` also counts that step, to its complet
 - restore: -> the model is rebuilt and the checkpoint chosen, verified and loaded (from the ranks'
   in-memory copies, their checksums included, or from storage; ``resume.source`` says which)
 - first_step: -> the first step after recovery is completed
+
+Then a lost node (``kill-launcher``) in 2-node jobs, with a hot spare and without (a job restart),
+interleaved so that both see the same load: whether the spare recovers at or under the job restart.
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ BASELINE_SKIPPED = {"hang": "not run: plain torchrun has no hang detection; the 
 FAULT_RANK = {"exception": 0, "hang": 0, "sigkill": 1, "segfault": 0, "kill-launcher": None}
 SPEC = {"model.preset": "small", "steps": 100_000, "checkpoint.every": 5, "ft.max_injob_restarts": 20,
         "ft.max_job_restarts": 10}
+# a lost node with a hot spare against the same loss without one (a job restart): 2 nodes of 1 rank each
+SPARE_SPEC = {"nnodes": 2, "nproc_per_node": 1}
 TIMEOUT_S = 300  # per fault: to become ready for it, and to recover from the last one
 WARM_WINDOW_S = 3.0  # how long the warm processes' CPU is sampled while the job trains
 
@@ -75,6 +80,7 @@ def run(quick: bool) -> dict[str, Any]:
     warm: list[dict[str, Any]] = []
     eksft = eksft_job("rec-eksft", kinds * repeats, warm)
     base = baseline_job("rec-baseline", baseline_kinds * repeats)
+    spare = spare_vs_job(repeats)
     by_type = {}
     for kind in kinds:
         mine, theirs = [r for r in eksft if r.fault == kind], [r for r in base if r.fault == kind]
@@ -85,17 +91,32 @@ def run(quick: bool) -> dict[str, Any]:
         by_type[kind] = entry
     return {"repeats": repeats, "phases": list(PHASES), "targets_s": TARGETS_S, "by_fault": by_type,
             "targets_met": targets_met(by_type), "load_avg_before": before, "load_avg_after": load_avg(),
-            "warm_processes": warm,
+            "warm_processes": warm, "spare": spare,
             "raw": {"eksft": [asdict(r) for r in eksft], "baseline": [asdict(r) for r in base]}}
 
 
-def eksft_job(name: str, kinds: Sequence[str], warm: list[dict[str, Any]]) -> list[Recovery]:
-    """``warm`` receives the cost of the job's warm processes, measured before the first fault."""
-    spec = JobSpec().replace(name=name, **SPEC).validate()
+def spare_vs_job(repeats: int) -> dict[str, Any]:
+    """A node lost (kill-launcher) in a 2-node job with a hot spare (an in-job restart with the spare)
+    and without (a job restart), one fault per job, the two interleaved so that both see the same load."""
+    runs: dict[str, list[Recovery]] = {"spare": [], "job": []}
+    for i in range(repeats):
+        runs["job"] += eksft_job(f"rec-nospare-{i}", ["kill-launcher"], None, SPARE_SPEC)
+        runs["spare"] += eksft_job(f"rec-spare-{i}", ["kill-launcher"], None, {**SPARE_SPEC, "spare_nodes": 1})
+    out = {who: summarise(recs) for who, recs in runs.items()}
+    spare, job = med(out["spare"]["total_s"]), med(out["job"]["total_s"])
+    out["spare_at_or_under_job"] = None if spare is None or job is None else spare <= job
+    return out
+
+
+def eksft_job(name: str, kinds: Sequence[str], warm: list[dict[str, Any]] | None,
+              changes: dict[str, Any] | None = None) -> list[Recovery]:
+    """``warm`` (unless None) receives the cost of the job's warm processes, measured before the first
+    fault; ``changes`` to :data:`SPEC` (e.g. 2 nodes and a spare)."""
+    spec = JobSpec().replace(name=name, **{**SPEC, **(changes or {})}).validate()
     job = launch(spec)
 
     def fire(kind: str) -> None:
-        if not warm:
+        if warm is not None and not warm:
             jd = JobDir.for_name(name)
             deadline = time.time() + TIMEOUT_S  # the standby zygotes import torch once the ranks have started
             while time.time() < deadline and not all("ready" in p.read_text() for p in jd.logs.glob("zygote-1.*.log")):
@@ -301,6 +322,8 @@ def report(result: dict[str, Any]) -> str:
     loaded = [f"{kind} {', '.join(f'{src} {n}' for src, n in entry['eksft'].get('loaded_from', {}).items())}"
               for kind, entry in result["by_fault"].items() if entry["eksft"]["n"]]
     out.append(f"  eksft loaded the checkpoint from (memory: the ranks' in-memory copies): {'; '.join(loaded)}")
+    if result.get("spare"):
+        out.append(spare_report(result["spare"]))
     warm = result.get("warm_processes") or []
     if warm:
         out.append(table(f"   warm processes while the job trains (attempt.node; CPU over {WARM_WINDOW_S:g} s)",
@@ -308,3 +331,15 @@ def report(result: dict[str, Any]) -> str:
                          [[f"{w['role']} {w['node_tag']}", fmt(w["rss_mb"], ".0f"), fmt(w["pss_mb"], ".0f"),
                            fmt(w["uss_mb"], ".0f"), fmt(w["cpu_pct"], ".1f")] for w in warm]))
     return "\n".join(out) + "\n"
+
+
+def spare_report(spare: dict[str, Any]) -> str:
+    rows = []
+    for who, label in (("spare", "hot spare (in-job)"), ("job", "no spare (job restart)")):
+        s = spare[who]
+        rows.append([label, "/".join(s["levels"]) or "-", str(s["n"]),
+                     *[fmt(med(s["phases_s"][p]), ".2f") for p in PHASES], fmt(med(s["total_s"]), ".2f")])
+    verdict = {True: "the spare recovers at or under the job restart", False: "the spare recovers SLOWER than the job "
+               "restart", None: "not measured"}[spare["spare_at_or_under_job"]]
+    return (table("   a lost node (kill-launcher), 2 nodes x 1 rank: median seconds",
+                  ["who", "level", "n", *PHASES, "total"], rows) + f"\n  {verdict}")

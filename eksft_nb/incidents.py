@@ -128,7 +128,10 @@ class Incidents:
                 self.incident.restored_from = e.get("source")
         elif e.kind == "step":
             started = e.t - e["step_time"]
-            if self.incident is not None and e.t > self.incident.detected_at:
+            # a survivor's step in flight when a node was lost can end after the loss was detected: a step
+            # is the recovered job's once a recovering rank has started, or if it began after the detection
+            i = self.incident
+            if i is not None and e.t > i.detected_at and (i.entered is not None or started > i.detected_at):
                 self.close(started)
             # forget what a whole step ran after (by time: several pods' logs arrive interleaved)
             self.recent_faults = [f for f in self.recent_faults if f["t"] >= started]

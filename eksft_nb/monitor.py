@@ -75,6 +75,7 @@ class JobMonitor:
     settings: dict[int, dict[str, Any]] = field(default_factory=dict)  # live changes by seq (setting events)
     drain: dict[str, Any] | None = None   # the ranks stopped on SIGTERM after saving (the drain event)
     rank_pids: dict[int, int] = field(default_factory=dict)
+    nvrx: str | None = None   # the NVRx version the job ran with, as its supervisor found it (job_start)
     nvrx_cycles: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)  # (attempt, cycle) -> record
     gpu: GpuFold = field(default_factory=GpuFold)   # GPU health per node (gpu_health / gpu_fault events)
     digest: str | None = None
@@ -122,6 +123,7 @@ class JobMonitor:
         self.name = e.job
         self.t_start = self.t_start or e.t
         self.total_steps, self.world_size, self.backend = e["steps"], e["world_size"], e["backend"]
+        self.nvrx = e.get("nvrx") if isinstance(e.get("nvrx"), str) else None
         self.state = JobState.RUNNING
 
     def _on_rank_start(self, e: Event) -> None:

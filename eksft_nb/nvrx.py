@@ -67,6 +67,17 @@ class NVRx:
         """ft_launcher can end a job whose restarts make no progress (``--ft-max-no-progress-cycles``)."""
         return self.release >= (0, 6, 0)
 
+    @property
+    def spares_refused(self) -> str | None:
+        """Why hot spares cannot work with this release as eksft launches them; None where they do.
+        The barrier rendezvous (0.5 on) counts a spare against ``--nnodes`` and closes the job ("Maximum
+        number of nodes exceeded"): seen with 0.6.0. The legacy one (0.4) keeps spares in its redundancy
+        list, and eksft's supervisor hands a lost node's place over at once (see ``local.handover``)."""
+        if self.rendezvous == "legacy":
+            return None
+        return (f"NVRx {self.version}'s {self.rendezvous} rendezvous counts a hot spare against --nnodes and "
+                "closes the job when it joins, so a spare never takes a lost node's place")
+
     def launcher_flags(self, cycle_dir: str | None = None) -> list[str]:
         """Flags only this release's ft_launcher takes. eksft's supervisor judges progress itself
         (``ft.progress_patience``), so NVRx's own no-progress cut-off is turned off."""

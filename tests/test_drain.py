@@ -104,6 +104,11 @@ if how == "c":   # a main thread stuck in C runs no Python handler (a collective
     libc = ctypes.CDLL(None)
     libc.pthread_mutex_lock(mutex)
     libc.pthread_mutex_lock(mutex)
+if how == "left-loop":   # its training function failed (an in-process restart waits on a lost peer)
+    drain.patience_floor = 600.0   # longer than the test waits: only leaving the loop ends it now
+    drain.left_loop()
+    while True:
+        time.sleep(0.05)
 if how == "agreed":   # the drain is agreed at the next step boundary: the save may take its time
     while not drain.requested:
         time.sleep(0.01)
@@ -113,7 +118,8 @@ if how == "agreed":   # the drain is agreed at the next step boundary: the save 
 """
 
 
-@pytest.mark.parametrize("how, dies", [("python", True), ("c", True), ("agreed", False), ("fork", False)])
+@pytest.mark.parametrize("how, dies", [("python", True), ("c", True), ("left-loop", True), ("agreed", False),
+                                       ("fork", False)])
 def test_a_sigtermed_rank_dies_of_it_unless_its_drain_is_agreed(how: str, dies: bool) -> None:
     import subprocess
     import sys

@@ -272,3 +272,11 @@ def test_a_hot_spare_takes_a_lost_nodes_place_without_a_job_restart(reference_di
     assert summary["digest"] == reference_digest  # the same as the fault-free 2-rank run
     log = (job_dir("spare") / "logs" / "supervisor.log").read_text()
     assert "started ft_launcher on 3 node(s)" in log and "attempt 1" not in log
+    # the supervisor handed the lost node's place over at once, not after NVRx's keep-alive expiry
+    assert "handed the spare over: expired launcher " in log, log
+    # it resumed from a checkpoint committed before the fault, and its downtime is split into phases
+    [fault] = events("spare", "fault")
+    committed = {e["step"] for e in events("spare", "checkpoint") if e["phase"] == "committed" and e.t < fault.t}
+    assert restart["resumed_step"] == max(committed), (restart, committed)
+    assert list(restart["phases"]) == ["detection", "teardown", "reformation", "restore", "first_step"], restart
+    assert sum(restart["phases"].values()) == pytest.approx(restart["downtime_s"], abs=0.01), restart

@@ -11,6 +11,8 @@ from eksft_nb.backends.eks import EksBackend, schemas
 from eksft_nb.backends.local import LocalBackend
 from eksft_nb.errors import SpecError
 from eksft_nb.spec import JobSpec
+from jobs import cli
+from test_engine import NVRX_06
 
 
 @pytest.mark.parametrize("kind", ["job", "jobset"])
@@ -37,3 +39,69 @@ def test_local_jobs_start_a_launcher_per_spare_and_refuse_a_negative_count() -> 
     assert text.count("ft_launcher ") == 3 and text.count("--nnodes=2 ") == 3
     with pytest.raises(SpecError, match="spare_nodes"):
         JobSpec(name="spares", spare_nodes=-1).validate()
+
+
+def test_a_local_job_with_spares_is_refused_in_one_line_where_nvrx_has_the_barrier_rendezvous() -> None:
+    """NVRx 0.6's barrier rendezvous counts a spare against --nnodes and closes the job when it joins (the
+    job then fails after its restarts): refused before anything starts, with what to do instead."""
+    if not (NVRX_06 / "nvidia_resiliency_ext").is_dir():
+        pytest.skip(f"NVRx 0.6.0 is not installed in {NVRX_06} (`make setup` installs it)")
+    proc = cli("run", "--name", "spare-barrier", "--nnodes", "2", "--nproc-per-node", "1", "--spare-nodes", "1",
+               nvrx=NVRX_06)
+    assert proc.returncode != 0
+    [line] = proc.stderr.strip().splitlines()
+    assert "--spare-nodes 1: NVRx 0.6.0's barrier rendezvous counts a hot spare against --nnodes" in line, line
+    assert "use --spare-nodes 0" in line, line
+    assert "spare-barrier" not in cli("list").stdout   # nothing was started or saved
+
+
+def _rendezvous(store, run_id: str, state) -> None:
+    import base64
+    import pickle
+
+    store.set("torch.rendezvous." + run_id, base64.b64encode(pickle.dumps(state)).decode())
+
+
+def test_the_handover_expires_only_the_lost_launchers_keep_alive_and_refuses_a_foreign_state() -> None:
+    """The supervisor's handover (NVRx 0.4's legacy rendezvous, in the store it hosts): the lost launcher's
+    node gets an expired keep-alive, so every node's next sync drops it, and a spare waits for the next
+    round; the others' keep-alives are untouched. A state naming anything but the rendezvous's own classes is refused, not run."""
+    import base64
+    import os
+    import pickle
+    from datetime import datetime
+
+    from torch.distributed import TCPStore
+
+    from eksft_nb.backends.local.handover import EXPIRED, HandoverError, expire
+    from eksft_nb.nvrx import installed
+
+    if installed().rendezvous != "legacy":
+        pytest.skip("the handover is for NVRx 0.4's legacy rendezvous")
+    from nvidia_resiliency_ext.fault_tolerance._ft_rendezvous import _NodeDesc, _RendezvousState
+
+    from jobs import free_port
+
+    store = TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    state = _RendezvousState()
+    now = datetime.utcnow()
+    lost, survivor, spare = (_NodeDesc("127.0.0.1", pid, 0) for pid in (101, 102, 103))
+    state.participants = {lost: 1, survivor: 0}
+    state.redundancy_list = {spare}
+    state.last_heartbeats = {lost: now, survivor: now, spare: now}
+    state.complete = True
+    _rendezvous(store, "r1", state)
+    assert expire(store, "r1", 101) == 1
+    after = pickle.loads(base64.b64decode(store.get("torch.rendezvous.r1")))
+    assert after.last_heartbeats == {lost: EXPIRED, survivor: now, spare: now}
+    assert after.participants == {lost: 1, survivor: 0}   # NVRx's own sync drops it
+    assert after.redundancy_list == set() and after.wait_list == {spare}   # the survivors' agents see it waiting
+    assert expire(store, "r1", 999) == 0 and expire(store, "no-such-run", 101) == 0
+
+    class Evil:
+        def __reduce__(self):
+            return (os.getpid, ())
+
+    _rendezvous(store, "r2", Evil())
+    with pytest.raises(HandoverError, match="has no place in a rendezvous state"):
+        expire(store, "r2", 101)

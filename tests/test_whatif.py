@@ -24,7 +24,7 @@ def stream(steps: int = 20, every: int = 5, mode: str = "sync", fault_at: int | 
            save_s: float = 0.5,
            commit_s: float = 2.5, startup: float = 2.0, first_save_s: float | None = None,
            last_save_s: float | None = None, lost_s: float | None = None,
-           commit_gap_s: float = 0.0) -> JobMonitor:
+           commit_gap_s: float = 0.0, nvrx: str | None = None) -> JobMonitor:
     """The events of a job on a perfectly regular clock: a fault at the start of step ``fault_at``
     rolls back to the newest save committed by then (async saves commit ``commit_s`` after they begin).
     The first save after each start blocks ``first_save_s``, the last step's ``last_save_s`` (default
@@ -32,7 +32,7 @@ def stream(steps: int = 20, every: int = 5, mode: str = "sync", fault_at: int | 
     save but the last is followed by ``commit_gap_s`` between steps that is not its stall."""
     plain_save_s = save_s
     evs = [make("job_start", "j", t=T0, spec_digest="x", world_size=2, steps=steps, backend="local", host="h",
-                pid=1)]
+                pid=1, **({"nvrx": nvrx} if nvrx else {}))]
     t, step, faulted, commits, fresh = T0 + startup, 0, False, {}, True
     doomed = range((fault_at - 1) // every * every + 1, fault_at) if fault_at and every else range(0)
     while step < steps:
@@ -172,6 +172,21 @@ def test_young_daly_from_the_measured_costs() -> None:
     assert rec["every"] == 5 and rec["gain_points"] == 0.0
     assert rec["text"] == "every 5 steps: +0.0 points ETTR (now every 5)"
     assert 5 in [r["setting"]["ckpt_every"] for r in report["rows"]]   # the recommendation is one of the rows
+
+
+@pytest.mark.parametrize("version, pays", [("0.4.1", True), ("0.6.0", False)])
+def test_spares_get_no_figure_where_the_jobs_nvrx_cannot_hand_a_node_over(version: str, pays: bool) -> None:
+    """NVRx 0.5+'s barrier rendezvous closes the job when a spare joins: a row with spares says so and has
+    no ETTR, whether the job ran with a spare or not; the recommendation never carries one."""
+    for as_run in (0, 1):
+        report = replay(stream(nvrx=version), spec(spares=as_run), Settings((5, 10), spares=1)).to_dict()
+        for row in report["rows"]:
+            assert (row["ettr"] is not None) == pays, row
+            assert ("hot spares do not pay off with this job's NVRx: NVRx 0.6.0" in row["why"]) == (not pays), row
+        assert "spare" not in report["recommendation"]["text"]
+    if not pays:
+        text = format_report(replay(stream(nvrx=version), spec(), Settings((5,), spares=1)).to_dict())
+        assert "cannot estimate: hot spares do not pay off" in text
 
 
 def test_the_interval_is_never_shorter_than_the_detection_latency() -> None:

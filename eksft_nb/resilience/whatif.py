@@ -24,8 +24,9 @@ The model, term by term (``N`` useful steps, ``t`` clean step time, ``k`` the in
   useful steps per wall second against a fault-free run)
 
 A setting whose effect needs a recovery or a save this job never showed gets no figure, and the
-reason instead. The recommended interval is Young/Daly's, tau = sqrt(2 C (M + R)) - C (C: the cost
-of a save, M: the mean time between failures, R: a recovery's downtime), never shorter than the
+reason instead; so does one that cannot pay off with the job's NVRx (hot spares where its barrier
+rendezvous closes the job when a spare joins, see :attr:`eksft_nb.nvrx.NVRx.spares_refused`). The
+recommended interval is Young/Daly's, tau = sqrt(2 C (M + R)) - C (C: the cost of a save, M: the mean time between failures, R: a recovery's downtime), never shorter than the
 detection latency.
 """
 
@@ -42,6 +43,7 @@ from ..errors import EksftError
 from ..goodput import compute, useful_steps
 from ..incidents import phases_text
 from ..monitor import JobMonitor
+from ..nvrx import NVRx
 from ..spec import JobSpec
 from ..states import CheckpointState, RestartLevel
 
@@ -95,6 +97,7 @@ class Inputs:
     last_save_stall_s: float | None = None    # the last step's save (None: the job has not saved it yet)
     recompute_step_s: float | None = None     # seconds per lost step, as it ran (None: none was lost)
     other_per_save_s: float = 0.0             # time between steps a save costs beyond its stall
+    nvrx: str | None = None    # the NVRx version the job ran with (None: not recorded)
 
 
 @dataclass
@@ -197,7 +200,8 @@ def measure(mon: JobMonitor, spec: JobSpec, now: float | None = None) -> Inputs:
         last_save_stall_s=last[0] if last else None,
         recompute_step_s=gp.recomputed_s / lost if lost and gp.recomputed_s > 0 else None,
         other_per_save_s=_between_steps_per_save(mon, gp.checkpoint_stall_s - sum(last),
-                                                 len(saves) - len(last)))
+                                                 len(saves) - len(last)),
+        nvrx=mon.nvrx)
 
 
 def _between_steps_per_save(mon: JobMonitor, stall_s: float, saves: int) -> float:
@@ -241,6 +245,9 @@ def _node_loss(restart: dict[str, Any], spec: JobSpec) -> bool:
 def predict(inp: Inputs, as_run: Setting, s: Setting) -> Row:
     """The breakdown ``inp``'s job would have had under ``s`` (it ran under ``as_run``)."""
     row = Row(s)
+    if s.spares > 0 and inp.nvrx and (refused := NVRx(inp.nvrx).spares_refused):
+        row.why = f"hot spares do not pay off with this job's NVRx: {refused}"
+        return row
     stall, interference = inp.stall_per_save_s, inp.interference_per_save_s
     lag = inp.commit_lag_steps if s.ckpt_mode == "async" else 0
     if s.ckpt_mode != as_run.ckpt_mode:

@@ -11,7 +11,10 @@ ft_launcher also sends SIGTERM to stop its workers for an in-job restart, and th
 reach that step boundary: it hangs (the fault that caused the restart) or waits in a collective on a
 peer that is gone. So a rank whose drain is not agreed within its patience (a few step times) dies of
 the signal as it would have without a handler. A watcher thread counts that patience from the moment
-the signal arrives (Python's wakeup fd), since a main thread stuck in C runs no Python handler.
+the signal arrives (Python's wakeup fd), since a main thread stuck in C runs no Python handler. A rank
+whose training function has failed (an in-process restart waiting on a lost peer, say) reaches no step
+boundary before it re-enters: it dies of the signal at once, not after its patience, which would
+outlast ft_launcher's stop timeout (a hot spare's takeover waited for that).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class Drain:
         self.patience_floor = patience_floor
         self.step_s = 0.0                 # the rank's recent step time (the trainer keeps it current)
         self._agreed = threading.Event()  # every rank saves the same step now: no dying of the signal
+        self._off_loop = threading.Event()  # the training function failed: no step boundary will come
 
     @property
     def patience(self) -> float:
@@ -56,8 +60,18 @@ class Drain:
     def _watch(self, read: int) -> None:
         while signal.SIGTERM not in os.read(read, 64):
             pass
-        if not self._agreed.wait(self.patience):
-            self.die()
+        deadline = time.monotonic() + self.patience
+        while not self._agreed.wait(0.1):
+            if self._off_loop.is_set() or time.monotonic() >= deadline:
+                self.die()
+                return
+
+    def left_loop(self) -> None:
+        """The training function failed: a SIGTERM, now or until it is entered again, cannot be drained."""
+        self._off_loop.set()
+
+    def entered_loop(self) -> None:
+        self._off_loop.clear()
 
     def agree(self) -> None:
         """Every rank drains at this step boundary: the save may take the whole grace period."""

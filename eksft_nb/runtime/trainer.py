@@ -200,6 +200,8 @@ def run(call_wrapper: Any = None) -> None:
     s.inprocess_iteration = call_wrapper.iteration if call_wrapper is not None else 0
     t_enter = time.time() if s.inprocess_iteration > 0 else None  # else: the process start
     trainer = None
+    if s.drain is not None:
+        s.drain.entered_loop()
     try:
         trainer = Trainer(s, call_wrapper, t_enter)
         trainer.train()
@@ -208,6 +210,7 @@ def run(call_wrapper: Any = None) -> None:
             shutdown_gloo()   # peers blocked on this rank fail now, not at the collective timeout
         s.rank_error(e)
         if s.drain is not None:
+            s.drain.left_loop()          # a SIGTERM from now on cannot be drained: die of it at once
             s.drain.die_if_requested()   # a SIGTERM it could not drain for (a peer is gone): die of it
         if trainer is not None and call_wrapper is None:
             trainer.close()

@@ -65,7 +65,10 @@ class LocalBackend(FolderJobs, Backend):
         spec.validate()
         if spec.backend != "local":
             raise JobError(f"spec {spec.name!r} is for backend {spec.backend!r}", "launch it with that backend")
-        nvrx.require()  # the supervisor, launchers and ranks import the NVRx this process finds
+        found = nvrx.require()  # the supervisor, launchers and ranks import the NVRx this process finds
+        if spec.spare_nodes and (why := found.spares_refused):
+            raise JobError(f"--spare-nodes {spec.spare_nodes}: {why}",
+                           "use --spare-nodes 0 (a lost node is then a job restart), or NVRx 0.4.1")
         jd = JobDir.for_name(spec.name, self.root)
         if jd.path.exists():
             raise JobError(f"a job named {spec.name!r} already exists in {self.root}",

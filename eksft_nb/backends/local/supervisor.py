@@ -50,6 +50,7 @@ from ...runtime.warm_shim import SOCKET_ENV as WARM_SOCKET
 from ...runtime.warm_shim import ZYGOTE_ENV as WARM_ZYGOTE
 from ...states import RECORDED_ENDS, JobState, RestartLevel
 from ... import procs
+from .handover import HandoverError, expire
 
 POLL_S = 0.2
 MAX_SUPERVISORS = 5    # supervisor deaths the keeper recovers from before it ends the job
@@ -111,6 +112,7 @@ class Supervisor:
         self.standby: dict[int, subprocess.Popen] = {}  # node -> a warm ft_launcher for the next attempt
         self.zygotes: dict[str, subprocess.Popen] = {}  # node tag -> its warm-rank zygote (this attempt's, the next's)
         self.store: Any = None   # the rendezvous store, when the supervisor hosts it (hot spares)
+        self.run_id = ""         # this attempt's rendezvous id
         self.t_launch = 0.0
         self.ranks_started: dict[int, float] = {}  # rank -> its newest rank_start of the current attempt
         self.ranks_done: set[int] = set()  # ranks whose newest start in the current attempt ended with exit 0
@@ -211,7 +213,7 @@ class Supervisor:
 
     def _launch(self) -> None:
         ports = Ports(*_free_ports(3))
-        run_id = f"{self.spec.name}-{self.attempt}-{uuid.uuid4().hex[:6]}"
+        run_id = self.run_id = f"{self.spec.name}-{self.attempt}-{uuid.uuid4().hex[:6]}"
         self.nodes = []
         self.t_launch = time.time()
         self.ranks_started, self.ranks_done = {}, set()
@@ -350,10 +352,13 @@ class Supervisor:
         """A launcher died but enough others run for a full job: NVRx's rendezvous moves a hot spare
         from its redundancy list into the lost node's place, and the survivors restart their workers
         with it (an in-job restart). Any launcher may be the lost one: the rendezvous store is ours."""
+        detected = time.time()
         alive = [n for n in self.nodes if n is not node and n.poll() is None]
         if not self.spec.spare_nodes or code == UNKNOWN_EXIT or len(alive) < self.spec.nnodes:
             return False
         self._pump()
+        if node.joined:
+            self._hand_spare_over(node)   # first: the spare comes in while the lost node's ranks are ended
         self.nodes.remove(node)
         procs.kill_marked(self.job_uid, node.tag)   # a lost node loses its ranks too (they outlive a killed launcher)
         how = signal.Signals(-code).name if code < 0 and -code in signal.Signals._value2member_map_ else f"exit {code}"
@@ -362,8 +367,22 @@ class Supervisor:
             return True
         cause = f"its ft_launcher (launcher {node.index}) was lost ({how}); a hot spare took its place"
         self.say(f"{cause} ({len(alive) - self.spec.nnodes} spare(s) left)")
-        self.incidents.node_failed(cause, time.time(), level=RestartLevel.INJOB)
+        self.incidents.node_failed(cause, detected, level=RestartLevel.INJOB)
         return True
+
+    def _hand_spare_over(self, node: Node) -> None:
+        """NVRx's legacy rendezvous (0.4.x) lets the spare in once the lost launcher's keep-alive expires
+        (10-15 s): expire it now (see :mod:`.handover`). NVRx 0.5+'s barrier rendezvous has no keep-alive."""
+        if self.store is None or self.nvrx is None or self.nvrx.rendezvous != "legacy":
+            return
+        try:
+            marked = expire(self.store, self.run_id, node.pid)
+        except HandoverError as e:
+            self.say(f"could not hand the spare over at once ({e}): it comes in when NVRx's rendezvous "
+                     "expires the lost launcher (10-15 s)")
+            return
+        if marked:
+            self.say(f"handed the spare over: expired launcher {node.index}'s rendezvous keep-alive")
 
     def _node_died(self, node: Node | None, code: int) -> tuple[JobState, str] | None:
         detected = time.time()
