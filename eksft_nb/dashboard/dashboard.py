@@ -23,7 +23,7 @@ from ..states import JobState
 from .figure import TrainingFigure
 from .parts import CheckpointTable, FaultControls, GoodputBar, Header, LogTail
 from .series import Throttle
-from .snapshot import snapshot_html
+from .snapshot import snapshot_svg
 
 
 class Dashboard(w.VBox):
@@ -166,32 +166,33 @@ class Dashboard(w.VBox):
         """The live widget, and after it a static copy of its figure (see snapshot) that each cell's end
         redraws: a notebook saved or converted then shows the figure where no widget can run."""
         from IPython import get_ipython
-        from IPython.display import HTML, display
+        from IPython.display import display
 
         display(self._repr_mimebundle_(), raw=True)
-        display(HTML(self.snapshot()), display_id=self._snapshot_id)
+        display(self.snapshot(), raw=True, display_id=self._snapshot_id)
         shell = get_ipython()
         if shell is not None and self._shell is None:
             self._shell = shell
             shell.events.register("post_run_cell", self._settle)
 
-    def snapshot(self) -> str:
-        """The figure as a static SVG in HTML, captioned with the job and its step."""
+    def snapshot(self) -> dict[str, str]:
+        """The figure as a static SVG (and its caption as text), captioned with the job and its step."""
         h = self.header
-        return snapshot_html(self.figure, f"{self.job.name}: {h.state}, step {h.step if h.step is not None else '-'}"
-                                          " (a static copy of the live figure, for viewers without widgets)")
+        caption = (f"{self.job.name}: {h.state}, step {h.step if h.step is not None else '-'} (a static copy of"
+                   " the dashboard's figure; to see it live, run the cell or trust the notebook)")
+        return {"image/svg+xml": snapshot_svg(self.figure, caption), "text/plain": caption}
 
     def _settle(self, _result: Any = None) -> None:
         """At a cell's end (its messages still reach the kernel's client, nbclient's included): fold in
         what happened, make the figure's saved state the figure as it is, and redraw the static copy.
         Once the job has ended and that is done, cells stop doing it."""
-        from IPython.display import HTML, update_display
+        from IPython.display import update_display
 
         try:
             with self._lock:
                 ended = self.update()
                 self.figure.widget.settle()
-                update_display(HTML(self.snapshot()), display_id=self._snapshot_id)
+                update_display(self.snapshot(), raw=True, display_id=self._snapshot_id)
         except Exception as e:  # a torn read must not fail the user's cell
             self._say(f"dashboard update failed: {type(e).__name__}: {e}", error=True)
             return

@@ -2,8 +2,8 @@
 
 A notebook converted (``jupyter nbconvert --to html``) or viewed where no widget runs (a static page, a
 repository's preview, a machine with no network for the widget manager's script) has no live figure: this
-copy shows the same five rows with no JavaScript at all. JupyterLab draws the live widget and hides the copy
-(``.eksft-snapshot`` in nbext/style/index.css).
+copy (an ``image/svg+xml`` output) shows the same five rows with no JavaScript at all. JupyterLab hides it
+where it draws the live dashboard above it (nbext/style/index.css); an untrusted notebook shows its caption.
 """
 
 from __future__ import annotations
@@ -16,24 +16,26 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .figure import TrainingFigure
 
-WIDTH, LEFT, RIGHT, TITLE = 840, 60, 20, 18
+WIDTH, LEFT, RIGHT, CAPTION, TITLE = 840, 60, 20, 24, 18
 ROWS = (150, 100, 100, 110, 70)   # plot heights, top to bottom (the live figure's row proportions)
 GAP = 30                          # below each row: its x labels or the next row's title
 MARKERS = {"faults": "M-5,-4h10l-5,8z", "gpu faults": "M-4,-4l8,8m0,-8l-8,8", "restarts": "M0,-5l5,5l-5,5l-5,-5z",
            "gpu": "M-4,-4h8v8h-8z"}
 
 
-def snapshot_html(fig: TrainingFigure, caption: str) -> str:
-    """The figure's series as one ``<svg>`` (a ``<path class="eksft-trace">`` per drawn series) in a
-    ``div.eksft-snapshot``, with ``caption`` above it."""
+def snapshot_svg(fig: TrainingFigure, caption: str) -> str:
+    """The figure's series as one ``<svg class="eksft-snapshot">`` (a ``<path class="eksft-trace">`` per
+    drawn series), with ``caption`` above the rows."""
     from .figure import COLORS, LANES, ROW_TITLES
 
     cols = {name: _points(s) for name, s in fig.series.items()}
     xmax = max([1.0] + [_finite_max(c["x"]) for c in cols.values()])
-    height = sum(TITLE + h + GAP for h in ROWS)
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
-           f'viewBox="0 0 {WIDTH} {height}" font-family="sans-serif" font-size="10">']
-    top = 0
+    top = CAPTION
+    height = top + sum(TITLE + h + GAP for h in ROWS)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="eksft-snapshot" width="{WIDTH}" height="{height}" '
+           f'viewBox="0 0 {WIDTH} {height}" font-family="sans-serif" font-size="10">',
+           f'<rect width="{WIDTH}" height="{height}" fill="white"/>',
+           f'<text x="{LEFT}" y="14" font-size="12" fill="#555">{html.escape(caption)}</text>']
     titles = list(ROW_TITLES)
     if fig.unit != "tok/s":
         titles[0] = f"throughput ({fig.unit})"
@@ -63,8 +65,7 @@ def snapshot_html(fig: TrainingFigure, caption: str) -> str:
         top += h + GAP
     out.append(f'<text x="{LEFT + (WIDTH - LEFT - RIGHT) / 2}" y="{height - 4}" text-anchor="middle">'
                'seconds since the job started</text></svg>')
-    return (f'<div class="eksft-snapshot"><div style="font:12px sans-serif;color:#555">{html.escape(caption)}'
-            f'</div>{"".join(out)}</div>')
+    return "".join(out)
 
 
 class _Box:
