@@ -8,6 +8,7 @@ The notebook is the one test_notebooks executed in this session (run once, reuse
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -85,8 +86,10 @@ def test_reopened_in_jupyterlab_it_redraws_from_its_saved_state(tmp_path: Path,
     jupyter = Path(sys.executable).parent / "jupyter"
     env = {"JUPYTER_DATA_DIR": str(tmp_path / "data")}   # the notary's key and signatures: this test's own
     with jupyterlab(tmp_path, jupyter, env) as lab:
-        for name in ("untrusted.ipynb", "trusted.ipynb"):
-            (tmp_path / "root" / name).write_bytes(saved.read_bytes())
+        (tmp_path / "root" / "trusted.ipynb").write_bytes(saved.read_bytes())
+        other = json.loads(saved.read_text())   # other content: trust is given to a notebook's digest
+        other["metadata"]["title"] = "untrusted copy"
+        (tmp_path / "root" / "untrusted.ipynb").write_text(json.dumps(other))
         subprocess.run([str(jupyter), "trust", str(tmp_path / "root" / "trusted.ipynb")], env={**os.environ, **env},
                        check=True, capture_output=True, timeout=120)
         with sync_playwright() as p:
