@@ -194,6 +194,7 @@ class FtrainMagics(Magics):
                                         loss_tolerance=args.loss_tol, say=print,
                                         on_row=lambda c: card_figure(c, live))
         card_figure(card, live)
+        live.settle()   # a notebook saved now redraws the whole card, not the empty figure first shown
         if junit_path is not None:
             atomic_write(junit_path, junit(card))  # type: ignore[arg-type]
         cli.show(card, args.json, table)

@@ -411,3 +411,21 @@ def test_the_whatif_tab_of_a_job_without_failures_says_why_it_recommends_nothing
     dash.tabs.selected_index = 1
     assert dash.whatif.recommendation["every"] is None
     assert "no failure observed" in dash.whatif.line.value and "<table" in dash.whatif.table.value
+
+
+def test_the_static_copy_draws_every_step_and_breaks_the_line_at_a_rollback() -> None:
+    import xml.etree.ElementTree as ET
+
+    job = FakeJob("copy")
+    job.steps(1, 30)
+    job.save(10, blocked=0.02, background=0.3)
+    job.restart("injob", "injected sigkill on rank 1", downtime=6.4, resumed=20, lost=10)
+    job.steps(21, 50)
+    dash = Dashboard(job.handle(), live=False)
+    copy = dash.snapshot()
+    ET.fromstring(copy["image/svg+xml"])                                   # well-formed, as an SVG output must be
+    paths = dict(re.findall(r'data-name="([^"]+)" d="([^"]*)"', copy["image/svg+xml"]))
+    tok = paths["tokens/s"]
+    assert tok.count("M") + tok.count("L") == 60 and tok.count("M") == 2   # every step; a break at the rollback
+    assert paths["restarts"].count("M") == 2 and paths["blocked"].count("M") == 1  # its marker and downtime; a save
+    assert copy["text/plain"].startswith("copy: starting, step 50 (a static copy")

@@ -24,6 +24,7 @@ from ..states import FAILED_ENDS, CheckpointState, JobState
 from .figure import TrainingFigure
 from .parts import CheckpointTable, FaultControls, GoodputBar, Header, LogTail, SettingsControls
 from .series import Throttle
+from .snapshot import snapshot_svg
 from .whatif_tab import WhatIfTab
 
 
@@ -85,6 +86,8 @@ class Dashboard(w.VBox):
         self.add_class("eksft-dashboard")
         self.add_class(f"eksft-job-{job.name}")
         self.ended = False
+        self._snapshot_id = f"eksft-snapshot-{self.model_id}"
+        self._shell: Any = None   # the IPython shell whose cells settle this dashboard, once displayed there
         self.update()
         self._thread: threading.Thread | None = None
         if live and not self.ended:
@@ -177,7 +180,51 @@ class Dashboard(w.VBox):
     def close(self) -> None:
         """Stop following the job (the job itself keeps running) and close the widgets."""
         self._halt.set()
+        self._stop_settling()
         _close_tree(self)
+
+    # ---- saved notebooks -----------------------------------------------------------------------
+    def _ipython_display_(self) -> None:
+        """The live widget, and after it a static copy of its figure (see snapshot) that each cell's end
+        redraws: a notebook saved or converted then shows the figure where no widget can run."""
+        from IPython import get_ipython
+        from IPython.display import display
+
+        display(self._repr_mimebundle_(), raw=True)
+        display(self.snapshot(), raw=True, display_id=self._snapshot_id)
+        shell = get_ipython()
+        if shell is not None and self._shell is None:
+            self._shell = shell
+            shell.events.register("post_run_cell", self._settle)
+
+    def snapshot(self) -> dict[str, str]:
+        """The figure as a static SVG (and its caption as text), captioned with the job and its step."""
+        h = self.header
+        caption = (f"{self.job.name}: {h.state}, step {h.step if h.step is not None else '-'} (a static copy of"
+                   " the dashboard's figure; to see it live, run the cell or trust the notebook)")
+        return {"image/svg+xml": snapshot_svg(self.figure, caption), "text/plain": caption}
+
+    def _settle(self, _result: Any = None) -> None:
+        """At a cell's end (its messages still reach the kernel's client, nbclient's included): fold in
+        what happened, make the figure's saved state the figure as it is, and redraw the static copy.
+        Once the job has ended and that is done, cells stop doing it."""
+        from IPython.display import update_display
+
+        try:
+            with self._lock:
+                ended = self.update()
+                self.figure.widget.settle()
+                update_display(self.snapshot(), raw=True, display_id=self._snapshot_id)
+        except Exception as e:  # a torn read must not fail the user's cell
+            self._say(f"dashboard update failed: {type(e).__name__}: {e}", error=True)
+            return
+        if ended:
+            self._stop_settling()
+
+    def _stop_settling(self) -> None:
+        if self._shell is not None:
+            self._shell.events.unregister("post_run_cell", self._settle)
+            self._shell = None
 
     # ---- controls ------------------------------------------------------------------------------
     def _inject_clicked(self, _button: Any) -> None:

@@ -9,11 +9,14 @@ one message.
 
 from __future__ import annotations
 
+from copy import deepcopy
 from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
+from plotly.serializers import custom_serializers
 from plotly.subplots import make_subplots
+from traitlets import Dict
 
 from ..gpuhealth import fault_label
 from ..incidents import phases_text
@@ -34,10 +37,38 @@ ROW_TITLES = ("throughput (tokens/s)", "loss",   # a user script reports no toke
               "GPU health per node: ok (green), throttled (orange), XID/ECC fault (red), no GPU (grey)")
 
 
+def _as_lists(value: Any, manager: Any) -> Any:
+    """plotly's serializer, with numbers as JSON lists rather than binary buffers (NaN, a gap: null)."""
+    if isinstance(value, dict):
+        return {k: _as_lists(v, manager) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_as_lists(v, manager) for v in value]
+    if isinstance(value, np.ndarray):
+        return [None if v != v else v for v in value.tolist()]
+    return custom_serializers["to_json"](value, manager)
+
+
+# nbclient saves the last value of each trait but every binary buffer ever sent with it: an update message's
+# buffers outlive the message (reset to None at once), and a notebook reopened with them restored no widget.
+_MESSAGE = {"to_json": _as_lists, "from_json": custom_serializers["from_json"]}
+
+
 class FigureWidget(go.FigureWidget):
-    """plotly's FigureWidget with a loader for its JavaScript, so its saved state is its data (see plotly_bundle)."""
+    """plotly's FigureWidget with a loader for its JavaScript, so its saved state is its data (see plotly_bundle);
+    its update messages carry no binary buffers, and :meth:`settle` makes its saved state the figure as it is."""
 
     _esm = LOADER
+    _py2js_addTraces = Dict(allow_none=True).tag(sync=True, **_MESSAGE)
+    _py2js_restyle = Dict(allow_none=True).tag(sync=True, **_MESSAGE)
+    _py2js_relayout = Dict(allow_none=True).tag(sync=True, **_MESSAGE)
+    _py2js_update = Dict(allow_none=True).tag(sync=True, **_MESSAGE)
+    _py2js_animate = Dict(allow_none=True).tag(sync=True, **_MESSAGE)
+
+    def settle(self) -> None:
+        """Sync the whole figure as its data and layout: what a notebook saved now (by nbclient too, which
+        keeps the data first shown and only the last update message) redraws when reopened."""
+        self._widget_layout = deepcopy(self._layout_obj._props)
+        self._widget_data = deepcopy(self._data)
 
 
 def _f32(values: list[Any]) -> np.ndarray:
