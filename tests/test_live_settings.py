@@ -159,8 +159,12 @@ def _last_step(name: str) -> int:
 
 
 def _inject_ahead(name: str, fault: str, *extra: str) -> None:
-    """Inject ``fault`` a few steps ahead of the job, so it lands after what came before."""
-    proc = cli("inject", name, fault, *extra, "--step", str(_last_step(name) + 12))
+    """Inject ``fault`` a few steps ahead of the job, so it lands after what came before. The job may pass
+    that step while the CLI starts (a quiet machine runs 12 tiny steps in under a second): then again."""
+    for _ in range(10):
+        proc = cli("inject", name, fault, *extra, "--step", str(_last_step(name) + 12))
+        if "has already passed" not in proc.stderr:
+            break
     assert proc.returncode == 0, proc.stderr
 
 
