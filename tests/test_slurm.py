@@ -150,12 +150,17 @@ def test_a_job_runs_on_two_slurm_nodes_and_reads_as_a_local_one(cluster: SlurmCl
     assert "[launcher-0-0]" in text and "Rendezvous info" not in text
 
 
+def _kernel_sees(cluster: SlurmCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel (this process) talks to the test's cluster: its slurm.conf and commands."""
+    for key in ("SLURM_CONF", "PATH"):
+        monkeypatch.setenv(key, cluster.env[key])
+
+
 @pytest.mark.slow
 def test_the_magic_lists_and_shows_a_slurm_job(cluster: SlurmCluster, reference: dict, ip: Any,
                                                 capsys: pytest.CaptureFixture[str],
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in ("SLURM_CONF", "PATH"):
-        monkeypatch.setenv(key, cluster.env[key])
+    _kernel_sees(cluster, monkeypatch)
     monkeypatch.setenv("EKSFT_SHARED_DIR", str(cluster.shared))
     ip.run_cell("%ftrain list --backend slurm")
     out = capsys.readouterr().out
@@ -240,8 +245,7 @@ def test_an_exception_and_a_hang_injected_from_the_cli_heal_in_process_and_resum
 def test_the_magic_injects_into_resumes_and_stops_a_slurm_job(cluster: SlurmCluster, reference: dict, ip: Any,
                                                               capsys: pytest.CaptureFixture[str],
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in ("SLURM_CONF", "PATH"):
-        monkeypatch.setenv(key, cluster.env[key])
+    _kernel_sees(cluster, monkeypatch)
     ip.run_cell(f"%%ftrain --backend slurm --shared-dir {cluster.shared} --name magic {' '.join(BASE)} "
                 f"--slurm-port {free_base()}\n")
     job = ip.magics_manager.registry["FtrainMagics"].job
