@@ -81,7 +81,8 @@ def test_quickstart_in_jupyterlab(lab: dict[str, Any]) -> None:
         child_name = f"quickstart-from-{older}"
         child = page.locator(f".eksft-resumed .eksft-job-{child_name}")
         child.wait_for(timeout=60_000)
-        assert "starts at step" in dash.locator(".eksft-message").first.inner_text()
+        assert f"launched {child_name}, resuming from quickstart step {older}" in \
+            dash.locator(".eksft-message").first.inner_text()   # the command layer's line, as the CLI says it
         wait_for("steps of the resumed job", lambda: steps_plotted(child_name), 120)
         assert steps_plotted(child_name)[0] == older + 1
 
