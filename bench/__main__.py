@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"run only these parts ({', '.join(PARTS)})")
     p.add_argument("--goodput-window", nargs=2, type=float, metavar=("SECONDS", "FAULT_EVERY_S"),
                    help="part 3: run each configuration this long with a fault this often (default 600 120)")
+    p.add_argument("--whatif-order", choices=("side-by-side", "sequential"), default="side-by-side",
+                   help="part 7: run each A and B pair at once (a loaded machine) or one after the other (quiet)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="folder for the JSON results")
     args = p.parse_args(argv)
     if args.goodput_window and not 0 < args.goodput_window[1] <= args.goodput_window[0]:
@@ -36,8 +38,12 @@ def main(argv: list[str] | None = None) -> int:
         with private_home() as home:
             results["home"] = str(home)
             for name in args.only:
-                run_part(name, args.quick, results, **({"window_s": tuple(args.goodput_window)}
-                                                        if name == "goodput" and args.goodput_window else {}))
+                options: dict[str, Any] = {}
+                if name == "goodput" and args.goodput_window:
+                    options["window_s"] = tuple(args.goodput_window)
+                if name == "whatif":
+                    options["order"] = args.whatif_order
+                run_part(name, args.quick, results, **options)
                 write(path, results)  # what was measured survives a later crash
     except Exception as e:  # noqa: BLE001 - stopping the jobs failed: said, and the results are still written
         traceback.print_exc()

@@ -9,6 +9,11 @@ reference run and moves with the machine's speed between runs.
 
 A second run at A, last, measures how far two runs of the same setting land apart on this machine: the
 noise floor any prediction meets.
+
+The pair runs side by side (``--whatif-order side-by-side``, the default: on a machine whose load swings,
+both meet the same load) or one after the other (``sequential``: on a quiet machine). Side by side on two
+cores, one job's downtime gives the other the CPU, so a setting with longer recoveries runs its steps
+slower than its A did: a bias the model (which takes A's step time) cannot know of.
 """
 
 from __future__ import annotations
@@ -58,14 +63,17 @@ SETTINGS = {  # label: (spec changes, what-if arguments)
 }
 
 
-def run(quick: bool) -> dict[str, Any]:
+ORDERS = ("side-by-side", "sequential")
+
+
+def run(quick: bool, order: str = "side-by-side") -> dict[str, Any]:
     steps, n = QUICK if quick else FULL
     faults = schedule(SEED, steps, n)
     base = {"model.preset": "tiny" if quick else "small", "steps": steps, "checkpoint.every": EVERY,
             "checkpoint.mode": "async", "ft.inprocess": True, "seed": 0}
     runs: dict[str, Any] = {}
     for i, (label, (changes, ask)) in enumerate(SETTINGS.items()):
-        a, b = side_by_side(f"whatif-a{i}", base, f"whatif-b{i}", {**base, **changes}, faults)
+        a, b = pair(f"whatif-a{i}", base, f"whatif-b{i}", {**base, **changes}, faults, order)
         report = commands.whatif(a["name"], **ask)   # from A's events alone
         [row] = report["rows"]
         if row["ettr"] is None:
@@ -75,26 +83,35 @@ def run(quick: bool) -> dict[str, Any]:
                                      "lost_steps": row["lost_steps"], "notes": row["notes"]}}
     noise = None
     if not quick:  # --quick (the tests) leaves out the noise floor: CI time
-        a, again = side_by_side("whatif-a", base, "whatif-a-again", base, faults)
+        a, again = pair("whatif-a", base, "whatif-a-again", base, faults, order)
         noise = {"a": a, "b": again, "points": round(100 * (again["ettr"] - a["ettr"]), 2)}
     errors = [abs(r["error_points"]) for r in runs.values()]
     return {"steps": steps, "every": EVERY, "seed": SEED, "faults": faults, "ettr": "productive / wall",
+            "order": order,
             "settings": runs, "noise": noise,
             "max_error_points": max(errors), "target_points": TARGET_POINTS,
             "target_met": max(errors) <= TARGET_POINTS}
 
 
-def side_by_side(name_a: str, changes_a: dict[str, Any], name_b: str, changes_b: dict[str, Any],
-                 faults: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Run two jobs at once, to their ends, under the same ``faults``: on a shared machine whose load
-    swings by minutes, both meet the same load (run one after the other, they met 5.7 and 20)."""
+def pair(name_a: str, changes_a: dict[str, Any], name_b: str, changes_b: dict[str, Any],
+         faults: list[str], order: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run two jobs to their ends under the same ``faults``: at once (``side-by-side``: on a shared
+    machine whose load swings by minutes both meet the same load; run one after the other there, they met
+    5.7 and 20), or one after the other (``sequential``: each alone, on a quiet machine)."""
     before = load_avg()
     t0 = time.time()
     specs = [JobSpec().replace(name=name, **{"ft.max_injob_restarts": 20, **changes}).validate()
              for name, changes in ((name_a, changes_a), (name_b, changes_b))]
-    jobs = [launch(spec, faults) for spec in specs]
+    jobs: list[Any] = []
     try:
-        states = [job.wait(timeout=1800) for job in jobs]
+        if order == "sequential":
+            states = []
+            for spec in specs:
+                jobs.append(launch(spec, faults))
+                states.append(jobs[-1].wait(timeout=1800))
+        else:
+            jobs = [launch(spec, faults) for spec in specs]
+            states = [job.wait(timeout=1800) for job in jobs]
     finally:
         for job in jobs:
             if not job.state.ended:
