@@ -43,7 +43,7 @@ def break_twice(name: str, script: str, args: str, *extra: str) -> dict:
     dash = Dashboard(job, live=False)
     at = events(name, "step")[-1]["step"] + 10
     dash.inject("sigkill", rank=1, step=at)
-    assert dash.message.value and "queued sigkill for rank 1 (at step" in dash.message.value
+    assert dash.message.value and f"queued sigkill for rank 1 of {name} (at step {at})" in dash.message.value
     [recovered] = wait_for("the recovery from the sigkill", lambda: events(name, "restart"))
     wait_for("a step after the recovery", lambda: steps_after(name, recovered.t))
     hang = cli("inject", name, "hang", "--rank", "0")
