@@ -58,3 +58,23 @@ def test_a_fault_that_raises_leaves_the_next_due_one_queued_not_lost(tmp_path: P
         s.step_begin(5)   # nothing left to fire
     finally:
         s.close()
+
+
+def test_an_injected_exception_that_a_library_raised_again_is_still_the_fault() -> None:
+    """A timed fault may land inside library code that wraps what it caught (an import, a collective's
+    set-up): the rank's error is still the injected fault, not an exception of its own."""
+    from eksft_nb.runtime.session import InjectedFault, error_origin
+
+    def wrapped(chain: bool) -> BaseException:
+        try:
+            try:
+                raise InjectedFault("injected exception on rank 1")
+            except InjectedFault as e:
+                if chain:
+                    raise ImportError("cannot import name 'x'") from e
+                raise RuntimeError("while handling it, another error")  # noqa: B904 - the implicit context
+        except (ImportError, RuntimeError) as outer:
+            return outer
+
+    assert error_origin(wrapped(True)) == "fault" and error_origin(wrapped(False)) == "fault"
+    assert error_origin(RuntimeError("the script's own")) == "exception"

@@ -68,8 +68,8 @@ def main() -> None:
     # does; a notebook cell's code keeps the working directory (the notebook's), as `python -c` does
     cell = Path(script).resolve().parent == (eksft_home() / "scripts").resolve()
     sys.path[0] = os.getcwd() if cell else os.path.dirname(script)
-    probe = ScriptProbe(s)
     s.rank_start(0, script=os.path.basename(script))
+    probe = ScriptProbe(s)   # last before the script: a fault it fires lands in the script, reported as one
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as e:

@@ -324,9 +324,15 @@ def raised_in_collective(e: BaseException) -> bool:
 def error_origin(e: BaseException) -> str:
     """Whose failure it is: this rank's ("fault" injected, "exception" of its own), a peer's ("peer":
     a collective failed because another rank went away or stalled), or the in-process monitor's
-    ("interrupted": this rank or a peer stopped making progress)."""
-    if isinstance(e, InjectedFault):
-        return "fault"
+    ("interrupted": this rank or a peer stopped making progress). An injected fault that library code
+    caught and raised again as its own error (``raise ... from``, or while handling it) is still the fault."""
+    seen: set[int] = set()
+    cause: BaseException | None = e
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, InjectedFault):
+            return "fault"
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
     name, text = type(e).__name__, str(e)
     if name == "RankShouldRestart":
         return "interrupted"
