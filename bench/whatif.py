@@ -166,9 +166,11 @@ def report(result: dict[str, Any]) -> str:
     noise = result["noise"]
     if noise:
         rows += line("A", noise["a"]) + line("A again (noise floor)", noise["b"], None, noise["points"])
+    together = result.get("order", "side-by-side") == "side-by-side"
+    pairing = "beside its A (same load)" if together else "after its A (one at a time)"
     title = (f"7. what-if proof: {result['steps']} steps, 2 ranks, async saves, faults "
-             f"{', '.join(result['faults'])} (seed {result['seed']}) in every run; each B runs beside its A "
-             "(same load) and is predicted from "
+             f"{', '.join(result['faults'])} (seed {result['seed']}) in every run; each B runs {pairing} "
+             "and is predicted from "
              "A's events alone; ETTR = productive / wall seconds (the what-if's, not goodput.ettr); "
              "error = predicted - measured; seconds per term")
     met = "MET" if result["target_met"] else "NOT MET"
@@ -181,6 +183,7 @@ def report(result: dict[str, Any]) -> str:
         f"  largest error {result['max_error_points']:.2f} points "
         f"(target <= {result['target_points']:.0f}) {met}; "
         f"each A replayed at its own settings: within {max(own):.2f} points"
-        + (f"; A run twice side by side: {noise['points']:+.2f} points apart" if noise else "") + "\n"
+        + (f"; A run twice {'side by side' if together else 'in a row'}: {noise['points']:+.2f} points apart"
+           if noise else "") + "\n"
         + (f"  failures no fault was scheduled for (the what-if replays them at the step they hit): "
            f"{'; '.join(unscheduled)}\n" if unscheduled else ""))
