@@ -105,3 +105,22 @@ def test_the_handover_expires_only_the_lost_launchers_keep_alive_and_refuses_a_f
     _rendezvous(store, "r2", Evil())
     with pytest.raises(HandoverError, match="has no place in a rendezvous state"):
         expire(store, "r2", 101)
+
+
+def test_the_handover_refuses_a_state_that_sets_a_class_s_attributes() -> None:
+    """An allowed class named in the state and BUILT with slot state would have its attributes set in the
+    supervisor (the Trust II attack on the checkpoint loader): refused, and the class is unchanged."""
+    import base64
+
+    from eksft_nb.backends.local.handover import RDZV_MODULE, HandoverError, _load
+    from eksft_nb.nvrx import installed
+
+    if installed().rendezvous != "legacy":
+        pytest.skip("the handover is for NVRx 0.4's legacy rendezvous")
+    from nvidia_resiliency_ext.fault_tolerance._ft_rendezvous import _NodeDesc
+
+    # protocol 0: the class itself, then BUILD (None, {"marker": "owned"}): setattr on the class
+    payload = b"c" + RDZV_MODULE.encode() + b"\n_NodeDesc\n(N(dS'marker'\nS'owned'\nstb."
+    with pytest.raises(HandoverError, match="a class's attributes or slot state"):
+        _load(base64.b64encode(payload))
+    assert not hasattr(_NodeDesc, "marker")

@@ -38,11 +38,25 @@ class HandoverError(Exception):
     """The rendezvous state could not be read or written: the spare comes in by NVRx's own expiry."""
 
 
-class _StateUnpickler(pickle.Unpickler):
+class _StateUnpickler(pickle._Unpickler):  # the Python unpickler: its BUILD can be checked
+    """Names only the classes a rendezvous state holds; BUILD sets only an instance's own fields, never
+    a class's attributes or slot state (which would change those classes in the supervisor)."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in _ALLOWED:
             raise pickle.UnpicklingError(f"{module}.{name} has no place in a rendezvous state")
         return super().find_class(module, name)
+
+    def load_build(self) -> None:
+        state, inst = self.stack[-1], self.stack[-2]
+        if isinstance(inst, type) or type(state) is not dict:
+            raise pickle.UnpicklingError("it sets a class's attributes or slot state, which a rendezvous "
+                                         "state never does")
+        super().load_build()
+
+    dispatch[pickle.BUILD[0]] = load_build
 
 
 def _load(raw: bytes) -> Any:
