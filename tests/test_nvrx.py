@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from eksft_nb import nvrx
 from eksft_nb.backends.base import quiet_lines
-from eksft_nb.backends.local.supervisor import parse_launcher_line
+from eksft_nb.backends.launcher_log import parse_launcher_line
 from eksft_nb.dashboard.figure import restart_hover
 from eksft_nb.errors import JobError
 from eksft_nb.events import Event, make

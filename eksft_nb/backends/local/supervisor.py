@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -50,6 +49,7 @@ from ...runtime.warm_shim import SOCKET_ENV as WARM_SOCKET
 from ...runtime.warm_shim import ZYGOTE_ENV as WARM_ZYGOTE
 from ...states import RECORDED_ENDS, JobState, RestartLevel
 from ... import procs
+from ..launcher_log import LauncherLine, parse_launcher_line
 from .handover import HandoverError, expire
 
 POLL_S = 0.2
@@ -58,15 +58,6 @@ STANDBY_MODULE = "eksft_nb.backends.local.standby"   # a local job's ft_launcher
 UNKNOWN_EXIT = -256    # an adopted launcher ended (not our child: its exit status is unknown)
 
 UNRECORDED = 3         # the supervisor's exit status when the job ended but writing that down failed
-# ft_launcher's log, as NVRx 0.4.1 (``[2026-01-02 03:04:05,678] [WARNING] [RankMonServer...] msg``) and
-# 0.6 (``2026-01-02 03:04:05,678 [WARNING] [host] [workload:0(0) infra:?(?)] file.py:123 msg``) write it
-_WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
-# a rank monitor's timeout (0.4.1 adds "FT timeout elapsed." after each, 0.6 logs only these)
-_FT_TIMEOUT = re.compile(r"FT timeout elapsed|Did not get (initial|subsequent) heartbeat|"
-                         r"Section '[^']*' has been open for|Was out of section for")
-_ATTEMPTS = re.compile(r"Worker group (\w+)\. (\d+)/(\d+) attempts left")
-_LOGGED_AT = re.compile(r"^\[?(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})\]? ")
-_GLOG_AT = re.compile(r"^[IWEF](\d{4}) (\d\d:\d\d:\d\d)\.(\d{1,9}) ")
 
 
 @dataclass
@@ -572,48 +563,6 @@ def _int(value: Any) -> int:
 
 def _num(value: Any, default: float) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
-
-
-@dataclass(frozen=True)
-class LauncherLine:
-    """What the supervisor acts on in one line of ft_launcher's log."""
-
-    kind: str                 # hang (a rank monitor timed out) | worker_failed | restarting (the group)
-    at: float                 # when it was logged, epoch seconds
-    exitcode: int = 0         # worker_failed: the rank's exit code (negative: killed by that signal)
-    local_rank: int = 0
-    pid: int = 0
-    left: tuple[int, int] = (0, 0)  # restarting: in-job restarts left, of how many
-
-
-def parse_launcher_line(line: str, now: float | None = None) -> LauncherLine | None:
-    """The event in one ft_launcher log line (NVRx 0.4.1 or 0.6 format), or None for any other line."""
-    if m := _WORKER_FAILED.search(line):
-        return LauncherLine("worker_failed", _logged_at(line, now), exitcode=int(m.group(1)),
-                            local_rank=int(m.group(2)), pid=int(m.group(3)))
-    if _FT_TIMEOUT.search(line):
-        return LauncherLine("hang", _logged_at(line, now))
-    if m := _ATTEMPTS.search(line):
-        return LauncherLine("restarting", _logged_at(line, now), left=(int(m.group(2)), int(m.group(3))))
-    return None
-
-
-def _logged_at(line: str, now: float | None = None) -> float:
-    """When ft_launcher logged ``line`` (its own timestamp: this supervisor reads the log up to a poll
-    later, and by then the launcher may already be restarting the group); now if it carries none.
-    NVRx writes ``2026-01-02 03:04:05,678`` (0.6; bracketed in 0.4.1), torch ``E0102 03:04:05.678901``."""
-    now = time.time() if now is None else now
-    if m := _LOGGED_AT.match(line):
-        at = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000
-    elif m := _GLOG_AT.match(line):  # no year: the one that puts it in the past
-        year = time.localtime(now).tm_year
-        stamp = f"{m.group(1)} {m.group(2)}"
-        at = time.mktime(time.strptime(f"{year}{stamp}", "%Y%m%d %H:%M:%S")) + float(f"0.{m.group(3)}")
-        if at > now + 86400:
-            at = time.mktime(time.strptime(f"{year - 1}{stamp}", "%Y%m%d %H:%M:%S")) + float(f"0.{m.group(3)}")
-    else:
-        return now
-    return min(now, at)
 
 
 def _rendezvous_store(port: int) -> Any:

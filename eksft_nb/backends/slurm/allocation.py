@@ -30,7 +30,7 @@ from ...jobdir import JobDir
 from ...monitor import JobMonitor
 from ...states import JobState
 from ...timeouts import resolved
-from ..local.supervisor import LauncherLine, parse_launcher_line
+from ..launcher_log import LauncherLine, parse_launcher_line
 from . import cluster
 from .render import REQUEUE_EXIT, STOP_MARK
 
