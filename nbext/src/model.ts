@@ -57,10 +57,10 @@ export class JobsModel {
   async start(): Promise<void> {
     try {
       const reply = await request<IJobsReply>('jobs');
-      this.faults = reply.faults;
-      this.levels = reply.levels;
-      this.failed = new Set(reply.failed);
-      this.settings = reply.settings;
+      this.faults = reply.faults || []; // a server extension older than this panel sends fewer words
+      this.levels = reply.levels || {};
+      this.failed = new Set(reply.failed || []);
+      this.settings = reply.settings || [];
       this._setBackends(reply);
       this._setJobs(reply.jobs);
     } catch (e) {
