@@ -70,7 +70,8 @@ def test_jobs_panel_in_jupyterlab(lab: dict[str, Any], monkeypatch: pytest.Monke
             page.screenshot(path=str(shots / "failure.png"))
             raise
         browser.close()
-    # the errors the page may log: the browser's own line for each refused request's 400 (an inject, a setting)
+    # the errors the page may log: the browser's own line for each refused request's 400 (an inject, a
+    # setting)
     assert [e for e in errors if "status of 400" not in e] == [] and len(errors) <= 2, errors
     if os.environ.get("EKSFT_SCREENSHOT_TO_DOCS") == "1":
         for name in ("lab-panel-light.png", "lab-panel-dark.png"):
@@ -189,7 +190,7 @@ def drive(page: Any, lab: dict[str, Any], shots: Path) -> None:
     page.wait_for_function(f"() => document.querySelector('.eksft-job[data-job=\"{JOB}\"] .eksft-message')"
                            ".textContent.startsWith('launched ')", timeout=60_000, polling=250)
     said = row.locator(".eksft-message").inner_text()
-    resumed = re.match(rf"launched (\S+), resuming from {JOB} step {older}\b", said)   # the command layer's line
+    resumed = re.match(rf"launched (\S+), resuming from {JOB} step {older}\b", said)   # the command layer's
     assert resumed, said
     child = resumed[1]
     page.wait_for_function(f"() => +(document.querySelector('.eksft-job[data-job=\"{child}\"]') || "
@@ -241,14 +242,15 @@ def change_settings(page: Any, lab: dict[str, Any], dash: Any, recommended: int)
     bar.locator(".eksft-set").click()
     wait_for("the change's line", lambda: f"ckpt-every 10 -> {value}" in said.inner_text(), 60)
     assert re.fullmatch(rf"{JOB}: (ckpt-every 10 -> {value}, taken by all 2 ranks at step \d+"
-                        rf"|queued ckpt-every 10 -> {value} \(change 1\); .+)", said.inner_text()), said.inner_text()
+                        rf"|queued ckpt-every 10 -> {value} \(change 1\); .+)", said.inner_text()), \
+        said.inner_text()
     first = wait_for("both ranks' setting events", lambda: taken(JOB, value), 180)
     assert len({e["step"] for e in first}) == 1, first
     in_force = settings_route(lab, JOB)
     assert in_force["values"]["ckpt-every"] == value and in_force["step"] == first[0]["step"], in_force
+    since = f"in force since step {first[0]['step']}"
     wait_for("the step it took effect at, in the view",
-             lambda: bar.locator(".eksft-settings-since").inner_text() == f"in force since step {first[0]['step']}",
-             60)
+             lambda: bar.locator(".eksft-settings-since").inner_text() == since, 60)
 
     # Apply on the what-if's recommendation: posted through the same route, taken by every rank in turn
     apply = dash.locator(".eksft-whatif .eksft-whatif-apply")

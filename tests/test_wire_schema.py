@@ -21,7 +21,8 @@ SCALARS = {str: "string", int: "number", float: "number", bool: "boolean", Any: 
 MODELS: dict[str, Any] = {
     "IJobRow": JobRow, "IStopResult": StopResult, "IResumeResult": ResumeResult,
     "ISettingsResult": SettingsResult, "IFaultKindInfo": wire.FaultKindInfo, "ILiveSetting": wire.LiveSetting,
-    "IBackendStatus": wire.BackendStatus, "IJobsReply": wire.JobsReply, "ISettingsInForce": wire.SettingsInForce,
+    "IBackendStatus": wire.BackendStatus, "IJobsReply": wire.JobsReply,
+    "ISettingsInForce": wire.SettingsInForce,
     "IFigure": wire.Figure, "IWhatIfView": wire.WhatIfView}
 NAMES = {model: name for name, model in MODELS.items()}
 
@@ -93,5 +94,5 @@ def test_a_changed_type_is_caught() -> None:
                           ("  seq: number;\n  values", "  values")):
         changed = text.replace(before, after, 1)
         assert changed != text and ts_interface("ISettingsInForce", changed) != python, after
-    extended = text.replace("export interface IStopResult extends IJobRow {", "export interface IStopResult {", 1)
+    extended = text.replace("interface IStopResult extends IJobRow {", "interface IStopResult {", 1)
     assert ts_interface("IStopResult", extended) != python_fields(StopResult)

@@ -4,7 +4,16 @@
  */
 import { ISignal, Signal } from '@lumino/signaling';
 
-import { EksftError, IFaultKindInfo, IJobRow, IJobsReply, ILiveSetting, IStreamEvent, readStream, request } from './api';
+import {
+  EksftError,
+  IFaultKindInfo,
+  IJobRow,
+  IJobsReply,
+  ILiveSetting,
+  IStreamEvent,
+  readStream,
+  request
+} from './api';
 
 /** A restart (from the stream's restart events) or a job that ended failed or lost. A stream failure
  * event is not one: it is followed by its restart, or by the job's end. */

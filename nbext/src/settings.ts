@@ -11,9 +11,8 @@ export class SettingsBar {
   readonly node = el('div', 'eksft-settings eksft-control');
 
   constructor(private job: string, private model: JobsModel) {
-    this._set = button('eksft-set', 'Set', `Change the settings of ${job} now: every rank takes them at one step`, () =>
-      void this.change(this._changes())
-    );
+    const title = `Change the settings of ${job} now: every rank takes them at one step`;
+    this._set = button('eksft-set', 'Set', title, () => void this.change(this._changes()));
     this._message.setAttribute('aria-live', 'polite');
     this.node.append(this._boxes, this._set, this._since, this._message);
     this.update(model.get(job));
@@ -34,14 +33,19 @@ export class SettingsBar {
     const query = backend && backend !== 'local' ? `?backend=${backend}` : '';
     try {
       this._show(await request<ISettingsInForce>(jobPath(this.job, 'settings') + query));
+      if (this._unread) {
+        this._say('');
+      }
     } catch (e) {
-      if (!this._said) {
+      if (!this._message.textContent || this._unread) {
         this._say((e as Error).message, true); // e.g. a backend that keeps no live settings
+        this._unread = true;
       }
     }
   }
 
-  /** Post `values` (a name may be unknown or out of range: the server refuses it with its line); show the reply. */
+  /** Post `values` (an unknown name or a value out of range: the server refuses it with its line); show the
+   * reply. */
   async change(values: { [name: string]: unknown }): Promise<void> {
     this._busy = true;
     this.update(undefined);
@@ -112,7 +116,7 @@ export class SettingsBar {
   }
 
   private _say(line: string, error = false): void {
-    this._said = true;
+    this._unread = false;
     this._message.textContent = line;
     this._message.classList.toggle('eksft-error', error);
   }
@@ -122,7 +126,8 @@ export class SettingsBar {
   private _inForce: ISettingsInForce | null = null;
   private _inputs = new Map<string, HTMLInputElement>();
   private _busy = false;
-  private _said = false;
+  /** The line shown says the settings could not be read (the next read that works clears it). */
+  private _unread = false;
   private _set: HTMLButtonElement;
   private _boxes = el('span', 'eksft-settings-boxes');
   private _since = el('span', 'eksft-settings-since');

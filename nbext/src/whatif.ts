@@ -93,7 +93,8 @@ export class WhatIfTab {
     this.figure = view.figure;
     const settings = Object.entries(view.settings || {});
     this._apply.title = settings.length
-      ? `Set ${settings.map(([k, v]) => `${k}=${v}`).join(' ')} on ${this.job} now (every rank takes it at one step)`
+      ? `Set ${settings.map(([k, v]) => `${k}=${v}`).join(' ')} on ${this.job} now (every rank takes it at one` +
+        ' step)'
       : 'The what-if recommends no change to apply';
     this._enable();
   }
