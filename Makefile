@@ -21,8 +21,8 @@ DEMO_NAME ?= demo-$(shell date +%H%M%S)
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --no-compile "$(TORCH_SPEC)"   # Python compiles what is imported, when it is
-	SKIP_JUPYTER_BUILDER=1 $(PY) -m pip install -q --no-compile -e '.[dev]'   # nbext/ is built below
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	SKIP_JUPYTER_BUILDER=1 $(PY) -m pip install -q -e '.[dev]'   # nbext/ is built below
 	touch $@
 
 # A second NVRx for the tests, beside the one pip resolved (0.4.1 where glibc < 2.39): the engine's fault
