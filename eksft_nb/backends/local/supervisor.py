@@ -643,7 +643,12 @@ def keep(jd: JobDir) -> int:
 
 def main() -> None:
     if sys.argv[1] == "--run":  # the supervisor proper, a child of the keeper
-        sys.exit(Supervisor(JobDir(Path(sys.argv[2])), adopt="--adopt" in sys.argv).run())
+        jd = JobDir(Path(sys.argv[2]))
+        if jd.spec().engine == "torchft":   # the Lighthouse and one process per replica group
+            from ...engines.torchft.supervisor import TorchftSupervisor as kind
+        else:
+            kind = Supervisor
+        sys.exit(kind(jd, adopt="--adopt" in sys.argv).run())
     job_dir = JobDir(Path(sys.argv[1]))
     if os.fork() > 0:  # the launching process reaps this parent at once; the child is the daemon
         os._exit(0)
