@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +18,9 @@ def check(spec: JobSpec, faults: Sequence[Any] = ()) -> None:
     """Raise :class:`SpecError` when ``spec`` (or a scheduled fault) does not apply to the torchft engine."""
     if spec.engine != "torchft":
         return
+    if importlib.util.find_spec("torchft") is None:
+        raise SpecError("--engine torchft needs torchft, which is not installed here",
+                        "pip install 'torchft>=0.2.0,<0.3' (wheels for Linux x86_64), or use --engine nvrx")
     if spec.backend != "local":
         raise SpecError(f"--engine torchft runs on the local backend so far, not {spec.backend}",
                         "use --backend local, or --engine nvrx on a cluster")
