@@ -16,9 +16,11 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from ... import loopback, procs
+from ...jobdir import JobDir
 from ...backends.local.supervisor import POLL_S, Node, Supervisor, _free_ports
 from ...runtime.quiet import quiet_env
 from ...states import JobState, RestartLevel
@@ -35,6 +37,12 @@ class TorchftSupervisor(Supervisor):
         self.lighthouse_port = 0
         self.group_restarts: dict[int, int] = {}
         self.lost: dict[int, dict[str, Any]] = {}   # group -> its open incident, until it heals
+
+    def _adopt(self) -> tuple[JobState, str] | None:
+        """A supervisor that died took the Lighthouse's port with it, which a restarted group needs: end
+        the job, said, rather than adopt groups that could not be restarted."""
+        self.say(f"supervisor {self.jd.supervisor().get('pid')} is gone; a torchft job cannot be adopted yet")
+        return JobState.FAILED, "the supervisor died, and a torchft job cannot be adopted yet: run it again"
 
     def _launch(self) -> None:
         self.lighthouse_port = _free_ports(1)[0]
@@ -148,3 +156,7 @@ def _how(code: int) -> str:
     if code < 0 and -code in signal.Signals._value2member_map_:
         return f"killed ({signal.Signals(-code).name})"
     return f"ended (exit {code})"
+
+
+if __name__ == "__main__":   # ``--run JOB_DIR [--adopt]``: exec'd by the local supervisor's entry point
+    sys.exit(TorchftSupervisor(JobDir(Path(sys.argv[2])), adopt="--adopt" in sys.argv).run())
