@@ -128,3 +128,9 @@ def test_a_fault_the_torchft_engine_cannot_fire_is_refused_before_launch() -> No
     assert done.returncode != 0 and "cannot fire hang" in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert not JobDir.for_name("tft-refused").path.exists()
+
+
+def test_a_dry_run_shows_the_lighthouse_on_loopback_and_one_process_per_group() -> None:
+    shown = commands.dry_run(torchft_spec("tft-dry", nnodes=3))
+    assert "torchft_lighthouse" in shown and "--bind 127.0.0.1:" in shown, shown
+    assert shown.count("-m eksft_nb.engines.torchft.trainer") == 3 and "NUM_REPLICA_GROUPS=3" in shown, shown

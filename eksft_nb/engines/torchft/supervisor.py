@@ -19,15 +19,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ... import loopback, procs
+from ... import procs
 from ...jobdir import JobDir
 from ...backends.local.supervisor import POLL_S, Node, Supervisor, _free_ports
 from ...runtime.quiet import quiet_env
 from ...states import JobState, RestartLevel
 from . import lighthouse
-from .trainer import LAST_STEP_ENV, RESTART_ENV
-
-TRAINER_MODULE = "eksft_nb.engines.torchft.trainer"
+from .plan import group_argv, group_env
 
 
 class TorchftSupervisor(Supervisor):
@@ -60,17 +58,12 @@ class TorchftSupervisor(Supervisor):
     def _start_group(self, group: int, last_step: int = 0) -> Node:
         restart = self.group_restarts.get(group, 0)
         tag = f"g{group}.{restart}"
-        env = quiet_env({**os.environ, **loopback.env(), procs.JOB_MARK: self.job_uid, procs.NODE_MARK: tag,
-                         "EKSFT_JOB": self.spec.name, "EKSFT_JOB_DIR": str(self.jd.path), "EKSFT_JOB_ATTEMPT": "0",
-                         "RANK": str(group), "LOCAL_RANK": "0", "GROUP_RANK": str(group),
-                         "WORLD_SIZE": str(self.spec.world_size), "REPLICA_GROUP_ID": str(group),
-                         "NUM_REPLICA_GROUPS": str(self.spec.nnodes), "MASTER_ADDR": "127.0.0.1",
-                         "MASTER_PORT": str(_free_ports(1)[0]), "OMP_NUM_THREADS": str(self.spec.threads_per_rank),
-                         "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{self.lighthouse_port}",
-                         RESTART_ENV: str(restart), LAST_STEP_ENV: str(last_step)})
+        env = quiet_env({**os.environ, procs.JOB_MARK: self.job_uid, procs.NODE_MARK: tag,
+                         **group_env(self.spec, group, job_dir=str(self.jd.path), lighthouse_port=self.lighthouse_port,
+                                     store_port=_free_ports(1)[0], restart=restart, last_step=last_step)})
         log = self.jd.logs / f"group-{group}-{restart}.log"
         with open(log, "ab") as out:
-            popen = subprocess.Popen([sys.executable, "-m", TRAINER_MODULE], env=env, stdout=out,
+            popen = subprocess.Popen(group_argv(), env=env, stdout=out,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.jd.path,
                                      start_new_session=True)
         self.events.emit("launch", attempt=restart, node=group, pid=popen.pid, pgid=popen.pid)
