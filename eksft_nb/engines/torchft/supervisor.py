@@ -3,9 +3,9 @@
 It keeps :class:`~eksft_nb.backends.local.supervisor.Supervisor`'s lifecycle (keeper, events, stop,
 the job's end) and replaces what differs: there is no ft_launcher, the job is never restarted as a
 whole, and a lost group is restarted alone while the others train on. Its ``failure`` and ``restart``
-events (level ``job``: the supervisor recovered it) say what the job lost: ``downtime_s`` is the time
-from the fault to the first step the survivors began after it (they stall until the Lighthouse drops
-the lost group), ``group_downtime_s`` the time until the restarted group healed from a peer, and
+events (level ``job``: the supervisor recovered it) say what the job lost: ``downtime_s`` is the survivors'
+stall (they wait until the Lighthouse drops the lost group: how much longer than a typical step the first
+step committed after the fault took), ``group_downtime_s`` the time until the restarted group healed, and
 ``skipped_batches`` the batches it did not train.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -27,6 +28,8 @@ from ...states import JobState, RestartLevel
 from . import lighthouse
 from .plan import group_argv, group_env
 
+TYPICAL_STEPS = 20   # a step's typical time: the median of this many before a fault
+
 
 class TorchftSupervisor(Supervisor):
     def __post_init__(self) -> None:
@@ -35,6 +38,7 @@ class TorchftSupervisor(Supervisor):
         self.lighthouse_port = 0
         self.group_restarts: dict[int, int] = {}
         self.lost: dict[int, dict[str, Any]] = {}   # group -> its open incident, until it heals
+        self.recent_step_s: list[float] = []        # the last TYPICAL_STEPS steps' times
 
     def _adopt(self) -> tuple[JobState, str] | None:
         """A supervisor that died took the Lighthouse's port with it, which a restarted group needs: end
@@ -112,7 +116,8 @@ class TorchftSupervisor(Supervisor):
         self.events.emit("failure", level=RestartLevel.JOB, cause=cause, blame_rank=group, fault_time=fault_time,
                          detected_at=detected)
         self.lost[group] = {"cause": cause, "fault_time": fault_time, "detected": detected,
-                            "last_step": self.mon.last_step, "resumed_at": None}
+                            "last_step": self.mon.last_step, "stall": None,
+                            "typical_step_s": statistics.median(self.recent_step_s or [0.0])}
         self.group_restarts[group] = self.group_restarts.get(group, 0) + 1
         self.say(f"{cause} at step {self.mon.last_step}: the other groups train on; restarting it "
                  f"({self.group_restarts[group]} of {self.spec.ft.max_job_restarts})")
@@ -121,16 +126,17 @@ class TorchftSupervisor(Supervisor):
     def _on_event(self, e: Any) -> None:
         super()._on_event(e)
         if e.kind == "step":
-            started = e.t - e["step_time"]
             for lost in self.lost.values():
-                if lost["resumed_at"] is None and started > lost["fault_time"]:
-                    lost["resumed_at"] = started
+                if lost["stall"] is None and e.t > lost["fault_time"]:
+                    # the first step committed after the fault took longer by the survivors' stall
+                    lost["stall"] = max(0.0, e.t - lost["fault_time"] - lost["typical_step_s"])
+            self.recent_step_s = [*self.recent_step_s[-(TYPICAL_STEPS - 1):], e["step_time"]]
         elif e.kind == "heal" and e.rank in self.lost:
             lost = self.lost.pop(e.rank)
-            resumed = lost["resumed_at"] if lost["resumed_at"] is not None else e.t
+            stall = lost["stall"] if lost["stall"] is not None else e.t - lost["fault_time"]
             self.events.emit("restart", level=RestartLevel.JOB, cause=lost["cause"], blame_rank=e.rank,
                              fault_time=lost["fault_time"], detection_s=lost["detected"] - lost["fault_time"],
-                             downtime_s=max(0.0, resumed - lost["fault_time"]),
+                             downtime_s=stall,
                              rolled_back_steps=max(0, lost["last_step"] - e["step"]), resumed_step=e["step"],
                              restored_from="peer", group_downtime_s=e.t - lost["fault_time"],
                              skipped_batches=e["skipped_batches"], replica_group=e.rank)
