@@ -33,30 +33,37 @@ def of(name: str, kind: str, rank: int | None = None, after: float = 0.0) -> lis
 
 @pytest.fixture(scope="module")
 def healed() -> Iterator[tuple[str, Listeners]]:
-    """A 2-group job: group 1 killed at step 3 while group 0 is paced; once it healed, an exception inside
-    its backward; then the pace ends and the job runs to its end. Its listeners sampled throughout."""
+    """A 2-group job: group 1 killed at step 3; once it healed, an exception inside its backward; then group
+    0 (the one that reported the steps) killed; once it healed too, the job runs to its end. Its listeners
+    sampled throughout. The groups are stragglers (the registry's slow-rank) until the test ends that: the
+    job runs long enough for a killed group to come back however slowly this machine starts a process,
+    and no longer."""
     name = "tft-heal"
-    # group 0 is a straggler (the registry's slow-rank) until the test ends that: the job runs long enough
-    # for the killed group to come back however slowly this machine starts a process, and no longer
-    commands.launch(torchft_spec(name), [FaultCommand("slow-rank", rank=0, step=1,
-                                                      params={"delay": 2.0, "duration": 10**6}),
-                                         FaultCommand("sigkill", rank=1, step=3)])
+    commands.launch(torchft_spec(name), [pace(0, step=1), FaultCommand("sigkill", rank=1, step=3)])
     uid = wait_for("the job's uid", lambda: JobDir.for_name(name).supervisor().get("job_uid"), timeout=120)
     listeners = Listeners(uid)
     listeners.start()
     try:
         heal = wait_for("group 1 to heal from group 0", lambda: of(name, "heal", rank=1), timeout=600)[0]
+        commands.inject_command(name, pace(1))   # the restarted process has no pace: group 0 goes next
         commands.inject(name, "exception", rank=1)
         wait_for("group 1 to throw a step away", lambda: of(name, "step_discarded", rank=1), timeout=300)
         wait_for("group 1 to heal the thrown-away step", lambda: of(name, "heal", rank=1, after=heal.t + 1e-6),
                  timeout=300)
-        commands.inject(name, "slow-rank", rank=0, params={"delay": 0.01, "duration": 1})
+        commands.inject(name, "sigkill", rank=0)
+        wait_for("group 0 to heal from group 1", lambda: of(name, "heal", rank=0), timeout=600)
+        commands.inject_command(name, pace(1, delay=0.01, duration=1))
         wait_for("the job to end", lambda: of(name, "job_end"), timeout=600)
     finally:
         listeners.stop()
         if not of(name, "job_end"):
             commands.stop(name)
     yield name, listeners
+
+
+def pace(rank: int, step: int | None = None, delay: float = 2.0, duration: int = 10**6) -> FaultCommand:
+    """The registry's straggler on ``rank``: ``delay`` seconds a step for ``duration`` steps."""
+    return FaultCommand("slow-rank", rank=rank, step=step, params={"delay": delay, "duration": duration})
 
 
 @pytest.mark.slow
@@ -74,8 +81,8 @@ def test_a_killed_group_heals_from_its_peer_and_the_job_ends_with_every_step(hea
 def test_the_events_tell_the_quorum_changes_the_heal_and_the_skipped_batches(healed) -> None:
     name, _ = healed
     kill = next(e for e in events(name, "fault") if e["fault"] == "sigkill")
-    sizes = [e["participants"] for e in of(name, "quorum", rank=0)]
-    assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, sizes   # both, group 0 alone, both again
+    sizes = [e["participants"] for e in of(name, "quorum", rank=1)]
+    assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, sizes   # both, group 1 alone, both again
     heal = of(name, "heal", rank=1)[0]
     assert heal["step"] > heal["from_step"] >= 2 and heal["skipped_batches"] == heal["step"] - heal["from_step"]
     restart = of(name, "restart")[0]
@@ -84,7 +91,12 @@ def test_the_events_tell_the_quorum_changes_the_heal_and_the_skipped_batches(hea
     assert restart["resumed_step"] == heal["step"] and restart["skipped_batches"] == heal["skipped_batches"]
     assert 0 < restart["downtime_s"] < restart["group_downtime_s"], restart
     row = commands.status(name)
-    assert row["restarts"]["job"] == 1 and row["step"] == STEPS, row
+    assert row["restarts"]["job"] == 2 and row["step"] == STEPS, row
+    # group 0 lost: group 1, first in the quorum then, reported the steps
+    lost = next(e for e in events(name, "fault") if e["fault"] == "sigkill" and e["target_rank"] == 0)
+    back = of(name, "heal", rank=0)[0]
+    assert {e.rank for e in events(name, "step") if lost.t < e.t < back.t} == {1}
+    assert of(name, "restart")[1]["blame_rank"] == 0
 
 
 @pytest.mark.slow
@@ -96,7 +108,7 @@ def test_an_exception_inside_backward_throws_the_step_away_and_the_group_heals_i
     again = of(name, "heal", rank=1, after=thrown.t)[0]
     assert again["skipped_batches"] == 1 and again["step"] == thrown["step"], again   # group 0 committed it
     assert not of(name, "rank_error", rank=1, after=fault.t)   # the group went on: nothing restarted it
-    assert len(of(name, "failure")) == 1
+    assert [e["blame_rank"] for e in of(name, "failure")] == [1, 0]   # the two kills, not the exception
 
 
 @pytest.mark.slow

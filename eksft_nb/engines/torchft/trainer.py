@@ -118,11 +118,8 @@ class GroupTrainer:
                 self.ddp = DistributedDataParallel(manager, self.model)
             if manager.should_commit():
                 self.optim.step()
-                if manager.participating_rank() == 0:
-                    s.step_end(step, float(loss.detach()), tokens_per_step * manager.num_participants(),
-                               time.perf_counter() - t0)
-                else:
-                    s.heartbeat()
+                s.step_end(step, float(loss.detach()), tokens_per_step * manager.num_participants(),
+                           time.perf_counter() - t0, report=manager.participating_rank() == 0)
             else:
                 error = manager.errored()
                 s.emit("step_discarded", step=step, reason=str(error.original_exception)[:200] if error
