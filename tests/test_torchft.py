@@ -31,6 +31,12 @@ def of(name: str, kind: str, rank: int | None = None, after: float = 0.0) -> lis
     return [e for e in events(name, kind) if (rank is None or e.rank == rank) and e.t >= after]
 
 
+def until(name: str, kind: str, rank: int | None = None, after: float = 0.0) -> object:
+    """A probe for wait_for: those events, or the job's end (which ends the wait: the assertions then say
+    what went wrong)."""
+    return lambda: of(name, kind, rank, after) or of(name, "job_end")
+
+
 @pytest.fixture(scope="module")
 def healed() -> Iterator[tuple[str, Listeners]]:
     """A 2-group job: group 1 killed at step 3; once it healed, an exception inside its backward; then group
@@ -44,14 +50,14 @@ def healed() -> Iterator[tuple[str, Listeners]]:
     listeners = Listeners(uid)
     listeners.start()
     try:
-        heal = wait_for("group 1 to heal from group 0", lambda: of(name, "heal", rank=1), timeout=600)[0]
+        heal = wait_for("group 1 to heal from group 0", until(name, "heal", 1), timeout=600)[0]
         commands.inject_command(name, pace(1))   # the restarted process has no pace: group 0 goes next
         commands.inject(name, "exception", rank=1)
-        wait_for("group 1 to throw a step away", lambda: of(name, "step_discarded", rank=1), timeout=300)
-        wait_for("group 1 to heal the thrown-away step", lambda: of(name, "heal", rank=1, after=heal.t + 1e-6),
+        wait_for("group 1 to throw a step away", until(name, "step_discarded", 1), timeout=300)
+        wait_for("group 1 to heal the thrown-away step", until(name, "heal", 1, heal.t + 1e-6),
                  timeout=300)
         commands.inject(name, "sigkill", rank=0)
-        wait_for("group 0 to heal from group 1", lambda: of(name, "heal", rank=0), timeout=600)
+        wait_for("group 0 to heal from group 1", until(name, "heal", 0), timeout=600)
         commands.inject_command(name, pace(1, delay=0.01, duration=1))
         wait_for("the job to end", lambda: of(name, "job_end"), timeout=600)
     finally:
