@@ -183,10 +183,10 @@ class JobSpec:
 
     name: str = opt("ftrain", "--name", "job name: a DNS-1123 label, since it becomes a Kubernetes name and a folder")
     backend: Literal["local", "eks", "slurm"] = opt("local", "--backend", "local (ranks on this machine), eks or slurm")
-    engine: Literal["nvrx", "torchft"] = opt("nvrx", "--engine", "nvrx: restart the group (in-process, in-job, "
-                                             "job) and resume from a checkpoint; torchft: replica groups (one per "
-                                             "--nnodes) train on through a per-step quorum, a lost one heals from "
-                                             "a peer")
+    engine: Literal["nvrx", "torchft"] = opt(
+        "nvrx", "--engine", "nvrx: restart the group (in-process, in-job, job) and resume from a checkpoint; "
+        "torchft: replica groups (one per --nnodes) train on through a per-step quorum, a lost one heals "
+        "from a peer")
     nnodes: int = opt(1, "--nnodes", "nodes (one ft_launcher each); with --engine torchft, replica groups")
     nproc_per_node: int = opt(2, "--nproc-per-node", "ranks per node")
     spare_nodes: int = opt(0, "--spare-nodes", "extra nodes that wait in the rendezvous as hot spares: one takes a "

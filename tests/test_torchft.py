@@ -23,7 +23,9 @@ STEPS = 60
 
 
 def torchft_spec(name: str, **changes: object) -> JobSpec:
-    spec = JobSpec(name=name, engine="torchft", nnodes=2, nproc_per_node=1, steps=STEPS, model=ModelConfig("tiny"))
+    spec = JobSpec(
+        name=name, engine="torchft", nnodes=2, nproc_per_node=1, steps=STEPS, model=ModelConfig("tiny")
+    )
     return spec.replace(**changes) if changes else spec
 
 
@@ -51,11 +53,10 @@ def healed() -> Iterator[tuple[str, Listeners]]:
     listeners.start()
     try:
         heal = wait_for("group 1 to heal from group 0", until(name, "heal", 1), timeout=600)[0]
-        commands.inject_command(name, pace(1))   # the restarted process has no pace: group 0 goes next
+        commands.inject_command(name, pace(1))  # the restarted process has no pace: group 0 goes next
         commands.inject(name, "exception", rank=1)
         wait_for("group 1 to throw a step away", until(name, "step_discarded", 1), timeout=300)
-        wait_for("group 1 to heal the thrown-away step", until(name, "heal", 1, heal.t + 1e-6),
-                 timeout=300)
+        wait_for("group 1 to heal the thrown-away step", until(name, "heal", 1, heal.t + 1e-6), timeout=300)
         commands.inject(name, "sigkill", rank=0)
         wait_for("group 0 to heal from group 1", until(name, "heal", 0), timeout=600)
         commands.inject_command(name, pace(1, delay=0.01, duration=1))
@@ -78,7 +79,7 @@ def test_a_killed_group_heals_from_its_peer_and_the_job_ends_with_every_step(hea
     end = of(name, "job_end")[0]
     assert end["state"] == "succeeded" and end["final_step"] == STEPS, story(name)
     steps = [e["step"] for e in events(name, "step")]
-    assert steps == list(range(1, STEPS + 1)), steps   # every step committed once, in order: none lost
+    assert steps == list(range(1, STEPS + 1)), steps  # every step committed once, in order: none lost
     digests = {e.rank: e["digest"] for e in events(name, "rank_end")}
     assert set(digests) == {0, 1} and digests[0] == digests[1], digests
 
@@ -88,9 +89,11 @@ def test_the_events_tell_the_quorum_changes_the_heal_and_the_skipped_batches(hea
     name, _ = healed
     kill = next(e for e in events(name, "fault") if e["fault"] == "sigkill")
     sizes = [e["participants"] for e in of(name, "quorum", rank=1)]
-    assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, sizes   # both, group 1 alone, both again
+    assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, sizes  # both, group 1 alone, both again
     heal = of(name, "heal", rank=1)[0]
-    assert heal["step"] > heal["from_step"] >= 2 and heal["skipped_batches"] == heal["step"] - heal["from_step"]
+    assert (
+        heal["step"] > heal["from_step"] >= 2 and heal["skipped_batches"] == heal["step"] - heal["from_step"]
+    )
     restart = of(name, "restart")[0]
     assert restart["level"] == "job" and restart["blame_rank"] == 1 and restart["restored_from"] == "peer"
     assert restart["fault_time"] == kill.t and restart["rolled_back_steps"] == 0
@@ -112,9 +115,9 @@ def test_an_exception_inside_backward_throws_the_step_away_and_the_group_heals_i
     thrown = of(name, "step_discarded", rank=1)[0]
     assert "injected exception" in thrown["reason"] and thrown.t > fault.t
     again = of(name, "heal", rank=1, after=thrown.t)[0]
-    assert again["skipped_batches"] == 1 and again["step"] == thrown["step"], again   # group 0 committed it
-    assert not of(name, "rank_error", rank=1, after=fault.t)   # the group went on: nothing restarted it
-    assert [e["blame_rank"] for e in of(name, "failure")] == [1, 0]   # the two kills, not the exception
+    assert again["skipped_batches"] == 1 and again["step"] == thrown["step"], again  # group 0 committed it
+    assert not of(name, "rank_error", rank=1, after=fault.t)  # the group went on: nothing restarted it
+    assert [e["blame_rank"] for e in of(name, "failure")] == [1, 0]  # the two kills, not the exception
 
 
 @pytest.mark.slow
@@ -126,14 +129,17 @@ def test_every_process_of_a_torchft_job_listens_on_loopback_only(healed) -> None
     assert not wide, f"listening beyond loopback: {wide}"
 
 
-@pytest.mark.parametrize("changes, words", [
-    ({"backend": "eks"}, "local backend"),
-    ({"nnodes": 1}, "2 or more replica groups"),
-    ({"nproc_per_node": 2}, "1 rank per replica group"),
-    ({"spare_nodes": 1}, "--spare-nodes is NVRx's"),
-    ({"ft.soft_timeout": 3.0}, "--soft-timeout is an NVRx setting"),
-    ({"script": "train.py"}, "not a --script"),
-])
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"backend": "eks"}, "local backend"),
+        ({"nnodes": 1}, "2 or more replica groups"),
+        ({"nproc_per_node": 2}, "1 rank per replica group"),
+        ({"spare_nodes": 1}, "--spare-nodes is NVRx's"),
+        ({"ft.soft_timeout": 3.0}, "--soft-timeout is an NVRx setting"),
+        ({"script": "train.py"}, "not a --script"),
+    ],
+)
 def test_what_the_torchft_engine_does_not_take_is_refused_in_one_line(changes: dict, words: str) -> None:
     with pytest.raises(EksftError) as refused:
         commands.prepare(torchft_spec("tft-refused", **changes))
@@ -141,8 +147,19 @@ def test_what_the_torchft_engine_does_not_take_is_refused_in_one_line(changes: d
 
 
 def test_a_fault_the_torchft_engine_cannot_fire_is_refused_before_launch() -> None:
-    done = cli("run", "--name", "tft-refused", "--engine", "torchft", "--nnodes", "2", "--nproc-per-node", "1",
-               "--fault", "hang:0@5")
+    done = cli(
+        "run",
+        "--name",
+        "tft-refused",
+        "--engine",
+        "torchft",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--fault",
+        "hang:0@5",
+    )
     assert done.returncode != 0 and "cannot fire hang" in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert not JobDir.for_name("tft-refused").path.exists()

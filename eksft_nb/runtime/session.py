@@ -192,7 +192,8 @@ class Session:
         if self.sections:
             self.section("step", True)
 
-    def step_end(self, step: int, loss: float, tokens: int, step_time: float, report: bool | None = None) -> None:
+    def step_end(self, step: int, loss: float, tokens: int, step_time: float,
+                 report: bool | None = None) -> None:
         """``report``: whether this rank emits the ``step`` event (default: rank 0; under torchft the group
         ranked first in the step's quorum, whichever that is)."""
         if self.sections:

@@ -645,7 +645,7 @@ def keep(jd: JobDir) -> int:
 def main() -> None:
     if sys.argv[1] == "--run":  # the supervisor proper, a child of the keeper
         jd = JobDir(Path(sys.argv[2]))
-        if jd.spec().engine == "torchft":   # its own supervisor (the Lighthouse, one process per replica group)
+        if jd.spec().engine == "torchft":   # its own supervisor (the Lighthouse, a process per replica group)
             os.execv(sys.executable, [sys.executable, "-m", TORCHFT_SUPERVISOR, *sys.argv[1:]])
         sys.exit(Supervisor(jd, adopt="--adopt" in sys.argv).run())
     job_dir = JobDir(Path(sys.argv[1]))

@@ -12,7 +12,7 @@ import socket
 from http.server import ThreadingHTTPServer
 from typing import Any
 
-MARK = "eksft_loopback"   # set on what install() put in place (installing twice changes nothing)
+MARK = "eksft_loopback"  # set on what install() put in place (installing twice changes nothing)
 HOST = "127.0.0.1"
 
 

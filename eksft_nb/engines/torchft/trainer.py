@@ -21,10 +21,10 @@ from typing import Any
 from ...errors import JobError
 from ...runtime.quiet import quiet_process
 
-LAST_STEP_ENV = "EKSFT_TORCHFT_LAST_STEP"   # a restarted group: the job's last committed step when it was lost
-RESTART_ENV = "EKSFT_TORCHFT_RESTART"       # a restarted group: how many times the supervisor restarted it
-START_WAIT_S = 120                          # at the job's start, for every group to be up
-TIMEOUT_S = 10                              # a collective or a checkpoint fetch from a peer
+LAST_STEP_ENV = "EKSFT_TORCHFT_LAST_STEP"  # a restarted group: the job's last committed step when it was lost
+RESTART_ENV = "EKSFT_TORCHFT_RESTART"  # a restarted group: how many times the supervisor restarted it
+START_WAIT_S = 120  # at the job's start, for every group to be up
+TIMEOUT_S = 10  # a collective or a checkpoint fetch from a peer
 
 
 def main() -> None:
@@ -34,8 +34,8 @@ def main() -> None:
     from ...runtime.trainer_main import exit_cleanly
     from .listen import install as install_torchft
 
-    install()           # the group's store on loopback
-    install_torchft()   # the manager's and the checkpoint server's too
+    install()  # the group's store on loopback
+    install_torchft()  # the manager's and the checkpoint server's too
     s = session()
     try:
         GroupTrainer(s).train()
@@ -64,15 +64,26 @@ class GroupTrainer:
         port = int(env["MASTER_PORT"])
         self.store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
         vocab, d_model, n_layers, n_heads = spec.model.dims()
-        self.model = build_model(vocab, d_model, n_layers, n_heads, spec.seq, spec.seed, torch.device("cpu"),
-                                 fsdp=False)
+        self.model = build_model(
+            vocab, d_model, n_layers, n_heads, spec.seq, spec.seed, torch.device("cpu"), fsdp=False
+        )
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=spec.lr)
         self.data = SyntheticCorpus(vocab, spec.seq, spec.batch, spec.seed, self.group)
         timeout = datetime.timedelta(seconds=TIMEOUT_S)
-        self.manager = Manager(pg=ProcessGroupGloo(timeout=timeout), min_replica_size=1,
-                               load_state_dict=self._load, state_dict=self._state, use_async_quorum=False,
-                               replica_id=f"group{self.group}", rank=0, world_size=1, store_addr="127.0.0.1",
-                               store_port=port, timeout=timeout, connect_timeout=timeout)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout),
+            min_replica_size=1,
+            load_state_dict=self._load,
+            state_dict=self._state,
+            use_async_quorum=False,
+            replica_id=f"group{self.group}",
+            rank=0,
+            world_size=1,
+            store_addr="127.0.0.1",
+            store_port=port,
+            timeout=timeout,
+            connect_timeout=timeout,
+        )
         self.ddp = DistributedDataParallel(self.manager, self.model)
         self.quorum_id: int | None = None
 
@@ -100,10 +111,10 @@ class GroupTrainer:
             armed: InjectedFault | None = None
             try:
                 s.step_begin(before + 1)
-            except InjectedFault as e:   # raised inside this step's backward instead (see _raise_in_backward)
+            except InjectedFault as e:  # raised inside this step's backward instead (see _raise_in_backward)
                 armed = e
             t0 = time.perf_counter()
-            manager.start_quorum()   # synchronous: heals from a peer here when behind the quorum
+            manager.start_quorum()  # synchronous: heals from a peer here when behind the quorum
             self.optim.zero_grad(set_to_none=True)
             self._after_quorum(before, time.perf_counter() - t0)
             step = manager.current_step() + 1
@@ -118,12 +129,22 @@ class GroupTrainer:
                 self.ddp = DistributedDataParallel(manager, self.model)
             if manager.should_commit():
                 self.optim.step()
-                s.step_end(step, float(loss.detach()), tokens_per_step * manager.num_participants(),
-                           time.perf_counter() - t0, report=manager.participating_rank() == 0)
+                s.step_end(
+                    step,
+                    float(loss.detach()),
+                    tokens_per_step * manager.num_participants(),
+                    time.perf_counter() - t0,
+                    report=manager.participating_rank() == 0,
+                )
             else:
                 error = manager.errored()
-                s.emit("step_discarded", step=step, reason=str(error.original_exception)[:200] if error
-                       else "the quorum did not commit the step")
+                s.emit(
+                    "step_discarded",
+                    step=step,
+                    reason=str(error.original_exception)[:200]
+                    if error
+                    else "the quorum did not commit the step",
+                )
         s.emit("rank_end", final_step=manager.current_step(), digest=self.digest(), replica_group=self.group)
         manager.shutdown(wait=False)
 
@@ -131,18 +152,21 @@ class GroupTrainer:
         """Report a new quorum, and a heal from a peer with the batches this group skipped."""
         manager = self.manager
         now = manager.current_step()
-        quorum_id = manager._quorum_id   # torchft 0.2.0 has no public accessor for it
+        quorum_id = manager._quorum_id  # torchft 0.2.0 has no public accessor for it
         if quorum_id != self.quorum_id:
             self.quorum_id = quorum_id
             self.s.emit("quorum", quorum_id=quorum_id, participants=manager.num_participants(), step=now)
-        if now < self.last_step:   # no group in the quorum holds the job's state any more
-            raise JobError(f"replica group {self.group} found no peer at step {self.last_step} or later to heal "
-                           f"from (the quorum is at step {now}): every group that held the job's state was lost",
-                           "run the job again (the torchft engine writes no checkpoints yet)")
+        if now < self.last_step:  # no group in the quorum holds the job's state any more
+            raise JobError(
+                f"replica group {self.group} found no peer at step {self.last_step} or later to heal "
+                f"from (the quorum is at step {now}): every group that held the job's state was lost",
+                "run the job again (the torchft engine writes no checkpoints yet)",
+            )
         if now != before:
-            trained = before or self.last_step   # a fresh process starts at 0: it trained up to last_step
-            self.s.emit("heal", from_step=trained, step=now, skipped_batches=max(0, now - trained),
-                        heal_s=quorum_s)
+            trained = before or self.last_step  # a fresh process starts at 0: it trained up to last_step
+            self.s.emit(
+                "heal", from_step=trained, step=now, skipped_batches=max(0, now - trained), heal_s=quorum_s
+            )
 
     def _all_groups_up(self) -> None:
         """At the job's start, wait until every group's manager heartbeats to the Lighthouse, which then
@@ -155,8 +179,11 @@ class GroupTrainer:
         deadline = time.monotonic() + START_WAIT_S
         while sum((folder / f"up-{g}").exists() for g in range(groups)) < groups:
             if time.monotonic() > deadline:
-                self.s.warn("slow-start", f"not every replica group was up after {START_WAIT_S} s: the first "
-                            "quorum forms without the late ones, which heal from a peer when they join")
+                self.s.warn(
+                    "slow-start",
+                    f"not every replica group was up after {START_WAIT_S} s: the first "
+                    "quorum forms without the late ones, which heal from a peer when they join",
+                )
                 return
             self.s.heartbeat()
             time.sleep(0.1)
