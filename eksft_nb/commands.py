@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 from .backends import JobSummary, get_backend
+from .engines.torchft import checks as torchft_checks
 from .control import FAULTS, FaultCommand, parse_fault
 from .errors import ControlError, EksftError, SpecError
 from .goodput import compute
@@ -116,7 +117,9 @@ def faults_for(spec: JobSpec, faults: Iterable[str | FaultCommand]) -> list[Faul
 def prepare(spec: JobSpec, faults: Iterable[str | FaultCommand] = ()) -> tuple[JobSpec, list[FaultCommand]]:
     """The one validation of a launch: the spec, then the scheduled faults against it."""
     spec = spec.validate()
-    return spec, faults_for(spec, faults)
+    commands = faults_for(spec, faults)
+    torchft_checks.check(spec, commands)   # what the torchft engine does not take (nothing, under NVRx)
+    return spec, commands
 
 
 def launch(spec: JobSpec, faults: Sequence[str | FaultCommand] = ()) -> JobRow:
@@ -147,6 +150,7 @@ def inject(name: str, fault: str, *, rank: int | None = None, step: int | None =
 def inject_command(name: str, command: FaultCommand, *, backend: str = "local", wait: float = 0.0) -> InjectResult:
     """:func:`inject` of a command already built (the server reads one from a request body)."""
     job = attach(name, backend)
+    torchft_checks.check_faults(job.spec, [command])
     cmd = job.backend.inject(job.name, command)
     fired = job.fired(cmd, timeout=wait)
     if fired is not None:

@@ -68,6 +68,13 @@ KINDS: dict[str, dict[str, tuple[type, ...] | type]] = {
     # every rank, when it takes a live settings change (eksft_nb.settings) at the start of step's save
     # decision: seq numbers the change, changes: name -> [old, new], values: every live setting in force
     "setting": {"seq": int, "step": int, "changes": dict, "values": dict},
+    # torchft (eksft_nb.engines.torchft), a replica group's rank 0: its quorum changed (participants: replica
+    # groups in it, step: the quorum's step); it healed from a peer (from_step: its own step before, step: the
+    # peer's; skipped_batches: the batches it did not train, from_step+1..step); a step it threw away (its
+    # gradients were not applied: an error in the step, or the quorum did not commit)
+    "quorum": {"quorum_id": int, "participants": int, "step": int},
+    "heal": {"from_step": int, "step": int, "skipped_batches": int, "heal_s": _num},
+    "step_discarded": {"step": int, "reason": str},
     # any writer, once it can write again after failing to (a full disk): what the events file lacks
     "events_lost": {"count": int, "first_t": _num, "last_t": _num, "error": str},
 }

@@ -192,12 +192,15 @@ class Session:
         if self.sections:
             self.section("step", True)
 
-    def step_end(self, step: int, loss: float, tokens: int, step_time: float) -> None:
+    def step_end(self, step: int, loss: float, tokens: int, step_time: float,
+                 report: bool | None = None) -> None:
+        """``report``: whether this rank emits the ``step`` event (default: rank 0; under torchft the group
+        ranked first in the step's quorum, whichever that is)."""
         if self.sections:
             self.section("step", False)
         self.heartbeat()
         self.step_done, self.t_done = step, time.time()
-        if self.rank == 0 and self.instrumented:
+        if (self.rank == 0 if report is None else report) and self.instrumented:
             self.emit("step", step=step, loss=float(loss), tokens=int(tokens), step_time=float(step_time))
 
     # -- faults --

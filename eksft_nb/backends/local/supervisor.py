@@ -57,6 +57,7 @@ MAX_SUPERVISORS = 5    # supervisor deaths the keeper recovers from before it en
 STANDBY_MODULE = "eksft_nb.backends.local.standby"   # a local job's ft_launcher (see its module)
 UNKNOWN_EXIT = -256    # an adopted launcher ended (not our child: its exit status is unknown)
 
+TORCHFT_SUPERVISOR = "eksft_nb.engines.torchft.supervisor"   # the supervisor of an --engine torchft job
 UNRECORDED = 3         # the supervisor's exit status when the job ended but writing that down failed
 
 
@@ -643,7 +644,10 @@ def keep(jd: JobDir) -> int:
 
 def main() -> None:
     if sys.argv[1] == "--run":  # the supervisor proper, a child of the keeper
-        sys.exit(Supervisor(JobDir(Path(sys.argv[2])), adopt="--adopt" in sys.argv).run())
+        jd = JobDir(Path(sys.argv[2]))
+        if jd.spec().engine == "torchft":   # its own supervisor (the Lighthouse, a process per replica group)
+            os.execv(sys.executable, [sys.executable, "-m", TORCHFT_SUPERVISOR, *sys.argv[1:]])
+        sys.exit(Supervisor(jd, adopt="--adopt" in sys.argv).run())
     job_dir = JobDir(Path(sys.argv[1]))
     if os.fork() > 0:  # the launching process reaps this parent at once; the child is the daemon
         os._exit(0)
