@@ -169,7 +169,9 @@ class Trainer:
             if saving:
                 if spec.ft.checkpoint_timeout is not None:
                     s.section("checkpoint", False)
-                s.heartbeat()
+                # a save that ended is progress: the next step's time is not added to the save's (the
+                # in-process soft timeout took a slow save followed by a slow step for a hang)
+                self._keepalive()
             if draining > 0 and step < spec.steps:
                 self._drained(step, int(draining), time.perf_counter() - t_save)
                 return
