@@ -286,7 +286,8 @@ def test_a_commit_between_steps_is_progress(tmp_path: Path, group: Any, process:
     model = torch.nn.Linear(16, 16)
     beats: list = []
     mgr = CheckpointManager(tmp_path, rank=0, world_size=1, group=group, every=5, mode="async", keep_last=2,
-                            emit=lambda kind, **data: None, keepalive=lambda: beats.append(1), process=process)
+                            emit=lambda kind, **data: None, keepalive=lambda: beats.append(1),
+                            process=process)
     mgr.maybe_save(5, _state(model, 5))
     mgr.writer.done_locally(blocking=True)   # its write is done: the next step boundary commits it
     assert beats == [] and mgr.last_committed != 5

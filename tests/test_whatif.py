@@ -289,8 +289,8 @@ def test_without_in_process_restart_the_wrappers_set_up_and_exit_are_not_spent()
     spent, and an in-process recovery becomes an in-job one at the in-job cost less the Wrapper's share
     (bench part 7, quiet: start-up 2.87 s against 4.81 s, in-job restarts 0.96-1.37 s against 1.77-1.99 s)."""
     mon = stream(level="inprocess", downtime=0.5, wrapper=(1.5, 0.6, 1.2))
-    mon.update([make("inprocess_wrapper", "j", rank=r, t=mon.t_end - 1.5, phase="setup", seconds=0.6 + 0.1 * r)
-                for r in (0, 1)] +
+    mon.update([make("inprocess_wrapper", "j", rank=r, t=mon.t_end - 1.5, phase="setup",
+                     seconds=0.6 + 0.1 * r) for r in (0, 1)] +
                [make("restart", "j", t=mon.t_end - 1, level="injob", cause="x", blame_rank=0,
                      fault_time=mon.t_end - 5, detection_s=1.0, downtime_s=4.0, rolled_back_steps=2,
                      resumed_step=15)])
@@ -308,7 +308,8 @@ def test_without_in_process_restart_the_wrappers_set_up_and_exit_are_not_spent()
     mon = stream(wrapper=(1.5, 0.6, 1.2))
     measured = replay(mon, s).to_dict()["measured"]["terms"]
     row = predict(measure(mon, s), as_run(s), Setting(5, False, "sync", 0))
-    assert (measured["startup"], measured["restart_downtime"], measured["other"]) == pytest.approx((2, 4, 1.2))
+    assert (measured["startup"], measured["restart_downtime"], measured["other"]) == \
+        pytest.approx((2, 4, 1.2))
     assert row.terms == pytest.approx({**measured, "startup": 0.5, "restart_downtime": 3.4, "other": 0.0})
     # in-process restart still on: the Wrapper's share stays
     row = predict(inp, as_run(s), Setting(10, True, "sync", 0))

@@ -192,8 +192,8 @@ def measure(mon: JobMonitor, spec: JobSpec, now: float | None = None) -> Inputs:
     wall = gp.wall_s
     first, last, rest = _save_kinds(mon, spec, saves)
     st = mon.steps   # training began at the first step, or at the first fault if one came before it
-    began = min(([st.t[0] - st.step_time[0]] if len(st) else []) + [r["fault_time"] for r in mon.restarts[:1]],
-                default=math.inf)
+    began = min(([st.t[0] - st.step_time[0]] if len(st) else [])
+                + [r["fault_time"] for r in mon.restarts[:1]], default=math.inf)
     lost = sum(r["rolled_back_steps"] for r in mon.restarts)
     return Inputs(
         steps=n, step_s=step_s, saves=len(saves),
@@ -268,8 +268,9 @@ def predict(inp: Inputs, as_run: Setting, s: Setting) -> Row:
         row.why = f"hot spares do not pay off with this job's NVRx: {refused}"
         return row
     if s.inprocess and not as_run.inprocess:
-        row.why = ("in-process restart was off, so NVRx's Wrapper never ran: what its set-up adds to each start "
-                   "of the ranks and what its recoveries cost were never measured (run it once with in-process on)")
+        row.why = ("in-process restart was off, so NVRx's Wrapper never ran: what its set-up adds to each "
+                   "start of the ranks and what its recoveries cost were never measured (run it once with "
+                   "in-process on)")
         return row
     stall, interference = inp.stall_per_save_s, inp.interference_per_save_s
     lag = inp.commit_lag_steps if s.ckpt_mode == "async" else 0
@@ -322,10 +323,12 @@ def predict(inp: Inputs, as_run: Setting, s: Setting) -> Row:
         other -= inp.wrapper_exit_s or 0.0
         if inp.wrapper_startup_s is None:
             row.notes.append("the in-process Wrapper's set-up was not recorded (events from before it was): "
-                             "start-up and in-job restarts are taken as observed, the Wrapper's share included")
+                             "start-up and in-job restarts are taken as observed, the Wrapper's share "
+                             "included")
         else:
-            row.notes.append(f"without the in-process Wrapper: its observed set-up ({inp.wrapper_startup_s:.2f}s "
-                             "at the start, and in each in-job restart as observed there) and its exit "
+            row.notes.append("without the in-process Wrapper: its observed set-up "
+                             f"({inp.wrapper_startup_s:.2f}s at the start, and in each in-job restart as "
+                             "observed there) and its exit "
                              f"({inp.wrapper_exit_s or 0.0:.2f}s) are not spent")
     if s.ckpt_mode == as_run.ckpt_mode:
         stall_s = _stall(inp, saves, firsts, stall)
@@ -352,7 +355,8 @@ def _saves(inp: Inputs, s: Setting, lost: list[int]) -> tuple[int, int]:
     steps = [f["step"] for f in inp.failures]
     resumed = [0] + [st - lost_ for st, lost_ in zip(steps, lost)]
     again = sum(st // k - r // k for st, r in zip(steps, resumed[1:]))
-    firsts = sum(1 for r, until in zip(resumed, [*steps, n]) if (r // k + 1) * k < n and (r // k + 1) * k <= until)
+    nexts = [((r // k + 1) * k, until) for r, until in zip(resumed, [*steps, n])]   # a start's next save
+    firsts = sum(1 for x, until in nexts if x < n and x <= until)
     return math.ceil(n / k) + again, firsts
 
 
