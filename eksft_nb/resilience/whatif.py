@@ -3,10 +3,13 @@ own events (folded by :class:`~eksft_nb.monitor.JobMonitor` and :func:`~eksft_nb
 
 The model, term by term (``N`` useful steps, ``t`` clean step time, ``k`` the interval):
 
-- productive = N * t; startup: as measured; other: as measured, plus the time between steps each
+- productive = N * t; startup: as measured (less the in-process Wrapper's set-up, measured by its
+  ``inprocess_wrapper`` events, where the setting turns in-process restart off); other: as measured
+  (less the Wrapper's exit, likewise), plus the time between steps each
   further save costs beyond its stall (an async save's commit, agreed by the ranks between steps),
   observed: the gaps between steps, less the stall, less a gap's median at every step, per save
-- saves = ceil(N / k), of three kinds that cost differently: the first save after each start of the
+- saves = the saves the job made, plus what ``k`` changes in ceil(N / k) and in the saves a rollback
+  repeats (so the job's own settings replay its own count), of three kinds that cost differently: the first save after each start of the
   ranks (the job's start and every recovery: it waits for a fresh writer and plans the save anew), the
   last step's (it waits for its write to commit), and the rest. Each kind costs its observed mean
   stall; the firsts are counted by replaying the restarts under ``k`` (the save after each resumed
@@ -19,7 +22,8 @@ The model, term by term (``N`` useful steps, ``t`` clean step time, ``k`` the in
   newest save committed when it failed is known from its events), so recomputed = sum(lost) * the
   observed time of a lost step (the steps a failure throws away ran beside the write of the save
   before them, slower than the mean step; t where none was lost); its downtime is the observed one,
-  or the mean of the job's observed recoveries at the level the setting moves it to
+  or the mean of the job's observed recoveries at the level the setting moves it to; without in-process
+  restart, an in-job recovery costs less the Wrapper's set-up in the ranks it started
 - ETTR = productive / wall (the productive share of wall time; not :func:`~eksft_nb.goodput.ettr`,
   useful steps per wall second against a fault-free run)
 
