@@ -312,7 +312,7 @@ def predict(inp: Inputs, as_run: Setting, s: Setting) -> Row:
         downtimes.append(statistics.fmean(seen))
         row.notes.append(f"the {f['level']} recovery at step {f['step']} becomes {level} "
                          f"({downtimes[-1]:.2f}s, the mean of the job's {len(seen)} observed)")
-    lost = [_lost(f, s, as_run, lag, level_loads_committed(f, as_run, s)) for f in inp.failures]
+    lost = [_lost(f, s, as_run, lag, _level_under(f, as_run, s)[0]) for f in inp.failures]
     # the saves the job made, plus what the setting changes by the same count: the job's own settings
     # replay its saves (a step saved again after a rollback included), whatever the count misses
     saves, firsts = _saves(inp, s, lost)
@@ -391,20 +391,19 @@ def _level_under(f: dict[str, Any], as_run: Setting, s: Setting) -> tuple[str, s
     return level, ""
 
 
-def level_loads_committed(f: dict[str, Any], as_run: Setting, s: Setting) -> bool:
-    """Whether the recovery of ``f`` under ``s`` restores committed saves only (in-job and job: from
-    storage; in-process: the processes' own newest save)."""
-    return _level_under(f, as_run, s)[0] != RestartLevel.INPROCESS
-
-
-def _lost(f: dict[str, Any], setting: Setting, as_run: Setting, lag: int, from_storage: bool) -> int:
-    """Steps a failure at step ``f['step']`` loses under ``setting``. Restored from storage with the job's
-    own saves: back to the newest one committed when it failed (observed). Otherwise back to a save every
-    ``k`` steps, loadable ``lag`` steps after it began (the median commit lag observed) from storage."""
+def _lost(f: dict[str, Any], setting: Setting, as_run: Setting, lag: int, level: str) -> int:
+    """Steps a failure at step ``f['step']`` loses under ``setting``, recovered at ``level``. With the job's
+    own saves: what it lost, at the level it was recovered at (observed: a save that committed after the
+    fault, before the restore read the folder, was loaded); from storage at another level, back to the
+    newest save committed when it failed. Otherwise back to a save every ``k`` steps, loadable ``lag``
+    steps after it began (the median commit lag observed) from storage."""
     s, k = f["step"], setting.ckpt_every
     if k <= 0:
         return s
     own = (k, setting.ckpt_mode) == (as_run.ckpt_every, as_run.ckpt_mode)
+    if own and level == f["level"]:
+        return f["lost"]
+    from_storage = level != RestartLevel.INPROCESS
     if from_storage and own and f.get("committed") is not None:
         return max(0, s - f["committed"])
     lag = lag if from_storage else 0
