@@ -77,6 +77,9 @@ KINDS: dict[str, dict[str, tuple[type, ...] | type]] = {
     "step_discarded": {"step": int, "reason": str},
     # any writer, once it can write again after failing to (a full disk): what the events file lacks
     "events_lost": {"count": int, "first_t": _num, "last_t": _num, "error": str},
+    # every rank under NVRx's in-process Wrapper: the seconds it added to the rank's process (phase in
+    # WRAPPER_PHASES): what a run without in-process restart would not spend (see resilience.whatif)
+    "inprocess_wrapper": {"phase": str, "seconds": _num},
 }
 
 # kind -> optional field -> accepted types, for the optional fields readers compute with
@@ -102,6 +105,9 @@ OPTIONAL: dict[str, dict[str, tuple[type, ...] | type]] = {
 RESTART_LEVELS = tuple(level.value for level in RestartLevel)
 # a recovery's downtime, fault to the first step's start, in order (see eksft_nb.incidents)
 RESTART_PHASES = ("detection", "teardown", "reformation", "restore", "first_step")
+# setup: from the Wrapper's import to the wrapped function's first call; exit: from its last return
+# to the Wrapper's
+WRAPPER_PHASES = ("setup", "exit")
 CHECKPOINT_PHASES = ("begin", "staged", "committed", "failed", "rejected")
 JOB_STATES = tuple(s.value for s in JobState if s in RECORDED_ENDS)   # what a job_end event may say
 GPU_FAULTS = ("xid", "ecc", "throttle")
@@ -158,6 +164,10 @@ def check(kind: str, data: dict[str, Any]) -> None:
         _check_phases(data["phases"])
     if kind == "checkpoint" and data["phase"] not in CHECKPOINT_PHASES:
         raise SchemaError(f"checkpoint.phase {data['phase']!r} not in {CHECKPOINT_PHASES}")
+    if kind == "inprocess_wrapper" and (data["phase"] not in WRAPPER_PHASES
+                                        or not 0 <= data["seconds"] < math.inf):
+        raise SchemaError(f"inprocess_wrapper {data['phase']!r} {data['seconds']!r}: not a phase of "
+                          f"{WRAPPER_PHASES} with seconds >= 0")
     if kind == "gpu_fault" and data["fault"] not in GPU_FAULTS:
         raise SchemaError(f"gpu_fault.fault {data['fault']!r} not in {GPU_FAULTS}")
     if kind == "job_end" and data["state"] not in JOB_STATES:

@@ -316,6 +316,22 @@ def test_restore_keeps_heartbeating_while_it_hashes(tmp_path: Path, group: Any,
     assert len(beats) >= 3
 
 
+def test_a_commit_between_steps_is_progress(tmp_path: Path, group: Any, process: CheckpointProcess) -> None:
+    """Committing an async save between steps tells the rank's liveness (NVRx's in-process soft timeout)
+    of progress: a slow commit and the step after it are not one long silence taken for a hang."""
+    model = torch.nn.Linear(16, 16)
+    beats: list = []
+    mgr = CheckpointManager(tmp_path, rank=0, world_size=1, group=group, every=5, mode="async", keep_last=2,
+                            emit=lambda kind, **data: None, keepalive=lambda: beats.append(1),
+                            process=process)
+    mgr.maybe_save(5, _state(model, 5))
+    mgr.writer.done_locally(blocking=True)   # its write is done: the next step boundary commits it
+    assert beats == [] and mgr.last_committed != 5
+    mgr.maybe_save(6, _state(model, 6))      # not due: it only commits the save at 5
+    assert mgr.last_committed == 5 and beats == [1]
+    mgr.finish()
+
+
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_a_full_disk_fails_saves_until_it_has_room_again(tmp_path: Path, group: Any,
                                                          process: CheckpointProcess, mode: str) -> None:

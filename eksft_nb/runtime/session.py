@@ -91,6 +91,10 @@ class Session:
         self.pending_exception: str | None = None
         self._warned: set[str] = set()
         self.drain: Any = None   # the built-in trainer's SIGTERM handler (see .drain)
+        # NVRx's in-process Wrapper around the trainer: when its set-up began, when the wrapped function
+        # last returned (what the Wrapper adds to the process is reported: inprocess_wrapper events)
+        self.t_wrapper_setup: float | None = None
+        self.t_wrapped_return: float | None = None
         self._beacon = _Beacon(self) if live else None
         # one GPU health sampler per node, with its own events writer (it writes from its own thread)
         self._gpu = self._gpu_events = None

@@ -116,6 +116,8 @@ class CheckpointManager:
         save starts."""
         if self.pending is not None:
             self._finalize_if_done(blocking=last)
+            if self.pending is None:   # committed (or failed): progress, before the next save's own time
+                self.keepalive()
         if not self.due(step, last):
             return
         if self.pending is not None:  # every rank agreed on this in _finalize_if_done
