@@ -110,7 +110,7 @@ def check_lab(nb: Any) -> None:
     live = eksft_nb.attach("lab-live").refresh()
     from eksft_nb import commands
 
-    every = commands.whatif("lab-sigkill")["recommendation"]["every"]
+    every = commands.whatif("lab-sigkill")["recommendation"]["young_daly"]
     assert live.state == "succeeded" and list(live.settings) == [1], live.settings
     change = live.settings[1]
     assert change["changes"] == {"ckpt-every": [1000, every]}

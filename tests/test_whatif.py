@@ -14,6 +14,7 @@ from eksft_nb.events import make
 from eksft_nb.monitor import JobMonitor
 from eksft_nb.resilience.whatif import (Setting, Settings, format_report, measure, parse_settings, predict,
                                        replay)
+from eksft_nb.resilience.whatif_view import view
 from eksft_nb.spec import JobSpec
 
 T0 = 1_000_000.0
@@ -188,9 +189,13 @@ def test_young_daly_from_the_measured_costs() -> None:
     rec = report["recommendation"]
     # C 0.5 s, M 30 s (one failure in 30 s), R 4 s: tau = sqrt(2 * 0.5 * 34) - 0.5 = 5.33 s = 5 steps of 1 s
     assert rec["tau_s"] == pytest.approx(math.sqrt(34) - 0.5, abs=1e-3)
-    assert rec["every"] == 5 and rec["gain_points"] == 0.0
-    assert rec["text"] == "every 5 steps: +0.0 points ETTR (now every 5)"
-    assert 5 in [r["setting"]["ckpt_every"] for r in report["rows"]]   # the recommendation is one of the rows
+    assert rec["young_daly"] == 5 and rec["gain_points"] == 0.0 and rec["every"] is None   # the job's own
+    assert rec["text"] == "keep every 5: it is Young/Daly's interval for this job's measured costs"
+    assert 5 in [r["setting"]["ckpt_every"] for r in report["rows"]]   # the formula's interval is one of the rows
+    # recovery 10 s: every 6 steps replays at +3.3 points, so it is recommended (what Apply sets)
+    rec = replay(stream(downtime=10.0), spec()).to_dict()["recommendation"]
+    assert (rec["every"], rec["young_daly"]) == (6, 6) and rec["gain_points"] > 0
+    assert rec["text"] == f"every 6 steps: {rec['gain_points']:+.1f} points ETTR (now every 5)"
 
 
 @pytest.mark.parametrize("version, pays", [("0.4.1", True), ("0.6.0", False)])
@@ -212,7 +217,31 @@ def test_the_interval_is_never_shorter_than_the_detection_latency() -> None:
     # detection 8 s: wall 2 + 22 + 2 + 10 = 36, tau = sqrt(2 * 0.5 * 46) - 0.5 = 6.28 s < 8 s
     rec = replay(stream(detection=8.0, downtime=10.0), spec()).to_dict()["recommendation"]
     assert rec["tau_s"] == pytest.approx(math.sqrt(46) - 0.5, abs=1e-3)
-    assert rec["every"] == 8 and rec["floor_s"] == 8.0
+    assert rec["young_daly"] == 8 and rec["floor_s"] == 8.0
+
+
+def test_saves_due_while_a_write_runs_come_one_per_commit_lag() -> None:
+    """An async save due while the write before it runs waits for it: a job saving every 3 steps with a
+    3-step commit lag would make no more saves at 'every 1' or 'every 2' (the old model predicted 20 and
+    10 saves, and ETTR for writes that never happen)."""
+    mon = stream(every=3, mode="async", commit_s=2.5)
+    assert measure(mon, spec(3, "async")).commit_lag_steps == 3
+    rows = replay(mon, spec(3, "async"), Settings((1, 2, 3, 6))).to_dict()["rows"]
+    by = {r["setting"]["ckpt_every"]: r for r in rows}
+    assert by[1]["saves"] == by[2]["saves"] == by[3]["saves"] and by[1]["ettr"] == by[3]["ettr"]
+    assert by[6]["saves"] < by[3]["saves"]
+    assert "one is made every 3" in " ".join(by[1]["notes"]) and not by[3]["notes"]
+
+
+def test_an_interval_that_loses_on_the_replay_is_said_never_recommended() -> None:
+    """Issue 19: where a setting does not pay off, the what-if says so and never recommends it. With
+    detection at 8 s, Young/Daly's floor (8 steps) replays at -2.2 points against the job's 5."""
+    report = replay(stream(detection=8.0, downtime=10.0), spec()).to_dict()
+    rec = report["recommendation"]
+    assert rec["young_daly"] == 8 and rec["gain_points"] < 0 and rec["every"] is None
+    assert rec["text"] == (f"keep every 5: Young/Daly's every 8 steps would give {rec['gain_points']:+.1f} "
+                           "points ETTR on the replay of this job's failures")
+    assert view(report)["every"] is None   # nothing for Apply to set
 
 
 def test_what_the_events_cannot_tell_is_said_not_guessed() -> None:

@@ -66,11 +66,11 @@ def whatif_figure(report: dict[str, Any]) -> go.Figure:
     )
     fig.add_hline(y=100 * report["measured"]["ettr"], line_dash="dot", annotation_text="measured (as run)")
     rec = report["recommendation"]
-    hit = [r for r in rows if r["setting"]["ckpt_every"] == rec.get("every")]
+    hit = [r for r in rows if r["setting"]["ckpt_every"] == rec.get("young_daly")]
     if hit:
         fig.add_trace(
             go.Scatter(
-                x=[rec["every"]],
+                x=[rec["young_daly"]],
                 y=[100 * hit[0]["ettr"]],
                 mode="markers",
                 name=rec["text"],

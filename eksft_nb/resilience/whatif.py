@@ -312,11 +312,15 @@ def predict(inp: Inputs, as_run: Setting, s: Setting) -> Row:
         downtimes.append(statistics.fmean(seen))
         row.notes.append(f"the {f['level']} recovery at step {f['step']} becomes {level} "
                          f"({downtimes[-1]:.2f}s, the mean of the job's {len(seen)} observed)")
-    lost = [_lost(f, s, as_run, lag, _level_under(f, as_run, s)[0]) for f in inp.failures]
+    made, made_then = _made(inp, s), _made(inp, as_run)
+    if made.ckpt_every != s.ckpt_every:
+        row.notes.append(f"a save due every {s.ckpt_every} step(s) waits for the write before it "
+                         f"({inp.commit_lag_steps} steps observed): one is made every {made.ckpt_every}")
+    lost = [_lost(f, made, made_then, lag, _level_under(f, as_run, s)[0]) for f in inp.failures]
     # the saves the job made, plus what the setting changes by the same count: the job's own settings
     # replay its saves (a step saved again after a rollback included), whatever the count misses
-    saves, firsts = _saves(inp, s, lost)
-    saves_then, firsts_then = _saves(inp, as_run, [f["lost"] for f in inp.failures])
+    saves, firsts = _saves(inp, made, lost)
+    saves_then, firsts_then = _saves(inp, made_then, [f["lost"] for f in inp.failures])
     saves = max(0, inp.saves + saves - saves_then) if s.ckpt_every > 0 else 0
     firsts = max(0, inp.first_saves + firsts - firsts_then)
     t = inp.step_s
@@ -347,6 +351,14 @@ def predict(inp: Inputs, as_run: Setting, s: Setting) -> Row:
     row.ettr = round(row.terms["productive"] / wall, 5) if wall > 0 else None
     row.saves, row.lost_steps = saves, sum(lost)
     return row
+
+
+def _made(inp: Inputs, s: Setting) -> Setting:
+    """``s`` at the interval its saves are made at: an async save due while the write before it runs
+    waits for it, so saves come no more often than one per observed commit lag."""
+    if s.ckpt_mode != "async" or s.ckpt_every <= 0 or inp.commit_lag_steps <= s.ckpt_every:
+        return s
+    return replace(s, ckpt_every=inp.commit_lag_steps)
 
 
 def _saves(inp: Inputs, s: Setting, lost: list[int]) -> tuple[int, int]:
@@ -415,7 +427,9 @@ def _lost(f: dict[str, Any], setting: Setting, as_run: Setting, lag: int, level:
 
 def recommend(inp: Inputs, as_run: Setting, base: Row) -> dict[str, Any]:
     """Young/Daly's interval from the measured save cost, failure rate and recovery, never shorter than
-    the detection latency; with the ETTR it gains over the job's own interval, replayed."""
+    the detection latency; with the ETTR it gains over the job's own interval, replayed. ``every`` (what
+    Apply sets) only where that gain is positive: an interval that loses on the replay is said, never
+    recommended (``young_daly`` keeps the formula's interval either way)."""
     cost = inp.stall_per_save_s + inp.interference_per_save_s
     if inp.mtbf_s is None:
         return {"every": None, "text": "no failure observed: the events give no failure rate, so no interval "
@@ -428,11 +442,21 @@ def recommend(inp: Inputs, as_run: Setting, base: Row) -> dict[str, Any]:
                f"= {tau:.2f}s; floor: detection latency {floor_s:.2f}s; / step {t:.4f}s = {every} steps")
     row = predict(inp, as_run, replace(as_run, ckpt_every=every))
     gain = None if row.ettr is None or base.ettr is None else round(100 * (row.ettr - base.ettr), 2)
-    text = f"every {every} steps" + (f": {gain:+.1f} points ETTR" if gain is not None else "") + \
-        f" (now every {as_run.ckpt_every})"
-    return {"every": every, "tau_s": round(tau, 4), "save_cost_s": round(cost, 4), "mtbf_s": round(m, 3),
-            "recovery_s": round(r, 3), "floor_s": round(floor_s, 3), "gain_points": gain, "formula": formula,
-            "text": text, "failures": len(inp.failures)}
+    now = as_run.ckpt_every
+    pays = gain is not None and gain > 0 and every != now
+    if pays:
+        text = f"every {every} steps: {gain:+.1f} points ETTR (now every {now})"
+    elif every == now:
+        text = f"keep every {now}: it is Young/Daly's interval for this job's measured costs"
+    elif gain is None:
+        text = f"keep every {now}: Young/Daly's every {every} steps cannot be estimated ({row.why})"
+    else:  # the formula's interval loses on the replay of this job's own failures: never recommended
+        text = (f"keep every {now}: Young/Daly's every {every} steps would give {gain:+.1f} points ETTR "
+                "on the replay of this job's failures")
+    return {"every": every if pays else None, "young_daly": every, "tau_s": round(tau, 4),
+            "save_cost_s": round(cost, 4), "mtbf_s": round(m, 3), "recovery_s": round(r, 3),
+            "floor_s": round(floor_s, 3), "gain_points": gain, "formula": formula, "text": text,
+            "failures": len(inp.failures)}
 
 
 def replay(mon: JobMonitor, spec: JobSpec, settings: Settings = Settings(),
@@ -446,7 +470,7 @@ def replay(mon: JobMonitor, spec: JobSpec, settings: Settings = Settings(),
     other = replace(as_run, **{k: v for k, v in asked.items() if v is not None})
     k = as_run.ckpt_every or 10
     intervals = settings.intervals or tuple(dict.fromkeys(
-        [x for x in (max(1, k // 2), k, 2 * k, rec.get("every")) if x]))
+        [x for x in (max(1, k // 2), k, 2 * k, rec.get("young_daly")) if x]))
     rows = [predict(inp, as_run, replace(other, ckpt_every=i)) for i in intervals]
     gp = compute(mon, now)
     measured = {"ettr": round(gp.goodput, 5), "terms": {c: round(v, 4) for c, v in gp.seconds().items()},
