@@ -15,12 +15,15 @@ from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 from .backends import JobSummary, get_backend
-from .control import FAULTS, FaultCommand, parse_fault
+from .control import FAULTS, FaultCommand
 from .errors import ControlError, EksftError, SpecError
 from .goodput import compute
 from .job import Job, attach
 from .spec import JobSpec, _closest, parse_option_value, spec_options
 from .states import JobState, RestartLevel
+from .validation import check_fault, faults_for, prepare
+
+__all__ = ["check_fault", "faults_for", "prepare"]   # the one validation, here for every front end
 
 
 class JobRow(TypedDict):
@@ -108,17 +111,6 @@ def status(name: str, backend: str = "local") -> JobRow:
     return job_row(attach(name, backend))
 
 
-def faults_for(spec: JobSpec, faults: Iterable[str | FaultCommand]) -> list[FaultCommand]:
-    """Scheduled faults (``sigkill:1@30`` or commands), checked against the job they go to."""
-    return [(parse_fault(f) if isinstance(f, str) else f).validate(spec.world_size, spec.nnodes) for f in faults]
-
-
-def prepare(spec: JobSpec, faults: Iterable[str | FaultCommand] = ()) -> tuple[JobSpec, list[FaultCommand]]:
-    """The one validation of a launch: the spec, then the scheduled faults against it."""
-    spec = spec.validate()
-    return spec, faults_for(spec, faults)
-
-
 def launch(spec: JobSpec, faults: Sequence[str | FaultCommand] = ()) -> JobRow:
     """Validate the spec and the faults, start the job detached, return its first row."""
     spec, commands = prepare(spec, faults)
@@ -147,7 +139,7 @@ def inject(name: str, fault: str, *, rank: int | None = None, step: int | None =
 def inject_command(name: str, command: FaultCommand, *, backend: str = "local", wait: float = 0.0) -> InjectResult:
     """:func:`inject` of a command already built (the server reads one from a request body)."""
     job = attach(name, backend)
-    cmd = job.backend.inject(job.name, command)
+    cmd = job.inject_command(command)
     fired = job.fired(cmd, timeout=wait)
     if fired is not None:
         at = f" at step {fired['step']}" if fired["step"] is not None else ""

@@ -17,6 +17,7 @@ import pytest
 from eks_kube import Controllers, Kube, running
 from jobs import wait_for
 
+from eksft_nb import commands
 from eksft_nb.backends.eks import EksBackend
 from eksft_nb.procs import start_ticks
 from eksft_nb.backends.eks.backend import CONFIGMAP
@@ -164,7 +165,7 @@ def test_missing_crd_is_explained(kube: Kube, backend: EksBackend) -> None:
 def test_invalid_spec_or_missing_volume_sends_nothing(kube: Kube, backend: EksBackend) -> None:
     before = len(kube.emulator.requests)
     with pytest.raises(SpecError, match="16 GPUs per node"):
-        backend.launch(eks_spec(**{"eks.gpus_per_node": 16}))
+        commands.prepare(eks_spec(**{"eks.gpus_per_node": 16}))   # the one check, before the backend
     assert len(kube.emulator.requests) == before
     with pytest.raises(JobError, match="claim 'scratch' does not exist in namespace default: create it"):
         backend.launch(eks_spec(**{"eks.checkpoint_pvc": "scratch"}))
@@ -425,10 +426,9 @@ def test_the_cli_submits_to_the_kubeconfig_context(kube: Kube, backend: EksBacke
 def test_kill_supervisor_is_refused_on_eks_before_anything_is_sent() -> None:
     from eksft_nb.backends.eks import EksBackend
     from eksft_nb.control import FaultCommand
-    from eksft_nb.errors import JobError
 
-    with pytest.raises(JobError, match="kill-supervisor is a local fault") as refused:
-        EksBackend().inject("demo", FaultCommand("kill-supervisor"))
+    with pytest.raises(ControlError, match="kill-supervisor is a local fault") as refused:
+        commands.check_fault(FaultCommand("kill-supervisor"), eks_spec(), EksBackend())
     assert "\n" not in str(refused.value.args[0])
 
 
