@@ -73,11 +73,14 @@ class StopResult(JobRow):
 
 # ---- the operations ---------------------------------------------------------------------------
 
-def job_row(job: Job) -> JobRow:
-    """The row of a job whose events this process can read (any local job, an EKS job by name)."""
-    mon = job.refresh()
-    state, detail = job.status()
-    spec = job.spec
+def job_row(job: Job, status: tuple[JobState, str] | None = None, spec: JobSpec | None = None) -> JobRow:
+    """The row of a job whose events this process can read (any local job, an EKS job by name): what the
+    list, the status line, the side panel and the dashboard's header show. ``status``: the state and
+    detail of a job whose events the caller has just folded in (the dashboard: its thread alone feeds
+    its monitor); ``spec``: the job's, where the caller holds it (on EKS reading it is an API call)."""
+    mon = job.refresh() if status is None else job.monitor
+    state, detail = job.status() if status is None else status
+    spec = spec or job.spec
     committed = mon.last_committed
     return {"name": job.name, "backend": job.backend.name, "state": state.value, "step": mon.last_step,
             "total_steps": None if spec.script else (mon.total_steps or spec.steps),
