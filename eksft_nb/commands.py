@@ -126,7 +126,7 @@ def dry_run(spec: JobSpec, queue_objects: bool = False, faults: Sequence[str | F
     """What :func:`launch` would start (EKS: the manifests; local: the launchers' commands), the spec and
     ``faults`` checked as a launch checks them. ``queue_objects``: on EKS, also a Kueue LocalQueue,
     ClusterQueue and ResourceFlavors for the job's queue."""
-    spec, _ = prepare(spec, faults)
+    spec, _ = prepare(spec, faults, launching=False)
     backend = get_backend(spec.backend)
     return backend.render(spec, queue_objects=True) if queue_objects and spec.backend == "eks" else backend.render(spec)
 

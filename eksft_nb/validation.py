@@ -28,8 +28,9 @@ def faults_for(spec: JobSpec, faults: Iterable[str | FaultCommand]) -> list[Faul
     return [check_fault(parse_fault(f) if isinstance(f, str) else f, spec, backend) for f in faults]
 
 
-def prepare(spec: JobSpec, faults: Iterable[str | FaultCommand] = ()) -> tuple[JobSpec, list[FaultCommand]]:
-    """The one validation of a launch, for every front end: the spec, what its backend refuses of it
-    (:meth:`Backend.check`), then the scheduled faults against it."""
-    spec = get_backend(spec.backend).check(spec.validate())
+def prepare(spec: JobSpec, faults: Iterable[str | FaultCommand] = (),
+            launching: bool = True) -> tuple[JobSpec, list[FaultCommand]]:
+    """The one validation of a launch (or, not ``launching``, a dry run), for every front end: the spec,
+    what its backend refuses of it (:meth:`Backend.check`), then the scheduled faults against it."""
+    spec = get_backend(spec.backend).check(spec.validate(), launching)
     return spec, faults_for(spec, faults)

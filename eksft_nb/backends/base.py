@@ -110,10 +110,11 @@ class Backend(ABC):
         """Fault kinds it cannot deliver (a resilience test skips them), from the fault registry."""
         return refused(self.name)
 
-    def check(self, spec: JobSpec) -> JobSpec:
+    def check(self, spec: JobSpec, launching: bool = True) -> JobSpec:
         """Refuse what this backend cannot run of a spec valid on its own; the spec as it runs here (paths
-        resolved). Only the command layer calls it, once per launch or dry run: ``render`` and ``launch``
-        take its result and assert, they do not check again."""
+        resolved). ``launching``: the job starts from this machine now, so what it needs here (files, a
+        mount, NVRx) must be here too; a dry run skips that. Only the command layer calls it, once per
+        launch or dry run: ``render`` and ``launch`` take its result and assert, they do not check again."""
         return spec
 
     @abstractmethod

@@ -82,7 +82,7 @@ class EksBackend(Backend):
         return cluster, JobSpec.from_json(data.get(names.SUBMITTED_SPEC) or data[names.POD_SPEC]), record
 
     # ---- launch ---------------------------------------------------------------------------------------
-    def check(self, spec: JobSpec) -> JobSpec:
+    def check(self, spec: JobSpec, launching: bool = True) -> JobSpec:
         """Everything the cluster would reject, or accept and then never run (see :mod:`.checks`)."""
         return checks.check(spec)
 

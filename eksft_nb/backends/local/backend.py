@@ -48,9 +48,11 @@ class LocalBackend(FolderJobs, Backend):
         return JobDir.existing(name, self.root)
 
     # ---- launch -------------------------------------------------------------------------------
-    def check(self, spec: JobSpec) -> JobSpec:
+    def check(self, spec: JobSpec, launching: bool = True) -> JobSpec:
         """NVRx must take spares; a script and its working directory must exist here (their paths are
         fixed now: ranks start in the job folder)."""
+        if not launching:
+            return spec
         found = nvrx.require()  # the supervisor, launchers and ranks import the NVRx this process finds
         if spec.spare_nodes and (why := found.spares_refused):
             raise JobError(f"--spare-nodes {spec.spare_nodes}: {why}",
@@ -79,7 +81,7 @@ class LocalBackend(FolderJobs, Backend):
         return "\n".join(lines)
 
     def launch(self, spec: JobSpec, faults: list[FaultCommand] | None = None) -> None:
-        assert spec.backend == self.name and (not spec.script or Path(spec.script).is_absolute())
+        assert spec.backend == self.name and (not spec.script or Path(spec.script).is_absolute())  # check()ed
         jd = JobDir.for_name(spec.name, self.root)
         if jd.path.exists():
             raise JobError(f"a job named {spec.name!r} already exists in {self.root}",

@@ -64,15 +64,15 @@ class SlurmBackend(FolderJobs, Backend):
         return record if isinstance(record, dict) and str(record.get("job_id", "")).isdigit() else {}
 
     # ---- launch -------------------------------------------------------------------------------
-    def check(self, spec: JobSpec) -> JobSpec:
-        """No script or spares yet, and the shared folder mounted here."""
+    def check(self, spec: JobSpec, launching: bool = True) -> JobSpec:
+        """No script or spares yet, and (``launching``) the shared folder mounted here."""
         if spec.script:
             raise JobError("--script is not supported on Slurm yet", "run the built-in trainer, or use --backend local")
         if spec.spare_nodes:
             raise JobError("--spare-nodes is not supported on Slurm yet (a lost node is a requeue there)",
                            "use --spare-nodes 0, or --backend local")
         shared = Path(str(spec.slurm.shared_dir))
-        if not shared.is_dir():
+        if launching and not shared.is_dir():
             raise JobError(f"the shared folder {shared} does not exist here",
                            "mount it on this machine at the path the nodes use, or fix --shared-dir")
         return spec
