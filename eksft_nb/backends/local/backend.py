@@ -98,7 +98,7 @@ class LocalBackend(FolderJobs, Backend):
         before = jd.supervisor().get("supervisor")
         with open(jd.logs / "supervisor.err", "ab") as err:
             env = quiet_env({**os.environ, procs.JOB_MARK: job_uid})
-            proc = subprocess.Popen([sys.executable, "-m", "eksft_nb.backends.local.supervisor", str(jd.path)],
+            proc = subprocess.Popen([sys.executable, "-m", "eksft_nb.backends.local.keeper", str(jd.path)],
                                     stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=env,
                                     start_new_session=True, close_fds=True)
         proc.wait(timeout=30)  # the intermediate process exits once the daemon has forked

@@ -6,19 +6,23 @@ detection) and the job's events (steps, in-process restarts, checkpoints). It re
 launcher dies, emits the ``failure``/``restart`` events with cause, blamed rank and timings, and
 gives up with a reason when restarts stop making progress.
 
-When the supervisor dies. The supervisor runs as the child of a small *keeper* process that holds the
-job folder's lock. If the supervisor dies before the job ended (SIGKILL, a crash, an uncaught
+When the supervisor dies. The supervisor runs as the child of a small *keeper* process
+(:mod:`.keeper`) that holds the job folder's lock. If the supervisor dies before the job ended (SIGKILL, a crash, an uncaught
 error), the keeper starts a successor that *adopts* the job: it finds the launchers again by identity
 (pid and start time, and the job's mark, from ``supervisor.json``), rebuilds what its predecessor knew
 by replaying the job's events (publishing only the failure/restart events its predecessor did not,
 such as an in-job restart while nobody watched), reads the launcher logs on from the saved offsets,
-and carries on. After :data:`MAX_SUPERVISORS` deaths the keeper ends every process of the job and
+and carries on. After :data:`.keeper.MAX_SUPERVISORS` deaths the keeper ends every process of the job and
 records why. If the keeper is gone too, any client that finds the job's processes running without a
 supervisor (``LocalBackend.state``) starts a new keeper. An ``OSError`` in the supervisor (a full
 disk) ends the job with that reason, its launchers stopped.
 
-Run as ``python -m eksft_nb.backends.local.supervisor JOB_DIR`` (the local backend does this, with the
-job's mark ``EKSFT_JOB_UID`` in the environment); ``--run JOB_DIR [--adopt]`` is the supervisor proper.
+About 600 lines, one idea: the supervisor's loop and the state its launch, watch, spare hand-over and
+adoption share; the ideas of their own are modules beside it (:mod:`.keeper`, :mod:`.handover`,
+:mod:`..launcher_log`).
+
+Run by the keeper as ``python -m eksft_nb.backends.local.supervisor JOB_DIR [--adopt]``, with the job's
+mark ``EKSFT_JOB_UID`` in the environment.
 """
 
 from __future__ import annotations
@@ -47,13 +51,12 @@ from ...runtime.memcopy import remove_copies
 from ...runtime.quiet import quiet_env
 from ...runtime.warm_shim import SOCKET_ENV as WARM_SOCKET
 from ...runtime.warm_shim import ZYGOTE_ENV as WARM_ZYGOTE
-from ...states import RECORDED_ENDS, JobState, RestartLevel
+from ...states import JobState, RestartLevel
 from ... import procs
 from ..launcher_log import LauncherLine, parse_launcher_line
 from .handover import HandoverError, expire
 
 POLL_S = 0.2
-MAX_SUPERVISORS = 5    # supervisor deaths the keeper recovers from before it ends the job
 STANDBY_MODULE = "eksft_nb.backends.local.standby"   # a local job's ft_launcher (see its module)
 UNKNOWN_EXIT = -256    # an adopted launcher ended (not our child: its exit status is unknown)
 
@@ -587,68 +590,9 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-def keep(jd: JobDir) -> int:
-    """The keeper: run the job's supervisor as a child and, when it dies before the job ended, start
-    a successor that adopts the job (see the module's docstring). One keeper per job folder."""
-    lock = jd.keeper_lock()
-    if lock is None or jd.supervisor().get("state") in RECORDED_ENDS:
-        return 0  # another keeper looks after the job, or it has ended
-    record = jd.supervisor()
-    adopt = "supervisor" in record  # a supervisor ran before this keeper: adopt what it started
-    uid = os.environ.setdefault(procs.JOB_MARK, str(record.get("job_uid") or uuid.uuid4().hex[:16]))
-    atomic_write(jd.supervisor_path, json.dumps({**record, "job_uid": uid,
-                                                 "keeper": procs.identity(os.getpid()),
-                                                 "state": record.get("state", JobState.STARTING)}, indent=1))
-    inode = os.stat(jd.path).st_ino
-    stopping = False
-    child: subprocess.Popen | None = None
-
-    def on_signal(signum: int, frame: Any) -> None:
-        nonlocal stopping
-        stopping = True
-        if child is not None and child.poll() is None:
-            child.send_signal(signal.SIGTERM)
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    for _ in range(MAX_SUPERVISORS):
-        with open(jd.logs / "supervisor.err", "ab") as err:
-            child = subprocess.Popen([sys.executable, "-m", "eksft_nb.backends.local.supervisor", "--run", str(jd.path),
-                                      *(["--adopt"] if adopt else [])],
-                                     stdin=subprocess.DEVNULL, stdout=err, stderr=err)
-        code = child.wait()
-        try:
-            if os.stat(jd.path).st_ino != inode:
-                return 0  # the job folder was deleted or replaced
-        except FileNotFoundError:
-            return 0
-        if stopping or code == UNRECORDED or jd.supervisor().get("state") in RECORDED_ENDS:
-            return 0
-        adopt = True
-        how = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"exit {code}"
-        with open(jd.logs / "supervisor.log", "a") as log:
-            log.write(f"{time.strftime('%H:%M:%S')} the supervisor (pid {child.pid}) died ({how}): "
-                      "starting another to adopt the job\n")
-    reason = (f"the supervisor died {MAX_SUPERVISORS} times (see logs/supervisor.err); the job's processes "
-              "were stopped: resume it from its last checkpoint")
-    procs.kill_marked(uid, keep=[os.getpid()])
-    remove_copies(uid)
-    mon = JobMonitor()
-    mon.update(EventTail(jd.events_path).read())
-    EventWriter(jd.events_path, jd.name, rank=None).emit("job_end", state=JobState.FAILED, reason=reason,
-                                                         final_step=mon.last_step)
-    atomic_write(jd.supervisor_path, json.dumps({**jd.supervisor(), "state": JobState.FAILED, "reason": reason}, indent=1))
-    return 1
-
-
 def main() -> None:
-    if sys.argv[1] == "--run":  # the supervisor proper, a child of the keeper
-        sys.exit(Supervisor(JobDir(Path(sys.argv[2])), adopt="--adopt" in sys.argv).run())
-    job_dir = JobDir(Path(sys.argv[1]))
-    if os.fork() > 0:  # the launching process reaps this parent at once; the child is the daemon
-        os._exit(0)
-    os.setsid()
-    sys.exit(keep(job_dir))
+    """``python -m eksft_nb.backends.local.supervisor JOB_DIR [--adopt]``, as the keeper runs it."""
+    sys.exit(Supervisor(JobDir(Path(sys.argv[1])), adopt="--adopt" in sys.argv).run())
 
 
 if __name__ == "__main__":
