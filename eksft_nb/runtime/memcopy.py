@@ -16,6 +16,8 @@ everything is checked and any doubt means "restore from storage", with one line 
 job's supervisor removes them when the job ends (:func:`remove_copies`).
 
 Torch is imported inside the functions that need it: the supervisor imports this module for cleanup.
+
+Over 500 lines, one idea: writing, checking and restoring the copy share its file format and checks.
 """
 
 from __future__ import annotations
