@@ -55,11 +55,11 @@ def test_a_local_job_with_spares_is_refused_in_one_line_where_nvrx_has_the_barri
     assert "spare-barrier" not in cli("list").stdout   # nothing was started or saved
 
 
-def _rendezvous(store, run_id: str, state) -> None:
+def _rendezvous(store, rdzv_id: str, state) -> None:
     import base64
     import pickle
 
-    store.set("torch.rendezvous." + run_id, base64.b64encode(pickle.dumps(state)).decode())
+    store.set("torch.rendezvous." + rdzv_id, base64.b64encode(pickle.dumps(state)).decode())
 
 
 def test_the_handover_expires_only_the_lost_launchers_keep_alive_and_refuses_a_foreign_state() -> None:

@@ -76,7 +76,7 @@ class LocalBackend(FolderJobs, Backend):
         for k, v in {**rank_env(spec, ports=ports, job_attempt=0, job_dir=str(jd.path)), **loopback.env()}.items():
             lines.append(f"{k}={v}")
         for node in range(spec.nnodes + spec.spare_nodes):   # the spares' lines are the same
-            argv = launcher_argv(spec, node_rank=node, rdzv_host="127.0.0.1", ports=ports, run_id=spec.name)
+            argv = launcher_argv(spec, node_rank=node, rdzv_host="127.0.0.1", ports=ports, rdzv_id=spec.name)
             lines.append(" \\\n    ".join(argv))
         return "\n".join(lines)
 
@@ -97,7 +97,7 @@ class LocalBackend(FolderJobs, Backend):
         """Start the job's keeper and supervisor (detached), every process of the job marked ``job_uid``."""
         before = jd.supervisor().get("supervisor")
         with open(jd.logs / "supervisor.err", "ab") as err:
-            env = quiet_env({**os.environ, procs.JOB_MARK: job_uid})
+            env = quiet_env({**os.environ, procs.JOB_UID_ENV: job_uid})
             proc = subprocess.Popen([sys.executable, "-m", "eksft_nb.backends.local.keeper", str(jd.path)],
                                     stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=env,
                                     start_new_session=True, close_fds=True)

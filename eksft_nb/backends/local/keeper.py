@@ -38,7 +38,7 @@ def keep(jd: JobDir) -> int:
         return 0  # another keeper looks after the job, or it has ended
     record = jd.supervisor()
     adopt = "supervisor" in record  # a supervisor ran before this keeper: adopt what it started
-    uid = os.environ.setdefault(procs.JOB_MARK, str(record.get("job_uid") or uuid.uuid4().hex[:16]))
+    uid = os.environ.setdefault(procs.JOB_UID_ENV, str(record.get("job_uid") or uuid.uuid4().hex[:16]))
     atomic_write(jd.supervisor_path, json.dumps({**record, "job_uid": uid,
                                                  "keeper": procs.identity(os.getpid()),
                                                  "state": record.get("state", JobState.STARTING)}, indent=1))

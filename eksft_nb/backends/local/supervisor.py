@@ -89,7 +89,7 @@ class Node:
 class Supervisor:
     jd: JobDir
     adopt: bool = False   # take over the running job of a supervisor that died
-    job_uid: str = field(default_factory=lambda: os.environ.get(procs.JOB_MARK) or uuid.uuid4().hex[:16])
+    job_uid: str = field(default_factory=lambda: os.environ.get(procs.JOB_UID_ENV) or uuid.uuid4().hex[:16])
 
     def __post_init__(self) -> None:
         self.spec = self.jd.spec()
@@ -106,7 +106,7 @@ class Supervisor:
         self.standby: dict[int, subprocess.Popen] = {}  # node -> a warm ft_launcher for the next attempt
         self.zygotes: dict[str, subprocess.Popen] = {}  # node tag -> its warm-rank zygote (this attempt's, the next's)
         self.store: Any = None   # the rendezvous store, when the supervisor hosts it (hot spares)
-        self.run_id = ""         # this attempt's rendezvous id
+        self.rdzv_id = ""         # this attempt's rendezvous id
         self.t_launch = 0.0
         self.ranks_started: dict[int, float] = {}  # rank -> its newest rank_start of the current attempt
         self.ranks_done: set[int] = set()  # ranks whose newest start in the current attempt ended with exit 0
@@ -207,7 +207,7 @@ class Supervisor:
 
     def _launch(self) -> None:
         ports = Ports(*_free_ports(3))
-        run_id = self.run_id = f"{self.spec.name}-{self.attempt}-{uuid.uuid4().hex[:6]}"
+        rdzv_id = self.rdzv_id = f"{self.spec.name}-{self.attempt}-{uuid.uuid4().hex[:6]}"
         self.nodes = []
         self.t_launch = time.time()
         self.ranks_started, self.ranks_done = {}, set()
@@ -217,13 +217,13 @@ class Supervisor:
         for node in range(self.spec.nnodes + self.spec.spare_nodes):   # spares wait in the rendezvous
             tag = f"{self.attempt}.{node}"
             zygote = self._start_zygote(tag)
-            argv = launcher_argv(self.spec, node_rank=node, rdzv_host="127.0.0.1", ports=ports, run_id=run_id,
+            argv = launcher_argv(self.spec, node_rank=node, rdzv_host="127.0.0.1", ports=ports, rdzv_id=rdzv_id,
                                  nvrx=self.nvrx, cycle_dir=str(self._cycle_dir(self.attempt)),
                                  store_elsewhere=self.store is not None, warm_python=zygote and sys.executable)
             env = quiet_env({**os.environ,
                              **rank_env(self.spec, ports=ports, job_attempt=self.attempt, job_dir=str(self.jd.path),
                                         nvrx=self.nvrx),
-                             **loopback.env(), procs.JOB_MARK: self.job_uid, procs.NODE_MARK: tag,
+                             **loopback.env(), procs.JOB_UID_ENV: self.job_uid, procs.NODE_MARK: tag,
                              **({WARM_SOCKET: zygote, WARM_ZYGOTE: str(self.zygotes[tag].pid)}
                                 if zygote else {})})
             log = self._launcher_log(self.attempt, node)
@@ -266,7 +266,7 @@ class Supervisor:
             return name
         # what the ranks' interpreter and torch read at start-up must match theirs (see zygote.FIXED_AT_START)
         env = quiet_env({**os.environ, "OMP_NUM_THREADS": str(self.spec.threads_per_rank),
-                         procs.JOB_MARK: self.job_uid, procs.NODE_MARK: tag})
+                         procs.JOB_UID_ENV: self.job_uid, procs.NODE_MARK: tag})
         with open(self.jd.logs / f"zygote-{tag}.log", "ab") as out:
             self.zygotes[tag] = subprocess.Popen([sys.executable, "-m", ZYGOTE_MODULE, name], env=env, stdout=out,
                                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.jd.path,
@@ -279,7 +279,7 @@ class Supervisor:
         nxt = self.attempt + 1
         for node in range(self.spec.nnodes + self.spec.spare_nodes):
             self._start_zygote(f"{nxt}.{node}")
-            env = quiet_env({**os.environ, procs.JOB_MARK: self.job_uid, procs.NODE_MARK: f"{nxt}.{node}"})
+            env = quiet_env({**os.environ, procs.JOB_UID_ENV: self.job_uid, procs.NODE_MARK: f"{nxt}.{node}"})
             with open(self._launcher_log(nxt, node), "ab") as out:
                 self.standby[node] = subprocess.Popen(
                     [sys.executable, "-m", STANDBY_MODULE], env=env, stdin=subprocess.PIPE,
@@ -370,7 +370,7 @@ class Supervisor:
         if self.store is None or self.nvrx is None or self.nvrx.rendezvous != "legacy":
             return
         try:
-            marked = expire(self.store, self.run_id, node.pid)
+            marked = expire(self.store, self.rdzv_id, node.pid)
         except HandoverError as e:
             self.say(f"could not hand the spare over at once ({e}): it comes in when NVRx's rendezvous "
                      "expires the lost launcher (10-15 s)")
