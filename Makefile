@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	SKIP_JUPYTER_BUILDER=1 $(PY) -m pip install -q -e '.[dev]'   # nbext/ is built below, step by step
+	SKIP_JUPYTER_BUILDER=1 $(PY) -m pip install -q -e '.[dev]'   # nbext/ is built below
 	touch $@
 
 # A second NVRx for the tests, beside the one pip resolved (0.4.1 where glibc < 2.39): the engine's fault
@@ -42,21 +42,20 @@ $(NVRX_TEST_DIR)/.installed: $(VENV)/.installed
 	$(PY) -m pip install -q defusedxml httpx "nvidia-ml-py>=12.570.86" packaging "psutil>=6" pyyaml
 	touch $@
 
-# The JupyterLab extension (nbext/, TypeScript): npm ci from the committed lock file, then `npm run build:prod`
-# (tsc, JupyterLab's builder) into eksft_nb/labextension/, installed as a prebuilt extension into the venv, as
-# `pip install` of a wheel does. Each step re-runs only when its inputs change (a cold run: about 15 s; needs
-# Node.js >= 20.19 and npm). A wheel (pip wheel ., python -m build) runs the same steps: nbext/build.py.
+# The JupyterLab extension (nbext/, TypeScript), built by the function a wheel's build hook calls
+# (nbext/build.py: npm ci from the committed lock file, then `npm run build:prod`: tsc, JupyterLab's builder)
+# into eksft_nb/labextension/, installed as a prebuilt extension into the venv, as `pip install` of a wheel
+# does. One build path: the wheel test packs this build rather than making its own. It re-runs when its inputs
+# change (a cold run: about 40 s; needs Node.js >= 20.19 and npm).
 LABEXT := $(VENV)/share/jupyter/labextensions/eksft-nb-labextension
-NBEXT_SRC := $(wildcard nbext/src/*.ts) $(wildcard nbext/style/*) nbext/tsconfig.json nbext/install.json
+NBEXT_SRC := $(wildcard nbext/src/*.ts) $(wildcard nbext/style/*) nbext/tsconfig.json nbext/install.json \
+  nbext/package.json nbext/package-lock.json nbext/build.py
 
-nbext/node_modules/.installed: nbext/package.json nbext/package-lock.json
+$(VENV)/.nbext-installed: $(NBEXT_SRC) $(VENV)/.installed
 	@command -v npm >/dev/null || { echo "eksft: error: npm is missing, needed to build the JupyterLab extension" \
 	  "→ install Node.js >= 20.19 with npm (e.g. apt-get install nodejs npm)"; exit 1; }
-	cd nbext && npm ci --no-audit --no-fund --ignore-scripts --loglevel=error
-	touch $@
-
-$(VENV)/.nbext-installed: nbext/node_modules/.installed $(NBEXT_SRC) $(VENV)/.installed
-	cd nbext && PATH="$(abspath $(VENV))/bin:$$PATH" npm run --silent build:prod >/dev/null
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -c 'from nbext.build import build; build("standard", "")' \
+	  >/dev/null
 	rm -rf $(LABEXT) && mkdir -p $(dir $(LABEXT)) && cp -r eksft_nb/labextension $(LABEXT)
 	cp nbext/install.json $(LABEXT)/
 	touch $@

@@ -84,6 +84,10 @@ def describe(spec: JobSpec) -> str:
         args = " " + " ".join(spec.script_args) if spec.script_args else ""
         return (f"{ranks} running {spec.script}{args} (its own loop: steps are its optimizer steps), "
                 f"up to {spec.ft.max_injob_restarts} in-job and {spec.ft.max_job_restarts} job restarts")
+    if spec.engine == "torchft":
+        return (f"torchft: {spec.nnodes} replica groups of {spec.nproc_per_node} rank(s), {spec.steps} "
+                f"steps, model {spec.model.preset}, a lost group heals from a peer (up to "
+                f"{spec.ft.max_job_restarts} restarts each; no checkpoints yet)")
     return (f"{ranks}, {spec.steps} steps, model {spec.model.preset}, {spec.checkpoint.mode} checkpoints every "
             f"{spec.checkpoint.every} steps, in-process restart {'on' if spec.ft.inprocess else 'off'}")
 

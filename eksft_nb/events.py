@@ -68,8 +68,18 @@ KINDS: dict[str, dict[str, tuple[type, ...] | type]] = {
     # every rank, when it takes a live settings change (eksft_nb.settings) at the start of step's save
     # decision: seq numbers the change, changes: name -> [old, new], values: every live setting in force
     "setting": {"seq": int, "step": int, "changes": dict, "values": dict},
+    # torchft (eksft_nb.engines.torchft), a replica group's rank 0: its quorum changed (participants: replica
+    # groups in it, step: the quorum's step); it healed from a peer (from_step: its own step before, step: the
+    # peer's; skipped_batches: the batches it did not train, from_step+1..step); a step it threw away (its
+    # gradients were not applied: an error in the step, or the quorum did not commit)
+    "quorum": {"quorum_id": int, "participants": int, "step": int},
+    "heal": {"from_step": int, "step": int, "skipped_batches": int, "heal_s": _num},
+    "step_discarded": {"step": int, "reason": str},
     # any writer, once it can write again after failing to (a full disk): what the events file lacks
     "events_lost": {"count": int, "first_t": _num, "last_t": _num, "error": str},
+    # every rank under NVRx's in-process Wrapper: the seconds it added to the rank's process (phase in
+    # WRAPPER_PHASES): what a run without in-process restart would not spend (see resilience.whatif)
+    "inprocess_wrapper": {"phase": str, "seconds": _num},
 }
 
 # kind -> optional field -> accepted types, for the optional fields readers compute with
@@ -95,6 +105,9 @@ OPTIONAL: dict[str, dict[str, tuple[type, ...] | type]] = {
 RESTART_LEVELS = tuple(level.value for level in RestartLevel)
 # a recovery's downtime, fault to the first step's start, in order (see eksft_nb.incidents)
 RESTART_PHASES = ("detection", "teardown", "reformation", "restore", "first_step")
+# setup: from the Wrapper's import to the wrapped function's first call; exit: from its last return
+# to the Wrapper's
+WRAPPER_PHASES = ("setup", "exit")
 CHECKPOINT_PHASES = ("begin", "staged", "committed", "failed", "rejected")
 JOB_STATES = tuple(s.value for s in JobState if s in RECORDED_ENDS)   # what a job_end event may say
 GPU_FAULTS = ("xid", "ecc", "throttle")
@@ -151,6 +164,10 @@ def check(kind: str, data: dict[str, Any]) -> None:
         _check_phases(data["phases"])
     if kind == "checkpoint" and data["phase"] not in CHECKPOINT_PHASES:
         raise SchemaError(f"checkpoint.phase {data['phase']!r} not in {CHECKPOINT_PHASES}")
+    if kind == "inprocess_wrapper" and (data["phase"] not in WRAPPER_PHASES
+                                        or not 0 <= data["seconds"] < math.inf):
+        raise SchemaError(f"inprocess_wrapper {data['phase']!r} {data['seconds']!r}: not a phase of "
+                          f"{WRAPPER_PHASES} with seconds >= 0")
     if kind == "gpu_fault" and data["fault"] not in GPU_FAULTS:
         raise SchemaError(f"gpu_fault.fault {data['fault']!r} not in {GPU_FAULTS}")
     if kind == "job_end" and data["state"] not in JOB_STATES:

@@ -77,6 +77,9 @@ class JobMonitor:
     rank_pids: dict[int, int] = field(default_factory=dict)
     nvrx: str | None = None   # the NVRx version the job ran with, as its supervisor found it (job_start)
     nvrx_cycles: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)  # (attempt, cycle) -> record
+    # what NVRx's in-process Wrapper added to each rank process (inprocess_wrapper events, in order)
+    wrapper: list[dict[str, Any]] = field(default_factory=list)
+    saves: list[CheckpointRecord] = field(default_factory=list)   # every save begun, a step's repeats too
     gpu: GpuFold = field(default_factory=GpuFold)   # GPU health per node (gpu_health / gpu_fault events)
     digest: str | None = None
     checkpoint_stall_s: float = 0.0
@@ -147,6 +150,7 @@ class JobMonitor:
         rec = self.checkpoints.get(step)
         if phase == "begin" or rec is None:
             rec = self.checkpoints[step] = CheckpointRecord(step, mode=e.get("mode", ""), t_begin=e.t)
+            self.saves.append(rec)
         if phase == "staged":
             rec.t_staged, rec.blocked_s, rec.bytes = e.t, e.get("blocked_s"), e.get("bytes")
             self.checkpoint_stall_s += rec.blocked_s or 0.0
@@ -202,6 +206,9 @@ class JobMonitor:
 
     def _on_warning(self, e: Event) -> None:
         self.warnings.append({"t": e.t, "rank": e.rank, "what": e["what"], "message": e["message"]})
+
+    def _on_inprocess_wrapper(self, e: Event) -> None:
+        self.wrapper.append({"t": e.t, "rank": e.rank, "phase": e["phase"], "seconds": e["seconds"]})
 
     def _on_gpu_health(self, e: Event) -> None:
         self.gpu.on_health(e.t, e.data)

@@ -27,6 +27,7 @@ from .timeouts import resolved
 
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 BACKENDS = ("local", "eks", "slurm")
+ENGINES = ("nvrx", "torchft")
 
 
 def opt(default: Any, flag: str, help: str, **kw: Any) -> Any:
@@ -183,7 +184,11 @@ class JobSpec:
 
     name: str = opt("ftrain", "--name", "job name: a DNS-1123 label, since it becomes a Kubernetes name and a folder")
     backend: Literal["local", "eks", "slurm"] = opt("local", "--backend", "local (ranks on this machine), eks or slurm")
-    nnodes: int = opt(1, "--nnodes", "nodes (one ft_launcher each)")
+    engine: Literal["nvrx", "torchft"] = opt(
+        "nvrx", "--engine", "nvrx: restart the group (in-process, in-job, job) and resume from a checkpoint; "
+        "torchft: replica groups (one per --nnodes) train on through a per-step quorum, a lost one heals "
+        "from a peer")
+    nnodes: int = opt(1, "--nnodes", "nodes (one ft_launcher each); with --engine torchft, replica groups")
     nproc_per_node: int = opt(2, "--nproc-per-node", "ranks per node")
     spare_nodes: int = opt(0, "--spare-nodes", "extra nodes that wait in the rendezvous as hot spares: one takes a "
                            "lost node's place with an in-job restart instead of a job restart")
@@ -218,6 +223,8 @@ class JobSpec:
                 "starting and ending with a letter or digit, at most 63 characters)",
                 f"use e.g. --name {_suggest_name(n)}",
             )
+        if self.engine not in ENGINES:
+            raise SpecError(f"unknown engine {_show(self.engine)}", "use --engine nvrx or --engine torchft")
         if self.backend not in BACKENDS:
             raise SpecError(f"unknown backend {self.backend!r}", f"use --backend {' or --backend '.join(BACKENDS)}")
         for fname, minimum in (("nnodes", 1), ("nproc_per_node", 1), ("steps", 1), ("batch", 1), ("seq", 2),

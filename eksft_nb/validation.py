@@ -8,14 +8,16 @@ from collections.abc import Iterable
 
 from .backends import Backend, get_backend
 from .control import FaultCommand, parse_fault
+from .engines.torchft import checks as torchft_checks
 from .errors import ControlError
 from .spec import JobSpec
 
 
 def check_fault(command: FaultCommand, spec: JobSpec, backend: Backend) -> FaultCommand:
-    """The one check of a fault command a front end sends: against the job's ranks and nodes, and
-    whether ``backend`` can deliver its kind (the fault registry's ``refused_by``)."""
+    """The one check of a fault command a front end sends: against the job's ranks and nodes, its engine,
+    and whether ``backend`` can deliver its kind (the fault registry's ``refused_by``)."""
     command.validate(spec.world_size, spec.nnodes)
+    torchft_checks.check_faults(spec, [command])   # what the torchft engine cannot fire
     if command.fault in backend.refused_faults:
         raise ControlError(f"{command.fault} is a local fault: on {backend.name} no eksft supervisor runs",
                            "use kill-launcher to lose a node, or sigkill to lose a rank")
@@ -33,4 +35,5 @@ def prepare(spec: JobSpec, faults: Iterable[str | FaultCommand] = (),
     """The one validation of a launch (or, not ``launching``, a dry run), for every front end: the spec,
     what its backend refuses of it (:meth:`Backend.check`), then the scheduled faults against it."""
     spec = get_backend(spec.backend).check(spec.validate(), launching)
+    torchft_checks.check(spec)   # what the torchft engine does not take (nothing, under NVRx)
     return spec, faults_for(spec, faults)

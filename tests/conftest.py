@@ -54,6 +54,20 @@ def finished_job(eksft_home: Path) -> str:
     return "finished"
 
 
+@pytest.fixture(scope="session")
+def reference_digest(eksft_home: Path) -> str:
+    """The fault-free run of ``jobs.BASE`` (run once a session): every healed run of that job, in any test
+    file, must end with parameters bit-identical to its digest."""
+    from jobs import events, run_job
+
+    summary = run_job("reference")
+    assert summary["state"] == "succeeded", summary
+    assert summary["restarts"] == {"inprocess": 0, "injob": 0, "job": 0}
+    losses = [e["loss"] for e in events("reference", "step")]
+    assert losses[-1] < losses[0] - 2.0, "the built-in data must be learnable: the loss has to fall"
+    return summary["digest"]
+
+
 @pytest.fixture
 def ip(monkeypatch: pytest.MonkeyPatch) -> Any:
     """A real IPython shell with the magics loaded; what a cell displays goes to ``shell.shown``."""

@@ -107,6 +107,13 @@ def test_recovery(results: dict[str, Any]) -> None:
     # a checkpoint was committed before every fault, so each recovery loaded one
     assert all(rec["phases"]["restore"] > 0 for rec in r["raw"]["eksft"] + r["raw"]["baseline"])
     assert all(rec["source"] in ("memory", "storage") for rec in r["raw"]["eksft"])   # and says from where
+    # a lost node of a 2-node job: healed in the job by its hot spare, by a job restart without one
+    spare = r["spare"]
+    assert spare["spare"]["n"] == spare["job"]["n"] == r["repeats"], spare
+    assert spare["spare"]["levels"] == ["injob"] and spare["job"]["levels"] == ["job"], spare
+    assert_stat(spare["spare"]["total_s"])
+    assert_stat(spare["job"]["total_s"])
+    assert isinstance(spare["spare_at_or_under_job"], bool)
 
 
 def test_goodput(results: dict[str, Any]) -> None:

@@ -223,6 +223,42 @@ def test_a_real_write_failure_does_not_shift_the_results_of_later_saves(tmp_path
         assert torch.equal(target["model"]["weight"], saved[info.step])
 
 
+@pytest.mark.timeout(180)
+def test_a_writer_that_dies_fails_its_save_with_the_reason_and_a_new_writer_commits_the_retry(
+        tmp_path: Path, group: Any) -> None:
+    """The writer process killed under a save (the OOM killer): NVRx's wait polls a dead writer
+    forever and its check never says done, so the save never finalized and every later one was
+    deferred in silence. It fails with the reason, and the retry starts a new writer."""
+    import signal
+
+    own = CheckpointProcess()  # this test kills its writer
+    try:
+        model = torch.nn.Linear(16, 16)
+        events: list = []
+        mgr = _manager(tmp_path, group, "async", events, own)
+        mgr.writer.done_locally(blocking=True)  # it has started
+        dead = mgr.writer.caller.process
+        os.kill(dead.pid, signal.SIGSTOP)  # the save is handed over, not yet written, when it dies
+        mgr.maybe_save(5, _state(model, 5))
+        os.kill(dead.pid, signal.SIGKILL)
+        mgr.finish()
+        [failed] = [e for e in events if e["phase"] == "failed"]
+        assert failed["step"] == 5 and "checkpoint writer process died (exit code -9)" in failed["error"]
+        assert not [i for i in list_checkpoints(tmp_path) if i.state == "committed"]
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        mgr.maybe_save(6, _state(model, 6), last=True)  # the retry
+        mgr.finish()
+        assert mgr.writer.caller.process.pid != dead.pid
+        [info] = [i for i in list_checkpoints(tmp_path) if i.state == "committed"]
+        assert info.step == 6 and verify(info) is None
+        target = _state(torch.nn.Linear(16, 16), 0)
+        load(info.path, target, group)
+        assert torch.equal(target["model"]["weight"], model.weight)
+    finally:
+        own.writer.stop()
+
+
 def test_a_save_does_not_commit_without_a_ranks_manifest(tmp_path: Path, group: Any,
                                                          process: CheckpointProcess) -> None:
     model = torch.nn.Linear(16, 16)
@@ -278,6 +314,22 @@ def test_restore_keeps_heartbeating_while_it_hashes(tmp_path: Path, group: Any,
     mgr.keepalive_every = 0.0  # every call of the keepalive is seen
     assert mgr.restore({"w": torch.zeros(3 << 20)}, "latest") == 5
     assert len(beats) >= 3
+
+
+def test_a_commit_between_steps_is_progress(tmp_path: Path, group: Any, process: CheckpointProcess) -> None:
+    """Committing an async save between steps tells the rank's liveness (NVRx's in-process soft timeout)
+    of progress: a slow commit and the step after it are not one long silence taken for a hang."""
+    model = torch.nn.Linear(16, 16)
+    beats: list = []
+    mgr = CheckpointManager(tmp_path, rank=0, world_size=1, group=group, every=5, mode="async", keep_last=2,
+                            emit=lambda kind, **data: None, keepalive=lambda: beats.append(1),
+                            process=process)
+    mgr.maybe_save(5, _state(model, 5))
+    mgr.writer.done_locally(blocking=True)   # its write is done: the next step boundary commits it
+    assert beats == [] and mgr.last_committed != 5
+    mgr.maybe_save(6, _state(model, 6))      # not due: it only commits the save at 5
+    assert mgr.last_committed == 5 and beats == [1]
+    mgr.finish()
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])

@@ -11,16 +11,9 @@ import signal
 import pytest
 
 from eksft_nb.checkpoint_folders import list_checkpoints, verify
-from jobs import BASE, cli, events, job_dir, run_job, story, wait_for
+from jobs import BASE, cli, events, job_dir, story, wait_for
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def reference_digest() -> str:
-    summary = run_job("drain-reference")
-    assert summary["state"] == "succeeded", summary
-    return summary["digest"]
 
 
 # warm ranks fork their checkpoint writer (it keeps the drain's handler); a cold rank's writer is spawned

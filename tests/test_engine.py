@@ -44,16 +44,6 @@ def ran_with(name: str, version: str) -> None:
     assert ("[workload:" in log) == (nvrx.parse_version(version) >= (0, 6, 0)), log[:2000]
 
 
-@pytest.fixture(scope="module")
-def reference_digest() -> str:
-    summary = run_job("reference")
-    assert summary["state"] == "succeeded"
-    assert summary["restarts"] == {"inprocess": 0, "injob": 0, "job": 0}
-    losses = [e["loss"] for e in events("reference", "step")]
-    assert losses[-1] < losses[0] - 2.0, "the built-in data must be learnable: the loss has to fall"
-    return summary["digest"]
-
-
 def test_faults_at_every_level_heal_and_lose_nothing(reference_digest: str, nvrx_release) -> None:
     version, folder = nvrx_release
     name = f"four-faults-{version.replace('.', '-')}"

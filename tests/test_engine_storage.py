@@ -12,13 +12,6 @@ from jobs import cli, events, job_dir, run_job
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def reference_digest() -> str:
-    summary = run_job("storage-reference")
-    assert summary["state"] == "succeeded", summary
-    return summary["digest"]
-
-
 def test_a_full_disk_and_slow_storage_lose_no_step_and_say_what_was_lost(reference_digest: str) -> None:
     # the disk of rank 0 is full for steps 15-24, that of rank 1 for steps 45-54 (checkpoint and
     # event writes fail with ENOSPC); rank 1's checkpoint writes start 2 s late for steps 62-71.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,15 @@ def test_emit_validates_required_fields_and_enums() -> None:
              downtime_s=0.0, rolled_back_steps=0, resumed_step=0)
     with pytest.raises(SchemaError, match="unknown event kind"):
         make("stepp", "j", 0)
+
+
+def test_the_in_process_wrappers_cost_is_a_phase_and_seconds() -> None:
+    mon = JobMonitor()
+    mon.update([make("inprocess_wrapper", "j", 1, t=5.0, phase="setup", seconds=0.4)])
+    assert mon.wrapper == [{"t": 5.0, "rank": 1, "phase": "setup", "seconds": 0.4}]
+    for phase, seconds in (("teardown", 0.4), ("exit", -1.0), ("exit", math.inf)):
+        with pytest.raises(SchemaError, match="inprocess_wrapper"):
+            make("inprocess_wrapper", "j", 0, phase=phase, seconds=seconds)
 
 
 def test_round_trip_through_a_log_line_with_a_pod_prefix() -> None:

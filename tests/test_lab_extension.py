@@ -3,9 +3,12 @@
 One JupyterLab (with the prebuilt extension and the server extension as ``make setup`` installs them)
 and one real job launched from a terminal: the job shows in the side panel soon after the launch
 command's return; a sigkill injected from the panel shows as a restart in the panel, the status bar and
-the job's dashboard panel; a refused inject shows the CLI's one line; the attach button writes
+the job's dashboard panel; a refused inject shows the CLI's one line; the job view's live settings show
+the values in force, a refused change the CLI's line, and a change (Set, then the what-if's Apply) lands
+on every rank at one step (its setting events) and in the settings route; the attach button writes
 ``%ftrain attach NAME`` into the open notebook; stop from the panel leaves no process of the job, and
-resume from a chosen checkpoint starts a new job from that step; the page logs no console error. Screenshots of the panel
+resume from a chosen checkpoint starts a new job from that step, each with the command layer's line; the
+page logs no console error. Screenshots of the panel
 (light and dark theme) go to the test's folder, and to ``docs/`` with EKSFT_SCREENSHOT_TO_DOCS=1.
 """
 
@@ -14,14 +17,16 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import json
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from conftest import REPO
-from jobs import cli
+from jobs import cli, events, wait_for
 
 CHROMIUM = Path("/usr/lib/chromium/chromium")
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
@@ -65,8 +70,9 @@ def test_jobs_panel_in_jupyterlab(lab: dict[str, Any], monkeypatch: pytest.Monke
             page.screenshot(path=str(shots / "failure.png"))
             raise
         browser.close()
-    # the one error the page may log: the browser's own line for the refused request's 400
-    assert [e for e in errors if "status of 400" not in e] == [] and len(errors) <= 1, errors
+    # the errors the page may log: the browser's own line for each refused request's 400 (an inject, a
+    # setting)
+    assert [e for e in errors if "status of 400" not in e] == [] and len(errors) <= 2, errors
     if os.environ.get("EKSFT_SCREENSHOT_TO_DOCS") == "1":
         for name in ("lab-panel-light.png", "lab-panel-dark.png"):
             shutil.copy(shots / name, REPO / "docs" / name)
@@ -140,6 +146,7 @@ def drive(page: Any, lab: dict[str, Any], shots: Path) -> None:
                           ".eksft-whatif-plot`).data.map(t => t.name)", JOB)
     assert names[0] == "predicted" and any(n.startswith("every ") for n in names[1:]), names
     dash.screenshot(path=str(shots / "lab-whatif.png"))
+    change_settings(page, lab, dash, int(whatif.get_attribute("data-every")))
     dash.locator(".eksft-tab-training").click()
     assert whatif.is_hidden() and dash.locator(".eksft-plot.js-plotly-plot").first.is_visible()
 
@@ -170,6 +177,8 @@ def drive(page: Any, lab: dict[str, Any], shots: Path) -> None:
     # stop from the panel: nothing of the job runs afterwards
     row.locator(".eksft-stop").click()
     page.locator(f'.eksft-job[data-job="{JOB}"][data-state="stopped"]').wait_for(timeout=120_000)
+    wait_for("the stop's line", lambda: row.locator(".eksft-message").inner_text()
+             == f"stopped {JOB}; nothing of it keeps running", 30)   # the command layer's, as the CLI says it
     assert procs.marked(JobDir.for_name(JOB).supervisor()["job_uid"]) == []
 
     # resume from an older checkpoint chosen in the panel: a new job from that step on, stopped in turn
@@ -179,11 +188,79 @@ def drive(page: Any, lab: dict[str, Any], shots: Path) -> None:
     row.locator(".eksft-ckpts").select_option(older)
     row.locator(".eksft-resume").click()
     page.wait_for_function(f"() => document.querySelector('.eksft-job[data-job=\"{JOB}\"] .eksft-message')"
-                           ".textContent.startsWith('resumed as')", timeout=60_000, polling=250)
-    child = row.locator(".eksft-message").inner_text().split()[2]
+                           ".textContent.startsWith('launched ')", timeout=60_000, polling=250)
+    said = row.locator(".eksft-message").inner_text()
+    resumed = re.match(rf"launched (\S+), resuming from {JOB} step {older}\b", said)   # the command layer's
+    assert resumed, said
+    child = resumed[1]
     page.wait_for_function(f"() => +(document.querySelector('.eksft-job[data-job=\"{child}\"]') || "
                            f"{{dataset: {{step: 0}}}}).dataset.step > {older}", timeout=180_000, polling=250)
     page.locator(f'.eksft-job[data-job="{child}"] .eksft-toggle').click()
     page.locator(f'.eksft-job[data-job="{child}"] .eksft-stop').click()
     page.locator(f'.eksft-job[data-job="{child}"][data-state="stopped"]').wait_for(timeout=120_000)
     assert procs.marked(JobDir.for_name(child).supervisor()["job_uid"]) == []
+
+
+def settings_route(lab: dict[str, Any], job: str) -> dict[str, Any]:
+    """GET /eksft/jobs/JOB/settings: the live settings in force."""
+    req = urllib.request.Request(f"{lab['url']}/eksft/jobs/{job}/settings",
+                                 headers={"Authorization": f"token {lab['token']}"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def taken(job: str, every: int) -> list[Any]:
+    """Each rank's first setting event that put ckpt-every at ``every`` (empty until both ranks took it)."""
+    first: dict[int, Any] = {}
+    for e in events(job, "setting"):
+        if e["values"]["ckpt-every"] == every:
+            first.setdefault(e.rank, e)
+    return list(first.values()) if set(first) == {0, 1} else []
+
+
+def change_settings(page: Any, lab: dict[str, Any], dash: Any, recommended: int) -> None:
+    """From the job view (on its what-if tab): the values in force, a refusal, Set, then Apply."""
+    bar = dash.locator(".eksft-settings")
+    every, keep = bar.locator('input[data-name="ckpt-every"]'), bar.locator('input[data-name="keep-last"]')
+    said = bar.locator(".eksft-settings-message")
+    wait_for("the interval in force in its box", lambda: every.input_value() == "10", 60)
+    kept = keep.input_value()
+    assert kept == str(settings_route(lab, JOB)["values"]["keep-last"])
+
+    # a setting out of range: the CLI's line, and nothing changes
+    keep.fill("1")
+    bar.locator(".eksft-set").click()
+    bar.locator(".eksft-settings-message.eksft-error").wait_for(timeout=30_000)
+    line = cli("set", JOB, "keep-last=1").stderr.strip().removeprefix("eksft: error: ")
+    assert said.inner_text() == line, (said.inner_text(), line)
+    assert settings_route(lab, JOB)["seq"] == 0
+    keep.fill(kept)
+
+    # Set: every rank takes it at one step (its setting events), and the route says it is in force
+    value = 3 * recommended + 7     # not the what-if's interval, so that Apply changes it again
+    every.fill(str(value))
+    bar.locator(".eksft-set").click()
+    wait_for("the change's line", lambda: f"ckpt-every 10 -> {value}" in said.inner_text(), 60)
+    assert re.fullmatch(rf"{JOB}: (ckpt-every 10 -> {value}, taken by all 2 ranks at step \d+"
+                        rf"|queued ckpt-every 10 -> {value} \(change 1\); .+)", said.inner_text()), \
+        said.inner_text()
+    first = wait_for("both ranks' setting events", lambda: taken(JOB, value), 180)
+    assert len({e["step"] for e in first}) == 1, first
+    in_force = settings_route(lab, JOB)
+    assert in_force["values"]["ckpt-every"] == value and in_force["step"] == first[0]["step"], in_force
+    since = f"in force since step {first[0]['step']}"
+    wait_for("the step it took effect at, in the view",
+             lambda: bar.locator(".eksft-settings-since").inner_text() == since, 60)
+
+    # Apply on the what-if's recommendation: posted through the same route, taken by every rank in turn
+    apply = dash.locator(".eksft-whatif .eksft-whatif-apply")
+    assert "ckpt-every=" in apply.get_attribute("title")
+    apply.click()
+    wait_for("the apply's line", lambda: f"ckpt-every {value} -> " in said.inner_text(), 60)
+    applied = re.fullmatch(rf"{JOB}: (?:queued )?ckpt-every {value} -> (\d+)"
+                           r"(?:, taken by all 2 ranks at step \d+| \(change 2\); .+)", said.inner_text())
+    assert applied, said.inner_text()
+    second = wait_for("both ranks' setting events of the apply", lambda: taken(JOB, int(applied[1])), 180)
+    assert len({e["step"] for e in second}) == 1 and second[0]["step"] >= first[0]["step"], second
+    in_force = settings_route(lab, JOB)
+    assert in_force["values"]["ckpt-every"] == int(applied[1]) and in_force["step"] == second[0]["step"]

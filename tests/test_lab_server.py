@@ -258,7 +258,13 @@ def jupyter_server(tmp: Path, env: dict[str, str]) -> Iterator[Server]:
 
         url = wait_for("the Jupyter server", started, timeout=90)
         srv = Server(url, token, tmp)
-        wait_for("the server to answer", lambda: srv.request("GET", "jobs")[0] == 200, timeout=60)
+        def answers() -> bool:
+            try:   # its runtime file may come before it listens
+                return srv.request("GET", "jobs")[0] == 200
+            except urllib.error.URLError:
+                return False
+
+        wait_for("the server to answer", answers, timeout=60)
         yield srv
     finally:
         stop_server(proc, log)
@@ -293,6 +299,20 @@ def test_a_failing_cluster_never_fails_the_local_list(server: Server) -> None:
     status, body = server.request("GET", "jobs")
     assert status == 200 and body["backends"]["local"] == {"ok": True}
     assert body["backends"]["eks"]["ok"] is False and body["backends"]["eks"]["error"]
+
+
+def test_the_jobs_list_carries_the_words_the_panel_learns(server: Server) -> None:
+    """Fault kinds, restart level labels, the failed ends and the live settings: the panel has no copy."""
+    from eksft_nb.lab.wire import JobsReply
+    from eksft_nb.settings import LIVE
+    from eksft_nb.states import FAILED_ENDS, RestartLevel
+
+    status, body = server.request("GET", "jobs")
+    assert status == 200 and set(body) == set(JobsReply.__annotations__), body
+    assert body["levels"] == {level.value: level.label for level in RestartLevel}
+    assert set(body["failed"]) == set(FAILED_ENDS)
+    assert [(s["name"], s["low"], s["help"]) for s in body["settings"]] == \
+        [(name, live.low, live.help) for name, live in LIVE.items()]
 
 
 def test_a_huge_log_line_gets_a_bounded_reply_that_says_it_was_cut(server: Server) -> None:
@@ -424,7 +444,9 @@ def test_a_job_from_a_terminal_in_the_api(server: Server) -> None:
         from eksft_nb.resilience.whatif_view import view
 
         status, whatif = server.request("GET", f"jobs/{JOB}/whatif")
-        assert status == 200 and whatif == json.loads(json.dumps(view(commands.whatif(JOB)))), whatif
+        assert status == 200 and {k: v for k, v in whatif.items() if k != "settings"} == \
+            json.loads(json.dumps(view(commands.whatif(JOB)))), whatif
+        assert whatif["settings"] == {"ckpt-every": whatif["every"]}, whatif   # what the panel's Apply posts
         assert re.fullmatch(r"every \d+ steps: [+-]\d+\.\d points ETTR \(now every 10\)", whatif["line"])
         assert [r[0] for r in whatif["rows"]][:2] == ["measured (as run)", "predicted (as run)"]
         assert [t["name"] for t in whatif["figure"]["data"]][0] == "predicted"

@@ -1,20 +1,24 @@
 """``pip install`` of the wheel is the whole install: the CLI, the magic and the JupyterLab panel.
 
-The wheel is built from a clean copy of the source tree (the files git knows, none of this folder's build
-outputs), so the build backend itself must run npm and JupyterLab's builder. It is then installed with its
-dependencies into a fresh venv (not editable), and used from there the way a user would: a short job with a
-fault through the CLI, the magic, both extension lists, and the jobs panel in a JupyterLab started from it.
+The wheel is built from a clean copy of the source tree (the files git knows, no node_modules) plus the one
+build output `make setup` made with the build hook's own function (nbext/build.py: npm ci, then JupyterLab's
+builder): the extension, which the hook then packs as it does for a wheel built from the sdist, rather than
+building it a second time. It is then installed with its dependencies into a fresh venv (not editable), and
+used from there the way a user would: a short job with a fault through the CLI, the magic, both extension
+lists, and the jobs panel in a JupyterLab started from it.
 pip's downloads are cached in the test's own folder; torch is the one from this machine's local index.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -23,6 +27,7 @@ import pytest
 from packaging.requirements import Requirement
 
 from conftest import REPO, jupyterlab
+from nbext.build import build as nbext_build
 
 CHROMIUM = Path("/usr/lib/chromium/chromium")
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
@@ -32,7 +37,8 @@ BUILD_TOOLS = {"jupyter-builder", "hatchling", "hatch-jupyter-builder", "hatch-n
 LABEXT = "share/jupyter/labextensions/eksft-nb-labextension/"
 JOB = "wheel-job"
 
-pytestmark = [pytest.mark.slow, pytest.mark.browser,
+# a build, two installs, a job and a JupyterLab: room beyond the suite's 600 s for a loaded machine
+pytestmark = [pytest.mark.slow, pytest.mark.browser, pytest.mark.timeout(1800),
               pytest.mark.skipif(not CHROMIUM.exists(), reason="Chromium is not installed (make chromium)"),
               pytest.mark.skipif(shutil.which("npm") is None, reason="npm is missing (Node.js >= 20.19)")]
 
@@ -60,6 +66,20 @@ def clean_tree(dest: Path) -> Path:
     return dest
 
 
+def with_built_extension(dest: Path) -> Path:
+    """``dest`` with the extension `make setup` built (by the function the wheel's build hook names), which
+    the hook's skip-if-exists then packs as it is."""
+    hooks = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["hatch"]["build"]["hooks"]
+    hook = hooks["jupyter-builder"]
+    module, _, name = hook["build-function"].rpartition(".")
+    assert getattr(importlib.import_module(module), name) is nbext_build, hook   # the function setup ran
+    built = REPO / "eksft_nb" / "labextension"
+    assert all((REPO / t).is_file() for t in hook["skip-if-exists"] + hook["ensured-targets"]), \
+        f"{built} is not built: run `make setup`"
+    shutil.copytree(built, dest / "eksft_nb" / "labextension")
+    return dest
+
+
 def runtime_requirements(wheel: Path) -> list[str]:
     with zipfile.ZipFile(wheel) as z:
         meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
@@ -73,7 +93,7 @@ def test_the_wheel_is_the_whole_install(tmp_path: Path) -> None:
     env.update(PIP_CACHE_DIR=str(tmp_path / "pip-cache"), PIP_DISABLE_PIP_VERSION_CHECK="1",
                EKSFT_HOME=str(tmp_path / "eksft"), JUPYTER_CONFIG_DIR=str(tmp_path / "jupyter-config"),
                JUPYTER_DATA_DIR=str(tmp_path / "jupyter-data"), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"))
-    src = clean_tree(tmp_path / "src")
+    src = with_built_extension(clean_tree(tmp_path / "src"))
     run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", tmp_path / "dist", src], tmp_path, env)
     (wheel,) = (tmp_path / "dist").glob("eksft_nb-*.whl")
     version = json.loads((REPO / "nbext" / "package.json").read_text())["version"]   # the one source

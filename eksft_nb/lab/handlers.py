@@ -22,14 +22,11 @@ from tornado.iostream import StreamClosedError
 
 from .. import commands, plotly_bundle
 from ..errors import ControlError, EksftError, UnknownJobError
-from ..fault_registry import REGISTRY
-from . import requests
+from . import requests, wire
 from .manager import CLUSTERS, JobsManager, describe_error
 
 KEEPALIVE_S = 15.0
 SETTINGS_WAIT_S = 10.0   # a change answers once every rank took it, or as queued after this long
-# what the JupyterLab panel offers to inject: the one table of fault kinds, in its order
-FAULT_KINDS = [{"kind": k.value, "scope": d.scope.value, "help": d.description} for k, d in REGISTRY.items()]
 
 
 def refusing(method: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
@@ -78,7 +75,7 @@ class JobsHandler(Base):
                 backends[name] = {"ok": True, "error": None}
             except Exception as e:
                 backends[name] = {"ok": False, "error": describe_error(e)}
-        self.finish(json.dumps({"jobs": jobs, "backends": backends, "faults": FAULT_KINDS}))
+        self.finish(json.dumps(wire.jobs_reply(jobs, backends)))
 
     @web.authenticated
     @refusing
@@ -188,7 +185,7 @@ class WhatIfHandler(Base):
 def _whatif_reply(name: str, backend: str) -> str:
     from ..resilience.whatif_view import view
 
-    return json.dumps(view(commands.whatif(name, backend=backend)))
+    return json.dumps(wire.whatif_reply(view(commands.whatif(name, backend=backend))))
 
 
 class StreamHandler(Base):

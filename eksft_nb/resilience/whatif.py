@@ -3,10 +3,13 @@ own events (folded by :class:`~eksft_nb.monitor.JobMonitor` and :func:`~eksft_nb
 
 The model, term by term (``N`` useful steps, ``t`` clean step time, ``k`` the interval):
 
-- productive = N * t; startup: as measured; other: as measured, plus the time between steps each
+- productive = N * t; startup: as measured (less the in-process Wrapper's set-up, measured by its
+  ``inprocess_wrapper`` events, where the setting turns in-process restart off); other: as measured
+  (less the Wrapper's exit, likewise), plus the time between steps each
   further save costs beyond its stall (an async save's commit, agreed by the ranks between steps),
   observed: the gaps between steps, less the stall, less a gap's median at every step, per save
-- saves = ceil(N / k), of three kinds that cost differently: the first save after each start of the
+- saves = the saves the job made, plus what ``k`` changes in ceil(N / k) and in the saves a rollback
+  repeats (so the job's own settings replay its own count), of three kinds that cost differently: the first save after each start of the
   ranks (the job's start and every recovery: it waits for a fresh writer and plans the save anew), the
   last step's (it waits for its write to commit), and the rest. Each kind costs its observed mean
   stall; the firsts are counted by replaying the restarts under ``k`` (the save after each resumed
@@ -19,7 +22,8 @@ The model, term by term (``N`` useful steps, ``t`` clean step time, ``k`` the in
   newest save committed when it failed is known from its events), so recomputed = sum(lost) * the
   observed time of a lost step (the steps a failure throws away ran beside the write of the save
   before them, slower than the mean step; t where none was lost); its downtime is the observed one,
-  or the mean of the job's observed recoveries at the level the setting moves it to
+  or the mean of the job's observed recoveries at the level the setting moves it to; without in-process
+  restart, an in-job recovery costs less the Wrapper's set-up in the ranks it started
 - ETTR = productive / wall (the productive share of wall time; not :func:`~eksft_nb.goodput.ettr`,
   useful steps per wall second against a fault-free run)
 
@@ -97,6 +101,11 @@ class Inputs:
     last_save_stall_s: float | None = None    # the last step's save (None: the job has not saved it yet)
     recompute_step_s: float | None = None     # seconds per lost step, as it ran (None: none was lost)
     other_per_save_s: float = 0.0             # time between steps a save costs beyond its stall
+    first_saves: int = 0                      # saves that were the first after a start of the ranks
+    # NVRx's in-process Wrapper (inprocess_wrapper events; None: not recorded): its set-up in the job's
+    # start-up and its completion at the end, on the critical path (see _wrapper)
+    wrapper_startup_s: float | None = None
+    wrapper_exit_s: float | None = None
     nvrx: str | None = None    # the NVRx version the job ran with (None: not recorded)
 
 
@@ -166,12 +175,12 @@ def measure(mon: JobMonitor, spec: JobSpec, now: float | None = None) -> Inputs:
         raise EksftError(f"job {mon.name or spec.name!r} has run no step yet",
                          "ask again once it has trained a while")
     step_s = gp.productive_s / n
-    saves = [c for c in mon.checkpoints.values() if c.t_staged is not None]
+    saves = [c for c in mon.saves if c.t_staged is not None]   # a step saved again after a rollback: twice
     async_saves = [c for c in saves if c.mode == "async"]
     writes = [(c.blocked_s or 0.0) + c.background_s for c in async_saves if c.background_s is not None]
     lags = [math.ceil((c.t_done - c.t_begin) / step_s) for c in async_saves
             if c.t_done and c.t_begin and c.state == CheckpointState.COMMITTED and step_s > 0]
-    committed = sorted((c.t_done, c.step) for c in mon.checkpoints.values()
+    committed = sorted((c.t_done, c.step) for c in mon.saves
                        if c.state == CheckpointState.COMMITTED and c.t_done is not None)
     failures = []
     for r in mon.restarts:
@@ -179,11 +188,16 @@ def measure(mon: JobMonitor, spec: JobSpec, now: float | None = None) -> Inputs:
                          "downtime_s": r["downtime_s"], "detection_s": r["detection_s"],
                          "lost": r["rolled_back_steps"], "node_loss": _node_loss(r, spec),
                          "phases": r.get("phases") or {},
+                         # the Wrapper's set-up in the ranks this recovery started (None: none recorded)
+                         "wrapper_s": _wrapper(mon, "setup", r["fault_time"], r["t"]),
                          # the newest save on storage when it failed: what its own interval restores
                          "committed": max((st for t, st in committed if t <= r["fault_time"] and st <= r["resumed_step"]
                                            + r["rolled_back_steps"]), default=0)})
     wall = gp.wall_s
     first, last, rest = _save_kinds(mon, spec, saves)
+    st = mon.steps   # training began at the first step, or at the first fault if one came before it
+    began = min(([st.t[0] - st.step_time[0]] if len(st) else [])
+                + [r["fault_time"] for r in mon.restarts[:1]], default=math.inf)
     lost = sum(r["rolled_back_steps"] for r in mon.restarts)
     return Inputs(
         steps=n, step_s=step_s, saves=len(saves),
@@ -201,7 +215,16 @@ def measure(mon: JobMonitor, spec: JobSpec, now: float | None = None) -> Inputs:
         recompute_step_s=gp.recomputed_s / lost if lost and gp.recomputed_s > 0 else None,
         other_per_save_s=_between_steps_per_save(mon, gp.checkpoint_stall_s - sum(last),
                                                  len(saves) - len(last)),
-        nvrx=mon.nvrx)
+        first_saves=len(first), wrapper_startup_s=_wrapper(mon, "setup", mon.t_start or 0.0, began),
+        wrapper_exit_s=_wrapper(mon, "exit", began, math.inf), nvrx=mon.nvrx)
+
+
+def _wrapper(mon: JobMonitor, phase: str, t0: float, t1: float) -> float | None:
+    """The seconds NVRx's Wrapper spent in ``phase`` between ``t0`` and ``t1`` on the critical path. Set-up:
+    the least over the ranks (the rank that came last to the Wrapper's barrier waited for none). Exit: the
+    most (the ranks return together, from the trainer's last barrier; the job ends with the last to leave)."""
+    seen = [w["seconds"] for w in mon.wrapper if w["phase"] == phase and t0 <= w["t"] <= t1]
+    return (min if phase == "setup" else max)(seen) if seen else None
 
 
 def _between_steps_per_save(mon: JobMonitor, stall_s: float, saves: int) -> float:
@@ -248,6 +271,11 @@ def predict(inp: Inputs, as_run: Setting, s: Setting) -> Row:
     if s.spares > 0 and inp.nvrx and (refused := NVRx(inp.nvrx).spares_refused):
         row.why = f"hot spares do not pay off with this job's NVRx: {refused}"
         return row
+    if s.inprocess and not as_run.inprocess:
+        row.why = ("in-process restart was off, so NVRx's Wrapper never ran: what its set-up adds to each "
+                   "start of the ranks and what its recoveries cost were never measured (run it once with "
+                   "in-process on)")
+        return row
     stall, interference = inp.stall_per_save_s, inp.interference_per_save_s
     lag = inp.commit_lag_steps if s.ckpt_mode == "async" else 0
     if s.ckpt_mode != as_run.ckpt_mode:
@@ -261,6 +289,11 @@ def predict(inp: Inputs, as_run: Setting, s: Setting) -> Row:
             row.why = ("no async save was observed: its staging stall, interference and commit lag are "
                        "unknown (run it once with --ckpt-mode async)")
             return row
+    unwrapped = as_run.inprocess and not s.inprocess   # without the Wrapper's set-up in each start
+
+    def cost(f: dict[str, Any]) -> float:
+        return f["downtime_s"] - ((f.get("wrapper_s") or 0.0) if unwrapped else 0.0)
+
     downtimes: list[float] = []
     for f in inp.failures:
         level, why = _level_under(f, as_run, s)
@@ -268,9 +301,9 @@ def predict(inp: Inputs, as_run: Setting, s: Setting) -> Row:
             row.why = why
             return row
         if level == f["level"]:
-            downtimes.append(f["downtime_s"])
+            downtimes.append(cost(f))
             continue
-        seen = [g["downtime_s"] for g in inp.failures if g["level"] == level]
+        seen = [cost(g) for g in inp.failures if g["level"] == level]
         if not seen:
             now_, then = RestartLevel(f["level"]).label, RestartLevel(level).label
             row.why = (f"the {now_} recovery at step {f['step']} would become {then}, and this job shows no "
@@ -279,19 +312,35 @@ def predict(inp: Inputs, as_run: Setting, s: Setting) -> Row:
         downtimes.append(statistics.fmean(seen))
         row.notes.append(f"the {f['level']} recovery at step {f['step']} becomes {level} "
                          f"({downtimes[-1]:.2f}s, the mean of the job's {len(seen)} observed)")
-    lost = [_lost(f, s, as_run, lag, level_loads_committed(f, as_run, s)) for f in inp.failures]
-    saves = math.ceil(inp.steps / s.ckpt_every) if s.ckpt_every > 0 else 0
+    lost = [_lost(f, s, as_run, lag, _level_under(f, as_run, s)[0]) for f in inp.failures]
+    # the saves the job made, plus what the setting changes by the same count: the job's own settings
+    # replay its saves (a step saved again after a rollback included), whatever the count misses
+    saves, firsts = _saves(inp, s, lost)
+    saves_then, firsts_then = _saves(inp, as_run, [f["lost"] for f in inp.failures])
+    saves = max(0, inp.saves + saves - saves_then) if s.ckpt_every > 0 else 0
+    firsts = max(0, inp.first_saves + firsts - firsts_then)
     t = inp.step_s
-    other = inp.other_s
+    other = inp.other_s + (saves - inp.saves) * inp.other_per_save_s
+    startup = inp.startup_s
+    if unwrapped:
+        startup -= inp.wrapper_startup_s or 0.0
+        other -= inp.wrapper_exit_s or 0.0
+        if inp.wrapper_startup_s is None:
+            row.notes.append("the in-process Wrapper's set-up was not recorded (events from before it was): "
+                             "start-up and in-job restarts are taken as observed, the Wrapper's share "
+                             "included")
+        else:
+            row.notes.append("without the in-process Wrapper: its observed set-up "
+                             f"({inp.wrapper_startup_s:.2f}s at the start, and in each in-job restart as "
+                             "observed there) and its exit "
+                             f"({inp.wrapper_exit_s or 0.0:.2f}s) are not spent")
     if s.ckpt_mode == as_run.ckpt_mode:
-        stall_s = _stall(inp, s, lost, saves, stall)
-        if as_run.ckpt_every > 0:
-            other += (saves - math.ceil(inp.steps / as_run.ckpt_every)) * inp.other_per_save_s
+        stall_s = _stall(inp, saves, firsts, stall)
     else:
         stall_s = saves * stall
     row.terms = {"productive": inp.steps * t, "checkpoint_stall": stall_s,
                  "checkpoint_interference": saves * interference, "restart_downtime": sum(downtimes),
-                 "recomputed": sum(lost) * (inp.recompute_step_s or t), "startup": inp.startup_s,
+                 "recomputed": sum(lost) * (inp.recompute_step_s or t), "startup": max(0.0, startup),
                  "other": max(0.0, other)}
     row.terms = {k: round(v, 4) for k, v in row.terms.items()}
     wall = sum(row.terms.values())
@@ -300,17 +349,28 @@ def predict(inp: Inputs, as_run: Setting, s: Setting) -> Row:
     return row
 
 
-def _stall(inp: Inputs, s: Setting, lost: list[int], saves: int, per_save: float) -> float:
-    """The stall of ``saves`` saves every ``s.ckpt_every`` steps: the last step's and the first after each
-    start (the job's, and each recovery's resumed step ``step - lost``) at their observed costs, the rest at
-    ``per_save``."""
+def _saves(inp: Inputs, s: Setting, lost: list[int]) -> tuple[int, int]:
+    """Saves every ``s.ckpt_every`` steps, and how many are a start's first: one per ``k`` useful steps, and
+    again each save a failure rolled back (``lost`` steps each); a start (the job's, each recovery's resumed
+    step) has a first save of its own if it reaches its next save before the next failure."""
     k, n = s.ckpt_every, inp.steps
-    if k <= 0 or not saves:
+    if k <= 0:
+        return 0, 0
+    steps = [f["step"] for f in inp.failures]
+    resumed = [0] + [st - lost_ for st, lost_ in zip(steps, lost)]
+    again = sum(st // k - r // k for st, r in zip(steps, resumed[1:]))
+    nexts = [((r // k + 1) * k, until) for r, until in zip(resumed, [*steps, n])]   # a start's next save
+    firsts = sum(1 for x, until in nexts if x < n and x <= until)
+    return math.ceil(n / k) + again, firsts
+
+
+def _stall(inp: Inputs, saves: int, firsts: int, per_save: float) -> float:
+    """The stall of ``saves`` saves: the last step's and ``firsts`` firsts after a start of the ranks at their
+    observed costs, the rest at ``per_save``."""
+    if not saves:
         return 0.0
     last = 1 if inp.last_save_stall_s is not None else 0
-    resumed = [0] + [f["step"] - lost_ for f, lost_ in zip(inp.failures, lost)]
-    nexts = {(r // k + 1) * k for r in resumed}   # the save after each start
-    firsts = 0 if inp.first_save_stall_s is None else len({x for x in nexts if x < n})
+    firsts = firsts if inp.first_save_stall_s is not None else 0
     rest = max(0, saves - last - firsts)
     return rest * per_save + firsts * (inp.first_save_stall_s or 0.0) + last * (inp.last_save_stall_s or 0.0)
 
@@ -331,20 +391,19 @@ def _level_under(f: dict[str, Any], as_run: Setting, s: Setting) -> tuple[str, s
     return level, ""
 
 
-def level_loads_committed(f: dict[str, Any], as_run: Setting, s: Setting) -> bool:
-    """Whether the recovery of ``f`` under ``s`` restores committed saves only (in-job and job: from
-    storage; in-process: the processes' own newest save)."""
-    return _level_under(f, as_run, s)[0] != RestartLevel.INPROCESS
-
-
-def _lost(f: dict[str, Any], setting: Setting, as_run: Setting, lag: int, from_storage: bool) -> int:
-    """Steps a failure at step ``f['step']`` loses under ``setting``. Restored from storage with the job's
-    own saves: back to the newest one committed when it failed (observed). Otherwise back to a save every
-    ``k`` steps, loadable ``lag`` steps after it began (the median commit lag observed) from storage."""
+def _lost(f: dict[str, Any], setting: Setting, as_run: Setting, lag: int, level: str) -> int:
+    """Steps a failure at step ``f['step']`` loses under ``setting``, recovered at ``level``. With the job's
+    own saves: what it lost, at the level it was recovered at (observed: a save that committed after the
+    fault, before the restore read the folder, was loaded); from storage at another level, back to the
+    newest save committed when it failed. Otherwise back to a save every ``k`` steps, loadable ``lag``
+    steps after it began (the median commit lag observed) from storage."""
     s, k = f["step"], setting.ckpt_every
     if k <= 0:
         return s
     own = (k, setting.ckpt_mode) == (as_run.ckpt_every, as_run.ckpt_mode)
+    if own and level == f["level"]:
+        return f["lost"]
+    from_storage = level != RestartLevel.INPROCESS
     if from_storage and own and f.get("committed") is not None:
         return max(0, s - f["committed"])
     lag = lag if from_storage else 0

@@ -91,6 +91,10 @@ class Session:
         self.pending_exception: str | None = None
         self._warned: set[str] = set()
         self.drain: Any = None   # the built-in trainer's SIGTERM handler (see .drain)
+        # NVRx's in-process Wrapper around the trainer: when its set-up began, when the wrapped function
+        # last returned (what the Wrapper adds to the process is reported: inprocess_wrapper events)
+        self.t_wrapper_setup: float | None = None
+        self.t_wrapped_return: float | None = None
         self._beacon = _Beacon(self) if live else None
         # one GPU health sampler per node, with its own events writer (it writes from its own thread)
         self._gpu = self._gpu_events = None
@@ -192,12 +196,15 @@ class Session:
         if self.sections:
             self.section("step", True)
 
-    def step_end(self, step: int, loss: float, tokens: int, step_time: float) -> None:
+    def step_end(self, step: int, loss: float, tokens: int, step_time: float,
+                 report: bool | None = None) -> None:
+        """``report``: whether this rank emits the ``step`` event (default: rank 0; under torchft the group
+        ranked first in the step's quorum, whichever that is)."""
         if self.sections:
             self.section("step", False)
         self.heartbeat()
         self.step_done, self.t_done = step, time.time()
-        if self.rank == 0 and self.instrumented:
+        if (self.rank == 0 if report is None else report) and self.instrumented:
             self.emit("step", step=step, loss=float(loss), tokens=int(tokens), step_time=float(step_time))
 
     # -- faults --

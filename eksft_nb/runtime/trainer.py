@@ -169,7 +169,9 @@ class Trainer:
             if saving:
                 if spec.ft.checkpoint_timeout is not None:
                     s.section("checkpoint", False)
-                s.heartbeat()
+                # a save that ended is progress: the next step's time is not added to the save's (the
+                # in-process soft timeout took a slow save followed by a slow step for a hang)
+                self._keepalive()
             if draining > 0 and step < spec.steps:
                 self._drained(step, int(draining), time.perf_counter() - t_save)
                 return
@@ -199,6 +201,8 @@ def run(call_wrapper: Any = None) -> None:
     s = session()
     s.inprocess_iteration = call_wrapper.iteration if call_wrapper is not None else 0
     t_enter = time.time() if s.inprocess_iteration > 0 else None  # else: the process start
+    if call_wrapper is not None and s.inprocess_iteration == 0 and s.t_wrapper_setup is not None:
+        s.emit("inprocess_wrapper", phase="setup", seconds=max(0.0, time.time() - s.t_wrapper_setup))
     trainer = None
     if s.drain is not None:
         s.drain.entered_loop()
@@ -216,6 +220,7 @@ def run(call_wrapper: Any = None) -> None:
             trainer.close()
         raise  # in-process restart: the Wrapper's abort tears the process group down
     trainer.close()
+    s.t_wrapped_return = time.time()
 
 
 def wrapper_kwargs(s: Session) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import os
+import time
 
 from .quiet import quiet_process
 
@@ -39,6 +40,7 @@ def main() -> None:
             # do it before the in-process Wrapper starts timing progress
             s.checkpointing().writer.start()
         if s.spec.ft.inprocess and "EKSFT_WRAPPER_PORT" in os.environ:
+            s.t_wrapper_setup = time.time()   # reported at the wrapped function's first call
             import nvidia_resiliency_ext.inprocess as inprocess
 
             from .peers import track
@@ -59,6 +61,8 @@ def main() -> None:
             # (no collection first: it would cost every fresh rank 0.07 s to free a few objects)
             gc.freeze()
             wrapper(run)()
+            if s.t_wrapped_return is not None:   # the Wrapper's completion, after the training returned
+                s.emit("inprocess_wrapper", phase="exit", seconds=max(0.0, time.time() - s.t_wrapped_return))
         else:
             run()
     finally:

@@ -20,17 +20,64 @@ export interface IJobRow {
   detail: string;
 }
 
-/** A fault the server can inject, from its one table of fault kinds. */
-export interface IFaultKind {
+/** A fault the server can inject, from its one table of fault kinds (lab/wire.py FaultKindInfo). */
+export interface IFaultKindInfo {
   kind: string;
   scope: string;
-  help?: string;
+  help: string;
 }
 
+/** A setting a running job takes, with its range (lab/wire.py LiveSetting, from eksft_nb.settings). */
+export interface ILiveSetting {
+  name: string;
+  low: number;
+  high: number;
+  help: string;
+}
+
+export interface IBackendStatus {
+  ok: boolean;
+  error?: string | null;
+}
+
+/** GET jobs: the jobs, and the words the panel learns from Python (lab/wire.py JobsReply). The stream's
+ * `jobs` event carries the first two. */
 export interface IJobsReply {
   jobs: IJobRow[];
-  backends?: { [name: string]: { ok: boolean; error?: string | null } };
-  faults?: IFaultKind[];
+  backends: { [name: string]: IBackendStatus };
+  faults: IFaultKindInfo[];
+  levels: { [level: string]: string };
+  failed: string[];
+  settings: ILiveSetting[];
+}
+
+/** POST stop (commands.StopResult): the row, and the command layer's line. */
+export interface IStopResult extends IJobRow {
+  message: string;
+}
+
+/** POST resume (commands.ResumeResult): the new job's row, and the command layer's line. */
+export interface IResumeResult extends IJobRow {
+  message: string;
+}
+
+/** GET settings (lab/wire.py SettingsInForce). */
+export interface ISettingsInForce {
+  job: string;
+  seq: number;
+  values: { [name: string]: number };
+  step: number | null;
+}
+
+/** POST settings (commands.SettingsResult). */
+export interface ISettingsResult {
+  job: string;
+  seq: number | null;
+  values: { [name: string]: number };
+  changes: { [name: string]: number[] };
+  applied: boolean;
+  step: number | null;
+  message: string;
 }
 
 export interface ICheckpoint {

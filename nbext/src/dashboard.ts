@@ -2,14 +2,16 @@
  * One job's dashboard in the main area: its row (state, step, restarts, goodput, checkpoint) and the
  * figure the Python dashboard code builds (GET /eksft/jobs/NAME/figure), drawn with plotly.js. The figure
  * is fetched again when the stream says the job changed, at most once per REFRESH_MS. A second tab shows
- * the job's what-if (whatif.ts), fetched the same way while it is the tab shown.
+ * the job's what-if (whatif.ts), fetched the same way while it is the tab shown. Above the tabs, the job's live
+ * settings (settings.ts), read again with each fetch; the what-if's Apply posts through them.
  */
 import { Widget } from '@lumino/widgets';
 
 import { jobPath, request } from './api';
 import { JobsModel } from './model';
 import { button, el, JobSummary } from './rows';
-import { WhatIfTab } from './whatif';
+import { SettingsBar } from './settings';
+import { IFigure, WhatIfTab } from './whatif';
 
 const REFRESH_MS = 2000;
 
@@ -45,8 +47,9 @@ export class Dashboard extends Widget {
       this._tabs.set(tab, b);
       tabs.append(b);
     }
-    this.whatif = new WhatIfTab(job);
-    this.node.append(stats, s.restarts, tabs, this._error, this._plot, this.whatif.node);
+    this.settings = new SettingsBar(job, model);
+    this.whatif = new WhatIfTab(job, values => this.settings.change(values));
+    this.node.append(stats, s.restarts, this.settings.node, tabs, this._error, this._plot, this.whatif.node);
     this._select('training');
     model.changed.connect(this._onChanged, this);
     this._show();
@@ -75,8 +78,10 @@ export class Dashboard extends Widget {
     }
   }
 
-  /** The what-if tab (its `actions` element takes an action on the recommendation). */
+  /** The what-if tab (its `actions` element holds Apply). */
   readonly whatif: WhatIfTab;
+  /** The live settings: boxes, Set, the server's line. */
+  readonly settings: SettingsBar;
 
   dispose(): void {
     if (this.isDisposed) {
@@ -119,8 +124,10 @@ export class Dashboard extends Widget {
   private _show(): void {
     const row = this.model.get(this.job);
     if (row) {
-      this._summary.show(this.node, row);
+      this._summary.show(this.node, row, this.model.levels);
+      this.whatif.running = !row.ended;
     }
+    this.settings.update(row);
   }
 
   private async _draw(): Promise<void> {
@@ -128,6 +135,7 @@ export class Dashboard extends Widget {
     this._again = false;
     try {
       const backend = this.model.get(this.job)?.backend;
+      void this.settings.load();
       if (this._tab === 'whatif') {
         if ((await this.whatif.load(backend)) && this.whatif.figure) {
           await this._render(this.whatif.plot, this.whatif.figure);
@@ -135,7 +143,7 @@ export class Dashboard extends Widget {
         return;
       }
       const query = backend && backend !== 'local' ? `?backend=${backend}` : '';
-      this._figure = await request<{ data: any[]; layout: any }>(jobPath(this.job, 'figure') + query);
+      this._figure = await request<IFigure>(jobPath(this.job, 'figure') + query);
       this._error.textContent = '';
       await this._render(this._plot, this._figure);
     } catch (e) {
@@ -149,7 +157,7 @@ export class Dashboard extends Widget {
     }
   }
 
-  private async _render(node: HTMLElement, figure: { data: any[]; layout: any }): Promise<void> {
+  private async _render(node: HTMLElement, figure: IFigure): Promise<void> {
     const P = await loadPlotly();
     if (this.isDisposed) {
       return;
@@ -163,7 +171,7 @@ export class Dashboard extends Widget {
   private _summary = new JobSummary();
   private _error = el('div', 'eksft-error');
   private _plot = el('div', 'eksft-plot');
-  private _figure: { data: any[]; layout: any } | null = null;
+  private _figure: IFigure | null = null;
   private _timer: number | null = null;
   private _inFlight = false;
   private _again = false;

@@ -4,7 +4,16 @@
  */
 import { ISignal, Signal } from '@lumino/signaling';
 
-import { EksftError, IFaultKind, IJobRow, IJobsReply, IStreamEvent, readStream, request } from './api';
+import {
+  EksftError,
+  IFaultKindInfo,
+  IJobRow,
+  IJobsReply,
+  ILiveSetting,
+  IStreamEvent,
+  readStream,
+  request
+} from './api';
 
 /** A restart (from the stream's restart events) or a job that ended failed or lost. A stream failure
  * event is not one: it is followed by its restart, or by the job's end. */
@@ -15,12 +24,15 @@ export interface IIncident {
   cause?: string;
 }
 
-const FAILED = new Set(['failed', 'lost']);
-
 export class JobsModel {
   /** Jobs in the server's order. */
   jobs: IJobRow[] = [];
-  faults: IFaultKind[] = [];
+  /** The words learnt from the server (GET jobs), none copied here: fault kinds, restart level labels, the
+   * failed ends, the live settings. */
+  faults: IFaultKindInfo[] = [];
+  levels: { [level: string]: string } = {};
+  failed = new Set<string>();
+  settings: ILiveSetting[] = [];
   /** The stream is open and has sent the list at least once. */
   live = false;
   /** One line about the connection to the server ('' when all is well). */
@@ -54,7 +66,10 @@ export class JobsModel {
   async start(): Promise<void> {
     try {
       const reply = await request<IJobsReply>('jobs');
-      this.faults = reply.faults || [];
+      this.faults = reply.faults || []; // a server extension older than this panel sends fewer words
+      this.levels = reply.levels || {};
+      this.failed = new Set(reply.failed || []);
+      this.settings = reply.settings || [];
       this._setBackends(reply);
       this._setJobs(reply.jobs);
     } catch (e) {
@@ -97,9 +112,6 @@ export class JobsModel {
       if (this.error) {
         this._setError('');
       }
-      if (Array.isArray(e.data.faults)) {
-        this.faults = e.data.faults;
-      }
       this._setBackends(e.data);
       this._setJobs(e.data.jobs, !wasLive);
     } else if (e.event === 'restart' && e.data && typeof e.data.job === 'string') {
@@ -128,7 +140,7 @@ export class JobsModel {
       if (!old || key(old) !== key(job)) {
         changed.add(job.name);
       }
-      if (old && !FAILED.has(old.state) && FAILED.has(job.state)) {
+      if (old && !this.failed.has(old.state) && this.failed.has(job.state)) {
         this._incident.emit({ kind: 'ended', job: job.name, cause: job.state });
       }
       before.delete(job.name);

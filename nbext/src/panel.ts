@@ -5,7 +5,7 @@
 import { Message } from '@lumino/messaging';
 import { Widget } from '@lumino/widgets';
 
-import { ICheckpoint, IFaultKind, IJobRow, jobPath, post, request } from './api';
+import { ICheckpoint, IFaultKindInfo, IJobRow, IResumeResult, IStopResult, jobPath, post, request } from './api';
 import { JobsModel } from './model';
 import { button, el, JobSummary } from './rows';
 
@@ -146,7 +146,7 @@ class JobRowView {
 
   update(row: IJobRow): void {
     this._row = row;
-    this._summary.show(this.node, row);
+    this._summary.show(this.node, row, this.model.levels);
     this.node.dataset.backend = row.backend;
     this._backend.textContent = row.backend;
     this._backend.hidden = row.backend === 'local';
@@ -168,7 +168,7 @@ class JobRowView {
     }
   }
 
-  private _fillFaults(faults: IFaultKind[]): void {
+  private _fillFaults(faults: IFaultKindInfo[]): void {
     const chosen = this._fault.value;
     this._fault.replaceChildren(
       ...faults.map(f => {
@@ -232,8 +232,8 @@ class JobRowView {
 
   private async _stop(): Promise<void> {
     await this._act(
-      () => post<IJobRow>(this._path('stop'), { backend: this._row?.backend }),
-      r => `stopped ${r.name}: ${r.state}`
+      () => post<IStopResult>(this._path('stop'), { backend: this._row?.backend }),
+      r => r.message
     );
   }
 
@@ -243,8 +243,8 @@ class JobRowView {
       body.step = Number(this._ckpts.value);
     }
     await this._act(
-      () => post<IJobRow>(this._path('resume'), body),
-      r => `resumed as ${r.name}` + (body.step !== undefined ? ` from step ${body.step}` : '')
+      () => post<IResumeResult>(this._path('resume'), body),
+      r => r.message
     );
   }
 
@@ -291,7 +291,7 @@ class JobRowView {
   private _targetLabel = el('span', '', 'rank');
   private _rank = el('input', 'eksft-rank');
   private _ckpts = el('select', 'eksft-ckpts');
-  private _faultsShown: IFaultKind[] | null = null;
+  private _faultsShown: IFaultKindInfo[] | null = null;
   private _ckptsFor: number | null | undefined = undefined;
   private _message = el('div', 'eksft-message');
 }

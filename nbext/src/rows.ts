@@ -3,12 +3,10 @@
  */
 import { IJobRow } from './api';
 
-/** How the dashboard's lanes name the restart levels the rows count (a level not here shows as is). */
-const LEVEL_LABELS: { [level: string]: string } = { inprocess: 'in-process', injob: 'in-job' };
-
-/** "restarts: in-process 0 · in-job 1 · job 0", in the server's order of levels */
-export function restartsText(row: IJobRow): string {
-  const counts = Object.entries(row.restarts || {}).map(([level, n]) => `${LEVEL_LABELS[level] ?? level} ${n}`);
+/** "restarts: in-process 0 · in-job 1 · job 0", in the server's order of levels, named by `labels` (the
+ * server's RestartLevel.label; a level not there shows as is) */
+export function restartsText(row: IJobRow, labels: { [level: string]: string }): string {
+  const counts = Object.entries(row.restarts || {}).map(([level, n]) => `${labels[level] ?? level} ${n}`);
   return 'restarts: ' + (counts.join(' · ') || 'none');
 }
 
@@ -62,8 +60,9 @@ export class JobSummary {
   readonly ckpt = el('span', 'eksft-ckpt');
   readonly restarts = el('div', 'eksft-restarts');
 
-  /** Show `row`; `host` carries its state and restart count as data attributes (styles and tests read them). */
-  show(host: HTMLElement, row: IJobRow): void {
+  /** Show `row` (its levels named by `labels`); `host` carries its state and restart count as data attributes
+   * (styles and tests read them). */
+  show(host: HTMLElement, row: IJobRow, labels: { [level: string]: string }): void {
     host.dataset.state = row.state;
     host.dataset.step = String(row.step);
     host.dataset.restarts = String(totalRestarts(row));
@@ -72,6 +71,6 @@ export class JobSummary {
     this.step.textContent = stepText(row);
     this.goodput.textContent = goodputText(row);
     this.ckpt.textContent = ckptText(row);
-    this.restarts.textContent = restartsText(row);
+    this.restarts.textContent = restartsText(row, labels);
   }
 }

@@ -38,7 +38,7 @@ export class JobsStatus extends Widget {
     this._badge.hidden = false;
     this._badge.textContent = String(this._incidents.length);
     this._badge.dataset.kind = this._incidents.some(i => i.kind !== 'restart') ? 'failure' : 'restart';
-    const lines = this._incidents.slice(-5).map(describe);
+    const lines = this._incidents.slice(-5).map(i => describe(i, this.model.levels));
     this._button.title = `${lines.join('\n')}\n(open the eksft panel to clear)`;
   }
 
@@ -48,9 +48,11 @@ export class JobsStatus extends Widget {
   private _badge = el('span', 'eksft-badge');
 }
 
-function describe(i: IIncident): string {
+/** One line of the badge's tooltip; a restart's level named by `labels` (the server's). */
+function describe(i: IIncident, labels: { [level: string]: string }): string {
   if (i.kind === 'ended') {
     return `${i.job} ${i.cause}`;
   }
-  return `${i.job}: ${`${i.level ?? ''} restart`.trim()}${i.cause ? ` (${i.cause})` : ''}`;
+  const level = i.level ? labels[i.level] ?? i.level : '';
+  return `${i.job}: ${`${level} restart`.trim()}${i.cause ? ` (${i.cause})` : ''}`;
 }

@@ -71,6 +71,10 @@ class LocalBackend(FolderJobs, Backend):
         lines = [f"# {line}" for line in derive(spec).lines()]
         spec = resolved(spec)
         jd = JobDir.for_name(spec.name, self.root)
+        if spec.engine == "torchft":
+            from ...engines.torchft.plan import render
+
+            return "\n".join([*lines, render(spec, str(jd.path))])
         ports = Ports(29500, 29501, 29502)
         lines += [f"# job folder: {jd.path}", "# environment of each launcher (ports are picked free at launch):"]
         for k, v in {**rank_env(spec, ports=ports, job_attempt=0, job_dir=str(jd.path)), **loopback.env()}.items():

@@ -60,6 +60,7 @@ POLL_S = 0.2
 STANDBY_MODULE = "eksft_nb.backends.local.standby"   # a local job's ft_launcher (see its module)
 UNKNOWN_EXIT = -256    # an adopted launcher ended (not our child: its exit status is unknown)
 
+TORCHFT_SUPERVISOR = "eksft_nb.engines.torchft.supervisor"   # the supervisor of an --engine torchft job
 UNRECORDED = 3         # the supervisor's exit status when the job ended but writing that down failed
 
 
@@ -592,7 +593,10 @@ def _free_ports(n: int) -> list[int]:
 
 def main() -> None:
     """``python -m eksft_nb.backends.local.supervisor JOB_DIR [--adopt]``, as the keeper runs it."""
-    sys.exit(Supervisor(JobDir(Path(sys.argv[1])), adopt="--adopt" in sys.argv).run())
+    jd = JobDir(Path(sys.argv[1]))
+    if jd.spec().engine == "torchft":   # its own supervisor (the Lighthouse, a process per replica group)
+        os.execv(sys.executable, [sys.executable, "-m", TORCHFT_SUPERVISOR, "--run", *sys.argv[1:]])
+    sys.exit(Supervisor(jd, adopt="--adopt" in sys.argv).run())
 
 
 if __name__ == "__main__":

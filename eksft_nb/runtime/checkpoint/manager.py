@@ -117,6 +117,8 @@ class CheckpointManager:
         save starts."""
         if self.pending is not None:
             self._finalize_if_done(blocking=last)
+            if self.pending is None:   # committed (or failed): progress, before the next save's own time
+                self.keepalive()
         if not self.due(step, last):
             return
         if self.pending is not None:  # every rank agreed on this in _finalize_if_done
@@ -219,7 +221,7 @@ class CheckpointManager:
             write_fn, preload_fn, nvrx_args = writer.get_save_function_and_args()
             buckets = nvrx_args[1] if nvrx_args[1] is not None else preload_fn  # NVRx 0.6+: built by the writer process
             args = (write_fn, self.rank, buckets, nvrx_args[2], manifest, save_id, self._fault())
-        self.writer.schedule(AsyncRequest(write_shard, args, []))
+        self.writer.schedule(AsyncRequest(write_shard, args, []), save_id)
         if cache is not None:
             self.writer.plan_sent = (self.writer.caller, cache.key)
         return save_id, metadata

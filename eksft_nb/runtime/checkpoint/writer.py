@@ -129,6 +129,8 @@ class AsyncWriter:
         self.plan_sent: tuple[Any, str] | None = None  # (NVRx caller, plan key): the kept save plan it holds
         self.unfinished: Any = None  # the save handed over and not finalized: an in-process restart commits it
         self._ids = itertools.count()
+        self.handed: set[str] = set()  # ids handed to the running writer process whose result was not read
+        self.lost: dict[str, str] = {}  # ids handed to a writer process that died: why they have no result
 
     def start(self) -> None:
         """Start the writer process and NVRx's result queue ahead of the first save, so the first
@@ -152,10 +154,12 @@ class AsyncWriter:
         """An id no other request of this process has (NVRx's results queue is the process's)."""
         return f"{os.getpid()}-{id(self):x}-{next(self._ids)}"
 
-    def schedule(self, request: Any) -> None:
+    def schedule(self, request: Any, save_id: str) -> None:
+        """Hand ``request`` to the writer; it puts its result under ``save_id`` (see :meth:`result`)."""
         self.start()
         self.caller.schedule_async_call(request)
         self.outstanding += 1
+        self.handed.add(save_id)
 
     def result(self, save_id: str, timeout: float = 120.0) -> Any:
         """The result of the request ``save_id`` (once it is done locally). Results of requests
@@ -167,16 +171,24 @@ class AsyncWriter:
         q = _get_write_results_queue()
         deadline = time.monotonic() + timeout
         while True:
+            if save_id in self.lost:  # its writer died: no result will come
+                return RuntimeError(self.lost.pop(save_id))
             try:
-                item = q.get(timeout=max(0.1, deadline - time.monotonic()))
+                item = q.get(timeout=min(1.0, max(0.1, deadline - time.monotonic())))
             except Empty:
-                return RuntimeError("the checkpoint writer returned no result")
-            if isinstance(item, tuple) and len(item) == 2 and item[0] == save_id:
-                return item[1]
+                if time.monotonic() >= deadline:
+                    return RuntimeError("the checkpoint writer returned no result")
+                self.done_locally()  # notices a writer that died
+                continue
+            if isinstance(item, tuple) and len(item) == 2:
+                self.handed.discard(item[0])
+                if item[0] == save_id:
+                    return item[1]
 
     def stop(self) -> None:
         """End the writer process; a write still in flight is abandoned (its folder stays uncommitted)."""
         caller, self.caller, self.outstanding, self.unfinished = self.caller, None, 0, None
+        self.handed.clear()
         process = getattr(caller, "process", None)
         if process is None:
             return
@@ -189,10 +201,31 @@ class AsyncWriter:
         caller.process = None
 
     def done_locally(self, blocking: bool = False) -> bool:
-        """True once every request handed to the writer has been written (in order)."""
-        while self.outstanding and self.caller.is_current_async_call_done(blocking=blocking, no_dist=True):
-            self.outstanding -= 1
+        """True once every request handed to the writer has been written (in order), or the writer
+        process died with them (see :meth:`_died`): NVRx's own wait polls a dead writer forever, and
+        its non-blocking check never says done, so every later save would be deferred in silence."""
+        while self.outstanding:
+            if self.caller.is_current_async_call_done(blocking=False, no_dist=True):
+                self.outstanding -= 1
+            elif not self.caller.process.is_alive():
+                if not self.caller.is_current_async_call_done(blocking=False, no_dist=True):
+                    self._died()  # nothing it finished is left to read: the rest is lost
+            elif blocking:
+                time.sleep(0.05)
+            else:
+                break
         return self.outstanding == 0
+
+    def _died(self) -> None:
+        """The writer process is gone (killed, out of memory): the requests it held fail with the
+        reason, and the next save starts a new writer (its folder is written anew, the plan sent again)."""
+        code = self.caller.process.exitcode
+        why = f"the checkpoint writer process died (exit code {code}) before writing this save"
+        self.lost.update(dict.fromkeys(self.handed, why))
+        self.handed.clear()
+        self.caller.process.join(timeout=5)
+        self.caller.process = None
+        self.caller, self.outstanding, self.plan_sent = None, 0, None
 
     def drain(self) -> None:
         """After a restart: wait until the writer is done with an abandoned request (the staging

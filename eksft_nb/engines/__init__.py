@@ -1,0 +1,1 @@
+"""Fault-tolerance engines beside NVRx, which the rest of the package is built around (``--engine``)."""

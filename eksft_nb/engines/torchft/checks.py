@@ -1,0 +1,78 @@
+"""What ``--engine torchft`` takes: the command layer refuses the rest in one line, before anything starts."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+from typing import Any
+
+from ...errors import SpecError
+from ...spec import JobSpec
+
+# the faults a torchft job fires: a rank killed (its group restarts and heals from a peer), an exception
+# inside backward (the step is thrown away), a straggler
+FAULTS = ("sigkill", "exception", "slow-rank")
+
+
+def check(spec: JobSpec, faults: Sequence[Any] = ()) -> None:
+    """Raise :class:`SpecError` when ``spec`` (or a scheduled fault) does not apply to the torchft engine."""
+    if spec.engine != "torchft":
+        return
+    if importlib.util.find_spec("torchft") is None:
+        raise SpecError(
+            "--engine torchft needs torchft, which is not installed here",
+            "pip install 'torchft>=0.2.0,<0.3' (wheels for Linux x86_64), or use --engine nvrx",
+        )
+    if spec.backend != "local":
+        raise SpecError(
+            f"--engine torchft runs on the local backend so far, not {spec.backend}",
+            "use --backend local, or --engine nvrx on a cluster",
+        )
+    if spec.script:
+        raise SpecError(
+            "--engine torchft runs the built-in trainer so far, not a --script",
+            "drop --script, or use --engine nvrx",
+        )
+    if spec.nnodes < 2:
+        raise SpecError(
+            f"--engine torchft needs 2 or more replica groups (--nnodes), got {spec.nnodes}: a lost "
+            "group heals from a peer",
+            "use e.g. --nnodes 2",
+        )
+    if spec.nproc_per_node != 1:
+        raise SpecError(
+            f"--engine torchft runs 1 rank per replica group so far, got --nproc-per-node "
+            f"{spec.nproc_per_node}",
+            "use --nproc-per-node 1 (and --nnodes for more groups)",
+        )
+    if spec.spare_nodes:
+        raise SpecError(
+            "--spare-nodes is NVRx's (hot spares in its rendezvous); torchft has none",
+            "drop --spare-nodes, or use --engine nvrx",
+        )
+    ft = spec.ft
+    for flag, value in (
+        ("--step-timeout", ft.step_timeout),
+        ("--section-timeouts", ft.section_timeouts),
+        ("--soft-timeout", ft.soft_timeout),
+        ("--hard-timeout", ft.hard_timeout),
+    ):
+        if value is not None:
+            raise SpecError(
+                f"{flag} is an NVRx setting (in-process restart, ft_launcher's sections); "
+                "torchft does not use it",
+                f"drop {flag}, or use --engine nvrx",
+            )
+    check_faults(spec, faults)
+
+
+def check_faults(spec: JobSpec, faults: Sequence[Any]) -> None:
+    """Refuse a fault the torchft engine cannot fire (scheduled at launch, or injected into a running job)."""
+    if spec.engine != "torchft":
+        return
+    for f in faults:
+        if f.fault not in FAULTS:
+            raise SpecError(
+                f"--engine torchft cannot fire {f.fault} so far",
+                f"use one of {', '.join(FAULTS)}, or --engine nvrx",
+            )

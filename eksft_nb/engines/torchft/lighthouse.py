@@ -1,0 +1,31 @@
+"""torchft's Lighthouse, which forms each step's quorum of replica groups: its command line."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+HEARTBEAT_TIMEOUT_MS = 1000  # a group silent this long is out of the quorum: the healthy ones stall as long
+JOIN_TIMEOUT_MS = 10000  # how long a quorum waits for a group that heartbeats but has not asked to join
+QUORUM_TICK_MS = 100
+
+
+def argv(port: int, host: str = "127.0.0.1", min_replicas: int = 1) -> list[str]:
+    """The Lighthouse listening on ``host:port`` only (gRPC and its HTTP status page share the port)."""
+    # torchft's own console script: its Rust command line reads the process's arguments after the
+    # interpreter's, so `python -c` or `-m` would be taken for the program and its first argument
+    script = Path(sys.executable).with_name("torchft_lighthouse")
+    return [
+        sys.executable,
+        str(script),
+        "--min_replicas",
+        str(min_replicas),
+        "--quorum_tick_ms",
+        str(QUORUM_TICK_MS),
+        "--join_timeout_ms",
+        str(JOIN_TIMEOUT_MS),
+        "--heartbeat_timeout_ms",
+        str(HEARTBEAT_TIMEOUT_MS),
+        "--bind",
+        f"{host}:{port}",
+    ]

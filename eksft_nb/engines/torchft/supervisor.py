@@ -1,0 +1,221 @@
+"""The local supervisor of a torchft job: the Lighthouse on loopback, and one process per replica group.
+
+It keeps :class:`~eksft_nb.backends.local.supervisor.Supervisor`'s lifecycle (keeper, events, stop,
+the job's end) and replaces what differs: there is no ft_launcher, the job is never restarted as a
+whole, and a lost group is restarted alone while the others train on. Its ``failure`` and ``restart``
+events (level ``job``: the supervisor recovered it) say what the job lost: ``downtime_s`` is the survivors'
+stall (they wait until the Lighthouse drops the lost group: how much longer than a typical step the first
+step committed after the fault took), ``group_downtime_s`` the time until the restarted group healed, and
+``skipped_batches`` the batches it did not train.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ... import procs
+from ...jobdir import JobDir
+from ...backends.local.supervisor import POLL_S, Node, Supervisor, _free_ports
+from ...runtime.quiet import quiet_env
+from ...states import JobState, RestartLevel
+from . import lighthouse
+from .plan import group_argv, group_env
+
+TYPICAL_STEPS = 20  # a step's typical time: the median of this many before a fault
+
+
+class TorchftSupervisor(Supervisor):
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.lighthouse: subprocess.Popen | None = None
+        self.lighthouse_port = 0
+        self.group_restarts: dict[int, int] = {}
+        self.lost: dict[int, dict[str, Any]] = {}  # group -> its open incident, until it heals
+        self.recent_step_s: list[float] = []  # the last TYPICAL_STEPS steps' times
+
+    def _adopt(self) -> tuple[JobState, str] | None:
+        """A supervisor that died took the Lighthouse's port with it, which a restarted group needs: end
+        the job, said, rather than adopt groups that could not be restarted."""
+        self.say(f"supervisor {self.jd.supervisor().get('pid')} is gone; a torchft job cannot be adopted yet")
+        return JobState.FAILED, "the supervisor died, and a torchft job cannot be adopted yet: run it again"
+
+    def _launch(self) -> None:
+        self.lighthouse_port = _free_ports(1)[0]
+        env = quiet_env({**os.environ, procs.JOB_UID_ENV: self.job_uid, procs.NODE_MARK: "lighthouse"})
+        with open(self.jd.logs / "lighthouse.log", "ab") as out:
+            self.lighthouse = subprocess.Popen(
+                lighthouse.argv(self.lighthouse_port),
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=self.jd.path,
+                start_new_session=True,
+            )
+        self.t_launch = time.time()
+        self.nodes = [self._start_group(g) for g in range(self.spec.nnodes)]
+        self.say(
+            f"torchft: Lighthouse on 127.0.0.1:{self.lighthouse_port} (pid {self.lighthouse.pid}), "
+            f"{len(self.nodes)} replica groups, pids {', '.join(str(n.pid) for n in self.nodes)}"
+        )
+        self._write_state(JobState.RUNNING)
+
+    def _start_group(self, group: int, last_step: int = 0) -> Node:
+        restart = self.group_restarts.get(group, 0)
+        tag = f"g{group}.{restart}"
+        env = quiet_env(
+            {
+                **os.environ,
+                procs.JOB_UID_ENV: self.job_uid,
+                procs.NODE_MARK: tag,
+                **group_env(
+                    self.spec,
+                    group,
+                    job_dir=str(self.jd.path),
+                    lighthouse_port=self.lighthouse_port,
+                    store_port=_free_ports(1)[0],
+                    restart=restart,
+                    last_step=last_step,
+                ),
+            }
+        )
+        log = self.jd.logs / f"group-{group}-{restart}.log"
+        with open(log, "ab") as out:
+            popen = subprocess.Popen(
+                group_argv(),
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=self.jd.path,
+                start_new_session=True,
+            )
+        self.events.emit("launch", attempt=restart, node=group, pid=popen.pid, pgid=popen.pid)
+        return Node(group, log, tag, procs.identity(popen.pid), popen=popen)
+
+    def _watch(self) -> tuple[JobState, str] | None:
+        while True:
+            self._pump()
+            if self.stop_requested:
+                self.say("stop requested: terminating the replica groups")
+                return JobState.STOPPED, "stopped by the user"
+            if not self._folder_is_mine():
+                self._kill_everything()
+                sys.exit(1)
+            if self.lighthouse is not None and (code := self.lighthouse.poll()) is not None:
+                return JobState.FAILED, f"torchft's Lighthouse ended (exit {code}; see logs/lighthouse.log)"
+            codes = [n.poll() for n in self.nodes]
+            done = self.mon.last_step >= self.spec.steps
+            if all(c is not None for c in codes) and (done or all(c == 0 for c in codes)):
+                self._pump()
+                if self.mon.last_step >= self.spec.steps:
+                    return JobState.SUCCEEDED, f"all {self.spec.steps} steps done"
+                return (
+                    JobState.FAILED,
+                    "the replica groups exited before training finished (see `logs --debug`)",
+                )
+            if all(c not in (None, 0) for c in codes):
+                return JobState.FAILED, (
+                    "every replica group was lost at once: no peer holds the job's state "
+                    "(the torchft engine writes no checkpoints yet); run the job again"
+                )
+            for i, (node, code) in enumerate(zip(self.nodes, codes)):
+                if code in (None, 0) or done:
+                    continue
+                if self.group_restarts.get(node.index, 0) >= self.spec.ft.max_job_restarts:
+                    return JobState.FAILED, (
+                        f"replica group {node.index} was lost ({_how(code)}); no restarts "
+                        f"left (max_job_restarts={self.spec.ft.max_job_restarts})"
+                    )
+                self.nodes[i] = self._restart_group(node, code)
+            time.sleep(POLL_S)
+
+    def _restart_group(self, node: Node, code: int) -> Node:
+        """A group's process died: the survivors train on, and it restarts and heals from a peer."""
+        detected, group = time.time(), node.index
+        self._pump()
+        procs.kill_marked(self.job_uid, node.tag)  # whatever the group's process left behind
+        started = node.identity.get("started") or 0.0
+        # an injected fault on the group's rank dates the loss; else the moment it was seen gone
+        fault_time = max(
+            (f["t"] for f in self.mon.faults if f["rank"] == group and started <= f["t"] <= detected),
+            default=detected,
+        )
+        cause = f"replica group {group}'s rank was {_how(code)}"
+        self.events.emit(
+            "failure",
+            level=RestartLevel.JOB,
+            cause=cause,
+            blame_rank=group,
+            fault_time=fault_time,
+            detected_at=detected,
+        )
+        self.lost[group] = {
+            "cause": cause,
+            "fault_time": fault_time,
+            "detected": detected,
+            "last_step": self.mon.last_step,
+            "stall": None,
+            "typical_step_s": statistics.median(self.recent_step_s or [0.0]),
+        }
+        self.group_restarts[group] = self.group_restarts.get(group, 0) + 1
+        self.say(
+            f"{cause} at step {self.mon.last_step}: the other groups train on; restarting it "
+            f"({self.group_restarts[group]} of {self.spec.ft.max_job_restarts})"
+        )
+        return self._start_group(group, last_step=self.mon.last_step)
+
+    def _on_event(self, e: Any) -> None:
+        super()._on_event(e)
+        if e.kind == "step":
+            for lost in self.lost.values():
+                if lost["stall"] is None and e.t > lost["fault_time"]:
+                    # the first step committed after the fault took longer by the survivors' stall
+                    lost["stall"] = max(0.0, e.t - lost["fault_time"] - lost["typical_step_s"])
+            self.recent_step_s = [*self.recent_step_s[-(TYPICAL_STEPS - 1) :], e["step_time"]]
+        elif e.kind == "heal" and e.rank in self.lost:
+            lost = self.lost.pop(e.rank)
+            stall = lost["stall"] if lost["stall"] is not None else e.t - lost["fault_time"]
+            self.events.emit(
+                "restart",
+                level=RestartLevel.JOB,
+                cause=lost["cause"],
+                blame_rank=e.rank,
+                fault_time=lost["fault_time"],
+                detection_s=lost["detected"] - lost["fault_time"],
+                downtime_s=stall,
+                rolled_back_steps=max(0, lost["last_step"] - e["step"]),
+                resumed_step=e["step"],
+                restored_from="peer",
+                group_downtime_s=e.t - lost["fault_time"],
+                skipped_batches=e["skipped_batches"],
+                replica_group=e.rank,
+            )
+            self.say(
+                f"replica group {e.rank} healed from a peer at step {e['step']}, "
+                f"{e.t - lost['fault_time']:.1f}s after the fault (skipped {e['skipped_batches']} batches)"
+            )
+        elif e.kind == "step_discarded":
+            self.say(f"replica group {e.rank} threw step {e['step']} away: {e['reason']}")
+
+    def _kill_everything(self, keep_standby: bool = False) -> None:
+        super()._kill_everything(keep_standby)
+        if self.lighthouse is not None:
+            self.lighthouse.wait()  # ended with the job's marked processes above
+
+
+def _how(code: int) -> str:
+    if code < 0 and -code in signal.Signals._value2member_map_:
+        return f"killed ({signal.Signals(-code).name})"
+    return f"ended (exit {code})"
+
+
+if __name__ == "__main__":  # ``--run JOB_DIR [--adopt]``: exec'd by the local supervisor's entry point
+    sys.exit(TorchftSupervisor(JobDir(Path(sys.argv[2])), adopt="--adopt" in sys.argv).run())

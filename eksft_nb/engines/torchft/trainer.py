@@ -1,0 +1,217 @@
+"""The built-in trainer as one torchft replica group (``python -m eksft_nb.engines.torchft.trainer``).
+
+One rank per group so far: it hosts its group's store (a Manager is only a store client), forms each
+step's quorum through the Lighthouse, all-reduces gradients across the groups in it (torchft DDP), and
+applies them only when the quorum commits the step. A group behind the quorum (restarted, or one that
+threw a step away) heals from a peer's live state and skips the batches it did not train.
+
+It reports through the one event schema: ``step`` for each committed step (by the group ranked first in
+the quorum, so once per step), ``quorum`` when its quorum changes, ``heal`` with the skipped batches,
+``step_discarded`` when its gradients were thrown away.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import time
+from typing import Any
+
+from ...errors import JobError
+from ...runtime.quiet import quiet_process
+
+LAST_STEP_ENV = "EKSFT_TORCHFT_LAST_STEP"  # a restarted group: the job's last committed step when it was lost
+RESTART_ENV = "EKSFT_TORCHFT_RESTART"  # a restarted group: how many times the supervisor restarted it
+START_WAIT_S = 120  # at the job's start, for every group to be up
+TIMEOUT_S = 10  # a collective or a checkpoint fetch from a peer
+
+
+def main() -> None:
+    quiet_process()
+    from ...loopback import install
+    from ...runtime.session import session
+    from ...runtime.trainer_main import exit_cleanly
+    from .listen import install as install_torchft
+
+    install()  # the group's store on loopback
+    install_torchft()  # the manager's and the checkpoint server's too
+    s = session()
+    try:
+        GroupTrainer(s).train()
+    except BaseException as e:
+        s.rank_error(e)
+        raise
+    finally:
+        s.close()
+    exit_cleanly()
+
+
+class GroupTrainer:
+    def __init__(self, s: Any) -> None:
+        import torch
+        from torch.distributed import TCPStore
+        from torchft import DistributedDataParallel, Manager, ProcessGroupGloo
+
+        from ...runtime.data import SyntheticCorpus
+        from ...runtime.model import build_model
+
+        self.s, self.spec = s, s.spec
+        env, spec = os.environ, s.spec
+        self.group = int(env["REPLICA_GROUP_ID"])
+        self.last_step = int(env.get(LAST_STEP_ENV) or 0)
+        torch.set_num_threads(spec.threads_per_rank)
+        port = int(env["MASTER_PORT"])
+        self.store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+        vocab, d_model, n_layers, n_heads = spec.model.dims()
+        self.model = build_model(
+            vocab, d_model, n_layers, n_heads, spec.seq, spec.seed, torch.device("cpu"), fsdp=False
+        )
+        self.optim = torch.optim.AdamW(self.model.parameters(), lr=spec.lr)
+        self.data = SyntheticCorpus(vocab, spec.seq, spec.batch, spec.seed, self.group)
+        timeout = datetime.timedelta(seconds=TIMEOUT_S)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout),
+            min_replica_size=1,
+            load_state_dict=self._load,
+            state_dict=self._state,
+            use_async_quorum=False,
+            replica_id=f"group{self.group}",
+            rank=0,
+            world_size=1,
+            store_addr="127.0.0.1",
+            store_port=port,
+            timeout=timeout,
+            connect_timeout=timeout,
+        )
+        self.ddp = DistributedDataParallel(self.manager, self.model)
+        self.quorum_id: int | None = None
+
+    def _state(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optim": self.optim.state_dict()}
+
+    def _load(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optim.load_state_dict(state["optim"])
+
+    def train(self) -> None:
+        from torchft import DistributedDataParallel
+
+        from ...runtime.model import loss_fn
+        from ...runtime.session import InjectedFault
+
+        s, spec, manager = self.s, self.spec, self.manager
+        tokens_per_step = spec.batch * spec.seq
+        restart = int(os.environ.get(RESTART_ENV) or 0)
+        if not restart:
+            self._all_groups_up()
+        s.rank_start(manager.current_step(), replica_group=self.group, group_restart=restart)
+        while manager.current_step() < spec.steps:
+            before = manager.current_step()
+            armed: InjectedFault | None = None
+            try:
+                s.step_begin(before + 1)
+            except InjectedFault as e:  # raised inside this step's backward instead (see _raise_in_backward)
+                armed = e
+            t0 = time.perf_counter()
+            manager.start_quorum()  # synchronous: heals from a peer here when behind the quorum
+            self.optim.zero_grad(set_to_none=True)
+            self._after_quorum(before, time.perf_counter() - t0)
+            step = manager.current_step() + 1
+            loss = loss_fn(self.ddp, self.data.batch_at(step - 1))
+            if armed is not None:
+                self._raise_in_backward(armed)
+            try:
+                loss.backward()
+            except InjectedFault as e:
+                manager.report_error(e)
+                # DDP's reducer was left mid-iteration: a fresh wrapper (cheap: it broadcasts nothing)
+                self.ddp = DistributedDataParallel(manager, self.model)
+            if manager.should_commit():
+                self.optim.step()
+                s.step_end(
+                    step,
+                    float(loss.detach()),
+                    tokens_per_step * manager.num_participants(),
+                    time.perf_counter() - t0,
+                    report=manager.participating_rank() == 0,
+                )
+            else:
+                error = manager.errored()
+                s.emit(
+                    "step_discarded",
+                    step=step,
+                    reason=str(error.original_exception)[:200]
+                    if error
+                    else "the quorum did not commit the step",
+                )
+        s.emit("rank_end", final_step=manager.current_step(), digest=self.digest(), replica_group=self.group)
+        manager.shutdown(wait=False)
+
+    def _after_quorum(self, before: int, quorum_s: float) -> None:
+        """Report a new quorum, and a heal from a peer with the batches this group skipped."""
+        manager = self.manager
+        now = manager.current_step()
+        quorum_id = manager._quorum_id  # torchft 0.2.0 has no public accessor for it
+        if quorum_id != self.quorum_id:
+            self.quorum_id = quorum_id
+            self.s.emit("quorum", quorum_id=quorum_id, participants=manager.num_participants(), step=now)
+        if now < self.last_step:  # no group in the quorum holds the job's state any more
+            raise JobError(
+                f"replica group {self.group} found no peer at step {self.last_step} or later to heal "
+                f"from (the quorum is at step {now}): every group that held the job's state was lost",
+                "run the job again (the torchft engine writes no checkpoints yet)",
+            )
+        if now != before:
+            trained = before or self.last_step  # a fresh process starts at 0: it trained up to last_step
+            self.s.emit(
+                "heal", from_step=trained, step=now, skipped_batches=max(0, now - trained), heal_s=quorum_s
+            )
+
+    def _all_groups_up(self) -> None:
+        """At the job's start, wait until every group's manager heartbeats to the Lighthouse, which then
+        waits for all of them to join (else the first group up would train alone from step 0 and the
+        others heal from it: batches skipped for a slow start)."""
+        folder = self.s.job_dir.path / "torchft"
+        folder.mkdir(exist_ok=True)
+        (folder / f"up-{self.group}").touch()
+        groups = int(os.environ["NUM_REPLICA_GROUPS"])
+        deadline = time.monotonic() + START_WAIT_S
+        while sum((folder / f"up-{g}").exists() for g in range(groups)) < groups:
+            if time.monotonic() > deadline:
+                self.s.warn(
+                    "slow-start",
+                    f"not every replica group was up after {START_WAIT_S} s: the first "
+                    "quorum forms without the late ones, which heal from a peer when they join",
+                )
+                return
+            self.s.heartbeat()
+            time.sleep(0.1)
+
+    def _raise_in_backward(self, error: BaseException) -> None:
+        """Raise ``error`` at the end of this step's backward, after DDP has sent every gradient bucket
+        (so the peers' all-reduce completes) but before the optimizer: the step is then thrown away."""
+        from torch.autograd import Variable
+
+        def fail() -> None:
+            raise error
+
+        def hook(_: Any) -> None:
+            handle.remove()
+            Variable._execution_engine.queue_callback(fail)
+
+        # the token embedding's gradient is the last backward computes: DDP's reducer queued its own
+        # callback (which waits for every bucket's all-reduce) earlier, so it runs first
+        handle = self.model.tok.weight.register_post_accumulate_grad_hook(hook)
+
+    def digest(self) -> str:
+        """SHA-256 over the parameters in name order, as the NVRx trainer's."""
+        h = hashlib.sha256()
+        for name, p in sorted(self.model.named_parameters()):
+            h.update(name.encode())
+            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()[:16]
+
+
+if __name__ == "__main__":
+    main()
