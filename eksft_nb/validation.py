@@ -33,7 +33,8 @@ def faults_for(spec: JobSpec, faults: Iterable[str | FaultCommand]) -> list[Faul
 def prepare(spec: JobSpec, faults: Iterable[str | FaultCommand] = (),
             launching: bool = True) -> tuple[JobSpec, list[FaultCommand]]:
     """The one validation of a launch (or, not ``launching``, a dry run), for every front end: the spec,
-    what its backend refuses of it (:meth:`Backend.check`), then the scheduled faults against it."""
-    spec = get_backend(spec.backend).check(spec.validate(), launching)
+    what its engine and its backend refuse of it (:meth:`Backend.check`), then the scheduled faults."""
+    spec = spec.validate()
     torchft_checks.check(spec)   # what the torchft engine does not take (nothing, under NVRx)
+    spec = get_backend(spec.backend).check(spec, launching)
     return spec, faults_for(spec, faults)
