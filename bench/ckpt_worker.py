@@ -141,11 +141,11 @@ class Eksft(Method):
 
         self.events: list[dict[str, Any]] = []
         # every=0: never due on its own; save() makes the chosen step due, as a schedule would
-        # run: a run id, so the staged buffers live in a named /dev/shm file, as in a job (see restore_times)
+        # job_uid: a job uid, so the staged buffers live in a named /dev/shm file, as in a job (see restore_times)
         self.mgr = CheckpointManager(self.dir, rank=ctx.rank, world_size=ctx.world, group=ctx.ckpt_group, every=0,
                                      mode="async", keep_last=2,
                                      emit=lambda kind, **data: self.events.append({"kind": kind, **data}),
-                                     run=f"bench{os.getppid()}", process=ctx.process)
+                                     job_uid=f"bench{os.getppid()}", process=ctx.process)
         self.saving: int | None = None
         self.stager = self.mgr.stager = TimedStager(self.mgr.stager)
 
@@ -274,7 +274,7 @@ def restore_times(ctx: Context, eksft: Eksft) -> dict[str, Any]:
     seconds for each. Storage here is the page cache the files were just written to: a floor."""
     from eksft_nb.runtime import memcopy
 
-    mgr, path = eksft.mgr, memcopy.copy_path(eksft.mgr.run, ctx.rank)
+    mgr, path = eksft.mgr, memcopy.copy_path(eksft.mgr.job_uid, ctx.rank)
     record = path.with_name(path.name + ".json")
     deadline = time.monotonic() + 120
     while not record.exists() and time.monotonic() < deadline:  # published once its digest is computed
@@ -324,7 +324,7 @@ def main() -> None:
     eksft = next(m for m in methods if isinstance(m, Eksft))
     eksft.mgr.finish()
     restore = restore_times(ctx, eksft)
-    memcopy.remove_copies(eksft.mgr.run)
+    memcopy.remove_copies(eksft.mgr.job_uid)
     if ctx.rank == 0:
         out = {"size": args.size, "dims": SIZES[args.size], "batch": BATCH, "seq": SEQ, "world_size": ctx.world,
                "state_bytes": state_bytes, "clean_steps": clean, "records": gathered, "disk_bytes": written,

@@ -77,7 +77,7 @@ def parse_commit(data: Any, step: int) -> str | dict[str, Any]:
         if (not isinstance(meta, dict) or not _is_count(meta.get("size"))
                 or not isinstance(meta.get("sha256"), str) or not re.fullmatch(r"[0-9a-f]{64}", meta["sha256"])):
             return f"commit.json has no valid size and sha256 for {name}"
-    for key in ("run", "mode"):
+    for key in ("job_uid", "run", "mode"):   # "run": the job uid as older jobs wrote it
         if not isinstance(data.get(key, ""), str):
             return f"commit.json has an invalid {key}"
     return data
@@ -93,7 +93,7 @@ class CheckpointInfo:
     world_size: int | None = None
     reason: str = ""
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
-    run: str = ""                   # the run that committed it (see runtime.checkpoint.run_id)
+    job_uid: str = ""               # the job that committed it (see runtime.checkpoint.job_uid)
 
     def to_dict(self) -> dict[str, Any]:
         return {"step": self.step, "path": str(self.path), "state": self.state, "bytes": self.bytes,
@@ -124,7 +124,8 @@ def list_checkpoints(root: str | Path) -> list[CheckpointInfo]:
             commit = f"commit.json cannot be read ({type(e).__name__})"
         if isinstance(commit, dict):
             info.state, info.bytes, info.time = CheckpointState.COMMITTED, commit["bytes"], commit["time"]
-            info.world_size, info.files, info.run = commit["world_size"], commit["files"], commit.get("run", "")
+            info.world_size, info.files = commit["world_size"], commit["files"]
+            info.job_uid = commit.get("job_uid", commit.get("run", ""))   # "run": older jobs' name for it
         else:
             info.reason = commit
         if (p / REJECTED).exists():

@@ -15,13 +15,15 @@ from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 from .backends import JobSummary, get_backend
-from .engines.torchft import checks as torchft_checks
-from .control import FAULTS, FaultCommand, parse_fault
+from .control import FAULTS, FaultCommand
 from .errors import ControlError, EksftError, SpecError
 from .goodput import compute
 from .job import Job, attach
 from .spec import JobSpec, _closest, parse_option_value, spec_options
 from .states import JobState, RestartLevel
+from .validation import check_fault, faults_for, prepare
+
+__all__ = ["check_fault", "faults_for", "prepare"]   # the one validation, here for every front end
 
 
 class JobRow(TypedDict):
@@ -71,11 +73,14 @@ class StopResult(JobRow):
 
 # ---- the operations ---------------------------------------------------------------------------
 
-def job_row(job: Job) -> JobRow:
-    """The row of a job whose events this process can read (any local job, an EKS job by name)."""
-    mon = job.refresh()
-    state, detail = job.status()
-    spec = job.spec
+def job_row(job: Job, status: tuple[JobState, str] | None = None, spec: JobSpec | None = None) -> JobRow:
+    """The row of a job whose events this process can read (any local job, an EKS job by name): what the
+    list, the status line, the side panel and the dashboard's header show. ``status``: the state and
+    detail of a job whose events the caller has just folded in (the dashboard: its thread alone feeds
+    its monitor); ``spec``: the job's, where the caller holds it (on EKS reading it is an API call)."""
+    mon = job.refresh() if status is None else job.monitor
+    state, detail = job.status() if status is None else status
+    spec = spec or job.spec
     committed = mon.last_committed
     return {"name": job.name, "backend": job.backend.name, "state": state.value, "step": mon.last_step,
             "total_steps": None if spec.script else (mon.total_steps or spec.steps),
@@ -109,19 +114,6 @@ def status(name: str, backend: str = "local") -> JobRow:
     return job_row(attach(name, backend))
 
 
-def faults_for(spec: JobSpec, faults: Iterable[str | FaultCommand]) -> list[FaultCommand]:
-    """Scheduled faults (``sigkill:1@30`` or commands), checked against the job they go to."""
-    return [(parse_fault(f) if isinstance(f, str) else f).validate(spec.world_size, spec.nnodes) for f in faults]
-
-
-def prepare(spec: JobSpec, faults: Iterable[str | FaultCommand] = ()) -> tuple[JobSpec, list[FaultCommand]]:
-    """The one validation of a launch: the spec, then the scheduled faults against it."""
-    spec = spec.validate()
-    commands = faults_for(spec, faults)
-    torchft_checks.check(spec, commands)   # what the torchft engine does not take (nothing, under NVRx)
-    return spec, commands
-
-
 def launch(spec: JobSpec, faults: Sequence[str | FaultCommand] = ()) -> JobRow:
     """Validate the spec and the faults, start the job detached, return its first row."""
     spec, commands = prepare(spec, faults)
@@ -134,7 +126,7 @@ def dry_run(spec: JobSpec, queue_objects: bool = False, faults: Sequence[str | F
     """What :func:`launch` would start (EKS: the manifests; local: the launchers' commands), the spec and
     ``faults`` checked as a launch checks them. ``queue_objects``: on EKS, also a Kueue LocalQueue,
     ClusterQueue and ResourceFlavors for the job's queue."""
-    spec, _ = prepare(spec, faults)
+    spec, _ = prepare(spec, faults, launching=False)
     backend = get_backend(spec.backend)
     return backend.render(spec, queue_objects=True) if queue_objects and spec.backend == "eks" else backend.render(spec)
 
@@ -150,8 +142,7 @@ def inject(name: str, fault: str, *, rank: int | None = None, step: int | None =
 def inject_command(name: str, command: FaultCommand, *, backend: str = "local", wait: float = 0.0) -> InjectResult:
     """:func:`inject` of a command already built (the server reads one from a request body)."""
     job = attach(name, backend)
-    torchft_checks.check_faults(job.spec, [command])
-    cmd = job.backend.inject(job.name, command)
+    cmd = job.inject_command(command)
     fired = job.fired(cmd, timeout=wait)
     if fired is not None:
         at = f" at step {fired['step']}" if fired["step"] is not None else ""

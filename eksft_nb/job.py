@@ -15,6 +15,7 @@ from .errors import ControlError, JobError
 from .goodput import Goodput, compute
 from .monitor import JobMonitor
 from .spec import JobSpec
+from .validation import check_fault, prepare
 from .states import BACKEND_OVERRIDES, CheckpointState, JobState
 
 
@@ -63,8 +64,11 @@ class Job:
                after: float | None = None, **params: Any) -> FaultCommand:
         """Queue a fault: now, at the start of ``step``, or ``after`` seconds. It has fired once
         :meth:`fired` finds it (the ranks report it when they fire it)."""
-        command = FaultCommand(fault, rank=rank, step=step, after=after, node=node, params=params)
-        return self.backend.inject(self.name, command)
+        return self.inject_command(FaultCommand(fault, rank=rank, step=step, after=after, node=node, params=params))
+
+    def inject_command(self, command: FaultCommand) -> FaultCommand:
+        """:meth:`inject` of a command already built, checked once by the command layer."""
+        return self.backend.inject(self.name, check_fault(command, self.spec, self.backend))
 
     def fired(self, command: FaultCommand, timeout: float = 0.0) -> dict[str, Any] | None:
         """The ``fault`` event of ``command`` once a rank fired it, waiting up to ``timeout`` seconds; else None."""
@@ -117,6 +121,7 @@ class Job:
         spec = self.spec.replace(**{"name": name or _next_name(self.backend, self.name, f"-from-{info.step}"),
                                     "resume": resume, "checkpoint.dir": None, **settings.spec_changes(live),
                                     **changes})
+        spec, _ = prepare(spec)
         self.backend.launch(spec)
         new = Job(spec.name, self.backend)
         new.note = f"resuming {resume_origin(str(info.path), {'step': info.step, 'skipped': skipped})}"
@@ -172,12 +177,9 @@ class Job:
 
 def launch(spec: JobSpec | None = None, faults: list[FaultCommand | str] | None = None, **fields: Any) -> Job:
     """Launch a job from a spec (or from spec fields, dotted for nested ones) and return its handle."""
-    from .control import parse_fault
-
     spec = (spec or JobSpec()).replace(**fields) if fields else (spec or JobSpec())
-    spec.validate()
+    spec, commands = prepare(spec, faults or [])
     backend = get_backend(spec.backend)
-    commands = [parse_fault(f) if isinstance(f, str) else f for f in faults or []]
     backend.launch(spec, commands)
     return Job(spec.name, backend)
 

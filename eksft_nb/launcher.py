@@ -33,7 +33,7 @@ class Ports:
         return cls(base, base + 1, base + 2)
 
 
-def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports: Ports, run_id: str,
+def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports: Ports, rdzv_id: str,
                   log_dir: str | None = None, nvrx: NVRx | None = None, cycle_dir: str | None = None,
                   store_elsewhere: bool = False, warm_python: str | None = None) -> list[str]:
     """``ft_launcher ...`` for one node (argv[0] is the bare command name).
@@ -60,7 +60,7 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
     argv = [
         "ft_launcher",
         f"--nnodes={spec.nnodes}", f"--nproc-per-node={spec.nproc_per_node}", f"--node-rank={node_rank}",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_host}:{ports.rdzv}", f"--rdzv-id={run_id}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_host}:{ports.rdzv}", f"--rdzv-id={rdzv_id}",
         # how often the launcher polls its workers: a dead rank is noticed within it (NVRx 0.6's default)
         f"--max-restarts={ft.max_injob_restarts}", "--monitor-interval=0.3",
         f"--term-timeout={term:g}", "--workers-stop-timeout=5",

@@ -214,13 +214,14 @@ class FtrainMagics(Magics):
 
 def parse_cell(line: str, cell: str, parser: MagicArgumentParser | None = None
                ) -> tuple[JobSpec, list[FaultCommand], bool]:
-    """What a ``%%ftrain`` cell asks for: the validated spec, the scheduled faults, and whether it is a dry run.
+    """What a ``%%ftrain`` cell asks for: the validated spec, the scheduled faults, and whether it is a dry run
+    (what its backend refuses, and what must exist here, is the launch's to check).
 
     Raises :class:`UsageError` or :class:`EksftError` with one line that says what to write instead.
     """
     args = _parse(parser or _cell_parser(), line, "%%ftrain")
-    spec, faults = commands.prepare(_cell_spec(args, cell, "run"), args.fault)
-    return spec, faults, args.dry_run
+    spec = _cell_spec(args, cell, "run").validate()
+    return spec, commands.faults_for(spec, args.fault), args.dry_run
 
 
 def _cell_spec(args: argparse.Namespace, cell: str, verb: str) -> JobSpec:

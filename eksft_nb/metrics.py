@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 
 from .control import FAULTS
 from .goodput import CATEGORIES, compute
-from .gpuhealth import dcgm_metrics
+from .gpuhealth.export import dcgm_metrics
 from .job import Job
 
 # a restart's cause is a sentence; as a label it is a small set of classes (the injected fault's kind

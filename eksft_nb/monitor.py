@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .events import Event
-from .gpuhealth import GpuFold
+from .gpuhealth.fold import GpuFold
 from .states import RECORDED_ENDS, CheckpointState, JobState, RestartLevel
 
 

@@ -2,8 +2,8 @@
 
 A pid (or a process group id) read back from a job's folder may by now belong to an unrelated
 process: pids are reused once a process is gone. So a process is named by its pid *and* its start
-time (:func:`identity`), and every process a job starts inherits ``EKSFT_JOB_UID`` (and
-``EKSFT_NODE_TAG``) in its environment; nothing is signalled unless it carries the job's mark or
+time (:func:`identity`), and every process a job starts inherits the job's uid (:data:`JOB_UID_ENV`,
+its one name on disk and in the code is ``job_uid``) and ``EKSFT_NODE_TAG`` in its environment; nothing is signalled unless it carries the job's mark or
 its recorded identity. The mark also finds the processes that leave their process group (NVRx's
 double-forked in-process monitor, checkpoint writers).
 """
@@ -19,7 +19,7 @@ from typing import Any
 
 import psutil
 
-JOB_MARK = "EKSFT_JOB_UID"
+JOB_UID_ENV = "EKSFT_JOB_UID"   # the job uid, the mark of its processes: new per launch, kept across restarts
 NODE_MARK = "EKSFT_NODE_TAG"
 
 
@@ -54,7 +54,7 @@ def recorded(entry: dict[str, Any] | None, job_uid: str | None = None) -> psutil
             same = abs(p.create_time() - float(entry.get("started", -1))) <= 0.01
         if not same or p.status() == psutil.STATUS_ZOMBIE:
             return None
-        if job_uid is not None and p.environ().get(JOB_MARK) != job_uid:
+        if job_uid is not None and p.environ().get(JOB_UID_ENV) != job_uid:
             return None
         return p
     except (psutil.Error, OSError, TypeError, ValueError):
@@ -64,12 +64,12 @@ def recorded(entry: dict[str, Any] | None, job_uid: str | None = None) -> psutil
 def marked(job_uid: str, node_tag: str | None = None) -> list[psutil.Process]:
     """The live processes that carry the job's mark (and, given, the node tag), but this one."""
     return [p for p, env in _live_environs()
-            if env.get(JOB_MARK) == job_uid and (node_tag is None or env.get(NODE_MARK) == node_tag)]
+            if env.get(JOB_UID_ENV) == job_uid and (node_tag is None or env.get(NODE_MARK) == node_tag)]
 
 
 def live_marks() -> set[str]:
     """The marks of every job that has a live process (that this user can see), this one's apart."""
-    return {env[JOB_MARK] for _, env in _live_environs() if env.get(JOB_MARK)}
+    return {env[JOB_UID_ENV] for _, env in _live_environs() if env.get(JOB_UID_ENV)}
 
 
 def _live_environs() -> list[tuple[psutil.Process, dict[str, str]]]:

@@ -276,6 +276,27 @@ def test_header_goodput_table_and_log_show_the_job() -> None:
     assert max(len(line) for line in shown) == 300                        # long lines are cut
 
 
+def test_the_header_is_the_command_layers_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The header shows the row the CLI's status and the side panel show, made by commands.job_row."""
+    from eksft_nb import commands
+
+    job = FakeJob("header-row")
+    job.steps(1, 20)
+    job.restart("injob", "injected sigkill on rank 1", downtime=2.0, resumed=10, lost=5)
+    job.steps(11, 30)
+    job.save(20, blocked=0.02, background=0.2)
+    rows: list[dict[str, Any]] = []
+    real = commands.job_row
+    monkeypatch.setattr(commands, "job_row", lambda *a, **kw: rows.append(real(*a, **kw)) or rows[-1])
+    h = Dashboard(job.handle(), live=False).header
+    row = rows[-1]
+    assert (h.state, h.step, h.total, h.restarts, h.last_checkpoint, h.goodput) == (
+        row["state"], row["step"], row["total_steps"], row["restarts"], row["last_checkpoint"], row["goodput"])
+    cli = commands.status("header-row")
+    assert (cli["state"], cli["step"], cli["restarts"], cli["last_checkpoint"]) == (
+        "starting", 30, {"inprocess": 0, "injob": 1, "job": 0}, 20) == (h.state, h.step, h.restarts, h.last_checkpoint)
+
+
 def test_inject_controls_write_the_command_the_job_reads(tmp_path: Path) -> None:
     job = FakeJob("inject")
     job.steps(1, 5)

@@ -14,6 +14,7 @@ import yaml
 from eks_pods import LocalPod
 from jobs import cli
 
+from eksft_nb import commands
 from eksft_nb.backends.eks import EksBackend, names, schemas, sizing
 from eksft_nb.backends.eks.failures import CONFIG_ERROR
 from eksft_nb.errors import SpecError
@@ -99,7 +100,7 @@ def test_g5_efa_has_no_rdma_read() -> None:
     assert trainer["resources"]["requests"]["memory"] == "672Gi"
     assert trainer["resources"]["requests"]["cpu"] == "180"
     with pytest.raises(SpecError, match="2 EFA devices per node: g5.48xlarge has at most 1"):
-        EksBackend().manifests(gpu_spec("g5.48xlarge", efa=2))
+        commands.prepare(gpu_spec("g5.48xlarge", efa=2))
 
 
 def test_hyperpod_instance_names_are_understood() -> None:
@@ -110,7 +111,7 @@ def test_hyperpod_instance_names_are_understood() -> None:
     assert env_of(pod["containers"][0])["FI_EFA_USE_DEVICE_RDMA"] == "1"
     assert pod["containers"][0]["resources"]["requests"]["memory"] == "1792Gi"
     with pytest.raises(SpecError, match="32 EFA devices per node: ml.p4d.24xlarge has at most 4"):
-        EksBackend().manifests(gpu_spec("ml.p4d.24xlarge"))
+        commands.prepare(gpu_spec("ml.p4d.24xlarge"))
     g6 = pod_of(EksBackend().manifests(gpu_spec("ml.g6.48xlarge", efa=1)).workload())["spec"]
     assert "FI_EFA_USE_DEVICE_RDMA" not in env_of(g6["containers"][0])
 
@@ -135,13 +136,13 @@ def test_kubernetes_1_28_gets_what_it_runs(kind: str) -> None:
 
 def test_memory_must_hold_shm_and_eight_gib_per_gpu_rank() -> None:
     with pytest.raises(SpecError) as e:
-        EksBackend().manifests(gpu_spec(**{"eks.memory": "12Gi", "eks.shm_size": "10Gi"}))
+        commands.prepare(gpu_spec(**{"eks.memory": "12Gi", "eks.shm_size": "10Gi"}))
     assert "plus 8Gi for each of the 8 ranks" in e.value.problem and "--memory 74Gi" in e.value.fix
     EksBackend().manifests(gpu_spec(**{"eks.memory": "74Gi", "eks.shm_size": "10Gi"}))
     with pytest.raises(SpecError, match="more than a p5.48xlarge has"):
-        EksBackend().manifests(gpu_spec(**{"eks.memory": "3000Gi"}))
+        commands.prepare(gpu_spec(**{"eks.memory": "3000Gi"}))
     with pytest.raises(SpecError, match="a g5.48xlarge pod cannot hold the 640Gi /dev/shm plus 8Gi for each"):
-        EksBackend().manifests(gpu_spec("g5.48xlarge", efa=1, **{"eks.shm_size": "640Gi"}))
+        commands.prepare(gpu_spec("g5.48xlarge", efa=1, **{"eks.shm_size": "640Gi"}))
     # unknown instance type: the floor plus /dev/shm, requested and limited
     trainer = pod_of(EksBackend().manifests(gpu_spec(None, efa=0)).workload())["spec"]["containers"][0]
     shm = sizing.quantity(sizing.shm_size(gpu_spec(None, efa=0)), "")

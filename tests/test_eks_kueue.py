@@ -14,7 +14,7 @@ from jobs import free_port, scrape
 from kubernetes.client.rest import ApiException
 from test_eks_lifecycle import NS, backend, ctl, eks_spec, kube  # noqa: F401 (the fixtures)
 
-from eksft_nb import cli
+from eksft_nb import cli, commands
 from eksft_nb.backends.eks import EksBackend, names
 from eksft_nb.backends.eks.render import render
 from eksft_nb.errors import SpecError
@@ -130,7 +130,7 @@ def test_the_dry_run_prints_matching_queue_objects(instance: str | None, flavors
 ])
 def test_bad_queue_options_fail_with_problem_and_fix(changes: dict, problem: str, fix: str) -> None:
     with pytest.raises(SpecError) as e:
-        EksBackend().render(eks_spec(**changes))
+        commands.dry_run(eks_spec(**changes))   # the command layer's one check
     assert problem in e.value.problem and fix in e.value.fix
 
 
@@ -316,7 +316,7 @@ def test_topology_aware_scheduling_is_opt_in(kind: str, topology: str, annotatio
 ])
 def test_bad_topology_fails_with_problem_and_fix(changes: dict, problem: str, fix: str) -> None:
     with pytest.raises(SpecError) as e:
-        EksBackend().render(eks_spec(**changes))
+        commands.dry_run(eks_spec(**changes))   # the command layer's one check
     assert problem in e.value.problem and fix in e.value.fix
 
 

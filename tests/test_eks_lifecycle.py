@@ -17,6 +17,7 @@ import pytest
 from eks_kube import Controllers, Kube, running
 from jobs import wait_for
 
+from eksft_nb import commands
 from eksft_nb.backends.eks import EksBackend
 from eksft_nb.procs import start_ticks
 from eksft_nb.backends.eks.backend import CONFIGMAP
@@ -164,7 +165,7 @@ def test_missing_crd_is_explained(kube: Kube, backend: EksBackend) -> None:
 def test_invalid_spec_or_missing_volume_sends_nothing(kube: Kube, backend: EksBackend) -> None:
     before = len(kube.emulator.requests)
     with pytest.raises(SpecError, match="16 GPUs per node"):
-        backend.launch(eks_spec(**{"eks.gpus_per_node": 16}))
+        commands.prepare(eks_spec(**{"eks.gpus_per_node": 16}))   # the one check, before the backend
     assert len(kube.emulator.requests) == before
     with pytest.raises(JobError, match="claim 'scratch' does not exist in namespace default: create it"):
         backend.launch(eks_spec(**{"eks.checkpoint_pvc": "scratch"}))
@@ -425,10 +426,9 @@ def test_the_cli_submits_to_the_kubeconfig_context(kube: Kube, backend: EksBacke
 def test_kill_supervisor_is_refused_on_eks_before_anything_is_sent() -> None:
     from eksft_nb.backends.eks import EksBackend
     from eksft_nb.control import FaultCommand
-    from eksft_nb.errors import JobError
 
-    with pytest.raises(JobError, match="kill-supervisor is a local fault") as refused:
-        EksBackend().inject("demo", FaultCommand("kill-supervisor"))
+    with pytest.raises(ControlError, match="kill-supervisor is a local fault") as refused:
+        commands.check_fault(FaultCommand("kill-supervisor"), eks_spec(), EksBackend())
     assert "\n" not in str(refused.value.args[0])
 
 
@@ -443,24 +443,24 @@ def test_a_claim_other_nodes_cannot_mount_is_refused(kube: Kube, backend: EksBac
     assert posts(kube) == ["persistentvolumeclaims"] * 2   # the two claims: nothing of the job was sent
 
 
-def test_every_launch_has_its_own_run_id_in_the_record(kube: Kube, backend: EksBackend, ctl: Controllers) -> None:
+def test_every_launch_has_its_own_job_uid_in_the_record(kube: Kube, backend: EksBackend, ctl: Controllers) -> None:
     """Issue 18, finding 6: a relaunch under the same name and spec (after `rm`, which keeps the job's
-    folder and checkpoints) commits under another run id, so it never takes the earlier launch's newer
+    folder and checkpoints) commits under another job uid, so it never takes the earlier launch's newer
     checkpoints for its own, nor prunes its own saves for theirs. The pods read the id from the record."""
-    def run_id() -> str:
+    def job_uid() -> str:
         return backend._cluster().get(CONFIGMAP, "demo")["data"]["job-uid"]
 
     backend.launch(eks_spec())
-    first = run_id()
+    first = job_uid()
     pods = ctl.create_pods("demo")
     assert {ctl.pods[p].env(c)["EKSFT_JOB_UID"] for p in pods for c in ("prepare", "trainer")} == {first}
     assert ctl.pods[pods[0]].run("prepare").returncode == 0   # the job's folder, on the shared volume
     backend.launch(eks_spec())   # submitted again while it exists: the same launch, the same id
-    assert run_id() == first
+    assert job_uid() == first
     backend.stop("demo", timeout=5)
     backend.remove("demo")
     backend.launch(eks_spec())
-    second = run_id()
+    second = job_uid()
     assert len(second) == 16 and second != first
     pods = ctl.create_pods("demo")
     assert ctl.pods[pods[0]].run("prepare").returncode == 0   # the same job's folder: taken over

@@ -8,6 +8,7 @@ import pytest
 from test_eks_kueue import template
 from test_eks_lifecycle import NS, eks_spec
 
+from eksft_nb import commands
 from eksft_nb.backends.eks import EksBackend, names, schemas
 from eksft_nb.errors import SpecError
 
@@ -69,5 +70,5 @@ def test_without_the_metrics_sidecar_nothing_outside_the_job_is_admitted() -> No
 
 def test_a_bad_prometheus_namespace_fails_with_problem_and_fix() -> None:
     with pytest.raises(SpecError) as e:
-        EksBackend().render(eks_spec(**{"eks.prometheus_namespace": "Monitoring NS"}))
+        commands.dry_run(eks_spec(**{"eks.prometheus_namespace": "Monitoring NS"}))
     assert "--prometheus-namespace 'Monitoring NS'" in e.value.problem and "monitoring-ns" in e.value.fix

@@ -9,6 +9,7 @@ import pytest
 import yaml
 from jobs import cli
 
+from eksft_nb import commands
 from eksft_nb.backends.eks import EksBackend, names, schemas, sizing
 from eksft_nb.errors import SpecError
 from eksft_nb.backends.eks.render import INPOD
@@ -58,7 +59,7 @@ def test_matrix_renders_valid_manifests(kind: str, nnodes: int, gpus: int, efa: 
     # the local launch line, with node 0's stable DNS name: no shell, no sleep, no DNS polling
     node_rank = "$(RANK)" if kind == "pytorchjob" else "$(EKSFT_NODE_RANK)"
     line = launcher_argv(spec, node_rank=node_rank, rdzv_host=names.rank0_host(spec), ports=Ports.from_base(29500),
-                         run_id="demo")
+                         rdzv_id="demo")
     # warm ranks (the default): the in-pod entry starts the pod's zygote, then runs that very line with the
     # image's shim as its worker; the shim's path is the container's, so this machine's is nowhere
     assert trainer["command"] == INPOD + ["launch"] and trainer["args"] == line and line[0] == "ft_launcher"
@@ -203,7 +204,7 @@ INVALID = [
 @pytest.mark.parametrize("changes,problem,fix", INVALID, ids=[p for _, p, _ in INVALID])
 def test_invalid_specs_fail_with_problem_and_fix(changes: dict, problem: str, fix: str) -> None:
     with pytest.raises(SpecError) as e:
-        EksBackend().render(eks_spec(**changes))
+        commands.dry_run(eks_spec(**changes))   # the command layer checks, once; the backend asserts
     message = str(e.value)
     assert problem in message and fix in e.value.fix and "\n" not in message
 

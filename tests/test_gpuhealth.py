@@ -18,10 +18,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import CollectorRegistry
 
 import eksft_nb
-from eksft_nb import gpuhealth
 from eksft_nb.dashboard import Dashboard
 from eksft_nb.events import EventTail, EventWriter, decode, make, read_all
-from eksft_nb.gpuhealth import GpuReadingError, GpuSampler, Replay, parse_entry, read_gpus
+from eksft_nb.gpuhealth import sampler as gpuhealth
+from eksft_nb.gpuhealth.readings import GpuReadingError, parse_entry
+from eksft_nb.gpuhealth.sampler import GpuSampler, read_gpus
+from nvml_replay import Replay, record
 from eksft_nb.incidents import Incidents
 from eksft_nb.jobdir import JobDir
 from eksft_nb.metrics import JobsCollector
@@ -244,7 +246,7 @@ def test_health_events_read_back_are_checked_entry_by_entry(entries: list[dict[s
 def test_the_recorder_writes_what_the_replayer_answers(tmp_path: Path) -> None:
     """Recording a replay gives back the recording: readings, lost GPUs and XID/ECC events alike."""
     frames = json.loads(FAULTY.read_text())["frames"]
-    path = gpuhealth.record(tmp_path / "again.json", frames=len(frames), interval=0.01, nvml=Replay.load(FAULTY))
+    path = record(tmp_path / "again.json", frames=len(frames), interval=0.01, nvml=Replay.load(FAULTY))
     assert json.loads(path.read_text())["frames"] == frames
 
 

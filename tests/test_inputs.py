@@ -17,8 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from IPython.core.error import UsageError
 
-from eksft_nb import cli, magics
-from eksft_nb.backends import get_backend
+from eksft_nb import cli, commands, magics
 from eksft_nb.backends.eks.stream import Tracker
 from eksft_nb.errors import EksftError
 from eksft_nb.events import KINDS, LOG_PREFIX, EventTail, decode
@@ -85,7 +84,7 @@ def accepted(spec: JobSpec) -> None:
         assert isinstance(value, expected) and (opt.type is bool or not isinstance(value, bool)), (opt.path, value)
     assert JobSpec.from_json(spec.to_json()) == spec and JobSpec.from_yaml(spec.to_yaml()).validate() == spec
     try:
-        assert get_backend(spec.backend).render(spec)
+        assert commands.dry_run(spec)   # the backend's own check, then its render
     except EksftError as e:
         refused_in_one_line(e)
 

@@ -516,6 +516,15 @@ def test_every_front_end_says_the_command_layers_line_for_an_inject(server: Serv
         magic(f"inject {name} sigkill --rank 1 --step 3")
     assert str(raised.value) == refused.replace(": use", "\n  → use")   # the magic's two-line form of it
     assert widget(rank=1, step=3) == refused
+    # refused by the one check of a fault command (validation.check_fault), before any backend is asked
+    refused = "rank 5 is out of range for a job of 2 ranks: use --rank between 0 and 1"
+    status, body = server.request("POST", f"jobs/{name}/inject", {"fault": "sigkill", "rank": 5})
+    assert (status, body["error"]) == (400, refused), body
+    assert cli_error("inject", name, "sigkill", "--rank", "5") == refused
+    with pytest.raises(UsageError) as raised:
+        magic(f"inject {name} sigkill --rank 5")
+    assert str(raised.value) == refused.replace(": use", "\n  → use")
+    assert widget(rank=5) == refused
     assert list(jd.pending.glob("*.json")) == []
 
     queued = f"queued sigkill for rank 1 of {name} (at step 50); it shows as fired when the rank fires it; id "

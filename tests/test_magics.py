@@ -104,6 +104,25 @@ def test_an_empty_cell_runs_the_trainer_and_code_runs_as_the_script(ip: Any, cap
     assert "dry" not in jobs()
 
 
+def test_a_cell_is_validated_once(ip: Any, capsys: pytest.CaptureFixture[str],
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command layer checks the spec, the backend's refusals and each fault once; the backend asserts."""
+    from eksft_nb.backends.local import LocalBackend
+    from eksft_nb.control import FaultCommand
+    from eksft_nb.spec import JobSpec
+
+    calls: list[str] = []
+    for cls, method in ((JobSpec, "validate"), (FaultCommand, "validate"), (LocalBackend, "check")):
+        real = getattr(cls, method)
+        monkeypatch.setattr(cls, method, lambda self, *a, _real=real, _name=f"{cls.__name__}.{method}", **kw:
+                            calls.append(_name) or _real(self, *a, **kw))
+    result = ip.run_cell("%%ftrain --dry-run --name once --model tiny --fault sigkill:1@5 --fault hang:0@7\n"
+                         "print('a loop')\n")
+    assert result.error_in_exec is None and "eksft_nb.runtime.script" in capsys.readouterr().out
+    assert sorted(calls) == ["FaultCommand.validate"] * 2 + ["JobSpec.validate", "LocalBackend.check"]
+    assert "once" not in jobs()
+
+
 @pytest.mark.parametrize("line, message", [
     ("%ftrain bogus", "invalid choice: 'bogus'"),
     ("%ftrain stop", "no job yet in this notebook"),

@@ -106,7 +106,7 @@ def test_plain_values_round_trip_through_the_header(value: Any) -> None:
     assert decode_value(json.loads(json.dumps(encode_value(value)))) == value
 
 
-def test_a_run_id_that_is_not_a_plain_name_keeps_no_copy() -> None:
+def test_a_job_uid_that_is_not_a_plain_name_keeps_no_copy() -> None:
     assert copy_path("", 0) is None and copy_path("../x", 0) is None and copy_path("..", 0) is None
     assert copy_path("abc123", 3) == Path("/dev/shm/eksft-abc123-3")
     assert buffer_path(copy_path("abc123", 3), 12) == Path("/dev/shm/eksft-abc123-3.12")
@@ -155,7 +155,7 @@ def _rank(rank: int, incarnation: int, root: str, store: str, run: str, out: str
     events: list[dict[str, Any]] = []
     mgr = CheckpointManager(Path(root), rank=rank, world_size=2, group=dist.new_group(backend="gloo"), every=5,
                             mode="async", keep_last=3, emit=lambda kind, **data: events.append({"kind": kind, **data}),
-                            run=run)
+                            job_uid=run)
     model, optim = _model()
     result: dict[str, Any] = {}
     if incarnation == 0:
@@ -253,7 +253,7 @@ def test_a_copy_being_overwritten_by_a_newer_save_is_not_used(tmp_path: Path, gr
     events: list[dict[str, Any]] = []
     try:
         mgr = CheckpointManager(tmp_path, rank=0, world_size=1, group=group, every=5, mode="async", keep_last=3,
-                                emit=lambda kind, **data: events.append({"kind": kind, **data}), run=run,
+                                emit=lambda kind, **data: events.append({"kind": kind, **data}), job_uid=run,
                                 process=process)
         model = torch.nn.Linear(16, 16)
         mgr.maybe_save(5, {"model": model.state_dict()})
@@ -271,7 +271,7 @@ def test_a_copy_being_overwritten_by_a_newer_save_is_not_used(tmp_path: Path, gr
         assert resume["source"] == "storage" and "there is none" in resume["memory"]
         assert all(torch.equal(fresh.state_dict()[k], v) for k, v in at_5.items())
         other = CheckpointManager(tmp_path, rank=0, world_size=1, group=group, every=5, mode="async", keep_last=3,
-                                  emit=lambda kind, **data: events.append({"kind": kind, **data}), run=run + "x",
+                                  emit=lambda kind, **data: events.append({"kind": kind, **data}), job_uid=run + "x",
                                   process=process)
         assert other.restore({"model": fresh}, "latest", restarting=False) == 5
         assert events[-1]["source"] == "storage"
@@ -288,7 +288,7 @@ def test_each_staged_buffer_is_a_storage_of_its_own_and_the_save_plan_is_kept(tm
     run = f"test{uuid.uuid4().hex[:12]}"
     try:
         mgr = CheckpointManager(tmp_path, rank=0, world_size=1, group=group, every=5, mode="async", keep_last=2,
-                                emit=lambda kind, **data: None, run=run, process=process)
+                                emit=lambda kind, **data: None, job_uid=run, process=process)
         model = torch.nn.Linear(16, 8)
         for step in (5, 10, 15):
             mgr.maybe_save(step, {"model": model.state_dict(), "step": torch.tensor(step)})
@@ -324,9 +324,9 @@ def test_a_state_that_does_not_fit_in_dev_shm_keeps_no_copy(tmp_path: Path) -> N
     assert storage.nbytes() == 1 << 20 and path.stat().st_size == 1 << 20
     wanted = {"/small": (torch.Size([16]), torch.float32), "/large": (torch.Size([1 << 18]), torch.float32)}
     shelf = memcopy.Shelf()
-    shelf.bind("", 0, 1)  # no run id: anonymous shared memory, no file
+    shelf.bind("", 0, 1)  # no job uid: anonymous shared memory, no file
     buffers = shelf.allocate(wanted)
-    assert all(b.is_shared() for b in buffers.values()) and shelf.path is None and shelf.note == "the job has no run id"
+    assert all(b.is_shared() for b in buffers.values()) and shelf.path is None and shelf.note == "the job has no job uid"
     run = f"test{uuid.uuid4().hex[:12]}"
     shelf.bind(run, 0, 1)
     blocker = buffer_path(copy_path(run, 0), 1)  # the large buffer's file cannot be made; the small one's can

@@ -71,7 +71,7 @@ def test_an_unsupported_or_missing_nvrx_is_refused_in_one_line(monkeypatch: pyte
 
 def test_the_launch_line_adds_release_flags_only_when_the_release_is_known() -> None:
     spec = JobSpec(name="j").validate()
-    args = dict(node_rank=0, rdzv_host="h", ports=Ports.from_base(29500), run_id="r")
+    args = dict(node_rank=0, rdzv_host="h", ports=Ports.from_base(29500), rdzv_id="r")
     common = launcher_argv(spec, **args)  # what an EKS pod gets: its image's NVRx is not known here
     assert not [a for a in common if "cycle-info" in a or "no-progress" in a]
     assert launcher_argv(spec, **args, nvrx=nvrx.NVRx("0.4.1"), cycle_dir="/x") == common
@@ -105,7 +105,7 @@ def test_each_release_accepts_its_launch_line(release: str, tmp_path: Path) -> N
     else:
         which = nvrx.installed()
     spec = JobSpec(name="j").replace(**{"ft.step_timeout": 30.0}).validate()
-    argv = launcher_argv(spec, node_rank=0, rdzv_host="127.0.0.1", ports=Ports.from_base(29500), run_id="r",
+    argv = launcher_argv(spec, node_rank=0, rdzv_host="127.0.0.1", ports=Ports.from_base(29500), rdzv_id="r",
                          log_dir=str(tmp_path), nvrx=which, cycle_dir=str(tmp_path / "nvrx"))
     out = subprocess.run([sys.executable, "-c", _ACCEPTS, *argv[1:]], env=env, capture_output=True, text=True,
                          timeout=300)

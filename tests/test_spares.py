@@ -7,6 +7,7 @@ import pytest
 import yaml
 from test_eks_render import eks_spec
 
+from eksft_nb import commands
 from eksft_nb.backends.eks import EksBackend, schemas
 from eksft_nb.backends.local import LocalBackend
 from eksft_nb.errors import SpecError
@@ -30,7 +31,7 @@ def test_eks_workloads_get_the_spare_pods_and_the_rendezvous_keeps_its_size(kind
 
 def test_pytorchjobs_refuse_spares_in_one_line() -> None:
     with pytest.raises(SpecError) as err:
-        EksBackend().render(eks_spec(nnodes=2, kind="pytorchjob", spare_nodes=1))
+        commands.dry_run(eks_spec(nnodes=2, kind="pytorchjob", spare_nodes=1))   # the command layer's one check
     assert "\n" not in str(err.value) and "use --kind job (or jobset) for hot spares" in str(err.value)
 
 
@@ -55,11 +56,11 @@ def test_a_local_job_with_spares_is_refused_in_one_line_where_nvrx_has_the_barri
     assert "spare-barrier" not in cli("list").stdout   # nothing was started or saved
 
 
-def _rendezvous(store, run_id: str, state) -> None:
+def _rendezvous(store, rdzv_id: str, state) -> None:
     import base64
     import pickle
 
-    store.set("torch.rendezvous." + run_id, base64.b64encode(pickle.dumps(state)).decode())
+    store.set("torch.rendezvous." + rdzv_id, base64.b64encode(pickle.dumps(state)).decode())
 
 
 def test_the_handover_expires_only_the_lost_launchers_keep_alive_and_refuses_a_foreign_state() -> None:

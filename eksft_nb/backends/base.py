@@ -110,14 +110,23 @@ class Backend(ABC):
         """Fault kinds it cannot deliver (a resilience test skips them), from the fault registry."""
         return refused(self.name)
 
+    def check(self, spec: JobSpec, launching: bool = True) -> JobSpec:
+        """Refuse what this backend cannot run of a spec valid on its own; the spec as it runs here (paths
+        resolved). ``launching``: the job starts from this machine now, so what it needs here (files, a
+        mount, NVRx) must be here too; a dry run skips that. Only the command layer calls it, once per
+        launch or dry run: ``render`` and ``launch`` take its result and assert, they do not check again."""
+        return spec
+
     @abstractmethod
     def render(self, spec: JobSpec, queue_objects: bool = False) -> str:
-        """What ``launch`` would start, as text (the dry run). ``queue_objects``: also the scheduler's
-        queue objects for the job's queue, where the backend has a scheduler with them (EKS: Kueue)."""
+        """What ``launch`` would start, as text (the dry run), of a spec :meth:`check` passed.
+        ``queue_objects``: also the scheduler's queue objects for the job's queue, where the backend has
+        a scheduler with them (EKS: Kueue)."""
 
     @abstractmethod
     def launch(self, spec: JobSpec, faults: list[FaultCommand] | None = None) -> None:
-        """Validate everything, then start the job detached (it outlives the caller)."""
+        """Start the job detached (it outlives the caller): a spec :meth:`check` passed, faults checked
+        against it (see :func:`eksft_nb.commands.prepare`)."""
 
     @abstractmethod
     def jobs(self) -> list[JobSummary]:

@@ -16,9 +16,9 @@ from ..states import ACTIVE, ENDED, JobState
 
 
 def queue_fault(jd: JobDir, state: JobState, command: FaultCommand) -> FaultCommand:
-    """Queue ``command`` for the job in ``jd``, which is in ``state``; a fault for a step must lie ahead."""
+    """Queue ``command`` (checked against the job by the command layer) for the job in ``jd``, which is in
+    ``state``; a fault for a step must lie ahead of the job's last step."""
     spec = jd.spec()
-    command.validate(spec.world_size, spec.nnodes)
     if state not in ACTIVE:
         how = "has already ended" if state in ENDED else "is not running"
         raise JobError(f"job {spec.name!r} {how} ({state}): faults only go to a running job",

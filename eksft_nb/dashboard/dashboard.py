@@ -49,7 +49,7 @@ class Dashboard(w.VBox):
         self.throttle = Throttle(interval)
         self.updates = 0
         self.warnings_said = 0   # the job's warning events shown so far
-        spec = self.job.spec
+        spec = self._spec = self.job.spec
 
         self.header = Header(job=job.name, backend=job.backend.name, total=None if spec.script else spec.steps,
                              origin=_origin(spec.resume, None))
@@ -119,12 +119,11 @@ class Dashboard(w.VBox):
             mon = self.job.monitor
             ended = state.ended
             self.figure.push()
-            committed = mon.last_committed
             h = self.header
-            h.state, h.step, h.total = state.value, mon.last_step, mon.total_steps or h.total
-            h.detail = detail if state == JobState.STARTING else ""
-            h.restarts = mon.restarts_by_level()
-            h.last_checkpoint = committed.step if committed else None
+            row = commands.job_row(self.job, (state, detail), self._spec)   # the CLI's and the panel's row
+            h.state, h.step, h.total = row["state"], row["step"], row["total_steps"]
+            h.detail = row["detail"] if state == JobState.STARTING else ""
+            h.restarts, h.last_checkpoint, h.goodput = row["restarts"], row["last_checkpoint"], row["goodput"]
             if len(mon.warnings) > self.warnings_said:   # the newest warning, in one line
                 self.warnings_said = len(mon.warnings)
                 self._say(f"warning: {mon.warnings[-1]['message']}")
@@ -135,9 +134,7 @@ class Dashboard(w.VBox):
             now = time.monotonic()
             if ended or now >= self._next_slow:
                 self._next_slow = now + self.slow_interval
-                gp = compute(mon)
-                h.goodput = gp.goodput if mon.t_start else None
-                self.goodput.seconds = gp.seconds()
+                self.goodput.seconds = compute(mon).seconds()
                 self._refresh_checkpoints()
                 if self.log_tail.is_open or ended:
                     self._refresh_log()

@@ -18,7 +18,7 @@ from plotly.serializers import custom_serializers
 from plotly.subplots import make_subplots
 from traitlets import Dict
 
-from ..gpuhealth import fault_label
+from ..gpuhealth.fold import fault_label
 from ..incidents import phases_text
 from ..monitor import JobMonitor
 from ..states import CheckpointState, RestartLevel

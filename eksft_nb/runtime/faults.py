@@ -200,7 +200,7 @@ def kill_supervisor(f: Firing) -> None:
 
     job_dir = f.session.job_dir
     record = job_dir.supervisor() if job_dir else {}
-    victim = procs.recorded(record.get("supervisor"), os.environ.get(procs.JOB_MARK) or "")
+    victim = procs.recorded(record.get("supervisor"), os.environ.get(procs.JOB_UID_ENV) or "")
     if victim is None:
         f.report(note="no supervisor of this job runs here: nothing killed")
         return

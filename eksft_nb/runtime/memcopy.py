@@ -1,13 +1,13 @@
 """The newest in-memory copy of a rank's checkpoint: restore from RAM instead of storage.
 
 An async save stages the state into shared-memory buffers (see ``checkpoint.staging.Stager``). Each
-buffer lives in a named file of its own, ``/dev/shm/eksft-<run>-<rank>.<index>``, so they outlive the
+buffer lives in a named file of its own, ``/dev/shm/eksft-<job_uid>-<rank>.<index>``, so they outlive the
 rank process: after an in-process, in-job or (same node) job-level restart the next incarnation maps
 the files and, if they hold the newest committed step, copies them back into its local shards without
 reading the checkpoint from storage. A file per buffer, not one per rank, keeps each buffer a storage
 of its own: NVRx's writer clones every CPU tensor that is a view into a larger storage, on the
 training thread, and the kept save plan needs the staged buffers themselves. Beside them,
-``eksft-<run>-<rank>.json`` records which step the buffers hold (written only once that save committed
+``eksft-<job_uid>-<rank>.json`` records which step the buffers hold (written only once that save committed
 and the buffers' checksums were computed, off the training thread) and their layout; it is removed
 before the buffers are overwritten by the next save.
 
@@ -16,6 +16,8 @@ everything is checked and any doubt means "restore from storage", with one line 
 job's supervisor removes them when the job ends (:func:`remove_copies`).
 
 Torch is imported inside the functions that need it: the supervisor imports this module for cleanup.
+
+Over 500 lines, one idea: writing, checking and restoring the copy share its file format and checks.
 """
 
 from __future__ import annotations
@@ -41,14 +43,15 @@ from ..jobdir import atomic_write
 SHM = Path("/dev/shm")
 FORMAT, VERSION = "eksft-memory-copy", 2
 HEADER_MAX = 64 << 20          # a layout larger than this is not one we wrote
-_RUN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_JOB_UID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 CHUNK = 16 << 20               # the buffers' checksums: one CRC-32 per 16 MiB
 
 
-def copy_path(run: str, rank: int) -> Path | None:
-    """The base name of ``rank``'s copy in job ``run`` (its record is ``<base>.json``, its buffers
-    ``<base>.<index>``); None without a usable run id (no copy kept)."""
-    return SHM / f"eksft-{run}-{rank}" if _RUN.fullmatch(run or "") and run not in (".", "..") else None
+def copy_path(job_uid: str, rank: int) -> Path | None:
+    """The base name of ``rank``'s copy in job ``job_uid`` (its record is ``<base>.json``, its buffers
+    ``<base>.<index>``); None without a usable job uid (no copy kept)."""
+    usable = _JOB_UID.fullmatch(job_uid or "") and job_uid not in (".", "..")
+    return SHM / f"eksft-{job_uid}-{rank}" if usable else None
 
 
 def buffer_path(base: Path, index: int) -> Path:
@@ -56,10 +59,10 @@ def buffer_path(base: Path, index: int) -> Path:
     return base.with_name(f"{base.name}.{index}")
 
 
-def remove_copies(run: str | None) -> int:
-    """Remove every in-memory copy file of job ``run`` (the job ended or was stopped or removed);
+def remove_copies(job_uid: str | None) -> int:
+    """Remove every in-memory copy file of job ``job_uid`` (the job ended or was stopped or removed);
     return how many. Never touches another job's files."""
-    return _remove(lambda owner: owner == run) if run else 0
+    return _remove(lambda owner: owner == job_uid) if job_uid else 0
 
 
 def remove_stale_copies(live: set[str]) -> int:
@@ -70,7 +73,7 @@ def remove_stale_copies(live: set[str]) -> int:
 
 
 def _remove(doomed: Callable[[str], bool]) -> int:
-    """Remove this user's copy files (buffers, record, a record's temporary file) whose run is ``doomed``."""
+    """Remove this user's copy files (buffers, record, a record's temporary file) whose job_uid is ``doomed``."""
     removed = 0
     for path in SHM.glob("*eksft-*"):
         m = re.fullmatch(r"\.?eksft-(.+)-\d+(\.\d+|\.json(\.\d+\.tmp)?)?", path.name)
@@ -90,7 +93,7 @@ class Entry:
     key: str
     dtype: str
     shape: tuple[int, ...]
-    file: int                        # its file is buffer_path(copy_path(run, rank), file)
+    file: int                        # its file is buffer_path(copy_path(job_uid, rank), file)
     nbytes: int
     digest: str                      # the file's checksums (see digest)
     dtensor: dict[str, Any] | None   # the DTensor layout (global shape, mesh, placements, coordinate)
@@ -98,7 +101,7 @@ class Entry:
 
 @dataclass(frozen=True)
 class Header:
-    run: str
+    job_uid: str
     rank: int
     world_size: int
     step: int
@@ -126,9 +129,10 @@ def parse_header(text: str | bytes) -> Header | str:
         return "its header is not an eksft memory copy"
     if raw.get("version") != VERSION:
         return f"its header has version {str(raw.get('version'))[:20]!r}, not {VERSION}"
-    run, step, t = raw.get("run"), raw.get("step"), raw.get("committed_at")
-    if not isinstance(run, str) or not _int(raw.get("rank"), 0, 1 << 20) or not _int(raw.get("world_size"), 1, 1 << 20):
-        return "its header lacks the run, rank or world size"
+    job_uid = raw.get("job_uid", raw.get("run"))   # "run": older jobs' name for it
+    step, t = raw.get("step"), raw.get("committed_at")
+    if not isinstance(job_uid, str) or not _int(raw.get("rank"), 0, 1 << 20) or not _int(raw.get("world_size"), 1, 1 << 20):
+        return "its header lacks the job uid, rank or world size"
     if not _int(step) or type(t) is not float or not math.isfinite(t):
         return "its header lacks the step or commit time"
     entries, values = raw.get("entries"), raw.get("values")
@@ -146,7 +150,7 @@ def parse_header(text: str | bytes) -> Header | str:
             return f"its buffer {entry.key[:80]!r} shares its file with another"
         parsed[entry.key] = entry
         files.add(entry.file)
-    return Header(run, raw["rank"], raw["world_size"], step, t, parsed, values)
+    return Header(job_uid, raw["rank"], raw["world_size"], step, t, parsed, values)
 
 
 def _parse_entry(item: Any) -> Entry | str:
@@ -211,7 +215,7 @@ def digest(buffer: Any, size: int, tick: Callable[[], Any] = lambda: None) -> st
     """The checksums of the first ``size`` bytes of ``buffer``: a CRC-32 per :data:`CHUNK`, in hex.
     They catch a copy overwritten or corrupted since (a newer save's staging cut short, stray
     writes) at about 6 GB/s, four times SHA-256's speed here; whose file it is is checked apart
-    (owner, mode, run, rank, step, commit time). zlib releases the GIL while it sums."""
+    (owner, mode, job_uid, rank, step, commit time). zlib releases the GIL while it sums."""
     view, sums = memoryview(buffer), []
     for start in range(0, size, CHUNK):
         sums.append(f"{zlib.crc32(view[start:min(size, start + CHUNK)]):08x}")
@@ -267,7 +271,7 @@ class Shelf:
 
     def __init__(self) -> None:
         self.path: Path | None = None       # the copy's base path, once the buffers live in its files
-        self.identity: tuple[str, int, int] | None = None   # (run, rank, world size) it belongs to
+        self.identity: tuple[str, int, int] | None = None   # (job_uid, rank, world size) it belongs to
         self._files: dict[str, tuple[int, int]] = {}        # key -> (file index, bytes) of each buffer
         self._lock = threading.Lock()
         self._generation = 0
@@ -277,14 +281,14 @@ class Shelf:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()   # stagings to sum, for the worker thread
         self._worker = 0                    # the pid whose worker thread takes them (0: none started)
 
-    def bind(self, run: str, rank: int, world_size: int) -> None:
-        """Keep copies for ``rank`` of job ``run``; a different job or rank drops the current buffers."""
-        if self.identity != (run, rank, world_size):
-            self.identity, self.path, self._files = (run, rank, world_size), None, {}
+    def bind(self, job_uid: str, rank: int, world_size: int) -> None:
+        """Keep copies for ``rank`` of job ``job_uid``; a different job or rank drops the current buffers."""
+        if self.identity != (job_uid, rank, world_size):
+            self.identity, self.path, self._files = (job_uid, rank, world_size), None, {}
 
     def allocate(self, wanted: dict[str, tuple[Any, Any]]) -> dict[str, Any]:
         """A buffer per key (``wanted``: key -> shape and dtype), each a shared storage of its own:
-        in its own named file when the job has a run id and /dev/shm has room for them all, else
+        in its own named file when the job has a job uid and /dev/shm has room for them all, else
         (no copy is then kept) anonymous shared memory. A zero-byte buffer has no file."""
         import torch
 
@@ -298,7 +302,7 @@ class Shelf:
                         old.unlink()
         storages: dict[str, Any] = {}
         files = {key: (i, math.prod(shape) * dtype.itemsize) for i, (key, (shape, dtype)) in enumerate(wanted.items())}
-        why = "" if base is not None else "the job has no run id"
+        why = "" if base is not None else "the job has no job uid"
         for key, (i, nbytes) in files.items() if base is not None else ():
             reserved = reserve(buffer_path(base, i), nbytes) if nbytes else None
             if isinstance(reserved, str):
@@ -372,8 +376,8 @@ class Shelf:
                 or self._commit[0] != self._generation or self.path is None:
             return
         (_, described), (_, step, t) = self._hashed, self._commit
-        run, rank, world_size = self.identity
-        header = {"format": FORMAT, "version": VERSION, "run": run, "rank": rank, "world_size": world_size,
+        job_uid, rank, world_size = self.identity
+        header = {"format": FORMAT, "version": VERSION, "job_uid": job_uid, "rank": rank, "world_size": world_size,
                   "step": step, "committed_at": t, **described}
         try:
             atomic_write(_header_path(self.path), json.dumps(header))
@@ -383,14 +387,14 @@ class Shelf:
 
 # ---- restoring from a copy (the reading side) ----------------------------------------------------
 
-def prepare(run: str, rank: int, world_size: int, step: int, committed_at: float | None, state: Any,
+def prepare(job_uid: str, rank: int, world_size: int, step: int, committed_at: float | None, state: Any,
             tick: Callable[[], Any] = lambda: None) -> tuple[Callable[[], None] | None, str | None, float]:
     """Check this rank's copy against the checkpoint to restore (``step``, committed at
     ``committed_at``) and against ``state``'s own layout: (a function that loads it into ``state``,
     None, seconds spent hashing) if every check passes, else (None, why not, seconds)."""
-    path = copy_path(run, rank)
+    path = copy_path(job_uid, rank)
     if path is None:
-        return None, "the job has no run id", 0.0
+        return None, "the job has no job uid", 0.0
     opened = _open_checked(_header_path(path), os.O_RDONLY)
     if isinstance(opened, str):
         return None, opened, 0.0
@@ -404,9 +408,9 @@ def prepare(run: str, rank: int, world_size: int, step: int, committed_at: float
     header = parse_header(text)
     if isinstance(header, str):
         return None, header, 0.0
-    if (header.run, header.rank, header.world_size) != (run, rank, world_size):
-        return None, (f"it is of run {header.run[:40]!r} rank {header.rank} of {header.world_size}, "
-                      f"not rank {rank} of {world_size} of this run"), 0.0
+    if (header.job_uid, header.rank, header.world_size) != (job_uid, rank, world_size):
+        return None, (f"it is of job {header.job_uid[:40]!r} rank {header.rank} of {header.world_size}, "
+                      f"not rank {rank} of {world_size} of this job"), 0.0
     if (header.step, header.committed_at) != (step, committed_at):
         return None, f"it holds step {header.step}, not the newest committed checkpoint (step {step})", 0.0
     targets = _targets(state)

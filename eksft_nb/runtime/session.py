@@ -31,7 +31,7 @@ from typing import Any
 from ..control import CommandInbox, FaultCommand, reject
 from ..errors import ControlError, JobError
 from ..events import EventWriter
-from ..gpuhealth import start as start_gpu_health
+from ..gpuhealth.sampler import start as start_gpu_health
 from ..jobdir import JobDir
 from ..spec import JobSpec
 from ..timeouts import derive, resolved

@@ -82,10 +82,14 @@ class EksBackend(Backend):
         return cluster, JobSpec.from_json(data.get(names.SUBMITTED_SPEC) or data[names.POD_SPEC]), record
 
     # ---- launch ---------------------------------------------------------------------------------------
+    def check(self, spec: JobSpec, launching: bool = True) -> JobSpec:
+        """Everything the cluster would reject, or accept and then never run (see :mod:`.checks`)."""
+        return checks.check(spec)
+
     def manifests(self, spec: JobSpec, faults: list[FaultCommand] | None = None,
                   queue_objects: bool = False) -> Manifests:
-        """Check the spec, render every manifest and validate it against its schema."""
-        checks.check(spec.validate())
+        """Render every manifest of a spec :meth:`check` passed, and validate it against its schema."""
+        assert spec.backend == self.name
         m = render(spec, faults, queue_objects)
         schemas.validate_all(m.all(), spec.eks.k8s_version)
         return m
@@ -97,10 +101,6 @@ class EksBackend(Backend):
     def launch(self, spec: JobSpec, faults: list[FaultCommand] | None = None) -> None:
         """Submit the job. Submitting the same spec again is a no-op (objects that exist with this
         spec are kept); if any object cannot be created, those created so far are removed."""
-        spec.validate()
-        if spec.backend != "eks":
-            raise JobError(f"spec {spec.name!r} is for backend {spec.backend!r}", "launch it with --backend eks")
-        faults = [f.validate(spec.world_size, spec.nnodes) for f in faults or []]
         m = self.manifests(spec, faults)
         cluster = self._cluster(spec.eks.context, spec.eks.namespace)
         if not spec.eks.create_pvc:
@@ -227,11 +227,8 @@ class EksBackend(Backend):
     # ---- control ----------------------------------------------------------------------------------------
     def inject(self, name: str, command: FaultCommand) -> FaultCommand:
         """Queue a fault command in the job folder, from inside a running pod (the ranks fire it)."""
-        if command.fault == "kill-supervisor":  # no eksft supervisor runs on the cluster
-            raise JobError("kill-supervisor is a local fault: on EKS the workload's controller supervises the job",
-                           "use kill-launcher (or backend.lose_node) to lose a node, or sigkill to lose a rank")
+        assert command.fault not in self.refused_faults
         cluster, spec, _ = self._job(name)
-        command.validate(spec.world_size, spec.nnodes)
         pod = self._running_pods(cluster, spec, "deliver the fault")[0]
         code, out = cluster.exec(pod, names.container(spec), INPOD + ["inject", command.to_json()])
         if code != 0:

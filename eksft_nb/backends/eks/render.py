@@ -25,7 +25,7 @@ from ...launcher import Ports, launcher_argv, rank_env
 from ...runtime.quiet import quiet_env
 from ...spec import JobSpec
 from ...timeouts import derive, resolved
-from ...procs import JOB_MARK
+from ...procs import JOB_UID_ENV
 from . import failures, kueue, names, sizing
 from .instances import lookup
 from .network import network_policy
@@ -245,7 +245,7 @@ def pod_template(spec: JobSpec, *, subdomain: str | None = None, attempt_from: s
     e = spec.eks
     view = pod_view(spec)
     argv = [literal(a) for a in launcher_argv(view, node_rank=node_rank, rdzv_host=names.rank0_host(spec),
-                                              ports=Ports.from_base(e.port), run_id=spec.name)]
+                                              ports=Ports.from_base(e.port), rdzv_id=spec.name)]
     ours = next(i for i, a in enumerate(argv) if a.startswith("--node-rank="))   # before any user text
     argv[ours] = f"--node-rank={node_rank}"   # the one reference the kubelet fills in
     env = container_env(spec, attempt_from)
@@ -317,7 +317,7 @@ def container_env(spec: JobSpec, attempt_from: str | None) -> list[dict[str, Any
     env += [{"name": k, "value": literal(v)} for k, v in values.items()]
     # the launch's id for checkpoint lineage, from the job's record: the same in every pod and across
     # restarts of one workload (whose Jobs and pods are recreated), new for every launch
-    env.append({"name": JOB_MARK, "valueFrom": {"configMapKeyRef": {"name": spec.name, "key": names.JOB_UID}}})
+    env.append({"name": JOB_UID_ENV, "valueFrom": {"configMapKeyRef": {"name": spec.name, "key": names.JOB_UID}}})
     return env
 
 

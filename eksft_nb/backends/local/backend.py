@@ -48,8 +48,27 @@ class LocalBackend(FolderJobs, Backend):
         return JobDir.existing(name, self.root)
 
     # ---- launch -------------------------------------------------------------------------------
+    def check(self, spec: JobSpec, launching: bool = True) -> JobSpec:
+        """NVRx must take spares; a script and its working directory must exist here (their paths are
+        fixed now: ranks start in the job folder)."""
+        if not launching:
+            return spec
+        found = nvrx.require()  # the supervisor, launchers and ranks import the NVRx this process finds
+        if spec.spare_nodes and (why := found.spares_refused):
+            raise JobError(f"--spare-nodes {spec.spare_nodes}: {why}",
+                           "use --spare-nodes 0 (a lost node is then a job restart), or NVRx 0.4.1")
+        if not spec.script:
+            return spec
+        if not Path(spec.script).is_file():
+            raise JobError(f"training script {spec.script} does not exist", "check the --script path")
+        workdir = Path(spec.workdir or os.getcwd()).expanduser().resolve()
+        if not workdir.is_dir():
+            raise JobError(f"working directory {workdir} does not exist", "check the --workdir path")
+        return spec.replace(script=str(Path(spec.script).resolve()), workdir=str(workdir))
+
     def render(self, spec: JobSpec, queue_objects: bool = False) -> str:
-        lines = [f"# {line}" for line in derive(spec.validate()).lines()]
+        assert spec.backend == self.name
+        lines = [f"# {line}" for line in derive(spec).lines()]
         spec = resolved(spec)
         jd = JobDir.for_name(spec.name, self.root)
         if spec.engine == "torchft":
@@ -61,34 +80,19 @@ class LocalBackend(FolderJobs, Backend):
         for k, v in {**rank_env(spec, ports=ports, job_attempt=0, job_dir=str(jd.path)), **loopback.env()}.items():
             lines.append(f"{k}={v}")
         for node in range(spec.nnodes + spec.spare_nodes):   # the spares' lines are the same
-            argv = launcher_argv(spec, node_rank=node, rdzv_host="127.0.0.1", ports=ports, run_id=spec.name)
+            argv = launcher_argv(spec, node_rank=node, rdzv_host="127.0.0.1", ports=ports, rdzv_id=spec.name)
             lines.append(" \\\n    ".join(argv))
         return "\n".join(lines)
 
     def launch(self, spec: JobSpec, faults: list[FaultCommand] | None = None) -> None:
-        spec.validate()
-        if spec.backend != "local":
-            raise JobError(f"spec {spec.name!r} is for backend {spec.backend!r}", "launch it with that backend")
-        found = nvrx.require()  # the supervisor, launchers and ranks import the NVRx this process finds
-        if spec.spare_nodes and (why := found.spares_refused):
-            raise JobError(f"--spare-nodes {spec.spare_nodes}: {why}",
-                           "use --spare-nodes 0 (a lost node is then a job restart), or NVRx 0.4.1")
+        assert spec.backend == self.name and (not spec.script or Path(spec.script).is_absolute())  # check()ed
         jd = JobDir.for_name(spec.name, self.root)
         if jd.path.exists():
             raise JobError(f"a job named {spec.name!r} already exists in {self.root}",
                            f"choose another --name, or remove it with `python -m eksft_nb rm {spec.name}`")
-        faults = [f.validate(spec.world_size, spec.nnodes) for f in faults or []]
-        if spec.script:
-            if not Path(spec.script).is_file():
-                raise JobError(f"training script {spec.script} does not exist", "check the --script path")
-            # ranks start in the job folder: the script's path and its working directory are fixed here
-            workdir = Path(spec.workdir or os.getcwd()).expanduser().resolve()
-            if not workdir.is_dir():
-                raise JobError(f"working directory {workdir} does not exist", "check the --workdir path")
-            spec = spec.replace(script=str(Path(spec.script).resolve()), workdir=str(workdir))
         _check_resume_source(spec, jd)
         jd.create(resolved(spec))   # the timeouts its launchers and ranks use, filled in (see timeouts.py)
-        for f in faults:
+        for f in faults or []:
             submit(jd.pending, f)
         remove_stale_copies(procs.live_marks())  # in-memory checkpoint copies that ended jobs left
         self._start_supervisor(jd, uuid.uuid4().hex[:16])
@@ -97,8 +101,8 @@ class LocalBackend(FolderJobs, Backend):
         """Start the job's keeper and supervisor (detached), every process of the job marked ``job_uid``."""
         before = jd.supervisor().get("supervisor")
         with open(jd.logs / "supervisor.err", "ab") as err:
-            env = quiet_env({**os.environ, procs.JOB_MARK: job_uid})
-            proc = subprocess.Popen([sys.executable, "-m", "eksft_nb.backends.local.supervisor", str(jd.path)],
+            env = quiet_env({**os.environ, procs.JOB_UID_ENV: job_uid})
+            proc = subprocess.Popen([sys.executable, "-m", "eksft_nb.backends.local.keeper", str(jd.path)],
                                     stdin=subprocess.DEVNULL, stdout=err, stderr=err, env=env,
                                     start_new_session=True, close_fds=True)
         proc.wait(timeout=30)  # the intermediate process exits once the daemon has forked

@@ -67,12 +67,12 @@ def _load(raw: bytes) -> Any:
         raise HandoverError(f"the rendezvous state is unreadable ({type(e).__name__}: {e})") from e
 
 
-def expire(store: Any, run_id: str, launcher_pid: int) -> int:
+def expire(store: Any, rdzv_id: str, launcher_pid: int) -> int:
     """Mark the rendezvous nodes of the ft_launcher ``launcher_pid`` (a node descriptor carries its
-    launcher's pid) as expired in ``store``'s rendezvous ``run_id`` and, if one was a participant, move a
+    launcher's pid) as expired in ``store``'s rendezvous ``rdzv_id`` and, if one was a participant, move a
     spare to the wait list. Returns how many were marked (0: it held no place, or the state is not the
     legacy rendezvous's)."""
-    key = "torch.rendezvous." + run_id
+    key = "torch.rendezvous." + rdzv_id
     for _ in range(TRIES):
         try:
             if not store.check([key]):   # get() would wait for it

@@ -6,19 +6,23 @@ detection) and the job's events (steps, in-process restarts, checkpoints). It re
 launcher dies, emits the ``failure``/``restart`` events with cause, blamed rank and timings, and
 gives up with a reason when restarts stop making progress.
 
-When the supervisor dies. The supervisor runs as the child of a small *keeper* process that holds the
-job folder's lock. If the supervisor dies before the job ended (SIGKILL, a crash, an uncaught
+When the supervisor dies. The supervisor runs as the child of a small *keeper* process
+(:mod:`.keeper`) that holds the job folder's lock. If the supervisor dies before the job ended (SIGKILL, a crash, an uncaught
 error), the keeper starts a successor that *adopts* the job: it finds the launchers again by identity
 (pid and start time, and the job's mark, from ``supervisor.json``), rebuilds what its predecessor knew
 by replaying the job's events (publishing only the failure/restart events its predecessor did not,
 such as an in-job restart while nobody watched), reads the launcher logs on from the saved offsets,
-and carries on. After :data:`MAX_SUPERVISORS` deaths the keeper ends every process of the job and
+and carries on. After :data:`.keeper.MAX_SUPERVISORS` deaths the keeper ends every process of the job and
 records why. If the keeper is gone too, any client that finds the job's processes running without a
 supervisor (``LocalBackend.state``) starts a new keeper. An ``OSError`` in the supervisor (a full
 disk) ends the job with that reason, its launchers stopped.
 
-Run as ``python -m eksft_nb.backends.local.supervisor JOB_DIR`` (the local backend does this, with the
-job's mark ``EKSFT_JOB_UID`` in the environment); ``--run JOB_DIR [--adopt]`` is the supervisor proper.
+About 600 lines, one idea: the supervisor's loop and the state its launch, watch, spare hand-over and
+adoption share; the ideas of their own are modules beside it (:mod:`.keeper`, :mod:`.handover`,
+:mod:`..launcher_log`).
+
+Run by the keeper as ``python -m eksft_nb.backends.local.supervisor JOB_DIR [--adopt]``, with the job's
+mark ``EKSFT_JOB_UID`` in the environment.
 """
 
 from __future__ import annotations
@@ -47,13 +51,12 @@ from ...runtime.memcopy import remove_copies
 from ...runtime.quiet import quiet_env
 from ...runtime.warm_shim import SOCKET_ENV as WARM_SOCKET
 from ...runtime.warm_shim import ZYGOTE_ENV as WARM_ZYGOTE
-from ...states import RECORDED_ENDS, JobState, RestartLevel
+from ...states import JobState, RestartLevel
 from ... import procs
 from ..launcher_log import LauncherLine, parse_launcher_line
 from .handover import HandoverError, expire
 
 POLL_S = 0.2
-MAX_SUPERVISORS = 5    # supervisor deaths the keeper recovers from before it ends the job
 STANDBY_MODULE = "eksft_nb.backends.local.standby"   # a local job's ft_launcher (see its module)
 UNKNOWN_EXIT = -256    # an adopted launcher ended (not our child: its exit status is unknown)
 
@@ -87,7 +90,7 @@ class Node:
 class Supervisor:
     jd: JobDir
     adopt: bool = False   # take over the running job of a supervisor that died
-    job_uid: str = field(default_factory=lambda: os.environ.get(procs.JOB_MARK) or uuid.uuid4().hex[:16])
+    job_uid: str = field(default_factory=lambda: os.environ.get(procs.JOB_UID_ENV) or uuid.uuid4().hex[:16])
 
     def __post_init__(self) -> None:
         self.spec = self.jd.spec()
@@ -104,7 +107,7 @@ class Supervisor:
         self.standby: dict[int, subprocess.Popen] = {}  # node -> a warm ft_launcher for the next attempt
         self.zygotes: dict[str, subprocess.Popen] = {}  # node tag -> its warm-rank zygote (this attempt's, the next's)
         self.store: Any = None   # the rendezvous store, when the supervisor hosts it (hot spares)
-        self.run_id = ""         # this attempt's rendezvous id
+        self.rdzv_id = ""         # this attempt's rendezvous id
         self.t_launch = 0.0
         self.ranks_started: dict[int, float] = {}  # rank -> its newest rank_start of the current attempt
         self.ranks_done: set[int] = set()  # ranks whose newest start in the current attempt ended with exit 0
@@ -205,7 +208,7 @@ class Supervisor:
 
     def _launch(self) -> None:
         ports = Ports(*_free_ports(3))
-        run_id = self.run_id = f"{self.spec.name}-{self.attempt}-{uuid.uuid4().hex[:6]}"
+        rdzv_id = self.rdzv_id = f"{self.spec.name}-{self.attempt}-{uuid.uuid4().hex[:6]}"
         self.nodes = []
         self.t_launch = time.time()
         self.ranks_started, self.ranks_done = {}, set()
@@ -215,13 +218,13 @@ class Supervisor:
         for node in range(self.spec.nnodes + self.spec.spare_nodes):   # spares wait in the rendezvous
             tag = f"{self.attempt}.{node}"
             zygote = self._start_zygote(tag)
-            argv = launcher_argv(self.spec, node_rank=node, rdzv_host="127.0.0.1", ports=ports, run_id=run_id,
+            argv = launcher_argv(self.spec, node_rank=node, rdzv_host="127.0.0.1", ports=ports, rdzv_id=rdzv_id,
                                  nvrx=self.nvrx, cycle_dir=str(self._cycle_dir(self.attempt)),
                                  store_elsewhere=self.store is not None, warm_python=zygote and sys.executable)
             env = quiet_env({**os.environ,
                              **rank_env(self.spec, ports=ports, job_attempt=self.attempt, job_dir=str(self.jd.path),
                                         nvrx=self.nvrx),
-                             **loopback.env(), procs.JOB_MARK: self.job_uid, procs.NODE_MARK: tag,
+                             **loopback.env(), procs.JOB_UID_ENV: self.job_uid, procs.NODE_MARK: tag,
                              **({WARM_SOCKET: zygote, WARM_ZYGOTE: str(self.zygotes[tag].pid)}
                                 if zygote else {})})
             log = self._launcher_log(self.attempt, node)
@@ -264,7 +267,7 @@ class Supervisor:
             return name
         # what the ranks' interpreter and torch read at start-up must match theirs (see zygote.FIXED_AT_START)
         env = quiet_env({**os.environ, "OMP_NUM_THREADS": str(self.spec.threads_per_rank),
-                         procs.JOB_MARK: self.job_uid, procs.NODE_MARK: tag})
+                         procs.JOB_UID_ENV: self.job_uid, procs.NODE_MARK: tag})
         with open(self.jd.logs / f"zygote-{tag}.log", "ab") as out:
             self.zygotes[tag] = subprocess.Popen([sys.executable, "-m", ZYGOTE_MODULE, name], env=env, stdout=out,
                                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.jd.path,
@@ -277,7 +280,7 @@ class Supervisor:
         nxt = self.attempt + 1
         for node in range(self.spec.nnodes + self.spec.spare_nodes):
             self._start_zygote(f"{nxt}.{node}")
-            env = quiet_env({**os.environ, procs.JOB_MARK: self.job_uid, procs.NODE_MARK: f"{nxt}.{node}"})
+            env = quiet_env({**os.environ, procs.JOB_UID_ENV: self.job_uid, procs.NODE_MARK: f"{nxt}.{node}"})
             with open(self._launcher_log(nxt, node), "ab") as out:
                 self.standby[node] = subprocess.Popen(
                     [sys.executable, "-m", STANDBY_MODULE], env=env, stdin=subprocess.PIPE,
@@ -368,7 +371,7 @@ class Supervisor:
         if self.store is None or self.nvrx is None or self.nvrx.rendezvous != "legacy":
             return
         try:
-            marked = expire(self.store, self.run_id, node.pid)
+            marked = expire(self.store, self.rdzv_id, node.pid)
         except HandoverError as e:
             self.say(f"could not hand the spare over at once ({e}): it comes in when NVRx's rendezvous "
                      "expires the lost launcher (10-15 s)")
@@ -588,71 +591,12 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-def keep(jd: JobDir) -> int:
-    """The keeper: run the job's supervisor as a child and, when it dies before the job ended, start
-    a successor that adopts the job (see the module's docstring). One keeper per job folder."""
-    lock = jd.keeper_lock()
-    if lock is None or jd.supervisor().get("state") in RECORDED_ENDS:
-        return 0  # another keeper looks after the job, or it has ended
-    record = jd.supervisor()
-    adopt = "supervisor" in record  # a supervisor ran before this keeper: adopt what it started
-    uid = os.environ.setdefault(procs.JOB_MARK, str(record.get("job_uid") or uuid.uuid4().hex[:16]))
-    atomic_write(jd.supervisor_path, json.dumps({**record, "job_uid": uid,
-                                                 "keeper": procs.identity(os.getpid()),
-                                                 "state": record.get("state", JobState.STARTING)}, indent=1))
-    inode = os.stat(jd.path).st_ino
-    stopping = False
-    child: subprocess.Popen | None = None
-
-    def on_signal(signum: int, frame: Any) -> None:
-        nonlocal stopping
-        stopping = True
-        if child is not None and child.poll() is None:
-            child.send_signal(signal.SIGTERM)
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    for _ in range(MAX_SUPERVISORS):
-        with open(jd.logs / "supervisor.err", "ab") as err:
-            child = subprocess.Popen([sys.executable, "-m", "eksft_nb.backends.local.supervisor", "--run", str(jd.path),
-                                      *(["--adopt"] if adopt else [])],
-                                     stdin=subprocess.DEVNULL, stdout=err, stderr=err)
-        code = child.wait()
-        try:
-            if os.stat(jd.path).st_ino != inode:
-                return 0  # the job folder was deleted or replaced
-        except FileNotFoundError:
-            return 0
-        if stopping or code == UNRECORDED or jd.supervisor().get("state") in RECORDED_ENDS:
-            return 0
-        adopt = True
-        how = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"exit {code}"
-        with open(jd.logs / "supervisor.log", "a") as log:
-            log.write(f"{time.strftime('%H:%M:%S')} the supervisor (pid {child.pid}) died ({how}): "
-                      "starting another to adopt the job\n")
-    reason = (f"the supervisor died {MAX_SUPERVISORS} times (see logs/supervisor.err); the job's processes "
-              "were stopped: resume it from its last checkpoint")
-    procs.kill_marked(uid, keep=[os.getpid()])
-    remove_copies(uid)
-    mon = JobMonitor()
-    mon.update(EventTail(jd.events_path).read())
-    EventWriter(jd.events_path, jd.name, rank=None).emit("job_end", state=JobState.FAILED, reason=reason,
-                                                         final_step=mon.last_step)
-    atomic_write(jd.supervisor_path, json.dumps({**jd.supervisor(), "state": JobState.FAILED, "reason": reason}, indent=1))
-    return 1
-
-
 def main() -> None:
-    if sys.argv[1] == "--run":  # the supervisor proper, a child of the keeper
-        jd = JobDir(Path(sys.argv[2]))
-        if jd.spec().engine == "torchft":   # its own supervisor (the Lighthouse, a process per replica group)
-            os.execv(sys.executable, [sys.executable, "-m", TORCHFT_SUPERVISOR, *sys.argv[1:]])
-        sys.exit(Supervisor(jd, adopt="--adopt" in sys.argv).run())
-    job_dir = JobDir(Path(sys.argv[1]))
-    if os.fork() > 0:  # the launching process reaps this parent at once; the child is the daemon
-        os._exit(0)
-    os.setsid()
-    sys.exit(keep(job_dir))
+    """``python -m eksft_nb.backends.local.supervisor JOB_DIR [--adopt]``, as the keeper runs it."""
+    jd = JobDir(Path(sys.argv[1]))
+    if jd.spec().engine == "torchft":   # its own supervisor (the Lighthouse, a process per replica group)
+        os.execv(sys.executable, [sys.executable, "-m", TORCHFT_SUPERVISOR, "--run", *sys.argv[1:]])
+    sys.exit(Supervisor(jd, adopt="--adopt" in sys.argv).run())
 
 
 if __name__ == "__main__":

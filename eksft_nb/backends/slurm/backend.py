@@ -64,29 +64,31 @@ class SlurmBackend(FolderJobs, Backend):
         return record if isinstance(record, dict) and str(record.get("job_id", "")).isdigit() else {}
 
     # ---- launch -------------------------------------------------------------------------------
-    def render(self, spec: JobSpec, queue_objects: bool = False) -> str:
-        """The sbatch script (``queue_objects``: Slurm has no queue objects to add)."""
-        return render(spec.validate())
-
-    def launch(self, spec: JobSpec, faults: list[FaultCommand] | None = None) -> None:
-        spec.validate()
-        if spec.backend != "slurm":
-            raise JobError(f"spec {spec.name!r} is for backend {spec.backend!r}", "launch it with --backend slurm")
+    def check(self, spec: JobSpec, launching: bool = True) -> JobSpec:
+        """No script or spares yet, and (``launching``) the shared folder mounted here."""
         if spec.script:
             raise JobError("--script is not supported on Slurm yet", "run the built-in trainer, or use --backend local")
         if spec.spare_nodes:
             raise JobError("--spare-nodes is not supported on Slurm yet (a lost node is a requeue there)",
                            "use --spare-nodes 0, or --backend local")
         shared = Path(str(spec.slurm.shared_dir))
-        if not shared.is_dir():
+        if launching and not shared.is_dir():
             raise JobError(f"the shared folder {shared} does not exist here",
                            "mount it on this machine at the path the nodes use, or fix --shared-dir")
-        faults = [f.validate(spec.world_size, spec.nnodes) for f in faults or []]
+        return spec
+
+    def render(self, spec: JobSpec, queue_objects: bool = False) -> str:
+        """The sbatch script (``queue_objects``: Slurm has no queue objects to add)."""
+        assert spec.backend == self.name
+        return render(spec)
+
+    def launch(self, spec: JobSpec, faults: list[FaultCommand] | None = None) -> None:
+        assert spec.backend == self.name and not spec.script and not spec.spare_nodes
         jd = job_dir(spec)
         job_uid = new_job_uid()
         script = render(spec, job_uid)
         jd.create(spec)   # refuses a job folder that exists
-        for f in faults:
+        for f in faults or []:
             submit(jd.pending, f)
         try:
             job_id = cluster.sbatch(script, str(jd.path))
@@ -145,9 +147,7 @@ class SlurmBackend(FolderJobs, Backend):
     # ---- control -------------------------------------------------------------------------------
     def inject(self, name: str, command: FaultCommand) -> FaultCommand:
         """Queue the fault in the job folder on the shared disk (the ranks fire it)."""
-        if command.fault in self.refused_faults:
-            raise JobError("kill-supervisor is a local fault: on Slurm no eksft supervisor runs",
-                           "use kill-launcher to lose a node, or sigkill to lose a rank")
+        assert command.fault not in self.refused_faults
         return queue_fault(self._jd(name), self.state(name).state, command)
 
     def set_settings(self, name: str, changes: Mapping[str, int]) -> dict[str, Any]:

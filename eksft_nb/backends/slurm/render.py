@@ -16,7 +16,7 @@ from ...launcher import Ports, launcher_argv, rank_env
 from ...nccl import nccl_env
 from ...runtime.quiet import quiet_env
 from ...spec import JobSpec
-from ...procs import JOB_MARK
+from ...procs import JOB_UID_ENV
 
 RDZV_HOST = "${RDZV_HOST}"     # the batch shell fills it in: the allocation's first node
 WATCHER = "eksft_nb.backends.slurm.allocation"
@@ -51,7 +51,7 @@ def uid_line(job_uid: str) -> str:
     """The job's id, one for every node and requeue of one submission (a requeue keeps ``$SLURM_JOB_ID``),
     another for every launch and every sbatch of a printed script: its commits name it, so a relaunch under
     the same name and spec never takes an earlier launch's checkpoints (or processes) for its own."""
-    return f'export {JOB_MARK}="{job_uid}-$SLURM_JOB_ID"'
+    return f'export {JOB_UID_ENV}="{job_uid}-$SLURM_JOB_ID"'
 
 
 def environment(spec: JobSpec) -> dict[str, str]:
@@ -67,7 +67,7 @@ def environment(spec: JobSpec) -> dict[str, str]:
 def node_line(spec: JobSpec) -> list[str]:
     """One node's command: ft_launcher, its node rank from srun's ``$SLURM_NODEID``."""
     argv = launcher_argv(spec, node_rank="NODE", rdzv_host=RDZV_HOST, ports=Ports.from_base(spec.slurm.port),
-                         run_id=f"{spec.name}-$SLURM_JOB_ID-$EKSFT_JOB_ATTEMPT")
+                         rdzv_id=f"{spec.name}-$SLURM_JOB_ID-$EKSFT_JOB_ATTEMPT")
     argv = [a for a in argv if not a.startswith("--node-rank=")]
     head = f'exec {"python -m " + WARM_ENTRY + " launch " if spec.ft.warm_ranks else ""}"$0" --node-rank="$SLURM_NODEID" "$@"'
     return ["bash", "-c", head, *argv]

@@ -48,7 +48,7 @@ class TorchftSupervisor(Supervisor):
 
     def _launch(self) -> None:
         self.lighthouse_port = _free_ports(1)[0]
-        env = quiet_env({**os.environ, procs.JOB_MARK: self.job_uid, procs.NODE_MARK: "lighthouse"})
+        env = quiet_env({**os.environ, procs.JOB_UID_ENV: self.job_uid, procs.NODE_MARK: "lighthouse"})
         with open(self.jd.logs / "lighthouse.log", "ab") as out:
             self.lighthouse = subprocess.Popen(
                 lighthouse.argv(self.lighthouse_port),
@@ -73,7 +73,7 @@ class TorchftSupervisor(Supervisor):
         env = quiet_env(
             {
                 **os.environ,
-                procs.JOB_MARK: self.job_uid,
+                procs.JOB_UID_ENV: self.job_uid,
                 procs.NODE_MARK: tag,
                 **group_env(
                     self.spec,

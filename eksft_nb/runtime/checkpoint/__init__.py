@@ -30,7 +30,7 @@ from typing import Any
 # must not have imported before (runpy warns of it on the ranks' stderr)
 _EXPORTS = {"CheckpointManager": ".manager", "CheckpointProcess": ".process", "ModelState": ".state",
             "load": ".safe_load", "read_metadata": ".safe_load", "resume_candidates": ".resume",
-            "run_id": ".resume"}
+            "job_uid": ".resume"}
 __all__ = sorted(_EXPORTS)
 
 

@@ -27,7 +27,8 @@ from .. import memcopy
 from . import storage_faults
 from .plan import PlanCache, layout, save_planner
 from .process import CheckpointProcess
-from .resume import resume_candidates, run_id, verify_share
+from .resume import job_uid as current_job_uid
+from .resume import resume_candidates, verify_share
 from .safe_load import load
 from .writer import Delivered, read_manifest, write_shard
 
@@ -57,7 +58,7 @@ class CheckpointManager:
     def __init__(self, root: Path, *, rank: int, world_size: int, group: dist.ProcessGroup | None,
                  every: int, mode: str, keep_last: int, emit: Callable[..., Any],
                  atomic: Callable[[], Any] | None = None, keepalive: Callable[[], Any] | None = None,
-                 storage_fault: Callable[[], tuple[str, float] | None] | None = None, run: str | None = None,
+                 storage_fault: Callable[[], tuple[str, float] | None] | None = None, job_uid: str | None = None,
                  process: CheckpointProcess | None = None) -> None:
         self.root, self.rank, self.world_size, self.group = Path(root), rank, world_size, group
         self.every, self.mode, self.keep_last, self.emit = every, mode, keep_last, emit
@@ -65,7 +66,7 @@ class CheckpointManager:
         self.keepalive = keepalive or (lambda: None)
         self.keepalive_every = 0.5  # seconds between keepalive calls while waiting or hashing
         self.storage_fault = storage_fault or (lambda: None)
-        self.run = run_id() if run is None else run
+        self.job_uid = current_job_uid() if job_uid is None else job_uid
         self.pending: _Pending | None = None
         self.retry = False
         self.deferred = False
@@ -74,7 +75,7 @@ class CheckpointManager:
         process = process or CheckpointProcess()
         self.writer, self.stager = process.writer, process.stager
         self.shelf = self.stager.shelf  # where the staged buffers live, and the record of the copy they hold
-        self.shelf.bind(self.run, rank, world_size)
+        self.shelf.bind(self.job_uid, rank, world_size)
         self.ahead: set[int] | None = None  # step folders to clear before saving there, see _clear; None: not listed yet
         self.plan_cache: PlanCache | None = None  # the save plan, kept while the staged layout stays the same
         self.plan_metadata: Any = None  # the DCP metadata of the last plan made (rank 0)
@@ -308,7 +309,7 @@ class CheckpointManager:
             try:
                 files = collect()
                 record = {"step": step, "world_size": self.world_size, "time": time.time(), "mode": self.mode,
-                          "run": self.run, "bytes": sum(f["size"] for f in files.values()), "files": files}
+                          "job_uid": self.job_uid, "bytes": sum(f["size"] for f in files.values()), "files": files}
                 tmp = path / (COMMIT + ".tmp")
                 fault = self.storage_fault()
                 if fault is not None and fault[0] == "full":  # a full disk fails the record too
@@ -372,7 +373,7 @@ class CheckpointManager:
         listing: list[Any] = [None]
         if self.rank == 0:
             try:
-                listing[0] = resume_candidates(self.root, resume, restarting, self.run)
+                listing[0] = resume_candidates(self.root, resume, restarting, self.job_uid)
             except JobError as e:
                 listing[0] = e
         dist.broadcast_object_list(listing, src=0, group=self.group)
@@ -442,7 +443,7 @@ class CheckpointManager:
         its step, or what the storage restore that follows reports about the copies (why not, time spent)."""
         t0 = time.perf_counter()
         try:
-            load_fn, reason, verify_s = memcopy.prepare(self.run, self.rank, self.world_size, newest.step, newest.time,
+            load_fn, reason, verify_s = memcopy.prepare(self.job_uid, self.rank, self.world_size, newest.step, newest.time,
                                                         state, self._ticker())
         except Exception as e:  # noqa: BLE001 - every rank must reach the gather below, whatever this one met
             load_fn, reason, verify_s = None, f"it cannot be read: {type(e).__name__}: {e}"[:300], 0.0

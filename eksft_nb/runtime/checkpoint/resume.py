@@ -9,16 +9,17 @@ from typing import Any
 
 from ...checkpoint_folders import STEP_DIR, CheckpointInfo, list_checkpoints, share, verify
 from ...errors import JobError
+from ...procs import JOB_UID_ENV
 from ...states import CheckpointState
 from .safe_load import read_metadata
 
 
-def run_id() -> str:
+def job_uid() -> str:
     """Who commits: the job's id (the same across its restarts at every level, new for every job).
     A restart resumes only from its own job's checkpoints or from where the job started, never from
     a newer checkpoint another job left in the folder. Empty when unknown (then every checkpoint
     of the folder counts as the job's own, as before)."""
-    return os.environ.get("EKSFT_JOB_UID", "")
+    return os.environ.get(JOB_UID_ENV, "")
 
 
 def verify_share(info: CheckpointInfo, rank: int, world_size: int, tick: Callable[[], Any]) -> str | None:
@@ -34,7 +35,7 @@ def verify_share(info: CheckpointInfo, rank: int, world_size: int, tick: Callabl
     return reason
 
 
-def resume_candidates(root: Path, resume: str, restarting: bool, run: str) -> list[CheckpointInfo]:
+def resume_candidates(root: Path, resume: str, restarting: bool, job_uid: str) -> list[CheckpointInfo]:
     """The committed checkpoints to try, best first (each is verified before it is used).
 
     A fresh start takes what ``resume`` names: latest, none, step:N, a checkpoint (``step_N`` folder)
@@ -58,5 +59,5 @@ def resume_candidates(root: Path, resume: str, restarting: bool, run: str) -> li
         start = committed
     if not restarting:
         return start
-    ours = [i for i in committed if i.run == run] if run else committed
+    ours = [i for i in committed if i.job_uid == job_uid] if job_uid else committed
     return ours + [i for i in start if i.path not in {o.path for o in ours}]

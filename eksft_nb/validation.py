@@ -1,0 +1,40 @@
+"""The one validation of what a front end sends, under the command layer (which re-exports it) and the
+Python API (:mod:`.job`, which :mod:`.commands` imports): a launch's spec and scheduled faults, and a
+fault command for a running job. Backends assert what passed here; they do not check again."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from .backends import Backend, get_backend
+from .control import FaultCommand, parse_fault
+from .engines.torchft import checks as torchft_checks
+from .errors import ControlError
+from .spec import JobSpec
+
+
+def check_fault(command: FaultCommand, spec: JobSpec, backend: Backend) -> FaultCommand:
+    """The one check of a fault command a front end sends: against the job's ranks and nodes, its engine,
+    and whether ``backend`` can deliver its kind (the fault registry's ``refused_by``)."""
+    command.validate(spec.world_size, spec.nnodes)
+    torchft_checks.check_faults(spec, [command])   # what the torchft engine cannot fire
+    if command.fault in backend.refused_faults:
+        raise ControlError(f"{command.fault} is a local fault: on {backend.name} no eksft supervisor runs",
+                           "use kill-launcher to lose a node, or sigkill to lose a rank")
+    return command
+
+
+def faults_for(spec: JobSpec, faults: Iterable[str | FaultCommand]) -> list[FaultCommand]:
+    """Scheduled faults (``sigkill:1@30`` or commands), checked against the job they go to."""
+    backend = get_backend(spec.backend)
+    return [check_fault(parse_fault(f) if isinstance(f, str) else f, spec, backend) for f in faults]
+
+
+def prepare(spec: JobSpec, faults: Iterable[str | FaultCommand] = (),
+            launching: bool = True) -> tuple[JobSpec, list[FaultCommand]]:
+    """The one validation of a launch (or, not ``launching``, a dry run), for every front end: the spec,
+    what its engine and its backend refuse of it (:meth:`Backend.check`), then the scheduled faults."""
+    spec = spec.validate()
+    torchft_checks.check(spec)   # what the torchft engine does not take (nothing, under NVRx)
+    spec = get_backend(spec.backend).check(spec, launching)
+    return spec, faults_for(spec, faults)
