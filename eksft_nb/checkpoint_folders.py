@@ -75,7 +75,8 @@ def parse_commit(data: Any, step: int) -> str | dict[str, Any]:
         if not plain_name(name):
             return f"commit.json lists {name[:60]!r}, which is not a file name inside the checkpoint folder"
         if (not isinstance(meta, dict) or not _is_count(meta.get("size"))
-                or not isinstance(meta.get("sha256"), str) or not re.fullmatch(r"[0-9a-f]{64}", meta["sha256"])):
+                or not isinstance(meta.get("sha256"),
+                                  str) or not re.fullmatch(r"[0-9a-f]{64}", meta["sha256"])):
             return f"commit.json has no valid size and sha256 for {name}"
     for key in ("run", "mode"):
         if not isinstance(data.get(key, ""), str):
@@ -124,7 +125,8 @@ def list_checkpoints(root: str | Path) -> list[CheckpointInfo]:
             commit = f"commit.json cannot be read ({type(e).__name__})"
         if isinstance(commit, dict):
             info.state, info.bytes, info.time = CheckpointState.COMMITTED, commit["bytes"], commit["time"]
-            info.world_size, info.files, info.run = commit["world_size"], commit["files"], commit.get("run", "")
+            info.world_size, info.files, info.run = commit["world_size"], commit["files"], commit.get(
+                "run", "")
         else:
             info.reason = commit
         if (p / REJECTED).exists():

@@ -38,7 +38,8 @@ XID_TEXT = {13: "graphics engine exception", 31: "GPU memory page fault", 43: "G
             92: "high single-bit ECC error rate", 94: "contained ECC error", 95: "uncontained ECC error",
             119: "GSP RPC timeout", 120: "GSP error"}
 # clock throttle reasons that mean trouble (NVML's bits); power capping by software is routine under load
-THROTTLE_TEXT = {0x8: "hardware slowdown", 0x20: "software thermal slowdown", 0x40: "hardware thermal slowdown",
+THROTTLE_TEXT = {0x8: "hardware slowdown", 0x20: "software thermal slowdown",
+                 0x40: "hardware thermal slowdown",
                  0x80: "hardware power brake"}
 BAD_THROTTLE = sum(THROTTLE_TEXT)
 
@@ -100,7 +101,8 @@ def _read_one(nvml: Any, gpu: int, handle: Any) -> dict[str, Any]:
             "lost": False}
 
 
-def read_gpus(nvml: Any, handles: list[Any], refused: Callable[[str], Any], uuids: dict[int, str]) -> list[dict]:
+def read_gpus(nvml: Any, handles: list[Any], refused: Callable[[str], Any],
+              uuids: dict[int, str]) -> list[dict]:
     """Read every GPU. A GPU that fell off the bus reads as ``lost``; a reading that cannot be
     trusted is refused (``refused(one line)``) and left out. ``uuids``: GPU index -> UUID, as known."""
     out = []
@@ -114,7 +116,8 @@ def read_gpus(nvml: Any, handles: list[Any], refused: Callable[[str], Any], uuid
             if getattr(e, "value", None) != _GPU_IS_LOST:
                 refused(f"GPU {gpu}: NVML error {str(e)[:80]}: this reading is skipped")
                 continue
-            reading = {"gpu": gpu, "uuid": uuids.get(gpu, f"GPU-unknown-{gpu}"), "temp_c": None, "power_w": None,
+            reading = {"gpu": gpu, "uuid": uuids.get(gpu, f"GPU-unknown-{gpu}"), "temp_c": None,
+                       "power_w": None,
                        "throttle": None, "ecc_sbe": None, "ecc_dbe": None, "lost": True}
         except GpuReadingError as e:
             refused(str(e))
@@ -126,12 +129,14 @@ def read_gpus(nvml: Any, handles: list[Any], refused: Callable[[str], Any], uuid
 def parse_entry(raw: Any) -> dict[str, Any] | None:
     """One ``gpus`` entry of a ``gpu_health`` event read back (untrusted); None if malformed."""
     if not isinstance(raw, dict) or type(raw.get("gpu")) is not int or not 0 <= raw["gpu"] < 1024 \
-            or not isinstance(raw.get("uuid"), str) or len(raw["uuid"]) > 96 or type(raw.get("lost")) is not bool:
+            or not isinstance(raw.get("uuid"),
+                              str) or len(raw["uuid"]) > 96 or type(raw.get("lost")) is not bool:
         return None
     out = {"gpu": raw["gpu"], "uuid": raw["uuid"], "lost": raw["lost"], "xid": raw.get("xid", 0)}
     if type(out["xid"]) is not int or not 0 <= out["xid"] < 100_000:
         return None
-    for key, types in (("temp_c", (int,)), ("power_w", (int, float)), ("throttle", (int,)), ("ecc_sbe", (int,)),
+    for key, types in (("temp_c", (int,)), ("power_w", (int, float)), ("throttle", (int,)),
+                       ("ecc_sbe", (int,)),
                        ("ecc_dbe", (int,))):
         value = raw.get(key)
         if value is not None and (type(value) not in types or not 0 <= value < _U64):
@@ -146,7 +151,8 @@ class GpuSampler:
     ``gpu_fault`` per onset); ``drain(ms)`` waits that long for NVML's XID and ECC events. ``start()``
     runs both in a daemon thread. ``emit(kind, **fields)`` writes an event."""
 
-    def __init__(self, nvml: Any, emit: Callable[..., Any], node: int, host: str, interval: float = 10.0) -> None:
+    def __init__(self, nvml: Any, emit: Callable[..., Any], node: int, host: str,
+                 interval: float = 10.0) -> None:
         self.nvml, self.emit, self.node, self.host, self.interval = nvml, emit, node, host, interval
         self.handles = handles(nvml)
         self.uuids: dict[int, str] = {}
@@ -171,7 +177,8 @@ class GpuSampler:
             print(f"eksft: gpu health on node {self.node}: {line}", file=sys.stderr, flush=True)
 
     def _fault(self, gpu: int, fault: str, detail: str, **extra: Any) -> None:
-        self.emit("gpu_fault", node=self.node, host=self.host, gpu=gpu, uuid=self.uuids.get(gpu, f"GPU-unknown-{gpu}"),
+        self.emit("gpu_fault", node=self.node, host=self.host, gpu=gpu,
+                  uuid=self.uuids.get(gpu, f"GPU-unknown-{gpu}"),
                   fault=fault, detail=detail, **extra)
 
     def tick(self) -> list[dict[str, Any]]:
@@ -210,7 +217,8 @@ class GpuSampler:
                 data = self.nvml.nvmlEventSetWait(self.events, min(left, 1000))
             except self.nvml.NVMLError as e:
                 if getattr(e, "value", None) != _TIMEOUT:
-                    self._refused(f"waiting for NVML events failed ({str(e)[:80]}): only counters are sampled")
+                    self._refused(
+                        f"waiting for NVML events failed ({str(e)[:80]}): only counters are sampled")
                     self.events = None
                 continue
             try:
@@ -218,7 +226,8 @@ class GpuSampler:
             except self.nvml.NVMLError:
                 gpu = None
             kind, value = data.eventType, data.eventData
-            if type(gpu) is not int or not 0 <= gpu < len(self.handles) or type(kind) is not int or type(value) is not int or not 0 <= value < 100_000:
+            if type(gpu) is not int or not 0 <= gpu < len(self.handles) or type(kind) is not int or type(
+                value) is not int or not 0 <= value < 100_000:
                 self._refused(f"an NVML event that names no GPU of this node or no XID ({str(kind)[:20]}, "
                               f"{str(value)[:20]}) is ignored")
             elif kind & _EVENT_XID:
@@ -334,11 +343,16 @@ def record(path: str | Path, frames: int = 3, interval: float = 1.0, nvml: Any =
     out: list[dict[str, Any]] = []
     for _ in range(frames):
         frame: dict[str, Any] = {"gpus": [{"uuid": raw(nvml.nvmlDeviceGetUUID, h),
-                                           "temperature": raw(nvml.nvmlDeviceGetTemperature, h, _TEMPERATURE_GPU),
-                                           "power_mw": raw(nvml.nvmlDeviceGetPowerUsage, h), "throttle": raw(reasons, h),
-                                           "ecc_sbe": raw(nvml.nvmlDeviceGetTotalEccErrors, h, _CORRECTED, _VOLATILE),
-                                           "ecc_dbe": raw(nvml.nvmlDeviceGetTotalEccErrors, h, _UNCORRECTED, _VOLATILE)}
-                                          if h is not None else {"uuid": {"nvml_error": _GPU_IS_LOST}} for h in gpus],
+                                           "temperature": raw(nvml.nvmlDeviceGetTemperature, h,
+                                                              _TEMPERATURE_GPU),
+                                           "power_mw": raw(nvml.nvmlDeviceGetPowerUsage, h),
+                                           "throttle": raw(reasons, h),
+                                           "ecc_sbe": raw(nvml.nvmlDeviceGetTotalEccErrors, h, _CORRECTED,
+                                                          _VOLATILE),
+                                           "ecc_dbe": raw(nvml.nvmlDeviceGetTotalEccErrors, h, _UNCORRECTED,
+                                                          _VOLATILE)}
+                                          if h is not None
+                                          else {"uuid": {"nvml_error": _GPU_IS_LOST}} for h in gpus],
                                  "events": []}
         deadline = time.monotonic() + interval
         while (left := int((deadline - time.monotonic()) * 1000)) > 0:
@@ -389,19 +403,23 @@ class Replay:
         try:
             data = json.loads(Path(path).read_text())
         except (OSError, ValueError, RecursionError) as e:
-            raise GpuReadingError(f"cannot read the NVML recording {path} ({type(e).__name__})", fix) from None
+            raise GpuReadingError(f"cannot read the NVML recording {path} ({type(e).__name__})",
+                                  fix) from None
         if not isinstance(data, dict) or data.get("format") != RECORDING or data.get("version") != 1:
             raise GpuReadingError(f"{path} is not a version-1 {RECORDING}", fix)
         frames = data.get("frames")
         if not isinstance(frames, list) or not frames or len(frames) > 100_000:
             raise GpuReadingError(f"{path} has no frames", fix)
         for i, frame in enumerate(frames):
-            gpus, events = (frame.get("gpus"), frame.get("events", [])) if isinstance(frame, dict) else (None, None)
+            gpus, events = (frame.get("gpus"),
+                            frame.get("events", [])) if isinstance(frame, dict) else (None, None)
             if not isinstance(gpus, list) or not all(isinstance(g, dict) for g in gpus) or len(gpus) > 64 \
                     or (i and len(gpus) != len(frames[0]["gpus"])) or not isinstance(events, list) \
-                    or not all(isinstance(ev, dict) and type(ev.get("gpu")) is int and 0 <= ev["gpu"] < len(gpus)
+                    or not all(isinstance(ev, dict) and type(ev.get("gpu")) is int
+                               and 0 <= ev["gpu"] < len(gpus)
                                and ev.get("type") in ("xid", "ecc_dbe") for ev in events):
-                raise GpuReadingError(f"{path}: frame {i} is not a list of GPU readings and events on those GPUs",
+                raise GpuReadingError(f"{path}: frame {i} is not a list of GPU readings and events "
+                                      "on those GPUs",
                                       fix)
             frame["events"] = events
         return cls(frames)
@@ -477,9 +495,11 @@ class GpuFold:
     samples are all kept; of older ones, those where a node's status changed (and each node's first).
     Read what arrived with :meth:`since`, by the count :attr:`n_samples`."""
 
-    nodes: dict[int, dict[str, Any]] = field(default_factory=dict)   # node -> {host, note, t, gpus: {i: entry}}
+    # node -> {host, note, t, gpus: {i: entry}}
+    nodes: dict[int, dict[str, Any]] = field(default_factory=dict)
     samples: list[dict[str, Any]] = field(default_factory=list)      # {t, node, status, text, seq, change}
-    faults: list[dict[str, Any]] = field(default_factory=list)       # {t, node, host, gpu, uuid, fault, detail, xid}
+    # {t, node, host, gpu, uuid, fault, detail, xid}
+    faults: list[dict[str, Any]] = field(default_factory=list)
     n_samples: int = 0                                               # samples ever folded in
     recent: int = 4096
     _status: dict[int, str] = field(default_factory=dict)           # node -> status of its newest sample
@@ -544,7 +564,8 @@ def _summary(entries: list[dict[str, Any]]) -> str:
         vals = [e[key] for e in entries if e[key] is not None]
         return str(sum(vals)) if vals else "?"
 
-    return (f"{len(entries)} GPU{'s' if len(entries) != 1 else ''}: {span('temp_c', ' C')}, {span('power_w', ' W')}, "
+    return (f"{len(entries)} GPU{'s' if len(entries) != 1 else ''}: {span('temp_c', ' C')}, "
+            f"{span('power_w', ' W')}, "
             f"ECC {total('ecc_sbe')}/{total('ecc_dbe')} (single/double)")
 
 
@@ -560,10 +581,13 @@ def dcgm_metrics(jobs: Iterable[tuple[str, GpuFold]]) -> Iterator[Any]:
 
     labels = ["gpu", "UUID", "Hostname", "job"]
     families = {
-        "xid": GaugeMetricFamily("DCGM_FI_DEV_XID_ERRORS", "Value of the last XID error encountered", labels=labels),
-        "ecc_dbe": GaugeMetricFamily("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "Total number of double-bit volatile ECC errors",
+        "xid": GaugeMetricFamily("DCGM_FI_DEV_XID_ERRORS", "Value of the last XID error encountered",
+                                 labels=labels),
+        "ecc_dbe": GaugeMetricFamily("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
+                                     "Total number of double-bit volatile ECC errors",
                                      labels=labels),
-        "ecc_sbe": GaugeMetricFamily("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "Total number of single-bit volatile ECC errors",
+        "ecc_sbe": GaugeMetricFamily("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL",
+                                     "Total number of single-bit volatile ECC errors",
                                      labels=labels),
         "temp_c": GaugeMetricFamily("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C)", labels=labels),
         "power_w": GaugeMetricFamily("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W)", labels=labels),
