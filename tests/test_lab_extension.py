@@ -5,8 +5,8 @@ and one real job launched from a terminal: the job shows in the side panel soon 
 command's return; a sigkill injected from the panel shows as a restart in the panel, the status bar and
 the job's dashboard panel; a refused inject shows the CLI's one line; the attach button writes
 ``%ftrain attach NAME`` into the open notebook; stop from the panel leaves no process of the job, and
-resume from a chosen checkpoint starts a new job from that step; the page logs no console error. Screenshots of the panel
-(light and dark theme) go to the test's folder, and to ``docs/`` with EKSFT_SCREENSHOT_TO_DOCS=1.
+resume from a chosen checkpoint starts a new job from that step; the page logs no console error. Screenshots
+of the panel (light and dark theme) go to the test's folder, and to ``docs/`` with EKSFT_SCREENSHOT_TO_DOCS=1.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from conftest import REPO
 from jobs import cli
 
 CHROMIUM = Path("/usr/lib/chromium/chromium")
-FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking",
          "--disable-component-update", "--disable-sync"]
 JOB = "panel-job"
 
@@ -86,8 +87,8 @@ def drive(page: Any, lab: dict[str, Any], shots: Path) -> None:
     panel = page.locator(".eksft-panel[data-live=true]")
     panel.wait_for(timeout=60_000)   # the stream is open: what follows comes from it
 
-    # a job launched from a terminal shows in the panel, pushed by the stream (how soon is a figure, not a test:
-    # on busy cores it measured 2.4 and 9.4 s)
+    # a job launched from a terminal shows in the panel, pushed by the stream (how soon is a figure, not a
+    # test: on busy cores it measured 2.4 and 9.4 s)
     launched = cli("run", "--name", JOB, "--model", "tiny", "--steps", "100000", "--ckpt-every", "10",
                    "--detach")
     returned = time.monotonic()
@@ -96,7 +97,8 @@ def drive(page: Any, lab: dict[str, Any], shots: Path) -> None:
     row.wait_for(state="attached", timeout=30_000)
     shown = time.monotonic() - returned
     print(f"the job showed in the panel {shown:.2f}s after `run --detach` returned")
-    page.wait_for_function(f"() => +document.querySelector('.eksft-job[data-job=\"{JOB}\"]').dataset.step >= 3",
+    page.wait_for_function(f"() => +document.querySelector('.eksft-job[data-job=\"{JOB}\"]').dataset.step "
+                           ">= 3",
                            timeout=180_000, polling=250)
 
     # its dashboard in the main area draws the Python figure
@@ -121,7 +123,8 @@ def drive(page: Any, lab: dict[str, Any], shots: Path) -> None:
     page.wait_for_function(f"() => document.querySelector('.eksft-job[data-job=\"{JOB}\"] .eksft-message')"
                            ".textContent.includes('sigkill')", timeout=30_000, polling=250)
     page.locator(f'.eksft-job[data-job="{JOB}"]:not([data-restarts="0"])').wait_for(timeout=180_000)
-    assert re.search(r"\b(in-job|job) [1-9]", row.locator(".eksft-restarts").inner_text())  # ft_launcher's or ours
+    # ft_launcher's or ours
+    assert re.search(r"\b(in-job|job) [1-9]", row.locator(".eksft-restarts").inner_text())
     page.locator(".eksft-statusbar .eksft-badge:not([hidden])").wait_for(timeout=30_000)
     page.locator(f'.eksft-dashboard[data-job="{JOB}"]:not([data-restarts="0"])').wait_for(timeout=30_000)
     page.wait_for_function(RESTART_MARKERS_JS, arg=JOB, timeout=30_000, polling=250)
@@ -151,10 +154,12 @@ def drive(page: Any, lab: dict[str, Any], shots: Path) -> None:
     # the panel in the light and the dark theme
     page.evaluate("() => window.jupyterapp.commands.execute('eksft:open-dashboard', {name: '%s'})" % JOB)
     page.screenshot(path=str(shots / "lab-panel-light.png"))
-    page.evaluate("() => window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Dark'})")
+    page.evaluate("() => window.jupyterapp.commands.execute('apputils:change-theme', {theme: "
+                  "'JupyterLab Dark'})")
     page.wait_for_function("() => document.body.dataset.jpThemeLight === 'false'"
                            " && !document.querySelector('#jupyterlab-splash')", timeout=30_000, polling=250)
-    page.locator(f'.eksft-dashboard[data-job="{JOB}"] .eksft-plot[data-light="false"]').wait_for(timeout=30_000)
+    page.locator(f'.eksft-dashboard[data-job="{JOB}"] .eksft-plot[data-light="false"]').wait_for(
+        timeout=30_000)
     page.screenshot(path=str(shots / "lab-panel-dark.png"))
 
     # the status bar's badge stays through a theme change, and clears when the panel is opened again

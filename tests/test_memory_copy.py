@@ -37,7 +37,8 @@ def headers(draw: Any) -> dict[str, Any]:
         dtype = draw(st.sampled_from(_DTYPES))
         shape = draw(st.lists(st.integers(0, 5), max_size=3))
         nbytes = math.prod(shape) * memcopy._ITEMSIZE[dtype]
-        dtensor = draw(st.none() | st.just({"shape": [8], "mesh": [2], "placements": ["S(0)"], "coordinate": [1]}))
+        dtensor = draw(st.none() | st.just({"shape": [8], "mesh": [2], "placements": ["S(0)"],
+                                            "coordinate": [1]}))
         entries.append({"key": f"/m/{i}", "dtype": dtype, "shape": shape, "file": files[i], "nbytes": nbytes,
                         "digest": "0badcafe" * -(-nbytes // memcopy.CHUNK), "dtensor": dtensor})
     return {"format": memcopy.FORMAT, "version": memcopy.VERSION, "run": "r1", "rank": 1, "world_size": 2,
@@ -49,7 +50,8 @@ def _consistent(header: Header) -> bool:
     """Every buffer has a file of its own, a size its shape and dtype give, and its checksums."""
     entries = header.entries.values()
     return len({e.file for e in entries}) == len(header.entries) and all(
-        e.nbytes == math.prod(e.shape) * memcopy._ITEMSIZE[e.dtype] and len(e.digest) == 8 * -(-e.nbytes // memcopy.CHUNK)
+        e.nbytes == math.prod(e.shape) * memcopy._ITEMSIZE[e.dtype] and len(e.digest) == 8
+        * -(-e.nbytes // memcopy.CHUNK)
         for e in entries)
 
 
@@ -63,7 +65,9 @@ def test_a_header_the_stager_writes_parses_back(raw: dict[str, Any]) -> None:
 
 
 _JUNK = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+                     lambda inner: st.lists(inner,
+                                            max_size=3) | st.dictionaries(
+                                                st.text(max_size=8), inner, max_size=3),
                      max_leaves=8)
 
 
@@ -94,7 +98,8 @@ def test_a_damaged_header_is_refused_with_a_reason_never_an_exception(raw: dict[
         assert header == f"its buffer '/m/{len(raw['entries']) - 1}' shares its file with another"
 
 
-_PLAIN = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8)
+_PLAIN = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8)
                       | st.binary(max_size=8),
                       lambda inner: st.lists(inner, max_size=3) | st.tuples(inner, inner)
                       | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=8)
@@ -153,8 +158,10 @@ def _rank(rank: int, incarnation: int, root: str, store: str, run: str, out: str
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=120))
     events: list[dict[str, Any]] = []
-    mgr = CheckpointManager(Path(root), rank=rank, world_size=2, group=dist.new_group(backend="gloo"), every=5,
-                            mode="async", keep_last=3, emit=lambda kind, **data: events.append({"kind": kind, **data}),
+    mgr = CheckpointManager(Path(root), rank=rank, world_size=2, group=dist.new_group(backend="gloo"),
+                            every=5,
+                            mode="async", keep_last=3, emit=lambda kind,
+                            **data: events.append({"kind": kind, **data}),
                             run=run)
     model, optim = _model()
     result: dict[str, Any] = {}
@@ -188,7 +195,8 @@ def _rank(rank: int, incarnation: int, root: str, store: str, run: str, out: str
             resume = [e for e in events if e["kind"] == "resume"][-1]
             result[case] = {"step": step, "position": data["position"], "source": resume["source"],
                             "memory": resume.get("memory"),
-                            "same": got.keys() == saved.keys() and all(torch.equal(got[k], v) for k, v in saved.items())}
+                            "same": got.keys() == saved.keys()
+                            and all(torch.equal(got[k], v) for k, v in saved.items())}
     Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
     mgr.writer.stop()
@@ -202,7 +210,8 @@ def _run(tmp_path: Path, incarnation: int, run: str) -> list[dict[str, Any]]:
     return [json.loads(o.read_text()) for o in outs]
 
 
-def test_the_next_rank_process_restores_from_memory_and_falls_back_to_storage_when_in_doubt(tmp_path: Path) -> None:
+def test_the_next_rank_process_restores_from_memory_and_falls_back_to_storage_when_in_doubt(
+    tmp_path: Path) -> None:
     """Two real ranks save; their successors (new processes, as after an in-job restart) restore the
     newest checkpoint from the copies left in /dev/shm, bit exact and without reading storage; a
     corrupted copy on one rank, or a garbage record, sends every rank to storage, with the same result."""
@@ -219,16 +228,19 @@ def test_the_next_rank_process_restores_from_memory_and_falls_back_to_storage_wh
     assert removed == files and not list(Path("/dev/shm").glob(f"*eksft-{run}-*"))
     assert result["intact"] == {"step": 10, "position": 10, "source": "memory", "memory": None, "same": True}
     corrupt = result["corrupt data"]
-    assert (corrupt["step"], corrupt["position"], corrupt["source"], corrupt["same"]) == (10, 10, "storage", True)
+    assert (corrupt["step"], corrupt["position"], corrupt["source"],
+            corrupt["same"]) == (10, 10, "storage", True)
     assert "rank 1: its buffers do not match their checksums" in corrupt["memory"]
     garbage = result["garbage header"]
-    assert (garbage["step"], garbage["position"], garbage["source"], garbage["same"]) == (10, 10, "storage", True)
+    assert (garbage["step"], garbage["position"], garbage["source"],
+            garbage["same"]) == (10, 10, "storage", True)
     assert "rank 0: its header is not JSON" in garbage["memory"]
 
 
 @pytest.fixture()
 def group() -> Any:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
     yield dist.new_group(backend="gloo")
     dist.destroy_process_group()
 
@@ -252,7 +264,8 @@ def test_a_copy_being_overwritten_by_a_newer_save_is_not_used(tmp_path: Path, gr
     run = f"test{uuid.uuid4().hex[:12]}"
     events: list[dict[str, Any]] = []
     try:
-        mgr = CheckpointManager(tmp_path, rank=0, world_size=1, group=group, every=5, mode="async", keep_last=3,
+        mgr = CheckpointManager(tmp_path, rank=0, world_size=1, group=group, every=5, mode="async",
+                                keep_last=3,
                                 emit=lambda kind, **data: events.append({"kind": kind, **data}), run=run,
                                 process=process)
         model = torch.nn.Linear(16, 16)
@@ -270,8 +283,10 @@ def test_a_copy_being_overwritten_by_a_newer_save_is_not_used(tmp_path: Path, gr
         resume = [e for e in events if e["kind"] == "resume"][-1]
         assert resume["source"] == "storage" and "there is none" in resume["memory"]
         assert all(torch.equal(fresh.state_dict()[k], v) for k, v in at_5.items())
-        other = CheckpointManager(tmp_path, rank=0, world_size=1, group=group, every=5, mode="async", keep_last=3,
-                                  emit=lambda kind, **data: events.append({"kind": kind, **data}), run=run + "x",
+        other = CheckpointManager(tmp_path, rank=0, world_size=1, group=group, every=5, mode="async",
+                                  keep_last=3,
+                                  emit=lambda kind, **data: events.append({"kind": kind, **data}),
+                                  run=run + "x",
                                   process=process)
         assert other.restore({"model": fresh}, "latest", restarting=False) == 5
         assert events[-1]["source"] == "storage"
@@ -287,7 +302,8 @@ def test_each_staged_buffer_is_a_storage_of_its_own_and_the_save_plan_is_kept(tm
 
     run = f"test{uuid.uuid4().hex[:12]}"
     try:
-        mgr = CheckpointManager(tmp_path, rank=0, world_size=1, group=group, every=5, mode="async", keep_last=2,
+        mgr = CheckpointManager(tmp_path, rank=0, world_size=1, group=group, every=5, mode="async",
+                                keep_last=2,
                                 emit=lambda kind, **data: None, run=run, process=process)
         model = torch.nn.Linear(16, 8)
         for step in (5, 10, 15):
@@ -299,7 +315,8 @@ def test_each_staged_buffer_is_a_storage_of_its_own_and_the_save_plan_is_kept(tm
         memcopy.remove_copies(run)
     assert mgr.plan_cache is not None and mgr.plan_cache.reused == 2  # planned at 5, kept at 10 and 15
     buffers = mgr.stager._buffers
-    assert len(buffers) == 3 and all(b.untyped_storage().nbytes() == b.numel() * b.element_size() for b in buffers.values())
+    assert len(buffers) == 3 and all(
+        b.untyped_storage().nbytes() == b.numel() * b.element_size() for b in buffers.values())
     assert sorted(e["file"] for e in entries) == [0, 1, 2] and mgr.shelf.path == copy_path(run, 0)
 
 
@@ -326,7 +343,9 @@ def test_a_state_that_does_not_fit_in_dev_shm_keeps_no_copy(tmp_path: Path) -> N
     shelf = memcopy.Shelf()
     shelf.bind("", 0, 1)  # no run id: anonymous shared memory, no file
     buffers = shelf.allocate(wanted)
-    assert all(b.is_shared() for b in buffers.values()) and shelf.path is None and shelf.note == "the job has no run id"
+    assert all(
+        b.is_shared() for b in buffers.values(
+            )) and shelf.path is None and shelf.note == "the job has no run id"
     run = f"test{uuid.uuid4().hex[:12]}"
     shelf.bind(run, 0, 1)
     blocker = buffer_path(copy_path(run, 0), 1)  # the large buffer's file cannot be made; the small one's can
@@ -354,7 +373,8 @@ def test_copies_of_jobs_with_no_live_process_are_swept_and_no_others() -> None:
             path.write_bytes(b"x")
         memcopy.remove_stale_copies({live})
         assert sorted(n for n, p in paths.items() if p.exists()) == sorted(
-            [f"eksft-{live}-0.3", f"eksft-{dead}-notarank", f"eksft-test{dead[:8]}-0", f"eksft-test{dead[:8]}-x-0"])
+            [f"eksft-{live}-0.3", f"eksft-{dead}-notarank", f"eksft-test{dead[:8]}-0",
+             f"eksft-test{dead[:8]}-x-0"])
         assert memcopy.remove_copies(f"test{dead[:8]}") == 1  # not the run whose id it begins
         assert paths[f"eksft-test{dead[:8]}-x-0"].exists()
     finally:

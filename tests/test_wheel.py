@@ -25,7 +25,8 @@ from packaging.requirements import Requirement
 from conftest import REPO, jupyterlab
 
 CHROMIUM = Path("/usr/lib/chromium/chromium")
-FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking",
          "--disable-component-update", "--disable-sync"]
 TORCH_SPEC = os.environ.get("TORCH_SPEC", "torch==2.13.0")   # the Makefile's: a CPU build this machine has
 BUILD_TOOLS = {"jupyter-builder", "hatchling", "hatch-jupyter-builder", "hatch-nodejs-version", "setuptools"}
@@ -38,7 +39,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.browser,
 
 
 def run(cmd: list[Any], cwd: Path, env: dict[str, str], timeout: float = 900) -> subprocess.CompletedProcess:
-    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(map(str, cmd))} exited {proc.returncode}:\n{proc.stderr[-4000:]}"
     return proc
 
@@ -74,7 +76,8 @@ def test_the_wheel_is_the_whole_install(tmp_path: Path) -> None:
                EKSFT_HOME=str(tmp_path / "eksft"), JUPYTER_CONFIG_DIR=str(tmp_path / "jupyter-config"),
                JUPYTER_DATA_DIR=str(tmp_path / "jupyter-data"), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"))
     src = clean_tree(tmp_path / "src")
-    run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", tmp_path / "dist", src], tmp_path, env)
+    run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", tmp_path / "dist", src], tmp_path,
+        env)
     (wheel,) = (tmp_path / "dist").glob("eksft_nb-*.whl")
     version = json.loads((REPO / "nbext" / "package.json").read_text())["version"]   # the one source
     assert wheel.name.startswith(f"eksft_nb-{version}-"), wheel.name
@@ -99,11 +102,13 @@ def test_the_wheel_is_the_whole_install(tmp_path: Path) -> None:
     env["PATH"] = f"{bindir}{os.pathsep}{env['PATH']}"
     run([py, "-m", "pip", "install", "-q", TORCH_SPEC], tmp_path, env)
     run([py, "-m", "pip", "install", "-q", wheel], tmp_path, env)
-    where = run([py, "-c", "import eksft_nb; print(eksft_nb.__file__, eksft_nb.__version__)"], tmp_path, env).stdout
+    where = run([py, "-c", "import eksft_nb; print(eksft_nb.__file__, eksft_nb.__version__)"], tmp_path,
+                env).stdout
     assert where.startswith(str(venv)) and where.split()[1] == version, where
 
     # the CLI: a short job whose killed rank is healed by a restart
-    out = run([py, "-m", "eksft_nb", "run", "--name", JOB, "--model", "tiny", "--steps", "12", "--ckpt-every", "5",
+    out = run([py, "-m", "eksft_nb", "run", "--name", JOB, "--model", "tiny", "--steps", "12", "--ckpt-every",
+               "5",
                "--fault", "sigkill:1@7", "--json"], tmp_path, env, timeout=600).stdout
     summary = json.loads(out[out.index("{"):])
     assert summary["state"] == "succeeded" and summary["steps_done"] == 12, summary
