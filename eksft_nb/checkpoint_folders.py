@@ -125,8 +125,8 @@ def list_checkpoints(root: str | Path) -> list[CheckpointInfo]:
             commit = f"commit.json cannot be read ({type(e).__name__})"
         if isinstance(commit, dict):
             info.state, info.bytes, info.time = CheckpointState.COMMITTED, commit["bytes"], commit["time"]
-            info.world_size, info.files, info.run = commit["world_size"], commit["files"], commit.get(
-                "run", "")
+            info.world_size, info.files = commit["world_size"], commit["files"]
+            info.run = commit.get("run", "")
         else:
             info.reason = commit
         if (p / REJECTED).exists():

@@ -32,8 +32,8 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         if "unrecognized arguments:" in message:
-            unknown = next((w for w in message.split("unrecognized arguments:",
-                                                     1)[1].split() if w.startswith("-")), "")
+            unknown = next((w for w in message.split("unrecognized arguments:", 1)[1].split()
+                            if w.startswith("-")), "")
             verb = next((w for w in self.words if w in commands.ARGS), None)
             if unknown:
                 known = commands.flags(CLI, [verb] if verb else None)
@@ -70,8 +70,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     row = commands.launch(spec, args.fault)
     print(f"launched {row['name']}: {describe(spec)}")
-    if spec.backend == "local" and spec.ft.inprocess and (here := nvrx.installed()) and (
-        note := here.inprocess_note()):
+    if (spec.backend == "local" and spec.ft.inprocess and (here := nvrx.installed())
+            and (note := here.inprocess_note())):
         print(f"note: {note}")  # on EKS the image's NVRx decides
     if args.detach:
         print(f"follow it with: python -m eksft_nb watch {spec.name}")
@@ -132,8 +132,8 @@ def follow(job: Job, as_json: bool = False) -> int:
             if len(mon.steps):
                 rate, unit = mon.steps.throughput()
                 loss = mon.steps.loss[-1]
-                bar.set_postfix_str((f"loss {loss:.3f}  " if loss is not None else "") + f"{rate:,.1f} "
-                                    f"{unit}  "
+                bar.set_postfix_str((f"loss {loss:.3f}  " if loss is not None else "")
+                                    + f"{rate:,.1f} {unit}  "
                                     f"restarts {sum(mon.restarts_by_level().values())}", refresh=False)
                 bar.update(mon.last_step - bar.n)
             if state.ended:
@@ -150,8 +150,8 @@ def follow(job: Job, as_json: bool = False) -> int:
 
 
 def format_summary(s: dict[str, Any]) -> str:
-    steps = f"{s['steps_done']}/{s['total_steps']}" if s[
-        "total_steps"] else f"{s['steps_done']} (optimizer steps seen)"
+    steps = (f"{s['steps_done']}/{s['total_steps']}" if s["total_steps"]
+             else f"{s['steps_done']} (optimizer steps seen)")
     lines = [f"job {s['name']}: {s['state']}" + (f" ({s['reason']})" if s["reason"] else ""),
              f"steps done: {steps}   final parameters digest: {s['digest'] or '-'}",
              "restarts: " + ", ".join(f"{k} {v}" for k, v in s["restarts"].items())]

@@ -135,9 +135,9 @@ def dry_run(spec: JobSpec, queue_objects: bool = False, faults: Sequence[str | F
     ClusterQueue and ResourceFlavors for the job's queue."""
     spec, _ = prepare(spec, faults)
     backend = get_backend(spec.backend)
-    return backend.render(spec,
-                          queue_objects=True) if queue_objects and spec.backend == "eks" else backend.render(
-                              spec)
+    if queue_objects and spec.backend == "eks":
+        return backend.render(spec, queue_objects=True)
+    return backend.render(spec)
 
 
 def inject(name: str, fault: str, *, rank: int | None = None, step: int | None = None,

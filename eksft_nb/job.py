@@ -168,8 +168,8 @@ class Job:
                                      if c.state == CheckpointState.REJECTED],
             "goodput": gp.to_dict(), "digest": mon.digest,
             "resumed_from": resume_origin(self.spec.resume, mon.resumes[0] if mon.resumes else None),
-            "events_lost": [{k: e.get(k) for k in ("rank", "count", "error",
-                                                   "kinds")} for e in mon.events_lost],
+            "events_lost": [{k: e.get(k) for k in ("rank", "count", "error", "kinds")}
+                            for e in mon.events_lost],
             "warnings": [w["message"] for w in mon.warnings],
         }
 

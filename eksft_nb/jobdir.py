@@ -65,8 +65,8 @@ class JobDir:
             known = ", ".join(sorted(p.name
                                      for p in (root or jobs_root()).glob("*") if (p / "spec.json").is_file()))
             raise UnknownJobError(f"no job named {name!r} under {root or jobs_root()}",
-                           f"pick one of: {known}" if known else "launch one first with `python -m "
-                                  "eksft_nb run`")
+                                  f"pick one of: {known}" if known
+                                  else "launch one first with `python -m eksft_nb run`")
         return jd
 
     @property

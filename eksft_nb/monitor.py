@@ -155,8 +155,8 @@ class JobMonitor:
             # sync saves block for all of it; async ones only for staging plus any wait at the end
             self.checkpoint_stall_s += max(0.0, (e.get("blocked_s") or 0.0) - (rec.blocked_s or 0.0))
             rec.state, rec.t_done, rec.path = CheckpointState.COMMITTED, e.t, e.get("path")
-            rec.blocked_s, rec.background_s, rec.bytes = e.get("blocked_s"), e.get("background_s"), e.get(
-                "bytes")
+            rec.blocked_s, rec.background_s = e.get("blocked_s"), e.get("background_s")
+            rec.bytes = e.get("bytes")
             if rec.t_staged is None:
                 rec.t_staged = (rec.t_begin or e.t) + (rec.blocked_s or 0.0)
         elif phase in ("failed", "rejected"):

@@ -51,8 +51,8 @@ class Injected:
     message: str = "injected"
 
     def matches(self, request: kmock.Request) -> bool:
-        return self.times > 0 and request.method.value.upper() == self.method and self.path_part in str(
-            request.url.path)
+        return (self.times > 0 and request.method.value.upper() == self.method
+                and self.path_part in str(request.url.path))
 
 
 @dataclass
@@ -279,8 +279,8 @@ class Controllers:
         """The pods of an Indexed Job (or a JobSet's one child job), from its template, Pending."""
         owner = self.custom.get_namespaced_custom_object(*workload[:2], self.ns, workload[2], job)
         spec = owner["spec"]
-        template = spec["template"] if "template" in spec else spec["replicatedJobs"][0]["template"]["spec"][
-            "template"]
+        template = (spec["template"] if "template" in spec
+                    else spec["replicatedJobs"][0]["template"]["spec"]["template"])
         count = spec.get("completions") or spec["replicatedJobs"][0]["template"]["spec"]["completions"]
         config = self.core.read_namespaced_config_map(job, self.ns).data
         names = []

@@ -301,8 +301,8 @@ def test_inject_controls_write_the_command_the_job_reads(tmp_path: Path) -> None
 
     c.fault.value, c.when.value = "hang", "step 40"
     c.inject.click()
-    cmds = {json.loads(p.read_text())["fault"]: json.loads(p.read_text()) for p in job.dir.pending.glob(
-        "*.json")}
+    cmds = {json.loads(p.read_text())["fault"]: json.loads(p.read_text())
+            for p in job.dir.pending.glob("*.json")}
     assert (cmds["hang"]["rank"], cmds["hang"]["step"]) == (0, 40)     # choosing a fault resets the target
 
     c.when.value = "soon"

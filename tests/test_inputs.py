@@ -149,9 +149,8 @@ def test_generated_cli_flags_run_or_are_refused(argv: list[str]) -> None:
             assert e.code == 2 and err.getvalue().startswith("usage: ") and "error: " in err.getvalue()
             return
     if code:
-        assert code == 2 and err.getvalue().startswith("eksft: error: ") and err.getvalue().count(
-            "\n") == 1, \
-            err.getvalue()
+        assert code == 2 and err.getvalue().startswith("eksft: error: ") \
+            and err.getvalue().count("\n") == 1, err.getvalue()
     else:
         assert out.getvalue() and not err.getvalue()
 

@@ -105,8 +105,8 @@ def test_an_empty_cell_runs_the_trainer_and_code_runs_as_the_script(
     assert "eksft_nb.runtime.script" in out and script.read_text() == body
     assert magics.save_script(body) == script                            # the same code, the same file
     result = ip.run_cell(f"%%ftrain --dry-run --script {script}\n{body}")
-    assert type(result.error_in_exec) is UsageError and "--script names a script too" in capsys.readouterr(
-        ).err
+    assert type(result.error_in_exec) is UsageError
+    assert "--script names a script too" in capsys.readouterr().err
     assert "dry" not in jobs()
 
 

@@ -343,9 +343,8 @@ def test_a_state_that_does_not_fit_in_dev_shm_keeps_no_copy(tmp_path: Path) -> N
     shelf = memcopy.Shelf()
     shelf.bind("", 0, 1)  # no run id: anonymous shared memory, no file
     buffers = shelf.allocate(wanted)
-    assert all(
-        b.is_shared() for b in buffers.values(
-            )) and shelf.path is None and shelf.note == "the job has no run id"
+    assert all(b.is_shared() for b in buffers.values())
+    assert shelf.path is None and shelf.note == "the job has no run id"
     run = f"test{uuid.uuid4().hex[:12]}"
     shelf.bind(run, 0, 1)
     blocker = buffer_path(copy_path(run, 0), 1)  # the large buffer's file cannot be made; the small one's can

@@ -155,20 +155,18 @@ def parse_header(text: str | bytes) -> Header | str:
 def _parse_entry(item: Any) -> Entry | str:
     if not isinstance(item, dict) or not isinstance(item.get("key"), str):
         return "its layout has an entry without a key"
-    key, dtype, shape, dt, sums = item["key"], item.get("dtype"), item.get("shape"), item.get(
-        "dtensor"), item.get("digest")
-    if not isinstance(dtype,
-                      str) or dtype not in _ITEMSIZE or not isinstance(shape, list) or len(shape) > 64 \
-            or not all(_int(n, 0, 1 << 40) for n in shape):
+    key, dtype, shape = item["key"], item.get("dtype"), item.get("shape")
+    dt, sums = item.get("dtensor"), item.get("digest")
+    if not isinstance(dtype, str) or dtype not in _ITEMSIZE or not isinstance(shape, list) \
+            or len(shape) > 64 or not all(_int(n, 0, 1 << 40) for n in shape):
         return f"its layout entry {key[:80]!r} has no valid dtype and shape"
     if not _int(item.get("file"), 0, 1 << 30) or not _int(item.get("nbytes")):
         return f"its layout entry {key[:80]!r} has no valid file and size"
     if item["nbytes"] != math.prod(shape) * _ITEMSIZE[dtype]:
         return (f"its layout entry {key[:80]!r} has {item['nbytes']} bytes, its shape and dtype need "
                 "another size")
-    if not isinstance(sums,
-                      str) or len(sums) != 8 * -(-item["nbytes"] // CHUNK) or not re.fullmatch(
-                          r"[0-9a-f]*", sums):
+    if not isinstance(sums, str) or len(sums) != 8 * -(-item["nbytes"] // CHUNK) \
+            or not re.fullmatch(r"[0-9a-f]*", sums):
         return f"its layout entry {key[:80]!r} has no checksums of its buffer"
     if dt is not None and not isinstance(dt, dict):
         return f"its layout entry {key[:80]!r} has an invalid DTensor layout"

@@ -55,8 +55,8 @@ class Cluster:
                 raise JobError(f"cannot use this pod's service account: {e}",
                                "mount its token (automountServiceAccountToken), or use a "
                                "kubeconfig") from None
-            default_ns = IN_CLUSTER_NAMESPACE.read_text().strip() if IN_CLUSTER_NAMESPACE.exists(
-                ) else "default"
+            default_ns = (IN_CLUSTER_NAMESPACE.read_text().strip() if IN_CLUSTER_NAMESPACE.exists()
+                          else "default")
         else:
             raise JobError("no Kubernetes configuration: no kubeconfig ($KUBECONFIG or ~/.kube/config) and "
                            "not in a pod",

@@ -121,8 +121,8 @@ def node_index(pod: dict[str, Any]) -> int | None:
     if value is not None and value.isdigit():
         return int(value)
     labels = meta.get("labels") or {}
-    kind, index = labels.get("training.kubeflow.org/replica-type"), labels.get(
-        "training.kubeflow.org/replica-index")
+    kind = labels.get("training.kubeflow.org/replica-type")
+    index = labels.get("training.kubeflow.org/replica-index")
     if kind and index and index.isdigit():
         return int(index) + (0 if kind.lower() == "master" else 1)
     return None

@@ -363,8 +363,8 @@ class Supervisor:
         self.nodes.remove(node)
         # a lost node loses its ranks too (they outlive a killed launcher)
         procs.kill_marked(self.job_uid, node.tag)
-        how = signal.Signals(
-            -code).name if code < 0 and -code in signal.Signals._value2member_map_ else f"exit {code}"
+        how = (signal.Signals(-code).name if code < 0 and -code in signal.Signals._value2member_map_
+               else f"exit {code}")
         if not node.joined:
             self.say(f"spare ft_launcher {node.index} ended ({how}); {len(alive) - self.spec.nnodes} "
                      "spare(s) left")

@@ -119,8 +119,8 @@ class Watcher:
             if self.mon.digest is not None or self.mon.last_step >= self.spec.steps:
                 return JobState.SUCCEEDED, f"all {self.spec.steps} steps done"
             return JobState.FAILED, "the launchers exited before training finished (see `logs --debug`)"
-        how = signal.Signals(
-            -code).name if code < 0 and -code in signal.Signals._value2member_map_ else f"exit {code}"
+        how = (signal.Signals(-code).name if code < 0 and -code in signal.Signals._value2member_map_
+               else f"exit {code}")
         cause = f"the srun step of the launchers ended ({how}): a node's ft_launcher was lost or gave up"
         self.incidents.node_failed(cause, time.time())
         if self.incidents.give_up:

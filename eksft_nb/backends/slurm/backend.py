@@ -172,8 +172,8 @@ class SlurmBackend(FolderJobs, Backend):
         atomic_write(jd.path / STOP_MARK, str(time.time()))
         cluster.scancel(job_id)
         deadline = time.time() + timeout
-        while (job := cluster.show_job(job_id)) is not None and job.state in ACTIVE and time.time(
-            ) < deadline:
+        while ((job := cluster.show_job(job_id)) is not None and job.state in ACTIVE
+               and time.time() < deadline):
             time.sleep(0.5)
         if job is not None and job.state in ACTIVE:
             raise JobError(f"Slurm job {job_id} of {name} is still {job.slurm_state} after {timeout:g}s",
