@@ -458,9 +458,8 @@ def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
     groups: dict[str, Any] = {}
     for opt in sorted(spec_options(), key=lambda o: list(SPEC_GROUPS).index(_section(o.path))):
         title = SPEC_GROUPS[_section(opt.path)]
-        group = groups.get(title) or groups.setdefault(title,
-                                                       parser.add_argument_group(
-                                                           f"{title} (job spec fields)"))
+        group = groups.get(title) or groups.setdefault(
+            title, parser.add_argument_group(f"{title} (job spec fields)"))
         if opt.type is bool:
             group.add_argument(opt.flag, dest=opt.path, action=argparse.BooleanOptionalAction,
                                default=argparse.SUPPRESS, help=f"{opt.help} (default: {opt.default})")

@@ -53,8 +53,8 @@ def story(name: str, lines: int = 40) -> str:
              if (logs / "supervisor.log").exists() else ""]
     notable = ("fail", "error", "heartbeat", "exit", "timeout", "traceback", "signal")
     for log in sorted(logs.glob("launcher-*.log")):
-        kept = [ln for ln in log.read_text(errors="replace").splitlines() if any(
-            w in ln.lower() for w in notable)]
+        kept = [ln for ln in log.read_text(errors="replace").splitlines()
+                if any(w in ln.lower() for w in notable)]
         parts.append(f"--- {log.name}\n" + "\n".join(kept[-lines:]))
     return "\n".join(parts)
 

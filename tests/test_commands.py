@@ -89,8 +89,8 @@ def test_operations_on_real_jobs(finished_job: str) -> None:
     # none
     assert committed[0] == 5 and committed[-1] == 12 == done["last_checkpoint"], committed
     older = committed[-2]
-    assert commands.summary(finished_job)["steps_done"] == 12 and "step" in commands.logs(
-        finished_job, lines=50)
+    assert commands.summary(finished_job)["steps_done"] == 12
+    assert "step" in commands.logs(finished_job, lines=50)
     with pytest.raises(JobError, match=r"has already ended \(succeeded\)"):
         commands.inject(finished_job, "hang", rank=1)
 
@@ -106,10 +106,10 @@ def test_operations_on_real_jobs(finished_job: str) -> None:
             commands.inject("cmd-live", "sigkill", rank=7)
         result = commands.inject("cmd-live", "slow-rank", rank=1, params={"delay": 0.01, "duration": 2},
                                  wait=120)
-        assert result["fired"] and result["target"] == "rank 1" and result["when"] == "now" and result[
-            "step"] > older
-        assert result["message"].startswith("fired slow-rank on rank 1 of cmd-live") and result[
-            "id"] in result["message"]
+        assert result["fired"] and result["target"] == "rank 1" and result["when"] == "now"
+        assert result["step"] > older
+        assert result["message"].startswith("fired slow-rank on rank 1 of cmd-live")
+        assert result["id"] in result["message"]
     finally:
         stopped = commands.stop("cmd-live")
     assert (stopped["state"], stopped["ended"], stopped["step"] > older) == ("stopped", True, True)

@@ -283,8 +283,8 @@ def test_header_goodput_table_and_log_show_the_job() -> None:
     assert dash.log_tail.text == ""                                       # folded: not read
     dash.log_tail.selected_index = 0
     shown = html.unescape(dash.log_tail._pre.value.split(">", 1)[1].rsplit("<", 1)[0]).splitlines()
-    assert len(shown) == 40 and shown[0].startswith("[eksft] line 60 ") and shown[-1].startswith(
-        "[eksft] line 99 ")
+    assert len(shown) == 40
+    assert shown[0].startswith("[eksft] line 60 ") and shown[-1].startswith("[eksft] line 99 ")
     assert max(len(line) for line in shown) == 300                        # long lines are cut
 
 

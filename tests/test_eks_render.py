@@ -108,8 +108,8 @@ def test_shm_is_sized_for_checkpoint_staging() -> None:
 def test_control_plane_role_grants_only_what_it_calls() -> None:
     def grants_for(spec: JobSpec) -> dict[tuple[str, str], set[str]]:
         role = next(d for d in EksBackend().manifests(spec).admin if d["kind"] == "Role")
-        return {(g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule[
-            "resources"]}
+        return {(g, r): set(rule["verbs"]) for rule in role["rules"]
+                for g in rule["apiGroups"] for r in rule["resources"]}
 
     grants = grants_for(eks_spec(kind="jobset"))
     assert grants == {

@@ -116,7 +116,7 @@ def test_a_save_longer_than_the_checkpoint_interval_is_warned_about_in_one_line(
     assert summary["state"] == "succeeded", summary
     [warning] = events(name, "warning")
     assert warning.rank == 0 and warning["what"] == "slow-save"
-    assert "saves take longer than the checkpoint interval" in warning["message"] and "\n" not in warning[
-        "message"]
+    assert "saves take longer than the checkpoint interval" in warning["message"]
+    assert "\n" not in warning["message"]
     assert summary["warnings"] == [warning["message"]]
     assert f"warning: {warning['message']}" in cli("summary", name).stdout

@@ -339,9 +339,8 @@ def test_restarted_ranks_are_forked_warm_at_every_level_and_lose_nothing() -> No
     assert [r["level"] for r in warm["restart_events"]] == ["injob", "job"]
     assert warm["digest"] == cold["digest"]  # bit-identical to a fault-free run of cold ranks
     logs = job_dir("warm-faults") / "logs"
-    forked = {
-        int(pid) for log in logs.glob("zygote-*.log") for pid in re.findall(
-            r"forked rank (\d+)", log.read_text())}
+    forked = {int(pid) for log in logs.glob("zygote-*.log")
+              for pid in re.findall(r"forked rank (\d+)", log.read_text())}
     starts = events("warm-faults", "rank_start")
     assert len(starts) == 6 and {e["pid"] for e in starts} <= forked  # every incarnation, the first included
     assert {e["job_attempt"] for e in starts} == {0, 1}
