@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="part 3: run each configuration this long with a fault this often (default 600 120)")
     p.add_argument("--whatif-order", choices=("side-by-side", "sequential"), default="side-by-side",
                    help="part 7: run each A and B pair at once (a loaded machine) or one after the "
-                   "other (quiet)")
+                        "other (quiet)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="folder for the JSON results")
     args = p.parse_args(argv)
     if args.goodput_window and not 0 < args.goodput_window[1] <= args.goodput_window[0]:

@@ -82,7 +82,7 @@ def _container_problem(c: dict[str, Any], who: str) -> dict[str, Any] | None:
     if waiting.get("reason") in IMAGE_ERRORS:
         return dict(phase="pending", stuck=waiting["reason"] in STUCK,
                     reason=f"image {c.get('image', '')} cannot be pulled ({waiting['reason']}: "
-                    f"{waiting.get('message', '')})")
+                           f"{waiting.get('message', '')})")
     if waiting.get("reason") in CONFIG_ERRORS:
         return dict(phase="pending", stuck=True, reason=f"{waiting['reason']}: {waiting.get('message', '')}")
     if waiting.get("reason") == "CrashLoopBackOff":
