@@ -18,13 +18,15 @@ PARTS = ("ckpt", "recovery", "goodput", "overhead", "dashboard", "scale", "whati
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    p.add_argument("--quick", action="store_true", help="short jobs, fewer repeats, 100 MB only (a few minutes)")
+    p.add_argument("--quick", action="store_true",
+                   help="short jobs, fewer repeats, 100 MB only (a few minutes)")
     p.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS), metavar="PART",
                    help=f"run only these parts ({', '.join(PARTS)})")
     p.add_argument("--goodput-window", nargs=2, type=float, metavar=("SECONDS", "FAULT_EVERY_S"),
                    help="part 3: run each configuration this long with a fault this often (default 600 120)")
     p.add_argument("--whatif-order", choices=("side-by-side", "sequential"), default="side-by-side",
-                   help="part 7: run each A and B pair at once (a loaded machine) or one after the other (quiet)")
+                   help="part 7: run each A and B pair at once (a loaded machine) or one after the "
+                        "other (quiet)")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results", help="folder for the JSON results")
     args = p.parse_args(argv)
     if args.goodput_window and not 0 < args.goodput_window[1] <= args.goodput_window[0]:

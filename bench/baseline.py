@@ -45,7 +45,8 @@ class PlainTorchrunJob:
 
     def inject(self, fault: str, rank: int | None = None) -> None:
         """Fire ``fault`` at the next step (``kill-launcher`` kills torchrun: the node's launcher)."""
-        submit(self.jd.pending, FaultCommand(fault, rank=rank).validate(self.spec.world_size, self.spec.nnodes))
+        submit(self.jd.pending,
+               FaultCommand(fault, rank=rank).validate(self.spec.world_size, self.spec.nnodes))
 
     def start(self, timeout: float) -> None:
         self._thread = threading.Thread(target=self._run, args=(timeout,), daemon=True)
@@ -79,7 +80,8 @@ class PlainTorchrunJob:
                 attempt += 1
 
     def _launch(self, attempt: int) -> subprocess.Popen:
-        cmd = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={self.spec.nproc_per_node}",
+        cmd = [PY, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={self.spec.nproc_per_node}",
                "--max-restarts=0", f"--log-dir={self.jd.logs / f'torchrun-{attempt}'}", "-m", TRAINER_MODULE]
         env = rank_env(EKSFT_JOB=self.spec.name, EKSFT_JOB_DIR=str(self.jd.path), EKSFT_JOB_ATTEMPT=str(attempt),
                        **{procs.JOB_UID_ENV: self.uid})

@@ -50,12 +50,14 @@ def measure(size: str, saves: int) -> dict[str, Any]:
     before = load_avg()
     with tempfile.TemporaryDirectory(prefix="eksft-bench-ckpt-") as tmp:
         out = Path(tmp) / "out.json"
-        cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", f"--log-dir={tmp}/logs",
+        cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               f"--log-dir={tmp}/logs",
                "-m", "bench.ckpt_worker", "--size", size, "--saves", str(saves), "--root", f"{tmp}/ckpt",
                "--out", str(out)]
         proc = subprocess.run(cmd, env=rank_env(), cwd=REPO, capture_output=True, text=True, timeout=3600)
         if proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"checkpoint benchmark ({size}) failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            raise RuntimeError(f"checkpoint benchmark ({size}) "
+                               f"failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         raw = json.loads(out.read_text())
     return {**summarise(raw), "load_avg_before": before, "load_avg_after": load_avg()}
 
@@ -74,7 +76,8 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
         committed = [max(r["committed_s"] for r in recs) for recs in per_save[1:]]
         entry = {"first_blocked_s": worst[0]["blocked_s"],
                  "blocked_s": stat([r["blocked_s"] for r in measured]),
-                 "blocked_cpu_s": stat([max(r.get("blocked_cpu_s", 0.0) for r in recs) for recs in per_save[1:]]),
+                 "blocked_cpu_s": stat([max(r.get("blocked_cpu_s",
+                                                  0.0) for r in recs) for recs in per_save[1:]]),
                  "committed_s": stat([c for c in committed if not math.isnan(c)]),
                  "uncommitted": sum(math.isnan(c) for c in committed),
                  "overlap_step_s": stat(overlap),
@@ -92,7 +95,8 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
         entry["blocked_vs_dcp_save"] = ratio(med(entry["blocked_s"]), dcp)
     eksft = methods[EKSFT]
     return {"state_bytes": raw["state_bytes"], "dims": raw["dims"], "batch": raw["batch"], "seq": raw["seq"],
-            "world_size": raw["world_size"], "clean_step_s": clean, "methods": methods, "restore": raw.get("restore"),
+            "world_size": raw["world_size"], "clean_step_s": clean, "methods": methods,
+            "restore": raw.get("restore"),
             "targets_met": {"blocked_vs_floor": eksft["blocked_vs_floor"] <= TARGET_FLOOR_X,
                             "blocked_vs_dcp_save": eksft["blocked_vs_dcp_save"] <= TARGET_DCP_X}}
 
@@ -110,9 +114,11 @@ def report(result: dict[str, Any]) -> str:
                          fmt(m["blocked_vs_dcp_save"], ".3f", "x"),
                          fmt(m["overlap_slowdown"], ".2f", "x") if m["overlap_slowdown"] else "-"])
         title = (f"1. checkpoint stall, {r['state_bytes'] / 2**20:.0f} MiB model+optimizer state, 2 ranks "
-                 f"(median of {result['saves_per_method']} saves; clean step {fmt(med(r['clean_step_s']), '.3f')} s; "
+                 f"(median of {result['saves_per_method']} saves; clean step "
+                 f"{fmt(med(r['clean_step_s']), '.3f')} s; "
                  f"load {r['load_avg_before'][0]}->{r['load_avg_after'][0]})")
-        out.append(table(title, ["method", "blocked s", "1st save s", "committed s", "vs floor", "vs dcp.save",
+        out.append(table(title,
+                         ["method", "blocked s", "1st save s", "committed s", "vs floor", "vs dcp.save",
                                  "overlapped step"], rows))
         e = r["methods"][EKSFT]
         met = r["targets_met"]
@@ -121,13 +127,17 @@ def report(result: dict[str, Any]) -> str:
                    f"{'MET' if met['blocked_vs_floor'] else 'NOT MET'}, <= {TARGET_DCP_X}x dcp.save "
                    f"{'MET' if met['blocked_vs_dcp_save'] else 'NOT MET'}")
         out.append(f"  CPU time of the training thread while blocked (what the load does not inflate): eksft "
-                   f"{fmt(med(e['blocked_cpu_s']), '.4f')} s, floor {fmt(med(r['methods'][FLOOR]['blocked_cpu_s']), '.4f')} s "
+                   f"{fmt(med(e['blocked_cpu_s']), '.4f')} s, floor "
+                   f"{fmt(med(r['methods'][FLOOR]['blocked_cpu_s']), '.4f')} s "
                    f"= {fmt(e['blocked_cpu_vs_floor'], '.2f', 'x')}")
         if r.get("restore"):
             mem, sto = r["restore"]["memory"], r["restore"]["storage"]
-            out.append(f"  eksft restore (slowest rank): from memory {mem['wall_s']:.3f} s (CPU {mem['cpu_s']:.3f} s, "
-                       f"CRC-32 check {fmt(mem['verify_s'], '.3f')} s, loaded from {mem['source']}); from storage "
-                       f"{sto['wall_s']:.3f} s (CPU {sto['cpu_s']:.3f} s, SHA-256 check {fmt(sto['verify_s'], '.3f')} s, "
+            out.append(f"  eksft restore (slowest rank): from memory {mem['wall_s']:.3f} s (CPU "
+                       f"{mem['cpu_s']:.3f} s, "
+                       f"CRC-32 check {fmt(mem['verify_s'], '.3f')} s, loaded from {mem['source']}); "
+                       "from storage "
+                       f"{sto['wall_s']:.3f} s (CPU {sto['cpu_s']:.3f} s, SHA-256 check "
+                       f"{fmt(sto['verify_s'], '.3f')} s, "
                        f"loaded from {sto['source']}; the files were in the page cache)")
         out.append("")
     return "\n".join(out)

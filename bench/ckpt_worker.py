@@ -57,7 +57,8 @@ class Method:
         return self.dir / f"save_{i:03d}"
 
     def written(self, i: int) -> int:
-        """Rank 0, once save ``i`` is committed: the bytes it put on disk (then removed to keep disk use flat)."""
+        """Rank 0, once save ``i`` is committed: the bytes it put on disk (then removed to keep disk use
+        flat)."""
         folder = self.folder(i)
         if not folder.exists():
             return 0
@@ -90,7 +91,8 @@ class TorchSave(Method):
 
         path = self.folder(i) / f"rank{self.ctx.rank}.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
-        state = _map(self.ctx.state["train"].state_dict(), lambda t: t.to_local() if isinstance(t, DTensor) else t)
+        state = _map(self.ctx.state["train"].state_dict(),
+                     lambda t: t.to_local() if isinstance(t, DTensor) else t)
         with open(path, "wb") as f:
             self.ctx.torch.save(state, f)
             f.flush()
@@ -121,7 +123,8 @@ class DcpAsyncSave(Method):
     def save(self, i: int, step: int) -> None:
         import torch.distributed.checkpoint as dcp
 
-        self.future = dcp.async_save(self.ctx.state, checkpoint_id=str(self.folder(i)), process_group=self.group)
+        self.future = dcp.async_save(self.ctx.state, checkpoint_id=str(self.folder(i)),
+                                     process_group=self.group)
 
     def done(self, step: int) -> bool:
         if not self.future.done():
@@ -245,7 +248,8 @@ class Context:
         return bool(t.item())
 
     def state_bytes(self) -> int:
-        t = self.torch.tensor([sum(x.numel() * x.element_size() for x in self.local_tensors())], dtype=self.torch.int64)
+        t = self.torch.tensor([sum(x.numel() * x.element_size() for x in self.local_tensors())],
+                              dtype=self.torch.int64)
         self.dist.all_reduce(t)
         return int(t.item())
 
@@ -288,7 +292,8 @@ def restore_times(ctx: Context, eksft: Eksft) -> dict[str, Any]:
         mgr.restore(ctx.state, "latest", restarting=True)
         wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         resume = next(e for e in reversed(eksft.events) if e["kind"] == "resume")
-        mine = {"wall_s": wall, "cpu_s": cpu, "source": resume.get("source"), "verify_s": resume.get("verify_s")}
+        mine = {"wall_s": wall, "cpu_s": cpu, "source": resume.get("source"),
+                "verify_s": resume.get("verify_s")}
         gathered: list[Any] = [None] * ctx.world
         ctx.dist.all_gather_object(gathered, mine)
         out[source] = max(gathered, key=lambda r: r["wall_s"])
@@ -326,7 +331,8 @@ def main() -> None:
     restore = restore_times(ctx, eksft)
     memcopy.remove_copies(eksft.mgr.job_uid)
     if ctx.rank == 0:
-        out = {"size": args.size, "dims": SIZES[args.size], "batch": BATCH, "seq": SEQ, "world_size": ctx.world,
+        out = {"size": args.size, "dims": SIZES[args.size], "batch": BATCH, "seq": SEQ,
+               "world_size": ctx.world,
                "state_bytes": state_bytes, "clean_steps": clean, "records": gathered, "disk_bytes": written,
                "eksft_events": [e for e in eksft.events if e["kind"] == "checkpoint"], "restore": restore}
         args.out.write_text(json.dumps(out, allow_nan=True))

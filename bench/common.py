@@ -73,7 +73,8 @@ def machine() -> dict[str, Any]:
     except Exception:  # noqa: BLE001 - reported as unknown
         nvrx = "unknown"
     return {"nproc": len(os.sched_getaffinity(0)), "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
-            "cpu": cpu, "load_avg": load_avg(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpu": cpu, "load_avg": load_avg(), "python": platform.python_version(),
+            "torch": torch.__version__,
             "nvrx": nvrx, "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
@@ -124,7 +125,8 @@ def table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]) -> s
     widths = [max(len(str(r[i])) for r in cells) for i in range(len(header))]
 
     def line(r: Sequence[str]) -> str:
-        return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i,
+                         (c, w) in enumerate(zip(r, widths)))
 
     rule = "-" * len(line(header))
     return "\n".join([title, rule, line(header), rule, *[line(r) for r in rows], ""])

@@ -43,7 +43,8 @@ def run(quick: bool) -> dict[str, Any]:
     worst = sizes[str(HISTORIES[-1])]
     met = {path: med(worst[path]["update_ms"]) < TARGET_MS and med(worst[path]["update_kb"]) < TARGET_KB
            for path in PATHS}
-    met["every_update"] = all(worst[p]["update_ms"]["max"] < TARGET_MS and worst[p]["update_kb"]["max"] < TARGET_KB
+    met["every_update"] = all(worst[p]["update_ms"]["max"] < TARGET_MS
+                              and worst[p]["update_kb"]["max"] < TARGET_KB
                               for p in PATHS)
     return {"updates_per_history": updates, "steps_per_update": round(INTERVAL_S / STEP_S),
             "interval_s": INTERVAL_S, "histories": sizes,
@@ -68,7 +69,8 @@ class FakeJob:
             self.step += 1
             self.t += STEP_S
             s, t = self.step, self.t
-            out.append(make("step", self.name, 0, t=t, step=s, loss=5.0 / (1 + s / 1000), tokens=1024, step_time=STEP_S))
+            out.append(make("step", self.name, 0, t=t, step=s, loss=5.0 / (1 + s / 1000), tokens=1024,
+                            step_time=STEP_S))
             if s % 100 == 0:
                 out += [make("checkpoint", self.name, 0, t=t, phase="begin", step=s, mode="async"),
                         make("checkpoint", self.name, 0, t=t + 0.02, phase="staged", step=s, blocked_s=0.02,
@@ -76,11 +78,15 @@ class FakeJob:
                         make("checkpoint", self.name, 0, t=t + 0.5, phase="committed", step=s, blocked_s=0.02,
                              background_s=0.48, bytes=10**7, path=f"ckpt/step_{s:08d}")]
             if s % 10_000 == 5_000:
-                out += [make("fault", self.name, 1, t=t, fault="sigkill", id=f"f{s}", target_rank=1, at_step=s),
-                        make("failure", self.name, None, t=t + 0.5, level="injob", cause="injected sigkill on rank 1",
+                out += [make("fault", self.name, 1, t=t, fault="sigkill", id=f"f{s}", target_rank=1,
+                             at_step=s),
+                        make("failure", self.name, None, t=t + 0.5, level="injob",
+                             cause="injected sigkill on rank 1",
                              blame_rank=1, fault_time=t, detected_at=t + 0.5),
-                        make("restart", self.name, None, t=t + 9, level="injob", cause="injected sigkill on rank 1",
-                             blame_rank=1, fault_time=t, detection_s=0.5, downtime_s=9.0, rolled_back_steps=50,
+                        make("restart", self.name, None, t=t + 9, level="injob",
+                             cause="injected sigkill on rank 1",
+                             blame_rank=1, fault_time=t, detection_s=0.5, downtime_s=9.0,
+                             rolled_back_steps=50,
                              resumed_step=s - 50)]
         self._write(out)
 
@@ -150,7 +156,8 @@ def measure(name: str, steps: int, updates: int) -> dict[str, Any]:
             dash.close()
             out[path] = {"update_ms": stat(ms), "update_kb": stat(kb)}
             if path == "fast":
-                out["build_s"], out["initial_kb"], out["plotly_bundle_kb"] = build_s, initial / 1000, sent.bundle / 1000
+                out["build_s"], out["initial_kb"], out[
+                    "plotly_bundle_kb"] = build_s, initial / 1000, sent.bundle / 1000
     out["load_avg_before"], out["load_avg_after"] = before, load_avg()
     return out
 
@@ -186,12 +193,15 @@ def report(result: dict[str, Any]) -> str:
     for n, h in result["histories"].items():
         f, sl = h["fast"], h["slow"]
         rows.append([f"{int(n):,} steps", fmt(med(f["update_ms"]), ".1f"), fmt(f["update_ms"]["max"], ".1f"),
-                     fmt(med(sl["update_ms"]), ".1f"), fmt(sl["update_ms"]["max"], ".1f"), fmt(med(f["update_kb"]), ".1f"),
-                     fmt(med(sl["update_kb"]), ".1f"), fmt(max(f["update_kb"]["max"], sl["update_kb"]["max"]), ".1f"),
+                     fmt(med(sl["update_ms"]), ".1f"), fmt(sl["update_ms"]["max"], ".1f"),
+                     fmt(med(f["update_kb"]), ".1f"),
+                     fmt(med(sl["update_kb"]), ".1f"),
+                     fmt(max(f["update_kb"]["max"], sl["update_kb"]["max"]), ".1f"),
                      fmt(h["initial_kb"], ".0f"), fmt(h["build_s"], ".2f"), fmt(h["monitor_mib"], ".1f"),
                      fmt(h["dashboard_mib"], ".1f")])
     met = result["targets_met"]
-    title = (f"5. dashboard: per update ({result['steps_per_update']} new steps; {result['updates_per_history']} updates "
+    title = (f"5. dashboard: per update ({result['steps_per_update']} new steps; "
+             f"{result['updates_per_history']} updates "
              f"per pass): ms, and kB sent to the front end")
     header = ["history", "0.5s ms", "max", "2s ms", "max", "0.5s kB", "2s kB", "max kB", "1st render kB*",
               "1st render s", "monitor MiB", "dashboard MiB"]
@@ -201,6 +211,9 @@ def report(result: dict[str, Any]) -> str:
 
     return (table(title, header, rows) +
             f"  target at 100k, < {TARGET_MS:g} ms and < {TARGET_KB:g} kB per update: 0.5 s refresh (median) "
-            f"{word(met['fast'])}, 2 s refresh (median) {word(met['slow'])}, every update {word(met['every_update'])}\n"
-            f"  0.5 s: figure and header; 2 s: also goodput, checkpoint table, log. * without the plotly.js bundle "
-            f"({result['histories'][str(HISTORIES[0])]['plotly_bundle_kb']:.0f} kB, sent once with the figure)\n")
+            f"{word(met['fast'])}, 2 s refresh (median) {word(met['slow'])}, every update "
+            f"{word(met['every_update'])}\n"
+            "  0.5 s: figure and header; 2 s: also goodput, checkpoint table, log. * without the "
+            "plotly.js bundle "
+            f"({result['histories'][str(HISTORIES[0])]['plotly_bundle_kb']:.0f} kB, sent once with "
+            "the figure)\n")

@@ -40,7 +40,8 @@ def run(quick: bool, window_s: tuple[float, float] | None = None) -> dict[str, A
     configs = {}
     for i, (label, changes) in enumerate(CONFIGS.items()):
         mode = changes["checkpoint.mode"] if changes["checkpoint.mode"] in references else "async"
-        configs[label] = {**window(f"goodput-{i}", changes, duration, period, references[mode]["steps_per_s"]),
+        configs[label] = {**window(f"goodput-{i}", changes, duration, period,
+                                   references[mode]["steps_per_s"]),
                           "reference": mode}
     return {"duration_s": duration, "fault_period_s": period, "faults": [f for f, _ in FAULTS],
             "references": references, "configs": configs}
@@ -55,7 +56,8 @@ def window(name: str, changes: dict[str, Any], duration: float, period: float | 
     t0 = time.time()
     fired = []
     try:
-        for k in range(1, math.ceil(duration / period) if period else 1):  # at period, 2 period, ... before the end
+        # at period, 2 period, ... before the end
+        for k in range(1, math.ceil(duration / period) if period else 1):
             time.sleep(max(0.0, t0 + k * period - time.time()))
             kind, rank = FAULTS[(k - 1) % len(FAULTS)]
             job.inject(kind, rank=rank)
@@ -78,26 +80,32 @@ def window(name: str, changes: dict[str, Any], duration: float, period: float | 
 
 def report(result: dict[str, Any]) -> str:
     rows = []
-    runs = {**{f"fault-free {m} (reference)": r for m, r in result["references"].items()}, **result["configs"]}
+    runs = {**{f"fault-free {m} (reference)": r for m, r in result["references"].items()},
+            **result["configs"]}
     for label, c in runs.items():
         pct = c["percent"]
         r = c["restarts"]
         ref = result["references"].get(c.get("reference", ""))
         # the machine's speed in the window: productive time per useful step (a clean step, on average)
         step, ref_step = _step_s(c), _step_s(ref) if ref else None
-        same_speed = 100 * c["ettr"] * step / ref_step if c["ettr"] is not None and step and ref_step else None
-        rows.append([label, fmt(None if c["ettr"] is None else 100 * c["ettr"], ".1f", " %"), fmt(same_speed, ".1f", " %"),
+        same_speed = 100 * c["ettr"] * step / ref_step if c[
+            "ettr"] is not None and step and ref_step else None
+        rows.append([label, fmt(None if c["ettr"] is None else 100 * c["ettr"], ".1f", " %"),
+                     fmt(same_speed, ".1f", " %"),
                      str(c["useful_steps"]), fmt(None if step is None else 1000 * step, ".0f"),
                      fmt(100 * c["goodput"], ".1f", " %"), *[fmt(pct[k], ".1f") for k in CATEGORIES],
-                     f"{r['inprocess']}/{r['injob']}/{r['job']}", f"{c['load_avg_before'][0]}->{c['load_avg_after'][0]}"])
-    title = (f"3. goodput: {result['duration_s']:.0f} s per configuration, a fault every {result['fault_period_s']:.0f} s "
+                     f"{r['inprocess']}/{r['injob']}/{r['job']}",
+                     f"{c['load_avg_before'][0]}->{c['load_avg_after'][0]}"])
+    title = (f"3. goodput: {result['duration_s']:.0f} s per configuration, a fault every "
+             f"{result['fault_period_s']:.0f} s "
              f"({', '.join(result['faults'])} in turn); ETTR = useful steps per wall second / the fault-free "
              "run's of the same checkpoint mode; same speed: ETTR x this window's step ms / the reference's "
              "(the shared machine's speed drifts between windows); % of wall time")
     if len(result["references"]) == 1:
         title += f" (one reference: {next(iter(result['references']))})"
-    header = ["configuration", "ETTR", "same speed", "useful steps", "step ms", "goodput", *[k.replace("_", " ").replace("checkpoint ", "ckpt ")
-                                                                    for k in CATEGORIES], "restarts ip/ij/job", "load"]
+    header = ["configuration", "ETTR", "same speed", "useful steps", "step ms", "goodput",
+              *[k.replace("_", " ").replace("checkpoint ", "ckpt ") for k in CATEGORIES],
+              "restarts ip/ij/job", "load"]
     return table(title, header, rows)
 
 

@@ -68,7 +68,8 @@ def steps_per_s(name: str, steps: int, instrument: bool) -> float:
     restarts = [e for e in events if e.kind == "restart"]
     end = next((e for e in events if e.kind == "rank_end" and e.rank == 0), None)
     if state != "succeeded" or restarts or end is None:
-        raise RuntimeError(f"overhead job {name}: {state}, {len(restarts)} restarts; the measurement needs a clean run")
+        raise RuntimeError(f"overhead job {name}: {state}, {len(restarts)} restarts; the measurement "
+                           "needs a clean run")
     return end["steps_run"] / end["loop_s"]
 
 
@@ -77,12 +78,14 @@ def in_situ(name: str) -> dict[str, Any]:
     (``bench/protocol_probe.py`` as the job's script, under ft_launcher)."""
     with tempfile.TemporaryDirectory(prefix="eksft-bench-ovh-") as tmp:
         out = Path(tmp) / "probe.json"
-        spec = JobSpec().replace(name=name, steps=MICRO_N, script=str(PROBE), script_args=[str(out), str(MICRO_N)])
+        spec = JobSpec().replace(name=name, steps=MICRO_N, script=str(PROBE),
+                                 script_args=[str(out), str(MICRO_N)])
         state = launch(spec.validate()).wait(timeout=600)
         if state != "succeeded" or not out.exists():
             raise RuntimeError(f"in-situ protocol probe {name}: {state}")
         raw = json.loads(out.read_text())
-    return {"heartbeat_us": stat(raw["heartbeat_us"]), "step_protocol_in_situ_us": stat(raw["step_protocol_us"])}
+    return {"heartbeat_us": stat(raw["heartbeat_us"]),
+            "step_protocol_in_situ_us": stat(raw["step_protocol_us"])}
 
 
 def microbench() -> dict[str, Any]:
@@ -121,12 +124,16 @@ def report(result: dict[str, Any]) -> str:
             ["EKSFT_INSTRUMENT=0", fmt(med(result["steps_per_s_off"]), ".2f"),
              fmt(result["steps_per_s_off"]["min"], ".2f"), fmt(result["steps_per_s_off"]["max"], ".2f")]]
     r = result["ratio"]
-    title = (f"4. overhead: steps/s of the built-in trainer ({result['pairs']} alternating pairs of {result['steps']}-step "
+    title = (f"4. overhead: steps/s of the built-in trainer ({result['pairs']} alternating pairs of "
+             f"{result['steps']}-step "
              f"jobs; load {result['load_avg_before'][0]}->{result['load_avg_after'][0]})")
     return (table(title, ["arm", "median steps/s", "min", "max"], rows) +
-            f"  on/off = {100 * r['median']:.1f} % (pairs: {', '.join(f'{100 * v:.1f}' for v in r['values'])}); "
+            f"  on/off = {100 * r['median']:.1f} % (pairs: "
+            f"{', '.join(f'{100 * v:.1f}' for v in r['values'])}); "
             f"target >= {100 * TARGET:.0f} %: {'MET' if result['target_met'] else 'NOT MET'}\n"
             f"  one event emit {m['emit_us']['median']:.1f} us = {100 * result['emit_vs_step']:.3f} % of a "
             f"{1000 * result['step_s']:.0f} ms step; one NVRx heartbeat (a round trip to ft_launcher) "
-            f"{m['heartbeat_us']['median']:.0f} us; the whole step protocol in a rank {m['step_protocol_in_situ_us']['median']:.0f} us "
-            f"on vs {m['step_protocol_off_us']['median']:.1f} us off = {100 * result['protocol_vs_step']:.2f} % of a step\n")
+            f"{m['heartbeat_us']['median']:.0f} us; the whole step protocol in a rank "
+            f"{m['step_protocol_in_situ_us']['median']:.0f} us "
+            f"on vs {m['step_protocol_off_us']['median']:.1f} us off = "
+            f"{100 * result['protocol_vs_step']:.2f} % of a step\n")

@@ -38,7 +38,8 @@ def main() -> None:
 
     for _ in range(n // 5):  # untimed first: a rank forked from a warm zygote touches its pages afresh
         s.heartbeat()
-    result = {"heartbeat_us": per_call_us(lambda i: s.heartbeat(), n), "step_protocol_us": per_call_us(step, n)}
+    result = {"heartbeat_us": per_call_us(lambda i: s.heartbeat(), n),
+              "step_protocol_us": per_call_us(step, n)}
     if s.rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)

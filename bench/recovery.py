@@ -101,7 +101,8 @@ def spare_vs_job(repeats: int) -> dict[str, Any]:
     runs: dict[str, list[Recovery]] = {"spare": [], "job": []}
     for i in range(repeats):
         runs["job"] += eksft_job(f"rec-nospare-{i}", ["kill-launcher"], None, SPARE_SPEC)
-        runs["spare"] += eksft_job(f"rec-spare-{i}", ["kill-launcher"], None, {**SPARE_SPEC, "spare_nodes": 1})
+        runs["spare"] += eksft_job(f"rec-spare-{i}", ["kill-launcher"], None,
+                                   {**SPARE_SPEC, "spare_nodes": 1})
     out = {who: summarise(recs) for who, recs in runs.items()}
     spare, job = med(out["spare"]["total_s"]), med(out["job"]["total_s"])
     out["spare_at_or_under_job"] = None if spare is None or job is None else spare <= job
@@ -119,7 +120,8 @@ def eksft_job(name: str, kinds: Sequence[str], warm: list[dict[str, Any]] | None
         if warm is not None and not warm:
             jd = JobDir.for_name(name)
             deadline = time.time() + TIMEOUT_S  # the standby zygotes import torch once the ranks have started
-            while time.time() < deadline and not all("ready" in p.read_text() for p in jd.logs.glob("zygote-1.*.log")):
+            while time.time() < deadline and not all(
+                "ready" in p.read_text() for p in jd.logs.glob("zygote-1.*.log")):
                 time.sleep(0.5)
             record = jd.supervisor()
             warm.extend(warm_costs(record.get("job_uid", ""), record.get("pid", 0)))
@@ -138,7 +140,8 @@ def eksft_job(name: str, kinds: Sequence[str], warm: list[dict[str, Any]] | None
         if fault is None or first is None or restart.get("phases") is None:
             continue
         out.append(Recovery(fault["fault"], restart["level"], fault["at_step"], restart["resumed_step"],
-                            _to_completion(restart["phases"], first), first.t - fault.t, restart.get("restored_from")))
+                            _to_completion(restart["phases"], first), first.t - fault.t,
+                            restart.get("restored_from")))
     return out
 
 
@@ -147,7 +150,8 @@ def baseline_job(name: str, kinds: Sequence[str]) -> list[Recovery]:
     job = PlainTorchrunJob.create(jobs_root().parent / "baseline", spec)
     job.start(timeout=TIMEOUT_S * (len(kinds) + 1))
     try:
-        Injector(job.jd.events_path, lambda kind: job.inject(kind, FAULT_RANK[kind]), lambda: job.state).run(kinds)
+        Injector(job.jd.events_path, lambda kind: job.inject(kind, FAULT_RANK[kind]),
+                 lambda: job.state).run(kinds)
     finally:
         job.stop()
     return recoveries(read_all(job.jd.events_path), [(t, "resubmit") for t in job.exits])
@@ -196,7 +200,8 @@ class Injector:
 
     def _ready(self) -> bool:
         after = self._since_last_start()
-        commit = next((i for i, e in enumerate(after) if e.kind == "checkpoint" and e["phase"] == "committed"), None)
+        commit = next((i for i,
+                       e in enumerate(after) if e.kind == "checkpoint" and e["phase"] == "committed"), None)
         return commit is not None and sum(e.kind == "step" for e in after[commit:]) >= 2
 
     def _recovered(self) -> bool:
@@ -234,12 +239,14 @@ def _recovery(fault: Event, detected: tuple[float, str], window: list[Event]) ->
     starts = [e for e in before if e.kind == "rank_start"]
     newest = [e for e in starts if _incarnation(e) == max(_incarnation(e) for e in starts)]
     incident = Incident(detected[1], "", None, fault.t, detected[0], fault["at_step"] or 0,
-                        entered=max(e["t_enter"] for e in newest), grouped=max(e.get("t_group", 0.0) for e in newest),
+                        entered=max(e["t_enter"] for e in newest),
+                        grouped=max(e.get("t_group", 0.0) for e in newest),
                         restored=max(e.t for e in newest))
     resume = next((e for e in reversed(before) if e.kind == "resume"), None)
     phases = incident.phases(first.t - first["step_time"])
     return Recovery(fault["fault"], detected[1], fault["at_step"], resume["step"] if resume else 0,
-                    _to_completion(phases, first), first.t - fault.t, resume.get("source") if resume else None)
+                    _to_completion(phases, first), first.t - fault.t,
+                    resume.get("source") if resume else None)
 
 
 def _to_completion(phases: dict[str, float], first: Event) -> dict[str, float]:
@@ -254,15 +261,16 @@ def _incarnation(e: Event) -> tuple[int, int, int]:
 def warm_costs(job_uid: str, supervisor: int, window_s: float = WARM_WINDOW_S) -> list[dict[str, Any]]:
     """What the processes kept warm for the next restart cost while the job trains: each zygote (this
     attempt's, which forked the ranks, and the standby one for the next attempt) and each standby
-    ft_launcher (the supervisor's children). Memory: RSS, and PSS/USS (pages shared with the ranks a zygote forked count once,
-    split between them); CPU: percent of one core over ``window_s``."""
+    ft_launcher (the supervisor's children). Memory: RSS, and PSS/USS (pages shared with the ranks a zygote
+    forked count once, split between them); CPU: percent of one core over ``window_s``."""
     found = []
     for p in procs.marked(job_uid):
         try:
             if p.ppid() != supervisor:  # what a zygote forked (ranks, their helpers) carries its command line
                 continue
             cmd = " ".join(p.cmdline())
-            role = "zygote" if ZYGOTE_MODULE in cmd else "standby launcher" if "local.standby" in cmd else None
+            role = ("zygote" if ZYGOTE_MODULE in cmd
+                    else "standby launcher" if "local.standby" in cmd else None)
             if role:
                 found.append((p, role, p.environ().get(procs.NODE_MARK, "?"), sum(p.cpu_times()[:2])))
         except psutil.Error:
@@ -275,16 +283,19 @@ def warm_costs(job_uid: str, supervisor: int, window_s: float = WARM_WINDOW_S) -
             cpu = sum(p.cpu_times()[:2]) - cpu0
         except psutil.Error:
             continue
-        out.append({"role": role, "node_tag": tag, "rss_mb": round(mem.rss / 2**20, 1), "pss_mb": round(mem.pss / 2**20, 1),
+        out.append({"role": role, "node_tag": tag, "rss_mb": round(mem.rss / 2**20, 1),
+                    "pss_mb": round(mem.pss / 2**20, 1),
                     "uss_mb": round(mem.uss / 2**20, 1), "cpu_pct": round(100 * cpu / window_s, 2)})
     return sorted(out, key=lambda r: (r["role"], r["node_tag"]))
 
 
 def summarise(recs: list[Recovery]) -> dict[str, Any]:
-    return {"n": len(recs), "levels": sorted({r.level for r in recs}), "total_s": stat([r.total_s for r in recs]),
+    return {"n": len(recs), "levels": sorted({r.level for r in recs}),
+            "total_s": stat([r.total_s for r in recs]),
             "phases_s": {p: stat([r.phases[p] for r in recs]) for p in PHASES},
             "rolled_back_steps": stat([r.at_step - 1 - r.resumed_step for r in recs]),
-            "loaded_from": {src: sum((r.source or "-") == src for r in recs) for src in sorted({r.source or "-" for r in recs})}}
+            "loaded_from": {src: sum((r.source or "-") == src
+                                     for r in recs) for src in sorted({r.source or "-" for r in recs})}}
 
 
 def targets_met(by_type: dict[str, Any]) -> dict[str, Any]:
@@ -294,7 +305,8 @@ def targets_met(by_type: dict[str, Any]) -> dict[str, Any]:
         total = med(entry["eksft"]["total_s"])
         limit = TARGETS_S[kind]
         out[kind] = {"within_target": total is not None and total <= limit,
-                     "faster_than_baseline": None if entry["vs_baseline"] is None else entry["vs_baseline"] < 1.0}
+                     "faster_than_baseline": None if entry["vs_baseline"] is None
+                     else entry["vs_baseline"] < 1.0}
     return out
 
 
@@ -312,21 +324,26 @@ def report(result: dict[str, Any]) -> str:
             tgt = f"<= {TARGETS_S[kind]:g}" if who == "eksft" else ""
             rows.append([f"{kind} / {who}", level, str(s["n"]), *phases, fmt(med(s["total_s"]), ".2f"), tgt])
     title = (f"2. recovery: fault -> first completed step after recovery, seconds (median of "
-             f"{result['repeats']} per fault type; load {result['load_avg_before'][0]}->{result['load_avg_after'][0]})")
+             f"{result['repeats']} per fault type; load "
+             f"{result['load_avg_before'][0]}->{result['load_avg_after'][0]})")
     out = [table(title, ["fault / who", "level", "n", *PHASES, "total", "target"], rows)]
     for kind, met in result["targets_met"].items():
         vs = result["by_fault"][kind]["vs_baseline"]
-        base = (f"{vs:.2f}x the baseline ({'faster' if met['faster_than_baseline'] else 'NOT faster'})" if vs is not None
+        base = (f"{vs:.2f}x the baseline ({'faster' if met['faster_than_baseline'] else 'NOT faster'})"
+                if vs is not None
                 else result["by_fault"][kind].get("baseline_note", "no baseline"))
-        out.append(f"  {kind}: {'within' if met['within_target'] else 'NOT within'} the {FAULT_TYPES[kind]} target ({TARGETS_S[kind]:g} s); {base}")
+        out.append(f"  {kind}: {'within' if met['within_target'] else 'NOT within'} the {FAULT_TYPES[kind]} "
+                   f"target ({TARGETS_S[kind]:g} s); {base}")
     loaded = [f"{kind} {', '.join(f'{src} {n}' for src, n in entry['eksft'].get('loaded_from', {}).items())}"
               for kind, entry in result["by_fault"].items() if entry["eksft"]["n"]]
-    out.append(f"  eksft loaded the checkpoint from (memory: the ranks' in-memory copies): {'; '.join(loaded)}")
+    out.append("  eksft loaded the checkpoint from (memory: the ranks' in-memory copies): "
+               f"{'; '.join(loaded)}")
     if result.get("spare"):
         out.append(spare_report(result["spare"]))
     warm = result.get("warm_processes") or []
     if warm:
-        out.append(table(f"   warm processes while the job trains (attempt.node; CPU over {WARM_WINDOW_S:g} s)",
+        out.append(table("   warm processes while the job trains (attempt.node; CPU over "
+                         f"{WARM_WINDOW_S:g} s)",
                          ["process", "RSS MB", "PSS MB", "USS MB", "CPU %"],
                          [[f"{w['role']} {w['node_tag']}", fmt(w["rss_mb"], ".0f"), fmt(w["pss_mb"], ".0f"),
                            fmt(w["uss_mb"], ".0f"), fmt(w["cpu_pct"], ".1f")] for w in warm]))
@@ -339,7 +356,8 @@ def spare_report(spare: dict[str, Any]) -> str:
         s = spare[who]
         rows.append([label, "/".join(s["levels"]) or "-", str(s["n"]),
                      *[fmt(med(s["phases_s"][p]), ".2f") for p in PHASES], fmt(med(s["total_s"]), ".2f")])
-    verdict = {True: "the spare recovers at or under the job restart", False: "the spare recovers SLOWER than the job "
+    verdict = {True: "the spare recovers at or under the job restart",
+               False: "the spare recovers SLOWER than the job "
                "restart", None: "not measured"}[spare["spare_at_or_under_job"]]
     return (table("   a lost node (kill-launcher), 2 nodes x 1 rank: median seconds",
                   ["who", "level", "n", *PHASES, "total"], rows) + f"\n  {verdict}")

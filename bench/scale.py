@@ -11,10 +11,11 @@ rank SIGKILLed (in-job restart), a pod deleted with its node (job restart, a new
 Each simulated second is fed through the same code an EKS job's notebook runs: each pod's second of
 log as one HTTP chunk split into lines by the Kubernetes client's own ``iter_resp_lines`` and queued
 as the log followers queue them ("log follow"), the stream's :class:`Tracker` draining that queue
-(log-line and pod-state parsing, with its own monitor and the :class:`Incidents` tracker), the job's :class:`JobMonitor`, the Prometheus :class:`JobsCollector`
-(a scrape every 15 simulated seconds) and the dashboard's :class:`TrainingFigure` (ingest and push,
-every simulated second). Each component's own CPU time is timed apart (nested calls are charged to
-the callee); the input is generated per second, outside the timings.
+(log-line and pod-state parsing, with its own monitor and the :class:`Incidents` tracker), the job's
+:class:`JobMonitor`, the Prometheus :class:`JobsCollector` (a scrape every 15 simulated seconds) and the
+dashboard's :class:`TrainingFigure` (ingest and push, every simulated second). Each component's own CPU time
+is timed apart (nested calls are charged to the callee); the input is generated per second, outside the
+timings.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ class SyntheticJob:
         self.gen = [0] * self.nodes                 # pod incarnation per node (a new pod after a node loss)
         self.attempt = self.injob = 0
         self.step, self.committed, self.paused_until = 0, 0, -1.0
-        self.faults = {s: ("sigkill", "node", "xid")[i % 3] for i, s in enumerate(range(fault_every, seconds, fault_every))}
+        self.faults = {s: ("sigkill", "node", "xid")[i % 3] for i,
+                       s in enumerate(range(fault_every, seconds, fault_every))}
         self.rank_steps = self.n_faults = 0
 
     # ---- the pods ----------------------------------------------------------------------------------
@@ -125,13 +127,15 @@ class SyntheticJob:
             pod = self.pod_name(node)
             for lr in range(self.per_node):
                 rank = node * self.per_node + lr
-                out.append(("line", pod, self.line("rank_start", rank, t + 0.001 * lr, pid=self.pid(lr), host=pod,
+                out.append(("line", pod,
+                            self.line("rank_start", rank, t + 0.001 * lr, pid=self.pid(lr), host=pod,
                                                    job_attempt=self.attempt, injob_restart=self.injob,
                                                    inprocess_iteration=0, world_size=self.spec.world_size,
                                                    start_step=self.committed)))
         if self.committed:
             out.append(("line", self.pod_name(0), self.line("resume", 0, t + 0.5, step=self.committed,
-                                                            path=f"/ckpt/step_{self.committed:08d}", load_s=0.4,
+                                                            path=f"/ckpt/step_{self.committed:08d}",
+                                                            load_s=0.4,
                                                             skipped=[])))
         self.step = self.committed
         return out
@@ -168,7 +172,8 @@ class SyntheticJob:
             out += [("line", p0, self.line("checkpoint", 0, t + 0.01, phase="begin", step=k, mode="async")),
                     ("line", p0, self.line("checkpoint", 0, t + 0.05, phase="staged", step=k, blocked_s=0.04,
                                            bytes=2**34)),
-                    ("line", p0, self.line("checkpoint", 0, t + 0.9, phase="committed", step=k, blocked_s=0.04,
+                    ("line", p0,
+                     self.line("checkpoint", 0, t + 0.9, phase="committed", step=k, blocked_s=0.04,
                                            background_s=0.85, bytes=2**34, path=f"/ckpt/step_{k:08d}"))]
             self.committed = k
         return out
@@ -179,7 +184,8 @@ class SyntheticJob:
             gpus = [{"gpu": g, "uuid": f"GPU-{node:04x}{g:04x}-0000-0000-0000-000000000000", "temp_c": 60 + g,
                      "power_w": 650.0, "throttle": 0, "ecc_sbe": 0, "ecc_dbe": 0, "lost": False}
                     for g in range(GPUS_PER_NODE)]
-            out.append(("line", self.pod_name(node), self.line("gpu_health", node * self.per_node, t + 0.002 * node,
+            out.append(("line", self.pod_name(node),
+                        self.line("gpu_health", node * self.per_node, t + 0.002 * node,
                                                                node=node, host=f"ip-10-0-{node}-1", gpus=gpus,
                                                                interval_s=float(GPU_EVERY_S))))
         return out
@@ -192,12 +198,15 @@ class SyntheticJob:
         rank = node * self.per_node + lr
         out: list[tuple[Any, ...]] = []
         if kind == "sigkill":
-            out.append(("line", pod, self.line("fault", rank, t, fault="sigkill", id=f"f{int(t)}", target_rank=rank,
+            out.append(("line", pod,
+                        self.line("fault", rank, t, fault="sigkill", id=f"f{int(t)}", target_rank=rank,
                                                at_step=self.step)))
         if kind == "xid":
             lr, rank = 0, node * self.per_node
-            out.append(("line", pod, self.line("gpu_fault", rank, t, node=node, host=f"ip-10-0-{node}-1", gpu=0,
-                                               uuid=f"GPU-{node:04x}0000-0000-0000-0000-000000000000", fault="xid",
+            out.append(("line", pod,
+                        self.line("gpu_fault", rank, t, node=node, host=f"ip-10-0-{node}-1", gpu=0,
+                                               uuid=f"GPU-{node:04x}0000-0000-0000-0000-000000000000",
+                                               fault="xid",
                                                detail="XID 79 (GPU fell off the bus)", xid=79)))
         if kind == "node":
             out.append(("pod", "MODIFIED", self.pod(node, deleting=t), False))
@@ -207,7 +216,8 @@ class SyntheticJob:
             out += self.up(node)
             self.attempt, self.injob = self.attempt + 1, 0
         else:
-            out.append(("line", pod, f"[2026-01-01 00:00:10,000] [ERROR] [ft_launcher8@{pod}] failed (exitcode: -9) "
+            out.append(("line", pod,
+                        f"[2026-01-01 00:00:10,000] [ERROR] [ft_launcher8@{pod}] failed (exitcode: -9) "
                                      f"local_rank: {lr} (pid: {self.pid(lr)}) of binary: python"))
             self.injob += 1
         self.paused_until = round(t - self.t0) + RESTART_S["job" if kind == "node" else "injob"]
@@ -356,25 +366,31 @@ def one_pass(spec: JobSpec, seconds: int, fault_every: int, traced: bool) -> dic
 
 def report(result: dict[str, Any]) -> str:
     r = result
-    rows = [[name, fmt(c["cpu_s"], ".2f"), fmt(c["realtime_x"], ",.0f", "x"), fmt(c["rank_steps_per_s"], ",.0f"),
+    rows = [[name, fmt(c["cpu_s"], ".2f"), fmt(c["realtime_x"], ",.0f", "x"),
+             fmt(c["rank_steps_per_s"], ",.0f"),
              fmt(c["us_per_rank_step"], ".2f"), "yes" if r["targets_met"][name] else "NO"]
             for name, c in r["components"].items()]
     p = r["pipeline"]
     rows.append(["all", fmt(p["cpu_s"], ".2f"), fmt(p["realtime_x"], ",.0f", "x"),
-                 fmt(r["rank_steps"] / p["cpu_s"] if p["cpu_s"] else None, ",.0f"), fmt(p["us_per_rank_step"], ".2f"),
+                 fmt(r["rank_steps"] / p["cpu_s"] if p["cpu_s"] else None, ",.0f"),
+                 fmt(p["us_per_rank_step"], ".2f"),
                  ""])
     title = (f"6. scale: a {r['ranks']:,}-rank job ({r['nodes']} pods x {r['ranks_per_node']} ranks), "
-             f"{r['seconds']} s at one step per second, replayed on one core (load {r['load_avg_before'][0]}->"
+             f"{r['seconds']} s at one step per second, replayed on one core (load "
+             f"{r['load_avg_before'][0]}->"
              f"{r['load_avg_after'][0]})")
     header = ["component", "CPU s", "real time x", "rank-steps/s", "us per rank-step", f">= {TARGET_X:g}x"]
     by_level: dict[str, list[float]] = defaultdict(list)
     for level, _, down in r["restarts"]:
         by_level[level].append(down)
-    levels = ", ".join(f"{len(d)} {lvl} ({max(d):.0f} s down at most)" for lvl, d in by_level.items()) or "none"
+    levels = ", ".join(f"{len(d)} {lvl} ({max(d):.0f} s down at most)" for lvl,
+                       d in by_level.items()) or "none"
     return (table(title, header, rows) +
             f"  {r['lines']:,} log lines, {r['events']:,} events, {r['faults']} faults, restarts: {levels}\n"
             f"  memory held: {r['peak_held_mib']:.1f} MiB at most = {r['kib_per_rank']:.1f} KiB per rank; "
-            f"{r['held_mib'][len(r['held_mib']) // 2][1]:.1f} MiB at half time, {r['held_mib'][-1][1]:.1f} at the end; "
-            f"{p['cores_at_real_time'] * 100:.2f} % of a core at real time; dashboard sent {r['dashboard_kb']:.0f} kB, "
+            f"{r['held_mib'][len(r['held_mib']) // 2][1]:.1f} MiB at half time, {r['held_mib'][-1][1]:.1f} "
+            "at the end; "
+            f"{p['cores_at_real_time'] * 100:.2f} % of a core at real time; dashboard sent "
+            f"{r['dashboard_kb']:.0f} kB, "
             f"{r['push_kb']['median']:.1f} kB per push (median), {r['push_kb']['max']:.1f} kB at most\n")
 

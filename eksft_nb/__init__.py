@@ -8,7 +8,8 @@ from .errors import EksftError, JobError, SpecError
 from .job import Job, attach, launch
 from .spec import JobSpec
 
-__all__ = ["Dashboard", "EksftError", "Job", "JobError", "JobSpec", "SpecError", "attach", "launch", "load_ipython_extension"]
+__all__ = ["Dashboard", "EksftError", "Job", "JobError", "JobSpec", "SpecError", "attach", "launch",
+           "load_ipython_extension"]
 
 
 def load_ipython_extension(ipython):

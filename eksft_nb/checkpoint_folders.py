@@ -75,7 +75,8 @@ def parse_commit(data: Any, step: int) -> str | dict[str, Any]:
         if not plain_name(name):
             return f"commit.json lists {name[:60]!r}, which is not a file name inside the checkpoint folder"
         if (not isinstance(meta, dict) or not _is_count(meta.get("size"))
-                or not isinstance(meta.get("sha256"), str) or not re.fullmatch(r"[0-9a-f]{64}", meta["sha256"])):
+                or not isinstance(meta.get("sha256"),
+                                  str) or not re.fullmatch(r"[0-9a-f]{64}", meta["sha256"])):
             return f"commit.json has no valid size and sha256 for {name}"
     for key in ("job_uid", "run", "mode"):   # "run": the job uid as older jobs wrote it
         if not isinstance(data.get(key, ""), str):

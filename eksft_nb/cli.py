@@ -32,7 +32,8 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         if "unrecognized arguments:" in message:
-            unknown = next((w for w in message.split("unrecognized arguments:", 1)[1].split() if w.startswith("-")), "")
+            unknown = next((w for w in message.split("unrecognized arguments:", 1)[1].split()
+                            if w.startswith("-")), "")
             verb = next((w for w in self.words if w in commands.ARGS), None)
             if unknown:
                 known = commands.flags(CLI, [verb] if verb else None)
@@ -69,7 +70,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     row = commands.launch(spec, args.fault)
     print(f"launched {row['name']}: {describe(spec)}")
-    if spec.backend == "local" and spec.ft.inprocess and (here := nvrx.installed()) and (note := here.inprocess_note()):
+    if (spec.backend == "local" and spec.ft.inprocess and (here := nvrx.installed())
+            and (note := here.inprocess_note())):
         print(f"note: {note}")  # on EKS the image's NVRx decides
     if args.detach:
         print(f"follow it with: python -m eksft_nb watch {spec.name}")
@@ -133,7 +135,8 @@ def follow(job: Job, as_json: bool = False) -> int:
             if len(mon.steps):
                 rate, unit = mon.steps.throughput()
                 loss = mon.steps.loss[-1]
-                bar.set_postfix_str((f"loss {loss:.3f}  " if loss is not None else "") + f"{rate:,.1f} {unit}  "
+                bar.set_postfix_str((f"loss {loss:.3f}  " if loss is not None else "")
+                                    + f"{rate:,.1f} {unit}  "
                                     f"restarts {sum(mon.restarts_by_level().values())}", refresh=False)
                 bar.update(mon.last_step - bar.n)
             if state.ended:
@@ -150,7 +153,8 @@ def follow(job: Job, as_json: bool = False) -> int:
 
 
 def format_summary(s: dict[str, Any]) -> str:
-    steps = f"{s['steps_done']}/{s['total_steps']}" if s["total_steps"] else f"{s['steps_done']} (optimizer steps seen)"
+    steps = (f"{s['steps_done']}/{s['total_steps']}" if s["total_steps"]
+             else f"{s['steps_done']} (optimizer steps seen)")
     lines = [f"job {s['name']}: {s['state']}" + (f" ({s['reason']})" if s["reason"] else ""),
              f"steps done: {steps}   final parameters digest: {s['digest'] or '-'}",
              "restarts: " + ", ".join(f"{k} {v}" for k, v in s["restarts"].items())]
@@ -186,14 +190,17 @@ def format_list(rows: list[commands.JobRow]) -> str:
             lines.append(f"{r['name']:<32}{r['state']:<11}{r['detail']}")
         else:
             lines.append(f"{r['name']:<32}{r['state']:<11}{r['step']:>7}/{r['total_steps'] or '-':<7}"
-                         f"restarts {sum(r['restarts'].values())}" + (f"  {r['detail']}" if r["detail"] else ""))
+                         f"restarts {sum(r['restarts'].values())}"
+                         + (f"  {r['detail']}" if r["detail"] else ""))
     return "\n".join(lines)
 
 
 def format_status(r: commands.JobRow) -> str:
     goodput = "-" if r["goodput"] is None else f"{100 * r['goodput']:.1f}%"
-    return (f"{r['name']}: {r['state']}  step {r['step']}/{r['total_steps'] or '-'}  restarts {r['restarts']}  "
-            f"last checkpoint {r['last_checkpoint']}  goodput {goodput}" + (f"  ({r['detail']})" if r["detail"] else ""))
+    return (f"{r['name']}: {r['state']}  step {r['step']}/{r['total_steps'] or '-'}  restarts "
+            f"{r['restarts']}  "
+            f"last checkpoint {r['last_checkpoint']}  goodput {goodput}"
+            + (f"  ({r['detail']})" if r["detail"] else ""))
 
 
 def format_checkpoints(infos: list[dict[str, Any]]) -> str:
@@ -203,7 +210,8 @@ def format_checkpoints(infos: list[dict[str, Any]]) -> str:
     for i in infos:
         when = time.strftime("%H:%M:%S", time.localtime(i["time"])) if i["time"] else "-"
         note = f"  ({i['reason']})" if i["reason"] else ""
-        lines.append(f"step {i['step']:>7}  {i['state']:<10} {i['bytes'] / 2**20:8.2f} MiB  {when}  {i['path']}{note}")
+        lines.append(f"step {i['step']:>7}  {i['state']:<10} {i['bytes'] / 2**20:8.2f} MiB  {when}  "
+                     f"{i['path']}{note}")
     return "\n".join(lines)
 
 
@@ -242,13 +250,16 @@ def inject_params(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_inject(args: argparse.Namespace) -> int:
     now = args.step is None and args.after is None
-    print(commands.inject(args.name, args.fault, rank=args.rank, step=args.step, after=args.after, node=args.node,
-                          params=inject_params(args), backend=args.backend, wait=10.0 if now else 0.0)["message"])
+    print(commands.inject(args.name, args.fault, rank=args.rank, step=args.step, after=args.after,
+                          node=args.node,
+                          params=inject_params(args), backend=args.backend,
+                          wait=10.0 if now else 0.0)["message"])
     return 0
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    row = commands.resume(args.name, step=args.step, new_name=args.new_name, steps=args.steps, backend=args.backend)
+    row = commands.resume(args.name, step=args.step, new_name=args.new_name, steps=args.steps,
+                          backend=args.backend)
     print(row["message"])
     return 0 if args.detach else follow(attach(row["name"], args.backend))
 
@@ -318,6 +329,8 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "watch": cmd_watch, "list": cmd_list, "status": cmd_status, "summary": cmd_summary,
-            "ckpts": cmd_ckpts, "logs": cmd_logs, "inject": cmd_inject, "resume": cmd_resume, "stop": cmd_stop,
+COMMANDS = {"run": cmd_run, "watch": cmd_watch, "list": cmd_list, "status": cmd_status,
+            "summary": cmd_summary,
+            "ckpts": cmd_ckpts, "logs": cmd_logs, "inject": cmd_inject, "resume": cmd_resume,
+            "stop": cmd_stop,
             "rm": cmd_rm, "set": cmd_set, "metrics": cmd_metrics, "test": cmd_test, "whatif": cmd_whatif}

@@ -96,7 +96,8 @@ def list_jobs(backend: str = "local") -> list[JobRow]:
     rows: list[JobRow] = []
     for j in b.jobs():
         try:
-            rows.append(job_row(Job(j.name, b)) if backend in ("local", "slurm") else summary_row(j, j.detail))
+            rows.append(job_row(Job(j.name, b)) if backend in ("local", "slurm")
+                        else summary_row(j, j.detail))
         except EksftError as e:   # one unreadable job folder hides no other job
             rows.append(summary_row(j, str(e)))
     return rows
@@ -128,10 +129,13 @@ def dry_run(spec: JobSpec, queue_objects: bool = False, faults: Sequence[str | F
     ClusterQueue and ResourceFlavors for the job's queue."""
     spec, _ = prepare(spec, faults, launching=False)
     backend = get_backend(spec.backend)
-    return backend.render(spec, queue_objects=True) if queue_objects and spec.backend == "eks" else backend.render(spec)
+    if queue_objects and spec.backend == "eks":
+        return backend.render(spec, queue_objects=True)
+    return backend.render(spec)
 
 
-def inject(name: str, fault: str, *, rank: int | None = None, step: int | None = None, after: float | None = None,
+def inject(name: str, fault: str, *, rank: int | None = None, step: int | None = None,
+           after: float | None = None,
            node: int = 0, params: dict[str, Any] | None = None, backend: str = "local",
            wait: float = 0.0) -> InjectResult:
     """Queue a fault into a running job; wait up to ``wait`` seconds for a rank to fire it."""
@@ -139,7 +143,8 @@ def inject(name: str, fault: str, *, rank: int | None = None, step: int | None =
     return inject_command(name, command, backend=backend, wait=wait)
 
 
-def inject_command(name: str, command: FaultCommand, *, backend: str = "local", wait: float = 0.0) -> InjectResult:
+def inject_command(name: str, command: FaultCommand, *, backend: str = "local",
+                   wait: float = 0.0) -> InjectResult:
     """:func:`inject` of a command already built (the server reads one from a request body)."""
     job = attach(name, backend)
     cmd = job.inject_command(command)
@@ -148,8 +153,10 @@ def inject_command(name: str, command: FaultCommand, *, backend: str = "local", 
         at = f" at step {fired['step']}" if fired["step"] is not None else ""
         message = f"fired {cmd.fault} on {cmd.target} of {job.name}{at}"
     else:
-        message = f"queued {cmd.fault} for {cmd.target} of {job.name} ({cmd.when}); it shows as fired when the rank fires it"
-    when = f"step {cmd.step}" if cmd.step is not None else f"after {cmd.after:g}s" if cmd.after is not None else "now"
+        message = (f"queued {cmd.fault} for {cmd.target} of {job.name} ({cmd.when}); it shows as fired "
+                   "when the rank fires it")
+    when = (f"step {cmd.step}" if cmd.step is not None
+            else f"after {cmd.after:g}s" if cmd.after is not None else "now")
     return {"id": cmd.id, "job": job.name, "fault": cmd.fault, "target": cmd.target, "when": when,
             "fired": fired is not None, "step": fired["step"] if fired is not None else None,
             "message": f"{message}; id {cmd.id}"}
@@ -265,7 +272,8 @@ def whatif(name: str, *, ckpt_every: str | Sequence[int] | None = None, inproces
     return model.replay(job.refresh(), job.spec, settings).to_dict()
 
 
-def spec_from_options(values: Mapping[str, Any], base: JobSpec | None = None, validate: bool = True) -> JobSpec:
+def spec_from_options(values: Mapping[str, Any], base: JobSpec | None = None,
+                      validate: bool = True) -> JobSpec:
     """``base`` (default: the defaults) with dotted spec fields changed, validated unless a launch will
     (``validate=False``). A string value is read as the option's text would be (``"100"`` for ``steps``);
     other values must have the field's type."""
@@ -305,7 +313,8 @@ class Arg:
         parser.add_argument(*self.names, **{**self.kwargs, **(self.magic if front == MAGIC else {})})
 
 
-def arg(*names: str, fronts: frozenset[str] = BOTH, magic: Mapping[str, Any] | None = None, **kwargs: Any) -> Arg:
+def arg(*names: str, fronts: frozenset[str] = BOTH, magic: Mapping[str, Any] | None = None,
+        **kwargs: Any) -> Arg:
     return Arg(names, kwargs, fronts, magic or {})
 
 
@@ -327,7 +336,8 @@ class Verb:
         return [a for a in self.args if front in a.fronts]
 
 
-NAME = arg("name", help="the job", magic={"nargs": "?", "help": "the job (default: this notebook's current job)"})
+NAME = arg("name", help="the job",
+           magic={"nargs": "?", "help": "the job (default: this notebook's current job)"})
 BACKEND = arg("--backend", choices=("local", "eks", "slurm"), default="local",
               help="where the job runs (eks: the kubeconfig's current context and namespace; slurm: the jobs "
                    "under $EKSFT_SHARED_DIR)",
@@ -340,15 +350,19 @@ ARGS: dict[str, Verb] = {v.name: v for v in (
         arg("--spec", dest="spec_file", help="a YAML or JSON job spec; the spec options override it"),
         arg("--fault", action="append", default=[], metavar="KIND[:RANK][@STEP]",
             help=f"schedule a fault, e.g. sigkill:1@30 (kinds: {FAULT_KINDS})"),
-        arg("--detach", action="store_true", fronts=frozenset({CLI}), help="return at once; the job keeps running"),
-        arg("--dry-run", action="store_true", help="show what would run (EKS: the manifests); launch nothing"),
-        arg("--kueue-objects", action="store_true", help="with --dry-run --queue NAME: also print a Kueue LocalQueue, "
+        arg("--detach", action="store_true", fronts=frozenset({CLI}),
+            help="return at once; the job keeps running"),
+        arg("--dry-run", action="store_true",
+            help="show what would run (EKS: the manifests); launch nothing"),
+        arg("--kueue-objects", action="store_true",
+            help="with --dry-run --queue NAME: also print a Kueue LocalQueue, "
             "ClusterQueue and ResourceFlavors (p5/p4d) for it, for an admin to adapt and apply"),
         arg("--json", action="store_true", fronts=frozenset({CLI}), help="print the final summary as JSON"),
     )),
     Verb("list", "jobs and their state", (BACKEND, JSON)),
     Verb("status", "state and progress of a job", (NAME, BACKEND, JSON)),
-    Verb("watch", "follow a job: the CLI its progress, the notebook its dashboard (its whole history, then live)",
+    Verb("watch",
+         "follow a job: the CLI its progress, the notebook its dashboard (its whole history, then live)",
          (NAME, BACKEND), magic_name="attach"),
     Verb("summary", "steps, restarts, goodput, digest", (NAME, BACKEND, JSON)),
     Verb("ckpts", "checkpoints of a job: committed, incomplete, rejected", (NAME, BACKEND, JSON)),
@@ -361,7 +375,8 @@ ARGS: dict[str, Verb] = {v.name: v for v in (
         arg("fault", help=f"one of: {FAULT_KINDS}"),
         BACKEND,
         arg("--rank", type=int, help="target rank (rank faults; default 0)"),
-        arg("--step", type=int, help="fire at the start of this step (a script's: optimizer step; default: now)"),
+        arg("--step", type=int,
+            help="fire at the start of this step (a script's: optimizer step; default: now)"),
         arg("--after", type=float, metavar="SECONDS", help="fire this many seconds from now"),
         arg("--node", type=int, default=0, help="target node (kill-launcher)"),
         arg("--delay", type=float, help="slow-rank, slow-storage: seconds added per step or write"),
@@ -372,7 +387,8 @@ ARGS: dict[str, Verb] = {v.name: v for v in (
             help="checkpoint step (default: the newest that loads; each newer one refused is said)"),
         arg("--as", dest="new_name", help="name of the new job (default: NAME-from-STEP)"),
         arg("--steps", type=int, help="train to this many steps in total"),
-        arg("--detach", action="store_true", fronts=frozenset({CLI}), help="return at once; the job keeps running"))),
+        arg("--detach", action="store_true", fronts=frozenset({CLI}),
+            help="return at once; the job keeps running"))),
     Verb("set", "change live settings of a running job; every rank takes them at the same step, and they "
          "hold across restarts (live: ckpt-every, keep-last)", (
         NAME,
@@ -421,7 +437,8 @@ ARGS: dict[str, Verb] = {v.name: v for v in (
 SPEC_VERBS = frozenset({"run", "test"})
 
 # the sections of the spec options, as their help groups them
-SPEC_GROUPS = {"": "job", "model.": "model", "checkpoint.": "checkpoints", "ft.": "fault tolerance", "eks.": "EKS",
+SPEC_GROUPS = {"": "job", "model.": "model", "checkpoint.": "checkpoints", "ft.": "fault tolerance",
+               "eks.": "EKS",
                "slurm.": "Slurm"}
 
 
@@ -435,13 +452,15 @@ def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
     groups: dict[str, Any] = {}
     for opt in sorted(spec_options(), key=lambda o: list(SPEC_GROUPS).index(_section(o.path))):
         title = SPEC_GROUPS[_section(opt.path)]
-        group = groups.get(title) or groups.setdefault(title, parser.add_argument_group(f"{title} (job spec fields)"))
+        group = groups.get(title) or groups.setdefault(
+            title, parser.add_argument_group(f"{title} (job spec fields)"))
         if opt.type is bool:
             group.add_argument(opt.flag, dest=opt.path, action=argparse.BooleanOptionalAction,
                                default=argparse.SUPPRESS, help=f"{opt.help} (default: {opt.default})")
         else:
             choices = f" {{{','.join(opt.choices)}}}" if opt.choices else ""
-            group.add_argument(opt.flag, dest=opt.path, default=argparse.SUPPRESS, metavar=opt.flag[2:].upper(),
+            group.add_argument(opt.flag, dest=opt.path, default=argparse.SUPPRESS,
+                               metavar=opt.flag[2:].upper(),
                                help=f"{opt.help}{choices} (default: {opt.default})")
 
 
@@ -457,7 +476,8 @@ def add_verbs(subparsers: Any, front: str, **kwargs: Any) -> None:
     """One sub-parser per verb ``front`` takes, but ``run`` (the cell magic is a parser of its own)."""
     for verb in ARGS.values():
         if front in verb.fronts and (front == CLI or verb.name != "run"):
-            add_verb_arguments(subparsers.add_parser(verb.name_in(front), help=verb.help, **kwargs), verb.name, front)
+            add_verb_arguments(subparsers.add_parser(verb.name_in(front), help=verb.help, **kwargs),
+                               verb.name, front)
 
 
 def flags(front: str, verbs: Iterable[str] | None = None) -> list[str]:
@@ -468,7 +488,8 @@ def flags(front: str, verbs: Iterable[str] | None = None) -> list[str]:
         if front in verb.fronts:
             out += [f for a in verb.args_in(front) for f in a.flags]
             if verb.name in SPEC_VERBS:
-                out += [o.flag for o in spec_options()] + [f"--no-{o.flag[2:]}" for o in spec_options() if o.type is bool]
+                out += [o.flag for o in spec_options()] + [f"--no-{o.flag[2:]}"
+                                                           for o in spec_options() if o.type is bool]
     return list(dict.fromkeys(out))
 
 
@@ -485,5 +506,6 @@ def positionals(verb: str, front: str) -> str:
 
 def spec_from_args(args: argparse.Namespace, base: JobSpec | None = None, validate: bool = True) -> JobSpec:
     """Apply the spec options present in ``args`` (parsed with :func:`add_spec_arguments`) to ``base``."""
-    return spec_from_options({o.path: getattr(args, o.path) for o in spec_options() if hasattr(args, o.path)}, base,
+    return spec_from_options({o.path: getattr(args, o.path) for o in spec_options() if hasattr(args, o.path)},
+                             base,
                              validate)

@@ -41,7 +41,8 @@ FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "node": (integer, "an integer node"),
     "params": (lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v), "a JSON object"),
     "id": (lambda v: isinstance(v, str) and ID.fullmatch(v) is not None, "1-64 letters, digits, '-' or '_'"),
-    "after": (lambda v: v is None or (number(v) and 0 <= v < 1e7), "seconds from when it was queued (>= 0), or null"),
+    "after": (lambda v: v is None or (number(v) and 0 <= v < 1e7),
+              "seconds from when it was queued (>= 0), or null"),
     "queued_at": (lambda v: v is None or number(v), "a time in seconds since the epoch, or null"),
 }
 
@@ -92,10 +93,12 @@ class FaultCommand:
             raise ControlError("a fault command must be a JSON object", 'write {"fault": "exception", ...}')
         unknown = set(data) - set(FIELDS)
         if unknown:
-            raise ControlError(f"unknown field(s) in fault command: {', '.join(sorted(map(str, unknown)))[:200]}",
+            raise ControlError("unknown field(s) in fault command: "
+                               f"{', '.join(sorted(map(str, unknown)))[:200]}",
                                "use only fault, rank, step, after, node, params and id")
         if "fault" not in data:
-            raise ControlError("a fault command lacks its fault", f"add \"fault\": one of {', '.join(FAULTS)}")
+            raise ControlError("a fault command lacks its fault",
+                               f"add \"fault\": one of {', '.join(FAULTS)}")
         command = cls(**data)
         command._check_types()
         return command
@@ -103,7 +106,8 @@ class FaultCommand:
     def _check_types(self) -> None:
         for name, (ok, what) in FIELDS.items():
             if not ok(getattr(self, name)):
-                raise ControlError(f"fault command field {name} is {_show(getattr(self, name))}", f"it must be {what}")
+                raise ControlError(f"fault command field {name} is {_show(getattr(self, name))}",
+                                   f"it must be {what}")
 
     def validate(self, world_size: int, nnodes: int, current_step: int | None = None) -> FaultCommand:
         """Check the command against the job it targets; raise :class:`ControlError` if it cannot apply.
@@ -139,7 +143,8 @@ class FaultCommand:
         unknown = sorted(set(self.params) - set(allowed))
         if unknown:
             takes = f"it takes only {', '.join(allowed)}" if allowed else "it takes none"
-            raise ControlError(f"{self.fault} has no parameter(s) {_show(', '.join(unknown))}", f"leave them out: {takes}")
+            raise ControlError(f"{self.fault} has no parameter(s) {_show(', '.join(unknown))}",
+                               f"leave them out: {takes}")
         for name, param in allowed.items():
             value = self.params.setdefault(name, param.default)
             if not param.check(value):
@@ -171,7 +176,8 @@ def parse_fault(text: str) -> FaultCommand:
         at, after = parse_when(when) if at_sign and when.strip() not in ("", "now") else (None, None)
     except ValueError:
         raise ControlError(f"cannot parse fault {text!r}",
-                           "write kind[:rank][@step] (or @SECONDSs: seconds after launch), e.g. exception:0@15, "
+                           "write kind[:rank][@step] (or @SECONDSs: seconds after launch), e.g. "
+                           "exception:0@15, "
                            "hang:0@45s or kill-launcher@60") from None
     if kind in FAULTS and FAULTS[kind][0] != FaultScope.RANK:
         return FaultCommand(kind, step=at, after=after, node=rank_or_node or 0)
@@ -270,7 +276,8 @@ class CommandInbox:
                     try:
                         cmd = FaultCommand.from_json(read_command(p))
                         if cmd.id != p.stem:
-                            raise ControlError(f"command file {p.name} holds id {cmd.id}", "name it <id>.json")
+                            raise ControlError(f"command file {p.name} holds id {cmd.id}",
+                                               "name it <id>.json")
                     except (OSError, ControlError) as e:
                         self.rejected[p.stem] = str(e)
                         continue

@@ -36,7 +36,8 @@ _opt_num = (int, float, type(None))
 KINDS: dict[str, dict[str, tuple[type, ...] | type]] = {
     # supervisor / control plane
     # steps: None for a user script (its own loop decides)
-    "job_start": {"spec_digest": str, "world_size": int, "steps": _opt_int, "backend": str, "host": str, "pid": int},
+    "job_start": {"spec_digest": str, "world_size": int, "steps": _opt_int, "backend": str, "host": str,
+                  "pid": int},
     "launch": {"attempt": int, "node": int, "pid": int, "pgid": int},
     "failure": {"level": str, "cause": str, "blame_rank": _opt_int, "fault_time": _num, "detected_at": _num},
     "restart": {"level": str, "cause": str, "blame_rank": _opt_int, "fault_time": _num, "detection_s": _num,
@@ -45,7 +46,8 @@ KINDS: dict[str, dict[str, tuple[type, ...] | type]] = {
     # NVRx 0.6+'s own record of one worker-group cycle of a launch attempt (end: None while it runs)
     "nvrx_cycle": {"attempt": int, "cycle": int, "start": _num, "end": (int, float, type(None))},
     # ranks
-    "rank_start": {"pid": int, "host": str, "job_attempt": int, "injob_restart": int, "inprocess_iteration": int,
+    "rank_start": {"pid": int, "host": str, "job_attempt": int, "injob_restart": int,
+                   "inprocess_iteration": int,
                    "world_size": int, "start_step": int},
     "resume": {"step": int, "path": str, "load_s": _num, "skipped": list},
     # a user script's steps, counted by the optimizer-step hook, have no known loss or tokens (None)

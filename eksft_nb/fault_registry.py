@@ -50,7 +50,8 @@ _STEPS = Param(10, lambda v: integer(v) and 1 <= v <= 10**6, "steps, an integer 
 _NO_SUPERVISOR = frozenset({"eks", "slurm"})   # no eksft supervisor runs on the cluster or in the allocation
 
 REGISTRY: Mapping[FaultKind, FaultDef] = {d.kind: d for d in (
-    FaultDef(FaultKind.EXCEPTION, FaultScope.RANK, "raise an exception in the training loop", f"{_RANKS}:exception"),
+    FaultDef(FaultKind.EXCEPTION, FaultScope.RANK, "raise an exception in the training loop",
+             f"{_RANKS}:exception"),
     FaultDef(FaultKind.HANG, FaultScope.RANK, "stop making progress (sleep forever inside the step; a user "
              "script's rank fired by time is stopped with SIGSTOP)", f"{_RANKS}:hang"),
     FaultDef(FaultKind.SIGKILL, FaultScope.RANK, "the rank process is killed (SIGKILL), like the OOM killer",
@@ -60,18 +61,23 @@ REGISTRY: Mapping[FaultKind, FaultDef] = {d.kind: d for d in (
              f"{_RANKS}:segfault"),
     FaultDef(FaultKind.SLOW_RANK, FaultScope.RANK, "the rank sleeps `delay` seconds per step for `duration` "
              "steps (a straggler)", f"{_RANKS}:slow_rank", {
-                 "delay": Param(0.5, lambda v: number(v) and 0 < v <= 3600, "seconds per step, > 0 and <= 3600"),
+                 "delay": Param(0.5, lambda v: number(v) and 0 < v <= 3600,
+                                "seconds per step, > 0 and <= 3600"),
                  "duration": Param(20, lambda v: integer(v) and 1 <= v <= 10**9, "steps, an integer >= 1")}),
     # the storage faults: the session holds them in force, the checkpoint writer asks it (storage_fault)
     FaultDef(FaultKind.SAVE_FAILURE, FaultScope.RANK, "the rank's next checkpoint write fails; training "
              "continues, the save is retried", f"{_RANKS}:save_failure"),
-    FaultDef(FaultKind.DISK_FULL, FaultScope.RANK, "the rank's disk is full for `duration` steps: its checkpoint "
-             "and event writes fail (ENOSPC); saves are retried, lost events are counted", f"{_RANKS}:disk_full",
+    FaultDef(FaultKind.DISK_FULL, FaultScope.RANK,
+             "the rank's disk is full for `duration` steps: its checkpoint "
+             "and event writes fail (ENOSPC); saves are retried, lost events are counted",
+             f"{_RANKS}:disk_full",
              {"duration": _STEPS}),
-    FaultDef(FaultKind.SLOW_STORAGE, FaultScope.RANK, "the rank's checkpoint writes start `delay` seconds late "
+    FaultDef(FaultKind.SLOW_STORAGE, FaultScope.RANK,
+             "the rank's checkpoint writes start `delay` seconds late "
              "for `duration` steps", f"{_RANKS}:slow_storage", {
                  "duration": _STEPS,
-                 "delay": Param(2.0, lambda v: number(v) and 0 < v <= 3600, "seconds per write, > 0 and <= 3600")}),
+                 "delay": Param(2.0, lambda v: number(v) and 0 < v <= 3600,
+                                "seconds per write, > 0 and <= 3600")}),
     FaultDef(FaultKind.KILL_LAUNCHER, FaultScope.NODE, "the node's ft_launcher and all its ranks die at once "
              "(a node is lost)", f"{_RANKS}:kill_launcher"),
     FaultDef(FaultKind.CORRUPT_CHECKPOINT, FaultScope.JOB, "flip bytes in the latest committed checkpoint "

@@ -24,7 +24,8 @@ import numpy as np
 from .monitor import JobMonitor
 from .states import JobState
 
-CATEGORIES = ("productive", "checkpoint_stall", "checkpoint_interference", "restart_downtime", "recomputed", "startup", "other")
+CATEGORIES = ("productive", "checkpoint_stall", "checkpoint_interference", "restart_downtime", "recomputed",
+              "startup", "other")
 
 
 @dataclass

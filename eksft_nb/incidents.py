@@ -79,7 +79,8 @@ class Incidents:
         self.recent_gpu: list[dict[str, Any]] = []      # XID and ECC faults, likewise
         self.incarnation: dict[int, tuple[int, int, int]] = {}  # rank -> (job attempt, in-job, in-process)
         self.recovered_to: tuple[int, int, int] | None = None  # the incarnation the last incident ended in
-        self.last_resume: tuple[float, str | None] = (float("-inf"), None)  # the newest restore: when, from where
+        # the newest restore: when, from where
+        self.last_resume: tuple[float, str | None] = (float("-inf"), None)
         self.last_alive = t_start
         self.stuck_at: list[Any] = []   # per incident: newest committed checkpoint (or a script's step count)
         self.give_up: str | None = None
@@ -108,7 +109,8 @@ class Incidents:
                 detected = max((x["t"] for x in self.recent_errors), default=e.t)
                 fallback = "the wrapped training function was restarted" if same_process else \
                     "the worker group was restarted"
-                self.open(Incident(RestartLevel.INPROCESS if same_process else RestartLevel.INJOB, self.cause_from_ranks(fallback),
+                self.open(Incident(RestartLevel.INPROCESS if same_process else RestartLevel.INJOB,
+                                   self.cause_from_ranks(fallback),
                                    self.blame(), self.fault_time(), detected, self.mon.last_step))
             i = self.incident
             if i is not None and i.restored_from is None and self.last_resume[0] >= i.fault_time:
@@ -143,7 +145,8 @@ class Incidents:
         own = [x for x in self.recent_errors if x["origin"] in ("fault", "exception")]
         if own and not self.recent_faults:  # ft_launcher may notice a peer's consequent failure first
             rank = own[0]["rank"]
-        self.open(Incident(RestartLevel.INJOB, self.cause_from_exit(rank, code), self.blame(rank), self.fault_time(), at,
+        self.open(Incident(RestartLevel.INJOB, self.cause_from_exit(rank, code), self.blame(rank),
+                           self.fault_time(), at,
                            self.mon.last_step))
 
     def hang(self, at: float, timeout_s: float | None = None, hint: int | None = None) -> None:
@@ -174,7 +177,8 @@ class Incidents:
             if self.incident is None:
                 committed = self.mon.last_committed
                 self.stuck_at.append(committed.step if committed else None)
-            self.incident = Incident(e["level"], e["cause"], e["blame_rank"], e["fault_time"], e["detected_at"],
+            self.incident = Incident(e["level"], e["cause"], e["blame_rank"], e["fault_time"],
+                                     e["detected_at"],
                                      self.mon.last_step)
         elif e.kind == "restart" and self.incident is not None:
             self.incident = None
@@ -205,7 +209,8 @@ class Incidents:
                                 f"(last cause: {incident.cause})")
             else:
                 where = f"checkpoint step {last}" if last is not None else "the start"
-                self.give_up = (f"no progress: {n} restarts in a row resumed from {where} and failed before a newer "
+                self.give_up = (f"no progress: {n} restarts in a row resumed from {where} and failed "
+                                "before a newer "
                                 f"checkpoint was committed (last cause: {incident.cause})")
 
     def close(self, first_step_start: float) -> None:
@@ -220,7 +225,8 @@ class Incidents:
         self.last_alive = max(self.last_alive, first_step_start)
         self.recovered_to = max(self.incarnation.values(), default=None)
         source = f" (loaded from {i.restored_from})" if i.restored_from else ""
-        self.say(f"recovered ({i.level}): resumed from step {resumed}{source}, {downtime:.1f}s after the fault")
+        self.say(f"recovered ({i.level}): resumed from step {resumed}{source}, {downtime:.1f}s "
+                 "after the fault")
 
     # ---- attribution ---------------------------------------------------------------------------
     def _gpu_cause(self) -> None:

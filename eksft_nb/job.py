@@ -71,7 +71,8 @@ class Job:
         return self.backend.inject(self.name, check_fault(command, self.spec, self.backend))
 
     def fired(self, command: FaultCommand, timeout: float = 0.0) -> dict[str, Any] | None:
-        """The ``fault`` event of ``command`` once a rank fired it, waiting up to ``timeout`` seconds; else None."""
+        """The ``fault`` event of ``command`` once a rank fired it, waiting up to ``timeout`` seconds; else
+        None."""
         deadline = time.time() + timeout
         while True:
             found = next((f for f in self.refresh().faults if f["id"] == command.id), None)
@@ -94,7 +95,8 @@ class Job:
         """
         committed = [c for c in self.checkpoints() if c.state == CheckpointState.COMMITTED]
         if not committed:
-            raise JobError(f"job {self.name!r} has no committed checkpoint", "wait for its first save, or launch anew")
+            raise JobError(f"job {self.name!r} has no committed checkpoint",
+                           "wait for its first save, or launch anew")
         if step is not None:
             committed = [c for c in committed if c.step == step]
             if not committed:
@@ -163,14 +165,16 @@ class Job:
             "restarts": mon.restarts_by_level(),
             "restart_events": [{k: r[k] for k in ("level", "cause", "blame_rank", "downtime_s", "detection_s",
                                                   "rolled_back_steps", "resumed_step")}
-                               | {"phases": r.get("phases"), "restored_from": r.get("restored_from")} for r in mon.restarts],
+                               | {"phases": r.get("phases"),
+                                  "restored_from": r.get("restored_from")} for r in mon.restarts],
             "checkpoints_committed": sum(c.state == CheckpointState.COMMITTED
                                          for c in mon.checkpoints.values()),
             "checkpoints_rejected": [{"step": c.step, "reason": c.error} for c in mon.checkpoints.values()
                                      if c.state == CheckpointState.REJECTED],
             "goodput": gp.to_dict(), "digest": mon.digest,
             "resumed_from": resume_origin(self.spec.resume, mon.resumes[0] if mon.resumes else None),
-            "events_lost": [{k: e.get(k) for k in ("rank", "count", "error", "kinds")} for e in mon.events_lost],
+            "events_lost": [{k: e.get(k) for k in ("rank", "count", "error", "kinds")}
+                            for e in mon.events_lost],
             "warnings": [w["message"] for w in mon.warnings],
         }
 

@@ -8,9 +8,9 @@ Layout (root: ``$EKSFT_HOME/jobs``, default ``~/.eksft/jobs``)::
         events.jsonl       telemetry (see events.py)
         supervisor.json    identities (pid, start time) of the supervisor, its keeper and the launchers; state
         supervisor.lock    held by the keeper that looks after the supervisor (one per job)
-        logs/              supervisor.log, launcher-<attempt>-<node>.log, zygote-<attempt>.<node>.log, per-rank logs
-        control/pending/   fault commands waiting to fire; control/fired/ marks the ones that did
-        control/rejected/  command files that failed the checks, each with its .reason (never fired)
+        logs/              supervisor.log, launcher-<attempt>-<node>.log, zygote-<attempt>.<node>.log,
+        per-rank logs control/pending/   fault commands waiting to fire; control/fired/ marks the ones that
+        did control/rejected/  command files that failed the checks, each with its .reason (never fired)
         control/settings.json  the newest live settings request, for rank 0 to propose
         progress/          per-rank progress beacons (last step, where the main thread is)
         warm/              the warm-rank zygotes' sockets, <attempt>.<node>.sock (see runtime/zygote.py)
@@ -62,9 +62,11 @@ class JobDir:
     def existing(cls, name: str, root: Path | None = None) -> JobDir:
         jd = cls.for_name(name, root) if valid_name(name) else None
         if jd is None or not jd.spec_path.is_file():
-            known = ", ".join(sorted(p.name for p in (root or jobs_root()).glob("*") if (p / "spec.json").is_file()))
+            known = ", ".join(sorted(p.name
+                                     for p in (root or jobs_root()).glob("*") if (p / "spec.json").is_file()))
             raise UnknownJobError(f"no job named {name!r} under {root or jobs_root()}",
-                           f"pick one of: {known}" if known else "launch one first with `python -m eksft_nb run`")
+                                  f"pick one of: {known}" if known
+                                  else "launch one first with `python -m eksft_nb run`")
         return jd
 
     @property
@@ -113,7 +115,8 @@ class JobDir:
             self.path.mkdir(mode=0o700)
         except FileExistsError:
             raise JobError(f"a job named {self.name!r} already exists in {self.path.parent}",
-                           f"choose another --name, or remove it with `python -m eksft_nb rm {self.name}`") from None
+                           "choose another --name, or remove it with "
+                           f"`python -m eksft_nb rm {self.name}`") from None
         try:
             for sub in (self.logs, self.pending, self.fired, self.progress):
                 sub.mkdir(parents=True, mode=0o700)

@@ -91,7 +91,8 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
 def warm_worker(python: str) -> list[str]:
     """The flags that make ft_launcher's worker the warm shim run by ``python`` (this installation's
     shim: an EKS pod computes them in the container, see ``eks.inpod.launch``)."""
-    return ["--no-python", python, "-S", WARM_SHIM.replace("$", "$$")]  # the launcher substitutes $ in workers' args
+    # the launcher substitutes $ in workers' args
+    return ["--no-python", python, "-S", WARM_SHIM.replace("$", "$$")]
 
 
 def worker_index(argv: list[str]) -> int | None:
@@ -101,7 +102,8 @@ def worker_index(argv: list[str]) -> int | None:
 
 
 def rank_env(spec: JobSpec, *, ports: Ports, job_attempt: int, job_dir: str | None = None,
-             spec_path: str | None = None, events_stdout: bool = False, nvrx: NVRx | None = None) -> dict[str, str]:
+             spec_path: str | None = None, events_stdout: bool = False,
+             nvrx: NVRx | None = None) -> dict[str, str]:
     """Environment for the launcher and (inherited) its ranks. The in-process tier is on when the
     spec asks for it and ``nvrx`` (when known) still has ``inprocess.Wrapper``."""
     env = {

@@ -78,7 +78,8 @@ def install() -> None:
                 sock = listener(address, port)
             except OSError as e:
                 if not multi_tenant:
-                    raise dist.DistNetworkError(f"cannot listen on {address}:{port}: {e.strerror or e}") from e
+                    raise dist.DistNetworkError(
+                        f"cannot listen on {address}:{port}: {e.strerror or e}") from e
             else:   # the store owns the socket from here on (it closes it when it goes)
                 port, master_listen_fd = sock.getsockname()[1], sock.detach()
         host_store(self, host_name=host_name, port=port, world_size=world_size, is_master=is_master,

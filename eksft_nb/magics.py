@@ -145,10 +145,12 @@ class FtrainMagics(Magics):
         if cmd == "attach":
             self._show(job)
         elif cmd == "inject":
-            print(commands.inject(name, args.fault, rank=args.rank, step=args.step, after=args.after, node=args.node,
+            print(commands.inject(name, args.fault, rank=args.rank, step=args.step, after=args.after,
+                                  node=args.node,
                                   params=cli.inject_params(args), backend=backend)["message"])
         elif cmd == "resume":
-            row = commands.resume(name, step=args.step, new_name=args.new_name, steps=args.steps, backend=backend)
+            row = commands.resume(name, step=args.step, new_name=args.new_name, steps=args.steps,
+                                  backend=backend)
             print(row["message"])
             self._show(attach(row["name"], backend))
         elif cmd == "set":
@@ -208,7 +210,8 @@ class FtrainMagics(Magics):
         if name:
             return attach(name, backend or "local")
         if self.job is None:
-            raise UsageError("no job yet in this notebook\n  → launch one with %%ftrain, or name it: %ftrain attach NAME")
+            raise UsageError("no job yet in this notebook\n  → launch one with %%ftrain, or name it: "
+                             "%ftrain attach NAME")
         return self.job
 
 
@@ -231,7 +234,8 @@ def _cell_spec(args: argparse.Namespace, cell: str, verb: str) -> JobSpec:
     if cell.strip():
         if spec.script:
             raise UsageError("the cell has code and --script names a script too\n"
-                             f"  → leave the cell empty to {verb} --script, or drop --script to {verb} the cell")
+                             f"  → leave the cell empty to {verb} --script, or drop --script to "
+                             f"{verb} the cell")
         spec = spec.replace(script=str(save_script(cell)))
     return spec
 
@@ -242,7 +246,8 @@ def _parse(parser: MagicArgumentParser, line: str, prog: str) -> argparse.Namesp
         words = shlex.split(line)  # as in a shell: quotes group words and go away
     except ValueError as e:
         raise UsageError(f"cannot split the {prog} line {line.strip()!r}: {e}\n  → close the quote") from None
-    verb = next((v.name for v in ARGS.values() if prog == "%ftrain" and words[:1] == [v.name_in(MAGIC)]), None)
+    verb = next((v.name for v in ARGS.values() if prog == "%ftrain" and words[:1] == [v.name_in(MAGIC)]),
+                None)
     verbs = ["run"] if prog == "%%ftrain" else ["test"] if prog == "%%ftrain test" else \
         [verb] if verb else [v for v in ARGS if v != "run"]
     try:
@@ -254,11 +259,13 @@ def _parse(parser: MagicArgumentParser, line: str, prog: str) -> argparse.Namesp
             unknown = next((b for b in bad if b.startswith("-")), bad[0] if bad else "")
             if unknown.startswith("-"):
                 hint = f"did you mean {_closest(unknown.split('=')[0], commands.flags(MAGIC, verbs))}?"
-                raise UsageError(f"{prog} does not understand {unknown!r}\n  → {hint} ({prog} --help lists every option)"
-                                 ) from None
+                raise UsageError(f"{prog} does not understand {unknown!r}\n  → {hint} ({prog} --help lists "
+                                 "every option)") from None
             if verb:
-                raise UsageError(f"{words[0]} takes {commands.positionals(verb, MAGIC)}, not {unknown!r} too\n"
-                                 f"  → quote values that contain spaces ({prog} --help lists every command)") from None
+                raise UsageError(f"{words[0]} takes {commands.positionals(verb, MAGIC)}, not "
+                                 f"{unknown!r} too\n"
+                                 f"  → quote values that contain spaces ({prog} --help lists every "
+                                 "command)") from None
             raise UsageError(f"{prog} does not understand {unknown!r}\n  → quote values that contain spaces "
                              f"({prog} --help lists every option)") from None
         raise UsageError(f"{message}\n  → {prog} --help lists every option") from None

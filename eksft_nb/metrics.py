@@ -47,16 +47,22 @@ class JobsCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         step = GaugeMetricFamily("eksft_step", "Last completed training step", labels=["job"])
         loss = GaugeMetricFamily("eksft_loss", "Loss of the last step", labels=["job"])
-        tps = GaugeMetricFamily("eksft_tokens_per_second", "Throughput over the last 20 steps", labels=["job"])
-        sps = GaugeMetricFamily("eksft_steps_per_second", "Steps per second over the last 20 steps", labels=["job"])
+        tps = GaugeMetricFamily("eksft_tokens_per_second", "Throughput over the last 20 steps",
+                                labels=["job"])
+        sps = GaugeMetricFamily("eksft_steps_per_second", "Steps per second over the last 20 steps",
+                                labels=["job"])
         restarts = CounterMetricFamily("eksft_restarts", "Recoveries by level", labels=["job", "level"])
         causes = CounterMetricFamily("eksft_restarts_by_cause", "Recoveries by level and cause class",
                                      labels=["job", "level", "cause"])
-        downtime = CounterMetricFamily("eksft_restart_downtime_seconds", "Time from faults to recovery", labels=["job"])
-        stall = CounterMetricFamily("eksft_checkpoint_stall_seconds", "Training blocked by checkpoints", labels=["job"])
-        committed = GaugeMetricFamily("eksft_last_checkpoint_step", "Newest committed checkpoint", labels=["job"])
+        downtime = CounterMetricFamily("eksft_restart_downtime_seconds", "Time from faults to recovery",
+                                       labels=["job"])
+        stall = CounterMetricFamily("eksft_checkpoint_stall_seconds", "Training blocked by checkpoints",
+                                    labels=["job"])
+        committed = GaugeMetricFamily("eksft_last_checkpoint_step", "Newest committed checkpoint",
+                                      labels=["job"])
         committed_t = GaugeMetricFamily("eksft_last_checkpoint_timestamp_seconds",
-                                        "When the newest committed checkpoint was committed (Unix time)", labels=["job"])
+                                        "When the newest committed checkpoint was committed (Unix time)",
+                                        labels=["job"])
         goodput = GaugeMetricFamily("eksft_goodput_ratio", "Productive share of wall time", labels=["job"])
         wall = GaugeMetricFamily("eksft_time_seconds", "Wall time by category", labels=["job", "category"])
         running = GaugeMetricFamily("eksft_running", "1 while the job runs", labels=["job"])
@@ -94,7 +100,8 @@ class JobsCollector(Collector):
             goodput.add_metric([name], gp.goodput)
             for category in CATEGORIES:
                 wall.add_metric([name, category], gp.seconds()[category])
-        yield from (step, loss, tps, sps, restarts, causes, downtime, stall, committed, committed_t, goodput, wall,
+        yield from (step, loss, tps, sps, restarts, causes, downtime, stall, committed, committed_t, goodput,
+                    wall,
                     running)
         yield from dcgm_metrics(gpus)
 

@@ -158,7 +158,8 @@ class JobMonitor:
             # sync saves block for all of it; async ones only for staging plus any wait at the end
             self.checkpoint_stall_s += max(0.0, (e.get("blocked_s") or 0.0) - (rec.blocked_s or 0.0))
             rec.state, rec.t_done, rec.path = CheckpointState.COMMITTED, e.t, e.get("path")
-            rec.blocked_s, rec.background_s, rec.bytes = e.get("blocked_s"), e.get("background_s"), e.get("bytes")
+            rec.blocked_s, rec.background_s = e.get("blocked_s"), e.get("background_s")
+            rec.bytes = e.get("bytes")
             if rec.t_staged is None:
                 rec.t_staged = (rec.t_begin or e.t) + (rec.blocked_s or 0.0)
         elif phase in ("failed", "rejected"):
@@ -179,7 +180,8 @@ class JobMonitor:
 
     def _on_restart(self, e: Event) -> None:
         restart = {"t": e.t, **e.data}
-        if restart["level"] in (RestartLevel.INJOB, RestartLevel.JOB):  # NVRx 0.6+: the worker-group cycle this restart began
+        # NVRx 0.6+: the worker-group cycle this restart began
+        if restart["level"] in (RestartLevel.INJOB, RestartLevel.JOB):
             began = [k for k, c in self.nvrx_cycles.items() if restart["fault_time"] <= c["start"] <= e.t]
             if began:
                 restart["nvrx_cycle"] = max(began, key=lambda k: self.nvrx_cycles[k]["start"])[1]

@@ -15,7 +15,8 @@ def nccl_env(gpus_per_node: int, efa: bool, inprocess: bool, rdma_read: bool) ->
     if inprocess:  # let inprocess.Wrapper see NCCL errors as exceptions it can restart from
         env.update({"TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "NCCL_NVLS_ENABLE": "0"})
     if efa:
-        env.update({"FI_PROVIDER": "efa", "FI_EFA_FORK_SAFE": "1", "RDMAV_FORK_SAFE": "1", "FI_LOG_LEVEL": "warn"})
+        env.update({"FI_PROVIDER": "efa", "FI_EFA_FORK_SAFE": "1", "RDMAV_FORK_SAFE": "1",
+                    "FI_LOG_LEVEL": "warn"})
         if rdma_read:
             env["FI_EFA_USE_DEVICE_RDMA"] = "1"
     return env

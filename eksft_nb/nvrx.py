@@ -116,7 +116,8 @@ def require() -> NVRx:
     """The installed NVRx, if eksft supports it; else a JobError saying how to get one."""
     here = installed()
     if here is None or here.release < OLDEST:
-        found = f"NVRx {here.version} is older than" if here else "NVRx (nvidia-resiliency-ext) is not installed; need"
+        found = (f"NVRx {here.version} is older than" if here
+                 else "NVRx (nvidia-resiliency-ext) is not installed; need")
         raise JobError(f"{found} {'.'.join(map(str, OLDEST))}",
                        "pip install 'nvidia-resiliency-ext>=0.4.1' into the environment that runs eksft")
     return here
@@ -172,7 +173,8 @@ def parse_cycle_record(text: str) -> CycleRecord | None:
     if not isinstance(cycle, int) or isinstance(cycle, bool) or cycle < 0 or start is None:
         return None
     ranks = data.get("active_ranks", "")
-    return CycleRecord(cycle, start, _epoch(data.get("cycle_end_time")), ranks if isinstance(ranks, str) else "")
+    return CycleRecord(cycle, start, _epoch(data.get("cycle_end_time")),
+                       ranks if isinstance(ranks, str) else "")
 
 
 def read_cycle_records(folder: Path) -> list[CycleRecord]:

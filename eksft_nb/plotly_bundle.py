@@ -1,8 +1,8 @@
 """The dashboard figure's JavaScript, by reference: plotly's FigureWidget carries its whole 5 MB bundle in
 the widget state, once per figure, so a notebook saved with two dashboards weighed 10 MB. Our figure carries
-this loader instead, which imports the bundle from the Jupyter server (route ``/eksft/plotly/widgetbundle.js``,
-eksft_nb.lab, which ``pip install`` enables): a saved notebook reopened in JupyterLab still draws its figures,
-from the data in its widget state, with no kernel and no network.
+this loader instead, which imports the bundle from the Jupyter server (route
+``/eksft/plotly/widgetbundle.js``, eksft_nb.lab, which ``pip install`` enables): a saved notebook reopened in
+JupyterLab still draws its figures, from the data in its widget state, with no kernel and no network.
 """
 
 from __future__ import annotations

@@ -88,7 +88,8 @@ def _live_environs() -> list[tuple[psutil.Process, dict[str, str]]]:
     return found
 
 
-def signal_marked(job_uid: str, sig: int, node_tag: str | None = None, keep: Sequence[int] = ()) -> list[psutil.Process]:
+def signal_marked(job_uid: str, sig: int, node_tag: str | None = None,
+                  keep: Sequence[int] = ()) -> list[psutil.Process]:
     """Send ``sig`` to every process carrying the job's mark but those in ``keep``; return them."""
     victims = [p for p in marked(job_uid, node_tag) if p.pid not in keep]
     for p in victims:
@@ -99,7 +100,8 @@ def signal_marked(job_uid: str, sig: int, node_tag: str | None = None, keep: Seq
     return victims
 
 
-def kill_marked(job_uid: str, node_tag: str | None = None, timeout: float = 5.0, keep: Sequence[int] = ()) -> int:
+def kill_marked(job_uid: str, node_tag: str | None = None, timeout: float = 5.0,
+                keep: Sequence[int] = ()) -> int:
     """SIGKILL every process carrying the job's mark but those in ``keep``; wait until they are gone.
     Returns how many."""
     victims = signal_marked(job_uid, signal.SIGKILL, node_tag, keep)

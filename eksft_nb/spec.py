@@ -71,33 +71,61 @@ class ModelConfig:
 
 @dataclass
 class CheckpointConfig:
-    dir: str | None = opt(None, "--ckpt-dir", "checkpoint folder (default: <job folder>/ckpt; /checkpoints/<name>/ckpt on EKS)")
+    dir: str | None = opt(None, "--ckpt-dir",
+                          "checkpoint folder (default: <job folder>/ckpt; /checkpoints/<name>/ckpt on EKS)")
     every: int = opt(10, "--ckpt-every", "save every N steps (0: never)")
-    mode: Literal["async", "sync"] = opt("async", "--ckpt-mode", "async: overlap saving with training; sync: block")
-    keep_last: int = opt(3, "--keep-last", "committed checkpoints to keep (>= 2, so a bad save never leaves none)")
-    storage_mbps: float = opt(300.0, "--storage-mbps", "checkpoint storage throughput in MB/s (FSx for Lustre's "
+    mode: Literal["async", "sync"] = opt("async", "--ckpt-mode",
+                                         "async: overlap saving with training; sync: block")
+    keep_last: int = opt(3, "--keep-last",
+                         "committed checkpoints to keep (>= 2, so a bad save never leaves none)")
+    storage_mbps: float = opt(300.0, "--storage-mbps",
+                              "checkpoint storage throughput in MB/s (FSx for Lustre's "
                               "default ~300): GPU jobs size their timeouts and SIGTERM grace period from it")
 
 
 @dataclass
 class FaultToleranceConfig:
-    inprocess: bool = opt(True, "--inprocess", "in-process restart (inprocess.Wrapper) for exceptions and hangs; deprecated by NVRx 0.6+, and in-job restart takes over where an NVRx has none")
-    warm_ranks: bool = opt(True, "--warm-ranks", "fork ranks from a per-node (per-pod on EKS) process that has already imported torch and NVRx, so a restart skips seconds of start-up")
+    inprocess: bool = opt(True, "--inprocess",
+                          "in-process restart (inprocess.Wrapper) for exceptions and hangs; deprecated by "
+                          "NVRx 0.6+, and in-job restart takes over where an NVRx has none")
+    warm_ranks: bool = opt(True, "--warm-ranks",
+                           "fork ranks from a per-node (per-pod on EKS) process that has already imported "
+                           "torch and NVRx, so a restart skips seconds of start-up")
     max_injob_restarts: int = opt(3, "--max-injob-restarts", "ft_launcher worker-group restarts per launch")
     max_job_restarts: int = opt(2, "--max-job-restarts", "times the supervisor relaunches a dead launcher")
-    heartbeat_timeout: float | None = opt(None, "--heartbeat-timeout", "seconds without a rank heartbeat before ft_launcher restarts the group (default: 15 on CPU; on GPUs derived from the state size and --storage-mbps, see --dry-run)")
-    initial_heartbeat_timeout: float | None = opt(None, "--initial-heartbeat-timeout", "seconds allowed for start-up before the first heartbeat (default: 120 on CPU; derived on GPUs)")
-    step_timeout: float | None = opt(None, "--step-timeout", "section timeout for one training step, seconds (none: heartbeats only)")
-    checkpoint_timeout: float | None = opt(None, "--checkpoint-timeout", "section timeout for a checkpoint save, seconds")
-    section_timeouts: str | None = opt(None, "--section-timeouts", "timeouts of a script's own NVRx sections, e.g. "
-                                       "init:60,eval:30 (seconds; NVRx refuses sections it has no timeout for)")
-    soft_timeout: float | None = opt(None, "--soft-timeout", "in-process: seconds without progress before a rank is interrupted (default: 4 on CPU; derived on GPUs)")
-    hard_timeout: float | None = opt(None, "--hard-timeout", "in-process: seconds without progress before a rank is killed (default: 8 on CPU; derived on GPUs)")
-    collective_timeout: float | None = opt(None, "--collective-timeout", "process-group timeout while in-process restart is on: the fallback bound on a peer's wait for a rank that failed (a failure in-process shuts down its gloo connections, so peers learn at once; default: 3 on CPU, 60 on GPUs)")
-    progress_patience: int = opt(3, "--progress-patience", "give up after this many restarts in a row that resume from the same checkpoint")
+    heartbeat_timeout: float | None = opt(None, "--heartbeat-timeout",
+                                          "seconds without a rank heartbeat before ft_launcher restarts the "
+                                          "group (default: 15 on CPU; on GPUs derived from the state size "
+                                          "and --storage-mbps, see --dry-run)")
+    initial_heartbeat_timeout: float | None = opt(None, "--initial-heartbeat-timeout",
+                                                  "seconds allowed for start-up before the first heartbeat "
+                                                  "(default: 120 on CPU; derived on GPUs)")
+    step_timeout: float | None = opt(None, "--step-timeout",
+                                     "section timeout for one training step, seconds (none: heartbeats only)")
+    checkpoint_timeout: float | None = opt(None, "--checkpoint-timeout",
+                                           "section timeout for a checkpoint save, seconds")
+    section_timeouts: str | None = opt(None, "--section-timeouts",
+                                       "timeouts of a script's own NVRx sections, e.g. "
+                                       "init:60,eval:30 (seconds; NVRx refuses sections it has no "
+                                       "timeout for)")
+    soft_timeout: float | None = opt(None, "--soft-timeout",
+                                     "in-process: seconds without progress before a rank is interrupted "
+                                     "(default: 4 on CPU; derived on GPUs)")
+    hard_timeout: float | None = opt(None, "--hard-timeout",
+                                     "in-process: seconds without progress before a rank is killed (default: "
+                                     "8 on CPU; derived on GPUs)")
+    collective_timeout: float | None = opt(None, "--collective-timeout",
+                                           "process-group timeout while in-process restart is on: the "
+                                           "fallback bound on a peer's wait for a rank that failed (a "
+                                           "failure in-process shuts down its gloo connections, so peers "
+                                           "learn at once; default: 3 on CPU, 60 on GPUs)")
+    progress_patience: int = opt(3, "--progress-patience",
+                                 "give up after this many restarts in a row that resume from the "
+                                 "same checkpoint")
 
     def sections(self) -> dict[str, float]:
-        """NVRx section name -> timeout in seconds: --step-timeout, --checkpoint-timeout, --section-timeouts."""
+        """NVRx section name -> timeout in seconds: --step-timeout, --checkpoint-timeout,
+        --section-timeouts."""
         found = {"step": self.step_timeout, "checkpoint": self.checkpoint_timeout}
         found = {k: v for k, v in found.items() if v is not None}
         text = self.section_timeouts or ""
@@ -114,7 +142,8 @@ class FaultToleranceConfig:
                 value = -1.0
             if not re.fullmatch(r"[A-Za-z_][\w.-]*", name) or not value > 0:
                 raise SpecError(f"cannot read section timeout {item.strip()!r}",
-                                "write --section-timeouts NAME:SECONDS[,NAME:SECONDS...], e.g. init:60,eval:30")
+                                "write --section-timeouts NAME:SECONDS[,NAME:SECONDS...], e.g. "
+                                "init:60,eval:30")
             found[name] = value
         return found
 
@@ -125,44 +154,60 @@ class EksConfig:
 
     namespace: str = opt("default", "--namespace", "Kubernetes namespace")
     image: str = opt("", "--image", "container image with eksft-nb installed")
-    kind: Literal["job", "jobset", "pytorchjob"] = opt("job", "--kind", "workload kind: job (Indexed Job), jobset or pytorchjob")
+    kind: Literal["job", "jobset", "pytorchjob"] = opt("job", "--kind",
+                                                       "workload kind: job (Indexed Job), jobset "
+                                                       "or pytorchjob")
     gpus_per_node: int = opt(8, "--gpus-per-node", "nvidia.com/gpu per pod (0: CPU pods)")
     efa_per_node: int = opt(0, "--efa-per-node", "vpc.amazonaws.com/efa devices per pod (0: no EFA)")
-    instance_type: str | None = opt(None, "--instance-type", "node.kubernetes.io/instance-type to schedule on")
-    checkpoint_pvc: str = opt("fsx-claim", "--pvc", "PersistentVolumeClaim (FSx for Lustre) mounted at /checkpoints")
+    instance_type: str | None = opt(None, "--instance-type",
+                                    "node.kubernetes.io/instance-type to schedule on")
+    checkpoint_pvc: str = opt("fsx-claim", "--pvc",
+                              "PersistentVolumeClaim (FSx for Lustre) mounted at /checkpoints")
     create_pvc: bool = opt(False, "--create-pvc", "also render the FSx for Lustre PVC and StorageClass")
     storage_class: str = opt("fsx-sc", "--storage-class", "StorageClass of the checkpoint PVC")
     storage_size: str = opt("1200Gi", "--storage-size", "size of the checkpoint PVC")
-    fsx_subnet: str | None = opt(None, "--fsx-subnet", "subnet of the FSx file system the StorageClass provisions (--create-pvc)")
-    fsx_security_groups: str | None = opt(None, "--fsx-security-groups", "comma-separated security groups for FSx (--create-pvc; must allow Lustre, TCP 988)")
-    shm_size: str | None = opt(None, "--shm-size", "memory-backed /dev/shm size (default: sized for checkpoint staging)")
+    fsx_subnet: str | None = opt(None, "--fsx-subnet",
+                                 "subnet of the FSx file system the StorageClass provisions (--create-pvc)")
+    fsx_security_groups: str | None = opt(None, "--fsx-security-groups",
+                                          "comma-separated security groups for FSx (--create-pvc; must allow "
+                                          "Lustre, TCP 988)")
+    shm_size: str | None = opt(None, "--shm-size",
+                               "memory-backed /dev/shm size (default: sized for checkpoint staging)")
     cpu: str | None = opt(None, "--cpu", "CPU request per pod")
     memory: str | None = opt(None, "--memory", "memory request per pod")
     context: str | None = opt(None, "--context", "kubeconfig context (default: current, or in-cluster)")
     k8s_version: str = opt("1.33", "--k8s-version", "Kubernetes version the manifests are validated against")
     port: int = opt(29500, "--rdzv-port", "rendezvous port on rank 0's pod")
-    queue: str | None = opt(None, "--queue", "Kueue LocalQueue to submit to: the workload waits there, suspended, "
+    queue: str | None = opt(None, "--queue",
+                            "Kueue LocalQueue to submit to: the workload waits there, suspended, "
                             "until Kueue admits it")
-    priority: str | None = opt(None, "--priority", "Kueue WorkloadPriorityClass of the workload (with --queue)")
-    topology: str | None = opt(None, "--topology", "Kueue topology-aware scheduling (with --queue): required or "
-                               "preferred[:LAYER], all pods under one node of EKS's topology.k8s.aws/network-node-layer-"
+    priority: str | None = opt(None, "--priority",
+                               "Kueue WorkloadPriorityClass of the workload (with --queue)")
+    topology: str | None = opt(None, "--topology",
+                               "Kueue topology-aware scheduling (with --queue): required or "
+                               "preferred[:LAYER], all pods under one node of EKS's "
+                               "topology.k8s.aws/network-node-layer-"
                                "LAYER (1 broadest .. 3 closest, the default)")
-    prometheus_namespace: str = opt("monitoring", "--prometheus-namespace", "namespace of the Prometheus that may "
-                                    "scrape the pods' metrics port (the job's NetworkPolicy admits no one else)")
+    prometheus_namespace: str = opt("monitoring", "--prometheus-namespace",
+                                    "namespace of the Prometheus that may "
+                                    "scrape the pods' metrics port (the job's NetworkPolicy admits "
+                                    "no one else)")
 
 
 @dataclass
 class SlurmConfig:
     """Where and how the job runs on a Slurm cluster (ignored by the other backends)."""
 
-    shared_dir: str | None = opt(None, "--shared-dir", "Slurm: a folder every node and this machine mount at the same "
+    shared_dir: str | None = opt(None, "--shared-dir",
+                                 "Slurm: a folder every node and this machine mount at the same "
                                  "path (FSx for Lustre, NFS): the job folder and its checkpoints go there")
     partition: str | None = opt(None, "--partition", "Slurm partition (sbatch --partition)")
     account: str | None = opt(None, "--account", "Slurm account to charge (sbatch --account)")
     qos: str | None = opt(None, "--qos", "Slurm quality of service (sbatch --qos)")
     time: str | None = opt(None, "--time", "Slurm time limit, e.g. 4:00:00 (sbatch --time)")
     gres: str | None = opt(None, "--gres", "generic resources per node, e.g. gpu:8 (sbatch --gres)")
-    exclusive: bool = opt(False, "--exclusive", "Slurm: whole nodes, shared with no other job (sbatch --exclusive)")
+    exclusive: bool = opt(False, "--exclusive",
+                          "Slurm: whole nodes, shared with no other job (sbatch --exclusive)")
     constraint: str | None = opt(None, "--constraint", "Slurm node features, e.g. p5 (sbatch --constraint)")
     efa: bool = opt(False, "--efa", "Slurm: set the EFA (libfabric) environment for NCCL, as on p4d/p5 nodes")
     port: int = opt(29500, "--slurm-port", "Slurm: the rendezvous port on the allocation's first node "
@@ -190,7 +235,8 @@ class JobSpec:
         "from a peer")
     nnodes: int = opt(1, "--nnodes", "nodes (one ft_launcher each); with --engine torchft, replica groups")
     nproc_per_node: int = opt(2, "--nproc-per-node", "ranks per node")
-    spare_nodes: int = opt(0, "--spare-nodes", "extra nodes that wait in the rendezvous as hot spares: one takes a "
+    spare_nodes: int = opt(0, "--spare-nodes",
+                           "extra nodes that wait in the rendezvous as hot spares: one takes a "
                            "lost node's place with an in-job restart instead of a job restart")
     steps: int = opt(100, "--steps", "training steps")
     model: ModelConfig = opt(ModelConfig, "", "")
@@ -198,7 +244,8 @@ class JobSpec:
     seq: int = opt(64, "--seq", "tokens per sequence")
     lr: float = opt(3e-3, "--lr", "AdamW learning rate")
     seed: int = opt(0, "--seed", "seed for weights and data (same seed, same result)")
-    device: Literal["auto", "cpu", "cuda"] = opt("auto", "--device", "auto: CUDA+NCCL when GPUs exist, else CPU+gloo")
+    device: Literal["auto", "cpu", "cuda"] = opt("auto", "--device",
+                                                 "auto: CUDA+NCCL when GPUs exist, else CPU+gloo")
     threads_per_rank: int = opt(1, "--threads-per-rank", "CPU threads per rank (torch.set_num_threads)")
     checkpoint: CheckpointConfig = opt(CheckpointConfig, "", "")
     ft: FaultToleranceConfig = opt(FaultToleranceConfig, "", "")
@@ -206,8 +253,10 @@ class JobSpec:
                       "a job's checkpoint folder (its newest that loads)")
     script: str | None = opt(None, "--script", "a training script to run instead of the built-in trainer")
     script_args: list[str] = opt(list, "--script-args", "arguments for --script (one string, shell-split)")
-    workdir: str | None = opt(None, "--workdir", "working directory of the script on every rank (local default: the folder "
-                              "the job is launched from, for a notebook cell the notebook's folder; EKS: the image's)")
+    workdir: str | None = opt(None, "--workdir",
+                              "working directory of the script on every rank (local default: the folder "
+                              "the job is launched from, for a notebook cell the notebook's folder; EKS: "
+                              "the image's)")
     eks: EksConfig = opt(EksConfig, "", "")
     slurm: SlurmConfig = opt(SlurmConfig, "", "")
 
@@ -226,7 +275,8 @@ class JobSpec:
         if self.engine not in ENGINES:
             raise SpecError(f"unknown engine {_show(self.engine)}", "use --engine nvrx or --engine torchft")
         if self.backend not in BACKENDS:
-            raise SpecError(f"unknown backend {self.backend!r}", f"use --backend {' or --backend '.join(BACKENDS)}")
+            raise SpecError(f"unknown backend {self.backend!r}",
+                            f"use --backend {' or --backend '.join(BACKENDS)}")
         for fname, minimum in (("nnodes", 1), ("nproc_per_node", 1), ("steps", 1), ("batch", 1), ("seq", 2),
                                ("threads_per_rank", 1)):
             _require_int(self, fname, minimum)
@@ -238,21 +288,25 @@ class JobSpec:
             raise SpecError(f"unknown device {self.device!r}", "use --device auto, cpu or cuda")
         m = self.model
         if m.preset not in MODEL_PRESETS:
-            raise SpecError(f"unknown model preset {m.preset!r}", f"use --model {_closest(m.preset, MODEL_PRESETS)}")
+            raise SpecError(f"unknown model preset {m.preset!r}",
+                            f"use --model {_closest(m.preset, MODEL_PRESETS)}")
         for fname in ("vocab", "d_model", "n_layers", "n_heads"):
             if getattr(m, fname) is not None:
                 _require_int(m, fname, 1, prefix="model.")
         vocab, d, _, h = m.dims()
         if d % h:
-            raise SpecError(f"d_model {d} is not divisible by n_heads {h}", "choose --n-heads that divides --d-model")
+            raise SpecError(f"d_model {d} is not divisible by n_heads {h}",
+                            "choose --n-heads that divides --d-model")
         if vocab < 16:
-            raise SpecError(f"vocab {vocab} is too small for the built-in data (needs >= 16)", "use --vocab 16 or more")
+            raise SpecError(f"vocab {vocab} is too small for the built-in data (needs >= 16)",
+                            "use --vocab 16 or more")
         c = self.checkpoint
         _require_int(c, "every", 0, prefix="checkpoint.")
         _require_int(c, "keep_last", 2, prefix="checkpoint.",
                      why=" (one fewer than two could leave no loadable checkpoint while a save is in flight)")
         if c.mode not in ("async", "sync"):
-            raise SpecError(f"unknown checkpoint mode {c.mode!r}", "use --ckpt-mode async or --ckpt-mode sync")
+            raise SpecError(f"unknown checkpoint mode {c.mode!r}",
+                            "use --ckpt-mode async or --ckpt-mode sync")
         f = self.ft
         for fname in ("max_injob_restarts", "max_job_restarts"):
             _require_int(f, fname, 0, prefix="ft.")
@@ -271,21 +325,27 @@ class JobSpec:
         f.sections()  # raises on a malformed --section-timeouts
         f = resolved(self).ft   # the unset timeouts as the backend derives them, checked with the set ones
         if f.inprocess and not f.soft_timeout < f.hard_timeout:
-            raise SpecError(f"soft timeout ({f.soft_timeout}s) must be shorter than hard timeout ({f.hard_timeout}s)",
+            raise SpecError(f"soft timeout ({f.soft_timeout}s) must be shorter than hard timeout "
+                            f"({f.hard_timeout}s)",
                             "raise --hard-timeout or lower --soft-timeout")
         if f.inprocess and f.collective_timeout >= f.hard_timeout:
             raise SpecError(
-                f"collective timeout ({f.collective_timeout}s) must be shorter than the in-process hard timeout "
-                f"({f.hard_timeout}s), or a rank waiting on a failed peer is killed instead of restarted in place",
+                f"collective timeout ({f.collective_timeout}s) must be shorter than the in-process "
+                "hard timeout "
+                f"({f.hard_timeout}s), or a rank waiting on a failed peer is killed instead of "
+                "restarted in place",
                 "lower --collective-timeout or raise --hard-timeout")
         if f.inprocess and f.hard_timeout >= f.heartbeat_timeout:
             raise SpecError(
                 f"in-process hard timeout ({f.hard_timeout}s) must be shorter than the heartbeat timeout "
-                f"({f.heartbeat_timeout}s), or ft_launcher restarts the group before in-process restart can act",
+                f"({f.heartbeat_timeout}s), or ft_launcher restarts the group before in-process "
+                "restart can act",
                 "raise --heartbeat-timeout or lower --hard-timeout")
         r = self.resume
-        if not isinstance(r, str) or not (r in ("latest", "none") or re.fullmatch(r"step:\d+", r) or "/" in r):
-            raise SpecError(f"invalid resume {r!r}", "use --resume latest, none, step:N or a checkpoint folder path")
+        if not isinstance(r, str) or not (r in ("latest",
+                                                "none") or re.fullmatch(r"step:\d+", r) or "/" in r):
+            raise SpecError(f"invalid resume {r!r}",
+                            "use --resume latest, none, step:N or a checkpoint folder path")
         if self.script is not None and not isinstance(self.script, str):
             raise SpecError(f"script must be a path, got {self.script!r}", "use --script path/to/train.py")
         if self.workdir is not None and not isinstance(self.workdir, str):
@@ -304,7 +364,8 @@ class JobSpec:
                 raise SpecError(f"--{fname} {value!r} is not a Kubernetes name (a DNS-1123 label)",
                                 f"use --{fname} {_suggest_name(str(value))}")
         if e.priority and not e.queue:
-            raise SpecError("--priority needs --queue (Kueue reads the priority class of queued workloads only)",
+            raise SpecError("--priority needs --queue (Kueue reads the priority class of queued "
+                            "workloads only)",
                             "add --queue NAME, or drop --priority")
         if e.topology is not None and not (isinstance(e.topology, str)
                                            and re.fullmatch(r"(required|preferred)(:[123])?", e.topology)):
@@ -317,7 +378,8 @@ class JobSpec:
             raise SpecError("--topology places one pod set, but a PyTorchJob's master and workers are two",
                             "use --kind job or jobset with --topology")
         if not (isinstance(e.prometheus_namespace, str) and valid_name(e.prometheus_namespace)):
-            raise SpecError(f"--prometheus-namespace {e.prometheus_namespace!r} is not a Kubernetes namespace name",
+            raise SpecError(f"--prometheus-namespace {e.prometheus_namespace!r} is not a Kubernetes "
+                            "namespace name",
                             f"use --prometheus-namespace {_suggest_name(str(e.prometheus_namespace))}")
         self._validate_slurm()
         return self
@@ -326,7 +388,8 @@ class JobSpec:
         s = self.slurm
         _require_int(s, "port", 1024, prefix="slurm.")
         if s.port > 65533:
-            raise SpecError(f"slurm.port {s.port} leaves no room for the two ports after it", "use e.g. --slurm-port 29500")
+            raise SpecError(f"slurm.port {s.port} leaves no room for the two ports after it",
+                            "use e.g. --slurm-port 29500")
         for fname in ("partition", "account", "qos", "time", "gres", "constraint"):
             value = getattr(s, fname)
             if value is not None and not re.fullmatch(r"[\w:.,|&*!=\[\]()+-]+", value):
@@ -334,7 +397,8 @@ class JobSpec:
                                 f"use {_flag_of(SlurmConfig, fname)} with letters, digits and :.,-_ only")
         if self.backend == "slurm":
             if not s.shared_dir:
-                raise SpecError("a Slurm job needs a folder every node shares (its job folder and checkpoints)",
+                raise SpecError("a Slurm job needs a folder every node shares (its job folder and "
+                                "checkpoints)",
                                 "add --shared-dir /fsx/eksft (a path mounted on this machine and every node)")
             if not s.shared_dir.startswith("/"):
                 raise SpecError(f"--shared-dir {_show(s.shared_dir)} is not an absolute path",
@@ -373,7 +437,8 @@ class JobSpec:
         try:
             data = json.loads(text)
         except (ValueError, RecursionError) as e:
-            raise SpecError(f"the job spec is not valid JSON ({str(e)[:120]})", "fix the JSON, or write the spec as YAML") \
+            raise SpecError(f"the job spec is not valid JSON ({str(e)[:120]})",
+                            "fix the JSON, or write the spec as YAML") \
                 from None
         return cls.from_dict(data)
 
@@ -384,7 +449,8 @@ class JobSpec:
         except (yaml.YAMLError, ValueError, RecursionError) as e:
             where = getattr(e, "problem_mark", None)
             at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
-            raise SpecError(f"the job spec is not valid YAML{at} ({getattr(e, 'problem', None) or type(e).__name__})",
+            raise SpecError(f"the job spec is not valid YAML{at} "
+                            f"({getattr(e, 'problem', None) or type(e).__name__})",
                             "fix the YAML (`key: value` lines, nested by indentation)") from None
         if not isinstance(data, dict):
             raise SpecError("a job spec file must hold a mapping", "write it as 'key: value' lines")
@@ -398,7 +464,8 @@ class JobSpec:
         try:
             text = p.read_text()
         except (OSError, ValueError) as e:
-            raise SpecError(f"cannot read spec file {p} ({type(e).__name__})", "check that it is a readable UTF-8 text file") \
+            raise SpecError(f"cannot read spec file {p} ({type(e).__name__})",
+                            "check that it is a readable UTF-8 text file") \
                 from None
         return cls.from_json(text) if p.suffix == ".json" else cls.from_yaml(text)
 
@@ -442,7 +509,8 @@ def _walk_options(cls: type, prefix: str, instance: Any) -> Iterator[SpecOption]
             yield from _walk_options(type(value), f"{prefix}{f.name}.", value)
             continue
         base, optional, choices = _unwrap(hints[f.name])
-        yield SpecOption(f"{prefix}{f.name}", f.metadata["flag"], base, optional, choices, f.metadata["help"], value)
+        yield SpecOption(f"{prefix}{f.name}", f.metadata["flag"], base, optional, choices, f.metadata["help"],
+                         value)
 
 
 def _unwrap(tp: Any) -> tuple[type, bool, tuple[str, ...] | None]:
@@ -475,7 +543,8 @@ def parse_option_value(option: SpecOption, raw: str) -> Any:
         value = option.type(raw)
     except ValueError:
         raise SpecError(f"{option.flag} expects {option.type.__name__}, got {raw!r}",
-                        f"write e.g. {option.flag} {option.default if option.default is not None else 1}") from None
+                        f"write e.g. {option.flag} "
+                        f"{option.default if option.default is not None else 1}") from None
     if option.choices and value not in option.choices:
         raise SpecError(f"{option.flag} must be one of {', '.join(option.choices)}, got {raw!r}",
                         f"use {option.flag} {_closest(raw, option.choices)}")
@@ -505,7 +574,8 @@ def _from_dict(cls: type, data: dict[str, Any], prefix: str) -> Any:
         if key not in known:
             raise SpecError(f"unknown spec field {prefix}{key!r}",
                             f"did you mean {prefix}{_closest(key, known)}? (see --help for all fields)")
-        default = known[key].default_factory() if known[key].default_factory is not dataclasses.MISSING else None
+        default = known[key].default_factory() if known[
+            key].default_factory is not dataclasses.MISSING else None
         if dataclasses.is_dataclass(default):
             value = _from_dict(type(default), value or {}, f"{prefix}{key}.")
         kwargs[key] = value
@@ -539,8 +609,10 @@ def _require_type(spec: JobSpec, option: SpecOption) -> None:
     else:
         ok, what = isinstance(value, str) and "\0" not in value, "a string"
     if not ok:
-        example = option.default if option.default not in (None, "", []) else ("1" if t in (int, float) else "VALUE")
-        raise SpecError(f"{option.path} must be {what}" + (" or null" if option.optional else "") + f", got {_show(value)}",
+        example = option.default if option.default not in (None, "",
+                                                           []) else ("1" if t in (int, float) else "VALUE")
+        raise SpecError(f"{option.path} must be {what}"
+                        + (" or null" if option.optional else "") + f", got {_show(value)}",
                         f"use e.g. {option.flag} {example}")
 
 

@@ -75,7 +75,8 @@ class FaultScope(_Str):
 
 
 class FaultKind(_Str):
-    """Every fault that can be injected; what each targets and does: :data:`~eksft_nb.fault_registry.REGISTRY`."""
+    """Every fault that can be injected; what each targets and does:
+    :data:`~eksft_nb.fault_registry.REGISTRY`."""
 
     EXCEPTION = "exception"
     HANG = "hang"

@@ -49,7 +49,8 @@ class Timeouts:
     heartbeat: Timeout   # ft_launcher: no heartbeat for this long restarts the group
     initial: Timeout     # ft_launcher: start-up (and restore) before the first heartbeat
     collective: Timeout  # the training process group (NCCL on GPUs) while in-process restart is on
-    checkpoint_group: Timeout   # the gloo group of the checkpoint collectives (ranks wait there for peers' I/O)
+    # the gloo group of the checkpoint collectives (ranks wait there for peers' I/O)
+    checkpoint_group: Timeout
     grace: Timeout       # SIGTERM to exit: finish the save in flight, then save and commit once more
 
     def lines(self) -> list[str]:
@@ -58,7 +59,8 @@ class Timeouts:
         head = (f"timeouts ({where}; state {self.state_bytes / 1e9:.3g} GB: a save ~{self.save_s:.0f} s, "
                 f"a restore ~{self.restore_s:.0f} s):")
         return [head] + [f"  {name} {getattr(self, name).seconds:g} s: {getattr(self, name).reason}"
-                         for name in ("initial", "heartbeat", "soft", "hard", "collective", "checkpoint_group", "grace")]
+                         for name in ("initial", "heartbeat", "soft", "hard", "collective",
+                                      "checkpoint_group", "grace")]
 
 
 def state_bytes(spec: JobSpec) -> int:
@@ -95,7 +97,8 @@ def derive(spec: JobSpec, gpu: bool | None = None) -> Timeouts:
                           "the hard timeout + 300 s (in-process restart acts first), floor 900 s (AWS)"),
             "initial": (max(GPU_FLOORS["initial"], 2 * restore_s + 600),
                         f"2 x a restore (hash and load: {at}, twice) + 600 s start-up, floor 1200 s (AWS)"),
-            "collective": (GPU_FLOORS["collective"], "NCCL collectives wait on peers, not storage: 60 s (AWS)"),
+            "collective": (GPU_FLOORS["collective"],
+                           "NCCL collectives wait on peers, not storage: 60 s (AWS)"),
             "checkpoint_group": (max(GPU_FLOORS["checkpoint_group"], 2 * restore_s),
                                  "2 x a restore: a rank waits there for its peers' reads, floor 600 s"),
             "grace": (max(GPU_FLOORS["grace"], 2 * save_s + 60),
@@ -112,7 +115,8 @@ def derive(spec: JobSpec, gpu: bool | None = None) -> Timeouts:
 
     def pick(name: str, derived: float, reason: str) -> None:
         given = mine.get(name)
-        out[name] = Timeout(float(given), "set by the user") if given is not None else Timeout(derived, reason)
+        out[name] = Timeout(float(given),
+                            "set by the user") if given is not None else Timeout(derived, reason)
 
     pick("soft", *base["soft"])
     # the derived ones fit around what the user set: soft < hard < heartbeat <= initial, collective < hard
@@ -128,7 +132,8 @@ def derive(spec: JobSpec, gpu: bool | None = None) -> Timeouts:
     pick("initial", *((out["heartbeat"].seconds, "the heartbeat timeout")
                       if mine["heartbeat"] and out["heartbeat"].seconds > first else (first, why)))
     coll, why = base["collective"]
-    pick("collective", *((hard / 2, "half the hard timeout (set by the user)") if coll >= hard else (coll, why)))
+    pick("collective",
+         *((hard / 2, "half the hard timeout (set by the user)") if coll >= hard else (coll, why)))
     for name in ("checkpoint_group", "grace"):
         out[name] = Timeout(*base[name])
     return Timeouts(gpu, size, save_s, restore_s, **out)
@@ -137,7 +142,8 @@ def derive(spec: JobSpec, gpu: bool | None = None) -> Timeouts:
 def resolved(spec: JobSpec, gpu: bool | None = None) -> JobSpec:
     """The spec with every timeout filled in (what the ranks and launchers read)."""
     t = derive(spec, gpu)
-    ft = dataclasses.replace(spec.ft, **{field: getattr(t, name).seconds for field, name in SPEC_FIELDS.items()})
+    ft = dataclasses.replace(spec.ft,
+                             **{field: getattr(t, name).seconds for field, name in SPEC_FIELDS.items()})
     return dataclasses.replace(spec, ft=ft)
 
 

@@ -1,4 +1,5 @@
-"""Builds the JupyterLab extension for a wheel or sdist: hatch-jupyter-builder calls ``build`` (pyproject.toml).
+"""Builds the JupyterLab extension for a wheel or sdist: hatch-jupyter-builder calls ``build``
+(pyproject.toml).
 
 npm ci installs exactly the committed lock file, then ``npm run build:prod`` runs tsc and jupyter-builder into
 eksft_nb/labextension/. Only a build from a source tree runs this: the sdist carries the built extension.

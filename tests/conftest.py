@@ -98,17 +98,20 @@ def jupyterlab(tmp_path: Path, jupyter: Path, env: dict[str, str] | None = None)
     shutil.copy(REPO / "notebooks" / "01_quickstart.ipynb", root)
     for name, value in (("@jupyterlab/apputils-extension/notification.jupyterlab-settings",
                          {"fetchNews": "false", "checkForUpdates": False}),
-                        ("@jupyterlab/notebook-extension/tracker.jupyterlab-settings", {"windowingMode": "none"})):
+                        ("@jupyterlab/notebook-extension/tracker.jupyterlab-settings",
+                         {"windowingMode": "none"})):
         (settings / name).parent.mkdir(parents=True, exist_ok=True)
         (settings / name).write_text(json.dumps(value))
     port, token = free_port(), secrets.token_hex(16)
     env = {**os.environ, "EKSFT_HOME": str(tmp_path / "eksft"), "JUPYTERLAB_SETTINGS_DIR": str(settings),
-           "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "workspaces"), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+           "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "workspaces"),
+           "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
            "JUPYTER_CONFIG_DIR": str(tmp_path / "config"), **(env or {})}
     log = open(tmp_path / "lab.log", "wb")
     server = subprocess.Popen(
         [str(jupyter), "lab", "--no-browser", "--allow-root", "--ip=127.0.0.1",
-         f"--port={port}", "--port-retries=0", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
+         f"--port={port}", "--port-retries=0", f"--IdentityProvider.token={token}",
+         f"--ServerApp.root_dir={root}",
          "--LabApp.expose_app_in_browser=True", "--LabApp.news_url=None",
          "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

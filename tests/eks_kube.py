@@ -51,7 +51,8 @@ class Injected:
     message: str = "injected"
 
     def matches(self, request: kmock.Request) -> bool:
-        return self.times > 0 and request.method.value.upper() == self.method and self.path_part in str(request.url.path)
+        return (self.times > 0 and request.method.value.upper() == self.method
+                and self.path_part in str(request.url.path))
 
 
 @dataclass
@@ -69,7 +70,8 @@ def _get(obj: Any, dotted: str) -> Any:
 def matches(obj: dict[str, Any], params: Any) -> bool:
     """Equality label and field selectors (``a=b,c!=d``), which is all the backend uses."""
     labels = (obj.get("metadata") or {}).get("labels") or {}
-    for key, source in (("labelSelector", lambda k: labels.get(k)), ("fieldSelector", lambda k: _get(obj, k))):
+    for key, source in (("labelSelector", lambda k: labels.get(k)),
+                        ("fieldSelector", lambda k: _get(obj, k))):
         for term in filter(None, (params.get(key) or "").split(",")):
             k, op, v = (term.partition("!=") if "!=" in term else term.replace("==", "=").partition("="))
             value = source(k)
@@ -112,7 +114,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
         if request.action == kmock.action.CREATE and isinstance(request.data, dict):
             meta = request.data.setdefault("metadata", {})
             meta.setdefault("namespace", request.namespace)
-            meta.update(uid=str(uuid.uuid4()), creationTimestamp=now(), resourceVersion=str(next(self.versions)))
+            meta.update(uid=str(uuid.uuid4()), creationTimestamp=now(),
+                        resourceVersion=str(next(self.versions)))
         if request.action == kmock.action.DELETE and request.name and request.resource.plural != "pods":
             await self._collect_owned(request)
         return await super()._handle(request)
@@ -158,11 +161,13 @@ class KubeEmulator(kmock.KubernetesEmulator):
         log = self.logs.get((request.namespace, request.name))
         if log is None:
             return await self._render_error(kmock.KubernetesError(
-                status=400, reason="BadRequest", message=f'container in pod "{request.name}" is waiting to start'))
+                status=400, reason="BadRequest",
+                message=f'container in pod "{request.name}" is waiting to start'))
         follow = request.params.get("follow") == "true"
         response = aiohttp.web.StreamResponse(status=200, headers={"Content-Type": "text/plain"})
         await response.prepare(request._raw_request)
-        lines = log.lines if follow else log.lines[-int(request.params.get("tailLines") or len(log.lines) or 1):]
+        lines = log.lines if follow else log.lines[
+            -int(request.params.get("tailLines") or len(log.lines) or 1):]
         sent = 0
         while True:
             for line in lines[sent:]:
@@ -180,7 +185,8 @@ class KubeEmulator(kmock.KubernetesEmulator):
         self.exec_calls.append((request.namespace, request.name, argv))
         ws = aiohttp.web.WebSocketResponse(protocols=("v4.channel.k8s.io",))
         await ws.prepare(raw)
-        out, code = await asyncio.to_thread(self.exec_in, request.name, raw.query.get("container", ""), argv) \
+        out, code = await asyncio.to_thread(self.exec_in, request.name, raw.query.get("container", ""),
+                                            argv) \
             if self.exec_in else ("", 0)
         if out:
             await ws.send_bytes(b"\x01" + out.encode())
@@ -208,12 +214,14 @@ class Kube:
         return client.ApiClient(cfg)
 
     def kubeconfig(self, path: Path, namespace: str = "default") -> Path:
-        """A kubeconfig whose context ``kmock`` points at this server, as `aws eks update-kubeconfig` writes one."""
+        """A kubeconfig whose context ``kmock`` points at this server, as `aws eks update-kubeconfig` writes
+        one."""
         path.write_text(json.dumps({
             "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
             "clusters": [{"name": "kmock", "cluster": {"server": self.url}}],
             "users": [{"name": "tester", "user": {"token": "test-token"}}],
-            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "tester", "namespace": namespace}}],
+            "contexts": [{"name": "kmock",
+                          "context": {"cluster": "kmock", "user": "tester", "namespace": namespace}}],
         }))
         return path
 
@@ -271,7 +279,8 @@ class Controllers:
         """The pods of an Indexed Job (or a JobSet's one child job), from its template, Pending."""
         owner = self.custom.get_namespaced_custom_object(*workload[:2], self.ns, workload[2], job)
         spec = owner["spec"]
-        template = spec["template"] if "template" in spec else spec["replicatedJobs"][0]["template"]["spec"]["template"]
+        template = (spec["template"] if "template" in spec
+                    else spec["replicatedJobs"][0]["template"]["spec"]["template"])
         count = spec.get("completions") or spec["replicatedJobs"][0]["template"]["spec"]["completions"]
         config = self.core.read_namespaced_config_map(job, self.ns).data
         names = []
@@ -313,7 +322,8 @@ class Controllers:
 
     def finish(self, job: str, condition: str = "Complete", reason: str = "", message: str = "",
                workload: tuple[str, str, str] = ("batch", "v1", "jobs")) -> None:
-        self.custom.patch_namespaced_custom_object_status(*workload[:2], self.ns, workload[2], job, {"status": {
+        self.custom.patch_namespaced_custom_object_status(*workload[:2], self.ns, workload[2], job,
+                                                          {"status": {
             "conditions": [{"type": condition, "status": "True", "reason": reason, "message": message}]}})
 
     def start_job(self, job: str, hosts: dict[str, str]) -> threading.Thread:

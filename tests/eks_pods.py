@@ -2,9 +2,9 @@
 
 A :class:`LocalPod` takes a pod (template) exactly as rendered and starts its containers' command
 and args with their environment, resolved as kubelet resolves it (``valueFrom.fieldRef`` from the
-pod's metadata, ``configMapKeyRef`` from its ConfigMap, ``$(VAR)`` references in args), on this machine. A process here cannot have the
-pod's mount namespace, so each volume's mount path is replaced by a local folder wherever it
-appears (args, env, the ConfigMap's files; the FSx volume is one folder shared by all pods), and
+pod's metadata, ``configMapKeyRef`` from its ConfigMap, ``$(VAR)`` references in args), on this machine. A
+process here cannot have the pod's mount namespace, so each volume's mount path is replaced by a local folder
+wherever it appears (args, env, the ConfigMap's files; the FSx volume is one folder shared by all pods), and
 each DNS name in ``hosts`` by the address it resolves to.
 """
 
@@ -73,7 +73,8 @@ class LocalPod:
             else:
                 path = var["valueFrom"]["fieldRef"]["fieldPath"]
                 m = FIELD_REF.match(path)
-                env[var["name"]] = self.name if path == "metadata.name" else (meta.get(m.group(1), {}).get(m.group(2), "")
+                env[var["name"]] = self.name if path == "metadata.name" else (
+                    meta.get(m.group(1), {}).get(m.group(2), "")
                                                                                if m else "")
         return {k: self._local(v) for k, v in env.items()}
 
@@ -85,12 +86,15 @@ class LocalPod:
         """The image's environment (this venv first on PATH) plus the container's."""
         base = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                 "HOME": str(self.root), "LANG": os.environ.get("LANG", "C.UTF-8"),
-                **{k: os.environ[k] for k in ("PYTHONPATH", "LD_LIBRARY_PATH") if k in os.environ}}   # the eksft-nb under test
+                # the eksft-nb under test
+                **{k: os.environ[k] for k in ("PYTHONPATH", "LD_LIBRARY_PATH") if k in os.environ}}
         return {**base, **self.env(container)}
 
-    def run(self, container: str, argv: list[str] | None = None, **kw: Any) -> subprocess.CompletedProcess[str]:
+    def run(self, container: str, argv: list[str] | None = None,
+            **kw: Any) -> subprocess.CompletedProcess[str]:
         """Run the container's command (or ``argv``, like ``kubectl exec``) to completion."""
-        return subprocess.run(self._argv(container, argv), env=self.process_env(container), capture_output=True,
+        return subprocess.run(self._argv(container, argv), env=self.process_env(container),
+                              capture_output=True,
                               text=True, cwd=self.root, **kw)
 
     def start(self, container: str, log: Path) -> subprocess.Popen[bytes]:

@@ -49,10 +49,12 @@ def story(name: str, lines: int = 40) -> str:
     """What a job's supervisor narrated and the last notable lines of its launchers' logs: put in an
     assertion's message, a CI failure says what the job went through."""
     logs = job_dir(name) / "logs"
-    parts = [(logs / "supervisor.log").read_text(errors="replace") if (logs / "supervisor.log").exists() else ""]
+    parts = [(logs / "supervisor.log").read_text(errors="replace")
+             if (logs / "supervisor.log").exists() else ""]
     notable = ("fail", "error", "heartbeat", "exit", "timeout", "traceback", "signal")
     for log in sorted(logs.glob("launcher-*.log")):
-        kept = [ln for ln in log.read_text(errors="replace").splitlines() if any(w in ln.lower() for w in notable)]
+        kept = [ln for ln in log.read_text(errors="replace").splitlines()
+                if any(w in ln.lower() for w in notable)]
         parts.append(f"--- {log.name}\n" + "\n".join(kept[-lines:]))
     return "\n".join(parts)
 

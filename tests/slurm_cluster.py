@@ -40,7 +40,8 @@ class SlurmCluster:
     env: dict[str, str]   # SLURM_CONF, a PATH that finds this environment's python and ft_launcher
 
     def run(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
-        return subprocess.run(list(argv), capture_output=True, text=True, timeout=30, env=self.env, check=check)
+        return subprocess.run(list(argv), capture_output=True, text=True, timeout=30, env=self.env,
+                              check=check)
 
     def job_processes(self, job_id: str, node: str) -> list[psutil.Process]:
         """What job ``job_id`` runs on ``node`` (its batch script, launcher and ranks there): every process
@@ -126,7 +127,8 @@ def slurm_cluster(base: Path) -> Iterator[SlurmCluster]:
     import pytest
 
     if shutil.which("slurmctld") is None or os.geteuid() != 0:
-        pytest.skip("needs Debian's slurm-wlm (`make slurm`) and root (the daemons run as root, without munge)")
+        pytest.skip("needs Debian's slurm-wlm (`make slurm`) and root (the daemons run as root, "
+                    "without munge)")
     names = node_names()
     if names is None:
         pytest.skip("needs a host name that resolves to loopback (the second node's name; see /etc/hosts)")

@@ -29,7 +29,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     [path] = out.glob("bench-quick-*.json")
     assert f"results: {path}" in proc.stdout
-    for title in ("1. checkpoint stall", "2. recovery", "3. goodput", "4. overhead", "5. dashboard", "6. scale",
+    for title in ("1. checkpoint stall", "2. recovery", "3. goodput", "4. overhead", "5. dashboard",
+                  "6. scale",
                   "7. what-if proof"):
         assert title in proc.stdout
     return json.loads(path.read_text())
@@ -47,7 +48,8 @@ def assert_stat(s: dict[str, Any], n: int | None = None, positive: bool = True) 
 
 def test_the_run_is_complete_and_leaves_nothing_running(results: dict[str, Any]) -> None:
     assert results["quick"] is True and results["errors"] == {}
-    assert set(results["parts"]) == {"ckpt", "recovery", "goodput", "overhead", "dashboard", "scale", "whatif"}
+    assert set(results["parts"]) == {"ckpt", "recovery", "goodput", "overhead", "dashboard", "scale",
+                                     "whatif"}
     m = results["machine"]
     assert m["nproc"] >= 1 and m["ram_gib"] > 0 and m["cpu"] and len(m["load_avg"]) == 3
     home = results["home"]
@@ -82,7 +84,8 @@ def test_checkpoint_stall(results: dict[str, Any]) -> None:
         assert_stat(s["methods"][name]["overlap_step_s"])
         assert s["methods"][name]["overlap_slowdown"] > 0
     e = s["methods"]["eksft async"]
-    for stage, rest, blocked in zip(e["stage_s"]["values"], e["plan_and_handoff_s"]["values"], e["blocked_s"]["values"]):
+    for stage, rest, blocked in zip(e["stage_s"]["values"], e["plan_and_handoff_s"]["values"],
+                                    e["blocked_s"]["values"]):
         assert stage + rest == pytest.approx(blocked) and stage > 0
     assert_stat(s["clean_step_s"])
     assert set(s["targets_met"]) == {"blocked_vs_floor", "blocked_vs_dcp_save"}
@@ -102,7 +105,8 @@ def test_recovery(results: dict[str, Any]) -> None:
     assert r["by_fault"]["sigkill"]["vs_baseline"] > 0
     for rec in r["raw"]["eksft"] + r["raw"]["baseline"]:  # the phases add up to the total
         assert set(rec["phases"]) == set(r["phases"]) and all(v >= 0 for v in rec["phases"].values())
-        assert sum(rec["phases"].values()) == pytest.approx(rec["total_s"], abs=0.01)   # the product rounds them
+        # the product rounds them
+        assert sum(rec["phases"].values()) == pytest.approx(rec["total_s"], abs=0.01)
         assert 0 <= rec["resumed_step"] < rec["at_step"]
     # a checkpoint was committed before every fault, so each recovery loaded one
     assert all(rec["phases"]["restore"] > 0 for rec in r["raw"]["eksft"] + r["raw"]["baseline"])
@@ -136,7 +140,8 @@ def test_overhead(results: dict[str, Any]) -> None:
     r = results["parts"]["overhead"]
     assert_stat(r["steps_per_s_on"], r["pairs"])
     assert_stat(r["steps_per_s_off"], r["pairs"])
-    assert r["ratio"]["values"][0] == pytest.approx(r["steps_per_s_on"]["values"][0] / r["steps_per_s_off"]["values"][0])
+    assert r["ratio"]["values"][0] == pytest.approx(
+        r["steps_per_s_on"]["values"][0] / r["steps_per_s_off"]["values"][0])
     micro = r["micro"]
     assert 0 < micro["emit_us"]["median"] < 10_000
     assert micro["step_protocol_off_us"]["median"] < micro["step_protocol_on_us"]["median"]
@@ -164,7 +169,8 @@ def test_dashboard(results: dict[str, Any]) -> None:
 def test_scale(results: dict[str, Any]) -> None:
     r = results["parts"]["scale"]
     assert r["ranks"] == 1024 and r["lines"] >= r["rank_steps"] > 0
-    assert set(r["components"]) == {"log follow", "stream parser", "incidents", "monitor", "metrics", "dashboard"}
+    assert set(r["components"]) == {"log follow", "stream parser", "incidents", "monitor", "metrics",
+                                    "dashboard"}
     for c in r["components"].values():   # every component ran and was timed
         assert c["cpu_s"] > 0 and c["realtime_x"] > 0 and c["us_per_rank_step"] > 0
     assert r["pipeline"]["cpu_s"] == pytest.approx(sum(c["cpu_s"] for c in r["components"].values()))

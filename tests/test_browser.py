@@ -19,7 +19,8 @@ from conftest import REPO
 from jobs import wait_for
 
 CHROMIUM = Path("/usr/lib/chromium/chromium")
-FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking",
          "--disable-component-update", "--disable-sync"]
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow,
@@ -34,7 +35,8 @@ TRACES_JS = """([job, name]) => {
                                                          customdata: Array.from(t.customdata || [])}));
 }"""
 KERNEL_IDLE_JS = ("() => { const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;"
-                  " const k = w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel;"
+                  " const k = w && w.sessionContext && w.sessionContext.session && "
+                  "w.sessionContext.session.kernel;"
                   " return !!k && k.status === 'idle'; }")
 
 
@@ -47,7 +49,8 @@ def test_quickstart_in_jupyterlab(lab: dict[str, Any]) -> None:
         page = browser.new_page(viewport={"width": 1280, "height": 2000})  # tall: a whole dashboard in view
         page.goto(f"{lab['url']}/lab/tree/01_quickstart.ipynb?token={lab['token']}")
         page.wait_for_function(KERNEL_IDLE_JS, timeout=90_000, polling=500)
-        page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")  # not awaited
+        # not awaited
+        page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
 
         def points(job: str, name: str) -> list[dict[str, list[Any]]]:
             return page.evaluate(TRACES_JS, [job, name]) or []
@@ -73,7 +76,8 @@ def test_quickstart_in_jupyterlab(lab: dict[str, Any]) -> None:
 
         # Resume-from-here on an older checkpoint: a new job whose first step is that step + 1
         resume_buttons = dash.locator(".eksft-ckpt-table .eksft-resume")
-        classes = resume_buttons.evaluate_all("bs => bs.filter(b => b.offsetParent !== null).map(b => b.className)")
+        classes = resume_buttons.evaluate_all("bs => bs.filter(b => b.offsetParent !== null).map(b => "
+                                              "b.className)")
         steps = sorted(int(c.split("eksft-resume-")[1].split()[0]) for c in classes)
         assert len(steps) >= 3, steps
         older = steps[0]

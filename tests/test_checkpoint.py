@@ -107,7 +107,8 @@ def test_a_kept_save_plan_follows_the_state_it_saves(tmp_path: Path, group: Any,
     mgr = _manager(tmp_path, group, "async", events, process)
     gen = torch.Generator().manual_seed(0)
     extras: list[dict[str, torch.Tensor]] = [{}, {}, {}, {"ema": torch.randn(4, 4, generator=gen)},
-                                             {"ema": torch.randn(6, generator=gen)}, {"ema": torch.randn(6, generator=gen)}]
+                                             {"ema": torch.randn(6, generator=gen)},
+                                             {"ema": torch.randn(6, generator=gen)}]
     weights = torch.randn(8, 8, generator=gen)
     for i, extra in enumerate(extras):
         step = 5 * (i + 1)
@@ -115,16 +116,21 @@ def test_a_kept_save_plan_follows_the_state_it_saves(tmp_path: Path, group: Any,
         mgr.maybe_save(step, {"w": weights, "lr": step / 7, "name": f"run{step}", **extra})
         mgr.finish()
         if mgr.retry:  # the layout changed: this save failed, the next step's plans anew
-            assert step_dir(tmp_path, step) not in [i.path for i in list_checkpoints(tmp_path) if i.state == "committed"]
+            assert step_dir(tmp_path, step) not in [i.path for i in list_checkpoints(tmp_path)
+                                                    if i.state == "committed"]
             step += 1
             mgr.maybe_save(step, {"w": weights, "lr": step / 7, "name": f"run{step}", **extra})
             mgr.finish()
-        target = {"w": torch.zeros(8, 8), "lr": 0.0, "name": "", **{k: torch.zeros_like(v) for k, v in extra.items()}}
+        target = {"w": torch.zeros(8, 8), "lr": 0.0, "name": "",
+                  **{k: torch.zeros_like(v) for k, v in extra.items()}}
         load(step_dir(tmp_path, step), target, group)
-        assert torch.equal(target["w"], weights) and target["lr"] == step / 7 and target["name"] == f"run{step}"
+        assert torch.equal(target["w"],
+                           weights) and target["lr"] == step / 7 and target["name"] == f"run{step}"
         assert all(torch.equal(target[k], v) for k, v in extra.items()), step
-    assert [e["step"] for e in events if e["phase"] == "failed"] == [20, 25]  # the two layout changes, once each
-    assert mgr.plan_cache is not None and mgr.plan_cache.reused == 1  # planned at 5, 21 and 26; kept at 10, 15 and 30
+    # the two layout changes, once each
+    assert [e["step"] for e in events if e["phase"] == "failed"] == [20, 25]
+    # planned at 5, 21 and 26; kept at 10, 15 and 30
+    assert mgr.plan_cache is not None and mgr.plan_cache.reused == 1
 
 
 def test_a_kept_save_plan_runs_no_collective_until_the_commit(tmp_path: Path, group: Any,
@@ -144,7 +150,8 @@ def test_a_kept_save_plan_runs_no_collective_until_the_commit(tmp_path: Path, gr
     for name in ("all_reduce", "broadcast", "broadcast_object_list", "all_gather_object", "all_gather",
                  "gather_object", "scatter_object_list", "reduce_scatter", "barrier"):
         real = getattr(dist, name)
-        monkeypatch.setattr(dist, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
+        monkeypatch.setattr(dist, name, lambda *a, _real=real, _name=name,
+                            **k: (calls.append(_name), _real(*a, **k))[1])
     mgr.maybe_save(10, _state(model, 10))
     assert calls == [] and mgr.plan_cache.reused == 1
     mgr.finish()
@@ -288,7 +295,8 @@ def test_an_inprocess_restart_commits_the_save_a_fault_left_uncommitted(tmp_path
     target = _state(torch.nn.Linear(16, 16), 0)
     assert restarted.restore(target, "latest", restarting=True) == 5, events
     assert int(target["progress"]["step"]) == 5 and torch.equal(target["model"]["weight"], saved)
-    assert [(e["phase"], e["step"]) for e in events if "phase" in e] == [("begin", 5), ("staged", 5), ("committed", 5)]
+    assert [(e["phase"], e["step"]) for e in events
+            if "phase" in e] == [("begin", 5), ("staged", 5), ("committed", 5)]
     assert restarted.restore(_state(torch.nn.Linear(16, 16), 0), "latest", restarting=True) == 5  # once only
 
 
@@ -360,7 +368,8 @@ def test_slow_storage_delays_the_background_write_not_training(tmp_path: Path, g
                                                                process: CheckpointProcess) -> None:
     events: list = []
     mgr = CheckpointManager(tmp_path, rank=0, world_size=1, group=group, every=5, mode="async", keep_last=2,
-                            emit=lambda kind, **data: events.append(data), storage_fault=lambda: ("slow", 1.0),
+                            emit=lambda kind, **data: events.append(data),
+                            storage_fault=lambda: ("slow", 1.0),
                             process=process)
     mgr.maybe_save(5, _state(torch.nn.Linear(16, 16), 5))
     mgr.finish()
@@ -445,8 +454,10 @@ def hostile_metadata(command: str) -> bytes:
 
     fs = "torch.distributed.checkpoint.filesystem"
     return (b"\x80\x04"
-            + name(fs, "operator.methodcaller") + text("system") + text(command) + b"\x86R"      # mc("system", cmd)
-            + name(fs, "operator.methodcaller") + text("get") + text("os") + b"\x86R"            # mc("get", "os")
+            # mc("system", cmd)
+            + name(fs, "operator.methodcaller") + text("system") + text(command) + b"\x86R"
+            # mc("get", "os")
+            + name(fs, "operator.methodcaller") + text("get") + text("os") + b"\x86R"
             + name(fs, "operator.attrgetter") + text("__init__.__globals__") + b"\x85R"         # ag(...)
             + name(fs, "FileSystemReader") + b"\x85R"   # FileSystemReader.__init__.__globals__
             + b"\x85R"                                  # ["os"]: the os module
@@ -522,15 +533,16 @@ def test_model_state_matches_get_state_dict_across_steps_and_new_parameters(grou
         model(torch.randn(2, 4)).sum().backward()
         optim.step()
         got, (msd, osd) = ms.state_dict(), get_state_dict(model, optim)
-        assert got["model"].keys() == msd.keys() and all(torch.equal(got["model"][k], v) for k, v in msd.items())
+        assert got["model"].keys() == msd.keys() and all(torch.equal(got["model"][k], v) for k,
+                                                         v in msd.items())
         assert got["optim"]["param_groups"] == osd["param_groups"]
         assert got["optim"]["state"].keys() == osd["state"].keys()
         for fqn, st in osd["state"].items():
             assert all(torch.equal(got["optim"]["state"][fqn][k], v) for k, v in st.items())
 
 
-def test_model_state_without_torchs_private_helpers_is_get_state_dict(group: Any, monkeypatch: pytest.MonkeyPatch
-                                                                       ) -> None:
+def test_model_state_without_torchs_private_helpers_is_get_state_dict(
+        group: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A torch release whose private state-dict helpers differ (users' GPU images run other torch
     versions): ModelState falls back to the public get_state_dict, and says the same."""
     from torch.distributed.checkpoint import state_dict as sd
@@ -538,7 +550,8 @@ def test_model_state_without_torchs_private_helpers_is_get_state_dict(group: Any
     from eksft_nb.runtime.checkpoint import ModelState
 
     def other_torch(self: Any, sd: Any) -> None:   # what calling helpers that are not there raises
-        raise AttributeError("module 'torch.distributed.checkpoint.state_dict' has no attribute '_verify_options'")
+        raise AttributeError("module 'torch.distributed.checkpoint.state_dict' has no attribute "
+                             "'_verify_options'")
 
     monkeypatch.setattr(ModelState, "_kept_state_dict", other_torch)
     model = torch.nn.Linear(4, 2)
@@ -546,7 +559,8 @@ def test_model_state_without_torchs_private_helpers_is_get_state_dict(group: Any
     ms = ModelState(model, optim)
     for _ in range(2):
         got, (msd, _osd) = ms.state_dict(), sd.get_state_dict(model, optim)
-        assert got["model"].keys() == msd.keys() and all(torch.equal(got["model"][k], v) for k, v in msd.items())
+        assert got["model"].keys() == msd.keys() and all(torch.equal(got["model"][k], v) for k,
+                                                         v in msd.items())
     assert ms._kept is False
 
 

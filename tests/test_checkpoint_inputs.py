@@ -68,8 +68,10 @@ mutations = st.one_of(
     st.tuples(st.just("commit-bytes"), st.binary(max_size=64)),
     st.tuples(st.just("listed-name"), bad_names),
     st.tuples(st.just("foreign-world"), st.integers(2, 1 << 40)),
-    st.tuples(st.just("truncate"), st.sampled_from([SHARD, ".metadata", COMMIT]), st.integers(0, 400), st.booleans()),
-    st.tuples(st.just("garbage"), st.sampled_from([SHARD, ".metadata"]), st.binary(max_size=256), st.booleans()),
+    st.tuples(st.just("truncate"), st.sampled_from([SHARD, ".metadata", COMMIT]), st.integers(0, 400),
+              st.booleans()),
+    st.tuples(st.just("garbage"), st.sampled_from([SHARD, ".metadata"]), st.binary(max_size=256),
+              st.booleans()),
     st.tuples(st.just("swap"), st.booleans()),
     st.tuples(st.just("delete"), st.sampled_from([SHARD, ".metadata", COMMIT])),
     st.tuples(st.just("symlink-out"), st.sampled_from([SHARD, ".metadata", COMMIT, REJECTED])),
@@ -168,7 +170,8 @@ def _one_line(text: str) -> None:
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                    HealthCheck.too_slow])
 @given(changes=st.lists(mutations, min_size=1, max_size=3))
-def test_any_checkpoint_folder_is_refused_with_one_line_or_loads_what_was_saved(saved: Any, changes: list) -> None:
+def test_any_checkpoint_folder_is_refused_with_one_line_or_loads_what_was_saved(
+    saved: Any, changes: list) -> None:
     group, files, expected = saved
     base = Path(tempfile.mkdtemp(prefix="eksft-ckpt-case-"))
     try:

@@ -32,7 +32,8 @@ def _rank(rank: int, root: str, store: str, out: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=120))
     events: list[dict[str, Any]] = []
-    mgr = CheckpointManager(Path(root), rank=rank, world_size=2, group=dist.new_group(backend="gloo"), every=5,
+    mgr = CheckpointManager(Path(root), rank=rank, world_size=2, group=dist.new_group(backend="gloo"),
+                            every=5,
                             mode="async", keep_last=10, emit=lambda kind, **data: events.append(data))
     if rank == 0:
         save = mgr._save
@@ -65,7 +66,8 @@ def test_rank_0_never_removes_files_another_rank_is_writing(tmp_path: Path) -> N
     (step_dir(root, 15) / LEFTOVER).write_bytes(b"from a crashed run")
     (step_dir(root, 15) / "commit.json").write_text("{}")
     outs = [tmp_path / f"out{r}.json" for r in range(2)]
-    assert run_ranks(_rank, [(r, str(root), str(tmp_path / "store"), str(outs[r])) for r in range(2)]) == [0, 0]
+    assert run_ranks(_rank,
+                     [(r, str(root), str(tmp_path / "store"), str(outs[r])) for r in range(2)]) == [0, 0]
     assert json.loads(outs[0].read_text()) == []  # no save failed
     committed = [i.step for i in list_checkpoints(root) if i.state == "committed"]
     assert committed == list(STEPS)
@@ -83,7 +85,8 @@ def _changing_rank(rank: int, root: str, store: str, out: str) -> None:
                             timeout=datetime.timedelta(seconds=60))
     group = dist.new_group(backend="gloo")
     events: list[dict[str, Any]] = []
-    mgr = CheckpointManager(Path(root), rank=rank, world_size=2, group=group, every=5, mode="async", keep_last=10,
+    mgr = CheckpointManager(Path(root), rank=rank, world_size=2, group=group, every=5, mode="async",
+                            keep_last=10,
                             emit=lambda kind, **data: events.append(data))
     state = {f"w{rank}": torch.full((16, 16), float(rank))}
     saved: dict[int, dict[str, torch.Tensor]] = {}
@@ -101,8 +104,10 @@ def _changing_rank(rank: int, root: str, store: str, out: str) -> None:
         target = {k: torch.zeros_like(v) for k, v in saved[step].items()}
         load(step_dir(Path(root), step), target, group)
         exact[step] = all(torch.equal(target[k], v) for k, v in saved[step].items())
-    Path(out).write_text(json.dumps({"failed": [[e["step"], e["error"]] for e in events if e.get("phase") == "failed"],
-                                     "committed": committed, "exact": exact, "reused": mgr.plan_cache.reused}))
+    Path(out).write_text(json.dumps({"failed": [[e["step"], e["error"]] for e in events
+                                                if e.get("phase") == "failed"],
+                                     "committed": committed, "exact": exact,
+                                     "reused": mgr.plan_cache.reused}))
     dist.destroy_process_group()
     mgr.writer.stop()
 
@@ -113,7 +118,8 @@ def test_a_layout_change_on_one_rank_fails_that_save_everywhere_and_the_next_com
     next step's plans anew everywhere and commits, and every committed checkpoint loads bit-exactly."""
     root = tmp_path / "ckpt"
     outs = [tmp_path / f"out{r}.json" for r in range(2)]
-    assert run_ranks(_changing_rank, [(r, str(root), str(tmp_path / "store"), str(outs[r])) for r in range(2)],
+    assert run_ranks(_changing_rank,
+                     [(r, str(root), str(tmp_path / "store"), str(outs[r])) for r in range(2)],
                      timeout=240) == [0, 0]
     result = [json.loads(o.read_text()) for o in outs]
     [[step, error]] = result[0]["failed"]  # rank 0 reports it, with rank 1's reason

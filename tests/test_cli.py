@@ -72,8 +72,10 @@ def test_bad_spec_file(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_bad_commands_for_an_existing_job(finished_job: str) -> None:
     assert_rejected(["run", "--name", finished_job], "already exists", "choose another --name")
-    assert_rejected(["inject", finished_job, "hang", "--rank", "1"], "has already ended (succeeded): faults only go to a running job")
-    assert_rejected(["resume", finished_job, "--step", "7"], "no committed checkpoint at step 7", "pick one of: ")
+    assert_rejected(["inject", finished_job, "hang", "--rank", "1"],
+                    "has already ended (succeeded): faults only go to a running job")
+    assert_rejected(["resume", finished_job, "--step", "7"], "no committed checkpoint at step 7",
+                    "pick one of: ")
     assert_rejected(["inject", finished_job, "nonsense"], "unknown fault 'nonsense'")
 
 
@@ -85,19 +87,25 @@ def test_bad_fault_commands_for_a_running_job() -> None:
         time.sleep(0.5)
     control = jobs_root() / "running" / "control"  # the running job itself keeps writing its events
     try:
-        assert_rejected(["inject", "running", "hang", "--rank", "9"], "rank 9 is out of range", "--rank between 0 and 1",
+        assert_rejected(["inject", "running", "hang", "--rank", "9"], "rank 9 is out of range",
+                        "--rank between 0 and 1",
                         watch=control)
-        assert_rejected(["inject", "running", "kill-launcher", "--rank", "0"], "does not target a rank", watch=control)
-        assert_rejected(["inject", "running", "hang", "--step", "1"], "step 1 has already passed", watch=control)
-        assert_rejected(["inject", "running", "slow-rank", "--delay", "-1"], "slow-rank parameter delay is -1.0",
+        assert_rejected(["inject", "running", "kill-launcher", "--rank", "0"], "does not target a rank",
+                        watch=control)
+        assert_rejected(["inject", "running", "hang", "--step", "1"], "step 1 has already passed",
+                        watch=control)
+        assert_rejected(["inject", "running", "slow-rank", "--delay", "-1"],
+                        "slow-rank parameter delay is -1.0",
                         "seconds per step, > 0", watch=control)
         pending = control / "pending"
         (pending / "garbage.json").write_text("{not json")  # a malformed command written by hand
         ok = cli("inject", "running", "exception", "--rank", "1")
-        assert ok.returncode == 0 and ok.stdout.startswith(("fired exception on rank 1", "queued exception for rank 1"))
+        assert ok.returncode == 0 and ok.stdout.startswith(("fired exception on rank 1",
+                                                            "queued exception for rank 1"))
         while time.time() < deadline and not (control / "rejected" / "garbage.json").exists():
             time.sleep(0.5)   # the ranks set it aside, once, with the reason
-        assert (control / "rejected" / "garbage.reason").read_text().startswith("a fault command is not valid JSON")
+        assert (control / "rejected"
+                / "garbage.reason").read_text().startswith("a fault command is not valid JSON")
     finally:
         assert cli("stop", "running").returncode == 0
     assert os.path.exists(jobs_root() / "running" / "events.jsonl")

@@ -21,12 +21,14 @@ from eksft_nb.spec import JobSpec, spec_options
 from eksft_nb.states import ENDED, FaultKind, FaultScope, JobState, RestartLevel
 from jobs import wait_for
 
-ROW_KEYS = {"name", "backend", "state", "step", "total_steps", "restarts", "goodput", "last_checkpoint", "script",
+ROW_KEYS = {"name", "backend", "state", "step", "total_steps", "restarts", "goodput", "last_checkpoint",
+            "script",
             "ended", "detail"}
 
 
 def test_states_are_their_strings() -> None:
-    assert JobState.LOST == "lost" and json.dumps({"s": JobState.LOST}) == '{"s": "lost"}' and f"{JobState.LOST}" == "lost"
+    assert JobState.LOST == "lost" and json.dumps(
+        {"s": JobState.LOST}) == '{"s": "lost"}' and f"{JobState.LOST}" == "lost"
     assert ENDED == {JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED, JobState.LOST}
     assert [s for s in JobState if s.ended] == sorted(ENDED, key=list(JobState).index)
     assert [level.value for level in RestartLevel] == ["inprocess", "injob", "job"]
@@ -37,7 +39,8 @@ def test_states_are_their_strings() -> None:
 def test_spec_from_options_reads_text_and_json_values_and_refuses_like_the_cli() -> None:
     spec = commands.spec_from_options({"steps": "40", "ft.inprocess": False, "script_args": ["--lr", "1"],
                                        "checkpoint.dir": "none"})
-    assert (spec.steps, spec.ft.inprocess, spec.script_args, spec.checkpoint.dir) == (40, False, ["--lr", "1"], None)
+    assert (spec.steps, spec.ft.inprocess, spec.script_args,
+            spec.checkpoint.dir) == (40, False, ["--lr", "1"], None)
     with pytest.raises(SpecError, match="--steps expects int, got 'many'"):
         commands.spec_from_options({"steps": "many"})
     with pytest.raises(SpecError, match="steps must be an integer, got True"):
@@ -51,7 +54,8 @@ def test_refusals_change_nothing() -> None:
     for call, error, text in [
         (lambda: commands.status("no-such-job"), JobError, "no job named 'no-such-job'"),
         (lambda: commands.inject("no-such-job", "sigkill"), JobError, "no job named 'no-such-job'"),
-        (lambda: commands.launch(JobSpec(name="bad"), ["explode:0@3"]), ControlError, "unknown fault 'explode'"),
+        (lambda: commands.launch(JobSpec(name="bad"), ["explode:0@3"]), ControlError,
+         "unknown fault 'explode'"),
         (lambda: commands.launch(JobSpec(name="bad"), ["hang:5@3"]), ControlError, "rank 5 is out of range"),
         (lambda: commands.launch(JobSpec(name="Bad_Name")), SpecError, "invalid job name"),
         (lambda: commands.list_jobs("gke"), SpecError, "unknown backend 'gke'"),
@@ -61,7 +65,8 @@ def test_refusals_change_nothing() -> None:
     assert (sorted(jobs_root().glob("*")) if jobs_root().exists() else []) == before
 
 
-def test_an_unreadable_job_folder_is_listed_with_its_problem(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_unreadable_job_folder_is_listed_with_its_problem(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EKSFT_HOME", str(tmp_path))
     for name, text in (("torn", '{"name": "torn", "steps": '), ("odd", '{"name": "odd", "stepz": 3}')):
         (jobs_root() / name).mkdir(parents=True)
@@ -80,10 +85,12 @@ def test_operations_on_real_jobs(finished_job: str) -> None:
     assert (done["state"], done["ended"], done["step"], done["total_steps"]) == ("succeeded", True, 12, 12)
     assert done["restarts"] == {"inprocess": 0, "injob": 0, "job": 0} and 0 < done["goodput"] <= 1
     committed = [c["step"] for c in commands.checkpoints(finished_job) if c["state"] == "committed"]
-    # the save due at 10 is deferred while the one at 5 is still being written (a busy machine): 10, 11 or none
+    # the save due at 10 is deferred while the one at 5 is still being written (a busy machine): 10, 11 or
+    # none
     assert committed[0] == 5 and committed[-1] == 12 == done["last_checkpoint"], committed
     older = committed[-2]
-    assert commands.summary(finished_job)["steps_done"] == 12 and "step" in commands.logs(finished_job, lines=50)
+    assert commands.summary(finished_job)["steps_done"] == 12
+    assert "step" in commands.logs(finished_job, lines=50)
     with pytest.raises(JobError, match=r"has already ended \(succeeded\)"):
         commands.inject(finished_job, "hang", rank=1)
 
@@ -97,9 +104,12 @@ def test_operations_on_real_jobs(finished_job: str) -> None:
         assert "cmd-live" in [r["name"] for r in commands.list_jobs()]
         with pytest.raises(ControlError, match="rank 7 is out of range"):
             commands.inject("cmd-live", "sigkill", rank=7)
-        result = commands.inject("cmd-live", "slow-rank", rank=1, params={"delay": 0.01, "duration": 2}, wait=120)
-        assert result["fired"] and result["target"] == "rank 1" and result["when"] == "now" and result["step"] > older
-        assert result["message"].startswith("fired slow-rank on rank 1 of cmd-live") and result["id"] in result["message"]
+        result = commands.inject("cmd-live", "slow-rank", rank=1, params={"delay": 0.01, "duration": 2},
+                                 wait=120)
+        assert result["fired"] and result["target"] == "rank 1" and result["when"] == "now"
+        assert result["step"] > older
+        assert result["message"].startswith("fired slow-rank on rank 1 of cmd-live")
+        assert result["id"] in result["message"]
     finally:
         stopped = commands.stop("cmd-live")
     assert (stopped["state"], stopped["ended"], stopped["step"] > older) == ("stopped", True, True)
@@ -120,14 +130,16 @@ def _verbs(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser
 def test_the_cli_and_the_magics_take_the_same_options_from_one_table() -> None:
     from eksft_nb import cli, magics
 
-    fronts = {CLI: _verbs(cli.build_parser()), MAGIC: {**_verbs(magics._line_parser()), "run": magics._cell_parser()}}
+    fronts = {CLI: _verbs(cli.build_parser()),
+              MAGIC: {**_verbs(magics._line_parser()), "run": magics._cell_parser()}}
     spec_flags = {o.flag for o in spec_options()}
     only_cli = set()
     for verb in ARGS.values():
         for front in verb.fronts:
             parser = fronts[front][verb.name if verb.name == "run" else verb.name_in(front)]
             taken = _options(parser)
-            assert {n for a in verb.args_in(front) for n in (a.flags or [a.kwargs.get("dest", a.names[0])])} <= taken
+            assert {n for a in verb.args_in(front)
+                    for n in (a.flags or [a.kwargs.get("dest", a.names[0])])} <= taken
             if verb.name == "run":
                 assert spec_flags <= taken, spec_flags - taken
         if verb.fronts == BOTH:
@@ -156,7 +168,8 @@ def test_the_package_imports_have_no_cycle() -> None:
                 base = here
                 for _ in range(node.level - 1):
                     base = base.rpartition(".")[0]
-                base = f"{base}.{node.module}" if node.level and node.module else base if node.level else node.module
+                base = (f"{base}.{node.module}" if node.level and node.module
+                        else base if node.level else node.module)
                 out |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
         return {m for m in out if m in modules and m != name}
 

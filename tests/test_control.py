@@ -24,7 +24,8 @@ from eksft_nb.states import FaultKind
 SPEC = JobSpec(name="cmds", nnodes=2, nproc_per_node=2, steps=10)
 BAD = {
     "list-fault": '{"fault": ["x"]}',
-    "slow-text": '{"fault": "slow-rank", "rank": 0, "params": {"delay": "fast", "duration": "long"}, "id": "slow-text"}',
+    "slow-text": '{"fault": "slow-rank", "rank": 0, "params": {"delay": "fast", "duration": "long"}, "id": '
+    '"slow-text"}',
     "bool-rank": '{"fault": "sigkill", "rank": true, "id": "bool-rank"}',
     "far-rank": '{"fault": "sigkill", "rank": 7, "id": "far-rank"}',
     "no-id": '{"fault": "exception"}',
@@ -36,7 +37,8 @@ BAD = {
 
 
 def rank_session(job_dir: Path, rank: int = 0, injob: int = 0) -> Session:
-    info = RankInfo(rank=rank, local_rank=rank % 2, world_size=4, node=rank // 2, injob_restart=injob, job_attempt=0)
+    info = RankInfo(rank=rank, local_rank=rank % 2, world_size=4, node=rank // 2, injob_restart=injob,
+                    job_attempt=0)
     return Session(SPEC, job_dir, info)
 
 
@@ -71,9 +73,11 @@ def test_bad_command_files_are_set_aside_once_and_never_crash_a_rank(job_dir: Jo
     assert sorted(p.stem for p in rejected.glob("*.json")) == sorted(BAD)
     events = read_all(job_dir.events_path)
     reasons = {e["id"]: e["reason"] for e in events if e.kind == "command_rejected"}
-    assert sorted(reasons) == sorted(BAD) and len([e for e in events if e.kind == "command_rejected"]) == len(BAD)
+    assert sorted(reasons) == sorted(BAD)
+    assert len([e for e in events if e.kind == "command_rejected"]) == len(BAD)
     assert reasons["list-fault"] == "fault command field fault is ['x']: it must be a fault name (a string)"
-    assert reasons["slow-text"] == "slow-rank parameter delay is 'fast': use seconds per step, > 0 and <= 3600"
+    assert reasons[
+        "slow-text"] == "slow-rank parameter delay is 'fast': use seconds per step, > 0 and <= 3600"
     assert reasons["far-rank"] == "rank 7 is out of range for a job of 4 ranks: use --rank between 0 and 3"
     assert (rejected / "far-rank.reason").read_text().startswith("rank 7 is out of range")
     assert [(e["fault"], e.rank) for e in events if e.kind == "fault"] == [("slow-rank", 1)]
@@ -86,7 +90,8 @@ def test_the_in_pod_inject_checks_like_the_ranks(job_dir: JobDir, monkeypatch: p
     monkeypatch.setenv("EKSFT_SPEC", str(job_dir.spec_path))
     monkeypatch.setenv("EKSFT_JOB_DIR", str(job_dir.path))
     before = sorted(p.name for p in job_dir.pending.iterdir())
-    for text in ('{"fault": "sigkill", "rank": 9}', '{"fault": ["x"]}', "{", '{"fault": "hang", "id": "../../x"}',
+    for text in ('{"fault": "sigkill", "rank": 9}', '{"fault": ["x"]}', "{",
+                 '{"fault": "hang", "id": "../../x"}',
                  '{"fault": "slow-rank", "params": {"delay": -1}}'):
         assert inpod.main(["inject", text]) == 2
         err = capsys.readouterr().err
@@ -100,8 +105,9 @@ def test_the_in_pod_inject_checks_like_the_ranks(job_dir: JobDir, monkeypatch: p
 # ---- generated commands ---------------------------------------------------------------------------
 
 json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
-                                                                                      max_size=3), max_leaves=8)
+                           lambda inner: (st.lists(inner, max_size=3)
+                                          | st.dictionaries(st.text(max_size=6), inner, max_size=3)),
+                           max_leaves=8)
 field_values = {
     "fault": st.sampled_from(list(FAULTS)) | st.text(max_size=12) | json_values,
     "rank": st.none() | st.integers(-2, 6) | json_values,
@@ -116,7 +122,8 @@ commands = st.fixed_dictionaries({}, optional={**field_values, "extra": json_val
 
 @settings(max_examples=300, deadline=None)
 @given(commands, st.integers(1, 4), st.integers(1, 3))
-def test_generated_commands_are_accepted_whole_or_refused_in_one_line(data: dict, world: int, nnodes: int) -> None:
+def test_generated_commands_are_accepted_whole_or_refused_in_one_line(data: dict, world: int,
+                                                                      nnodes: int) -> None:
     text = json.dumps(data, allow_nan=True)
     try:
         cmd = FaultCommand.from_json(text).validate(world, nnodes)
@@ -155,16 +162,19 @@ def test_a_real_job_sets_bad_commands_aside_and_survives_restarts() -> None:
     from eksft_nb.job import attach
     from jobs import BASE, cli, events, job_dir
 
-    started = cli("run", "--name", "bad-cmds", *BASE, "--steps", "40", "--no-inprocess", "--fault", "sigkill:1@20",
+    started = cli("run", "--name", "bad-cmds", *BASE, "--steps", "40", "--no-inprocess", "--fault",
+                  "sigkill:1@20",
                   "--detach")
     assert started.returncode == 0, started.stderr
     pending = job_dir("bad-cmds") / "control" / "pending"
     for cid, text in BAD.items():
         (pending / f".{cid}.tmp").write_bytes(text.encode(errors="surrogateescape"))
         (pending / f".{cid}.tmp").rename(pending / f"{cid}.json")
-    assert attach("bad-cmds").wait(timeout=400) == "succeeded", cli("logs", "bad-cmds", "--debug").stdout[-3000:]
+    assert attach("bad-cmds").wait(timeout=400) == "succeeded", cli("logs", "bad-cmds",
+                                                                    "--debug").stdout[-3000:]
     assert sorted(e["id"] for e in events("bad-cmds", "command_rejected")) == sorted(BAD)
     assert [(e["fault"], e["target_rank"]) for e in events("bad-cmds", "fault")] == [("sigkill", 1)]
     assert max(e["step"] for e in events("bad-cmds", "step")) == 40
     assert {e["injob_restart"] for e in events("bad-cmds", "rank_start")} == {0, 1}
-    assert sorted(p.stem for p in (job_dir("bad-cmds") / "control" / "rejected").glob("*.json")) == sorted(BAD)
+    assert sorted(p.stem
+                  for p in (job_dir("bad-cmds") / "control" / "rejected").glob("*.json")) == sorted(BAD)

@@ -61,11 +61,13 @@ class FakeJob:
     def restart(self, level: str, cause: str, downtime: float, resumed: int, lost: int) -> None:
         self.emit("fault", rank=1, fault="sigkill", id="f1", target_rank=1, at_step=resumed + lost + 1)
         t = self.t
-        self.emit("failure", dt=0.5, level=level, cause=cause, blame_rank=1, fault_time=t, detected_at=t + 0.5)
+        self.emit("failure", dt=0.5, level=level, cause=cause, blame_rank=1, fault_time=t,
+                  detected_at=t + 0.5)
         phases = {"detection": 0.5, "teardown": 0.5, "reformation": max(0.0, downtime - 2.0), "restore": 0.75,
                   "first_step": 0.25}
         self.emit("restart", dt=downtime - 0.5, level=level, cause=cause, blame_rank=1, fault_time=t,
-                  detection_s=0.5, downtime_s=downtime, rolled_back_steps=lost, resumed_step=resumed, phases=phases)
+                  detection_s=0.5, downtime_s=downtime, rolled_back_steps=lost, resumed_step=resumed,
+                  phases=phases)
 
     def end(self, state: str = "succeeded") -> None:
         """What the supervisor does at the end: the event, and its state file."""
@@ -96,7 +98,8 @@ def joined_history(dash: Dashboard, name: str, attr: str) -> np.ndarray:
     a repeat of the chunk before's last, once)."""
     chunks = sorted((t for t in dash.figure.widget.data if t.name == name and t.meta != "tail" and len(t.x)),
                     key=lambda t: t.x[0])
-    return np.concatenate([np.asarray(getattr(t, attr))[1 if i else 0:] for i, t in enumerate(chunks)] or [[]])
+    return np.concatenate([np.asarray(getattr(t, attr))[1 if i else 0:] for i,
+                           t in enumerate(chunks)] or [[]])
 
 
 def said(dash: Dashboard) -> str:
@@ -106,7 +109,8 @@ def said(dash: Dashboard) -> str:
 
 def record(dash: Dashboard) -> list[tuple[str, dict[str, Any]]]:
     sent: list[tuple[str, dict[str, Any]]] = []
-    dash.figure.widget.observe(lambda c: sent.append((c.name, c.new)) if c.new else None, names=list(MESSAGES))
+    dash.figure.widget.observe(lambda c: sent.append((c.name, c.new)) if c.new else None,
+                               names=list(MESSAGES))
     return sent
 
 
@@ -120,7 +124,8 @@ def test_history_is_drawn_at_once_then_each_update_sends_only_the_new_tail() -> 
     dash = Dashboard(job.handle(), live=False)
 
     tok = traces(dash, "tokens/s")
-    plotted = [int(s) for s in joined_history(dash, "tokens/s", "customdata")] + [int(s) for s in tok["tail"].customdata]
+    plotted = [int(s) for s in joined_history(dash, "tokens/s",
+                                              "customdata")] + [int(s) for s in tok["tail"].customdata]
     assert plotted == list(range(1, 31)) + [21] + list(range(21, 51))  # the rollback is a break in the line
     y = np.concatenate([joined_history(dash, "tokens/s", "y"), tok["tail"].y])
     assert np.isnan(y[30]) and not np.isnan(np.delete(y, 30)).any()
@@ -133,7 +138,8 @@ def test_history_is_drawn_at_once_then_each_update_sends_only_the_new_tail() -> 
     assert list(r.y) == ["in-job"] and np.allclose(r.error_x.array, [6.4])
     assert r.text[0] == "injected sigkill on rank 1 · 6.4s down"
     assert "in-job restart" in r.hovertext[0] and "10 steps rolled back" in r.hovertext[0]
-    assert "phases: detection 0.50s, teardown 0.50s, reformation 4.40s, restore 0.75s, first step 0.25s" in r.hovertext[0]
+    assert ("phases: detection 0.50s, teardown 0.50s, reformation 4.40s, restore 0.75s, first step 0.25s"
+            in r.hovertext[0])
     assert list(traces(dash, "faults")["tail"].text) == ["sigkill rank 1"]
 
     sent = record(dash)
@@ -141,7 +147,8 @@ def test_history_is_drawn_at_once_then_each_update_sends_only_the_new_tail() -> 
     assert dash.update() is False
     assert [name for name, _ in sent] == ["_py2js_update"]     # one message per refresh
     msg = sent[0][1]
-    tails = [i for i, t in enumerate(dash.figure.widget.data) if t.meta == "tail" and t.name in ("tokens/s", "loss")]
+    tails = [i for i,
+             t in enumerate(dash.figure.widget.data) if t.meta == "tail" and t.name in ("tokens/s", "loss")]
     assert sorted(msg["style_traces"]) == tails                  # only the tails of the two step series
     assert all(len(v) == 66 for v in msg["style_data"]["x"])     # 61 points so far + 5 new: no history sent
     sent.clear()
@@ -161,12 +168,14 @@ def test_a_100k_step_job_stays_within_its_point_budget() -> None:
         f.write("\n".join(lines) + "\n")
     dash = Dashboard(job.handle(), live=False, tail=500, budget=3000)
     tok = traces(dash, "tokens/s")
-    hist, tail = [int(s) for s in joined_history(dash, "tokens/s", "customdata")], [int(s) for s in tok["tail"].customdata]
+    hist, tail = [int(s) for s in joined_history(dash, "tokens/s",
+                                                 "customdata")], [int(s) for s in tok["tail"].customdata]
     assert len(hist) <= 3000 and len(tail) <= 501
     assert hist[0] == 1 and tail[-1] == 100_000
     assert tail == list(range(tail[0], 100_001)) and len(tail) >= 2      # recent steps: all of them
     assert hist == sorted(hist)                                          # thinning keeps the order
-    assert 5_000 in hist and min(joined_history(dash, "tokens/s", "y")) == pytest.approx(200)  # the dip survives
+    # the dip survives
+    assert 5_000 in hist and min(joined_history(dash, "tokens/s", "y")) == pytest.approx(200)
     state, _, buffers = _remove_buffers(dash.figure.widget.get_state())
     del state["_esm"]                                                    # the plotly bundle: fixed size
     assert len(json.dumps(state)) + sum(len(b) for b in buffers) < 400_000  # what a saved notebook holds
@@ -230,7 +239,8 @@ def test_live_updates_are_throttled_and_stop_when_the_job_ends() -> None:
     stop.set()
     writer.join()
     elapsed, updates = time.monotonic() - start, dash.updates - before
-    assert 1 <= updates <= elapsed / 0.25 + 2, updates                  # a few per second, however fast events come
+    # a few per second, however fast events come
+    assert 1 <= updates <= elapsed / 0.25 + 2, updates
     job.end()
     dash._thread.join(10)
     assert not dash._thread.is_alive()
@@ -256,7 +266,8 @@ def test_header_goodput_table_and_log_show_the_job() -> None:
     assert (h.state, h.step, h.total) == ("starting", 40, 100)  # no supervisor has reported yet
     assert h.restarts == {"inprocess": 1, "injob": 0, "job": 0} and h.last_checkpoint == 300
     assert "in-process 1 · in-job 0 · job 0" in h._facts.value and "step 300" in h._facts.value
-    assert dash.goodput.seconds == pytest.approx(compute(dash.job.monitor, now=time.time()).seconds(), abs=0.5)
+    assert dash.goodput.seconds == pytest.approx(compute(dash.job.monitor, now=time.time()).seconds(),
+                                                 abs=0.5)
 
     rows = [s for s in dash.checkpoints._slots if s.step is not None]
     assert [s.step for s in rows] == list(range(300, 100, -10))          # the newest 20, newest first
@@ -272,7 +283,8 @@ def test_header_goodput_table_and_log_show_the_job() -> None:
     assert dash.log_tail.text == ""                                       # folded: not read
     dash.log_tail.selected_index = 0
     shown = html.unescape(dash.log_tail._pre.value.split(">", 1)[1].rsplit("<", 1)[0]).splitlines()
-    assert len(shown) == 40 and shown[0].startswith("[eksft] line 60 ") and shown[-1].startswith("[eksft] line 99 ")
+    assert len(shown) == 40
+    assert shown[0].startswith("[eksft] line 60 ") and shown[-1].startswith("[eksft] line 99 ")
     assert max(len(line) for line in shown) == 300                        # long lines are cut
 
 
@@ -310,7 +322,8 @@ def test_inject_controls_write_the_command_the_job_reads(tmp_path: Path) -> None
 
     c.fault.value, c.when.value = "hang", "step 40"
     c.inject.click()
-    cmds = {json.loads(p.read_text())["fault"]: json.loads(p.read_text()) for p in job.dir.pending.glob("*.json")}
+    cmds = {json.loads(p.read_text())["fault"]: json.loads(p.read_text())
+            for p in job.dir.pending.glob("*.json")}
     assert (cmds["hang"]["rank"], cmds["hang"]["step"]) == (0, 40)     # choosing a fault resets the target
 
     c.when.value = "soon"
@@ -378,7 +391,8 @@ def test_a_real_job_resumed_and_broken_from_its_dashboard() -> None:
     child.controls.inject.click()
     assert f"queued sigkill for rank 1 of {child.job.name} (now)" in said(child)
     wait_for("an in-job restart on the resumed job's figure",
-             lambda: "in-job" in [lane for t in child.figure.widget.data if t.name == "restarts" for lane in t.y], 180)
+             lambda: "in-job" in [lane for t in child.figure.widget.data if t.name == "restarts"
+                                  for lane in t.y], 180)
     child.stop_button.click()
     wait_for("the dashboard to say stopped", lambda: "stopped" in said(child), 120)
     assert child.job.wait(30) == "stopped"
@@ -419,7 +433,8 @@ def test_the_whatif_tab_shows_the_replay_its_plot_and_the_recommendation_in_one_
     assert list(predicted.x) == [x for x, _ in shown]
     assert list(predicted.y) == pytest.approx([y for _, y in shown])
     assert any(t.name == rec["text"] for t in tab.plot.data)                # the recommendation, marked
-    assert tab.actions.children == (dash.settings.whatif,) and dash.settings.whatif.disabled  # Apply: ended job
+    # Apply: ended job
+    assert tab.actions.children == (dash.settings.whatif,) and dash.settings.whatif.disabled
 
 
 def test_the_whatif_tab_of_a_job_without_failures_says_why_it_recommends_nothing() -> None:
@@ -443,9 +458,12 @@ def test_the_static_copy_draws_every_step_and_breaks_the_line_at_a_rollback() ->
     job.steps(21, 50)
     dash = Dashboard(job.handle(), live=False)
     copy = dash.snapshot()
-    ET.fromstring(copy["image/svg+xml"])                                   # well-formed, as an SVG output must be
+    # well-formed, as an SVG output must be
+    ET.fromstring(copy["image/svg+xml"])
     paths = dict(re.findall(r'data-name="([^"]+)" d="([^"]*)"', copy["image/svg+xml"]))
     tok = paths["tokens/s"]
-    assert tok.count("M") + tok.count("L") == 60 and tok.count("M") == 2   # every step; a break at the rollback
-    assert paths["restarts"].count("M") == 2 and paths["blocked"].count("M") == 1  # its marker and downtime; a save
+    # every step; a break at the rollback
+    assert tok.count("M") + tok.count("L") == 60 and tok.count("M") == 2
+    # its marker and downtime; a save
+    assert paths["restarts"].count("M") == 2 and paths["blocked"].count("M") == 1
     assert copy["text/plain"].startswith("copy: starting, step 50 (a static copy")

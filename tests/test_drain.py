@@ -28,9 +28,11 @@ def test_sigterm_to_every_rank_saves_commits_and_stops_then_resumes_bit_identica
     wait_for("step 13", lambda: any(e["step"] >= 13 for e in events(name, "step")), timeout=300)
     ranks = {e.rank: e["pid"] for e in events(name, "rank_start")}
     assert sorted(ranks) == [0, 1]
-    for pid in ranks.values():   # to each rank's process group, as ft_launcher (and a warm rank's shim) sends it
+    # to each rank's process group, as ft_launcher (and a warm rank's shim) sends it
+    for pid in ranks.values():
         os.killpg(os.getpgid(pid), signal.SIGTERM)
-    status = wait_for("the job to end", lambda: (s := json.loads(cli("status", name, "--json").stdout))["state"]
+    status = wait_for("the job to end",
+                      lambda: (s := json.loads(cli("status", name, "--json").stdout))["state"]
                       not in ("starting", "running", "recovering") and s, timeout=300)
     assert status["state"] == "stopped", story(name)
     [drain] = events(name, "drain")
@@ -41,7 +43,8 @@ def test_sigterm_to_every_rank_saves_commits_and_stops_then_resumes_bit_identica
     assert step in committed and verify(committed[step]) is None, committed
     assert max(e["step"] for e in events(name, "step")) == step
     summary = json.loads(cli("summary", name, "--json").stdout)
-    assert summary["state"] == "stopped" and f"drained on SIGTERM at step {step}" in summary["reason"], summary
+    assert summary["state"] == "stopped", summary
+    assert f"drained on SIGTERM at step {step}" in summary["reason"], summary
     assert summary["restarts"] == {"inprocess": 0, "injob": 0, "job": 0}   # a drain is no failure
     # resume from the save it made: the same parameters as the run that never stopped
     resumed = cli("resume", name, "--as", f"{name}-resumed")

@@ -44,7 +44,8 @@ def test_the_pod_monitor_selects_the_pods_on_the_port_they_serve(kind: str) -> N
     endpoint, = monitor["spec"]["podMetricsEndpoints"]
     assert endpoint["honorLabels"] is True   # the exporter's job label is the job's name
     # each series names its pod's node as dcgm-exporter does: the dashboard joins the GPUs of the job's nodes
-    assert endpoint["relabelings"] == [{"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "Hostname",
+    assert endpoint["relabelings"] == [{"sourceLabels": ["__meta_kubernetes_pod_node_name"],
+                                        "targetLabel": "Hostname",
                                         "action": "replace"}]
     sidecar = next(c for c in pod["spec"]["initContainers"] if c["name"] == names.METRICS)
     assert sidecar["restartPolicy"] == "Always"   # a native sidecar: it ends with the trainer
@@ -65,16 +66,19 @@ def test_the_metrics_sidecar_serves_the_jobs_folder(tmp_path: Path) -> None:
                    {names.COMPLETION_INDEX: "0", names.INDEX_FAILURES: "0"})
     assert pod.run("prepare", timeout=60).returncode == 0
     events = pod.mounts[names.CKPT_MOUNT] / spec.name / "events.jsonl"
-    lines = [make("rank_start", "demo", 0, pid=1, host="demo-0", job_attempt=0, injob_restart=0, inprocess_iteration=0,
+    lines = [make("rank_start", "demo", 0, pid=1, host="demo-0", job_attempt=0, injob_restart=0,
+                  inprocess_iteration=0,
                   world_size=2, start_step=0)]
-    lines += [make("step", "demo", 0, step=s, loss=5.0 - 0.1 * s, tokens=1024, step_time=0.5) for s in range(1, 9)]
+    lines += [make("step", "demo", 0, step=s, loss=5.0 - 0.1 * s, tokens=1024,
+                   step_time=0.5) for s in range(1, 9)]
     lines += [make("checkpoint", "demo", 0, phase="committed", step=8, blocked_s=0.1)]
     events.write_text("".join(e.to_json() + "\n" for e in lines))
     argv = pod.argv(names.METRICS)
     assert argv[argv.index("--port") + 1] == str(names.METRICS_PORT)
     port = free_port()   # the pod has a network of its own; here the port must be a free one
     argv[argv.index("--port") + 1] = str(port)
-    samples = scrape(port, subprocess.Popen(pod._argv(names.METRICS, argv), env=pod.process_env(names.METRICS),
+    samples = scrape(port,
+                     subprocess.Popen(pod._argv(names.METRICS, argv), env=pod.process_env(names.METRICS),
                                             cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
     assert samples[("eksft_step", (("job", "demo"),))] == 8
     assert samples[("eksft_last_checkpoint_step", (("job", "demo"),))] == 8
@@ -89,7 +93,8 @@ def test_a_queued_workload_carries_kueues_contract(kind: str) -> None:
     workload = EksBackend().manifests(spec).workload()   # validated against the Job schema or the CRD
     labels = workload["metadata"]["labels"]
     assert labels[names.QUEUE_LABEL] == "gpus" and labels[names.PRIORITY_LABEL] == "high"
-    suspend = workload["spec"]["runPolicy"]["suspend"] if kind == "pytorchjob" else workload["spec"]["suspend"]
+    suspend = workload["spec"]["runPolicy"]["suspend"] if kind == "pytorchjob" else workload["spec"][
+        "suspend"]
     assert suspend is True
     # only the workload is queued, and without --queue nothing of Kueue is rendered
     others = EksBackend().manifests(spec).job[:-1]
@@ -98,14 +103,16 @@ def test_a_queued_workload_carries_kueues_contract(kind: str) -> None:
     assert names.QUEUE_LABEL not in plain["metadata"]["labels"] and "suspend" not in str(plain["spec"])
 
 
-@pytest.mark.parametrize("instance,flavors", [("p5.48xlarge", ["p5-48xlarge"]), ("p4d.24xlarge", ["p4d-24xlarge"]),
+@pytest.mark.parametrize("instance,flavors",
+                         [("p5.48xlarge", ["p5-48xlarge"]), ("p4d.24xlarge", ["p4d-24xlarge"]),
                                               (None, ["p5-48xlarge", "p4d-24xlarge"])])
 def test_the_dry_run_prints_matching_queue_objects(instance: str | None, flavors: list[str],
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     import yaml
 
     args = ["run", "--backend", "eks", "--dry-run", "--kueue-objects", "--name", "llm", "--image", "img:1",
-            "--nnodes", "2", "--nproc-per-node", "8", "--gpus-per-node", "8", "--efa-per-node", "4", "--model",
+            "--nnodes", "2", "--nproc-per-node", "8", "--gpus-per-node", "8", "--efa-per-node", "4",
+            "--model",
             "gpt-1b", "--namespace", "training", "--queue", "gpus", "--priority", "high"]
     assert cli.main(args + (["--instance-type", instance] if instance else [])) == 0
     docs = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(capsys.readouterr().out) if d}
@@ -136,16 +143,20 @@ def test_bad_queue_options_fail_with_problem_and_fix(changes: dict, problem: str
 
 # ---- Kueue: the lifecycle ------------------------------------------------------------------------
 
-def kueue_workload(controllers: Controllers, job: dict, conditions: list[dict], version: str = "v1beta1") -> None:
+def kueue_workload(controllers: Controllers, job: dict, conditions: list[dict],
+                   version: str = "v1beta1") -> None:
     """What Kueue does for a queued Job: a Workload it owns, with the conditions of its admission."""
     custom = controllers.custom
     api = (KUEUE[0], version)
     name = f"job-{job['metadata']['name']}-1a2b3"
     body = {"apiVersion": f"kueue.x-k8s.io/{version}", "kind": "Workload",
-            "metadata": {"name": name, "namespace": NS, "labels": {"kueue.x-k8s.io/job-uid": job["metadata"]["uid"]},
-                         "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": job["metadata"]["name"],
+            "metadata": {"name": name, "namespace": NS,
+                         "labels": {"kueue.x-k8s.io/job-uid": job["metadata"]["uid"]},
+                         "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job",
+                                              "name": job["metadata"]["name"],
                                               "uid": job["metadata"]["uid"], "controller": True}]},
-            "spec": {"queueName": "gpus", "priorityClassName": "high", "priorityClassSource": "kueue.x-k8s.io/workloadpriorityclass",
+            "spec": {"queueName": "gpus", "priorityClassName": "high",
+                     "priorityClassSource": "kueue.x-k8s.io/workloadpriorityclass",
                      "podSets": [{"name": "main", "count": 2, "template": template(job)}]}}
     try:
         custom.get_namespaced_custom_object(*api, NS, "workloads", name)
@@ -165,11 +176,14 @@ def test_queued_then_admitted_in_the_cli_and_the_dashboard(kube: Kube, backend: 
     # a cluster without Kueue: the job would wait forever, and says so
     status = backend.state("demo")
     assert status.state == "starting" and "this cluster has no Kueue (no Workload API)" in status.detail
-    kube.emulator.resources["kueue.x-k8s.io/v1beta1/workloads"] = {"kind": "Workload", "namespaced": True,
-                                                                   "verbs": ["list", "get", "create", "patch"]}
-    assert backend.state("demo").detail == "queued: waiting for quota in gpus (Kueue has not taken the workload yet)"
-    waiting = "couldn't assign flavors to pod set main: insufficient quota for nvidia.com/gpu in flavor p5-48xlarge"
-    kueue_workload(ctl, job, [{"type": "QuotaReserved", "status": "False", "reason": "Pending", "message": waiting}])
+    kube.emulator.resources["kueue.x-k8s.io/v1beta1/workloads"] = {
+        "kind": "Workload", "namespaced": True, "verbs": ["list", "get", "create", "patch"]}
+    assert backend.state(
+        "demo").detail == "queued: waiting for quota in gpus (Kueue has not taken the workload yet)"
+    waiting = ("couldn't assign flavors to pod set main: insufficient quota for nvidia.com/gpu in flavor "
+               "p5-48xlarge")
+    kueue_workload(ctl, job,
+                   [{"type": "QuotaReserved", "status": "False", "reason": "Pending", "message": waiting}])
     queued = f"queued: waiting for quota in gpus ({waiting})"
     assert backend.state("demo") == type(status)("demo", "eks", "starting", queued)
 
@@ -178,10 +192,12 @@ def test_queued_then_admitted_in_the_cli_and_the_dashboard(kube: Kube, backend: 
     handle = Job("demo", backend)
     dash = Dashboard(handle, live=False)
     assert dash.header.state == "starting" and dash.header.detail == queued
-    assert "eksft-detail" in dash.header._title.value and "queued: waiting for quota in gpus" in dash.header._title.value
+    title = dash.header._title.value
+    assert "eksft-detail" in title and "queued: waiting for quota in gpus" in title
 
     # Kueue admits it (and unsuspends the Job): the Job controller then creates the pods
-    kueue_workload(ctl, job, [{"type": "QuotaReserved", "status": "True", "reason": "QuotaReserved", "message": "ok"},
+    kueue_workload(ctl, job,
+                   [{"type": "QuotaReserved", "status": "True", "reason": "QuotaReserved", "message": "ok"},
                               {"type": "Admitted", "status": "True", "reason": "Admitted", "message": "ok"}])
     assert backend.state("demo").detail == "admitted"
     ctl.custom.patch_namespaced_custom_object("batch", "v1", NS, "jobs", "demo", {"spec": {"suspend": False}})
@@ -198,18 +214,23 @@ def test_queued_then_admitted_in_the_cli_and_the_dashboard(kube: Kube, backend: 
     assert dash.header.detail == ""
     # preempted: Kueue suspends the Job again (its pods go) and says why on the Workload
     preempted = "Preempted to accommodate a workload (UID: 1) due to prioritization in the ClusterQueue"
-    kueue_workload(ctl, job, [{"type": "QuotaReserved", "status": "False", "reason": "Pending", "message": "pending"},
-                              {"type": "Admitted", "status": "False", "reason": "NoReservation", "message": "no"},
-                              {"type": "Evicted", "status": "True", "reason": "Preempted", "message": preempted}])
+    kueue_workload(ctl, job,
+                   [{"type": "QuotaReserved", "status": "False", "reason": "Pending", "message": "pending"},
+                              {"type": "Admitted", "status": "False", "reason": "NoReservation",
+                               "message": "no"},
+                              {"type": "Evicted", "status": "True", "reason": "Preempted",
+                               "message": preempted}])
     ctl.custom.patch_namespaced_custom_object("batch", "v1", NS, "jobs", "demo", {"spec": {"suspend": True}})
     assert backend.state("demo").detail == f"queued: waiting for quota in gpus ({preempted})"
     backend.stop("demo", timeout=5)
-    assert [r for r in kube.emulator.requests if r.method.value.upper() == "DELETE" and "podmonitors" in str(r.url.path)]
+    assert [r for r in kube.emulator.requests if r.method.value.upper() == "DELETE"
+            and "podmonitors" in str(r.url.path)]
 
 
 # ---- Kueue: objects that admit what they print -----------------------------------------------------
 
-P5 = ["run", "--backend", "eks", "--dry-run", "--kueue-objects", "--name", "llm", "--image", "img:1", "--nnodes", "4",
+P5 = ["run", "--backend", "eks", "--dry-run", "--kueue-objects", "--name", "llm", "--image", "img:1",
+      "--nnodes", "4",
       "--nproc-per-node", "8", "--gpus-per-node", "8", "--model", "gpt-1b", "--namespace", "training",
       "--queue", "gpus"]
 
@@ -232,7 +253,8 @@ def summed_requests(workload: dict) -> dict[str, float]:
 
     pod = template(workload)["spec"]
     steady: dict[str, float] = {}
-    for c in pod["containers"] + [c for c in pod.get("initContainers", []) if c.get("restartPolicy") == "Always"]:
+    for c in pod["containers"] + [c for c in pod.get("initContainers",
+                                                     []) if c.get("restartPolicy") == "Always"]:
         for k, v in requests(c).items():
             steady[k] = steady.get(k, 0.0) + v
     for c in pod.get("initContainers", []):
@@ -250,7 +272,8 @@ def test_the_printed_quota_covers_every_pod_spares_included(extra: list[str],
     admitted for the rendezvous to hold its spare: the ClusterQueue's quota covers what they request."""
     from eksft_nb.backends.eks.checks import quantity
 
-    docs = printed(P5 + ["--efa-per-node", "32", "--instance-type", "p5.48xlarge", "--spare-nodes", "1"] + extra,
+    docs = printed(P5 + ["--efa-per-node", "32", "--instance-type", "p5.48xlarge", "--spare-nodes",
+                         "1"] + extra,
                    capsys)
     workload = docs.get(("Job", "llm")) or docs[("JobSet", "llm")]
     need = summed_requests(workload)
@@ -258,7 +281,8 @@ def test_the_printed_quota_covers_every_pod_spares_included(extra: list[str],
     group, = docs[("ClusterQueue", "gpus")]["spec"]["resourceGroups"]
     flavor, = group["flavors"]
     quota = {r["name"]: quantity(r["nominalQuota"], r["name"]) for r in flavor["resources"]}
-    assert set(need) <= set(group["coveredResources"]) == set(quota)   # a resource not covered is never admitted
+    # a resource not covered is never admitted
+    assert set(need) <= set(group["coveredResources"]) == set(quota)
     for resource, amount in need.items():
         assert quota[resource] >= amount > 0, resource
     assert quota["nvidia.com/gpu"] == 40 and quota["vpc.amazonaws.com/efa"] == 160
@@ -267,16 +291,19 @@ def test_the_printed_quota_covers_every_pod_spares_included(extra: list[str],
 
 
 @pytest.mark.parametrize("instance", ["p5.48xlarge", "p5e.48xlarge", "p5en.48xlarge", "ml.p5.48xlarge"])
-def test_the_flavor_selects_the_nodes_the_pods_select(instance: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_flavor_selects_the_nodes_the_pods_select(instance: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
     docs = printed(P5 + ["--efa-per-node", "16", "--instance-type", instance], capsys)
     pod = template(docs[("Job", "llm")])["spec"]
     flavor, = [d for (kind, _), d in docs.items() if kind == "ResourceFlavor"]
-    assert flavor["spec"]["nodeLabels"] == pod["nodeSelector"] == {"node.kubernetes.io/instance-type": instance}
+    assert flavor["spec"]["nodeLabels"] == pod["nodeSelector"] == {
+        "node.kubernetes.io/instance-type": instance}
     group, = docs[("ClusterQueue", "gpus")]["spec"]["resourceGroups"]
     assert [f["name"] for f in group["flavors"]] == [flavor["metadata"]["name"]]
 
 
-def test_preemption_where_the_priority_class_promises_it_and_v1beta2(capsys: pytest.CaptureFixture[str]) -> None:
+def test_preemption_where_the_priority_class_promises_it_and_v1beta2(
+    capsys: pytest.CaptureFixture[str]) -> None:
     from eksft_nb.backends.eks.schemas import CRDS, SCHEMA_DIR
 
     docs = printed(P5 + ["--priority", "high"], capsys)
@@ -308,10 +335,12 @@ def test_topology_aware_scheduling_is_opt_in(kind: str, topology: str, annotatio
 
 
 @pytest.mark.parametrize("changes,problem,fix", [
-    ({"eks.queue": "q", "eks.topology": "rack"}, "--topology 'rack' is not a placement", "--topology required"),
+    ({"eks.queue": "q", "eks.topology": "rack"}, "--topology 'rack' is not a placement",
+     "--topology required"),
     ({"eks.queue": "q", "eks.topology": "required:4"}, "--topology 'required:4'", "required:2"),
     ({"eks.topology": "required"}, "--topology needs --queue", "add --queue NAME"),
-    ({"eks.queue": "q", "eks.topology": "required", "eks.kind": "pytorchjob"}, "a PyTorchJob's master and workers",
+    ({"eks.queue": "q", "eks.topology": "required", "eks.kind": "pytorchjob"},
+     "a PyTorchJob's master and workers",
      "--kind job or jobset"),
 ])
 def test_bad_topology_fails_with_problem_and_fix(changes: dict, problem: str, fix: str) -> None:
@@ -324,9 +353,10 @@ def test_a_kueue_that_serves_only_v1beta2_is_read(kube: Kube, backend: EksBacken
     """Kueue 0.20 no longer serves v1beta1: the job's state still comes from its Workload."""
     backend.launch(eks_spec(**{"eks.queue": "gpus"}))
     job = ctl.custom.get_namespaced_custom_object("batch", "v1", NS, "jobs", "demo")
-    kube.emulator.resources["kueue.x-k8s.io/v1beta2/workloads"] = {"kind": "Workload", "namespaced": True,
-                                                                   "verbs": ["list", "get", "create", "patch"]}
+    kube.emulator.resources["kueue.x-k8s.io/v1beta2/workloads"] = {
+        "kind": "Workload", "namespaced": True, "verbs": ["list", "get", "create", "patch"]}
     waiting = "couldn't assign flavors to pod set main: insufficient quota for nvidia.com/gpu"
-    kueue_workload(ctl, job, [{"type": "QuotaReserved", "status": "False", "reason": "Pending", "message": waiting}],
+    kueue_workload(ctl, job,
+                   [{"type": "QuotaReserved", "status": "False", "reason": "Pending", "message": waiting}],
                    version="v1beta2")
     assert backend.state("demo").detail == f"queued: waiting for quota in gpus ({waiting})"

@@ -33,7 +33,8 @@ NS = "default"
 
 def eks_spec(name: str = "demo", **changes: object) -> JobSpec:
     spec = JobSpec(name=name, backend="eks", nnodes=2, nproc_per_node=1, steps=10)
-    return spec.replace(**{"eks.image": "img:1", "eks.gpus_per_node": 0, "model.preset": "tiny", "checkpoint.every": 4,
+    return spec.replace(**{"eks.image": "img:1", "eks.gpus_per_node": 0, "model.preset": "tiny",
+                           "checkpoint.every": 4,
                            **changes})
 
 
@@ -48,7 +49,8 @@ def rank_start(rank: int, pid: int, injob: int = 0, start: int = 0) -> str:
 
 
 def steps(first: int, last: int) -> list[str]:
-    return [line("step", 0, step=s, loss=5.0 - 0.1 * s, tokens=1024, step_time=0.01) for s in range(first, last + 1)]
+    return [line("step", 0, step=s, loss=5.0 - 0.1 * s, tokens=1024,
+                 step_time=0.01) for s in range(first, last + 1)]
 
 
 @pytest.fixture
@@ -65,7 +67,8 @@ def backend(kube: Kube, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> EksB
     b = EksBackend(context="kmock", request_timeout=5)
     b._cluster().create({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
                          "metadata": {"name": "fsx-claim", "namespace": NS},
-                         "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1200Gi"}}}})
+                         "spec": {"accessModes": ["ReadWriteMany"],
+                                  "resources": {"requests": {"storage": "1200Gi"}}}})
     return b
 
 
@@ -80,7 +83,8 @@ def stored(kube: Kube, plural: str) -> list[str]:
 
 
 def raw(kube: Kube, plural: str, name: str) -> dict:
-    return next(o.raw for (res, _, n), o in kube.emulator.objects.items() if res.plural == plural and n == name)
+    return next(o.raw for (res, _, n),
+                o in kube.emulator.objects.items() if res.plural == plural and n == name)
 
 
 def calls_outside_the_role(kube: Kube, spec: JobSpec) -> list[str]:
@@ -114,10 +118,13 @@ def posts(kube: Kube) -> list[str]:
 def test_submit_creates_the_rendered_objects_and_is_idempotent(kube: Kube, backend: EksBackend) -> None:
     spec = eks_spec()
     backend.launch(spec)
-    assert (stored(kube, "configmaps"), stored(kube, "services"), stored(kube, "jobs")) == (["demo"], ["demo"], ["demo"])
+    assert (stored(kube, "configmaps"), stored(kube, "services"),
+            stored(kube, "jobs")) == (["demo"], ["demo"], ["demo"])
     job = raw(kube, "jobs", "demo")
-    assert job["spec"]["template"] == backend.manifests(spec).workload()["spec"]["template"]  # sent as validated
-    assert posts(kube) == ["persistentvolumeclaims", "configmaps", "networkpolicies", "podmonitors", "services",
+    # sent as validated
+    assert job["spec"]["template"] == backend.manifests(spec).workload()["spec"]["template"]
+    assert posts(kube) == ["persistentvolumeclaims", "configmaps", "networkpolicies", "podmonitors",
+                           "services",
                            "jobs"]   # the claim: the fixture's
     assert stored(kube, "networkpolicies") == ["demo"]
     backend.launch(spec)   # again: every object exists with this spec, nothing changes
@@ -127,15 +134,18 @@ def test_submit_creates_the_rendered_objects_and_is_idempotent(kube: Kube, backe
 
 def test_a_different_spec_under_the_same_name_is_refused(kube: Kube, backend: EksBackend) -> None:
     backend.launch(eks_spec())
-    with pytest.raises(JobError, match="job 'demo' already exists in namespace default with a different spec: choose"):
+    with pytest.raises(JobError,
+                       match="job 'demo' already exists in namespace default with a different spec: choose"):
         backend.launch(eks_spec(steps=20))
     assert backend.spec("demo").steps == 10
 
 
 def test_a_foreign_object_blocks_the_launch_and_nothing_is_left(kube: Kube, backend: EksBackend) -> None:
-    backend._cluster().create({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "demo", "namespace": NS},
+    backend._cluster().create({"apiVersion": "v1", "kind": "Service",
+                               "metadata": {"name": "demo", "namespace": NS},
                                "spec": {"clusterIP": "None", "ports": [{"port": 80}]}})
-    with pytest.raises(JobError, match="a Service named 'demo' already exists .* is not an eksft job: choose another"):
+    with pytest.raises(JobError,
+                       match="a Service named 'demo' already exists .* is not an eksft job: choose another"):
         backend.launch(eks_spec())
     assert stored(kube, "configmaps") == [] and stored(kube, "jobs") == []   # the ConfigMap was rolled back
 
@@ -156,8 +166,10 @@ def test_api_errors_are_explained_and_nothing_is_half_created(kube: Kube, backen
 
 
 def test_missing_crd_is_explained(kube: Kube, backend: EksBackend) -> None:
-    kube.emulator.inject("POST", "/jobsets", status=404, message="the server could not find the requested resource")
-    with pytest.raises(JobError, match=r"the JobSet API is not installed on this cluster \(404\): install JobSet"):
+    kube.emulator.inject("POST", "/jobsets", status=404,
+                         message="the server could not find the requested resource")
+    with pytest.raises(JobError,
+                       match=r"the JobSet API is not installed on this cluster \(404\): install JobSet"):
         backend.launch(eks_spec(**{"eks.kind": "jobset"}))
     assert stored(kube, "configmaps") == []
 
@@ -183,7 +195,8 @@ def test_unreachable_or_slow_api_server(kube: Kube, backend: EksBackend, tmp_pat
         port = s.getsockname()[1]
     closed = Kube(kube.emulator, f"http://127.0.0.1:{port}", kube.loop)
     monkeypatch.setenv("KUBECONFIG", str(closed.kubeconfig(tmp_path / "closed")))
-    with pytest.raises(JobError, match=rf"cannot connect to the Kubernetes API at http://127.0.0.1:{port} .*refused"):
+    with pytest.raises(JobError,
+                       match=rf"cannot connect to the Kubernetes API at http://127.0.0.1:{port} .*refused"):
         EksBackend(context="kmock").launch(eks_spec(name="other"))
 
 
@@ -220,27 +233,35 @@ def test_streamed_logs_feed_the_job_monitor(kube: Kube, backend: EksBackend, ctl
     job = Job("demo", backend)
     assert job.state == "starting" and "0 of 2 pods" in backend.state("demo").detail
     pods = ctl.create_pods("demo")
-    ctl.status(pods[1], "Pending", conditions=[{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                                                "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}])
-    assert backend.state("demo").detail == f"pod {pods[1]} (node 1): not scheduled: 0/3 nodes are available: " \
+    ctl.status(pods[1], "Pending",
+               conditions=[{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                                "message": "0/3 nodes are available: 3 Insufficient "
+                                                "nvidia.com/gpu."}])
+    assert backend.state(
+        "demo").detail == f"pod {pods[1]} (node 1): not scheduled: 0/3 nodes are available: " \
                                            "3 Insufficient nvidia.com/gpu."
     for p in pods:
         ctl.run(p)
     assert job.state == "running"
-    ctl.log(pods[0], "[2026-01-01 00:00:00,000] [INFO] [ft_launcher7@demo-0] Starting elastic_operator", rank_start(0, 40),
+    ctl.log(pods[0], "[2026-01-01 00:00:00,000] [INFO] [ft_launcher7@demo-0] Starting elastic_operator",
+            rank_start(0, 40),
             "[rank0]: tokenizer ready")
     ctl.log(pods[1], rank_start(1, 41))
-    ctl.log(pods[0], *steps(1, 4), line("checkpoint", 0, phase="committed", step=4, path="/checkpoints/demo/ckpt/step_00000004"),
+    ctl.log(pods[0], *steps(1, 4),
+            line("checkpoint", 0, phase="committed", step=4, path="/checkpoints/demo/ckpt/step_00000004"),
             *steps(5, 5))
     wait_for("step 5", lambda: job.refresh().last_step == 5)
     assert job.monitor.state == "running" and job.monitor.checkpoints[4].state == "committed"
     # rank 1 is SIGKILLed: its fault event, ft_launcher's line, then the new worker group resumes from 4
     ctl.log(pods[1], line("fault", 1, fault="sigkill", id="f1", target_rank=1, at_step=6),
-            "[2026-01-01 00:00:10,000] [ERROR] [ft_launcher8@demo-1] failed (exitcode: -9) local_rank: 0 (pid: 41) of binary: python")
+            "[2026-01-01 00:00:10,000] [ERROR] [ft_launcher8@demo-1] failed (exitcode: -9) local_rank: 0 "
+            "(pid: 41) of binary: python")
     wait_for("the failure", lambda: job.refresh().state == "recovering")
-    assert job.monitor.failures[-1]["cause"] == "injected sigkill on rank 1" and job.monitor.failures[-1]["level"] == "injob"
+    assert job.monitor.failures[-1]["cause"] == "injected sigkill on rank 1" and job.monitor.failures[-1][
+        "level"] == "injob"
     ctl.log(pods[1], rank_start(1, 52, injob=1, start=4))
-    ctl.log(pods[0], rank_start(0, 51, injob=1, start=4), *steps(5, 10), line("rank_end", 0, final_step=10, digest="abc123"))
+    ctl.log(pods[0], rank_start(0, 51, injob=1, start=4), *steps(5, 10),
+            line("rank_end", 0, final_step=10, digest="abc123"))
     for p in pods:
         ctl.exit(p, 0)
     ctl.finish("demo")
@@ -254,11 +275,13 @@ def test_streamed_logs_feed_the_job_monitor(kube: Kube, backend: EksBackend, ctl
     # the log: what the ranks print, without telemetry and launcher noise (unless debug), per node
     assert backend.logs("demo").splitlines() == ["[node 0] [rank0]: tokenizer ready"]
     debug = backend.logs("demo", debug=True).splitlines()
-    assert debug[0] == "[node 0] [2026-01-01 00:00:00,000] [INFO] [ft_launcher7@demo-0] Starting elastic_operator"
+    assert debug[
+        0] == "[node 0] [2026-01-01 00:00:00,000] [INFO] [ft_launcher7@demo-0] Starting elastic_operator"
     assert sum(LOG_PREFIX in x for x in debug) == 18 and debug[-1].startswith("[node 1] @@eksft ")
 
 
-def test_pod_failures_become_failure_and_restart_events(kube: Kube, backend: EksBackend, ctl: Controllers) -> None:
+def test_pod_failures_become_failure_and_restart_events(kube: Kube, backend: EksBackend,
+                                                        ctl: Controllers) -> None:
     backend.launch(eks_spec())
     job = Job("demo", backend)
     pods = ctl.create_pods("demo")
@@ -269,8 +292,10 @@ def test_pod_failures_become_failure_and_restart_events(kube: Kube, backend: Eks
     ctl.exit(pods[1], 137, "OOMKilled")
     failure = wait_for("the OOM failure", lambda: job.refresh().failures and job.monitor.failures[-1])
     assert failure["level"] == "job" and failure["cause"] == (
-        f"pod {pods[1]} (node 1): ft_launcher was OOM-killed (the pod reached its memory limit: raise --memory)")
-    assert backend.state("demo").detail.startswith(f"recovering: pod {pods[1]} (node 1): ft_launcher was OOM-killed")
+        f"pod {pods[1]} (node 1): ft_launcher was OOM-killed (the pod reached its memory limit: "
+        "raise --memory)")
+    assert backend.state("demo").detail.startswith(f"recovering: pod {pods[1]} (node 1): ft_launcher "
+                                                   "was OOM-killed")
     # the Job controller replaces the pod; the new worker group resumes from its checkpoint
     replacement = ctl.create_pods("demo", failures=1)[1]
     ctl.run(replacement)
@@ -285,7 +310,8 @@ def test_pod_failures_become_failure_and_restart_events(kube: Kube, backend: Eks
     assert deleted == pods[0] and pods[0] not in stored(kube, "pods")
     wait_for("the node loss", lambda: len(job.refresh().failures) == 3)
     assert job.monitor.faults[-1]["fault"] == "node-loss" and job.monitor.faults[-1]["node"] == 0
-    assert job.monitor.failures[-1]["cause"] == f"injected node-loss on node 0: pod {pods[0]} (node 0) was deleted: its node is lost"
+    assert job.monitor.failures[-1][
+        "cause"] == f"injected node-loss on node 0: pod {pods[0]} (node 0) was deleted: its node is lost"
     assert calls_outside_the_role(kube, eks_spec()) == []   # no pod was modified, only deleted
 
 
@@ -294,15 +320,20 @@ def test_a_pod_that_cannot_start_says_why(kube: Kube, backend: EksBackend, ctl: 
     pods = ctl.create_pods("demo")
     ctl.status(pods[0], "Pending", {"waiting": {"reason": "ErrImagePull", "message": "pull access denied"}})
     assert backend.state("demo").state == "starting"
-    ctl.status(pods[0], "Pending", {"waiting": {"reason": "ImagePullBackOff", "message": "Back-off pulling image img:1"}})
+    ctl.status(pods[0], "Pending",
+               {"waiting": {"reason": "ImagePullBackOff", "message": "Back-off pulling image img:1"}})
     status = backend.state("demo")
     assert status.state == "failed" and status.detail.startswith(
-        f"pod {pods[0]} (node 0): image img cannot be pulled (ImagePullBackOff: Back-off pulling image img:1)")
+        f"pod {pods[0]} (node 0): image img cannot be pulled (ImagePullBackOff: Back-off pulling image "
+        "img:1)")
     ctl.status(pods[0], "Pending", {"waiting": {"reason": "ContainerCreating"}})
-    ctl.core.create_namespaced_event(NS, {"metadata": {"name": "e1"}, "involvedObject": {"kind": "Pod", "name": pods[0]},
-                                          "type": "Warning", "reason": "FailedMount", "lastTimestamp": "2026-01-01T00:00:00Z",
+    ctl.core.create_namespaced_event(NS, {"metadata": {"name": "e1"},
+                                          "involvedObject": {"kind": "Pod", "name": pods[0]},
+                                          "type": "Warning", "reason": "FailedMount",
+                                          "lastTimestamp": "2026-01-01T00:00:00Z",
                                           "message": "MountVolume.SetUp failed for volume \"checkpoints\""})
-    assert backend.state("demo").detail == f"pod {pods[0]} (node 0): FailedMount: MountVolume.SetUp failed for volume " \
+    assert backend.state(
+        "demo").detail == f"pod {pods[0]} (node 0): FailedMount: MountVolume.SetUp failed for volume " \
                                            "\"checkpoints\""
 
 
@@ -328,12 +359,14 @@ def test_inject_signal_checkpoints_stop_and_resume(kube: Kube, backend: EksBacke
         ctl.run(p)
     job_dir = ctl.root / "volumes" / "fsx-claim" / "demo"
     assert json.loads((job_dir / "spec.json").read_text())["name"] == "demo"
-    assert [json.loads(f.read_text())["fault"] for f in (job_dir / "control" / "pending").glob("*.json")] == ["exception"]
+    pending = (job_dir / "control" / "pending").glob("*.json")
+    assert [json.loads(f.read_text())["fault"] for f in pending] == ["exception"]
 
     command = job.inject("sigkill", rank=1, step=7)
     assert json.loads((job_dir / "control" / "pending" / f"{command.id}.json").read_text())["step"] == 7
     assert kube.emulator.exec_calls[-1][2][:4] == ["python", "-m", "eksft_nb.backends.eks.inpod", "inject"]
-    with pytest.raises(ControlError, match="rank 5 is out of range for a job of 2 ranks: use --rank between 0 and 1"):
+    with pytest.raises(ControlError,
+                       match="rank 5 is out of range for a job of 2 ranks: use --rank between 0 and 1"):
         job.inject("sigkill", rank=5)
 
     # a rank process in pod 1, with its progress beacon: signalled where it runs
@@ -354,8 +387,10 @@ def test_inject_signal_checkpoints_stop_and_resume(kube: Kube, backend: EksBacke
     (job_dir / "ckpt" / "step_00000008").mkdir()
     infos = job.checkpoints()
     assert [(i.step, str(i.path), i.state) for i in infos] == [
-        (4, "/checkpoints/demo/ckpt/step_00000004", "committed"), (8, "/checkpoints/demo/ckpt/step_00000008", "incomplete")]
-    mounted = EksBackend(context="kmock", checkpoints_mount=str(ctl.root / "volumes" / "fsx-claim")).checkpoints("demo")
+        (4, "/checkpoints/demo/ckpt/step_00000004", "committed"),
+        (8, "/checkpoints/demo/ckpt/step_00000008", "incomplete")]
+    mounted = EksBackend(context="kmock",
+                         checkpoints_mount=str(ctl.root / "volumes" / "fsx-claim")).checkpoints("demo")
     assert [(i.step, str(i.path)) for i in mounted] == [(i.step, str(i.path)) for i in infos]
 
     backend.stop("demo", timeout=5)
@@ -363,14 +398,17 @@ def test_inject_signal_checkpoints_stop_and_resume(kube: Kube, backend: EksBacke
     assert deletes[0].url.path.endswith("/jobs/demo") and deletes[0].data["propagationPolicy"] == "Foreground"
     assert stored(kube, "jobs") == stored(kube, "pods") == stored(kube, "services") == []
     order = [r.url.path.rsplit("/", 2)[-2] for r in deletes]
-    assert stored(kube, "networkpolicies") == [] and order.index("networkpolicies") > order.index("jobs")  # pods gone
+    # pods gone
+    assert stored(kube, "networkpolicies") == [] and order.index("networkpolicies") > order.index("jobs")
     assert stored(kube, "configmaps") == ["demo"] and backend.state("demo").state == "stopped"
     assert job.wait(timeout=10, poll=0.1) == "stopped"
     with pytest.raises(JobError, match="no running pod to list its checkpoints.*EKSFT_CHECKPOINTS_MOUNT"):
         job.checkpoints()
 
     # resume: a new job from step 4, its spec pointing at the checkpoint on the shared volume
-    resumed = Job("demo", EksBackend(context="kmock", checkpoints_mount=str(ctl.root / "volumes" / "fsx-claim"))).resume(step=4)
+    resumed = Job("demo",
+                  EksBackend(context="kmock",
+                             checkpoints_mount=str(ctl.root / "volumes" / "fsx-claim"))).resume(step=4)
     assert resumed.name == "demo-from-4" and stored(kube, "jobs") == ["demo-from-4"]
     pod_spec = JobSpec.from_json(raw(kube, "configmaps", "demo-from-4")["data"]["spec.json"])
     assert pod_spec.resume == "/checkpoints/demo/ckpt/step_00000004" and pod_spec.checkpoint.dir is None
@@ -409,7 +447,8 @@ def test_jobset_and_pytorchjob_go_through_the_custom_objects_api(kube: Kube, bac
 def test_the_cli_submits_to_the_kubeconfig_context(kube: Kube, backend: EksBackend) -> None:
     from jobs import cli
 
-    done = cli("run", "--backend", "eks", "--detach", "--name", "from-cli", "--image", "img:1", "--gpus-per-node", "0",
+    done = cli("run", "--backend", "eks", "--detach", "--name", "from-cli", "--image", "img:1",
+               "--gpus-per-node", "0",
                "--nnodes", "2", "--nproc-per-node", "1", "--model", "tiny", "--context", "kmock", timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("launched from-cli: 2 ranks (2x1)")
@@ -435,7 +474,8 @@ def test_kill_supervisor_is_refused_on_eks_before_anything_is_sent() -> None:
 def test_a_claim_other_nodes_cannot_mount_is_refused(kube: Kube, backend: EksBackend) -> None:
     backend._cluster().create({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
                                "metadata": {"name": "ebs", "namespace": NS},
-                               "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}})
+                               "spec": {"accessModes": ["ReadWriteOnce"],
+                                        "resources": {"requests": {"storage": "1Gi"}}}})
     with pytest.raises(JobError) as e:
         backend.launch(eks_spec(**{"eks.checkpoint_pvc": "ebs"}))
     assert "claim 'ebs' is ReadWriteOnce, not ReadWriteMany" in e.value.problem and "\n" not in str(e.value)

@@ -39,7 +39,8 @@ def admits(policy: dict, source_ns: dict, source_pod: dict, port: int) -> bool:
 
 @pytest.mark.parametrize("kind", ["job", "jobset", "pytorchjob"])
 @pytest.mark.parametrize("prometheus", [None, "prom"])
-def test_only_the_jobs_pods_reach_its_ports_and_prometheus_its_metrics(kind: str, prometheus: str | None) -> None:
+def test_only_the_jobs_pods_reach_its_ports_and_prometheus_its_metrics(kind: str,
+                                                                       prometheus: str | None) -> None:
     changes = {"eks.kind": kind, **({"eks.prometheus_namespace": prometheus} if prometheus else {})}
     m = EksBackend().manifests(eks_spec(**changes))   # each manifest validated against its schema
     policy = next(d for d in m.job if d["kind"] == "NetworkPolicy")
@@ -58,7 +59,8 @@ def test_only_the_jobs_pods_reach_its_ports_and_prometheus_its_metrics(kind: str
         assert not admits(policy, {"kubernetes.io/metadata.name": "elsewhere"}, ours, port), port
     scraper = {"kubernetes.io/metadata.name": prometheus or "monitoring"}
     assert admits(policy, scraper, {"app": "prometheus"}, names.METRICS_PORT)
-    assert not any(admits(policy, scraper, {"app": "prometheus"}, p) for p in [29500, 29501, 29502, EPHEMERAL])
+    assert not any(admits(policy, scraper, {"app": "prometheus"},
+                          p) for p in [29500, 29501, 29502, EPHEMERAL])
 
 
 def test_without_the_metrics_sidecar_nothing_outside_the_job_is_admitted() -> None:

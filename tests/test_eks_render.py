@@ -22,7 +22,8 @@ IMAGE = "123456789012.dkr.ecr.us-west-2.amazonaws.com/eksft-nb:0.1.0"
 def eks_spec(name: str = "demo", nnodes: int = 1, gpus: int = 0, efa: int = 0, kind: str = "job",
              mode: str = "async", **changes: object) -> JobSpec:
     spec = JobSpec(name=name, backend="eks", nnodes=nnodes, nproc_per_node=max(gpus, 1))
-    return spec.replace(**{"eks.image": IMAGE, "eks.kind": kind, "eks.gpus_per_node": gpus, "eks.efa_per_node": efa,
+    return spec.replace(**{"eks.image": IMAGE, "eks.kind": kind, "eks.gpus_per_node": gpus,
+                           "eks.efa_per_node": efa,
                            "checkpoint.mode": mode, "model.preset": "gpt-1b" if gpus else "tiny", **changes})
 
 
@@ -68,7 +69,8 @@ def test_matrix_renders_valid_manifests(kind: str, nnodes: int, gpus: int, efa: 
     assert cold["containers"][0]["command"] == ["ft_launcher"] and cold["containers"][0]["args"] == line[1:]
     if kind != "pytorchjob":
         assert names.rank0_host(spec) == f"{names.pod_host(spec, 0)}.demo.default.svc.cluster.local"
-        assert env["EKSFT_NODE_RANK"]["fieldRef"]["fieldPath"].endswith("['batch.kubernetes.io/job-completion-index']")
+        assert env["EKSFT_NODE_RANK"]["fieldRef"]["fieldPath"].endswith(
+            "['batch.kubernetes.io/job-completion-index']")
     assert env["EKSFT_EVENTS_STDOUT"] == "1" and env["EKSFT_JOB_DIR"] == "/checkpoints/demo"
     # devices, NCCL/EFA, shared memory and the checkpoint volume
     limits = trainer.get("resources", {}).get("limits", {})
@@ -89,7 +91,8 @@ def test_job_pods_find_node_0_through_the_headless_service() -> None:
     assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
     assert pod["spec"]["subdomain"] == service["metadata"]["name"] == "demo"
-    assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["completions"] == job["spec"]["parallelism"] == 4
+    assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["completions"] == job["spec"][
+        "parallelism"] == 4
     assert job["spec"]["backoffLimitPerIndex"] == 2 and job["spec"]["maxFailedIndexes"] == 0
 
 
@@ -105,7 +108,8 @@ def test_shm_is_sized_for_checkpoint_staging() -> None:
 def test_control_plane_role_grants_only_what_it_calls() -> None:
     def grants_for(spec: JobSpec) -> dict[tuple[str, str], set[str]]:
         role = next(d for d in EksBackend().manifests(spec).admin if d["kind"] == "Role")
-        return {(g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
+        return {(g, r): set(rule["verbs"]) for rule in role["rules"]
+                for g in rule["apiGroups"] for r in rule["resources"]}
 
     grants = grants_for(eks_spec(kind="jobset"))
     assert grants == {
@@ -126,14 +130,16 @@ def test_control_plane_role_grants_only_what_it_calls() -> None:
 
 
 def test_fsx_storage_class_and_claim() -> None:
-    spec = eks_spec(**{"eks.create_pvc": True, "eks.fsx_subnet": "subnet-0abc", "eks.fsx_security_groups": "sg-1",
+    spec = eks_spec(**{"eks.create_pvc": True, "eks.fsx_subnet": "subnet-0abc",
+                       "eks.fsx_security_groups": "sg-1",
                        "eks.storage_size": "2400Gi"})
     m = EksBackend().manifests(spec)
     sc = next(d for d in m.admin if d["kind"] == "StorageClass")
     pvc = m.job[0]
     assert sc["provisioner"] == "fsx.csi.aws.com" and sc["parameters"]["subnetId"] == "subnet-0abc"
     assert pvc["kind"] == "PersistentVolumeClaim" and pvc["spec"]["accessModes"] == ["ReadWriteMany"]
-    assert pvc["spec"]["storageClassName"] == "fsx-sc" and pvc["spec"]["resources"]["requests"]["storage"] == "2400Gi"
+    assert pvc["spec"]["storageClassName"] == "fsx-sc" and pvc["spec"]["resources"]["requests"][
+        "storage"] == "2400Gi"
 
 
 def test_a_cell_script_travels_in_the_config_map(tmp_path) -> None:
@@ -145,7 +151,8 @@ def test_a_cell_script_travels_in_the_config_map(tmp_path) -> None:
     assert JobSpec.from_json(config["data"]["spec.json"]).script == "/etc/eksft/cell_1.py"
     assert JobSpec.from_json(config["data"]["submitted-spec.json"]) == spec
     assert job["spec"]["template"]["spec"]["containers"][0]["args"][-4:] == ["eksft_nb.runtime.script",
-                                                                             "/etc/eksft/cell_1.py", "--lr", "0.1"]
+                                                                             "/etc/eksft/cell_1.py", "--lr",
+                                                                             "0.1"]
 
 
 def test_schemas_reject_what_the_api_server_would() -> None:
@@ -177,21 +184,27 @@ def test_kubernetes_version_is_selectable() -> None:
 
 LONG = "a" * 55
 INVALID = [
-    ({"eks.gpus_per_node": 16, "nproc_per_node": 16}, "16 GPUs per node: an EC2 instance has at most 8", "--gpus-per-node 8"),
-    ({"eks.gpus_per_node": 8, "nproc_per_node": 8, "eks.efa_per_node": 32, "eks.instance_type": "p4d.24xlarge"},
+    ({"eks.gpus_per_node": 16, "nproc_per_node": 16}, "16 GPUs per node: an EC2 instance has at most 8",
+     "--gpus-per-node 8"),
+    ({"eks.gpus_per_node": 8, "nproc_per_node": 8, "eks.efa_per_node": 32,
+      "eks.instance_type": "p4d.24xlarge"},
      "32 EFA devices per node: p4d.24xlarge has at most 4", "--efa-per-node 4"),
     ({"eks.gpus_per_node": 4, "nproc_per_node": 8}, "8 ranks per node but only 4 GPUs", "--nproc-per-node 4"),
     ({"eks.efa_per_node": 2}, "EFA devices are only used by NCCL", "--efa-per-node 0"),
-    ({"name": LONG, "eks.kind": "jobset", "nnodes": 16}, "too long for --kind jobset", "at most 53 characters"),
+    ({"name": LONG, "eks.kind": "jobset", "nnodes": 16}, "too long for --kind jobset",
+     "at most 53 characters"),
     ({"eks.checkpoint_pvc": ""}, "no checkpoint PVC name", "--pvc NAME"),
     ({"eks.image": ""}, "container image '' is missing", "--image REGISTRY/REPO:TAG"),
-    ({"eks.memory": "2Gi", "eks.shm_size": "8Gi"}, "does not cover the 8Gi memory-backed /dev/shm", "--memory 9Gi"),
+    ({"eks.memory": "2Gi", "eks.shm_size": "8Gi"}, "does not cover the 8Gi memory-backed /dev/shm",
+     "--memory 9Gi"),
     ({"eks.cpu": "lots"}, "--cpu 'lots' is not a Kubernetes quantity", "--cpu 4 (or 500m)"),
     ({"eks.create_pvc": True}, "needs a subnet and security groups", "--fsx-subnet"),
-    ({"eks.create_pvc": True, "eks.storage_size": "1000Gi", "eks.fsx_subnet": "s", "eks.fsx_security_groups": "g"},
+    ({"eks.create_pvc": True, "eks.storage_size": "1000Gi", "eks.fsx_subnet": "s",
+      "eks.fsx_security_groups": "g"},
      "FSx for Lustre cannot be 1000Gi", "--storage-size 1200Gi"),
     ({"checkpoint.dir": "/tmp/ckpt"}, "not on the shared volume", "under /checkpoints"),
-    ({"resume": "/home/me/ckpt/step_00000010"}, "not on the shared volume the pods mount", "under /checkpoints"),
+    ({"resume": "/home/me/ckpt/step_00000010"}, "not on the shared volume the pods mount",
+     "under /checkpoints"),
     ({"script": "/nonexistent/train.py"}, "does not exist", "--script"),
     ({"eks.k8s_version": "2.0"}, "cannot validate for Kubernetes '2.0'", "--k8s-version 1.25 to 1.37"),
     ({"eks.namespace": "Team_A"}, "namespace 'Team_A' is not a DNS-1123 label", "--namespace"),
@@ -215,11 +228,13 @@ def test_cli_dry_run_prints_the_manifests() -> None:
                    "--model", "gpt-1b", "--namespace", "training", timeout=120)
     assert done.returncode == 0, done.stderr
     docs = [d for d in yaml.safe_load_all(done.stdout) if d]
-    assert [d["kind"] for d in docs] == ["ServiceAccount", "Role", "RoleBinding", "ConfigMap", "NetworkPolicy", "PodMonitor",
+    assert [d["kind"] for d in docs] == ["ServiceAccount", "Role", "RoleBinding", "ConfigMap",
+                                         "NetworkPolicy", "PodMonitor",
                                         "JobSet"]
     assert all(d["metadata"]["namespace"] == "training" for d in docs)
     bad = cli("run", "--backend", "eks", "--dry-run", "--image", IMAGE, "--gpus-per-node", "12", timeout=120)
-    assert bad.returncode == 2 and bad.stderr.startswith("eksft: error: 12 GPUs per node") and bad.stdout == ""
+    assert bad.returncode == 2 and bad.stderr.startswith(
+        "eksft: error: 12 GPUs per node") and bad.stdout == ""
 
 
 @pytest.mark.parametrize("kind", ["job", "jobset", "pytorchjob"])
@@ -233,17 +248,20 @@ def test_script_args_reach_the_pod_literally(kind: str, tmp_path) -> None:
 
     script = tmp_path / "train.py"
     script.write_text("pass\n")
-    tricky = ["$(HOME)", "$$", "a$b$", "$(EKSFT_JOB)", "--x=$(EKSFT_NODE_RANK)", "$$(X)", "$", "${local_rank}"]
+    tricky = ["$(HOME)", "$$", "a$b$", "$(EKSFT_JOB)", "--x=$(EKSFT_NODE_RANK)", "$$(X)", "$",
+              "${local_rank}"]
     spec = eks_spec(kind=kind, nnodes=2, script=str(script), script_args=tricky)
     m = EksBackend().manifests(spec)
     template = pod_template(m.workload())
     config = m.job[0]["data"]
-    pod = LocalPod(template, "demo-1", tmp_path, config, {names.COMPLETION_INDEX: "1", names.INDEX_FAILURES: "0",
+    pod = LocalPod(template, "demo-1", tmp_path, config,
+                   {names.COMPLETION_INDEX: "1", names.INDEX_FAILURES: "0",
                                                          names.JOBSET_RESTARTS: "0"})
     argv = pod.argv(names.container(spec))
     assert [Template(a).safe_substitute(local_rank="0") for a in argv[-len(tricky):]] == tricky
     node_rank = next(a for a in argv if a.startswith("--node-rank="))
-    assert node_rank == ("--node-rank=$(RANK)" if kind == "pytorchjob" else "--node-rank=1")  # RANK: the operator's
+    # RANK: the operator's
+    assert node_rank == ("--node-rank=$(RANK)" if kind == "pytorchjob" else "--node-rank=1")
 
 
 @pytest.mark.parametrize("kind", ["job", "jobset", "pytorchjob"])

@@ -2,8 +2,8 @@
 with their rendered command, args and environment (rank 0's DNS name mapped to 127.0.0.1).
 
 It proves the manifest's launch line trains (2 pods x 1 rank), survives a SIGKILL of a rank through
-ft_launcher with the restarted rank forked warm by its pod's zygote, and resumes from a checkpoint as a new job, with the dashboard's monitor fed by the
-streamed pod logs all along."""
+ft_launcher with the restarted rank forked warm by its pod's zygote, and resumes from a checkpoint as a new
+job, with the dashboard's monitor fed by the streamed pod logs all along."""
 
 from __future__ import annotations
 
@@ -69,7 +69,8 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Kube, EksB
             ctl.close()
 
 
-def test_rendered_pods_train_survive_a_sigkill_and_resume(cluster: tuple[Kube, EksBackend, Controllers]) -> None:
+def test_rendered_pods_train_survive_a_sigkill_and_resume(
+    cluster: tuple[Kube, EksBackend, Controllers]) -> None:
     kube, backend, ctl = cluster
     # in-job restart only (in-process restart has its own tests), and checkpoints committed before the
     # next step (async ones commit a little later), so the step it resumes from is known
@@ -87,7 +88,8 @@ def test_rendered_pods_train_survive_a_sigkill_and_resume(cluster: tuple[Kube, E
     assert job.wait(timeout=300, poll=0.5) == "succeeded", backend.logs("replay", debug=True)
     mon = job.monitor
     assert mon.max_step == 16 and mon.digest and mon.state == "succeeded"
-    assert {f["fault"] for f in mon.faults} == {"sigkill", "slow-rank"} and injected.id in {f["id"] for f in mon.faults}
+    assert {f["fault"] for f in mon.faults} == {"sigkill",
+                                                "slow-rank"} and injected.id in {f["id"] for f in mon.faults}
     assert len(mon.restarts) == 1, mon.restarts
     [restart] = mon.restarts
     assert (restart["level"], restart["cause"], restart["blame_rank"], restart["resumed_step"]) == (
@@ -118,7 +120,8 @@ def test_rendered_pods_train_survive_a_sigkill_and_resume(cluster: tuple[Kube, E
     assert resumed.monitor.digest == mon.digest   # the same parameters, bit for bit
 
 
-def test_script_args_reach_the_ranks_literally(cluster: tuple[Kube, EksBackend, Controllers], tmp_path: Path) -> None:
+def test_script_args_reach_the_ranks_literally(cluster: tuple[Kube, EksBackend, Controllers],
+                                               tmp_path: Path) -> None:
     """The kubelet expands $(VAR) (for variables the container defines) and $$ in args, and the
     launcher ${local_rank} and $$ in its workers' args: what the user typed reaches the script."""
     import json

@@ -21,8 +21,10 @@ def stamp(t: float) -> str:
 
 
 def pod(state: dict[str, Any] | None = None, *, name: str = "demo-1-abcde", node: int = 1, restarts: int = 0,
-        last: dict[str, Any] | None = None, init: dict[str, Any] | None = None, **status: Any) -> dict[str, Any]:
-    container = {"name": "trainer", "image": "img:1", "restartCount": restarts, "state": state or {"running": {}}}
+        last: dict[str, Any] | None = None, init: dict[str, Any] | None = None,
+        **status: Any) -> dict[str, Any]:
+    container = {"name": "trainer", "image": "img:1", "restartCount": restarts,
+                 "state": state or {"running": {}}}
     if last:
         container["lastState"] = {"terminated": last}
     body = {"phase": "Running", "containerStatuses": [container], **status}
@@ -39,19 +41,26 @@ def pod(state: dict[str, Any] | None = None, *, name: str = "demo-1-abcde", node
      "ft_launcher was OOM-killed (the pod reached its memory limit: raise --memory)"),
     (pod({"terminated": {"exitCode": 137, "reason": "Error"}}), "failed", True, False,
      "ft_launcher was killed (SIGKILL, exit 137)"),
-    (pod({"waiting": {"reason": "CrashLoopBackOff"}}, last={"exitCode": 1, "message": "boom\nValueError: bad"}),
-     "failed", True, False, "ft_launcher keeps failing (exited with code 1: ValueError: bad), restarting with back-off"),
+    (pod({"waiting": {"reason": "CrashLoopBackOff"}},
+         last={"exitCode": 1, "message": "boom\nValueError: bad"}),
+     "failed", True, False,
+     "ft_launcher keeps failing (exited with code 1: ValueError: bad), restarting with back-off"),
     (pod({"waiting": {"reason": "PodInitializing"}}, phase="Pending",
-         init={"terminated": {"exitCode": 1, "message": "/checkpoints/demo holds a different job named demo"}}),
-     "failed", True, False, "the prepare step exited with code 1: /checkpoints/demo holds a different job named demo"),
-    (pod({"waiting": {"reason": "ImagePullBackOff", "message": "not found"}}, phase="Pending"), "pending", False, True,
+         init={"terminated": {"exitCode": 1,
+                              "message": "/checkpoints/demo holds a different job named demo"}}),
+     "failed", True, False,
+     "the prepare step exited with code 1: /checkpoints/demo holds a different job named demo"),
+    (pod({"waiting": {"reason": "ImagePullBackOff", "message": "not found"}}, phase="Pending"), "pending",
+     False, True,
      "image img:1 cannot be pulled (ImagePullBackOff: not found)"),
-    (pod({"waiting": {"reason": "CreateContainerConfigError", "message": 'secret "hf" not found'}}, phase="Pending"),
+    (pod({"waiting": {"reason": "CreateContainerConfigError", "message": 'secret "hf" not found'}},
+         phase="Pending"),
      "pending", False, True, 'CreateContainerConfigError: secret "hf" not found'),
     (pod(conditions=[{"type": "DisruptionTarget", "status": "True", "reason": "DeletionByTaintManager",
                       "message": "Taint manager: deleting due to NoExecute taint"}]), "failed", True, False,
      "disrupted (DeletionByTaintManager: Taint manager: deleting due to NoExecute taint)"),
-    (pod(phase="Failed", reason="Evicted", message="The node was low on resource: ephemeral-storage."), "failed", True,
+    (pod(phase="Failed", reason="Evicted", message="The node was low on resource: ephemeral-storage."),
+     "failed", True,
      False, "evicted: The node was low on resource: ephemeral-storage."),
 ])
 def test_pod_states_in_words(status: dict, phase: str, failed: bool, stuck: bool, reason: str) -> None:
@@ -72,16 +81,19 @@ def test_pytorchjob_pods_are_numbered_master_first() -> None:
     ("Job", "Failed", "FailedIndexes", ("failed", "a node failed more often than max_job_restarts allows "
                                                   "(FailedIndexes: Job has failed indexes)")),
     ("JobSet", "Completed", "", ("succeeded", "all pods finished")),
-    ("JobSet", "Failed", "ReachedMaxRestarts", ("failed", "a node failed more often than max_job_restarts allows "
+    ("JobSet", "Failed", "ReachedMaxRestarts",
+     ("failed", "a node failed more often than max_job_restarts allows "
                                                           "(ReachedMaxRestarts: Job has failed indexes)")),
     ("PyTorchJob", "Succeeded", "", ("succeeded", "all pods finished")),
-    ("PyTorchJob", "Failed", "PyTorchJobFailed", ("failed", "the workload failed (PyTorchJobFailed: Job has failed "
+    ("PyTorchJob", "Failed", "PyTorchJobFailed",
+     ("failed", "the workload failed (PyTorchJobFailed: Job has failed "
                                                             "indexes)")),
 ])
 def test_workload_outcomes(kind: str, condition: str, reason: str, outcome: tuple) -> None:
     obj = {"kind": kind, "status": {"conditions": [
         {"type": "Suspended", "status": "False"},
-        {"type": condition, "status": "True", "reason": reason, "message": "Job has failed indexes" if reason else ""}]}}
+        {"type": condition, "status": "True", "reason": reason,
+         "message": "Job has failed indexes" if reason else ""}]}}
     assert workload_outcome(obj) == outcome
     obj["status"]["conditions"][1]["status"] = "False"
     assert workload_outcome(obj) is None
@@ -101,7 +113,8 @@ def rank_start(rank: int, t: float, attempt: int = 0, injob: int = 0, start: int
 
 
 def tracker(kind: str = "job") -> Tracker:
-    spec = JobSpec(name="demo", backend="eks", nnodes=2, nproc_per_node=1, steps=10).replace(**{"eks.kind": kind})
+    spec = JobSpec(name="demo", backend="eks", nnodes=2, nproc_per_node=1,
+                   steps=10).replace(**{"eks.kind": kind})
     return Tracker(spec, created=T0, server="https://eks.example")
 
 
@@ -111,7 +124,8 @@ def test_a_pytorchjob_pod_restarted_in_place_is_a_job_restart() -> None:
     tr.feed(("line", "demo-master-0", step(1, T0 + 2)))
     p = pod(restarts=1, last={"exitCode": 1, "reason": "Error"}, name="demo-worker-0")
     p["spec"] = {}
-    p["metadata"]["labels"] = {"training.kubeflow.org/replica-type": "worker", "training.kubeflow.org/replica-index": "0"}
+    p["metadata"]["labels"] = {"training.kubeflow.org/replica-type": "worker",
+                               "training.kubeflow.org/replica-index": "0"}
     p["status"]["containerStatuses"][0]["name"] = "pytorch"
     tr.feed(("pod", "MODIFIED", p, False))
     tr.feed(("pod", "MODIFIED", p, False))   # seen again: still one failure
@@ -127,13 +141,16 @@ def test_a_pytorchjob_pod_restarted_in_place_is_a_job_restart() -> None:
 
 def test_a_node_fault_names_the_pod_it_took_down() -> None:
     tr = tracker()
-    tr.feed(("line", "demo-1-abcde", line("fault", 1, T0 + 5, fault="kill-launcher", id="k1", target_rank=None,
+    tr.feed(("line", "demo-1-abcde",
+             line("fault", 1, T0 + 5, fault="kill-launcher", id="k1", target_rank=None,
                                            at_step=3, node=1)))
     tr.feed(("pod", "MODIFIED", pod({"terminated": {"exitCode": 137, "reason": "Error",
                                                     "finishedAt": stamp(T0 + 6)}}), False))
     [failure] = [e for e in tr.take() if e.kind == "failure"]
     assert (failure["level"], failure["cause"], failure["fault_time"], failure["detected_at"]) == (
-        "job", "injected kill-launcher on node 1: pod demo-1-abcde (node 1): ft_launcher was killed (SIGKILL, exit 137)",
+        "job",
+        "injected kill-launcher on node 1: pod demo-1-abcde (node 1): ft_launcher was killed "
+        "(SIGKILL, exit 137)",
         T0 + 5, T0 + 6)
 
 
@@ -221,10 +238,12 @@ def test_failures_are_dated_on_the_pods_clock() -> None:
         tr.feed(("line", "demo-0-aaaaa", step(s, pods_now - 20 + s)))
     tr.feed(("line", "demo-1-aaaaa", line("fault", 1, pods_now - 1, fault="sigkill", id="f1", target_rank=1,
                                            at_step=4)))
-    tr.feed(("line", "demo-1-aaaaa", "[2026-01-01 00:00:10,000] [ERROR] [ft_launcher8@demo-1] failed (exitcode: -9) "
+    tr.feed(("line", "demo-1-aaaaa",
+             "[2026-01-01 00:00:10,000] [ERROR] [ft_launcher8@demo-1] failed (exitcode: -9) "
                                      "local_rank: 0 (pid: 41) of binary: python"))
     for rank in (0, 1):
-        tr.feed(("line", f"demo-{rank}-aaaaa", rank_start(rank, pods_now + 2, pid=50 + rank, injob=1, start=3)))
+        tr.feed(("line", f"demo-{rank}-aaaaa",
+                 rank_start(rank, pods_now + 2, pid=50 + rank, injob=1, start=3)))
     tr.feed(("line", "demo-0-aaaaa", step(4, pods_now + 4)))
     [failure] = [e for e in tr.take() if e.kind == "failure"]
     assert failure["cause"] == "injected sigkill on rank 1" and failure["fault_time"] == pods_now - 1
@@ -244,7 +263,8 @@ def test_many_restarts_keep_one_process_per_rank_and_blame_the_newest() -> None:
                                                               pid=100 * restart + rank)))
         tr.feed(("line", "demo-0-aaaaa", step(restart + 1, now + 10 * restart + 2)))
     assert len(tr.rank_of) == 2
-    tr.feed(("line", "demo-1-aaaaa", "[2026-01-01 00:00:10,000] [ERROR] [ft_launcher8@demo-1] failed (exitcode: -9) "
+    tr.feed(("line", "demo-1-aaaaa",
+             "[2026-01-01 00:00:10,000] [ERROR] [ft_launcher8@demo-1] failed (exitcode: -9) "
                                      "local_rank: 0 (pid: 4901) of binary: python"))
     [failure] = [e for e in tr.take() if e.kind == "failure" and e["blame_rank"] == 1]
     assert failure["cause"].startswith("rank 1")

@@ -47,7 +47,8 @@ def ran_with(name: str, version: str) -> None:
 def test_faults_at_every_level_heal_and_lose_nothing(reference_digest: str, nvrx_release) -> None:
     version, folder = nvrx_release
     name = f"four-faults-{version.replace('.', '-')}"
-    # the exception one step after a save: no step boundary has committed it yet (the restart must still resume from it)
+    # the exception one step after a save: no step boundary has committed it yet (the restart must still
+    # resume from it)
     summary = run_job(name, "--fault", "exception:0@11", "--fault", "sigkill:1@30",
                       "--fault", "hang:0@45", "--fault", "kill-launcher@60", nvrx=folder)
     assert summary["state"] == "succeeded", summary
@@ -71,7 +72,8 @@ def test_faults_at_every_level_heal_and_lose_nothing(reference_digest: str, nvrx
     # the restarts loaded the newest checkpoint from the ranks' in-memory copies, unless a newer save was
     # being staged over them when the fault hit (then from storage, saying so): the in-job one did
     resumes = events(name, "resume")
-    assert all(e["source"] == "memory" or "there is none" in e["memory"] for e in resumes), [e.data for e in resumes]
+    assert all(e["source"] == "memory"
+               or "there is none" in e["memory"] for e in resumes), [e.data for e in resumes]
     [injob] = [r for r in events(name, "restart") if r["level"] == "injob"]
     # from memory, unless the next save was already replacing the copies when rank 1 died (a starved
     # machine commits a save several steps after staging it): then storage, and its resume says so
@@ -114,7 +116,8 @@ def test_a_hang_without_inprocess_is_an_injob_restart_blamed_on_the_hung_rank(re
 
 def test_resume_skips_a_corrupt_checkpoint_and_says_why(reference_digest: str) -> None:
     # sync saves: checkpoint 20 is committed when step 20 ends, so it is the one corrupted at step 25
-    summary = run_job("corrupt", "--ckpt-mode", "sync", "--fault", "corrupt-checkpoint@25", "--fault", "sigkill:1@27")
+    summary = run_job("corrupt", "--ckpt-mode", "sync", "--fault", "corrupt-checkpoint@25", "--fault",
+                      "sigkill:1@27")
     assert summary["state"] == "succeeded", summary
     [fault] = [e for e in events("corrupt", "fault") if e["fault"] == "corrupt-checkpoint"]
     assert fault["checkpoint_step"] == 20
@@ -182,7 +185,8 @@ def test_stop_leaves_no_process_of_the_job_alive() -> None:
         time.sleep(0.5)
     assert len(events("to-stop", "step")) >= 5
     sup = jd.supervisor()
-    pids = [sup["pid"]] + [l["pid"] for l in sup["launchers"]] + [e["pid"] for e in events("to-stop", "rank_start")]
+    pids = [sup["pid"]] + [l["pid"] for l in sup["launchers"]] + [
+        e["pid"] for e in events("to-stop", "rank_start")]
     assert all(procs.alive(p) for p in pids)
     assert cli("stop", "to-stop").returncode == 0
     assert_nothing_left("to-stop", pids)
@@ -244,7 +248,8 @@ def test_a_killed_supervisor_is_replaced_by_one_that_adopts_the_job(reference_di
     assert "kill-launcher" in summary["restart_events"][0]["cause"]
     assert summary["digest"] == reference_digest
     log = (job_dir("kill-sup") / "logs" / "supervisor.log").read_text()
-    assert f"supervisor {fired['kill-supervisor']['supervisor_pid']} is gone" in log and "adopted the job" in log
+    assert f"supervisor {fired['kill-supervisor']['supervisor_pid']} is gone" in log
+    assert "adopted the job" in log
     assert len(events("kill-sup", "job_start")) == len(events("kill-sup", "job_end")) == 1
     assert_nothing_left("kill-sup")
 
@@ -266,7 +271,9 @@ def test_a_hot_spare_takes_a_lost_nodes_place_without_a_job_restart(reference_di
     assert "handed the spare over: expired launcher " in log, log
     # it resumed from a checkpoint committed before the fault, and its downtime is split into phases
     [fault] = events("spare", "fault")
-    committed = {e["step"] for e in events("spare", "checkpoint") if e["phase"] == "committed" and e.t < fault.t}
+    committed = {e["step"] for e in events("spare", "checkpoint") if e["phase"] == "committed"
+                 and e.t < fault.t}
     assert restart["resumed_step"] == max(committed), (restart, committed)
-    assert list(restart["phases"]) == ["detection", "teardown", "reformation", "restore", "first_step"], restart
+    assert list(restart["phases"]) == ["detection", "teardown", "reformation", "restore",
+                                       "first_step"], restart
     assert sum(restart["phases"].values()) == pytest.approx(restart["downtime_s"], abs=0.01), restart

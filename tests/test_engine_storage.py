@@ -24,11 +24,13 @@ def test_a_full_disk_and_slow_storage_lose_no_step_and_say_what_was_lost(referen
     assert summary["digest"] == reference_digest
     ckpt = events(name, "checkpoint")
     committed = [e["step"] for e in ckpt if e["phase"] == "committed"]
-    assert committed == [10, 25, 30, 40, 55, 60, 70, 80], committed  # each failed save retried until it worked
+    # each failed save retried until it worked
+    assert committed == [10, 25, 30, 40, 55, 60, 70, 80], committed
     # rank 0 could not write its own events while its disk was full: what it lost is reported
     [lost] = events(name, "events_lost")
     assert lost.rank == 0 and "No space left" in lost["error"]
-    assert summary["events_lost"] == [{"rank": 0, "count": lost["count"], "error": lost["error"], "kinds": lost["kinds"]}]
+    assert summary["events_lost"] == [{"rank": 0, "count": lost["count"], "error": lost["error"],
+                                       "kinds": lost["kinds"]}]
     assert f"events lost: {lost['count']} of rank 0" in cli("summary", name).stdout
     assert lost["kinds"]["step"] == 10 and lost["kinds"]["checkpoint"] >= 5  # steps 15-24, saves 20-24
     assert sorted(e["step"] for e in events(name, "step")) == [s for s in range(1, 81) if not 15 <= s <= 24]
@@ -48,7 +50,8 @@ def test_a_restart_never_jumps_to_a_newer_checkpoint_of_another_run(tmp_path) ->
     assert first["state"] == "succeeded", first
     assert [i.step for i in list_checkpoints(shared) if i.state == "committed"] == [10, 20, 30]
     # a new run starts from step 10 of that folder and fails before its first save of its own
-    second = run_job("lineage-b", "--steps", "30", "--ckpt-mode", "sync", "--ckpt-dir", shared, "--resume", "step:10",
+    second = run_job("lineage-b", "--steps", "30", "--ckpt-mode", "sync", "--ckpt-dir", shared, "--resume",
+                     "step:10",
                      "--fault", "exception:0@13")
     assert second["state"] == "succeeded", second
     assert [e["step"] for e in events("lineage-b", "resume")] == [10, 10]  # not 30, the other run's
@@ -58,7 +61,8 @@ def test_a_restart_never_jumps_to_a_newer_checkpoint_of_another_run(tmp_path) ->
 
 def test_each_rank_verifies_its_own_share_and_all_skip_a_corrupt_checkpoint_together() -> None:
     # sync saves: checkpoint 20 is committed when step 20 ends, so it is the one corrupted at step 25
-    summary = run_job("corrupt-share", "--steps", "30", "--ckpt-mode", "sync", "--fault", "corrupt-checkpoint@25",
+    summary = run_job("corrupt-share", "--steps", "30", "--ckpt-mode", "sync", "--fault",
+                      "corrupt-checkpoint@25",
                       "--fault", "sigkill:1@27")
     assert summary["state"] == "succeeded", summary
     [fault] = [e for e in events("corrupt-share", "fault") if e["fault"] == "corrupt-checkpoint"]

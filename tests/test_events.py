@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eksft_nb.events import (LOG_PREFIX, RESTART_PHASES, SCHEMA_VERSION, Event, EventTail, EventWriter, SchemaError, decode,
+from eksft_nb.events import (LOG_PREFIX, RESTART_PHASES, SCHEMA_VERSION, Event, EventTail, EventWriter,
+                             SchemaError, decode,
                              make)
 from eksft_nb.incidents import Incident, Incidents
 from eksft_nb.monitor import JobMonitor
@@ -21,7 +22,8 @@ def test_emit_validates_required_fields_and_enums() -> None:
     with pytest.raises(SchemaError, match="step event lacks 'loss'"):
         make("step", "j", 0, step=1, tokens=10, step_time=0.1)
     with pytest.raises(SchemaError, match="restart.level"):
-        make("restart", "j", None, level="reboot", cause="x", blame_rank=None, fault_time=0.0, detection_s=0.0,
+        make("restart", "j", None, level="reboot", cause="x", blame_rank=None, fault_time=0.0,
+             detection_s=0.0,
              downtime_s=0.0, rolled_back_steps=0, resumed_step=0)
     with pytest.raises(SchemaError, match="unknown event kind"):
         make("stepp", "j", 0)
@@ -47,7 +49,8 @@ def test_round_trip_through_a_log_line_with_a_pod_prefix() -> None:
 
 
 def test_readers_accept_unknown_kinds_and_extra_fields() -> None:
-    line = json.dumps({"v": SCHEMA_VERSION + 1, "t": 1.0, "kind": "future_kind", "job": "j", "rank": None, "x": 1})
+    line = json.dumps({"v": SCHEMA_VERSION + 1, "t": 1.0, "kind": "future_kind", "job": "j", "rank": None,
+                       "x": 1})
     event = decode(line)
     assert event is not None and event.kind == "future_kind" and event["x"] == 1
 
@@ -71,8 +74,9 @@ def test_tail_returns_only_complete_new_lines(tmp_path: Path) -> None:
 RESTART = {"level": "inprocess", "cause": "x", "blame_rank": 0, "fault_time": 1.0, "detection_s": 0.1,
            "downtime_s": 1.0, "rolled_back_steps": 0, "resumed_step": 10}
 JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-                           lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=12), inner,
-                                                                                      max_size=3), max_leaves=8)
+                           lambda inner: (st.lists(inner, max_size=3)
+                                          | st.dictionaries(st.text(max_size=12), inner, max_size=3)),
+                           max_leaves=8)
 
 
 SHORT_WRITE = """
@@ -120,14 +124,17 @@ def test_a_record_behind_a_torn_line_is_still_read(tmp_path: Path) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(phases=st.dictionaries(st.sampled_from([*RESTART_PHASES, "load", ""]), JSON_VALUES, max_size=6) | JSON_VALUES)
+@given(phases=st.dictionaries(st.sampled_from([*RESTART_PHASES, "load", ""]), JSON_VALUES,
+                              max_size=6) | JSON_VALUES)
 def test_a_restart_events_phases_are_refused_in_one_line_unless_known_and_finite(phases: object) -> None:
     """A line anyone could write: a phases field is either phase -> finite seconds >= 0, or the line is no
     event; an emitter gets one line saying what is wrong."""
-    line = json.dumps({"v": 1, "t": 5.0, "kind": "restart", "job": "j", "rank": None, **RESTART, "phases": phases})
+    line = json.dumps({"v": 1, "t": 5.0, "kind": "restart", "job": "j", "rank": None, **RESTART,
+                       "phases": phases})
     event = decode(line)
     good = isinstance(phases, dict) and all(
-        name in RESTART_PHASES and type(s) in (int, float) and 0 <= s < float("inf") for name, s in phases.items())
+        name in RESTART_PHASES and type(s) in (int, float) and 0 <= s < float("inf") for name,
+        s in phases.items())
     assert (event is not None) == good
     if good:
         assert event["phases"] == phases
@@ -141,7 +148,8 @@ def test_a_restart_without_phases_still_reads() -> None:
     """Streams written before restarts had phases stay readable (the field is optional, same version)."""
     event = decode(json.dumps({"v": 1, "t": 5.0, "kind": "restart", "job": "j", "rank": None, **RESTART}))
     assert event is not None and event.get("phases") is None
-    start = {"v": 1, "t": 5.0, "kind": "rank_start", "job": "j", "rank": 0, "pid": 1, "host": "h", "job_attempt": 0,
+    start = {"v": 1, "t": 5.0, "kind": "rank_start", "job": "j", "rank": 0, "pid": 1, "host": "h",
+             "job_attempt": 0,
              "injob_restart": 0, "inprocess_iteration": 1, "world_size": 2, "start_step": 10, "t_enter": 4.0}
     assert decode(json.dumps(start)) is not None   # written before rank_start had t_group
     assert decode(json.dumps({**start, "t_group": "4.5"})) is None   # the incident tracker computes with it
@@ -151,13 +159,15 @@ marks = st.none() | st.floats(0.0, 100.0)
 
 
 @settings(max_examples=200, deadline=None)
-@given(fault=st.floats(0.0, 100.0), detected=st.floats(0.0, 100.0), entered=marks, grouped=marks, restored=marks,
+@given(fault=st.floats(0.0, 100.0), detected=st.floats(0.0, 100.0), entered=marks, grouped=marks,
+       restored=marks,
        end=st.floats(0.0, 100.0))
-def test_restart_phases_split_the_downtime_whatever_marks_are_known(fault: float, detected: float, entered, grouped,
-                                                                    restored, end: float) -> None:
+def test_restart_phases_split_the_downtime_whatever_marks_are_known(fault: float, detected: float, entered,
+                                                                    grouped, restored, end: float) -> None:
     """Marks from ranks' clocks and interleaved logs can be missing or out of order: the phases are still
     all there, never negative, and add up to the downtime the restart event states."""
-    incident = Incident(RestartLevel.INPROCESS, "x", None, fault, detected, 0, entered=entered, grouped=grouped,
+    incident = Incident(RestartLevel.INPROCESS, "x", None, fault, detected, 0, entered=entered,
+                        grouped=grouped,
                         restored=restored)
     phases = incident.phases(end)
     assert list(phases) == list(RESTART_PHASES)
@@ -173,15 +183,18 @@ def test_an_inprocess_restart_says_where_its_checkpoint_came_from() -> None:
         return make("rank_start", "j", rank, t, pid=100 + rank, host="h", job_attempt=0, injob_restart=0,
                     inprocess_iteration=iteration, world_size=2, start_step=step)
 
-    stream = [start(0, 0, 1.0, 0), start(1, 0, 1.0, 0), make("step", "j", 0, 2.0, step=1, loss=1.0, tokens=1, step_time=0.1),
+    stream = [start(0, 0, 1.0, 0), start(1, 0, 1.0, 0),
+              make("step", "j", 0, 2.0, step=1, loss=1.0, tokens=1, step_time=0.1),
               make("fault", "j", 0, 3.0, fault="exception", id="a", target_rank=0, at_step=2),
               make("rank_error", "j", 0, 3.01, error="boom", step=2, origin="fault"),
               make("resume", "j", 0, 3.3, step=1, path="p", load_s=0.1, skipped=[], source="memory"),
-              start(0, 1, 3.4, 1), start(1, 1, 3.4, 1), make("step", "j", 0, 3.6, step=2, loss=1.0, tokens=1, step_time=0.1)]
+              start(0, 1, 3.4, 1), start(1, 1, 3.4, 1),
+              make("step", "j", 0, 3.6, step=2, loss=1.0, tokens=1, step_time=0.1)]
     emitted: list[tuple[str, dict]] = []
     mon = JobMonitor()
     incidents = Incidents(mon, lambda kind, **data: emitted.append((kind, data)), 0.0)
     for e in stream:
         mon.update([e])
         incidents.observe(e)
-    assert [(d["level"], d.get("restored_from")) for kind, d in emitted if kind == "restart"] == [("inprocess", "memory")]
+    assert [(d["level"], d.get("restored_from")) for kind,
+            d in emitted if kind == "restart"] == [("inprocess", "memory")]

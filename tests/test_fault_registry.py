@@ -32,10 +32,12 @@ def test_each_backend_refuses_what_the_registry_says(backend: str) -> None:
 def test_when_is_read_one_way_for_the_cli_and_the_dashboard() -> None:
     assert [parse_when(w) for w in ("now", "", "120", "step 120", "30s", "2.5s")] == \
         [(None, None), (None, None), (120, None), (120, None), (None, 30.0), (None, 2.5)]
-    for text, (step, after) in (("hang:0@45s", (None, 45.0)), ("sigkill:1@30", (30, None)), ("sigterm", (None, None))):
+    for text, (step, after) in (("hang:0@45s", (None, 45.0)), ("sigkill:1@30", (30, None)),
+                                ("sigterm", (None, None))):
         command = parse_fault(text)
         assert (command.step, command.after) == (step, after), text
-    assert [FaultCommand(k, rank=0 if REGISTRY[FaultKind(k)].scope == FaultScope.RANK else None, node=1).target
+    assert [FaultCommand(k, rank=0 if REGISTRY[FaultKind(k)].scope == FaultScope.RANK else None,
+                         node=1).target
             for k in ("sigkill", "kill-launcher", "corrupt-checkpoint")] == ["rank 0", "node 1", "the job"]
 
 
@@ -47,7 +49,8 @@ def test_a_fault_that_raises_leaves_the_next_due_one_queued_not_lost(tmp_path: P
     jd.create(spec)
     for cid in ("first", "second"):
         submit(jd.pending, FaultCommand("exception", rank=0, id=cid))
-    s = Session(spec, jd.path, RankInfo(rank=0, local_rank=0, world_size=1, node=0, injob_restart=0, job_attempt=0))
+    s = Session(spec, jd.path,
+                RankInfo(rank=0, local_rank=0, world_size=1, node=0, injob_restart=0, job_attempt=0))
     try:
         fired = []
         for step in (3, 4):

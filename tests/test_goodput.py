@@ -40,7 +40,8 @@ def _job(step_times: list[tuple[int, float]], saves: list[tuple[int, int, str]])
 
 @settings(max_examples=150, deadline=None)
 @given(st.integers(4, 60), st.data())
-def test_steps_slowed_by_a_background_write_count_as_interference_not_productive(n: int, data: st.DataObject) -> None:
+def test_steps_slowed_by_a_background_write_count_as_interference_not_productive(
+    n: int, data: st.DataObject) -> None:
     """Each async write overlaps the next steps, which run slower by a drawn amount; a sync save
     overlaps nothing. Interference is exactly the slowdown, productive exactly the clean time."""
     mode = data.draw(st.sampled_from(["async", "sync"]))
@@ -74,7 +75,8 @@ def test_useful_steps_count_a_rolled_back_step_once(reached: int, back: int, mor
     clean, clean_end = _job([(s, CLEAN) for s in range(1, reached + more + 1)], [])
     reference = steps_per_s(clean, now=clean_end)
     assert ettr(clean, reference, now=clean_end) == pytest.approx(1.0)
-    assert ettr(mon, reference, now=end) == pytest.approx((1 + (reached + more) * CLEAN) / (1 + len(run) * CLEAN))
+    assert ettr(mon, reference,
+                now=end) == pytest.approx((1 + (reached + more) * CLEAN) / (1 + len(run) * CLEAN))
     assert ettr(mon, 0.0, now=end) is None
 
 

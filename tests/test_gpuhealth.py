@@ -47,7 +47,8 @@ class Run:
         path = self.dir.events_path
         self.ranks = {r: EventWriter(path, name, r) for r in range(4)}
         self.supervisor = EventWriter(path, name)
-        self.supervisor.emit("job_start", spec_digest="x", world_size=4, steps=20, backend="local", host="h", pid=1)
+        self.supervisor.emit("job_start", spec_digest="x", world_size=4, steps=20, backend="local", host="h",
+                             pid=1)
         self.samplers = [GpuSampler(Replay.load(rec), self.ranks[2 * node].emit, node, f"ip-10-0-0-{node}")
                          for node, rec in enumerate((HEALTHY, FAULTY))]
         self.mon, self.tail = JobMonitor(), EventTail(path)
@@ -61,7 +62,8 @@ class Run:
 
     def start_ranks(self, injob: int = 0) -> None:
         for r, out in self.ranks.items():
-            out.emit("rank_start", pid=100 + r, host="h", job_attempt=0, injob_restart=injob, inprocess_iteration=0,
+            out.emit("rank_start", pid=100 + r, host="h", job_attempt=0, injob_restart=injob,
+                     inprocess_iteration=0,
                      world_size=4, start_step=self.step)
         self.pump()
 
@@ -97,7 +99,8 @@ def test_xid79_ecc_and_throttling_reach_the_dashboard_the_metrics_and_the_restar
     run.steps(2)
     run.sample()                                      # frame 0: all fine
     run.steps(2)
-    run.sample()                                      # frame 1: node 1 GPU 1 hot and throttled; ECC event on GPU 0
+    # frame 1: node 1 GPU 1 hot and throttled; ECC event on GPU 0
+    run.sample()
     mid = scrape(run.dir.name)
     assert mid[dcgm("DCGM_FI_DEV_GPU_TEMP", 1, LOST_UUID, 1, "gpu-faults")] == 92
     assert mid[dcgm("DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", 1, LOST_UUID, 1, "gpu-faults")] == 0x4 | 0x20 | 0x40
@@ -120,7 +123,8 @@ def test_xid79_ecc_and_throttling_reach_the_dashboard_the_metrics_and_the_restar
     # the restart names the XID as its cause, from the XID's time
     (restart,) = run.mon.restarts
     assert restart["level"] == "injob" and restart["fault_time"] == xid_t
-    assert restart["cause"].startswith("GPU fault on node 1 GPU 1: XID 79 (GPU fell off the bus); then rank 2")
+    assert restart["cause"].startswith(
+        "GPU fault on node 1 GPU 1: XID 79 (GPU fell off the bus); then rank 2")
 
     # the dashboard: XID and ECC markers in the faults lane, the XID beside its restart; a strip per node
     dash = Dashboard(eksft_nb.attach(run.dir.name), live=False)
@@ -187,8 +191,10 @@ def test_without_nvml_it_says_so_once_and_starts_nothing(tmp_path: Path) -> None
 
 def test_malformed_recordings_are_refused_in_one_line(tmp_path: Path) -> None:
     good = json.loads(FAULTY.read_text())
-    cases = {"not json": "{", "a list": [], "wrong format": {**good, "format": "x"}, "no frames": {**good, "frames": []},
-             "event on a missing GPU": {**good, "frames": [{"gpus": [{}], "events": [{"gpu": 3, "type": "xid"}]}]},
+    cases = {"not json": "{", "a list": [], "wrong format": {**good, "format": "x"},
+             "no frames": {**good, "frames": []},
+             "event on a missing GPU": {**good,
+                                        "frames": [{"gpus": [{}], "events": [{"gpu": 3, "type": "xid"}]}]},
              "frames of different sizes": {**good, "frames": [good["frames"][0], {"gpus": [], "events": []}]}}
     for what, content in cases.items():
         path = tmp_path / "rec.json"
@@ -204,11 +210,13 @@ def test_untrusted_readings_are_refused_once_and_the_others_kept() -> None:
     said: list[str] = []
     out = read_gpus(Replay([frame]), [0, 1], said.append, {})
     assert [r["gpu"] for r in out] == [1] and len(said) == 1
-    assert said[0] == ("GPU 0: NVML's temperature reading 'hot' is not an integer in [0, 200): check the driver "
+    assert said[0] == ("GPU 0: NVML's temperature reading 'hot' is not an integer in [0, 200): "
+                       "check the driver "
                        "(nvidia-smi); this reading is skipped")
 
 
-readings = st.one_of(st.none(), st.booleans(), st.integers(-5, 2**65), st.floats(allow_nan=True), st.text(max_size=5),
+readings = st.one_of(st.none(), st.booleans(), st.integers(-5, 2**65), st.floats(allow_nan=True),
+                     st.text(max_size=5),
                      st.fixed_dictionaries({"nvml_error": st.integers(0, 20)}))
 
 
@@ -218,7 +226,8 @@ readings = st.one_of(st.none(), st.booleans(), st.integers(-5, 2**65), st.floats
 def test_any_recorded_reading_is_sampled_or_refused_and_the_events_fold(gpus: list[dict[str, Any]]) -> None:
     """Whatever NVML answers, the sampler emits only events the schema accepts, and they fold."""
     sent: list[Any] = []
-    sampler = GpuSampler(Replay([{"gpus": gpus, "events": []}]), lambda kind, **d: sent.append(make(kind, "j", 0, **d)),
+    sampler = GpuSampler(Replay([{"gpus": gpus, "events": []}]), lambda kind,
+                         **d: sent.append(make(kind, "j", 0, **d)),
                          0, "h")
     sampler._refused = lambda line: None
     sampler.tick()
@@ -229,9 +238,11 @@ def test_any_recorded_reading_is_sampled_or_refused_and_the_events_fold(gpus: li
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.dictionaries(st.sampled_from(["gpu", "uuid", "lost", "xid", "temp_c", "power_w", "throttle",
+@given(st.lists(st.dictionaries(st.sampled_from(["gpu", "uuid", "lost", "xid", "temp_c", "power_w",
+                                                 "throttle",
                                                  "ecc_sbe", "ecc_dbe"]),
-                                st.one_of(st.none(), st.booleans(), st.integers(-3, 2**66), st.floats(), st.text(max_size=4))),
+                                st.one_of(st.none(), st.booleans(), st.integers(-3, 2**66), st.floats(),
+                                          st.text(max_size=4))),
                 max_size=4))
 def test_health_events_read_back_are_checked_entry_by_entry(entries: list[dict[str, Any]]) -> None:
     line = json.dumps({"v": 1, "t": 1.0, "kind": "gpu_health", "job": "j", "rank": 0, "node": 0, "host": "h",
@@ -254,7 +265,8 @@ def test_a_gpu_found_lost_after_the_failure_is_named_as_its_cause() -> None:
     """XID 79 can take the sampling rank down with it: the restarted node's sampler finds the GPU
     lost, and the open incident's restart names it (its failure event, published before, could not)."""
     run = Run("gpu-late")
-    run.samplers = [GpuSampler(Replay(json.loads(FAULTY.read_text())["frames"][3:]), run.ranks[2].emit, 1, "n1")]
+    run.samplers = [GpuSampler(Replay(json.loads(FAULTY.read_text())["frames"][3:]), run.ranks[2].emit, 1,
+                               "n1")]
     run.start_ranks()
     run.steps(3)
     run.incidents.worker_failed(2, -9, time.time())
@@ -266,7 +278,8 @@ def test_a_gpu_found_lost_after_the_failure_is_named_as_its_cause() -> None:
     run.pump()                                        # the restart the first step closed
     (failure,), (restart,) = run.mon.failures, run.mon.restarts
     assert failure["cause"] == "rank 2 died (SIGKILL)"
-    assert restart["cause"] == ("GPU fault on node 1 GPU 1: XID 79 (GPU fell off the bus): NVML says the GPU is lost; "
+    assert restart["cause"] == ("GPU fault on node 1 GPU 1: XID 79 (GPU fell off the bus): NVML says the "
+                                "GPU is lost; "
                                 "then rank 2 died (SIGKILL)")
     assert restart["fault_time"] == failure["fault_time"]   # found after the failure: not when it happened
 
@@ -289,7 +302,8 @@ def test_a_long_job_keeps_recent_samples_and_old_status_changes_only() -> None:
                "ecc_dbe": 0, "lost": False}
     for i in range(1000):
         node = i % 4
-        gpus = [dict(reading, throttle=0x8 if (node == 1 and 40 <= i < 60) else 0)]   # HW slowdown, for a while
+        # HW slowdown, for a while
+        gpus = [dict(reading, throttle=0x8 if (node == 1 and 40 <= i < 60) else 0)]
         mon.update([make("gpu_health", "long", node * 8, t=float(i), node=node, host=f"n{node}", gpus=gpus)])
         if i % 7 == 0:
             got += mon.gpu.since(seen)
@@ -307,7 +321,8 @@ def test_a_many_node_strip_stays_light() -> None:
     from eksft_nb.dashboard.figure import TrainingFigure
 
     mon, fig = JobMonitor(), TrainingFigure()
-    mon.update([make("job_start", "big", None, t=1.0, spec_digest="x", world_size=1024, steps=10, backend="eks",
+    mon.update([make("job_start", "big", None, t=1.0, spec_digest="x", world_size=1024, steps=10,
+                     backend="eks",
                      host="h", pid=1)])
     gpus = [{"gpu": g, "uuid": LOST_UUID, "temp_c": 60 + g, "power_w": 650.0, "throttle": 0, "ecc_sbe": g,
              "ecc_dbe": 0, "lost": False} for g in range(8)]

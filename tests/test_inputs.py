@@ -24,12 +24,15 @@ from eksft_nb.events import KINDS, LOG_PREFIX, EventTail, decode
 from eksft_nb.monitor import JobMonitor
 from eksft_nb.spec import JobSpec, spec_options
 
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = settings(max_examples=150, deadline=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture])
 OPTIONS = spec_options()
 
 scalars = st.none() | st.booleans() | st.integers(-3, 70) | st.integers() | st.floats() | st.text(max_size=10)
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
-                                                                                         max_size=3), max_leaves=10)
+values = st.recursive(scalars,
+                      lambda inner: (st.lists(inner, max_size=3)
+                                     | st.dictionaries(st.text(max_size=8), inner, max_size=3)),
+                      max_leaves=10)
 
 
 def spec_dicts() -> st.SearchStrategy[dict]:
@@ -44,7 +47,8 @@ def spec_dicts() -> st.SearchStrategy[dict]:
             node[leaf] = value
         return out
 
-    good = {"name": st.from_regex(r"[a-z][a-z0-9-]{0,10}[a-z0-9]", fullmatch=True), "steps": st.integers(1, 50),
+    good = {"name": st.from_regex(r"[a-z][a-z0-9-]{0,10}[a-z0-9]", fullmatch=True),
+            "steps": st.integers(1, 50),
             "model.preset": st.sampled_from(["tiny", "small"]), "backend": st.sampled_from(["local", "eks"])}
     pair = st.sampled_from([o.path for o in OPTIONS] + ["model", "ft", "bogus", "eks.bogus"]).flatmap(
         lambda p: st.tuples(st.just(p), (good.get(p, values) | values) if p in good else values))
@@ -81,7 +85,8 @@ def accepted(spec: JobSpec) -> None:
         if value is None and opt.optional:
             continue
         expected = {float: (int, float), list: list}.get(opt.type, opt.type)
-        assert isinstance(value, expected) and (opt.type is bool or not isinstance(value, bool)), (opt.path, value)
+        assert isinstance(value,
+                          expected) and (opt.type is bool or not isinstance(value, bool)), (opt.path, value)
     assert JobSpec.from_json(spec.to_json()) == spec and JobSpec.from_yaml(spec.to_yaml()).validate() == spec
     try:
         assert commands.dry_run(spec)   # the backend's own check, then its render
@@ -94,8 +99,10 @@ yaml_junk = st.text(alphabet="abc:- \n\t'\"{}[]&*!#|>%@`?,0123456789.\x00\x85é"
 
 @SETTINGS
 @given(yaml_junk | st.sampled_from(["a: &x [*x]", "steps: !!python/object:os.system {}", "name: 2020-01-01",
-                                    "image: !!set {a, b}", "eks: [1, 2]", "steps: .nan", "lr: .inf", "{" * 2000,
-                                    "ft:\n  heartbeat_timeout: .nan", "script_args: [a, 1]", "name: !!binary aGk="]))
+                                    "image: !!set {a, b}", "eks: [1, 2]", "steps: .nan", "lr: .inf",
+                                    "{" * 2000,
+                                    "ft:\n  heartbeat_timeout: .nan", "script_args: [a, 1]",
+                                    "name: !!binary aGk="]))
 def test_arbitrary_yaml_and_json_text_is_refused_in_one_line(text: str) -> None:
     for load in (JobSpec.from_yaml, JobSpec.from_json):
         try:
@@ -106,8 +113,10 @@ def test_arbitrary_yaml_and_json_text_is_refused_in_one_line(text: str) -> None:
             accepted(spec)
 
 
-flag_values = st.sampled_from(["1", "0", "-1", "2", "nan", "inf", "1e400", "none", "", "tiny", "eks", "local", "sync",
-                               "step:3", "/tmp/x", "'unclosed", "$(HOME)", "a\x00b", "1.5", "true", "--x"]) | \
+flag_values = st.sampled_from(["1", "0", "-1", "2", "nan", "inf", "1e400", "none", "", "tiny", "eks", "local",
+                               "sync",
+                               "step:3", "/tmp/x", "'unclosed", "$(HOME)", "a\x00b", "1.5", "true",
+                               "--x"]) | \
     st.text(max_size=8)
 
 
@@ -120,7 +129,8 @@ def flag_lines(draw: st.DrawFn) -> list[str]:
         else:
             argv += [opt.flag, draw(flag_values)]
     if draw(st.booleans()):
-        argv += ["--fault", draw(st.sampled_from(["sigkill:1@3", "exception", "hang:9", "bogus", "kill-launcher:5@x",
+        argv += ["--fault",
+                 draw(st.sampled_from(["sigkill:1@3", "exception", "hang:9", "bogus", "kill-launcher:5@x",
                                                   "slow-rank@0", ":@", ""]))]
     return argv
 
@@ -138,8 +148,8 @@ def test_generated_cli_flags_run_or_are_refused(argv: list[str]) -> None:
             assert e.code == 2 and err.getvalue().startswith("usage: ") and "error: " in err.getvalue()
             return
     if code:
-        assert code == 2 and err.getvalue().startswith("eksft: error: ") and err.getvalue().count("\n") == 1, \
-            err.getvalue()
+        assert code == 2 and err.getvalue().startswith("eksft: error: ") \
+            and err.getvalue().count("\n") == 1, err.getvalue()
     else:
         assert out.getvalue() and not err.getvalue()
 
@@ -164,9 +174,12 @@ def test_generated_magic_lines_parse_or_are_refused(argv: list[str], extra: str)
 
 
 @SETTINGS
-@given(st.lists(st.sampled_from(["list", "attach", "stop", "inject", "resume", "logs", "ckpts", "summary", "--rank",
-                                 "--step", "--node", "--delay", "--duration", "--as", "-n", "--debug", "--backend",
-                                 "eks", "sigkill", "x", "-1", "1.5", "nan", "'", "../x"]) | st.text(max_size=6),
+@given(st.lists(st.sampled_from(["list", "attach", "stop", "inject", "resume", "logs", "ckpts", "summary",
+                                 "--rank",
+                                 "--step", "--node", "--delay", "--duration", "--as", "-n", "--debug",
+                                 "--backend",
+                                 "eks", "sigkill", "x", "-1", "1.5", "nan", "'",
+                                 "../x"]) | st.text(max_size=6),
                 max_size=6))
 def test_generated_line_magic_commands_parse_or_are_refused(words: list[str]) -> None:
     try:
@@ -235,7 +248,8 @@ event_like = st.fixed_dictionaries(
     optional={"v": st.sampled_from([1, 2, 0, -1, "1", None, 1.0]), "t": json_scalars | st.just(1.8e9),
               "job": json_scalars, "rank": st.sampled_from([0, 1, None, -1, "0", True]),
               **{k: json_scalars | st.lists(json_scalars, max_size=2) for k in
-                 {f for fields in KINDS.values() for f in fields} | {"digest", "blocked_s", "bytes", "node"}}})
+                 {f for fields in KINDS.values() for f in fields} | {"digest", "blocked_s", "bytes",
+                                                                     "node"}}})
 
 
 def as_line(event: dict, prefix: str) -> str:
@@ -245,7 +259,8 @@ def as_line(event: dict, prefix: str) -> str:
 @settings(max_examples=300, deadline=None)
 @given(st.lists(event_like.map(lambda e: as_line(e, LOG_PREFIX)) | st.text(max_size=40) |
                 st.sampled_from(["@@eksft {", "@@eksft " + "[" * 5000, '@@eksft {"kind":"step","t":1e999}',
-                                 '{"kind":"step","t":NaN,"step":1,"loss":1,"tokens":1,"step_time":1}']), max_size=12))
+                                 '{"kind":"step","t":NaN,"step":1,"loss":1,"tokens":1,"step_time":1}']),
+                max_size=12))
 def test_generated_event_lines_never_break_a_reader(lines: list[str]) -> None:
     """Decoded or dropped; what decodes folds into the monitor and the EKS tracker (incidents too)."""
     spec = JobSpec(name="demo", backend="eks", nnodes=2, nproc_per_node=1, steps=10)
@@ -284,7 +299,8 @@ def test_an_events_file_of_arbitrary_bytes_is_tailed_without_error(chunks: list[
 
 @pytest.mark.parametrize("line", [
     '@@eksft {"v":1,"t":1.0,"kind":"step","job":"j","rank":0,"step":"7","loss":1,"tokens":1,"step_time":1}',
-    '@@eksft {"v":1,"t":1.0,"kind":"checkpoint","job":"j","rank":0,"phase":"committed","step":4,"blocked_s":"x"}',
+    '@@eksft {"v":1,"t":1.0,"kind":"checkpoint","job":"j","rank":0,"phase":"committed","step":4,'
+    '"blocked_s":"x"}',
     '@@eksft {"v":1,"t":"soon","kind":"job_end","state":"succeeded","reason":"","final_step":1}',
     '@@eksft {"v":"1","t":1.0,"kind":"future"}',
     '@@eksft {"v":1,"t":Infinity,"kind":"future"}',

@@ -29,7 +29,8 @@ from conftest import REPO
 from jobs import cli, events, wait_for
 
 CHROMIUM = Path("/usr/lib/chromium/chromium")
-FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking",
          "--disable-component-update", "--disable-sync"]
 JOB = "panel-job"
 # it saves at every step: Young/Daly's longer interval pays off on the replay of its sigkill, so the
@@ -105,7 +106,8 @@ def drive(page: Any, lab: dict[str, Any], shots: Path) -> None:
     row.wait_for(state="attached", timeout=30_000)
     shown = time.monotonic() - returned
     print(f"the job showed in the panel {shown:.2f}s after `run --detach` returned")
-    page.wait_for_function(f"() => +document.querySelector('.eksft-job[data-job=\"{JOB}\"]').dataset.step >= 3",
+    page.wait_for_function(f"() => +document.querySelector('.eksft-job[data-job=\"{JOB}\"]').dataset.step "
+                           ">= 3",
                            timeout=180_000, polling=250)
 
     # its dashboard in the main area draws the Python figure
@@ -130,7 +132,8 @@ def drive(page: Any, lab: dict[str, Any], shots: Path) -> None:
     page.wait_for_function(f"() => document.querySelector('.eksft-job[data-job=\"{JOB}\"] .eksft-message')"
                            ".textContent.includes('sigkill')", timeout=30_000, polling=250)
     page.locator(f'.eksft-job[data-job="{JOB}"]:not([data-restarts="0"])').wait_for(timeout=180_000)
-    assert re.search(r"\b(in-job|job) [1-9]", row.locator(".eksft-restarts").inner_text())  # ft_launcher's or ours
+    # ft_launcher's or ours
+    assert re.search(r"\b(in-job|job) [1-9]", row.locator(".eksft-restarts").inner_text())
     page.locator(".eksft-statusbar .eksft-badge:not([hidden])").wait_for(timeout=30_000)
     page.locator(f'.eksft-dashboard[data-job="{JOB}"]:not([data-restarts="0"])').wait_for(timeout=30_000)
     page.wait_for_function(RESTART_MARKERS_JS, arg=JOB, timeout=30_000, polling=250)
@@ -161,10 +164,12 @@ def drive(page: Any, lab: dict[str, Any], shots: Path) -> None:
     # the panel in the light and the dark theme
     page.evaluate("() => window.jupyterapp.commands.execute('eksft:open-dashboard', {name: '%s'})" % JOB)
     page.screenshot(path=str(shots / "lab-panel-light.png"))
-    page.evaluate("() => window.jupyterapp.commands.execute('apputils:change-theme', {theme: 'JupyterLab Dark'})")
+    page.evaluate("() => window.jupyterapp.commands.execute('apputils:change-theme', {theme: "
+                  "'JupyterLab Dark'})")
     page.wait_for_function("() => document.body.dataset.jpThemeLight === 'false'"
                            " && !document.querySelector('#jupyterlab-splash')", timeout=30_000, polling=250)
-    page.locator(f'.eksft-dashboard[data-job="{JOB}"] .eksft-plot[data-light="false"]').wait_for(timeout=30_000)
+    page.locator(f'.eksft-dashboard[data-job="{JOB}"] .eksft-plot[data-light="false"]').wait_for(
+        timeout=30_000)
     page.screenshot(path=str(shots / "lab-panel-dark.png"))
 
     # the status bar's badge stays through a theme change, and clears when the panel is opened again

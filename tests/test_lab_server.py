@@ -54,18 +54,23 @@ ROUTES = [("GET", "jobs"), ("POST", "jobs"), ("GET", f"jobs/{JOB}"), ("POST", f"
 
 json_values = st.recursive(st.none() | st.booleans() | st.integers(min_value=-10**30, max_value=10**30)
                            | st.floats() | st.text(max_size=30),
-                           lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner,
-                                                                                        max_size=4), max_leaves=12)
+                           lambda inner: (st.lists(inner, max_size=4)
+                                          | st.dictionaries(st.text(max_size=12), inner, max_size=4)),
+                           max_leaves=12)
 field_names = st.sampled_from(["fault", "rank", "step", "after", "node", "delay", "duration", "backend", "as",
-                               "steps", "spec", "faults", "name", "model.preset", "steps", "checkpoint.every", "x"])
-spec_fields = st.dictionaries(st.sampled_from(["steps", "name", "model.preset", "nproc_per_node", "checkpoint.every",
-                                               "ft.inprocess", "script_args", "resume", "lr", "model", "nosuch"]),
+                               "steps", "spec", "faults", "name", "model.preset", "steps", "checkpoint.every",
+                               "x"])
+spec_fields = st.dictionaries(st.sampled_from(["steps", "name", "model.preset", "nproc_per_node",
+                                               "checkpoint.every",
+                                               "ft.inprocess", "script_args", "resume", "lr", "model",
+                                               "nosuch"]),
                               json_values, max_size=4)
 
 
 @settings(max_examples=200, deadline=None)
 @given(raw=st.one_of(st.binary(max_size=60),
-                     st.dictionaries(field_names, json_values, max_size=5).map(lambda d: json.dumps(d).encode()),
+                     st.dictionaries(field_names, json_values,
+                                     max_size=5).map(lambda d: json.dumps(d).encode()),
                      st.builds(lambda spec, faults: json.dumps({"spec": spec, "faults": faults}).encode(),
                                spec_fields, st.lists(st.text(max_size=12), max_size=3))))
 def test_request_bodies_are_read_or_refused_in_one_line(raw: bytes) -> None:
@@ -94,7 +99,8 @@ def test_oversized_bodies_are_refused() -> None:
 
 # ---- the manager's folds, on job folders written with the real event schema (no process runs) ----
 
-def test_the_manager_folds_each_job_once_for_every_client(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_manager_folds_each_job_once_for_every_client(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     from test_dashboard import FakeJob
 
     monkeypatch.setenv("EKSFT_HOME", str(tmp_path))
@@ -203,9 +209,11 @@ class Stream:
     def wait(self, what: str, match: Callable[[str, Any], bool], timeout: float) -> tuple[float, Any]:
         """The first event (arrival time, data) that ``match``es, waiting up to ``timeout`` seconds."""
         with self.cond:
-            found = self.cond.wait_for(lambda: next(((t, d) for t, k, d in self.events if match(k, d)), None), timeout)
+            found = self.cond.wait_for(lambda: next(((t, d) for t, k, d in self.events if match(k, d)), None),
+                                       timeout)
         if found is None:
-            raise AssertionError(f"no {what} on the stream after {timeout:.0f}s; got {[k for _, k, _ in self.events]}")
+            raise AssertionError(f"no {what} on the stream after {timeout:.0f}s; got "
+                                 f"{[k for _, k, _ in self.events]}")
         return found
 
     def close(self) -> None:
@@ -243,7 +251,8 @@ def jupyter_server(tmp: Path, env: dict[str, str]) -> Iterator[Server]:
            "JUPYTER_DATA_DIR": str(tmp / "data")}
     log = open(tmp / "server.log", "wb")
     proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "jupyter"), "server", "--no-browser", "--allow-root", "--ip=127.0.0.1",
+        [str(Path(sys.executable).parent / "jupyter"), "server", "--no-browser", "--allow-root",
+         "--ip=127.0.0.1",
          "--port=0", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={tmp / 'root'}"],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -339,7 +348,8 @@ def test_a_huge_log_line_gets_a_bounded_reply_that_says_it_was_cut(server: Serve
 def test_a_checkpoint_folder_that_cannot_be_made_is_a_refusal_not_a_server_error(server: Server) -> None:
     status, body = server.request("POST", "jobs", {"spec": {"name": "half-made-rest", "model.preset": "tiny",
                                                             "checkpoint.dir": "/etc/passwd/x"}})
-    assert status == 400 and body["problem"].startswith("cannot make the checkpoint folder /etc/passwd/x"), body
+    assert status == 400 and body["problem"].startswith(
+        "cannot make the checkpoint folder /etc/passwd/x"), body
     assert not (jobs_root() / "half-made-rest").exists()
 
 
@@ -373,28 +383,33 @@ def test_a_job_from_a_terminal_in_the_api(server: Server) -> None:
         seen, _ = stream.wait("the launched job", lambda k, d: k == "jobs" and row(d, JOB) is not None, 30)
         print(f"the job showed on the stream {seen - returned:+.2f}s after `run --detach` returned")
         assert seen - returned < 2.0
-        stream.wait("its first steps", lambda k, d: k == "jobs" and (row(d, JOB) or {}).get("step", 0) >= 3, 180)
+        stream.wait("its first steps", lambda k, d: k == "jobs" and (row(d, JOB) or {}).get("step", 0) >= 3,
+                    180)
 
         # bad requests: the CLI's line (the CLI runs meanwhile, in parallel), and nothing changes on disk
         before = on_disk()
         refused = [(f"jobs/{JOB}/inject", {"fault": "sigkil"}, ["inject", JOB, "sigkil"]),
-                   (f"jobs/{JOB}/inject", {"fault": "hang", "rank": 9}, ["inject", JOB, "hang", "--rank", "9"]),
+                   (f"jobs/{JOB}/inject", {"fault": "hang", "rank": 9},
+                    ["inject", JOB, "hang", "--rank", "9"]),
                    (f"jobs/{JOB}/inject", {"fault": "kill-launcher", "rank": 0},
                     ["inject", JOB, "kill-launcher", "--rank", "0"]),
-                   (f"jobs/{JOB}/inject", {"fault": "hang", "step": 1}, ["inject", JOB, "hang", "--step", "1"]),
+                   (f"jobs/{JOB}/inject", {"fault": "hang", "step": 1},
+                    ["inject", JOB, "hang", "--step", "1"]),
                    (f"jobs/{JOB}/inject", {"fault": "slow-rank", "delay": -1.0},
                     ["inject", JOB, "slow-rank", "--delay", "-1"]),
                    (f"jobs/{JOB}/settings", {"values": {"ckpt-mode": "sync"}},
                     ["set", JOB, "ckpt-mode=sync"]),
                    (f"jobs/{JOB}/settings", {"values": {"keep-last": 1}}, ["set", JOB, "keep-last=1"]),
-                   ("jobs", {"spec": {"name": "other", "steps": "many"}}, ["run", "--name", "other", "--steps", "many"]),
+                   ("jobs", {"spec": {"name": "other", "steps": "many"}},
+                    ["run", "--name", "other", "--steps", "many"]),
                    ("jobs", {"spec": {"name": "Not_A_Label"}}, ["run", "--name", "Not_A_Label"])]
         with ThreadPoolExecutor(4) as pool:
             lines = pool.map(lambda args: cli_error(*args), [args for _, _, args in refused])
             steps = re.compile(r"step \d+")   # "the job is at step N" moves on between the two
             for (path, body, _), line in zip(refused, lines):
                 status, reply = server.request("POST", path, body)
-                assert status == 400 and steps.sub("step N", reply["error"]) == steps.sub("step N", line), reply
+                assert status == 400 and steps.sub("step N",
+                                                   reply["error"]) == steps.sub("step N", line), reply
         for body in (b"{", b"[1]", {"fault": "sigkill", "rank": "1"}, {"fault": "sigkill", "colour": 1},
                      {"fault": "sigkill", "after": 1e300}, {"fault": "sigkill", "rank": 10**40}):
             status, reply = server.request("POST", f"jobs/{JOB}/inject", body)
@@ -417,11 +432,13 @@ def test_a_job_from_a_terminal_in_the_api(server: Server) -> None:
 
         # a sigkill through the API: a restart on the stream, and in the dashboard's figure
         status, reply = server.request("POST", f"jobs/{JOB}/inject", {"fault": "sigkill", "rank": 1})
-        assert status == 200 and (reply["fault"], reply["target"], reply["when"]) == ("sigkill", "rank 1", "now")
+        assert status == 200 and (reply["fault"], reply["target"],
+                                  reply["when"]) == ("sigkill", "rank 1", "now")
         _, restart = stream.wait("a restart", lambda k, d: k == "restart" and d["job"] == JOB, 180)
         assert restart["level"] in ("injob", "job") and restart["resumed_step"] >= 0, restart
         stream.wait("the restart in the job's row",
-                    lambda k, d: k == "jobs" and sum((row(d, JOB) or {"restarts": {}})["restarts"].values()) >= 1, 30)
+                    lambda k,
+                    d: k == "jobs" and sum((row(d, JOB) or {"restarts": {}})["restarts"].values()) >= 1, 30)
         status, figure = server.request("GET", f"jobs/{JOB}/figure")
         assert status == 200
         traces = {(t["name"], t["meta"]): t for t in figure["data"]}
@@ -437,7 +454,8 @@ def test_a_job_from_a_terminal_in_the_api(server: Server) -> None:
 
         uid = JobDir.for_name(JOB).supervisor()["job_uid"]
         assert procs.marked(uid) == []
-        stream.wait("the stop", lambda k, d: k == "jobs" and (row(d, JOB) or {}).get("state") == "stopped", 30)
+        stream.wait("the stop", lambda k, d: k == "jobs" and (row(d, JOB) or {}).get("state") == "stopped",
+                    30)
 
         # the job view's what-if: the replay of its events as the widget tab shows it (cells and figure)
         from eksft_nb import commands
@@ -479,8 +497,8 @@ def test_the_dashboard_figures_script_is_served_to_a_logged_in_browser_only(serv
         assert e.code == 403
 
 
-def test_every_front_end_says_the_command_layers_line_for_an_inject(server: Server, ip: Any,
-                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_every_front_end_says_the_command_layers_line_for_an_inject(
+        server: Server, ip: Any, capsys: pytest.CaptureFixture[str]) -> None:
     """The widget, the CLI, the magic and REST, on one job folder (written with the real schema, no
     process runs): a refused inject is the same line everywhere, and so is a queued one."""
     from IPython.core.error import UsageError
@@ -494,7 +512,8 @@ def test_every_front_end_says_the_command_layers_line_for_an_inject(server: Serv
     jd = JobDir.for_name(name)
     jd.create(JobSpec().replace(name=name, steps=100).validate())
     out = EventWriter(jd.events_path, name)
-    out.write(make("job_start", name, None, spec_digest="x", world_size=2, steps=100, backend="local", host="h", pid=1))
+    out.write(make("job_start", name, None, spec_digest="x", world_size=2, steps=100, backend="local",
+                   host="h", pid=1))
     for step in range(1, 6):
         out.write(make("step", name, 0, step=step, loss=1.0, tokens=1, step_time=0.1))
     dash = Dashboard(attach(name), live=False)
@@ -508,7 +527,8 @@ def test_every_front_end_says_the_command_layers_line_for_an_inject(server: Serv
         ip.run_line_magic("ftrain", line)
         return capsys.readouterr().out.strip()
 
-    refused = "step 3 has already passed (the job is at step 5): use --step 6 or later, or omit --step to inject now"
+    refused = ("step 3 has already passed (the job is at step 5): use --step 6 or later, or omit --step "
+               "to inject now")
     status, body = server.request("POST", f"jobs/{name}/inject", {"fault": "sigkill", "rank": 1, "step": 3})
     assert (status, body["error"]) == (400, refused), body
     assert cli_error("inject", name, "sigkill", "--rank", "1", "--step", "3") == refused
@@ -527,9 +547,11 @@ def test_every_front_end_says_the_command_layers_line_for_an_inject(server: Serv
     assert widget(rank=5) == refused
     assert list(jd.pending.glob("*.json")) == []
 
-    queued = f"queued sigkill for rank 1 of {name} (at step 50); it shows as fired when the rank fires it; id "
+    queued = (f"queued sigkill for rank 1 of {name} (at step 50); it shows as fired when the rank fires "
+              "it; id ")
     status, body = server.request("POST", f"jobs/{name}/inject", {"fault": "sigkill", "rank": 1, "step": 50})
     said = [body["message"], cli("inject", name, "sigkill", "--rank", "1", "--step", "50").stdout.strip(),
             widget(rank=1, step=50), magic(f"inject {name} sigkill --rank 1 --step 50")]
     ids = {p.stem for p in jd.pending.glob("*.json")}
-    assert len(ids) == 4 and [s.startswith(queued) and s.removeprefix(queued) in ids for s in said] == [True] * 4, said
+    assert len(ids) == 4 and [s.startswith(queued) and s.removeprefix(queued) in ids
+                              for s in said] == [True] * 4, said

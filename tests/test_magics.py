@@ -19,11 +19,13 @@ from eksft_nb.jobdir import jobs_root
 from eksft_nb.spec import spec_options
 
 # values that differ from the defaults and are valid on their own
-SAMPLES = {"name": "opt-test", "backend": "eks", "resume": "none", "model.preset": "tiny", "model.vocab": "64", "model.d_model": "256",
+SAMPLES = {"name": "opt-test", "backend": "eks", "resume": "none", "model.preset": "tiny",
+           "model.vocab": "64", "model.d_model": "256",
            "model.n_heads": "8", "checkpoint.dir": "/tmp/ckpts", "script": "/tmp/train.py",
            "script_args": "--depth 2 --tag x", "ft.soft_timeout": "3", "ft.hard_timeout": "9",
            "ft.section_timeouts": "init:60,eval:30",
-           "ft.heartbeat_timeout": "20", "eks.k8s_version": "1.32", "eks.namespace": "ml", "eks.image": "repo/img:1",
+           "ft.heartbeat_timeout": "20", "eks.k8s_version": "1.32", "eks.namespace": "ml",
+           "eks.image": "repo/img:1",
            "eks.gpus_per_node": "4", "eks.instance_type": "p5.48xlarge", "eks.storage_size": "100Gi",
            "eks.shm_size": "1Gi", "eks.cpu": "4", "eks.memory": "8Gi", "eks.topology": "required:2"}
 REQUIRES = {"eks.priority": "--queue team-a", "eks.topology": "--queue team-a"}   # options that only mean
@@ -83,14 +85,17 @@ def test_a_mistake_is_one_message_and_launches_nothing(ip: Any, capsys: pytest.C
     before = jobs()
     result = ip.run_cell(f"%%ftrain --model tiny {line}")
     err = capsys.readouterr().err
-    assert type(result.error_in_exec) is UsageError                      # IPython shows it without a traceback
+    # IPython shows it without a traceback
+    assert type(result.error_in_exec) is UsageError
     assert err.startswith("UsageError: ") and problem in err and fix in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) <= 3
     assert jobs() == before and ip.shown == [] and current(ip) is None
 
 
-def test_an_empty_cell_runs_the_trainer_and_code_runs_as_the_script(ip: Any, capsys: pytest.CaptureFixture[str]) -> None:
-    ip.run_cell("%%ftrain --dry-run --name dry --model tiny")              # no body at all: IPython alone refuses it
+def test_an_empty_cell_runs_the_trainer_and_code_runs_as_the_script(
+        ip: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    # no body at all: IPython alone refuses it
+    ip.run_cell("%%ftrain --dry-run --name dry --model tiny")
     out = capsys.readouterr().out
     assert "eksft_nb.runtime.trainer_main" in out and "eksft_nb.runtime.script" not in out
     body = "import sys\nprint('my own training loop', sys.argv[1:])\n"
@@ -100,7 +105,8 @@ def test_an_empty_cell_runs_the_trainer_and_code_runs_as_the_script(ip: Any, cap
     assert "eksft_nb.runtime.script" in out and script.read_text() == body
     assert magics.save_script(body) == script                            # the same code, the same file
     result = ip.run_cell(f"%%ftrain --dry-run --script {script}\n{body}")
-    assert type(result.error_in_exec) is UsageError and "--script names a script too" in capsys.readouterr().err
+    assert type(result.error_in_exec) is UsageError
+    assert "--script names a script too" in capsys.readouterr().err
     assert "dry" not in jobs()
 
 
@@ -137,10 +143,12 @@ def test_line_magic_mistakes(ip: Any, capsys: pytest.CaptureFixture[str], line: 
 
 
 @pytest.mark.slow
-def test_launch_break_resume_stop_and_reattach_with_magics(ip: Any, capsys: pytest.CaptureFixture[str]) -> None:
+def test_launch_break_resume_stop_and_reattach_with_magics(ip: Any,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
     t0 = time.monotonic()
     ip.run_cell("%%ftrain --name mg --steps 60 --model tiny --ckpt-every 10 --keep-last 10")
-    assert time.monotonic() - t0 < 30                                     # returns at once, the job runs detached
+    # returns at once, the job runs detached
+    assert time.monotonic() - t0 < 30
     (dash,) = ip.shown
     assert isinstance(dash, Dashboard) and dash.job.name == "mg" and current(ip).name == "mg"
     ip.run_cell("%ftrain inject exception --rank 0 --step 15")
@@ -230,6 +238,7 @@ def test_a_script_with_the_session_helpers_reports_steps_and_takes_faults(ip: An
     dash._thread.join(30)
     mon = job.refresh()
     assert mon.restarts and mon.restarts[0]["cause"].startswith("injected exception on rank 0")
-    assert mon.last_step == 30 and mon.steps.step.count(5) == 2          # restarted from the start: no checkpoints
+    # restarted from the start: no checkpoints
+    assert mon.last_step == 30 and mon.steps.step.count(5) == 2
     assert dash.header.step == 30 and "in-job" in [y for t in dash.figure.widget.data if t.name == "restarts"
                                                    for y in t.y]

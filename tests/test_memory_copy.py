@@ -37,7 +37,8 @@ def headers(draw: Any) -> dict[str, Any]:
         dtype = draw(st.sampled_from(_DTYPES))
         shape = draw(st.lists(st.integers(0, 5), max_size=3))
         nbytes = math.prod(shape) * memcopy._ITEMSIZE[dtype]
-        dtensor = draw(st.none() | st.just({"shape": [8], "mesh": [2], "placements": ["S(0)"], "coordinate": [1]}))
+        dtensor = draw(st.none() | st.just({"shape": [8], "mesh": [2], "placements": ["S(0)"],
+                                            "coordinate": [1]}))
         entries.append({"key": f"/m/{i}", "dtype": dtype, "shape": shape, "file": files[i], "nbytes": nbytes,
                         "digest": "0badcafe" * -(-nbytes // memcopy.CHUNK), "dtensor": dtensor})
     return {"format": memcopy.FORMAT, "version": memcopy.VERSION, "run": "r1", "rank": 1, "world_size": 2,
@@ -49,7 +50,8 @@ def _consistent(header: Header) -> bool:
     """Every buffer has a file of its own, a size its shape and dtype give, and its checksums."""
     entries = header.entries.values()
     return len({e.file for e in entries}) == len(header.entries) and all(
-        e.nbytes == math.prod(e.shape) * memcopy._ITEMSIZE[e.dtype] and len(e.digest) == 8 * -(-e.nbytes // memcopy.CHUNK)
+        e.nbytes == math.prod(e.shape) * memcopy._ITEMSIZE[e.dtype] and len(e.digest) == 8
+        * -(-e.nbytes // memcopy.CHUNK)
         for e in entries)
 
 
@@ -63,7 +65,9 @@ def test_a_header_the_stager_writes_parses_back(raw: dict[str, Any]) -> None:
 
 
 _JUNK = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+                     lambda inner: st.lists(inner,
+                                            max_size=3) | st.dictionaries(
+                                                st.text(max_size=8), inner, max_size=3),
                      max_leaves=8)
 
 
@@ -94,7 +98,8 @@ def test_a_damaged_header_is_refused_with_a_reason_never_an_exception(raw: dict[
         assert header == f"its buffer '/m/{len(raw['entries']) - 1}' shares its file with another"
 
 
-_PLAIN = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8)
+_PLAIN = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8)
                       | st.binary(max_size=8),
                       lambda inner: st.lists(inner, max_size=3) | st.tuples(inner, inner)
                       | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=8)
@@ -188,7 +193,8 @@ def _rank(rank: int, incarnation: int, root: str, store: str, run: str, out: str
             resume = [e for e in events if e["kind"] == "resume"][-1]
             result[case] = {"step": step, "position": data["position"], "source": resume["source"],
                             "memory": resume.get("memory"),
-                            "same": got.keys() == saved.keys() and all(torch.equal(got[k], v) for k, v in saved.items())}
+                            "same": got.keys() == saved.keys()
+                            and all(torch.equal(got[k], v) for k, v in saved.items())}
     Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
     mgr.writer.stop()
@@ -202,7 +208,8 @@ def _run(tmp_path: Path, incarnation: int, run: str) -> list[dict[str, Any]]:
     return [json.loads(o.read_text()) for o in outs]
 
 
-def test_the_next_rank_process_restores_from_memory_and_falls_back_to_storage_when_in_doubt(tmp_path: Path) -> None:
+def test_the_next_rank_process_restores_from_memory_and_falls_back_to_storage_when_in_doubt(
+    tmp_path: Path) -> None:
     """Two real ranks save; their successors (new processes, as after an in-job restart) restore the
     newest checkpoint from the copies left in /dev/shm, bit exact and without reading storage; a
     corrupted copy on one rank, or a garbage record, sends every rank to storage, with the same result."""
@@ -219,16 +226,19 @@ def test_the_next_rank_process_restores_from_memory_and_falls_back_to_storage_wh
     assert removed == files and not list(Path("/dev/shm").glob(f"*eksft-{run}-*"))
     assert result["intact"] == {"step": 10, "position": 10, "source": "memory", "memory": None, "same": True}
     corrupt = result["corrupt data"]
-    assert (corrupt["step"], corrupt["position"], corrupt["source"], corrupt["same"]) == (10, 10, "storage", True)
+    assert (corrupt["step"], corrupt["position"], corrupt["source"],
+            corrupt["same"]) == (10, 10, "storage", True)
     assert "rank 1: its buffers do not match their checksums" in corrupt["memory"]
     garbage = result["garbage header"]
-    assert (garbage["step"], garbage["position"], garbage["source"], garbage["same"]) == (10, 10, "storage", True)
+    assert (garbage["step"], garbage["position"], garbage["source"],
+            garbage["same"]) == (10, 10, "storage", True)
     assert "rank 0: its header is not JSON" in garbage["memory"]
 
 
 @pytest.fixture()
 def group() -> Any:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
     yield dist.new_group(backend="gloo")
     dist.destroy_process_group()
 
@@ -299,7 +309,8 @@ def test_each_staged_buffer_is_a_storage_of_its_own_and_the_save_plan_is_kept(tm
         memcopy.remove_copies(run)
     assert mgr.plan_cache is not None and mgr.plan_cache.reused == 2  # planned at 5, kept at 10 and 15
     buffers = mgr.stager._buffers
-    assert len(buffers) == 3 and all(b.untyped_storage().nbytes() == b.numel() * b.element_size() for b in buffers.values())
+    assert len(buffers) == 3 and all(
+        b.untyped_storage().nbytes() == b.numel() * b.element_size() for b in buffers.values())
     assert sorted(e["file"] for e in entries) == [0, 1, 2] and mgr.shelf.path == copy_path(run, 0)
 
 
@@ -354,7 +365,8 @@ def test_copies_of_jobs_with_no_live_process_are_swept_and_no_others() -> None:
             path.write_bytes(b"x")
         memcopy.remove_stale_copies({live})
         assert sorted(n for n, p in paths.items() if p.exists()) == sorted(
-            [f"eksft-{live}-0.3", f"eksft-{dead}-notarank", f"eksft-test{dead[:8]}-0", f"eksft-test{dead[:8]}-x-0"])
+            [f"eksft-{live}-0.3", f"eksft-{dead}-notarank", f"eksft-test{dead[:8]}-0",
+             f"eksft-test{dead[:8]}-x-0"])
         assert memcopy.remove_copies(f"test{dead[:8]}") == 1  # not the run whose id it begins
         assert paths[f"eksft-test{dead[:8]}-x-0"].exists()
     finally:

@@ -15,7 +15,9 @@ pytestmark = pytest.mark.slow
 
 def test_a_scrape_reports_steps_restarts_checkpoints_and_goodput(finished_job: str) -> None:
     port = free_port()
-    samples = scrape(port, subprocess.Popen([sys.executable, "-m", "eksft_nb", "metrics", finished_job, "--port", str(port)],
+    samples = scrape(port,
+                     subprocess.Popen([sys.executable, "-m", "eksft_nb", "metrics", finished_job, "--port",
+                                       str(port)],
                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     job = (("job", finished_job),)
     mon = attach(finished_job).refresh()
@@ -28,6 +30,7 @@ def test_a_scrape_reports_steps_restarts_checkpoints_and_goodput(finished_job: s
 
 
 def test_unknown_jobs_are_refused_before_listening() -> None:
-    proc = subprocess.run([sys.executable, "-m", "eksft_nb", "metrics", "nope"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "eksft_nb", "metrics", "nope"], capture_output=True,
+                          text=True,
                           timeout=60)
     assert proc.returncode == 2 and "no job named 'nope'" in proc.stderr

@@ -70,7 +70,8 @@ def check_quickstart(nb: Any) -> None:
     assert s["state"] == "succeeded" and s["steps_done"] == 400
     levels = [r["level"] for r in s["restart_events"]]
     assert "inprocess" in levels and "injob" in levels                   # the exception, then the killed rank
-    assert {("exception", 0, 50), ("sigkill", 1, 120)} <= {(f["fault"], f["rank"], f["step"]) for f in job.monitor.faults}
+    assert {("exception", 0, 50),
+            ("sigkill", 1, 120)} <= {(f["fault"], f["rank"], f["step"]) for f in job.monitor.faults}
     assert "job quickstart: succeeded (all 400 steps done)" in text(nb)
     assert len(dashboards(nb)) == 1
 
@@ -82,7 +83,8 @@ def check_overlap(nb: Any) -> None:
     for name in ("overlap-async", "overlap-sync"):
         job = eksft_nb.attach(name)
         assert job.state == "succeeded"
-        blocked[name] = median(c.blocked_s for c in job.refresh().checkpoints.values() if c.state == "committed")
+        blocked[name] = median(c.blocked_s for c in job.refresh().checkpoints.values() if c.state
+                               == "committed")
     assert blocked["overlap-async"] < blocked["overlap-sync"]
     assert "an async save blocks training" in text(nb) and len(dashboards(nb)) == 2
 
@@ -136,7 +138,8 @@ def check_slurm(nb: Any) -> None:
     assert {e["step"] for e in resumed if e.kind == "resume"} == {60}
 
 
-CHECKS: dict[str, Callable[[Any], None]] = {"01_quickstart": check_quickstart, "02_checkpoint_overlap": check_overlap,
+CHECKS: dict[str, Callable[[Any], None]] = {"01_quickstart": check_quickstart,
+                                            "02_checkpoint_overlap": check_overlap,
                                              "03_resume": check_resume, "05_resilience_lab": check_lab,
                                              "06_slurm": check_slurm}
 
@@ -162,8 +165,8 @@ def dashboard_state(state: dict[str, Any], model_id: str) -> int:
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_saved_with_widget_state_after_a_full_run_is_at_most_2_mb(path: Path,
-                                                                   tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_saved_with_widget_state_after_a_full_run_is_at_most_2_mb(
+        path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     nb, saved = executed(path, tmp_path_factory.mktemp("notebooks"))
     size = saved.stat().st_size
     assert size <= 2 * 2**20, f"{path.name} saved with its widget state: {size / 2**20:.1f} MB"
@@ -172,11 +175,13 @@ def test_saved_with_widget_state_after_a_full_run_is_at_most_2_mb(path: Path,
     state = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
     for model_id in dashboards(nb):
         one = dashboard_state(state, model_id)
-        # a dashboard carries its figure's data and its panels; a figure shown alone (the resilience card's) its data
+        # a dashboard carries its figure's data and its panels; a figure shown alone (the resilience card's)
+        # its data
         least = 1_000 if "_py2js_update" in state[model_id]["state"] else 10_000
         assert least < one <= 2**20, f"a displayed widget's saved state: {one / 2**20:.2f} MB"
     figures = [m for m in state.values() if "_py2js_update" in m["state"]]
-    # one figure per view, not per panel: a dashboard's training figure and its what-if plot; a figure shown alone
+    # one figure per view, not per panel: a dashboard's training figure and its what-if plot; a figure shown
+    # alone
     alone = [m for m in dashboards(nb) if "_py2js_update" in state[m]["state"]]
     assert len(figures) == len(alone) + 2 * (len(dashboards(nb)) - len(alone))
     assert all(len(f["state"].get("_esm", "")) < 10_000 for f in figures)  # plotly's bundle by reference

@@ -33,13 +33,15 @@ def test_what_each_release_can_do() -> None:
     assert (old.inprocess, v6.inprocess, v7.inprocess) == ("available", "deprecated", "deprecated")
     assert nvrx.NVRx("0.9.0", inprocess_module=False).inprocess == "missing"
     assert (old.rendezvous, v6.rendezvous, v7.rendezvous) == ("legacy", "barrier", "barrier only")
-    assert not old.cycle_records and v6.cycle_records and not old.progress_termination and v6.progress_termination
+    assert not old.cycle_records and v6.cycle_records
+    assert not old.progress_termination and v6.progress_termination
     assert old.inprocess_note() is None
     assert "deprecates in-process restart" in v6.inprocess_note()
     assert "in-job" in nvrx.NVRx("0.9.0", inprocess_module=False).inprocess_note()
 
 
-@pytest.mark.parametrize("text, release", [("0.4.1", (0, 4, 1)), ("0.6.0", (0, 6, 0)), ("0.7.0rc1", (0, 7, 0)),
+@pytest.mark.parametrize("text, release",
+                         [("0.4.1", (0, 4, 1)), ("0.6.0", (0, 6, 0)), ("0.7.0rc1", (0, 7, 0)),
                                            ("0.5.0+cu13", (0, 5, 0)), ("1", (1, 0, 0)), ("dev", (0, 0, 0))])
 def test_versions_parse(text: str, release: tuple[int, int, int]) -> None:
     assert nvrx.parse_version(text) == release
@@ -50,12 +52,14 @@ def test_the_installed_release_is_the_one_python_imports() -> None:
     assert here is not None and here.version == importlib.metadata.version("nvidia-resiliency-ext")
     if not (NVRX_06 / "nvidia_resiliency_ext").is_dir():
         pytest.skip(f"NVRx 0.6.0 is not installed in {NVRX_06} (`make setup` installs it)")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(NVRX_06), os.environ.get("PYTHONPATH")) if p)}
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join(p for p in (str(NVRX_06), os.environ.get("PYTHONPATH")) if p)}
     code = ("from eksft_nb import nvrx; import nvidia_resiliency_ext as m; "
             "print(nvrx.installed().describe(), m.__file__)")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("NVRx 0.6.0 (restart tiers: in-process (deprecated), in-job, job; barrier rendezvous)")
+    assert out.stdout.startswith("NVRx 0.6.0 (restart tiers: in-process (deprecated), in-job, job; "
+                                 "barrier rendezvous)")
     assert str(NVRX_06) in out.stdout
 
 
@@ -116,16 +120,19 @@ def test_each_release_accepts_its_launch_line(release: str, tmp_path: Path) -> N
 # ---- ft_launcher's log, both formats ---------------------------------------------------------
 
 LINES_041 = {
-    "[2026-11-30 18:59:04,962] [ERROR] [ft_launcher13498@vm] failed (exitcode: -15) local_rank: 0 (pid: 13562) "
+    "[2026-11-30 18:59:04,962] [ERROR] [ft_launcher13498@vm] failed (exitcode: -15) local_rank: 0 "
+    "(pid: 13562) "
     "of binary: /work/main/.venv/bin/python": ("worker_failed", -15, 0, 13562),
     "[2026-11-30 19:12:13,616] [WARNING] [RankMonServer22715@vm:1] Did not get subsequent heartbeat. "
     "Waited 6.00 seconds.": ("hang",),
     "[2026-11-30 19:12:13,616] [WARNING] [RankMonServer22715@vm:1] FT timeout elapsed.": ("hang",),
-    "[2026-11-30 19:12:14,623] [INFO] [ft_launcher22696@vm] [default] Worker group FAILED. 3/3 attempts left; "
+    "[2026-11-30 19:12:14,623] [INFO] [ft_launcher22696@vm] [default] Worker group FAILED. 3/3 "
+    "attempts left; "
     "will restart worker group": ("restarting", (3, 3)),
 }
 LINES_060 = {
-    "E1130 19:02:39.339000 16112 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: -9) "
+    "E1130 19:02:39.339000 16112 torch/distributed/elastic/multiprocessing/api.py:1002] failed "
+    "(exitcode: -9) "
     "local_rank: 1 (pid: 16120) of binary: /work/main/.venv/bin/python": ("worker_failed", -9, 1, 16120),
     "2026-11-30 18:53:09,023 [WARNING] [vm] [workload:?(1) infra:?(?)] rank_monitor_server.py:487 [Cycle 0] "
     "Did not get initial heartbeat. Waited 120.00 seconds.": ("hang",),
@@ -155,7 +162,8 @@ def test_launcher_lines_of_both_releases_are_read(line: str, want: tuple) -> Non
 @pytest.mark.parametrize("line", [
     "2026-11-30 18:51:06,934 [INFO] [vm] [workload:?(?) infra:?(?)] profiling.py:90   - Cycle: 0 Event: "
     "rendezvous_completed Node: localhost_5514_0 Rank: None Time: 2026-11-30 18:51:06.934 UTC",
-    "[2026-11-30 18:56:18,853] [INFO] [ft_launcher10346@vm] The node 'localhost_10346_0' has joined round 0 of "
+    "[2026-11-30 18:56:18,853] [INFO] [ft_launcher10346@vm] The node 'localhost_10346_0' has "
+    "joined round 0 of "
     "the rendezvous 'ks-0-7d72af' as rank 0 in a world of size 1.",
     "[rank0]: step 12 done",
 ])
@@ -200,7 +208,8 @@ RECORD = {  # cycle_info..0.0 as NVRx 0.6.0 wrote it
 
 def test_cycle_records_are_read_from_the_folder_ft_launcher_writes(tmp_path: Path) -> None:
     (tmp_path / "cycle_info..0.0").write_text(json.dumps(RECORD, indent=2))
-    running = {**RECORD, "cycle_number": 1, "cycle_start_time": "2026-11-30T19:02:41.420449Z", "cycle_end_time": ""}
+    running = {**RECORD, "cycle_number": 1, "cycle_start_time": "2026-11-30T19:02:41.420449Z",
+               "cycle_end_time": ""}
     (tmp_path / "cycle_info..0.1").write_text(json.dumps(running))
     (tmp_path / "cycle_info..current").symlink_to("cycle_info..0.1")
     (tmp_path / "cycle_info..0.2.tmp").write_text("{")  # a write in progress
@@ -213,8 +222,11 @@ def test_cycle_records_are_read_from_the_folder_ft_launcher_writes(tmp_path: Pat
     assert nvrx.read_cycle_records(tmp_path / "absent") == []
 
 
-_JSONISH = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=30),
-                        lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=20), kids, max_size=6),
+_JSONISH = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=30),
+                        lambda kids: st.lists(kids,
+                                              max_size=4) | st.dictionaries(
+                                                  st.text(max_size=20), kids, max_size=6),
                         max_leaves=20)
 
 
@@ -232,7 +244,8 @@ def test_the_restart_timeline_names_the_cycle_nvrx_began() -> None:
                     detection_s=0.5, downtime_s=t - fault_time, rolled_back_steps=0, resumed_step=10)
 
     def cycle(attempt: int, number: int, start: float, end: float | None = None) -> Event:
-        return make("nvrx_cycle", "j", None, t=start + 0.1, attempt=attempt, cycle=number, start=start, end=end)
+        return make("nvrx_cycle", "j", None, t=start + 0.1, attempt=attempt, cycle=number, start=start,
+                    end=end)
 
     mon = JobMonitor()
     mon.update([cycle(0, 0, 100.0), restart("inprocess", 110.0, 114.0), cycle(0, 0, 100.0, 121.0),

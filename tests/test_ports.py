@@ -43,7 +43,8 @@ class Listeners:
         for p in procs.marked(self.uid):
             try:
                 cmdline = " ".join(p.cmdline())
-                listening = [c.laddr for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+                listening = [c.laddr for c in p.net_connections(kind="inet") if c.status
+                             == psutil.CONN_LISTEN]
             except psutil.Error:   # ended meanwhile
                 continue
             if "--rdzv-endpoint=" in cmdline and cmdline not in self.launchers:
@@ -68,7 +69,9 @@ class Listeners:
         return port if port is not None and port in {p for _, p in list(self.seen)} else None
 
     def rendezvous_port(self) -> int | None:
-        ports = {int(m.group(1)) for line in list(self.launchers) if (m := re.search(r"--rdzv-endpoint=\S+:(\d+)", line))}
+        ports = {
+            int(m.group(1)) for line in list(self.launchers) if (
+                m := re.search(r"--rdzv-endpoint=\S+:(\d+)", line))}
         return ports.pop() if len(ports) == 1 else None
 
 
@@ -76,7 +79,8 @@ NVRX_06 = Path(__file__).resolve().parents[1] / ".venv" / "nvrx-0.6.0"   # as te
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 RUNS = {
     # the built-in trainer: rank 0 hosts its process group's store and inprocess.Wrapper's
-    "trainer": [*BASE, "--steps", "60", "--inprocess", "--fault", "exception:1@15", "--fault", "sigkill:0@35"],
+    "trainer": [*BASE, "--steps", "60", "--inprocess", "--fault", "exception:1@15", "--fault",
+                "sigkill:0@35"],
     # a user's script with its own Wrapper and its own TCPStore from MASTER_ADDR/MASTER_PORT
     "script": ["--script", str(SCRIPTS / "wrapped.py"), "--script-args", "60 0.1", "--no-inprocess",
                "--heartbeat-timeout", "20", "--fault", "exception:1@15", "--fault", "sigkill:0@35"],
@@ -99,11 +103,13 @@ def job(request: pytest.FixtureRequest) -> Iterator[tuple[subprocess.Popen, List
             pytest.skip(f"NVRx 0.6.0 is not installed in {NVRX_06} (`make setup` installs it)")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(NVRX_06), env.get("PYTHONPATH")) if p)
     name = f"ports-{what}-{release.replace('.', '-')}"
-    proc = subprocess.Popen([sys.executable, "-m", "eksft_nb", "run", "--name", name, *RUNS[what], "--nnodes", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "eksft_nb", "run", "--name", name, *RUNS[what], "--nnodes",
+                             "2",
                              "--nproc-per-node", "1", "--spare-nodes", str(spares), "--warm-ranks", "--json"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     jd = JobDir.for_name(name)
-    uid = wait_for("the job's uid", lambda: proc.poll() is not None or jd.supervisor().get("job_uid"), timeout=120)
+    uid = wait_for("the job's uid", lambda: proc.poll() is not None or jd.supervisor().get("job_uid"),
+                   timeout=120)
     assert isinstance(uid, str), proc.communicate()
     listeners = Listeners(uid)
     listeners.start()

@@ -28,11 +28,13 @@ from jobs import cli, events, wait_for
 
 # what NVRx's rank monitor prints when a stop cancels it (captured from a real stop), and a rank's own error
 MONITOR_CANCELLED = """\
-handle: <Handle StreamReaderProtocol.connection_made.<locals>.callback(<Task cancell...erver.py:336>>) at /usr/lib/python3.11/asyncio/streams.py:248>
+handle: <Handle StreamReaderProtocol.connection_made.<locals>.callback(<Task cancell...erver.py:336>>) at \
+/usr/lib/python3.11/asyncio/streams.py:248>
 Traceback (most recent call last):
   File "/usr/lib/python3.11/asyncio/events.py", line 80, in _run
     self._context.run(self._callback, *self._args)
-  File "/venv/lib/python3.11/site-packages/nvidia_resiliency_ext/fault_tolerance/rank_monitor_server.py", line 348, in _handle_ipc_connection
+  File "/venv/lib/python3.11/site-packages/nvidia_resiliency_ext/fault_tolerance/rank_monitor_server.py", \
+line 348, in _handle_ipc_connection
     while msg := await read_obj_from_ipc_stream(reader):
                  ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
   File "/usr/lib/python3.11/asyncio/streams.py", line 540, in _wait_for_data
@@ -71,20 +73,23 @@ def test_stop_never_signals_a_process_that_reuses_a_recorded_pid(tmp_path: Path,
     backend = fake_job(tmp_path, {"pid": stranger.pid, "pgid": stranger.pid, "supervisor": old, "keeper": old,
                                   "job_uid": "0123456789abcdef", "state": state,
                                   "launchers": [{"node": 0, **old, "pgid": stranger.pid, "tag": "0.0",
-                                                 "log": str(tmp_path / "old" / "logs" / "launcher-0-0.log")}]})
+                                                 "log": str(tmp_path / "old" / "logs"
+                                                            / "launcher-0-0.log")}]})
     backend.stop("old", timeout=5)
     assert stranger.poll() is None, "stop signalled a process that is not the job's"
     assert backend.state("old").state in ("succeeded", "stopped")
 
 
-def test_a_recorded_process_is_known_by_its_start_ticks_when_the_clock_steps(stranger: subprocess.Popen) -> None:
+def test_a_recorded_process_is_known_by_its_start_ticks_when_the_clock_steps(
+    stranger: subprocess.Popen) -> None:
     # psutil's wall-clock start moves with the boot time whenever the system clock is stepped (NTP):
     # the job's supervisor must not look gone then, nor another process at its pid look like it
     entry = procs.identity(stranger.pid)
     stepped = {**entry, "started": entry["started"] + 1.0}
     assert procs.recorded(stepped) is not None and procs.recorded(stepped).pid == stranger.pid
     assert procs.recorded({**entry, "ticks": entry["ticks"] - 1}) is None
-    assert procs.recorded({**entry, "ticks": None}) is not None  # recorded before ticks: the start time decides
+    # recorded before ticks: the start time decides
+    assert procs.recorded({**entry, "ticks": None}) is not None
 
 
 def test_rm_refuses_while_a_process_of_the_job_runs(tmp_path: Path) -> None:
@@ -124,7 +129,8 @@ def test_a_job_reads_ended_only_once_its_supervisor_and_keeper_are_gone(tmp_path
 
 def test_logs_drop_library_tracebacks_whole_and_keep_a_rank_s_error(tmp_path: Path) -> None:
     backend = fake_job(tmp_path, {"state": "stopped"})
-    (tmp_path / "old" / "logs" / "launcher-0-0.log").write_text(RANK_ERROR + MONITOR_CANCELLED + "training went on\n")
+    (tmp_path / "old" / "logs" / "launcher-0-0.log").write_text(RANK_ERROR + MONITOR_CANCELLED + "training "
+                                                                "went on\n")
     shown = backend.logs("old").splitlines()
     assert shown == ["[rank1]: ValueError: the batch is empty", "training went on"], shown
     debug = backend.logs("old", debug=True)
@@ -132,7 +138,8 @@ def test_logs_drop_library_tracebacks_whole_and_keep_a_rank_s_error(tmp_path: Pa
 
 
 @pytest.mark.slow
-def test_a_full_disk_in_the_supervisor_ends_the_job_with_the_reason_and_nothing_running(eksft_home: Path) -> None:
+def test_a_full_disk_in_the_supervisor_ends_the_job_with_the_reason_and_nothing_running(
+    eksft_home: Path) -> None:
     jd = JobDir.for_name("disk-full")
     jd.create(JobSpec(name="disk-full", steps=100000, model=ModelConfig(preset="tiny")))
     sup = Supervisor(jd)
@@ -166,8 +173,10 @@ def test_a_job_whose_supervisor_and_keeper_died_is_adopted_not_lost() -> None:
     wait_for("the restart", lambda: any(e["injob_restart"] == 1 for e in events("orphan", "rank_start")))
     backend = LocalBackend()
     status = backend.state("orphan")   # a query starts nothing: the job is orphaned, not yet adopted
-    assert (status.state, status.orphaned) == ("running", True) and "nothing supervises" in status.detail, status
-    assert not any(procs.recorded(jd.supervisor().get(who), record["job_uid"]) for who in ("keeper", "supervisor"))
+    assert (status.state, status.orphaned) == ("running",
+                                               True) and "nothing supervises" in status.detail, status
+    assert not any(procs.recorded(jd.supervisor().get(who), record["job_uid"])
+                   for who in ("keeper", "supervisor"))
     state, detail = attach("orphan").status()   # looking at the job adopts it
     assert state == "running" and "adopted" in detail, detail
     with pytest.raises(JobError):
@@ -176,13 +185,15 @@ def test_a_job_whose_supervisor_and_keeper_died_is_adopted_not_lost() -> None:
     assert backend.state("orphan").state == "succeeded"
     assert max(e["step"] for e in events("orphan", "step")) == 60
     [restart] = events("orphan", "restart")  # recorded by the supervisor that adopted the job
-    assert restart["level"] == "injob" and restart["blame_rank"] == 1 and "sigkill" in restart["cause"], restart
+    assert restart["level"] == "injob" and restart["blame_rank"] == 1, restart
+    assert "sigkill" in restart["cause"], restart
     wait_for("the keeper and supervisor to exit", lambda: not procs.marked(record["job_uid"]), 30)
 
 
 @pytest.mark.slow
 def test_logs_after_a_stop_carry_no_library_traceback() -> None:
-    assert cli("run", "--name", "stopped-quiet", "--model", "tiny", "--steps", "100000", "--detach").returncode == 0
+    assert cli("run", "--name", "stopped-quiet", "--model", "tiny", "--steps", "100000",
+               "--detach").returncode == 0
     wait_for("5 steps", lambda: len(events("stopped-quiet", "step")) >= 5)
     assert cli("stop", "stopped-quiet").returncode == 0
     logs, debug = cli("logs", "stopped-quiet", "--lines", "100000").stdout, \

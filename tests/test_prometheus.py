@@ -31,11 +31,15 @@ PROMETHEUS = shutil.which("prometheus")
 DATASOURCE = {"type": "object", "required": ["type", "uid"],
               "properties": {"type": {"const": "prometheus"}, "uid": {"const": "${datasource}"}}}
 GRID = {"type": "object", "required": ["h", "w", "x", "y"], "additionalProperties": False,
-        "properties": {"h": {"type": "integer", "minimum": 1}, "w": {"type": "integer", "minimum": 1, "maximum": 24},
-                       "x": {"type": "integer", "minimum": 0, "maximum": 23}, "y": {"type": "integer", "minimum": 0}}}
-PANEL = {"type": "object", "required": ["type", "id", "title", "gridPos", "datasource", "targets", "fieldConfig", "options"],
+        "properties": {"h": {"type": "integer", "minimum": 1},
+                       "w": {"type": "integer", "minimum": 1, "maximum": 24},
+                       "x": {"type": "integer", "minimum": 0, "maximum": 23},
+                       "y": {"type": "integer", "minimum": 0}}}
+PANEL = {"type": "object",
+         "required": ["type", "id", "title", "gridPos", "datasource", "targets", "fieldConfig", "options"],
          "properties": {
-             "type": {"enum": ["timeseries", "stat", "gauge", "bargauge", "table", "state-timeline", "status-history",
+             "type": {"enum": ["timeseries", "stat", "gauge", "bargauge", "table", "state-timeline",
+                               "status-history",
                                "barchart", "piechart", "text", "heatmap", "histogram"]},
              "id": {"type": "integer", "minimum": 1}, "title": {"type": "string", "minLength": 1},
              "description": {"type": "string"}, "gridPos": GRID, "datasource": DATASOURCE,
@@ -49,28 +53,35 @@ PANEL = {"type": "object", "required": ["type", "id", "title", "gridPos", "datas
                                 "legendFormat": {"type": "string"}, "instant": {"type": "boolean"},
                                 "range": {"type": "boolean"}}}}}}
 ROW = {"type": "object", "required": ["type", "id", "title", "gridPos", "collapsed", "panels"],
-       "properties": {"type": {"const": "row"}, "id": {"type": "integer", "minimum": 1}, "title": {"type": "string"},
-                      "gridPos": GRID, "collapsed": {"type": "boolean"}, "panels": {"type": "array", "items": PANEL}}}
+       "properties": {"type": {"const": "row"}, "id": {"type": "integer", "minimum": 1},
+                      "title": {"type": "string"},
+                      "gridPos": GRID, "collapsed": {"type": "boolean"},
+                      "panels": {"type": "array", "items": PANEL}}}
 VARIABLE = {"type": "object", "required": ["name", "type", "current", "hide", "options"],
             "properties": {"name": {"type": "string", "pattern": r"^\w+$"},
-                           "type": {"enum": ["query", "datasource", "custom", "constant", "interval", "textbox", "adhoc"]},
+                           "type": {"enum": ["query", "datasource", "custom", "constant", "interval",
+                                             "textbox", "adhoc"]},
                            "hide": {"enum": [0, 1, 2]}},
             "if": {"properties": {"type": {"const": "query"}}},
             "then": {"required": ["datasource", "query", "definition", "refresh"],
                      "properties": {"datasource": DATASOURCE, "refresh": {"enum": [1, 2]}}}}
 MODEL = {"type": "object",
-         "required": ["title", "uid", "schemaVersion", "panels", "templating", "time", "annotations", "editable",
+         "required": ["title", "uid", "schemaVersion", "panels", "templating", "time", "annotations",
+                      "editable",
                       "refresh", "tags", "timezone", "version", "graphTooltip"],
          "properties": {
              "id": {"type": "null"},   # an imported dashboard gets its id from the Grafana it lands in
-             "uid": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,40}$"}, "title": {"type": "string", "minLength": 1},
+             "uid": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,40}$"},
+             "title": {"type": "string", "minLength": 1},
              "schemaVersion": {"type": "integer", "minimum": 39, "maximum": 42},   # Grafana 11.0 .. 12.x
              "editable": {"type": "boolean"}, "graphTooltip": {"enum": [0, 1, 2]}, "tags": {"type": "array"},
              "timezone": {"type": "string"}, "version": {"type": "integer"}, "refresh": {"type": "string"},
              "time": {"type": "object", "required": ["from", "to"]},
              "annotations": {"type": "object", "required": ["list"]},
-             "templating": {"type": "object", "required": ["list"], "properties": {"list": {"type": "array", "items": VARIABLE}}},
-             "panels": {"type": "array", "minItems": 1, "items": {"if": {"properties": {"type": {"const": "row"}}},
+             "templating": {"type": "object", "required": ["list"],
+                            "properties": {"list": {"type": "array", "items": VARIABLE}}},
+             "panels": {"type": "array", "minItems": 1,
+                        "items": {"if": {"properties": {"type": {"const": "row"}}},
                                                                   "then": ROW, "else": PANEL}}}}
 
 
@@ -100,7 +111,8 @@ def test_the_dashboard_matches_grafanas_dashboard_model() -> None:
             assert cell not in cells, f"{p['title']!r} overlaps {cells[cell]!r}"
             cells[cell] = p["title"]
     variables = {v["name"]: v for v in dash["templating"]["list"]}
-    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"][
+        "query"] == "prometheus"
     assert variables["job"]["type"] == "query" and "eksft_" in variables["job"]["definition"]
     for p in all_panels(dash):
         assert len({t["refId"] for t in p["targets"]}) == len(p["targets"]), p["title"]
@@ -123,7 +135,8 @@ class Prometheus:
             "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
             "scrape_configs": scrape_configs or [{"job_name": "eksft", "honor_labels": True,
                                                   "static_configs": [{"targets": [target]}]}]}))
-        self.proc = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={folder / 'data'}",
+        self.proc = subprocess.Popen([PROMETHEUS, f"--config.file={config}",
+                                      f"--storage.tsdb.path={folder / 'data'}",
                                       f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
                                      stdout=subprocess.DEVNULL, stderr=open(folder / "prometheus.log", "w"))
 
@@ -149,7 +162,8 @@ def series(result: list[dict[str, Any]]) -> dict[tuple[tuple[str, str], ...], fl
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(PROMETHEUS is None, reason="the prometheus binary is not installed (`make prometheus` installs "
+@pytest.mark.skipif(PROMETHEUS is None,
+                    reason="the prometheus binary is not installed (`make prometheus` installs "
                                                "Debian's package)")
 def test_every_panel_answers_with_the_jobs_values_from_a_real_prometheus(tmp_path: Path) -> None:
     from jobs import cli, wait_for
@@ -158,7 +172,8 @@ def test_every_panel_answers_with_the_jobs_values_from_a_real_prometheus(tmp_pat
     from eksft_nb.job import attach
 
     name = "prom"
-    launched = cli("run", "--name", name, "--model", "tiny", "--steps", "200", "--ckpt-every", "10", "--seed", "0",
+    launched = cli("run", "--name", name, "--model", "tiny", "--steps", "200", "--ckpt-every", "10", "--seed",
+                   "0",
                    "--detach")
     assert launched.returncode == 0, launched.stderr
     port = free_port()
@@ -176,17 +191,21 @@ def test_every_panel_answers_with_the_jobs_values_from_a_real_prometheus(tmp_pat
         assert injected.returncode == 0, injected.stderr
         wait_for("the job to end", lambda: job.refresh().finished, timeout=300)
         wait_for("a scrape after the job's end",
-                 lambda: series(prom.query(f'max by (job) (eksft_running{{job="{name}"}})')) == {(("job", name),): 0.0}, timeout=60)
+                 lambda: series(prom.query(f'max by (job) (eksft_running{{job="{name}"}})')) == {
+                     (("job", name),): 0.0}, timeout=60)
         at = time.time()
         # the scrapes covered the job while it ran, and its restart as it happened
-        assert series(prom.query(f'max by (job) (max_over_time(eksft_running{{job="{name}"}}[10m]))', at)) == {(("job", name),): 1.0}
-        before = prom.query(f'min by (job, level) (min_over_time(eksft_restarts_total{{job="{name}",level="injob"}}[10m]))', at)
+        assert series(prom.query(f'max by (job) (max_over_time(eksft_running{{job="{name}"}}[10m]))',
+                                 at)) == {(("job", name),): 1.0}
+        before = prom.query('min by (job, level) '
+                            f'(min_over_time(eksft_restarts_total{{job="{name}",level="injob"}}[10m]))', at)
         assert series(before) == {(("job", name), ("level", "injob")): 0.0}
 
         mon = job.refresh()
         summary = job.summary()
         gp = compute(mon)
-        assert summary["state"] == "succeeded" and summary["restarts"] == {"inprocess": 0, "injob": 1, "job": 0}
+        assert summary["state"] == "succeeded" and summary["restarts"] == {
+            "inprocess": 0, "injob": 1, "job": 0}
         j = (("job", name),)
         times = mon.steps.step_time[-20:]
         expected: dict[str, dict[tuple[tuple[str, str], ...], float]] = {
@@ -224,11 +243,13 @@ def test_every_panel_answers_with_the_jobs_values_from_a_real_prometheus(tmp_pat
 
 
 # dcgm-exporter's default counters (etc/default-counters.csv) in both release 3.3.9-3.6.1 and 4.5.3-4.8.2 (the
-# newest): what a stock install exports. Not in it, e.g.: DCGM_FI_DEV_ECC_DBE_VOL_TOTAL, _CLOCK_THROTTLE_REASONS;
-# DCGM_FI_PROF_GR_ENGINE_ACTIVE and the other profiling fields only from 4.0.
+# newest): what a stock install exports. Not in it, e.g.: DCGM_FI_DEV_ECC_DBE_VOL_TOTAL,
+# _CLOCK_THROTTLE_REASONS; DCGM_FI_PROF_GR_ENGINE_ACTIVE and the other profiling fields only from 4.0.
 DCGM_DEFAULTS = {f"DCGM_FI_DEV_{n}" for n in (
-    "SM_CLOCK", "MEM_CLOCK", "MEMORY_TEMP", "GPU_TEMP", "POWER_USAGE", "TOTAL_ENERGY_CONSUMPTION", "PCIE_REPLAY_COUNTER",
-    "GPU_UTIL", "MEM_COPY_UTIL", "ENC_UTIL", "DEC_UTIL", "XID_ERRORS", "FB_FREE", "FB_USED", "NVLINK_BANDWIDTH_TOTAL",
+    "SM_CLOCK", "MEM_CLOCK", "MEMORY_TEMP", "GPU_TEMP", "POWER_USAGE", "TOTAL_ENERGY_CONSUMPTION",
+    "PCIE_REPLAY_COUNTER",
+    "GPU_UTIL", "MEM_COPY_UTIL", "ENC_UTIL", "DEC_UTIL", "XID_ERRORS", "FB_FREE", "FB_USED",
+    "NVLINK_BANDWIDTH_TOTAL",
     "VGPU_LICENSE_STATUS", "UNCORRECTABLE_REMAPPED_ROWS", "CORRECTABLE_REMAPPED_ROWS", "ROW_REMAP_FAILURE")}
 
 
@@ -274,7 +295,8 @@ def test_gpu_panels_use_only_dcgm_exporters_default_counters() -> None:
             assert set(re.findall(r"DCGM_FI_\w+", t["expr"])) <= DCGM_DEFAULTS, (p["title"], t["expr"])
 
 
-@pytest.mark.skipif(PROMETHEUS is None, reason="the prometheus binary is not installed (`make prometheus` installs "
+@pytest.mark.skipif(PROMETHEUS is None,
+                    reason="the prometheus binary is not installed (`make prometheus` installs "
                                                "Debian's package)")
 def test_gpu_panels_show_only_the_jobs_nodes_from_a_real_prometheus(tmp_path: Path) -> None:
     """dcgm-exporter runs on every GPU node; a panel shows the nodes of the chosen job only: an EKS job's
@@ -287,11 +309,13 @@ def test_gpu_panels_show_only_the_jobs_nodes_from_a_real_prometheus(tmp_path: Pa
                    for g in (0, 1))
     pages = {"/dcgm": dcgm,
              "/eks-pod": 'eksft_running{job="llm"} 1\n',   # the EKS job's pod on node-a
-             "/local": 'eksft_running{job="here"} 1\nDCGM_FI_DEV_XID_ERRORS{gpu="0",UUID="GPU-x",Hostname="node-b",'
+             "/local": 'eksft_running{job="here"} '
+             '1\nDCGM_FI_DEV_XID_ERRORS{gpu="0",UUID="GPU-x",Hostname="node-b",'
                        'job="here"} 0\n'}
     exposition = Exposition(pages)
     prom = Prometheus(tmp_path, "", [
-        {"job_name": "nvidia-dcgm-exporter", "metrics_path": "/dcgm", "static_configs": [{"targets": [exposition.address]}]},
+        {"job_name": "nvidia-dcgm-exporter", "metrics_path": "/dcgm",
+         "static_configs": [{"targets": [exposition.address]}]},
         {"job_name": "eksft-eks", "honor_labels": True, "metrics_path": "/eks-pod",
          "static_configs": [{"targets": [exposition.address], "labels": {"Hostname": "node-a"}}]},
         {"job_name": "eksft-local", "honor_labels": True, "metrics_path": "/local",
@@ -303,7 +327,8 @@ def test_gpu_panels_show_only_the_jobs_nodes_from_a_real_prometheus(tmp_path: Pa
             for p in gpu_panels():
                 expr = p["targets"][0]["expr"].replace("$job", job).replace("$node", ".*")
                 got = series(prom.query(expr))
-                assert got == {(("Hostname", node), ("gpu", str(g))): float(base + g) for g in (0, 1)}, (p["title"], got)
+                assert got == {(("Hostname", node),
+                                ("gpu", str(g))): float(base + g) for g in (0, 1)}, (p["title"], got)
     finally:
         prom.stop()
         exposition.stop()
@@ -313,7 +338,8 @@ def test_restart_causes_become_few_label_values() -> None:
     from eksft_nb.control import FAULTS
     from eksft_nb.metrics import cause_class
 
-    for kind in FAULTS:   # the sentences the incidents write (incidents.py), classed by the fault that caused them
+    # the sentences the incidents write (incidents.py), classed by the fault that caused them
+    for kind in FAULTS:
         assert cause_class(f"injected {kind} on rank 1") == kind
         assert cause_class(f"injected {kind} on node 0: ft_launcher on node 0 was killed (SIGKILL)") == kind
     assert cause_class("hang: no heartbeat from rank 0 for 10s (ft_launcher timeout)") == "hang"

@@ -35,7 +35,8 @@ SNAPSHOT_JS = """() => { const img = document.querySelector('.jp-RenderedSVG img
   const svg = new DOMParser().parseFromString(new TextDecoder().decode(bytes), 'image/svg+xml');
   return {drawn: img.complete && img.naturalWidth > 0 && img.getBoundingClientRect().width > 0,
           traces: Object.fromEntries(Array.from(svg.querySelectorAll('svg.eksft-snapshot path.eksft-trace'))
-            .map(p => [p.getAttribute('data-name'), (p.getAttribute('d').match(/[ML]/g) || []).length]))}; }"""
+            .map(p => [p.getAttribute('data-name'),
+                       (p.getAttribute('d').match(/[ML]/g) || []).length]))}; }"""
 # the live figure in JupyterLab: each trace's name and how many steps it draws
 LIVE_JS = """() => { const plot = document.querySelector('.eksft-job-quickstart .js-plotly-plot');
   return plot && plot.data ? plot.data.map(t => [t.name, (t.customdata || t.x || []).length]) : null; }"""
@@ -48,8 +49,8 @@ def quickstart(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
     return nb, saved
 
 
-def test_converted_to_html_it_shows_the_figure_with_no_network(tmp_path: Path,
-                                                                tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_converted_to_html_it_shows_the_figure_with_no_network(
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     from playwright.sync_api import sync_playwright
 
     _, saved = quickstart(tmp_path_factory)
@@ -62,7 +63,8 @@ def test_converted_to_html_it_shows_the_figure_with_no_network(tmp_path: Path,
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=FLAGS)
         page = browser.new_page(viewport={"width": 1280, "height": 2000})
-        page.route(re.compile(r"^(?!file:)"), lambda route: (blocked.append(route.request.url), route.abort()))
+        page.route(re.compile(r"^(?!file:)"),
+                   lambda route: (blocked.append(route.request.url), route.abort()))
         page.goto(page_file.as_uri(), wait_until="load")
         drawn = page.evaluate(SNAPSHOT_JS)
         page.screenshot(path=str(tmp_path / "converted.png"), full_page=True)
@@ -75,8 +77,8 @@ def test_converted_to_html_it_shows_the_figure_with_no_network(tmp_path: Path,
     assert traces["blocked"] == len([c for c in job.checkpoints.values() if c.state == "committed"])
 
 
-def test_reopened_in_jupyterlab_it_redraws_from_its_saved_state(tmp_path: Path,
-                                                                 tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_reopened_in_jupyterlab_it_redraws_from_its_saved_state(
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     from playwright.sync_api import sync_playwright
 
     from jobs import wait_for
@@ -90,7 +92,8 @@ def test_reopened_in_jupyterlab_it_redraws_from_its_saved_state(tmp_path: Path,
         other = json.loads(saved.read_text())   # other content: trust is given to a notebook's digest
         other["metadata"]["title"] = "untrusted copy"
         (tmp_path / "root" / "untrusted.ipynb").write_text(json.dumps(other))
-        subprocess.run([str(jupyter), "trust", str(tmp_path / "root" / "trusted.ipynb")], env={**os.environ, **env},
+        subprocess.run([str(jupyter), "trust", str(tmp_path / "root" / "trusted.ipynb")],
+                       env={**os.environ, **env},
                        check=True, capture_output=True, timeout=120)
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=FLAGS)
@@ -105,7 +108,8 @@ def test_reopened_in_jupyterlab_it_redraws_from_its_saved_state(tmp_path: Path,
             finally:
                 page.screenshot(path=str(tmp_path / "reopened.png"), full_page=True)
             steps = sum(n for name, n in traces if name == "tokens/s")
-            assert steps >= job.last_step == 400, (traces, errors)        # the whole run, not its first seconds
+            # the whole run, not its first seconds
+            assert steps >= job.last_step == 400, (traces, errors)
             copy = page.locator(".jp-RenderedSVG")
             assert copy.count() == 1 and not copy.is_visible()             # the live figure, not two
             browser.close()

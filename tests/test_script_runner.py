@@ -21,10 +21,13 @@ SCRIPTS = Path(__file__).parent / "scripts"
 REPO = Path(__file__).resolve().parents[1]
 
 
-def start(tmp_path: Path, steps: int, wait: float, workdir: Path | None = None) -> tuple[JobDir, subprocess.Popen]:
+def start(tmp_path: Path, steps: int, wait: float,
+          workdir: Path | None = None) -> tuple[JobDir, subprocess.Popen]:
     jd = JobDir(tmp_path / "job")
-    jd.create(JobSpec(name="runner", script=str(SCRIPTS / "introspect.py"), workdir=str(workdir) if workdir else None))
-    env = {**os.environ, "EKSFT_JOB_DIR": str(jd.path), "PYTHONPATH": str(REPO), "RANK": "0", "WORLD_SIZE": "1"}
+    jd.create(JobSpec(name="runner", script=str(SCRIPTS / "introspect.py"),
+                      workdir=str(workdir) if workdir else None))
+    env = {**os.environ, "EKSFT_JOB_DIR": str(jd.path), "PYTHONPATH": str(REPO), "RANK": "0",
+           "WORLD_SIZE": "1"}
     env.pop("FT_RANK_MONITOR_IPC_SOCKET", None)
     proc = subprocess.Popen([sys.executable, "-m", "eksft_nb.runtime.script", str(SCRIPTS / "introspect.py"),
                              str(steps), str(wait)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
@@ -32,7 +35,8 @@ def start(tmp_path: Path, steps: int, wait: float, workdir: Path | None = None) 
     return jd, proc
 
 
-def test_a_script_runs_as_python_would_run_it_and_its_optimizer_steps_are_counted_once(tmp_path: Path) -> None:
+def test_a_script_runs_as_python_would_run_it_and_its_optimizer_steps_are_counted_once(
+    tmp_path: Path) -> None:
     (tmp_path / "wd").mkdir()
     jd, proc = start(tmp_path, steps=5, wait=0, workdir=tmp_path / "wd")
     out, err = proc.communicate(timeout=120)
@@ -51,7 +55,8 @@ def test_a_script_runs_as_python_would_run_it_and_its_optimizer_steps_are_counte
 
 @pytest.mark.parametrize("command, at_step", [(FaultCommand("exception", rank=0), None),
                                               (FaultCommand("exception", rank=0, step=3), 3)])
-def test_an_exception_fires_in_the_main_thread_now_or_at_an_optimizer_step(tmp_path: Path, command: FaultCommand,
+def test_an_exception_fires_in_the_main_thread_now_or_at_an_optimizer_step(
+    tmp_path: Path, command: FaultCommand,
                                                                            at_step: int | None) -> None:
     jd, proc = start(tmp_path, steps=5 if at_step else 0, wait=120)
     if at_step is None:
@@ -63,7 +68,8 @@ def test_an_exception_fires_in_the_main_thread_now_or_at_an_optimizer_step(tmp_p
     [fault] = [e for e in evs if e.kind == "fault"]
     assert (fault["fault"], fault["target_rank"], fault["at_step"]) == ("exception", 0, at_step)
     [error] = [e for e in evs if e.kind == "rank_error"]
-    assert error["origin"] == "fault" and error["error"].startswith("InjectedFault: injected exception on rank 0")
+    assert error["origin"] == "fault" and error["error"].startswith("InjectedFault: injected "
+                                                                    "exception on rank 0")
     if at_step:
         assert max(e["step"] for e in evs if e.kind == "step") == at_step - 1   # before the step it targets
     else:
@@ -92,7 +98,8 @@ def test_after_is_validated_and_parsed() -> None:
             bad.validate(2, 1)
     with pytest.raises(ControlError, match="cannot parse fault"):
         parse_fault("hang:0@soon")
-    assert FaultCommand.from_json(FaultCommand("hang", rank=0, after=2.5).to_json()).when == "2.5s after it was queued"
+    assert FaultCommand.from_json(FaultCommand("hang", rank=0,
+                                               after=2.5).to_json()).when == "2.5s after it was queued"
 
 
 def test_a_scripts_restarts_count_as_stuck_only_when_no_step_ran_between_them() -> None:

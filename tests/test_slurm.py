@@ -26,7 +26,8 @@ from eksft_nb.spec import JobSpec
 from eksft_nb.states import JobState
 
 # a small job: 2 nodes of 1 rank, tiny model, 30 steps, checkpoints every 10
-BASE = ["--nnodes", "2", "--nproc-per-node", "1", "--model", "tiny", "--steps", "30", "--ckpt-every", "10", "--seed", "0"]
+BASE = ["--nnodes", "2", "--nproc-per-node", "1", "--model", "tiny", "--steps", "30", "--ckpt-every", "10",
+        "--seed", "0"]
 
 
 def slurm_spec(**changes: object) -> JobSpec:
@@ -36,8 +37,10 @@ def slurm_spec(**changes: object) -> JobSpec:
 # ---- the sbatch script (no cluster needed) ---------------------------------------------------------
 
 def test_the_dry_run_is_an_sbatch_script_with_one_ft_launcher_per_node() -> None:
-    spec = slurm_spec(**{"slurm.partition": "gpu", "slurm.account": "ml", "slurm.qos": "high", "slurm.time": "4:00:00",
-                         "slurm.gres": "gpu:8", "slurm.exclusive": True, "slurm.constraint": "p5", "slurm.efa": True,
+    spec = slurm_spec(**{"slurm.partition": "gpu", "slurm.account": "ml", "slurm.qos": "high",
+                         "slurm.time": "4:00:00",
+                         "slurm.gres": "gpu:8", "slurm.exclusive": True, "slurm.constraint": "p5",
+                         "slurm.efa": True,
                          "slurm.port": 31000})
     script = commands.dry_run(spec)
     lines = script.splitlines()
@@ -50,7 +53,8 @@ def test_the_dry_run_is_an_sbatch_script_with_one_ft_launcher_per_node() -> None
     assert 'RDZV_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)' in lines
     assert '"--rdzv-endpoint=${RDZV_HOST}:31000"' in script and "sleep" not in script
     srun = script[script.index("srun"):]
-    assert srun.split()[1] == "--ntasks-per-node=1" and "ft_launcher" in srun and '--node-rank="$SLURM_NODEID"' in srun
+    assert srun.split()[
+        1] == "--ntasks-per-node=1" and "ft_launcher" in srun and '--node-rank="$SLURM_NODEID"' in srun
     assert "export EKSFT_JOB_DIR=/fsx/eksft/ftrain" in lines and "export EKSFT_STORE_PORT=31001" in lines
     # the NCCL/EFA environment of a p5 node, as an EKS pod with the same GPUs and EFA gets it
     eks = eks_nccl_env(JobSpec().replace(**{"eks.gpus_per_node": 8, "eks.efa_per_node": 32,
@@ -92,7 +96,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
 def cli(c: SlurmCluster, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """The CLI on the "login node": it finds the jobs it launched without $EKSFT_SHARED_DIR."""
     env = {k: v for k, v in c.env.items() if k != "EKSFT_SHARED_DIR"}
-    return subprocess.run([sys.executable, "-m", "eksft_nb", *args], capture_output=True, text=True, timeout=timeout,
+    return subprocess.run([sys.executable, "-m", "eksft_nb", *args], capture_output=True, text=True,
+                          timeout=timeout,
                           env=env)
 
 
@@ -125,12 +130,16 @@ def reference(cluster: SlurmCluster) -> dict:
 
 
 @pytest.mark.slow
-def test_a_job_runs_on_two_slurm_nodes_and_reads_as_a_local_one(cluster: SlurmCluster, reference: dict) -> None:
+def test_a_job_runs_on_two_slurm_nodes_and_reads_as_a_local_one(cluster: SlurmCluster,
+                                                                reference: dict) -> None:
     assert reference["backend"] == "slurm" and reference["steps_done"] == 30
-    assert reference["checkpoints_committed"] == 3 and reference["restarts"] == {"inprocess": 0, "injob": 0, "job": 0}
+    assert reference["checkpoints_committed"] == 3 and reference["restarts"] == {
+        "inprocess": 0, "injob": 0, "job": 0}
     folder = cluster.shared / "reference"
     # one ft_launcher per node, each with its own log on the shared disk, the ranks' events beside them
-    assert sorted(p.name for p in (folder / "logs").glob("launcher-*.log")) == ["launcher-0-0.log", "launcher-0-1.log"]
+    assert sorted(p.name
+                  for p in (folder
+                            / "logs").glob("launcher-*.log")) == ["launcher-0-0.log", "launcher-0-1.log"]
     events = read_all(folder / "events.jsonl")
     starts = [e for e in events if e.kind == "rank_start"]
     assert sorted(e.rank for e in starts) == [0, 1]
@@ -181,13 +190,15 @@ def test_the_lab_panel_lists_slurm_jobs(cluster: SlurmCluster, reference: dict,
         return next((r for r in data["jobs"] if (r["name"], r["backend"]) == ("reference", "slurm")), None)
 
     tmp = tmp_path_factory.mktemp("lab")
-    env = {**{k: v for k, v in cluster.env.items() if k != "EKSFT_SHARED_DIR"}, "KUBECONFIG": str(tmp / "none")}
+    env = {**{k: v for k, v in cluster.env.items() if k != "EKSFT_SHARED_DIR"},
+           "KUBECONFIG": str(tmp / "none")}
     with jupyter_server(tmp, env) as server:
         code, body = server.request("GET", "jobs")
         assert code == 200 and body["backends"]["slurm"] == {"ok": True, "error": None}, body
         assert "eks" not in body["backends"]
         listed = slurm_row(body)
-        assert listed and (listed["backend"], listed["state"], listed["step"]) == ("slurm", "succeeded", 30), body
+        assert listed and (listed["backend"], listed["state"],
+                           listed["step"]) == ("slurm", "succeeded", 30), body
         stream = Stream(server)
         try:
             _, data = stream.wait("the Slurm job", lambda k, d: k == "jobs" and slurm_row(d) is not None, 120)
@@ -199,7 +210,8 @@ def test_the_lab_panel_lists_slurm_jobs(cluster: SlurmCluster, reference: dict,
 
 
 @pytest.mark.slow
-def test_rm_refuses_a_running_slurm_job_and_removes_an_ended_one(cluster: SlurmCluster, reference: dict) -> None:
+def test_rm_refuses_a_running_slurm_job_and_removes_an_ended_one(cluster: SlurmCluster,
+                                                                 reference: dict) -> None:
     run(cluster, "to-remove", detach=True)
     refused = cli(cluster, "rm", "to-remove", "--backend", "slurm")
     assert refused.returncode != 0 and "stop it first" in refused.stderr and "Traceback" not in refused.stderr
@@ -223,22 +235,27 @@ def test_an_exception_and_a_hang_injected_from_the_cli_heal_in_process_and_resum
     """The engine's in-process faults on Slurm, one scheduled at launch, one injected into the running
     job from the CLI; `watch` follows it to its end; `ckpts` and `resume` read and continue it."""
     run(cluster, "in-process", "--fault", "exception:0@11", detach=True)
-    injected = cli(cluster, "inject", "in-process", "hang", "--rank", "1", "--step", "22", "--backend", "slurm")
-    assert injected.returncode == 0 and "queued hang for rank 1 of in-process" in injected.stdout, injected.stderr
+    injected = cli(cluster, "inject", "in-process", "hang", "--rank", "1", "--step", "22", "--backend",
+                   "slurm")
+    assert injected.returncode == 0, injected.stderr
+    assert "queued hang for rank 1 of in-process" in injected.stdout, injected.stderr
     watched = cli(cluster, "watch", "in-process", "--backend", "slurm")
     assert watched.returncode == 0, story(cluster, "in-process")
     assert watched.stdout.count("recovered (inprocess)") == 2, watched.stdout[-3000:]
     summary = json.loads(cli(cluster, "summary", "in-process", "--backend", "slurm", "--json").stdout)
-    assert [(r["level"], r["blame_rank"]) for r in summary["restart_events"]] == [("inprocess", 0), ("inprocess", 1)]
+    assert [(r["level"],
+             r["blame_rank"]) for r in summary["restart_events"]] == [("inprocess", 0), ("inprocess", 1)]
     fired = [(e["fault"], e["at_step"]) for e in read_all(cluster.shared / "in-process" / "events.jsonl")
              if e.kind == "fault"]
     assert fired == [("exception", 11), ("hang", 22)], fired
     assert summary["digest"] == reference["digest"]   # the same recovery levels as locally, bit-identical
     ckpts = json.loads(cli(cluster, "ckpts", "in-process", "--backend", "slurm", "--json").stdout)
     assert [c["step"] for c in ckpts if c["state"] == "committed"] == [10, 20, 30]
-    resumed = cli(cluster, "resume", "in-process", "--steps", "40", "--as", "in-process-more", "--backend", "slurm")
+    resumed = cli(cluster, "resume", "in-process", "--steps", "40", "--as", "in-process-more", "--backend",
+                  "slurm")
     assert resumed.returncode == 0 and "launched in-process-more" in resumed.stdout, resumed.stderr
-    assert cli(cluster, "watch", "in-process-more", "--backend", "slurm").returncode == 0, story(cluster, "in-process-more")
+    assert cli(cluster, "watch", "in-process-more", "--backend",
+               "slurm").returncode == 0, story(cluster, "in-process-more")
     events = read_all(cluster.shared / "in-process-more" / "events.jsonl")
     assert {e["step"] for e in events if e.kind == "resume"} == {30}   # it loaded step 30
     assert max(e["step"] for e in events if e.kind == "step") == 40
@@ -261,7 +278,8 @@ def test_the_magic_injects_into_resumes_and_stops_a_slurm_job(cluster: SlurmClus
         assert [(r["level"], r["blame_rank"]) for r in summary["restart_events"]] == [("injob", 1)]
         assert summary["digest"] == reference["digest"]
         ip.run_cell("%ftrain ckpts --json")
-        assert [c["step"] for c in json.loads(capsys.readouterr().out) if c["state"] == "committed"] == [10, 20, 30]
+        assert [c["step"] for c in json.loads(capsys.readouterr().out) if c["state"] == "committed"] == [
+            10, 20, 30]
         ip.run_cell("%ftrain resume --steps 300")   # the notebook's job: the resumed one from now on
         assert "launched magic-from-30" in capsys.readouterr().out
         resumed = ip.magics_manager.registry["FtrainMagics"].job
@@ -283,7 +301,8 @@ def test_a_pending_job_says_why_and_a_stop_or_a_scancel_ends_it(cluster: SlurmCl
     blocker = cluster.run("sbatch", "--parsable", "-N2", "--exclusive", "--output=/dev/null", "--wrap",
                           "sleep 600").stdout.strip()
     try:
-        wait_for("the blocker to run", lambda: "R" in cluster.run("squeue", "-h", "-j", blocker, "-o", "%t").stdout)
+        wait_for("the blocker to run",
+                 lambda: "R" in cluster.run("squeue", "-h", "-j", blocker, "-o", "%t").stdout)
         run(cluster, "waits", "--exclusive", detach=True)
         row = wait_for("the pending reason", lambda: (r := status(cluster, "waits"))["detail"].startswith(
             "waiting: Resources") and r)
@@ -308,10 +327,14 @@ def test_a_lost_node_is_a_job_restart_that_resumes_from_the_newest_checkpoint(cl
     run(cluster, "node-lost", detach=True)
     events = cluster.shared / "node-lost" / "events.jsonl"
     wait_for("checkpoint 10", lambda: events.exists() and any(
-        e.kind == "checkpoint" and e["phase"] == "committed" for e in read_all(events)), timeout=300, every=0.05)
-    cluster.run("scontrol", "update", f"nodename={node}", "state=down", "reason=eksft-test")   # the node is lost
-    wait_for("the failure", lambda: any(e.kind == "failure" and e["level"] == "job" for e in read_all(events)))
-    # Slurm requeues the job (--requeue); the node's slurmd answers, so it returns to service (ReturnToService=2)
+        e.kind == "checkpoint" and e["phase"] == "committed" for e in read_all(events)), timeout=300,
+             every=0.05)
+    # the node is lost
+    cluster.run("scontrol", "update", f"nodename={node}", "state=down", "reason=eksft-test")
+    wait_for("the failure",
+             lambda: any(e.kind == "failure" and e["level"] == "job" for e in read_all(events)))
+    # Slurm requeues the job (--requeue); the node's slurmd answers, so it returns to service
+    # (ReturnToService=2)
     row = wait_for("the end", lambda: (r := status(cluster, "node-lost"))["ended"] and r, timeout=300)
     assert row["state"] == "succeeded", story(cluster, "node-lost")
     summary = json.loads(cli(cluster, "summary", "node-lost", "--backend", "slurm", "--json").stdout)
@@ -328,7 +351,8 @@ def test_a_lost_first_node_is_a_job_restart_recorded_by_the_requeued_run(cluster
     run(cluster, "first-lost", detach=True)
     events = cluster.shared / "first-lost" / "events.jsonl"
     wait_for("checkpoint 10", lambda: events.exists() and any(
-        e.kind == "checkpoint" and e["phase"] == "committed" for e in read_all(events)), timeout=300, every=0.05)
+        e.kind == "checkpoint" and e["phase"] == "committed" for e in read_all(events)), timeout=300,
+             every=0.05)
     job_id = json.loads((cluster.shared / "first-lost" / "slurm.json").read_text())["job_id"]
     job = cluster.run("scontrol", "show", "job", "-o", job_id).stdout
     [first] = re.findall(r"BatchHost=(\S+)", job)
@@ -360,7 +384,8 @@ def test_a_killed_launcher_ends_the_step_and_the_job_is_requeued_from_its_checkp
     events = read_all(cluster.shared / "launcher-lost" / "events.jsonl")
     # one failure: the peers' ranks that Slurm terminated with the step are no in-job failure of their own
     [failure] = [e for e in events if e.kind == "failure"]
-    committed = [e["step"] for e in events if e.kind == "checkpoint" and e["phase"] == "committed" and e.t < failure.t]
+    committed = [e["step"] for e in events if e.kind == "checkpoint" and e["phase"] == "committed"
+                 and e.t < failure.t]
     assert committed and restart["resumed_step"] == committed[-1]   # the newest committed checkpoint
     assert summary["digest"] == reference["digest"]
     logs = cluster.shared / "launcher-lost" / "logs"   # the requeued run is attempt 1, with its own logs
@@ -368,7 +393,8 @@ def test_a_killed_launcher_ends_the_step_and_the_job_is_requeued_from_its_checkp
 
 
 def test_a_slurm_jobs_huge_log_line_is_answered_bounded(tmp_path: Any) -> None:
-    """The job folder on the shared disk is anyone-in-the-job's to grow: logs read only the end of each file."""
+    """The job folder on the shared disk is anyone-in-the-job's to grow: logs read only the end of each
+    file."""
     from eksft_nb.backends.slurm.backend import SlurmBackend
     from eksft_nb.tails import MAX_LOG_BYTES
 

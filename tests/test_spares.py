@@ -47,11 +47,13 @@ def test_a_local_job_with_spares_is_refused_in_one_line_where_nvrx_has_the_barri
     job then fails after its restarts): refused before anything starts, with what to do instead."""
     if not (NVRX_06 / "nvidia_resiliency_ext").is_dir():
         pytest.skip(f"NVRx 0.6.0 is not installed in {NVRX_06} (`make setup` installs it)")
-    proc = cli("run", "--name", "spare-barrier", "--nnodes", "2", "--nproc-per-node", "1", "--spare-nodes", "1",
+    proc = cli("run", "--name", "spare-barrier", "--nnodes", "2", "--nproc-per-node", "1", "--spare-nodes",
+               "1",
                nvrx=NVRX_06)
     assert proc.returncode != 0
     [line] = proc.stderr.strip().splitlines()
-    assert "--spare-nodes 1: NVRx 0.6.0's barrier rendezvous counts a hot spare against --nnodes" in line, line
+    assert ("--spare-nodes 1: NVRx 0.6.0's barrier rendezvous counts a hot spare against --nnodes"
+            in line), line
     assert "use --spare-nodes 0" in line, line
     assert "spare-barrier" not in cli("list").stdout   # nothing was started or saved
 
@@ -66,7 +68,8 @@ def _rendezvous(store, rdzv_id: str, state) -> None:
 def test_the_handover_expires_only_the_lost_launchers_keep_alive_and_refuses_a_foreign_state() -> None:
     """The supervisor's handover (NVRx 0.4's legacy rendezvous, in the store it hosts): the lost launcher's
     node gets an expired keep-alive, so every node's next sync drops it, and a spare waits for the next
-    round; the others' keep-alives are untouched. A state naming anything but the rendezvous's own classes is refused, not run."""
+    round; the others' keep-alives are untouched. A state naming anything but the rendezvous's own classes is
+    refused, not run."""
     import base64
     import os
     import pickle
@@ -96,7 +99,8 @@ def test_the_handover_expires_only_the_lost_launchers_keep_alive_and_refuses_a_f
     after = pickle.loads(base64.b64decode(store.get("torch.rendezvous.r1")))
     assert after.last_heartbeats == {lost: EXPIRED, survivor: now, spare: now}
     assert after.participants == {lost: 1, survivor: 0}   # NVRx's own sync drops it
-    assert after.redundancy_list == set() and after.wait_list == {spare}   # the survivors' agents see it waiting
+    # the survivors' agents see it waiting
+    assert after.redundancy_list == set() and after.wait_list == {spare}
     assert expire(store, "r1", 999) == 0 and expire(store, "no-such-run", 101) == 0
 
     class Evil:

@@ -25,7 +25,8 @@ def test_json_and_yaml_round_trip_keep_every_field() -> None:
     ({"checkpoint.keep_last": 1}, "keep_last must be an integer >= 2", "--keep-last 2"),
     ({"model.preset": "smal"}, "unknown model preset 'smal'", "--model small"),
     ({"model.d_model": 100, "model.n_heads": 3}, "not divisible by n_heads 3", "--n-heads"),
-    ({"ft.soft_timeout": 9.0, "ft.hard_timeout": 8.0}, "soft timeout (9.0s) must be shorter", "--hard-timeout"),
+    ({"ft.soft_timeout": 9.0, "ft.hard_timeout": 8.0}, "soft timeout (9.0s) must be shorter",
+     "--hard-timeout"),
     ({"resume": "yesterday"}, "invalid resume 'yesterday'", "step:N"),
     ({"ft.collective_timeout": 9.0}, "collective timeout (9.0s) must be shorter", "--collective-timeout"),
 ])
@@ -61,7 +62,8 @@ def test_option_values_are_parsed_with_clear_errors() -> None:
     with pytest.raises(SpecError, match=r"--steps expects int, got 'ten'"):
         parse_option_value(steps, "ten")
     mode = next(o for o in spec_options() if o.path == "checkpoint.mode")
-    with pytest.raises(SpecError, match=r"--ckpt-mode must be one of async, sync, got 'asnyc'.*--ckpt-mode async"):
+    with pytest.raises(SpecError,
+                       match=r"--ckpt-mode must be one of async, sync, got 'asnyc'.*--ckpt-mode async"):
         parse_option_value(mode, "asnyc")
     timeout = next(o for o in spec_options() if o.path == "ft.step_timeout")
     assert parse_option_value(timeout, "none") is None

@@ -47,7 +47,8 @@ def test_the_8b_preset_at_300_mbps_is_sized_from_its_state() -> None:
 
 
 def test_the_users_values_win_and_the_derived_ones_fit_around_them() -> None:
-    spec = JobSpec().replace(**{"model.preset": "gpt-8b", "ft.heartbeat_timeout": 7200.0, "ft.soft_timeout": 900.0})
+    spec = JobSpec().replace(**{"model.preset": "gpt-8b", "ft.heartbeat_timeout": 7200.0,
+                                "ft.soft_timeout": 900.0})
     t = derive(spec, gpu=True)
     assert (t.heartbeat.seconds, t.heartbeat.reason) == (7200, "set by the user")
     assert (t.soft.seconds, t.soft.reason) == (900, "set by the user")
@@ -115,6 +116,7 @@ def test_a_save_longer_than_the_checkpoint_interval_is_warned_about_in_one_line(
     assert summary["state"] == "succeeded", summary
     [warning] = events(name, "warning")
     assert warning.rank == 0 and warning["what"] == "slow-save"
-    assert "saves take longer than the checkpoint interval" in warning["message"] and "\n" not in warning["message"]
+    assert "saves take longer than the checkpoint interval" in warning["message"]
+    assert "\n" not in warning["message"]
     assert summary["warnings"] == [warning["message"]]
     assert f"warning: {warning['message']}" in cli("summary", name).stdout

@@ -17,7 +17,8 @@ from jobs import cli, events, job_dir, run_job, story, wait_for
 
 pytestmark = pytest.mark.slow
 SCRIPTS = Path(__file__).parent / "scripts"
-# scripts of our own run with --no-inprocess (that is the built-in trainer's tier) and a short heartbeat timeout
+# scripts of our own run with --no-inprocess (that is the built-in trainer's tier) and a short heartbeat
+# timeout
 FAST = ["--no-inprocess", "--heartbeat-timeout", "8"]
 
 
@@ -33,7 +34,8 @@ STEPS = 150
 def break_twice(name: str, script: str, args: str, *extra: str) -> dict:
     """Launch ``script`` unmodified, kill rank 1 at an optimizer step through the dashboard's inject,
     hang rank 0 from the CLI once it has recovered, and follow the job to its end."""
-    launched = cli("run", "--name", name, "--script", str(SCRIPTS / script), "--script-args", args, *FAST, *extra,
+    launched = cli("run", "--name", name, "--script", str(SCRIPTS / script), "--script-args", args, *FAST,
+                   *extra,
                    "--detach")
     assert launched.returncode == 0, launched.stderr
     assert "its own loop" in launched.stdout and "100 steps" not in launched.stdout and "checkpoints" not in \
@@ -79,7 +81,8 @@ def test_nvrx_heartbeats_script_with_a_module_beside_it_keeps_its_own_connection
 
 
 def test_nvrx_sections_script_gets_its_sections_and_heartbeats_from_its_optimizer() -> None:
-    break_twice("sections", "sections.py", f"--steps {STEPS} --sleep 0.1", "--section-timeouts", "init:60,step:20")
+    break_twice("sections", "sections.py", f"--steps {STEPS} --sleep 0.1", "--section-timeouts",
+                "init:60,step:20")
     argv = (job_dir("sections") / "logs").glob("launcher-*.log")
     assert argv  # ft_launcher ran; its section timeouts came from the spec
     spec = eksft_nb.attach("sections").spec
@@ -87,7 +90,8 @@ def test_nvrx_sections_script_gets_its_sections_and_heartbeats_from_its_optimize
 
 
 def test_a_users_own_inprocess_wrapper_restarts_in_place_and_is_recorded() -> None:
-    launched = cli("run", "--name", "wrapped", "--script", str(SCRIPTS / "wrapped.py"), "--script-args", "120 0.1",
+    launched = cli("run", "--name", "wrapped", "--script", str(SCRIPTS / "wrapped.py"), "--script-args",
+                   "120 0.1",
                    "--no-inprocess", "--heartbeat-timeout", "20", "--detach")
     assert launched.returncode == 0, launched.stderr
     job = eksft_nb.attach("wrapped")
@@ -103,7 +107,8 @@ def test_a_users_own_inprocess_wrapper_restarts_in_place_and_is_recorded() -> No
     assert kill.returncode == 0 and kill.stdout.startswith("fired sigkill on rank 1"), kill.stdout
     second = wait_for("the recovery from the sigkill", lambda: events("wrapped", "restart")[1:])[0]
     wait_for("a step after it", lambda: steps_after("wrapped", second.t))
-    hang = cli("inject", "wrapped", "hang", "--rank", "0")   # SIGSTOP: no in-process recovery for a stopped rank
+    # SIGSTOP: no in-process recovery for a stopped rank
+    hang = cli("inject", "wrapped", "hang", "--rank", "0")
     assert hang.returncode == 0 and hang.stdout.startswith("fired hang on rank 0"), hang.stdout
     assert job.wait(400) == "succeeded"
     levels = [(r["level"], r["blame_rank"]) for r in job.refresh().restarts]
@@ -113,8 +118,10 @@ def test_a_users_own_inprocess_wrapper_restarts_in_place_and_is_recorded() -> No
 def test_nvrx_scripts_as_notebook_cells_show_their_steps_and_take_the_dashboards_faults(
         ip: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.chdir(SCRIPTS)  # the notebook's folder: a cell imports the modules beside it
-    for name, script, line in (("cell-hb", "heartbeats.py", f"--script-args '--steps {STEPS} --sleep 0.1 --ckpt {tmp_path}'"),
-                               ("cell-sections", "sections.py", f"--script-args '--steps {STEPS} --sleep 0.1' "
+    for name, script, line in (("cell-hb", "heartbeats.py",
+                                f"--script-args '--steps {STEPS} --sleep 0.1 --ckpt {tmp_path}'"),
+                               ("cell-sections", "sections.py",
+                                f"--script-args '--steps {STEPS} --sleep 0.1' "
                                                                 "--section-timeouts init:60,step:20")):
         ip.run_cell(f"%%ftrain --name {name} {' '.join(FAST)} {line}\n{(SCRIPTS / script).read_text()}")
         dash = ip.shown[-1]
@@ -124,13 +131,14 @@ def test_nvrx_scripts_as_notebook_cells_show_their_steps_and_take_the_dashboards
         assert dash.job.wait(300) == "succeeded"
         dash._thread.join(30)
         assert [e["fault"] for e in events(name, "fault")] == ["sigkill"], story(name)
-        assert [(r["level"], r["blame_rank"]) for r in dash.job.monitor.restarts] == [("injob", 1)], story(name)
+        assert [(r["level"],
+                 r["blame_rank"]) for r in dash.job.monitor.restarts] == [("injob", 1)], story(name)
         plotted = [s for t in dash.figure.widget.data if t.name == "tokens/s" for s in t.customdata]
         assert plotted and dash.figure.widget.layout.annotations[0].text == "throughput (steps/s)"
 
 
-def test_fsdp2_script_runs_where_it_was_launched_from_with_its_args(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-                                                                      ) -> None:
+def test_fsdp2_script_runs_where_it_was_launched_from_with_its_args(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "fsdp2-out").mkdir()
     monkeypatch.chdir(tmp_path)  # the script writes fsdp2-out/loss.txt relative to its working directory
     summary = run_job("fsdp2", "--script", str(SCRIPTS / "fsdp2.py"), "--script-args", "12 0.05", *FAST,
@@ -156,7 +164,8 @@ def test_a_script_with_the_helpers_gets_telemetry_faults_and_checkpoints() -> No
     assert {10, 20, 30, 40} <= set(committed)
     losses = [e["loss"] for e in events("aware", "step")]
     assert losses[-1] < losses[0]
-    assert [e["step"] for e in events("aware", "step")].count(21) == 2  # counted once per execution, not twice
+    # counted once per execution, not twice
+    assert [e["step"] for e in events("aware", "step")].count(21) == 2
 
 
 def test_a_script_that_knows_nothing_of_eksft_still_shows_restarts_exit_codes_and_logs() -> None:
@@ -174,17 +183,21 @@ def test_a_script_that_knows_nothing_of_eksft_still_shows_restarts_exit_codes_an
 NVRX_EXAMPLES = os.environ.get("EKSFT_NVRX_EXAMPLES")
 
 
-@pytest.mark.skipif(not NVRX_EXAMPLES, reason="set EKSFT_NVRX_EXAMPLES to an NVRx examples folder (not shipped here)")
+@pytest.mark.skipif(not NVRX_EXAMPLES,
+                    reason="set EKSFT_NVRX_EXAMPLES to an NVRx examples folder (not shipped here)")
 @pytest.mark.parametrize("script, args, extra", [
     ("fault_tolerance/train_ddp_heartbeats_api.py",
-     "--device cpu --hidden 64 --train_dataset_size 8000 --val_dataset_size 200 --epochs 3 --batch 8 --output_dir out",
+     "--device cpu --hidden 64 --train_dataset_size 8000 --val_dataset_size 200 --epochs 3 --batch 8 "
+     "--output_dir out",
      []),
     ("fault_tolerance/train_ddp_sections_api.py",
-     "--device cpu --hidden 64 --train_dataset_size 8000 --val_dataset_size 200 --epochs 3 --batch 8 --output_dir out",
+     "--device cpu --hidden 64 --train_dataset_size 8000 --val_dataset_size 200 --epochs 3 --batch 8 "
+     "--output_dir out",
      ["--section-timeouts", "init:60,step:30,checkpoint:60"]),
     ("inprocess/basic_example.py", "--device cpu --total-iterations 3000 --fault-prob 0 --path out", []),
 ], ids=["heartbeats", "sections", "inprocess"])
-def test_nvrx_own_examples_run_unmodified_and_recover(script: str, args: str, extra: list[str], tmp_path: Path,
+def test_nvrx_own_examples_run_unmodified_and_recover(script: str, args: str, extra: list[str],
+                                                      tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "out").mkdir()
     monkeypatch.chdir(tmp_path)
@@ -201,4 +214,5 @@ def test_a_script_that_finished_while_its_supervisor_was_replaced_is_not_run_aga
     assert summary["state"] == "succeeded" and summary["restart_events"] == [], story("adopted-end")
     assert [e["at_step"] for e in events("adopted-end", "fault")] == [25]
     assert "adopted the job" in (job_dir("adopted-end") / "logs" / "supervisor.log").read_text()
-    assert len(events("adopted-end", "launch")) == 1 and len(events("adopted-end", "step")) == 30, story("adopted-end")
+    assert len(events("adopted-end", "launch")) == 1, story("adopted-end")
+    assert len(events("adopted-end", "step")) == 30, story("adopted-end")

@@ -29,8 +29,8 @@ from jobs import BASE, events, job_dir, run_job, story, wait_for
 
 PROBE = """
 import os, sys, time
-print("rank", os.getpid(), os.getppid(), "torch" in sys.modules, os.getcwd(), os.environ.get("PROBE"), sys.argv[1:],
-      flush=True)
+print("rank", os.getpid(), os.getppid(), "torch" in sys.modules, os.getcwd(), os.environ.get("PROBE"),
+      sys.argv[1:], flush=True)
 what = sys.argv[1]
 if what == "sleep":
     time.sleep(600)
@@ -53,7 +53,8 @@ def zygote(tmp_path_factory: pytest.TempPathFactory):
     log = folder / "zygote.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", ZYGOTE_MODULE, name], stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen([sys.executable, "-m", ZYGOTE_MODULE, name], stdout=out,
+                                stderr=subprocess.STDOUT,
                                 env=env, start_new_session=True)
     wait_for("the zygote to import torch", lambda: "ready" in log.read_text() or proc.poll() is not None)
     assert proc.poll() is None, log.read_text()
@@ -314,7 +315,8 @@ def test_an_eks_pods_entry_starts_its_zygote_whose_ranks_are_forked_and_which_en
     (tmp_path / "launcher.py").write_text(FAKE_LAUNCHER)
     log = tmp_path / "pod.log"
     with open(log, "wb") as out:
-        entry = subprocess.run([sys.executable, *INPOD[1:], "launch", sys.executable, "launcher.py", "--nnodes=1",
+        entry = subprocess.run([sys.executable, *INPOD[1:], "launch", sys.executable, "launcher.py",
+                                "--nnodes=1",
                                 "-m", TRAINER_MODULE], cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
                                env={**os.environ, "PROBE": "here"}, timeout=300)
     text = log.read_text()
@@ -337,7 +339,8 @@ def test_restarted_ranks_are_forked_warm_at_every_level_and_lose_nothing() -> No
     assert [r["level"] for r in warm["restart_events"]] == ["injob", "job"]
     assert warm["digest"] == cold["digest"]  # bit-identical to a fault-free run of cold ranks
     logs = job_dir("warm-faults") / "logs"
-    forked = {int(pid) for log in logs.glob("zygote-*.log") for pid in re.findall(r"forked rank (\d+)", log.read_text())}
+    forked = {int(pid) for log in logs.glob("zygote-*.log")
+              for pid in re.findall(r"forked rank (\d+)", log.read_text())}
     starts = events("warm-faults", "rank_start")
     assert len(starts) == 6 and {e["pid"] for e in starts} <= forked  # every incarnation, the first included
     assert {e["job_attempt"] for e in starts} == {0, 1}
@@ -395,8 +398,10 @@ def test_the_hung_ranks_death_read_after_its_warm_recovery_is_no_second_incident
     # before the next poll: rank 1's monitor times out too (it waited on rank 0), the launcher reaps the
     # killed rank and restarts the group, the new ranks step
     launcher(15.01, "RankMonServer78@vm:1", "FT timeout elapsed.")
-    launcher(15.3, "ft_launcher70", "failed (exitcode: -9) local_rank: 0 (pid: 71) of binary: /usr/bin/python")
-    launcher(15.3, "ft_launcher70", "[default] Worker group FAILED. 2/3 attempts left; will restart worker group")
+    launcher(15.3, "ft_launcher70",
+             "failed (exitcode: -9) local_rank: 0 (pid: 71) of binary: /usr/bin/python")
+    launcher(15.3, "ft_launcher70",
+             "[default] Worker group FAILED. 2/3 attempts left; will restart worker group")
     start(15.5, 1)
     rank(0, 15.7, "step", step=1, loss=None, tokens=None, step_time=0.1)
     assert incidents() == [hang, ("restart", hang[1])]
@@ -410,7 +415,8 @@ def test_the_hung_ranks_death_read_after_its_warm_recovery_is_no_second_incident
     # the launcher's line, logged first, opens the incident with its cause
     rank(0, 25, "fault", fault="hang", id="f2", target_rank=0, at_step=2)
     launcher(30, "RankMonServer77@vm:0", "Did not get subsequent heartbeat. Waited 8.00 seconds.")
-    launcher(30.3, "ft_launcher70", "failed (exitcode: -9) local_rank: 0 (pid: 91) of binary: /usr/bin/python")
+    launcher(30.3, "ft_launcher70",
+             "failed (exitcode: -9) local_rank: 0 (pid: 91) of binary: /usr/bin/python")
     start(30.5, 3)
     rank(0, 30.7, "step", step=1, loss=None, tokens=None, step_time=0.1)
     failure, restart = incidents()[4:]

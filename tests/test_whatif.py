@@ -206,7 +206,8 @@ def test_spares_get_no_figure_where_the_jobs_nvrx_cannot_hand_a_node_over(versio
         report = replay(stream(nvrx=version), spec(spares=as_run), Settings((5, 10), spares=1)).to_dict()
         for row in report["rows"]:
             assert (row["ettr"] is not None) == pays, row
-            assert ("hot spares do not pay off with this job's NVRx: NVRx 0.6.0" in row["why"]) == (not pays), row
+            assert ("hot spares do not pay off with this job's NVRx: NVRx 0.6.0" in row["why"]) == (
+                not pays), row
         assert "spare" not in report["recommendation"]["text"]
     if not pays:
         text = format_report(replay(stream(nvrx=version), spec(), Settings((5,), spares=1)).to_dict())

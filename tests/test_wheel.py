@@ -30,7 +30,8 @@ from conftest import REPO, jupyterlab
 from nbext.build import build as nbext_build
 
 CHROMIUM = Path("/usr/lib/chromium/chromium")
-FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking",
          "--disable-component-update", "--disable-sync"]
 TORCH_SPEC = os.environ.get("TORCH_SPEC", "torch==2.13.0")   # the Makefile's: a CPU build this machine has
 BUILD_TOOLS = {"jupyter-builder", "hatchling", "hatch-jupyter-builder", "hatch-nodejs-version", "setuptools"}
@@ -44,7 +45,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.browser, pytest.mark.timeout(1800),
 
 
 def run(cmd: list[Any], cwd: Path, env: dict[str, str], timeout: float = 900) -> subprocess.CompletedProcess:
-    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(map(str, cmd))} exited {proc.returncode}:\n{proc.stderr[-4000:]}"
     return proc
 
@@ -119,11 +121,13 @@ def test_the_wheel_is_the_whole_install(tmp_path: Path) -> None:
     env["PATH"] = f"{bindir}{os.pathsep}{env['PATH']}"
     run([py, "-m", "pip", "install", "-q", TORCH_SPEC], tmp_path, env)
     run([py, "-m", "pip", "install", "-q", wheel], tmp_path, env)
-    where = run([py, "-c", "import eksft_nb; print(eksft_nb.__file__, eksft_nb.__version__)"], tmp_path, env).stdout
+    where = run([py, "-c", "import eksft_nb; print(eksft_nb.__file__, eksft_nb.__version__)"], tmp_path,
+                env).stdout
     assert where.startswith(str(venv)) and where.split()[1] == version, where
 
     # the CLI: a short job whose killed rank is healed by a restart
-    out = run([py, "-m", "eksft_nb", "run", "--name", JOB, "--model", "tiny", "--steps", "12", "--ckpt-every", "5",
+    out = run([py, "-m", "eksft_nb", "run", "--name", JOB, "--model", "tiny", "--steps", "12", "--ckpt-every",
+               "5",
                "--fault", "sigkill:1@7", "--json"], tmp_path, env, timeout=600).stdout
     summary = json.loads(out[out.index("{"):])
     assert summary["state"] == "succeeded" and summary["steps_done"] == 12, summary

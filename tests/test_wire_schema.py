@@ -31,7 +31,8 @@ def ts_type(t: Any) -> str:
     """How the TypeScript side writes Python type ``t`` (an index signature's key name dropped)."""
     args = typing.get_args(t)
     if typing.get_origin(t) in (typing.Union, types.UnionType):
-        return " | ".join(ts_type(a) for a in args if a is not type(None)) + (" | null" if type(None) in args else "")
+        return " | ".join(ts_type(a) for a in args
+                          if a is not type(None)) + (" | null" if type(None) in args else "")
     if typing.get_origin(t) is dict:
         return f"{{ [{ts_type(args[0])}]: {ts_type(args[1])} }}"
     if typing.get_origin(t) is list:

@@ -20,10 +20,13 @@ from ..states import JobState
 # launcher and library lines a user does not need (shown with --debug); NVRx 0.4.1 tags its records
 # "[ft_launcher123@host]" / "[RankMonServer...]", 0.6 "[workload:0(0) infra:?(?)] file.py:123"
 _NOISE = re.compile(
-    r"\[ft_launcher\d*@|\[RankMonServer|\[workload:[^\]]* infra:[^\]]*\]|NVML|Health check|socket\.cpp|waitForInput|pynvml|FutureWarning|"
-    r"^\*+$|OMP_NUM_THREADS|Rendezvous info|--rdzv-backend|^\s+(entrypoint|min_nodes|max_nodes|nproc_per_node|"
+    r"\[ft_launcher\d*@|\[RankMonServer|\[workload:[^\]]* infra:[^\]]*\]|NVML|Health "
+    r"check|socket\.cpp|waitForInput|pynvml|FutureWarning|"
+    r"^\*+$|OMP_NUM_THREADS|Rendezvous "
+    r"info|--rdzv-backend|^\s+(entrypoint|min_nodes|max_nodes|nproc_per_node|"
     r"run_id|rdzv_backend|rdzv_endpoint|rdzv_configs|max_restarts|restart_policy|monitor_interval|log_dir|"
-    r"metrics_cfg)\s+:|^\[rank\d+\]:\s+(File |\^|Traceback|\s)|^\s*$|inprocess|GLHF|resource_tracker|leaked semaphore|warnings\.warn\(")
+    r"metrics_cfg)\s+:|^\[rank\d+\]:\s+(File |\^|Traceback|\s)|^\s*$|inprocess|GLHF|resource_tracker|leaked "
+    r"semaphore|warnings\.warn\(")
 
 
 def is_noise(line: str) -> bool:
@@ -190,4 +193,5 @@ class Backend(ABC):
         """Take a node away at once, from outside the job (EKS: delete its pod); what was lost. A backend
         that cannot refuses: the kill-launcher fault loses a node from inside."""
         raise JobError(f"the {self.name} backend cannot take a node away from outside the job",
-                       f"inject a fault instead: python -m eksft_nb inject {name} kill-launcher --node {node}")
+                       f"inject a fault instead: python -m eksft_nb inject {name} kill-launcher "
+                       f"--node {node}")

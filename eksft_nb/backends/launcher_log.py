@@ -55,7 +55,8 @@ def _logged_at(line: str, now: float | None = None) -> float:
         stamp = f"{m.group(1)} {m.group(2)}"
         at = time.mktime(time.strptime(f"{year}{stamp}", "%Y%m%d %H:%M:%S")) + float(f"0.{m.group(3)}")
         if at > now + 86400:
-            at = time.mktime(time.strptime(f"{year - 1}{stamp}", "%Y%m%d %H:%M:%S")) + float(f"0.{m.group(3)}")
+            at = time.mktime(time.strptime(f"{year - 1}{stamp}",
+                                           "%Y%m%d %H:%M:%S")) + float(f"0.{m.group(3)}")
     else:
         return now
     return min(now, at)

@@ -51,7 +51,8 @@ class Dashboard(w.VBox):
         self.warnings_said = 0   # the job's warning events shown so far
         spec = self._spec = self.job.spec
 
-        self.header = Header(job=job.name, backend=job.backend.name, total=None if spec.script else spec.steps,
+        self.header = Header(job=job.name, backend=job.backend.name,
+                             total=None if spec.script else spec.steps,
                              origin=_origin(spec.resume, None))
         self._resume = spec.resume
         self.figure = TrainingFigure(tail=tail, budget=budget)
@@ -59,7 +60,8 @@ class Dashboard(w.VBox):
         self.controls = FaultControls(world_size=spec.world_size, nnodes=spec.nnodes)
         self.settings = SettingsControls(values=settings.of_spec(spec))
         self.settings.layout.display = "none" if spec.script else None   # a script's own loop saves
-        self.stop_button = w.Button(description="Stop job", button_style="danger", icon="stop").add_class("eksft-stop")
+        self.stop_button = w.Button(description="Stop job", button_style="danger",
+                                    icon="stop").add_class("eksft-stop")
         self.message = w.HTML().add_class("eksft-message")
         self.checkpoints = CheckpointTable(self.resume)
         self.log_tail = LogTail(lines=log_lines)
@@ -72,7 +74,8 @@ class Dashboard(w.VBox):
         self.settings.set.on_click(lambda _b: self.set_settings(self.settings.changes()))
         self.settings.whatif.on_click(lambda _b: self.apply_whatif())
         self.stop_button.on_click(lambda _b: self.stop())
-        self.log_tail.observe(lambda _c: self._refresh_log() if self.log_tail.is_open else None, "selected_index")
+        self.log_tail.observe(lambda _c: self._refresh_log() if self.log_tail.is_open else None,
+                              "selected_index")
 
         self._fold()                            # the whole history so far, before the figure exists
         figure = self.figure.build()
@@ -156,14 +159,16 @@ class Dashboard(w.VBox):
         except EksftError as e:  # e.g. an EKS job whose pods are gone: what its events said was committed
             done = sorted((r for r in records.values() if r.state == CheckpointState.COMMITTED),
                           key=lambda r: r.step)
-            infos = [CheckpointInfo(r.step, Path(r.path or ""), r.state, r.bytes or 0, r.t_done, reason=e.problem)
+            infos = [CheckpointInfo(r.step, Path(r.path or ""), r.state, r.bytes or 0, r.t_done,
+                                    reason=e.problem)
                      for r in done]
         rows = []
         for info in infos:
             rec = records.get(info.step)
             timed = rec is not None and rec.state == CheckpointState.COMMITTED
             rows.append({"step": info.step, "state": info.state, "mib": info.bytes / 2**20, "time": info.time,
-                         "blocked": rec.blocked_s if timed else None, "background": rec.background_s if timed else None,
+                         "blocked": rec.blocked_s if timed else None,
+                         "background": rec.background_s if timed else None,
                          "note": info.reason})
         self.checkpoints.rows = rows
 
@@ -197,7 +202,8 @@ class Dashboard(w.VBox):
     def snapshot(self) -> dict[str, str]:
         """The figure as a static SVG (and its caption as text), captioned with the job and its step."""
         h = self.header
-        caption = (f"{self.job.name}: {h.state}, step {h.step if h.step is not None else '-'} (a static copy of"
+        caption = (f"{self.job.name}: {h.state}, step {h.step if h.step is not None else '-'} (a "
+                   "static copy of"
                    " the dashboard's figure; to see it live, run the cell or trust the notebook)")
         return {"image/svg+xml": snapshot_svg(self.figure, caption), "text/plain": caption}
 
@@ -232,12 +238,14 @@ class Dashboard(w.VBox):
             return
         self.inject(**kwargs)
 
-    def inject(self, fault: str, *, rank: int | None = None, step: int | None = None, after: float | None = None,
+    def inject(self, fault: str, *, rank: int | None = None, step: int | None = None,
+               after: float | None = None,
                node: int = 0, **params: Any) -> None:
         """Inject a fault into the job (what the Inject button does); the outcome shows in the message line,
         the command layer's line (the CLI's and the panel's)."""
         try:
-            said = commands.inject(self.job.name, fault, rank=rank, step=step, after=after, node=node, params=params,
+            said = commands.inject(self.job.name, fault, rank=rank, step=step, after=after, node=node,
+                                   params=params,
                                    backend=self.job.backend.name)["message"]
         except EksftError as e:
             self._say(str(e), error=True)

@@ -54,8 +54,9 @@ _MESSAGE = {"to_json": _as_lists, "from_json": custom_serializers["from_json"]}
 
 
 class FigureWidget(go.FigureWidget):
-    """plotly's FigureWidget with a loader for its JavaScript, so its saved state is its data (see plotly_bundle);
-    its update messages carry no binary buffers, and :meth:`settle` makes its saved state the figure as it is."""
+    """plotly's FigureWidget with a loader for its JavaScript, so its saved state is its data (see
+    plotly_bundle); its update messages carry no binary buffers, and :meth:`settle` makes its saved state the
+    figure as it is."""
 
     _esm = LOADER
     _py2js_addTraces = Dict(allow_none=True).tag(sync=True, **_MESSAGE)
@@ -91,20 +92,23 @@ class TrainingFigure:
         self.series: dict[str, Series] = {
             "tokens/s": Series(("x", "y", "step"), key=("y",), join=True, **kw),
             "loss": Series(("x", "y", "step"), key=("y",), join=True, **kw),
-            "checkpoints": Series(("x", "blocked", "background", "step"), key=("blocked", "background"), **kw),
+            "checkpoints": Series(("x", "blocked", "background", "step"), key=("blocked", "background"),
+                                  **kw),
             "faults": Series(("x", "lane", "text"), **kw),
             "restarts": Series(("x", "lane", "downtime", "text", "hover", "where"), key=("downtime",), **kw),
             "gpu faults": Series(("x", "lane", "text"), **kw),
             "settings": Series(("x", "lane", "text"), **kw),  # live changes, where the ranks took them
             # a point per node per sample: a many-node job's strip would re-send a large tail every 10 s
-            "gpu": Series(("x", "lane", "color", "label", "hover"), tail=max(2, tail // 5), budget=max(8, budget // 5)),
+            "gpu": Series(("x", "lane", "color", "label", "hover"), tail=max(2, tail // 5),
+                          budget=max(8, budget // 5)),
         }
         self.t0: float | None = None
         self.unit = "tok/s"                 # "steps/s" once a step without tokens arrives (a user script's)
         self._unit_shown = "tok/s"
         self.widget: FigureWidget | None = None
         self.traces: dict[tuple[str, str], list[Any]] = {}
-        self._seen_steps = self._seen_restarts = self._seen_faults = self._seen_gpu = self._seen_gpu_faults = 0
+        self._seen_steps = self._seen_restarts = self._seen_faults = 0
+        self._seen_gpu = self._seen_gpu_faults = 0
         self._seen_saves: set[tuple[int, float]] = set()
         self._seen_settings: set[int] = set()
         self._per_lane: dict[str, int] = {}
@@ -139,7 +143,8 @@ class TrainingFigure:
             self.series["faults"].append(f["t"] - t0, "fault", f"{f['fault']} {target}")
         self._seen_faults = len(mon.faults)
         for f in mon.gpu.faults[self._seen_gpu_faults:]:
-            if f["fault"] != "throttle":   # throttling shows in the health strip; XIDs and ECC errors beside restarts
+            # throttling shows in the health strip; XIDs and ECC errors beside restarts
+            if f["fault"] != "throttle":
                 self.series["gpu faults"].append(f["t"] - t0, "fault", fault_label(f))
         self._seen_gpu_faults = len(mon.gpu.faults)
         for seq in sorted(set(mon.settings) - self._seen_settings):
@@ -148,12 +153,14 @@ class TrainingFigure:
             self.series["settings"].append(change["t"] - t0, "setting", setting_label(change))
         for g in mon.gpu.since(self._seen_gpu):
             label = g["text"] if g["status"] == "none" else ""   # "no GPU" is said once, on the strip
-            self.series["gpu"].append(g["t"] - t0, f"node {g['node']}", GPU_STATUS[g["status"]], label, g["text"])
+            self.series["gpu"].append(g["t"] - t0, f"node {g['node']}", GPU_STATUS[g["status"]], label,
+                                      g["text"])
         self._seen_gpu = mon.gpu.n_samples
         for r in mon.restarts[self._seen_restarts:]:
             lane = LEVEL_LANE.get(r["level"], r["level"])
             self._per_lane[lane] = self._per_lane.get(lane, 0) + 1
-            where = "top right" if self._per_lane[lane] % 2 else "bottom right"  # neighbours in a lane alternate
+            # neighbours in a lane alternate
+            where = "top right" if self._per_lane[lane] % 2 else "bottom right"
             self.series["restarts"].append(r["fault_time"] - t0, lane, r["downtime_s"], restart_label(r),
                                            restart_hover(r), where)
         self._seen_restarts = len(mon.restarts)
@@ -171,8 +178,10 @@ class TrainingFigure:
                     fig.add_trace(style.pop("cls")(**style).update(props), row=row, col=1)
                     order.append((name, part))
         # a fixed width: plotly sizes a widget before it is on the page, so it cannot fit its container
-        fig.update_layout(width=WIDTH, height=800, margin=dict(l=60, r=20, t=40, b=40), template="plotly_white",
-                          barmode="stack", bargap=0.0, uirevision="eksft", hovermode="closest", showlegend=False)
+        fig.update_layout(width=WIDTH, height=800, margin=dict(l=60, r=20, t=40, b=40),
+                          template="plotly_white",
+                          barmode="stack", bargap=0.0, uirevision="eksft", hovermode="closest",
+                          showlegend=False)
         fig.update_annotations(font_size=12)
         fig.update_yaxes(row=4, col=1, type="category", categoryorder="array", categoryarray=list(LANES),
                          range=[-0.5, len(LANES) - 0.5], fixedrange=True)
@@ -217,7 +226,8 @@ class TrainingFigure:
         """Send the changed parts (one update message); False if nothing changed."""
         if self.widget is None:
             return False
-        changes = [(name, part) for name, series in self.series.items() for part in sorted(series.take_dirty())]
+        changes = [(name, part) for name,
+                   series in self.series.items() for part in sorted(series.take_dirty())]
         if not changes:
             return False
         with self.widget.batch_update():
@@ -234,16 +244,21 @@ class TrainingFigure:
         color = COLORS.get(name)
         if name in ("tokens/s", "loss"):
             value = "%{y:,.0f} tok/s" if name == "tokens/s" else "loss %{y:.4f}"
-            return [dict(cls=go.Scatter, row=1 if name == "tokens/s" else 2, name=name, meta=part, mode="lines",
+            return [dict(cls=go.Scatter, row=1 if name == "tokens/s" else 2, name=name, meta=part,
+                         mode="lines",
                          line=dict(color=color, width=1.5),
                          hovertemplate=f"step %{{customdata}}<br>{value}<extra></extra>")]
         if name == "checkpoints":
-            return [dict(cls=go.Bar, row=3, name=lane, meta=part, marker=dict(color=COLORS[lane], line=dict(width=0)),
+            return [dict(cls=go.Bar, row=3, name=lane, meta=part,
+                         marker=dict(color=COLORS[lane], line=dict(width=0)),
                          hovertemplate=f"save of step %{{customdata}}: {what} %{{y:.3f}} s<extra></extra>")
-                    for lane, what in (("blocked", "training blocked"), ("background", "written in background"))]
+                    for lane,
+                    what in (("blocked", "training blocked"), ("background", "written in background"))]
         if name == "gpu":
-            return [dict(cls=go.Scatter, row=5, name=name, meta=part, mode="markers+text", textposition="middle right",
-                         marker=dict(symbol="square", size=9), textfont=dict(size=10, color=GPU_STATUS["none"]),
+            return [dict(cls=go.Scatter, row=5, name=name, meta=part, mode="markers+text",
+                         textposition="middle right",
+                         marker=dict(symbol="square", size=9),
+                         textfont=dict(size=10, color=GPU_STATUS["none"]),
                          hovertemplate="%{hovertext}<extra></extra>")]
         marker = {"faults": "triangle-down", "restarts": "diamond", "gpu faults": "x",
                   "settings": "star"}[name]
@@ -272,11 +287,13 @@ class TrainingFigure:
         if name in ("faults", "gpu faults", "settings"):
             return [dict(x=x, y=list(cols["lane"]), text=list(cols["text"]))]
         if name == "gpu":
-            return [dict(x=x, y=list(cols["lane"]), marker=dict(color=list(cols["color"])), text=list(cols["label"]),
+            return [dict(x=x, y=list(cols["lane"]), marker=dict(color=list(cols["color"])),
+                         text=list(cols["label"]),
                          hovertext=list(cols["hover"]))]
         down = _f32(cols["downtime"])
         return [dict(x=x, y=list(cols["lane"]), text=list(cols["text"]), hovertext=list(cols["hover"]),
-                     textposition=list(cols["where"]), error_x=dict(array=down, arrayminus=np.zeros_like(down)))]
+                     textposition=list(cols["where"]),
+                     error_x=dict(array=down, arrayminus=np.zeros_like(down)))]
 
 
 def setting_label(r: dict[str, Any]) -> str:

@@ -34,7 +34,8 @@ class Header(w.VBox):
     backend = Unicode()
     origin = Unicode()                       # "resumed from <job> step N", or ""
     state = Unicode("pending")
-    detail = Unicode("")                     # the backend's word on a starting job ("queued: ...", "admitted")
+    # the backend's word on a starting job ("queued: ...", "admitted")
+    detail = Unicode("")
     step = Int(0)
     total = Int(1, allow_none=True)          # None: a user script's own loop (no known end)
     restarts = Dict()
@@ -52,14 +53,17 @@ class Header(w.VBox):
         self.add_class("eksft-header")
         self._render()
 
-    @observe("job", "backend", "origin", "state", "detail", "step", "total", "restarts", "last_checkpoint", "goodput")
+    @observe("job", "backend", "origin", "state", "detail", "step", "total", "restarts", "last_checkpoint",
+             "goodput")
     def _render(self, _change: Any = None) -> None:
         color = STATE_COLORS.get(self.state, "#7f7f7f")
         origin = f" · <i>{html.escape(self.origin)}</i>" if self.origin else ""
         if self.detail:
             origin += f" · <span class='eksft-detail'>{html.escape(self.detail)}</span>"
-        self._title.value = (f"<b style='font-size:15px'>{html.escape(self.job)}</b> · {html.escape(self.backend)}"
-                             f" · <span class='eksft-state' style='color:white;background:{color};padding:1px 7px;"
+        self._title.value = (f"<b style='font-size:15px'>{html.escape(self.job)}</b> · "
+                             f"{html.escape(self.backend)}"
+                             " · <span class='eksft-state' "
+                             f"style='color:white;background:{color};padding:1px 7px;"
                              f"border-radius:8px'>{html.escape(self.state)}</span>{origin}")
         self._progress.layout.display = "none" if self.total is None else None
         self._progress.max = max(self.total or 1, 1)
@@ -69,10 +73,12 @@ class Header(w.VBox):
         restarts = " · ".join(f"{LEVEL_NAMES.get(k, k)} {v}" for k, v in self.restarts.items()) or "none"
         ckpt = "-" if self.last_checkpoint is None else f"step {self.last_checkpoint}"
         goodput = "-" if self.goodput is None else f"{100 * self.goodput:.1f}%"
-        self._facts.value = (f"<span style='white-space:nowrap'>restarts: <span class='eksft-restarts'>{restarts}"
+        self._facts.value = ("<span style='white-space:nowrap'>restarts: <span "
+                             f"class='eksft-restarts'>{restarts}"
                              "</span></span> &nbsp;|&nbsp; <span style='white-space:nowrap'>last checkpoint: "
                              f"<span class='eksft-last-ckpt'>{ckpt}</span></span> &nbsp;|&nbsp; "
-                             f"<span style='white-space:nowrap'>goodput: <span class='eksft-goodput'>{goodput}</span></span>")
+                             "<span style='white-space:nowrap'>goodput: <span "
+                             f"class='eksft-goodput'>{goodput}</span></span>")
 
 
 class GoodputBar(w.HTML):
@@ -100,7 +106,8 @@ class GoodputBar(w.HTML):
                        f"background:{GOODPUT_COLORS[cat]}'></div>")
             legend.append(f"<span class='eksft-gp-{cat}'><span style='color:{GOODPUT_COLORS[cat]}'>■</span> "
                           f"{label} {sec:.1f}s ({pct:.0f}%)</span>")
-        self.value = ("<div style='font-size:12px'><b>wall time</b> " + f"{total:.1f}s:&nbsp; " + " &nbsp;".join(legend)
+        self.value = ("<div style='font-size:12px'><b>wall time</b> " + f"{total:.1f}s:&nbsp; "
+                      + " &nbsp;".join(legend)
                       + "</div><div style='display:flex;height:12px;border-radius:3px;overflow:hidden;"
                       "margin-top:3px'>" + "".join(bar) + "</div>")
 
@@ -115,10 +122,12 @@ class FaultControls(w.HBox):
         short = {"description_width": "initial"}
         self.fault = w.Dropdown(options=list(FAULTS), value="exception", description="fault", style=short,
                                 layout=w.Layout(width="210px")).add_class("eksft-fault")
-        self.target = w.Dropdown(description="rank", style=short, layout=w.Layout(width="100px")).add_class("eksft-rank")
+        self.target = w.Dropdown(description="rank", style=short,
+                                 layout=w.Layout(width="100px")).add_class("eksft-rank")
         self.when = w.Text(value="now", description="when", placeholder="now, a step, or 30s", style=short,
                            layout=w.Layout(width="150px")).add_class("eksft-when")
-        self.inject = w.Button(description="Inject", button_style="warning", icon="bolt").add_class("eksft-inject")
+        self.inject = w.Button(description="Inject", button_style="warning",
+                               icon="bolt").add_class("eksft-inject")
         super().__init__([self.fault, self.target, self.when, self.inject], **kwargs)
         self.add_class("eksft-controls")
         self.fault.observe(self._retarget, "value")
@@ -263,5 +272,6 @@ class LogTail(w.Accordion):
     def _render(self, _change: Any = None) -> None:
         kept = [line[:300] for line in self.text.splitlines()[-self.lines:]]
         self.set_title(0, f"log (last {len(kept)} lines)")
-        self._pre.value = ("<pre style='font-size:11px;line-height:1.25;max-height:320px;overflow:auto;margin:0'>"
+        self._pre.value = (
+            "<pre style='font-size:11px;line-height:1.25;max-height:320px;overflow:auto;margin:0'>"
                            + html.escape("\n".join(kept)) + "</pre>")

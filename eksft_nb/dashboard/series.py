@@ -39,7 +39,8 @@ class Series:
                  join: bool = False) -> None:
         if budget < 8 or tail < 2:
             raise ValueError("budget must be >= 8 and tail >= 2")
-        self.columns, self.key, self.tail_limit, self.budget, self.join = tuple(columns), tuple(key), tail, budget, join
+        self.columns, self.key = tuple(columns), tuple(key)
+        self.tail_limit, self.budget, self.join = tail, budget, join
         self.slots = max(2, budget // (tail + 1))
         self.parts = tuple(f"history{i}" for i in range(self.slots)) + ("tail",)
         self.chunks: list[_Chunk] = []    # in time order

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 WIDTH, LEFT, RIGHT, CAPTION, TITLE = 840, 60, 20, 24, 18
 ROWS = (150, 100, 100, 110, 70)   # plot heights, top to bottom (the live figure's row proportions)
 GAP = 30                          # below each row: its x labels or the next row's title
-MARKERS = {"faults": "M-5,-4h10l-5,8z", "gpu faults": "M-4,-4l8,8m0,-8l-8,8", "restarts": "M0,-5l5,5l-5,5l-5,-5z",
+MARKERS = {"faults": "M-5,-4h10l-5,8z", "gpu faults": "M-4,-4l8,8m0,-8l-8,8",
+           "restarts": "M0,-5l5,5l-5,5l-5,-5z",
            "gpu": "M-4,-4h8v8h-8z"}
 
 
@@ -32,7 +33,8 @@ def snapshot_svg(fig: TrainingFigure, caption: str) -> str:
     xmax = max([1.0] + [_finite_max(c["x"]) for c in cols.values()])
     top = CAPTION
     height = top + sum(TITLE + h + GAP for h in ROWS)
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="eksft-snapshot" width="{WIDTH}" height="{height}" '
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" class="eksft-snapshot" width="{WIDTH}" '
+           f'height="{height}" '
            f'viewBox="0 0 {WIDTH} {height}" font-family="sans-serif" font-size="10">',
            f'<rect width="{WIDTH}" height="{height}" fill="white"/>',
            f'<text x="{LEFT}" y="14" font-size="12" fill="#555">{html.escape(caption)}</text>']
@@ -177,7 +179,8 @@ def _markers(box: _Box, name: str, c: dict[str, list[Any]], color: str) -> str:
             labels.append(f'<path d="M{px:.1f},{py:.1f}m{shape[1:]}" fill="{colors[i]}"/>')
         text = c.get("text") or c.get("label")
         if text and text[i]:
-            labels.append(f'<text x="{px + 7:.1f}" y="{py - 6:.1f}" fill="{color}">{html.escape(str(text[i]))}</text>')
+            labels.append(f'<text x="{px + 7:.1f}" y="{py - 6:.1f}" '
+                          f'fill="{color}">{html.escape(str(text[i]))}</text>')
     fill = "none" if name == "gpu" else color
     return (f'<path class="eksft-trace" data-name="{name}" d="{"".join(d)}" fill="{fill}" stroke="{color}" '
             f'stroke-width="{3 if name == "restarts" else 1}"/>' + "".join(labels))

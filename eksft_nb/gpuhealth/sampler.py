@@ -64,7 +64,8 @@ def _read_one(nvml: Any, gpu: int, handle: Any) -> dict[str, Any]:
             "lost": False}
 
 
-def read_gpus(nvml: Any, handles: list[Any], refused: Callable[[str], Any], uuids: dict[int, str]) -> list[dict]:
+def read_gpus(nvml: Any, handles: list[Any], refused: Callable[[str], Any],
+              uuids: dict[int, str]) -> list[dict]:
     """Read every GPU. A GPU that fell off the bus reads as ``lost``; a reading that cannot be
     trusted is refused (``refused(one line)``) and left out. ``uuids``: GPU index -> UUID, as known."""
     out = []
@@ -78,7 +79,8 @@ def read_gpus(nvml: Any, handles: list[Any], refused: Callable[[str], Any], uuid
             if getattr(e, "value", None) != _GPU_IS_LOST:
                 refused(f"GPU {gpu}: NVML error {str(e)[:80]}: this reading is skipped")
                 continue
-            reading = {"gpu": gpu, "uuid": uuids.get(gpu, f"GPU-unknown-{gpu}"), "temp_c": None, "power_w": None,
+            reading = {"gpu": gpu, "uuid": uuids.get(gpu, f"GPU-unknown-{gpu}"), "temp_c": None,
+                       "power_w": None,
                        "throttle": None, "ecc_sbe": None, "ecc_dbe": None, "lost": True}
         except GpuReadingError as e:
             refused(str(e))
@@ -93,7 +95,8 @@ class GpuSampler:
     ``gpu_fault`` per onset); ``drain(ms)`` waits that long for NVML's XID and ECC events. ``start()``
     runs both in a daemon thread. ``emit(kind, **fields)`` writes an event."""
 
-    def __init__(self, nvml: Any, emit: Callable[..., Any], node: int, host: str, interval: float = 10.0) -> None:
+    def __init__(self, nvml: Any, emit: Callable[..., Any], node: int, host: str,
+                 interval: float = 10.0) -> None:
         self.nvml, self.emit, self.node, self.host, self.interval = nvml, emit, node, host, interval
         self.handles = handles(nvml)
         self.uuids: dict[int, str] = {}
@@ -118,7 +121,8 @@ class GpuSampler:
             print(f"eksft: gpu health on node {self.node}: {line}", file=sys.stderr, flush=True)
 
     def _fault(self, gpu: int, fault: str, detail: str, **extra: Any) -> None:
-        self.emit("gpu_fault", node=self.node, host=self.host, gpu=gpu, uuid=self.uuids.get(gpu, f"GPU-unknown-{gpu}"),
+        self.emit("gpu_fault", node=self.node, host=self.host, gpu=gpu,
+                  uuid=self.uuids.get(gpu, f"GPU-unknown-{gpu}"),
                   fault=fault, detail=detail, **extra)
 
     def tick(self) -> list[dict[str, Any]]:
@@ -157,7 +161,8 @@ class GpuSampler:
                 data = self.nvml.nvmlEventSetWait(self.events, min(left, 1000))
             except self.nvml.NVMLError as e:
                 if getattr(e, "value", None) != _TIMEOUT:
-                    self._refused(f"waiting for NVML events failed ({str(e)[:80]}): only counters are sampled")
+                    self._refused(
+                        f"waiting for NVML events failed ({str(e)[:80]}): only counters are sampled")
                     self.events = None
                 continue
             try:
@@ -165,7 +170,8 @@ class GpuSampler:
             except self.nvml.NVMLError:
                 gpu = None
             kind, value = data.eventType, data.eventData
-            if type(gpu) is not int or not 0 <= gpu < len(self.handles) or type(kind) is not int or type(value) is not int or not 0 <= value < 100_000:
+            if type(gpu) is not int or not 0 <= gpu < len(self.handles) or type(kind) is not int or type(
+                value) is not int or not 0 <= value < 100_000:
                 self._refused(f"an NVML event that names no GPU of this node or no XID ({str(kind)[:20]}, "
                               f"{str(value)[:20]}) is ignored")
             elif kind & _EVENT_XID:

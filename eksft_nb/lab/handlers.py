@@ -134,7 +134,8 @@ class ResumeHandler(Base):
     @refusing
     async def post(self, name: str) -> None:
         data = requests.body(self.request.body, requests.RESUME)
-        await self.reply(commands.resume, name, step=data.get("step"), new_name=data.get("as"), steps=data.get("steps"),
+        await self.reply(commands.resume, name, step=data.get("step"), new_name=data.get("as"),
+                         steps=data.get("steps"),
                          backend=data.get("backend", "local"))
 
 
@@ -142,7 +143,8 @@ class CheckpointsHandler(Base):
     @web.authenticated
     @refusing
     async def get(self, name: str) -> None:
-        self.finish(json.dumps({"checkpoints": await self.call(commands.checkpoints, name, backend=self.backend())}))
+        self.finish(json.dumps({"checkpoints": await self.call(commands.checkpoints, name,
+                                                               backend=self.backend())}))
 
 
 class SummaryHandler(Base):
@@ -156,7 +158,8 @@ class LogsHandler(Base):
     @web.authenticated
     @refusing
     async def get(self, name: str) -> None:
-        lines = requests.query_int(self.get_query_argument("lines", None), "lines", 200, 1, requests.MAX_LOG_LINES)
+        lines = requests.query_int(self.get_query_argument("lines", None), "lines", 200, 1,
+                                   requests.MAX_LOG_LINES)
         debug = requests.query_bool(self.get_query_argument("debug", None), "debug")
         # read (only the files' ends), cut and encoded in a worker thread: the server's loop only sends it
         self.finish(await self.call(_logs_reply, name, lines, debug, self.backend()))
@@ -225,8 +228,8 @@ class StreamHandler(Base):
 
 class BundleHandler(AuthenticatedFileHandler):
     """plotly's widget bundle, imported by the dashboard figure's loader. That import comes from a module the
-    widget manager made from a blob, so it has no Referer for Jupyter's XSRF check of a GET; a read of this one
-    public library file changes nothing, so the check is skipped here (the login is still required)."""
+    widget manager made from a blob, so it has no Referer for Jupyter's XSRF check of a GET; a read of this
+    one public library file changes nothing, so the check is skipped here (the login is still required)."""
 
     def check_xsrf_cookie(self) -> None:
         return None

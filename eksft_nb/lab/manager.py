@@ -79,7 +79,8 @@ class JobsManager:
         self.interval, self.cluster_interval = interval, cluster_interval
         self.local = get_backend("local")
         self.folds: dict[str, Fold] = {}                     # local jobs, by name
-        self.clusters: dict[str, dict[str, Any]] = {}   # once a cluster is set up: name -> {"ok", "error", "jobs"}
+        # once a cluster is set up: name -> {"ok", "error", "jobs"}
+        self.clusters: dict[str, dict[str, Any]] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="eksft-fold")
         self._clients: set[asyncio.Queue[Message | None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
@@ -135,7 +136,8 @@ class JobsManager:
         name = fold.job.name
         news += [("failure", {"job": name, "level": f["level"], "cause": f["cause"]})
                  for f in mon.failures[fold.failures:]]
-        news += [("restart", {"job": name, **{k: r.get(k) for k in ("level", "cause", "blame_rank", "downtime_s",
+        news += [("restart",
+                  {"job": name, **{k: r.get(k) for k in ("level", "cause", "blame_rank", "downtime_s",
                                                                       "resumed_step")}})
                  for r in mon.restarts[fold.restarts:]]
         fold.restarts, fold.failures = len(mon.restarts), len(mon.failures)

@@ -32,7 +32,8 @@ _BACKEND: Check = (lambda v: isinstance(v, str), '"local" or "eks"')
 _ANY: Check = (lambda v: True, "")    # checked by the command's own validator
 
 # route -> field -> check; every field a route takes, and nothing else
-INJECT: dict[str, Check] = {"fault": _ANY, "rank": _ANY, "step": _ANY, "after": _ANY, "node": _ANY, "delay": _ANY,
+INJECT: dict[str, Check] = {"fault": _ANY, "rank": _ANY, "step": _ANY, "after": _ANY, "node": _ANY,
+                            "delay": _ANY,
                             "duration": _ANY, "backend": _BACKEND}
 STOP: dict[str, Check] = {"backend": _BACKEND}
 RESUME: dict[str, Check] = {
@@ -45,7 +46,8 @@ SETTINGS: dict[str, Check] = {
     "whatif": (lambda v: isinstance(v, bool), "true to apply the what-if's recommended interval"),
     "backend": _BACKEND}
 LAUNCH: dict[str, Check] = {
-    "spec": (lambda v: isinstance(v, dict), 'an object of spec fields, e.g. {"steps": 80, "model.preset": "tiny"}'),
+    "spec": (lambda v: isinstance(v, dict),
+             'an object of spec fields, e.g. {"steps": 80, "model.preset": "tiny"}'),
     "faults": (lambda v: isinstance(v, list) and len(v) <= MAX_FAULTS and all(isinstance(f, str) for f in v),
                f'a list of at most {MAX_FAULTS} faults like "sigkill:1@30"')}
 
@@ -58,9 +60,11 @@ def body(raw: bytes, shape: Mapping[str, Check]) -> dict[str, Any]:
     try:
         data = json.loads(raw) if raw.strip() else {}
     except (ValueError, RecursionError):
-        raise ControlError("the request body is not valid JSON", f"send one JSON object, e.g. {example}") from None
+        raise ControlError("the request body is not valid JSON",
+                           f"send one JSON object, e.g. {example}") from None
     if not isinstance(data, dict):
-        raise ControlError(f"the request body must be a JSON object, got {type(data).__name__}", f"send e.g. {example}")
+        raise ControlError(f"the request body must be a JSON object, got {type(data).__name__}",
+                           f"send e.g. {example}")
     unknown = sorted(set(data) - set(shape))
     if unknown:
         raise ControlError(f"unknown field(s) in the request: {_show(', '.join(unknown))}",
@@ -73,7 +77,8 @@ def body(raw: bytes, shape: Mapping[str, Check]) -> dict[str, Any]:
 
 
 def inject_args(data: dict[str, Any]) -> tuple[FaultCommand, str]:
-    """The fault command (types checked as a command file's) and the backend of ``commands.inject_command``."""
+    """The fault command (types checked as a command file's) and the backend of
+    ``commands.inject_command``."""
     if "fault" not in data:
         raise ControlError("the request lacks its fault", 'send e.g. {"fault": "sigkill", "rank": 1}')
     params = {k: data[k] for k in ("delay", "duration") if k in data}
@@ -82,8 +87,10 @@ def inject_args(data: dict[str, Any]) -> tuple[FaultCommand, str]:
 
 
 def launch_args(data: dict[str, Any]) -> tuple[JobSpec, list[FaultCommand]]:
-    """The spec (dotted fields over the defaults; text values read as the CLI reads its options) and faults."""
-    return commands.prepare(commands.spec_from_options(data.get("spec", {}), validate=False), data.get("faults", []))
+    """The spec (dotted fields over the defaults; text values read as the CLI reads its options) and
+    faults."""
+    return commands.prepare(commands.spec_from_options(data.get("spec", {}), validate=False),
+                            data.get("faults", []))
 
 
 def query_int(raw: str | None, name: str, default: int, low: int, high: int) -> int:

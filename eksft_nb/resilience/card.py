@@ -78,8 +78,8 @@ def _steps_run(case: JobMonitor, reference: JobMonitor) -> tuple[str, str]:
     if not want:
         return "unchecked", f"{unreported}, and the reference ran no step"
     if ran < want:
-        return "differs", f"it ran {ran} optimizer steps, fewer than the reference's {want}: it stopped early " \
-                          f"({unreported})"
+        return "differs", (f"it ran {ran} optimizer steps, fewer than the reference's {want}: it stopped "
+                           f"early ({unreported})")
     return "match", f"it ran {ran} optimizer steps (repeats included), at least the reference's {want} " \
                     f"({unreported}, so its weights are not compared)"
 

@@ -30,8 +30,8 @@ The model, term by term (``N`` useful steps, ``t`` clean step time, ``k`` the in
 A setting whose effect needs a recovery or a save this job never showed gets no figure, and the
 reason instead; so does one that cannot pay off with the job's NVRx (hot spares where its barrier
 rendezvous closes the job when a spare joins, see :attr:`eksft_nb.nvrx.NVRx.spares_refused`). The
-recommended interval is Young/Daly's, tau = sqrt(2 C (M + R)) - C (C: the cost of a save, M: the mean time between failures, R: a recovery's downtime), never shorter than the
-detection latency.
+recommended interval is Young/Daly's, tau = sqrt(2 C (M + R)) - C (C: the cost of a save, M: the mean time
+between failures, R: a recovery's downtime), never shorter than the detection latency.
 """
 
 from __future__ import annotations
@@ -90,7 +90,8 @@ class Inputs:
     interference_per_save_s: float
     write_per_save_s: float | None    # async: staging + background write (what a sync save would block for)
     commit_lag_steps: int      # async: median steps from a save's start until it is committed
-    failures: list[dict[str, Any]]   # step, level, downtime_s, detection_s, lost, node_loss, phases, committed
+    # step, level, downtime_s, detection_s, lost, node_loss, phases, committed
+    failures: list[dict[str, Any]]
     wall_s: float
     startup_s: float
     other_s: float
@@ -191,7 +192,8 @@ def measure(mon: JobMonitor, spec: JobSpec, now: float | None = None) -> Inputs:
                          # the Wrapper's set-up in the ranks this recovery started (None: none recorded)
                          "wrapper_s": _wrapper(mon, "setup", r["fault_time"], r["t"]),
                          # the newest save on storage when it failed: what its own interval restores
-                         "committed": max((st for t, st in committed if t <= r["fault_time"] and st <= r["resumed_step"]
+                         "committed": max((st for t,
+                                           st in committed if t <= r["fault_time"] and st <= r["resumed_step"]
                                            + r["rolled_back_steps"]), default=0)})
     wall = gp.wall_s
     first, last, rest = _save_kinds(mon, spec, saves)

@@ -111,7 +111,8 @@ class Header:
 
 
 _ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
-             "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16, "float8_e4m3fn": 1, "float8_e5m2": 1}
+             "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16, "float8_e4m3fn": 1,
+             "float8_e5m2": 1}
 
 
 def _int(value: Any, low: int = 0, high: int = 1 << 62) -> bool:
@@ -136,7 +137,8 @@ def parse_header(text: str | bytes) -> Header | str:
     if not _int(step) or type(t) is not float or not math.isfinite(t):
         return "its header lacks the step or commit time"
     entries, values = raw.get("entries"), raw.get("values")
-    if not isinstance(entries, list) or not isinstance(values, dict) or not all(isinstance(k, str) for k in values):
+    if not isinstance(entries, list) or not isinstance(values,
+                                                       dict) or not all(isinstance(k, str) for k in values):
         return "its header has no layout"
     parsed: dict[str, Entry] = {}
     files: set[int] = set()
@@ -156,15 +158,18 @@ def parse_header(text: str | bytes) -> Header | str:
 def _parse_entry(item: Any) -> Entry | str:
     if not isinstance(item, dict) or not isinstance(item.get("key"), str):
         return "its layout has an entry without a key"
-    key, dtype, shape, dt, sums = item["key"], item.get("dtype"), item.get("shape"), item.get("dtensor"), item.get("digest")
-    if not isinstance(dtype, str) or dtype not in _ITEMSIZE or not isinstance(shape, list) or len(shape) > 64 \
-            or not all(_int(n, 0, 1 << 40) for n in shape):
+    key, dtype, shape = item["key"], item.get("dtype"), item.get("shape")
+    dt, sums = item.get("dtensor"), item.get("digest")
+    if not isinstance(dtype, str) or dtype not in _ITEMSIZE or not isinstance(shape, list) \
+            or len(shape) > 64 or not all(_int(n, 0, 1 << 40) for n in shape):
         return f"its layout entry {key[:80]!r} has no valid dtype and shape"
     if not _int(item.get("file"), 0, 1 << 30) or not _int(item.get("nbytes")):
         return f"its layout entry {key[:80]!r} has no valid file and size"
     if item["nbytes"] != math.prod(shape) * _ITEMSIZE[dtype]:
-        return f"its layout entry {key[:80]!r} has {item['nbytes']} bytes, its shape and dtype need another size"
-    if not isinstance(sums, str) or len(sums) != 8 * -(-item["nbytes"] // CHUNK) or not re.fullmatch(r"[0-9a-f]*", sums):
+        return (f"its layout entry {key[:80]!r} has {item['nbytes']} bytes, its shape and dtype need "
+                "another size")
+    if not isinstance(sums, str) or len(sums) != 8 * -(-item["nbytes"] // CHUNK) \
+            or not re.fullmatch(r"[0-9a-f]*", sums):
         return f"its layout entry {key[:80]!r} has no checksums of its buffer"
     if dt is not None and not isinstance(dt, dict):
         return f"its layout entry {key[:80]!r} has an invalid DTensor layout"
@@ -207,7 +212,8 @@ def dtensor_layout(dt: Any) -> dict[str, Any]:
     this rank's coordinate in the mesh."""
     spec = dt._spec
     coordinate = spec.mesh.get_coordinate()
-    return {"shape": list(spec.shape), "mesh": list(spec.mesh.shape), "placements": [str(p) for p in spec.placements],
+    return {"shape": list(spec.shape), "mesh": list(spec.mesh.shape),
+            "placements": [str(p) for p in spec.placements],
             "coordinate": list(coordinate) if coordinate is not None else None}
 
 
@@ -314,10 +320,12 @@ class Shelf:
             for key in storages:
                 buffer_path(base, files[key][0]).unlink(missing_ok=True)
             self.note = why
-            return {key: torch.empty(shape, dtype=dtype).share_memory_() for key, (shape, dtype) in wanted.items()}
+            return {key: torch.empty(shape, dtype=dtype).share_memory_() for key,
+                    (shape, dtype) in wanted.items()}
         self.path, self._files, self.note = base, files, ""
         return {key: torch.empty(0, dtype=dtype).set_(storages[key], 0, tuple(shape)) if key in storages
-                else torch.empty(shape, dtype=dtype).share_memory_() for key, (shape, dtype) in wanted.items()}
+                else torch.empty(shape, dtype=dtype).share_memory_() for key,
+                (shape, dtype) in wanted.items()}
 
     def begin(self) -> int:
         """The buffers are about to change: the copy they held is no longer valid."""
@@ -336,7 +344,8 @@ class Shelf:
             return
         if self._worker != os.getpid():  # none yet in this process (a forked one has none either)
             self._jobs, self._worker = queue.SimpleQueue(), os.getpid()
-            threading.Thread(target=self._work, args=(self._jobs,), daemon=True, name="eksft-memory-copy").start()
+            threading.Thread(target=self._work, args=(self._jobs,), daemon=True,
+                             name="eksft-memory-copy").start()
         with self._lock:
             self._jobs.put((self._generation, layout, self.path, self._files))
 
@@ -354,7 +363,8 @@ class Shelf:
                 index, nbytes = files[entry["key"]]
                 entry["file"], entry["digest"] = index, ""
                 if nbytes:
-                    with open(buffer_path(base, index), "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+                    with open(buffer_path(base, index),
+                              "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
                         entry["digest"] = digest(m, nbytes)
         except (OSError, ValueError, TypeError, KeyError) as e:
             if generation == self._generation:  # else these buffers were replaced while being summed
@@ -487,12 +497,14 @@ def _targets(state: Any) -> _Targets:
 def _mismatch(header: Header, targets: _Targets) -> str | None:
     """Why the copy's layout is not this rank's state's, or None."""
     if set(header.entries) != set(targets.tensors) or set(header.values) != set(targets.values):
-        missing = sorted((set(targets.tensors) | set(targets.values)) - set(header.entries) - set(header.values))
+        missing = sorted(
+            (set(targets.tensors) | set(targets.values)) - set(header.entries) - set(header.values))
         return f"its layout differs from this job's state{f' (no {missing[0][:80]!r})' if missing else ''}"
     for key, entry in header.entries.items():
         t = targets.tensors[key]
         if entry.dtype != str(t.dtype).removeprefix("torch.") or entry.shape != tuple(t.shape):
-            return f"its {key[:80]!r} is {entry.dtype}{list(entry.shape)}, this rank's is {t.dtype}{list(t.shape)}"
+            return (f"its {key[:80]!r} is {entry.dtype}{list(entry.shape)}, this rank's is "
+                    f"{t.dtype}{list(t.shape)}")
         if entry.dtensor != targets.layouts.get(key):
             return f"its {key[:80]!r} is sharded differently from this rank's"
     for key, raw in header.values.items():

@@ -13,11 +13,9 @@ either end of its connection shuts down; so
 
 NCCL communicators are untouched here: NVRx's ``AbortTorchDistributed`` still aborts them, after.
 
-Which sockets are gloo's: the connected TCP sockets that torch's process-group constructor opened
-for a gloo-only group (recorded around it by :func:`track`), never one a listener that was already
-there accepted meanwhile (a store hosted by this rank serving a late client). A group that mixes
-gloo and NCCL is not recorded (NCCL may open its bootstrap sockets there): its peers fall back on
-NCCL's abort and the collective timeout.
+Gloo's sockets are those torch's process-group constructor opened for a gloo-only group (recorded
+by :func:`track`), never one an existing listener accepted meanwhile (a store serving a late
+client). A group mixing gloo and NCCL is not recorded: it relies on NCCL's abort and the timeout.
 """
 
 from __future__ import annotations
@@ -67,7 +65,8 @@ def _listening_ports(sockets: dict[int, int]) -> set[int]:
         if s is None:
             continue
         with s:
-            if s.family in (socket.AF_INET, socket.AF_INET6) and s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            if s.family in (socket.AF_INET,
+                            socket.AF_INET6) and s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                 ports.add(s.getsockname()[1])
     return ports
 

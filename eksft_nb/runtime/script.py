@@ -2,9 +2,9 @@
 the built-in trainer.
 
 ``python -m eksft_nb.runtime.script SCRIPT [ARGS...]``: the script's folder comes first on
-``sys.path`` (so modules beside it import; for a notebook cell's code, the notebook's folder), ``sys.argv`` is ``[SCRIPT, ARGS...]``, ``__name__`` is
-``"__main__"``, and the working directory is the spec's ``workdir`` (for a local job: where it was
-launched from). Around the script, with no change to it:
+``sys.path`` (so modules beside it import; for a notebook cell's code, the notebook's folder), ``sys.argv`` is
+``[SCRIPT, ARGS...]``, ``__name__`` is ``"__main__"``, and the working directory is the spec's ``workdir``
+(for a local job: where it was launched from). Around the script, with no change to it:
 
 - the rank's start, exceptions, in-process restarts (an ``inprocess.Wrapper`` of its own) and exit
   become events, so its restarts and exit codes show;
@@ -100,8 +100,10 @@ class ScriptProbe:
 
         self.s = s
         self.steps = 0
-        self.t_last = time.perf_counter()   # when the step being timed began (the first: at its first forward)
-        self.primary: weakref.ref | None = None   # the optimizer whose steps count (a script may have several)
+        # when the step being timed began (the first: at its first forward)
+        self.t_last = time.perf_counter()
+        # the optimizer whose steps count (a script may have several)
+        self.primary: weakref.ref | None = None
         self._forward: Any = None
         self._lock = threading.Lock()       # the inbox is shared with the fault thread
         self._halt = threading.Event()
@@ -141,7 +143,8 @@ class ScriptProbe:
         """After every ``optimizer.step()``, in the main thread."""
         s = self.s
         if s.reports_steps or all(float(g.get("lr", 1.0)) == 0.0 for g in optimizer.param_groups):
-            return  # a step at learning rate 0 trains nothing: DCP's loader takes one to create optimizer state
+            # a step at learning rate 0 trains nothing: DCP's loader takes one to create optimizer state
+            return
         primary = self.primary() if self.primary is not None else None
         if primary is None:
             self.primary = weakref.ref(optimizer)
@@ -164,7 +167,8 @@ class ScriptProbe:
         while not self._halt.wait(POLL_S):
             if s.reports_steps:  # the script's step_begin fires its commands at step starts
                 return
-            fire_due(s, None, at=self.steps + 1 if self.steps else None, main_thread=self.main, lock=self._lock)
+            fire_due(s, None, at=self.steps + 1 if self.steps else None, main_thread=self.main,
+                     lock=self._lock)
 
     # ---- in-process restarts of the script's own inprocess.Wrapper --------------------------
     def _hook_wrapper(self, inprocess: ModuleType) -> None:
@@ -203,7 +207,8 @@ class ScriptProbe:
         @functools.wraps(init)
         def __init__(wrapper: Any, *args: Any, initialize: Any = None, finalize: Any = None,
                      abort: Any = AbortTorchDistributed(), **kwargs: Any) -> None:
-            init(wrapper, *args, initialize=Entered(initialize), finalize=Failed(finalize), abort=abort_chain(abort),
+            init(wrapper, *args, initialize=Entered(initialize), finalize=Failed(finalize),
+                 abort=abort_chain(abort),
                  **kwargs)
 
         inprocess.Wrapper.__init__ = __init__
@@ -238,12 +243,14 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     def __init__(self) -> None:
         self.pending: dict[str, list[Callable[[ModuleType], None]]] = {}
 
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(self, fullname: str, path: Any,
+                  target: Any = None) -> importlib.machinery.ModuleSpec | None:
         callbacks = self.pending.pop(fullname, None)
         if callbacks is None:
             return None
         for finder in sys.meta_path:
-            spec = finder.find_spec(fullname, path, target) if finder is not self and hasattr(finder, "find_spec") \
+            spec = finder.find_spec(fullname, path,
+                                    target) if finder is not self and hasattr(finder, "find_spec") \
                 else None
             if spec is not None:
                 break

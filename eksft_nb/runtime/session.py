@@ -57,7 +57,8 @@ class RankInfo:
         def number(key: str, default: int) -> int:  # unset or empty (an absent pod annotation): the default
             return int(env.get(key) or default)
 
-        return cls(rank=number("RANK", 0), local_rank=number("LOCAL_RANK", 0), world_size=number("WORLD_SIZE", 1),
+        return cls(rank=number("RANK", 0), local_rank=number("LOCAL_RANK", 0),
+                   world_size=number("WORLD_SIZE", 1),
                    node=number("GROUP_RANK", 0), injob_restart=number("TORCHELASTIC_RESTART_COUNT", 0),
                    job_attempt=number("EKSFT_JOB_ATTEMPT", 0))
 
@@ -101,7 +102,8 @@ class Session:
         if live and info.local_rank == 0:
             self._gpu_events = EventWriter(events_path, spec.name, info.rank, to_stdout=self.events.to_stdout)
             self._gpu = start_gpu_health(self._gpu_events.emit, info.node, os.environ.get("NODE_NAME") or
-                                         socket.gethostname(), first=not (info.job_attempt or info.injob_restart))
+                                         socket.gethostname(),
+                                         first=not (info.job_attempt or info.injob_restart))
 
     @property
     def restarting(self) -> bool:
@@ -113,7 +115,8 @@ class Session:
         if self.spec.checkpoint.dir:
             return Path(self.spec.checkpoint.dir).expanduser()
         if self.job_dir is None:
-            raise JobError("no checkpoint folder", "set checkpoint.dir in the spec, or run under eksft (EKSFT_JOB_DIR)")
+            raise JobError("no checkpoint folder",
+                           "set checkpoint.dir in the spec, or run under eksft (EKSFT_JOB_DIR)")
         return self.job_dir.path / "ckpt"
 
     def checkpointing(self) -> Any:
@@ -137,9 +140,11 @@ class Session:
         if group is None:
             group = dist.new_group(backend="gloo", timeout=self.checkpoint_group_timeout())
         c = self.spec.checkpoint
-        manager = CheckpointManager(self.checkpoint_dir(), rank=dist.get_rank(), world_size=dist.get_world_size(),
+        manager = CheckpointManager(self.checkpoint_dir(), rank=dist.get_rank(),
+                                    world_size=dist.get_world_size(),
                                     group=group, every=c.every, mode=c.mode, keep_last=c.keep_last,
-                                    emit=self._checkpoint_emit, atomic=atomic, keepalive=keepalive or self.heartbeat,
+                                    emit=self._checkpoint_emit, atomic=atomic,
+                                    keepalive=keepalive or self.heartbeat,
                                     storage_fault=self.storage_fault, process=self.checkpointing())
         self.on_save_failure = [lambda: setattr(manager, "fail_next_write", True)]
         return manager
@@ -240,7 +245,8 @@ class Session:
         return None
 
     def raise_pending(self, *_signal: Any) -> None:
-        """Raise the injected exception (also the :data:`~.faults.FAULT_SIGNAL` handler, in the main thread)."""
+        """Raise the injected exception (also the :data:`~.faults.FAULT_SIGNAL` handler, in the main
+        thread)."""
         message, self.pending_exception = self.pending_exception, None
         if message:
             raise InjectedFault(message)
@@ -257,7 +263,8 @@ class Session:
         self.events.close()
 
 
-BEACON_WRITES_PER_SECOND = 64   # of the whole job: the job folder's file server (Lustre's MDS on EKS) sees no more
+# of the whole job: the job folder's file server (Lustre's MDS on EKS) sees no more
+BEACON_WRITES_PER_SECOND = 64
 
 
 def beacon_interval(world_size: int, heartbeat_timeout: float | None) -> float:
@@ -305,7 +312,8 @@ class _Beacon(threading.Thread):
                     break
                 f = f.f_back
         record = {"rank": s.rank, "pid": os.getpid(), "host": self.host, "start_ticks": self.start_ticks,
-                  "t": time.time(), "step_entered": s.step_entered, "step_done": s.step_done, "t_done": s.t_done, "where": where, "in_collective": waiting,
+                  "t": time.time(), "step_entered": s.step_entered, "step_done": s.step_done,
+                  "t_done": s.t_done, "where": where, "in_collective": waiting,
                   "inprocess_iteration": s.inprocess_iteration, "injob_restart": s.info.injob_restart}
         tmp = self.path.with_suffix(".tmp")
         try:
@@ -343,7 +351,8 @@ def error_origin(e: BaseException) -> str:
     name, text = type(e).__name__, str(e)
     if name == "RankShouldRestart":
         return "interrupted"
-    if name == "DistBackendError" or any(s in text for s in ("Connection closed by peer", "Connection reset by peer",
+    if name == "DistBackendError" or any(s in text
+                                         for s in ("Connection closed by peer", "Connection reset by peer",
                                                              "Timed out", "timed out")):
         return "peer"
     return "exception"

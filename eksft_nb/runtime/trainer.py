@@ -38,11 +38,13 @@ class Trainer:
         self._init_process_group("nccl" if use_cuda else "gloo")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if self.world != spec.world_size:
-            raise RuntimeError(f"world size {self.world} != spec {spec.world_size}: restarting the whole group")
+            raise RuntimeError(f"world size {self.world} != spec {spec.world_size}: restarting "
+                               "the whole group")
         self.ckpt_group = dist.new_group(backend="gloo", timeout=s.checkpoint_group_timeout())
         self.t_group = time.time()   # the process groups are formed (a recovery's re-formation ends)
         vocab, d_model, n_layers, n_heads = spec.model.dims()
-        self.model = build_model(vocab, d_model, n_layers, n_heads, spec.seq, spec.seed, self.device, fsdp=True)
+        self.model = build_model(vocab, d_model, n_layers, n_heads, spec.seq, spec.seed, self.device,
+                                 fsdp=True)
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=spec.lr)
         self.data = SyntheticCorpus(vocab, spec.seq, spec.batch, spec.seed, self.rank)
         self.step = 0
@@ -77,16 +79,19 @@ class Trainer:
         dist.barrier(group=self.ckpt_group)
 
     def _restore_overrun(self, budget: float, took: float | None = None) -> None:
-        """Warn that a restore outlasts the keepalive's budget: from then on the timeouts count it as a hang."""
+        """Warn that a restore outlasts the keepalive's budget: from then on the timeouts count it as a
+        hang."""
         if self.rank != 0:
             return
         ft, mbps = self.spec.ft, self.spec.checkpoint.storage_mbps
         what = f"took {took:.0f} s" if took is not None else f"has run {budget:.0f} s"
         self.s.warn("slow-restore", f"the restore {what}, longer than the timeouts allow ({budget:.0f} s of "
-                    f"keepalive, then the heartbeat timeout of {ft.heartbeat_timeout:g} s): set --storage-mbps to "
+                    f"keepalive, then the heartbeat timeout of {ft.heartbeat_timeout:g} s): set "
+                    "--storage-mbps to "
                     f"what the storage delivers (now {mbps:g}) or raise --initial-heartbeat-timeout")
 
-    def _check_save_pace(self, step: int, save_s: float, was_deferred: bool, loop_s: float, steps: int) -> None:
+    def _check_save_pace(self, step: int, save_s: float, was_deferred: bool, loop_s: float,
+                         steps: int) -> None:
         """Warn when a save takes longer than the checkpoint interval: an async save still being written
         when the next is due (so that one is deferred), or a sync save that blocks for longer."""
         every = self.ckpt.every
@@ -94,7 +99,8 @@ class Trainer:
             return
         interval_s = every * (loop_s - save_s) / steps   # the steps' time, without this save's
         if self.ckpt.deferred and not was_deferred:
-            self.s.warn("slow-save", f"the save before step {step} is still being written when the next is due "
+            self.s.warn("slow-save",
+                        f"the save before step {step} is still being written when the next is due "
                         f"(every {every} steps, ~{interval_s:.1f} s): saves take longer than the checkpoint "
                         "interval; raise --ckpt-every or use faster storage")
         elif self.spec.checkpoint.mode == "sync" and save_s > interval_s > 0:
@@ -179,7 +185,8 @@ class Trainer:
         loop_s = time.perf_counter() - t_loop
         digest = self.digest()
         if self.rank == 0:
-            s.emit("rank_end", final_step=self.step, digest=digest, steps_run=self.step - first + 1, loop_s=loop_s)
+            s.emit("rank_end", final_step=self.step, digest=digest, steps_run=self.step - first + 1,
+                   loop_s=loop_s)
         dist.barrier()
 
     def digest(self) -> str:

@@ -114,7 +114,8 @@ def main() -> None:
             os.killpg(child[0], signal.SIGKILL)
         except ProcessLookupError:
             pass
-        print(f"eksft: the warm-rank zygote {name} went away; rank pid {child[0]} killed", file=sys.stderr, flush=True)
+        print(f"eksft: the warm-rank zygote {name} went away; rank pid {child[0]} killed", file=sys.stderr,
+              flush=True)
         os._exit(1)
     code = os.waitstatus_to_exitcode(int(line[1]))
     if code < 0:

@@ -9,16 +9,11 @@ the module run as ``python -u -m MODULE`` would. The zygote tells the shim the c
 it ends, its wait status; when the shim's connection closes (the launcher SIGKILLed its worker) it
 kills the child's process group at once.
 
-Processes a rank forks (the checkpoint writer, see ``checkpoint.writer.AsyncWriter``) are cheap
-copies too, and, like the rank, carry the zygote's start-up environment (the job's mark) in
-``/proc/PID/environ``, which is how :mod:`eksft_nb.procs` finds and ends them.
+Processes a rank forks (the checkpoint writer) carry the zygote's start-up environment (the job's
+mark) in ``/proc/PID/environ``, which is how :mod:`eksft_nb.procs` finds and ends them.
 
-The socket is a path in a folder only the job's user can enter (the job folder's ``warm/``; in a pod,
-a private temporary folder), never an abstract name: anyone may bind an abstract name first and
-would then receive the ranks' environments and stdio. It appears there only once the zygote
-listens (bound under a temporary name, then renamed into place, replacing whatever was there), and
-a shim talks only to the pid it was told (see :mod:`.warm_shim`); the zygote in turn serves only its
-own user.
+The socket is a path in a folder only the job's user can enter, never an abstract name, bound under
+a temporary name and renamed into place; the zygote serves only its own user (README, "Security").
 
 Run as ``python -m eksft_nb.runtime.zygote SOCKET_PATH`` with the job's environment.
 """
@@ -42,10 +37,13 @@ PRELOAD = ("torch", "torch._dynamo", "torch.optim", "torch.distributed", "torch.
            "nvidia_resiliency_ext.checkpointing.async_ckpt.core",
            "nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async",
            "eksft_nb.runtime.session", "eksft_nb.runtime.checkpoint.manager", "eksft_nb.runtime.trainer",
-           "eksft_nb.runtime.model", "eksft_nb.runtime.data")  # not the entry modules: runpy runs those afresh
+           # not the entry modules: runpy runs those afresh
+           "eksft_nb.runtime.model", "eksft_nb.runtime.data")
 # what the interpreter or torch read once, at start-up or import: a request that differs gets a cold rank
-FIXED_AT_START = ("PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "PYTHONSAFEPATH", "PYTHONNOUSERSITE", "LD_PRELOAD",
-                  "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCH_CPP_LOG_LEVEL", "PYTHONWARNINGS")
+FIXED_AT_START = ("PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "PYTHONSAFEPATH", "PYTHONNOUSERSITE",
+                  "LD_PRELOAD",
+                  "LD_LIBRARY_PATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCH_CPP_LOG_LEVEL",
+                  "PYTHONWARNINGS")
 MAX_REQUEST = 4 << 20
 
 _children: dict[int, socket.socket | None] = {}   # rank pid -> its shim's connection (None: gone)

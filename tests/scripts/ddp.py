@@ -14,7 +14,8 @@ args = parser.parse_args()
 
 dist.init_process_group("gloo")
 torch.manual_seed(0)
-model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)))
+model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                                    torch.nn.Linear(16, 1)))
 optim = torch.optim.SGD(model.parameters(), lr=0.01)
 for _ in range(args.steps):
     x = torch.randn(16, 8)

@@ -1,4 +1,5 @@
-"""FSDP2 (fully_shard) on CPU with gloo: no NVRx, no eksft. Writes the final loss beside the working directory."""
+"""FSDP2 (fully_shard) on CPU with gloo: no NVRx, no eksft. Writes the final loss beside the working
+directory."""
 
 import os
 import sys

@@ -34,7 +34,8 @@ if state is not None:
     start = state["step"]
 print(f"rank {rank}: starting at step {start}", flush=True)
 if state is None:
-    time.sleep(1.0)  # the data pipeline warming up before the first batch: the computed initial timeout allows
+    # the data pipeline warming up before the first batch: the computed initial timeout allows
+    time.sleep(1.0)
     # for it, and so for a restart's own start-up (loading the checkpoint) on a busy machine
 for i in range(start, args.steps):
     loss = ddp(toyjob.batch(i, rank)).square().mean()
@@ -50,7 +51,8 @@ for i in range(start, args.steps):
     if (i + 1) % 10 == 0:
         dist.barrier()
         if rank == 0:
-            toyjob.save(path, {"model": model.state_dict(), "optim": optim.state_dict(), "ft": ft.state_dict(),
+            toyjob.save(path,
+                        {"model": model.state_dict(), "optim": optim.state_dict(), "ft": ft.state_dict(),
                                "step": i + 1})
         dist.barrier()
 print(f"rank {rank}: done, timeouts {ft.hb_timeouts}", flush=True)

@@ -17,7 +17,8 @@ for _ in range(int(sys.argv[1])):
     optim.step()
     other.step()  # a second optimizer: its steps are not counted again
     time.sleep(0.02)
-print(json.dumps({"argv": sys.argv, "file": __file__, "name": __name__, "path0": sys.path[0], "cwd": os.getcwd()}),
+print(json.dumps({"argv": sys.argv, "file": __file__, "name": __name__, "path0": sys.path[0],
+                  "cwd": os.getcwd()}),
       flush=True)
 try:
     time.sleep(float(sys.argv[2]))

@@ -19,8 +19,10 @@ seconds = datetime.timedelta
                    barrier_timeout=seconds(seconds=60), completion_timeout=seconds(seconds=60))
 def train(steps: int, pause: float, call_wrapper: Optional[inprocess.CallWrapper] = None) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 2 + call_wrapper.iteration,
-                          world, is_master=rank == 0, multi_tenant=True, wait_for_workers=False, use_libuv=True)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"],
+                          int(os.environ["MASTER_PORT"]) + 2 + call_wrapper.iteration,
+                          world, is_master=rank == 0, multi_tenant=True, wait_for_workers=False,
+                          use_libuv=True)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=seconds(seconds=3))
     torch.manual_seed(7)
     model = torch.nn.Linear(6, 6)

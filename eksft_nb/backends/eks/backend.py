@@ -35,7 +35,8 @@ from .pods import PodState, parse_time, pod_state
 from .render import INPOD, Manifests, render
 from .stream import EksEvents, workload_outcome
 
-CONFIGMAP, SERVICE, POD, PVC = (names.KINDS[k] for k in ("ConfigMap", "Service", "Pod", "PersistentVolumeClaim"))
+CONFIGMAP, SERVICE, POD, PVC = (names.KINDS[k] for k in ("ConfigMap", "Service", "Pod",
+                                                         "PersistentVolumeClaim"))
 PODMONITOR, NETPOL = names.KINDS["PodMonitor"], names.KINDS["NetworkPolicy"]
 
 
@@ -60,7 +61,8 @@ class EksBackend(Backend):
         self.timeout = request_timeout
         self._api_client = api_client
         self._clusters: dict[tuple[str | None, str | None], Cluster] = {}
-        self._where: dict[str, tuple[str | None, str | None]] = {}   # jobs launched here: (context, namespace)
+        # jobs launched here: (context, namespace)
+        self._where: dict[str, tuple[str | None, str | None]] = {}
 
     def _cluster(self, context: str | None = None, namespace: str | None = None) -> Cluster:
         key = (context or self.context, namespace or self.namespace)
@@ -133,17 +135,21 @@ class EksBackend(Backend):
                       key=lambda p: (p.node is None, p.node or 0))
         stuck = next((p for p in pods if p.stuck), None)
         if stuck:
-            return JobSummary(name, self.name, JobState.FAILED, f"{stuck.label}: {stuck.reason} (stop the job, fix it and "
+            return JobSummary(name, self.name, JobState.FAILED,
+                              f"{stuck.label}: {stuck.reason} (stop the job, fix it and "
                               "launch again)")
         waiting = sorted((p for p in pods if p.phase == "pending" and not p.deleting),
-                         key=lambda p: p.reason in ("", "ContainerCreating", "PodInitializing"))   # telling ones first
+                         # telling ones first
+                         key=lambda p: p.reason in ("", "ContainerCreating", "PodInitializing"))
         if not pods or waiting or len(pods) < spec.nnodes:
             detail = (f"{waiting[0].label}: {self._pending_reason(cluster, waiting[0])}" if waiting
                       else f"{len(pods)} of {spec.nnodes} pods created")
             # Kueue unsuspends only what it admitted
-            return JobSummary(name, self.name, JobState.STARTING, f"admitted; {detail}" if spec.eks.queue else detail)
+            return JobSummary(name, self.name, JobState.STARTING,
+                              f"admitted; {detail}" if spec.eks.queue else detail)
         failed = next((p for p in pods if p.failed), None)
-        return JobSummary(name, self.name, JobState.RUNNING, f"recovering: {failed.label}: {failed.reason}" if failed else "")
+        return JobSummary(name, self.name, JobState.RUNNING,
+                          f"recovering: {failed.label}: {failed.reason}" if failed else "")
 
     def _queue_state(self, cluster: Cluster, spec: JobSpec, obj: dict[str, Any]) -> str:
         """What Kueue says of a suspended workload: "queued: ..." until its Workload is admitted (one call:
@@ -151,16 +157,19 @@ class EksBackend(Backend):
         queue = spec.eks.queue
         for version in names.WORKLOAD_VERSIONS:   # the newest this cluster's Kueue serves
             try:
-                found = cluster.request("GET", version.path(cluster.namespace), "list Kueue's workloads").get("items", [])
+                found = cluster.request("GET", version.path(cluster.namespace),
+                                        "list Kueue's workloads").get("items", [])
                 break
             except ApiError as e:
                 if e.status != 404:
                     raise
         else:
-            return (f"queued: suspended for queue {queue}, but this cluster has no Kueue (no Workload API) to admit "
+            return (f"queued: suspended for queue {queue}, but this cluster has no Kueue (no Workload "
+                    "API) to admit "
                     "it: install Kueue, or stop the job and launch it without --queue")
         uid = obj["metadata"].get("uid")
-        mine = [w for w in found if any(r.get("uid") == uid for r in w["metadata"].get("ownerReferences") or [])]
+        mine = [w for w in found
+                if any(r.get("uid") == uid for r in w["metadata"].get("ownerReferences") or [])]
         if not mine:
             return f"queued: waiting for quota in {queue} (Kueue has not taken the workload yet)"
         conditions = {c.get("type"): c for c in (mine[0].get("status") or {}).get("conditions") or []}
@@ -173,10 +182,12 @@ class EksBackend(Backend):
         return f"queued: waiting for quota in {queue}" + (f" ({why})" if why else "")
 
     def _pending_reason(self, cluster: Cluster, pod: PodState) -> str:
-        """Why a pod waits: its status, or else the newest warning about it (e.g. a volume that cannot mount)."""
+        """Why a pod waits: its status, or else the newest warning about it (e.g. a volume that cannot
+        mount)."""
         if pod.reason not in ("", "ContainerCreating", "PodInitializing"):
             return pod.reason
-        events = cluster.request("GET", f"/api/v1/namespaces/{cluster.namespace}/events", f"list the events of {pod.name}",
+        events = cluster.request("GET", f"/api/v1/namespaces/{cluster.namespace}/events",
+                                 f"list the events of {pod.name}",
                                  query={"fieldSelector": f"involvedObject.name={pod.name}"}).get("items", [])
         warnings = [e for e in events if e.get("type") == "Warning"]
         if warnings:
@@ -186,7 +197,8 @@ class EksBackend(Backend):
 
     def events(self, name: str) -> EksEvents:
         cluster, spec, record = self._job(name)
-        return EksEvents(cluster, spec, parse_time(record["metadata"].get("creationTimestamp")) or time.time())
+        return EksEvents(cluster, spec,
+                         parse_time(record["metadata"].get("creationTimestamp")) or time.time())
 
     def checkpoints(self, name: str) -> list[CheckpointInfo]:
         """The job's checkpoints, with their paths as the pods see them (what ``resume`` needs)."""
@@ -203,25 +215,31 @@ class EksBackend(Backend):
         if code != 0:
             raise JobError(f"listing checkpoints in pod {pod} failed: {out.strip()[-300:]}",
                            "check that the image has the same eksft-nb version")
-        return [CheckpointInfo(d["step"], Path(d["path"]), d["state"], d["bytes"], d["time"], d["world_size"], d["reason"])
+        return [CheckpointInfo(d["step"], Path(d["path"]), d["state"], d["bytes"], d["time"], d["world_size"],
+                               d["reason"])
                 for d in json.loads(out.strip().splitlines()[-1])]
 
     def logs(self, name: str, lines: int = 200, debug: bool = False) -> str:
         cluster, spec, _ = self._job(name)
         out = []
-        pods = sorted(cluster.list(POD, names.selector(name)), key=lambda p: p["metadata"].get("creationTimestamp") or "")
+        pods = sorted(cluster.list(POD, names.selector(name)),
+                      key=lambda p: p["metadata"].get("creationTimestamp") or "")
         for pod in pods:
             state = pod_state(pod, names.container(spec))
             try:
-                text = cluster.core.read_namespaced_pod_log(state.name, cluster.namespace, container=names.container(spec),
-                                                            tail_lines=lines, _request_timeout=cluster.timeout)
+                text = cluster.core.read_namespaced_pod_log(state.name, cluster.namespace,
+                                                            container=names.container(spec),
+                                                            tail_lines=lines,
+                                                            _request_timeout=cluster.timeout)
             except ApiException as e:
                 if e.status == 400:  # not started yet
                     continue
                 raise explain(e, f"read the log of pod {state.name}", cluster) from None
             tag = f"[node {state.node}] " if state.node is not None else f"[{state.name}] "
             text_lines = text.splitlines()
-            out += [tag + line for line in (text_lines if debug else readable([x for x in text_lines if LOG_PREFIX not in x]))]
+            out += [tag + line
+                    for line in (text_lines if debug
+                                 else readable([x for x in text_lines if LOG_PREFIX not in x]))]
         return bounded("\n".join(out[-lines:]))
 
     # ---- control ----------------------------------------------------------------------------------------
@@ -264,8 +282,10 @@ class EksBackend(Backend):
             raise JobError(f"job {name} has no live pod for node {node}",
                            f"pick a node between 0 and {spec.nnodes - 1} whose pod runs")
         note = {"fault": "node-loss", "id": uuid.uuid4().hex[:12], "node": node}
-        cluster.create({"apiVersion": "v1", "kind": "ConfigMap", "data": {names.FAULT_ANNOTATION: json.dumps(note)},
-                        "metadata": {"name": names.fault_note(name, target.uid), "namespace": cluster.namespace,
+        cluster.create({"apiVersion": "v1", "kind": "ConfigMap",
+                        "data": {names.FAULT_ANNOTATION: json.dumps(note)},
+                        "metadata": {"name": names.fault_note(name, target.uid),
+                                     "namespace": cluster.namespace,
                                      "labels": {names.MANAGED_BY: names.MANAGER, names.FAULT_OF: name}}})
         cluster.delete(POD, target.name, propagation="Background", grace=0)
         return target.name
@@ -283,7 +303,8 @@ class EksBackend(Backend):
         if left:   # the NetworkPolicy stays while they do (`remove` deletes it)
             raise JobError(f"{len(left)} pod(s) of job {name} still exist after {timeout:g}s "
                            f"({', '.join(p['metadata']['name'] for p in left)})",
-                           "their node may be unreachable: check `kubectl get pods -l eksft.io/job=NAME -o wide`")
+                           "their node may be unreachable: check `kubectl get pods -l "
+                           "eksft.io/job=NAME -o wide`")
         cluster.delete(NETPOL, name)   # its pods are gone: nothing is left for it to guard
 
     def remove(self, name: str) -> None:
@@ -300,10 +321,12 @@ class EksBackend(Backend):
 
     def _running_pods(self, cluster: Cluster, spec: JobSpec, purpose: str) -> list[str]:
         pods = [pod_state(p, names.container(spec)) for p in cluster.list(POD, names.selector(spec.name))]
-        running = [p.name for p in sorted(pods, key=lambda p: p.node or 0) if p.phase == "running" and not p.deleting]
+        running = [p.name for p in sorted(pods, key=lambda p: p.node or 0) if p.phase == "running"
+                   and not p.deleting]
         if not running:
             raise JobError(f"job {spec.name} has no running pod to {purpose}",
-                           "retry once it runs" + (", or set EKSFT_CHECKPOINTS_MOUNT to where the FSx volume is "
+                           "retry once it runs"
+                           + (", or set EKSFT_CHECKPOINTS_MOUNT to where the FSx volume is "
                                                    "mounted here" if "checkpoints" in purpose else ""))
         return running
 
@@ -314,18 +337,22 @@ def _check_claim(cluster: Cluster, spec: JobSpec) -> None:
     claim = cluster.get(PVC, pvc)
     if claim is None:
         raise JobError(f"the checkpoint volume claim {pvc!r} does not exist in namespace "
-                       f"{cluster.namespace}", "create it (FSx for Lustre, ReadWriteMany: see the README) or add "
+                       f"{cluster.namespace}",
+                       "create it (FSx for Lustre, ReadWriteMany: see the README) or add "
                        "--create-pvc with --fsx-subnet and --fsx-security-groups")
     modes = (claim.get("spec") or {}).get("accessModes") or []
     if "ReadWriteMany" not in modes:
-        raise JobError(f"the checkpoint volume claim {pvc!r} is {', '.join(map(str, modes)) or 'without access modes'}, "
+        raise JobError(f"the checkpoint volume claim {pvc!r} is "
+                       f"{', '.join(map(str, modes)) or 'without access modes'}, "
                        "not ReadWriteMany: the pods of other nodes could not mount it",
-                       "use an FSx for Lustre claim with accessModes [ReadWriteMany] (see the README), or --create-pvc")
+                       "use an FSx for Lustre claim with accessModes [ReadWriteMany] (see the README), or "
+                       "--create-pvc")
 
 
 def _suspended(obj: dict[str, Any]) -> bool:
     spec = obj.get("spec") or {}
-    return bool((spec.get("runPolicy") or {}).get("suspend") if obj.get("kind") == "PyTorchJob" else spec.get("suspend"))
+    return bool((spec.get("runPolicy") or {}).get("suspend") if obj.get("kind") == "PyTorchJob"
+                else spec.get("suspend"))
 
 
 def submit(cluster: Cluster, objects: list[dict[str, Any]]) -> None:
@@ -340,7 +367,8 @@ def submit(cluster: Cluster, objects: list[dict[str, Any]]) -> None:
                 created.append(obj)
             except ApiError as e:
                 if e.status == 404 and obj["kind"] == PODMONITOR.kind:
-                    continue   # no Prometheus operator on this cluster: the pods serve metrics, nothing scrapes them
+                    # no Prometheus operator on this cluster: the pods serve metrics, nothing scrapes them
+                    continue
                 if e.status != 409:
                     raise
                 _check_existing(cluster, obj)
@@ -365,7 +393,8 @@ def _check_existing(cluster: Cluster, obj: dict[str, Any]) -> None:
     meta = existing.get("metadata") or {}
     job = (meta.get("labels") or {}).get(names.JOB_LABEL)
     if job != name:
-        raise ApiError(f"a {obj['kind']} named {name!r} already exists in namespace {cluster.namespace} and is not "
+        raise ApiError(f"a {obj['kind']} named {name!r} already exists in namespace "
+                       f"{cluster.namespace} and is not "
                        "an eksft job", "choose another --name", 409)
     if (meta.get("annotations") or {}).get(names.DIGEST) != obj["metadata"]["annotations"][names.DIGEST]:
         raise ApiError(f"job {name!r} already exists in namespace {cluster.namespace} with a different spec",

@@ -38,11 +38,13 @@ def check(spec: JobSpec) -> JobSpec:
     longest = names.longest_host(spec)
     if len(longest) > 63:
         room = 63 - (len(longest) - len(spec.name))
-        raise SpecError(f"job name {spec.name!r} is too long for --kind {e.kind} with {spec.nnodes} nodes: the pod "
+        raise SpecError(f"job name {spec.name!r} is too long for --kind {e.kind} with {spec.nnodes} "
+                        "nodes: the pod "
                         f"host name {longest!r} would exceed 63 characters",
                         f"use a --name of at most {room} characters")
     if spec.spare_nodes and e.kind == "pytorchjob":
-        raise SpecError("--spare-nodes needs pods that wait in ft_launcher's rendezvous; the PyTorchJob operator "
+        raise SpecError("--spare-nodes needs pods that wait in ft_launcher's rendezvous; the "
+                        "PyTorchJob operator "
                         "sizes the world itself", "use --kind job (or jobset) for hot spares")
     _check_devices(spec)
     _check_sizes(spec)
@@ -50,8 +52,10 @@ def check(spec: JobSpec) -> JobSpec:
         raise SpecError(f"rendezvous port {e.port} is out of range (it and the next two ports are used)",
                         "use --rdzv-port between 1024 and 65533, e.g. 29500")
     if spec.checkpoint.dir and not _under(spec.checkpoint.dir, names.CKPT_MOUNT):
-        raise SpecError(f"checkpoint folder {spec.checkpoint.dir} is not on the shared volume, so a pod that is "
-                        "replaced loses it", f"use a folder under {names.CKPT_MOUNT}, or leave --ckpt-dir unset")
+        raise SpecError(f"checkpoint folder {spec.checkpoint.dir} is not on the shared volume, so a "
+                        "pod that is "
+                        "replaced loses it",
+                        f"use a folder under {names.CKPT_MOUNT}, or leave --ckpt-dir unset")
     if spec.resume not in ("latest", "none") and not spec.resume.startswith("step:") \
             and not _under(spec.resume, names.CKPT_MOUNT):
         raise SpecError(f"resume checkpoint {spec.resume} is not on the shared volume the pods mount",
@@ -61,8 +65,10 @@ def check(spec: JobSpec) -> JobSpec:
         if not script.is_file():
             raise SpecError(f"training script {spec.script} does not exist", "check the --script path")
         if script.stat().st_size > CONFIGMAP_LIMIT // 2:
-            raise SpecError(f"training script {spec.script} is larger than {CONFIGMAP_LIMIT // 2 >> 10} KiB, too "
-                            "large for the job's ConfigMap", "bake it into the image and pass its path in the image")
+            raise SpecError(f"training script {spec.script} is larger than "
+                            f"{CONFIGMAP_LIMIT // 2 >> 10} KiB, too "
+                            "large for the job's ConfigMap",
+                            "bake it into the image and pass its path in the image")
     oldest, latest = (_minor(v) for v in (all_versions()[0], kubernetes_validate.latest_version()))
     if not re.fullmatch(r"1\.\d+", e.k8s_version) or not oldest <= _minor(e.k8s_version) <= latest:
         raise SpecError(f"cannot validate for Kubernetes {e.k8s_version!r}",
@@ -83,10 +89,13 @@ def _check_devices(spec: JobSpec) -> None:
         raise SpecError(f"{efa} EFA devices per node: {where} has at most {max_efa}",
                         f"use --efa-per-node {max_efa} or fewer")
     if gpus and spec.nproc_per_node > gpus:
-        raise SpecError(f"{spec.nproc_per_node} ranks per node but only {gpus} GPUs per pod (one GPU per rank)",
-                        f"use --nproc-per-node {gpus}, or --gpus-per-node {min(spec.nproc_per_node, max_gpus)}")
+        raise SpecError(f"{spec.nproc_per_node} ranks per node but only {gpus} GPUs per pod (one "
+                        "GPU per rank)",
+                        f"use --nproc-per-node {gpus}, or --gpus-per-node "
+                        f"{min(spec.nproc_per_node, max_gpus)}")
     if gpus and spec.device == "cpu":
-        raise SpecError("--device cpu with GPU pods wastes the GPUs", "use --device auto, or --gpus-per-node 0")
+        raise SpecError("--device cpu with GPU pods wastes the GPUs",
+                        "use --device auto, or --gpus-per-node 0")
     if not gpus and spec.device == "cuda":
         raise SpecError("--device cuda needs GPUs in the pods", f"add --gpus-per-node {spec.nproc_per_node}")
     if efa and not gpus:
@@ -98,35 +107,45 @@ def _check_sizes(spec: JobSpec) -> None:
     e = spec.eks
     quantity(shm_size(spec), "--shm-size")   # a readable --shm-size
     if e.cpu is not None and quantity(e.cpu, "--cpu") < spec.nproc_per_node * spec.threads_per_rank * 0.5:
-        raise SpecError(f"--cpu {e.cpu} is too little for {spec.nproc_per_node} ranks of {spec.threads_per_rank} "
+        raise SpecError(f"--cpu {e.cpu} is too little for {spec.nproc_per_node} ranks of "
+                        f"{spec.threads_per_rank} "
                         "thread(s)", f"use --cpu {spec.nproc_per_node * spec.threads_per_rank} or more")
     floor = rank_floor(spec)
     if e.memory is not None and quantity(e.memory, "--memory") < min_memory(spec):
-        raise SpecError(f"--memory {e.memory} does not cover the {shm_size(spec)} memory-backed /dev/shm (it counts "
-                        f"against the pod's memory) plus {gib(floor)} for each of the {spec.nproc_per_node} ranks",
+        raise SpecError(f"--memory {e.memory} does not cover the {shm_size(spec)} memory-backed "
+                        "/dev/shm (it counts "
+                        f"against the pod's memory) plus {gib(floor)} for each of the "
+                        f"{spec.nproc_per_node} ranks",
                         f"use --memory {gib(min_memory(spec))} or more, or a smaller --shm-size")
     known = lookup(e.instance_type)
     if known and e.memory is not None and quantity(e.memory, "--memory") > known.memory_gib * GiB:
-        raise SpecError(f"--memory {e.memory} is more than a {e.instance_type} has ({known.memory_gib}Gi): the pods "
+        raise SpecError(f"--memory {e.memory} is more than a {e.instance_type} has "
+                        f"({known.memory_gib}Gi): the pods "
                         "would never be scheduled", f"use --memory {known.memory_request_gib}Gi or less")
     if known and e.memory is None and min_memory(spec) > known.memory_request_gib * GiB:
-        raise SpecError(f"a {e.instance_type} pod cannot hold the {shm_size(spec)} /dev/shm plus {gib(floor)} for each "
+        raise SpecError(f"a {e.instance_type} pod cannot hold the {shm_size(spec)} /dev/shm plus "
+                        f"{gib(floor)} for each "
                         f"of the {spec.nproc_per_node} ranks within {known.memory_request_gib}Gi",
                         "use a smaller --shm-size or more --nnodes")
     if known and e.cpu is not None and quantity(e.cpu, "--cpu") > known.vcpus:
-        raise SpecError(f"--cpu {e.cpu} is more than a {e.instance_type} has ({known.vcpus} vCPUs): the pods would "
+        raise SpecError(f"--cpu {e.cpu} is more than a {e.instance_type} has ({known.vcpus} vCPUs): "
+                        "the pods would "
                         "never be scheduled", f"use --cpu {known.cpu_request} or less")
     if e.create_pvc:
         size = quantity(e.storage_size, "--storage-size")
         if size != 1200 * GiB and (size < 2400 * GiB or size % (2400 * GiB)):
-            raise SpecError(f"FSx for Lustre cannot be {e.storage_size}: it comes in 1200Gi or multiples of 2400Gi",
+            raise SpecError(f"FSx for Lustre cannot be {e.storage_size}: it comes in 1200Gi or "
+                            "multiples of 2400Gi",
                             "use --storage-size 1200Gi, 2400Gi, 4800Gi, ...")
         if not e.fsx_subnet or not e.fsx_security_groups:
-            raise SpecError("--create-pvc provisions a new FSx file system, which needs a subnet and security groups",
-                            "add --fsx-subnet subnet-... (the GPU nodes' subnet) and --fsx-security-groups sg-..."
+            raise SpecError("--create-pvc provisions a new FSx file system, which needs a subnet and "
+                            "security groups",
+                            "add --fsx-subnet subnet-... (the GPU nodes' subnet) and "
+                            "--fsx-security-groups sg-..."
                             " (allowing TCP 988 from the nodes)")
         if not _DNS1123_SUBDOMAIN.match(e.storage_class):
-            raise SpecError(f"StorageClass name {e.storage_class!r} is invalid", "use e.g. --storage-class fsx-sc")
+            raise SpecError(f"StorageClass name {e.storage_class!r} is invalid",
+                            "use e.g. --storage-class fsx-sc")
 
 
 def _minor(version: str) -> int:

@@ -43,7 +43,8 @@ class Cluster:
     timeout: float = 30.0   # seconds for one API call
 
     @classmethod
-    def connect(cls, context: str | None = None, namespace: str | None = None, timeout: float = 30.0) -> Cluster:
+    def connect(cls, context: str | None = None, namespace: str | None = None,
+                timeout: float = 30.0) -> Cluster:
         cfg = client.Configuration()
         if context or kubeconfig_files():
             default_ns = _load_kubeconfig(context, cfg)
@@ -52,11 +53,15 @@ class Cluster:
                 config.load_incluster_config(client_configuration=cfg)
             except config.ConfigException as e:
                 raise JobError(f"cannot use this pod's service account: {e}",
-                               "mount its token (automountServiceAccountToken), or use a kubeconfig") from None
-            default_ns = IN_CLUSTER_NAMESPACE.read_text().strip() if IN_CLUSTER_NAMESPACE.exists() else "default"
+                               "mount its token (automountServiceAccountToken), or use a "
+                               "kubeconfig") from None
+            default_ns = (IN_CLUSTER_NAMESPACE.read_text().strip() if IN_CLUSTER_NAMESPACE.exists()
+                          else "default")
         else:
-            raise JobError("no Kubernetes configuration: no kubeconfig ($KUBECONFIG or ~/.kube/config) and not in a pod",
-                           "run `aws eks update-kubeconfig --name CLUSTER --region REGION` (or pass --context)")
+            raise JobError("no Kubernetes configuration: no kubeconfig ($KUBECONFIG or ~/.kube/config) and "
+                           "not in a pod",
+                           "run `aws eks update-kubeconfig --name CLUSTER --region REGION` (or "
+                           "pass --context)")
         cfg.retries = False  # one attempt per call: failures surface at once, with their cause
         return cls(client.ApiClient(cfg), namespace or default_ns, timeout)
 
@@ -69,7 +74,8 @@ class Cluster:
         return client.CoreV1Api(self.api)
 
     # ---- objects as dicts ------------------------------------------------------------------------
-    def request(self, method: str, path: str, what: str, body: Any = None, query: dict[str, Any] | None = None,
+    def request(self, method: str, path: str, what: str, body: Any = None,
+                query: dict[str, Any] | None = None,
                 content_type: str = "application/json") -> Any:
         """One API call; raises :class:`ApiError` explaining what went wrong with ``what``."""
         headers = {"Accept": "application/json", "Content-Type": content_type}
@@ -86,7 +92,8 @@ class Cluster:
 
     def create(self, obj: dict[str, Any]) -> dict[str, Any]:
         kind, meta = KINDS[obj["kind"]], obj["metadata"]
-        return self.request("POST", kind.path(meta.get("namespace", self.namespace)), f"create {_describe(obj)}", obj)
+        return self.request("POST", kind.path(meta.get("namespace", self.namespace)),
+                            f"create {_describe(obj)}", obj)
 
     def get(self, kind: Kind, name: str) -> dict[str, Any] | None:
         """The object, or None when it does not exist."""
@@ -105,7 +112,8 @@ class Cluster:
         return self.request("PATCH", kind.path(self.namespace, name), f"update {kind.kind} {name}", patch,
                             content_type="application/merge-patch+json")
 
-    def delete(self, kind: Kind, name: str, propagation: str = "Foreground", grace: int | None = None) -> bool:
+    def delete(self, kind: Kind, name: str, propagation: str = "Foreground",
+               grace: int | None = None) -> bool:
         """Delete; False when it was already gone."""
         body: dict[str, Any] = {"propagationPolicy": propagation}
         if grace is not None:
@@ -122,7 +130,8 @@ class Cluster:
     def exec(self, pod: str, container: str, argv: list[str]) -> tuple[int, str]:
         """Run ``argv`` in a pod's container (like ``kubectl exec``); returns (exit code, stdout+stderr)."""
         try:
-            ws = ws_stream(self.core.connect_get_namespaced_pod_exec, pod, self.namespace, container=container,
+            ws = ws_stream(self.core.connect_get_namespaced_pod_exec, pod, self.namespace,
+                           container=container,
                            command=argv, stdout=True, stderr=True, stdin=False, tty=False,
                            _preload_content=False, _request_timeout=self.timeout)
             ws.run_forever(timeout=self.timeout)
@@ -164,19 +173,24 @@ def explain(e: ApiException, what: str, cluster: Cluster) -> ApiError:
         kind = what.split()[1]
         if (status.get("details") or {}).get("kind") == "namespaces" or "namespaces" in message:
             problem, fix = (f"cannot {what}: namespace {cluster.namespace!r} does not exist",
-                            f"create it (`kubectl create namespace {cluster.namespace}`) or use another --namespace")
+                            f"create it (`kubectl create namespace {cluster.namespace}`) or use "
+                            "another --namespace")
         elif kind in CRD_INSTALL:
-            problem, fix = (f"cannot {what}: the {kind} API is not installed on this cluster (404)", CRD_INSTALL[kind])
+            problem, fix = (f"cannot {what}: the {kind} API is not installed on this cluster (404)",
+                            CRD_INSTALL[kind])
         else:
             problem, fix = (f"cannot {what}: not found (404: {message})", "check --namespace and --context")
     elif code == 409:
-        problem, fix = (f"cannot {what}: it already exists (409)", "choose another --name, or stop and remove that job")
+        problem, fix = (f"cannot {what}: it already exists (409)",
+                        "choose another --name, or stop and remove that job")
     elif code == 422:
         problem, fix = (f"cannot {what}: the API server rejected it (422: {message})",
-                        "fix the option behind the field it names (see --help); if none does, please report it")
+                        "fix the option behind the field it names (see --help); if none does, "
+                        "please report it")
     elif code == 429 or (code and code >= 500):
         problem, fix = (f"cannot {what}: the API server failed ({code}: {message or 'no detail'})",
-                        "this is on the cluster's side: retry in a minute; if it persists, check the control plane")
+                        "this is on the cluster's side: retry in a minute; if it persists, check the "
+                        "control plane")
     else:
         problem, fix = (f"cannot {what}: {code} {message}", "check --namespace and --context")
     return ApiError(problem, fix, code)
@@ -187,10 +201,12 @@ def unreachable(e: BaseException, cluster: Cluster) -> ApiError:
     cause = cause or e
     if isinstance(cause, urllib3.exceptions.NewConnectionError) or isinstance(cause, ConnectionRefusedError):
         return ApiError(f"cannot connect to the Kubernetes API at {cluster.server} ({_root(cause)})",
-                        "check the cluster endpoint and your network (VPN, private endpoint): `kubectl cluster-info`")
+                        "check the cluster endpoint and your network (VPN, private endpoint): `kubectl "
+                        "cluster-info`")
     if isinstance(cause, (urllib3.exceptions.TimeoutError, TimeoutError)):
         return ApiError(f"the Kubernetes API at {cluster.server} did not answer within {cluster.timeout:g}s",
-                        "the control plane may be overloaded or the network slow: retry, or check `kubectl get --raw /readyz`")
+                        "the control plane may be overloaded or the network slow: retry, or check `kubectl "
+                        "get --raw /readyz`")
     return ApiError(f"lost the connection to the Kubernetes API at {cluster.server} ({_root(cause)})",
                     "retry; if it persists check your network and `kubectl cluster-info`")
 
@@ -218,7 +234,8 @@ def _load_kubeconfig(context: str | None, cfg: client.Configuration) -> str:
     available = {c["name"]: c for c in contexts}
     chosen = available.get(context) if context else current
     if chosen is None:
-        raise JobError(f"kubeconfig {where} has no context {context!r}" if context else f"kubeconfig {where} has no current context",
+        raise JobError(f"kubeconfig {where} has no context {context!r}" if context else f"kubeconfig {where} "
+                       "has no current context",
                        f"use --context with one of: {', '.join(available) or '(none)'}")
     try:
         config.load_kube_config(config_file=where, context=chosen["name"], client_configuration=cfg,

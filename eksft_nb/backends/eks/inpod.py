@@ -53,7 +53,8 @@ def prepare() -> int:
               "aws-ofi-nccl (see the README), or --efa-per-node 0", file=sys.stderr)
         return CONFIG_ERROR
     if jd.spec_path.exists() and JobSpec.from_json(jd.spec_path.read_text()).digest() != spec.digest():
-        print(f"eksft: error: {jd.path} holds a different job named {spec.name}: remove that folder from the volume, "
+        print(f"eksft: error: {jd.path} holds a different job named {spec.name}: remove that folder from "
+              "the volume, "
               "or launch with another --name", file=sys.stderr)
         return CONFIG_ERROR
     for folder in (jd.path, jd.logs, jd.pending, jd.fired, jd.progress, jd.ckpt_dir(spec)):
@@ -64,7 +65,8 @@ def prepare() -> int:
     try:
         scheduled = json.loads(faults.read_text()) if faults.exists() else []
         if not isinstance(scheduled, list):
-            raise ControlError(f"{faults} is not a list of fault commands", "launch the job again with eksft-nb")
+            raise ControlError(f"{faults} is not a list of fault commands",
+                               "launch the job again with eksft-nb")
         commands = [FaultCommand.from_dict(data).validate(spec.world_size, spec.nnodes) for data in scheduled]
     except (ValueError, ControlError) as e:
         print(f"eksft: error: the scheduled faults cannot be queued: {e}", file=sys.stderr)
@@ -113,7 +115,8 @@ def send_signal(rank: int, signame: str) -> int:
         return NOT_HERE
     name = signame.upper() if signame.upper().startswith("SIG") else f"SIG{signame.upper()}"
     if name not in signal.Signals.__members__:
-        print(f"eksft: error: unknown signal {signame!r}: use e.g. SIGKILL, SIGTERM or SIGUSR1", file=sys.stderr)
+        print(f"eksft: error: unknown signal {signame!r}: use e.g. SIGKILL, SIGTERM or SIGUSR1",
+              file=sys.stderr)
         return 2
     os.kill(pid, signal.Signals[name])
     print(f"sent {name} to rank {rank} (pid {pid})")
@@ -150,7 +153,8 @@ def launch(argv: list[str]) -> int:
     try:
         os.execvp(argv[0], [*argv[:at], *warm_worker(sys.executable), *argv[at:]])
     except OSError as e:   # the zygote dies with this process
-        print(f"eksft: error: cannot run {argv[0]} ({e.strerror}): the image needs it on PATH", file=sys.stderr)
+        print(f"eksft: error: cannot run {argv[0]} ({e.strerror}): the image needs it on PATH",
+              file=sys.stderr)
     return CONFIG_ERROR
 
 
@@ -170,7 +174,8 @@ def main(argv: list[str]) -> int:
                 "signal": (2, lambda: send_signal(int(argv[1]), argv[2]))}
     if not argv or argv[0] not in commands or len(argv) != 1 + commands[argv[0]][0] or \
             (argv[0] == "signal" and not argv[1].isdigit()):
-        print("usage: python -m eksft_nb.backends.eks.inpod {prepare | inject JSON | ckpts | signal RANK SIGNAL | "
+        print("usage: python -m eksft_nb.backends.eks.inpod {prepare | inject JSON | ckpts | signal "
+              "RANK SIGNAL | "
               "launch ft_launcher ARGS...}",
               file=sys.stderr)
         return 2

@@ -96,7 +96,8 @@ def pod_sets(workload: dict[str, Any]) -> list[tuple[int, dict[str, Any]]]:
     if workload["kind"] == "Job":
         return [(spec.get("parallelism", 1), spec["template"])]
     if workload["kind"] == "JobSet":
-        return [(r.get("replicas", 1) * r["template"]["spec"].get("parallelism", 1), r["template"]["spec"]["template"])
+        return [(r.get("replicas", 1) * r["template"]["spec"].get("parallelism", 1),
+                 r["template"]["spec"]["template"])
                 for r in spec["replicatedJobs"]]
     return [(r.get("replicas", 1), r["template"]) for r in spec["pytorchReplicaSpecs"].values()]
 
@@ -147,7 +148,8 @@ def objects(spec: JobSpec, workload: dict[str, Any]) -> list[dict[str, Any]]:
         per_pod = _max(per_pod, pod_requests(pod))
     selected = {(pod.get("nodeSelector") or {}).get(INSTANCE_LABEL) for pod in templates}
     if len(selected) != 1:
-        raise SpecError("the pods of the workload select different instance types", "please report it: a bug in eksft-nb")
+        raise SpecError("the pods of the workload select different instance types",
+                        "please report it: a bug in eksft-nb")
     chosen = selected.pop()
     if chosen:   # Kueue admits a flavor whose node labels agree with the pods' own selector
         types: list[str | None] = [chosen]
@@ -166,14 +168,19 @@ def objects(spec: JobSpec, workload: dict[str, Any]) -> list[dict[str, Any]]:
     if e.priority:   # the priority class promises it: a higher-priority job evicts lower ones
         queue_spec["preemption"] = {"withinClusterQueue": "LowerPriority"}
     queue_spec["resourceGroups"] = [{"coveredResources": covered, "flavors": [
-        {"name": _flavor_name(t), "resources": [{"name": r, "nominalQuota": amount(r, need.get(r, Fraction(0)))}
+        {"name": _flavor_name(t),
+         "resources": [{"name": r, "nominalQuota": amount(r, need.get(r, Fraction(0)))}
                                                 for r in covered]} for t in types]}]
     out = [*flavors,
-           {"apiVersion": API, "kind": "ClusterQueue", "metadata": {"name": e.queue, "labels": labels}, "spec": queue_spec},
-           {"apiVersion": API, "kind": "LocalQueue", "metadata": {"name": e.queue, "namespace": e.namespace, "labels": labels},
+           {"apiVersion": API, "kind": "ClusterQueue", "metadata": {"name": e.queue, "labels": labels},
+            "spec": queue_spec},
+           {"apiVersion": API, "kind": "LocalQueue",
+            "metadata": {"name": e.queue, "namespace": e.namespace, "labels": labels},
             "spec": {"clusterQueue": e.queue}}]
     if e.priority:
-        out.append({"apiVersion": API, "kind": "WorkloadPriorityClass", "metadata": {"name": e.priority, "labels": labels},
-                    "value": 1000, "description": "eksft-nb training jobs: admitted first, and may preempt lower "
+        out.append({"apiVersion": API, "kind": "WorkloadPriorityClass",
+                    "metadata": {"name": e.priority, "labels": labels},
+                    "value": 1000,
+                    "description": "eksft-nb training jobs: admitted first, and may preempt lower "
                                                   "priorities in their ClusterQueue"})
     return out

@@ -23,8 +23,8 @@ def network_policy(spec: JobSpec, metrics: bool) -> dict[str, Any]:
     pods = {"podSelector": {"matchLabels": {names.JOB_LABEL: spec.name}}}
     ingress: list[dict[str, Any]] = [{"from": [pods], "ports": [{"protocol": "TCP"}]}]
     if metrics:
-        ingress.append({"from": [{"namespaceSelector": {"matchLabels": {NAMESPACE_LABEL: spec.eks.prometheus_namespace}}}],
-                        "ports": [{"protocol": "TCP", "port": names.METRICS_PORT}]})
+        prometheus = {"namespaceSelector": {"matchLabels": {NAMESPACE_LABEL: spec.eks.prometheus_namespace}}}
+        ingress.append({"from": [prometheus], "ports": [{"protocol": "TCP", "port": names.METRICS_PORT}]})
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
             "metadata": {"name": spec.name, "namespace": spec.eks.namespace, "labels": names.labels(spec),
                          "annotations": {names.DIGEST: spec.digest()}},

@@ -49,9 +49,11 @@ def pod_state(pod: dict[str, Any], container: str) -> PodState:
     disruption = next((c for c in status.get("conditions") or [] if c.get("type") == "DisruptionTarget"
                        and c.get("status") == "True"), None)
     if status.get("reason") == "Evicted":
-        return PodState(**base, phase="failed", failed=True, reason=f"evicted: {status.get('message', '')}".strip())
+        return PodState(**base, phase="failed", failed=True,
+                        reason=f"evicted: {status.get('message', '')}".strip())
     if disruption or status.get("reason") == "NodeLost":
-        why = f"{disruption.get('reason')}: {disruption.get('message', '')}" if disruption else "its node is unreachable"
+        why = (f"{disruption.get('reason')}: {disruption.get('message', '')}" if disruption
+               else "its node is unreachable")
         return PodState(**base, phase="failed", failed=True, reason=f"disrupted ({why.strip()})")
     for init in status.get("initContainerStatuses") or []:
         problem = _container_problem(init, "the prepare step")
@@ -68,7 +70,8 @@ def pod_state(pod: dict[str, Any], container: str) -> PodState:
         return PodState(**base, phase="succeeded", exit_code=0)
     scheduled = next((c for c in status.get("conditions") or [] if c.get("type") == "PodScheduled"), None)
     if scheduled and scheduled.get("status") == "False":
-        return PodState(**base, phase="pending", reason=f"not scheduled: {scheduled.get('message') or scheduled.get('reason')}")
+        return PodState(**base, phase="pending",
+                        reason=f"not scheduled: {scheduled.get('message') or scheduled.get('reason')}")
     waiting = (main.get("state") or {}).get("waiting") or {}
     return PodState(**base, phase="pending", reason=waiting.get("reason", ""))
 
@@ -78,7 +81,8 @@ def _container_problem(c: dict[str, Any], who: str) -> dict[str, Any] | None:
     waiting, terminated = state.get("waiting") or {}, state.get("terminated") or {}
     if waiting.get("reason") in IMAGE_ERRORS:
         return dict(phase="pending", stuck=waiting["reason"] in STUCK,
-                    reason=f"image {c.get('image', '')} cannot be pulled ({waiting['reason']}: {waiting.get('message', '')})")
+                    reason=f"image {c.get('image', '')} cannot be pulled ({waiting['reason']}: "
+                           f"{waiting.get('message', '')})")
     if waiting.get("reason") in CONFIG_ERRORS:
         return dict(phase="pending", stuck=True, reason=f"{waiting['reason']}: {waiting.get('message', '')}")
     if waiting.get("reason") == "CrashLoopBackOff":
@@ -117,7 +121,8 @@ def node_index(pod: dict[str, Any]) -> int | None:
     if value is not None and value.isdigit():
         return int(value)
     labels = meta.get("labels") or {}
-    kind, index = labels.get("training.kubeflow.org/replica-type"), labels.get("training.kubeflow.org/replica-index")
+    kind = labels.get("training.kubeflow.org/replica-type")
+    index = labels.get("training.kubeflow.org/replica-index")
     if kind and index and index.isdigit():
         return int(index) + (0 if kind.lower() == "master" else 1)
     return None

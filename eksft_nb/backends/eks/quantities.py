@@ -19,5 +19,6 @@ def parse(value: Any) -> Fraction | None:
     if not m:
         return None
     number, binary, decimal, exponent = m.groups()
-    scale = Fraction(BINARY[binary]) if binary else Fraction(10) ** (_DECIMAL[decimal] if decimal else int(exponent or 0))
+    scale = Fraction(BINARY[binary]) if binary else Fraction(10) ** (_DECIMAL[decimal] if decimal
+                                                                     else int(exponent or 0))
     return Fraction(number) * scale

@@ -37,14 +37,16 @@ from .network import network_policy
 CONTROL_RULES: list[tuple[str, str, list[str]]] = [
     ("", "configmaps", ["get", "list", "create", "delete"]),     # the job record; node-loss notes
     ("", "services", ["get", "create", "delete"]),               # the headless Service that names node 0
-    ("", "pods", ["list", "watch", "delete"]),                   # watch the job's pods; delete one to lose a node
+    # watch the job's pods; delete one to lose a node
+    ("", "pods", ["list", "watch", "delete"]),
     ("", "pods/log", ["get"]),                                   # stream the ranks' telemetry
     # exec (control commands, signals, checkpoint listing) is a WebSocket upgrade of a GET: older API
     # servers authorize it as `get`, newer ones (the WebSocket exec hardening) as `create`
     ("", "pods/exec", ["get", "create"]),
     ("", "events", ["list"]),                                    # explain pods stuck in Pending
     ("monitoring.coreos.com", "podmonitors", ["get", "create", "delete"]),   # Prometheus scrapes the pods
-    ("networking.k8s.io", "networkpolicies", ["get", "create", "delete"]),   # only the job's pods reach its ports
+    # only the job's pods reach its ports
+    ("networking.k8s.io", "networkpolicies", ["get", "create", "delete"]),
 ]
 # a queued job (--queue): what Kueue says of its Workload, read to tell "queued" from "admitted"
 QUEUE_RULES: list[tuple[str, str, list[str]]] = [("kueue.x-k8s.io", "workloads", ["list"])]
@@ -84,7 +86,8 @@ class _Dumper(yaml.SafeDumper):
         return True
 
 
-_Dumper.add_representer(str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None))
+_Dumper.add_representer(str, lambda d,
+                        s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None))
 
 
 def _dump(obj: dict[str, Any]) -> str:
@@ -126,7 +129,8 @@ def pod_view(spec: JobSpec) -> JobSpec:
 def script_key(spec: JobSpec) -> str:
     """The script's file name, as a ConfigMap key (and so its file name in the pods)."""
     key = re.sub(r"[^-._a-zA-Z0-9]", "_", Path(str(spec.script)).name)
-    return key if key not in (names.POD_SPEC, names.SUBMITTED_SPEC, names.FAULTS, names.JOB_UID) else f"script-{key}"
+    return key if key not in (names.POD_SPEC, names.SUBMITTED_SPEC, names.FAULTS,
+                              names.JOB_UID) else f"script-{key}"
 
 
 def _meta(spec: JobSpec, name: str) -> dict[str, Any]:
@@ -154,7 +158,8 @@ def new_job_uid() -> str:
 
 def config_map(spec: JobSpec, faults: list[FaultCommand], job_uid: str) -> dict[str, Any]:
     view = pod_view(spec)
-    data = {names.POD_SPEC: view.to_json(), names.FAULTS: json.dumps([json.loads(f.to_json()) for f in faults]),
+    data = {names.POD_SPEC: view.to_json(),
+            names.FAULTS: json.dumps([json.loads(f.to_json()) for f in faults]),
             names.JOB_UID: job_uid}
     if view != spec:  # the record keeps the submitted spec (the script's path, the timeouts left unset)
         data[names.SUBMITTED_SPEC] = spec.to_json()
@@ -170,7 +175,9 @@ def headless_service(spec: JobSpec) -> dict[str, Any]:
             "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
                      "selector": {names.JOB_LABEL: spec.name},
                      "ports": [{"name": n, "port": p, "targetPort": p}
-                               for n, p in (("rdzv", ports.rdzv), ("store", ports.store), ("wrapper", ports.wrapper))]}}
+                               for n,
+                               p in (("rdzv", ports.rdzv), ("store", ports.store),
+                                     ("wrapper", ports.wrapper))]}}
 
 
 def indexed_job(spec: JobSpec) -> dict[str, Any]:
@@ -194,7 +201,8 @@ def jobset(spec: JobSpec) -> dict[str, Any]:
                      "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True,
                                  "subdomain": spec.name},
                      "replicatedJobs": [{"name": "node", "replicas": 1,
-                                         "template": {"metadata": {"labels": names.labels(spec)}, "spec": child}}]}}
+                                         "template": {"metadata": {"labels": names.labels(spec)},
+                                                      "spec": child}}]}}
 
 
 def pytorchjob(spec: JobSpec) -> dict[str, Any]:
@@ -266,7 +274,8 @@ def pod_template(spec: JobSpec, *, subdomain: str | None = None, attempt_from: s
     # a refusal's one line becomes the pod's status message (what `status` shows)
     prepare = {"name": "prepare", "image": e.image, "env": env, "volumeMounts": mounts,
                "command": [*INPOD, "prepare"], "terminationMessagePolicy": "FallbackToLogsOnError"}
-    if e.efa_per_node:   # the EFA devices, so that `prepare` can check them (the trainer reuses an init container's)
+    # the EFA devices, so that `prepare` can check them (the trainer reuses an init container's)
+    if e.efa_per_node:
         efa = {"vpc.amazonaws.com/efa": str(e.efa_per_node)}
         prepare["resources"] = {"requests": dict(efa), "limits": dict(efa)}
     # the job's Prometheus metrics, from its folder on the shared volume, in a native sidecar (an init
@@ -296,7 +305,8 @@ def pod_template(spec: JobSpec, *, subdomain: str | None = None, attempt_from: s
         pod["nodeSelector"] = {"node.kubernetes.io/instance-type": e.instance_type}
     pod["tolerations"] = failures.tolerations(spec)
     pod["affinity"] = failures.zone_affinity(spec)
-    return {"metadata": {"labels": names.labels(spec), "annotations": {names.DIGEST: spec.digest()}}, "spec": pod}
+    return {"metadata": {"labels": names.labels(spec), "annotations": {names.DIGEST: spec.digest()}},
+            "spec": pod}
 
 
 def container_env(spec: JobSpec, attempt_from: str | None) -> list[dict[str, Any]]:
@@ -343,7 +353,8 @@ def device_amounts(spec: JobSpec) -> dict[str, str]:
 
 
 def resources(spec: JobSpec) -> dict[str, Any]:
-    """The trainer's: its devices, CPU and memory requested (see :mod:`.sizing`), memory limited to the request."""
+    """The trainer's: its devices, CPU and memory requested (see :mod:`.sizing`), memory limited to the
+    request."""
     devices, memory = device_amounts(spec), sizing.memory(spec)
     return {"requests": {**devices, "cpu": sizing.cpu(spec), "memory": memory},
             "limits": {**devices, "memory": memory}}
@@ -358,7 +369,8 @@ def _field_env(name: str, path: str) -> dict[str, Any]:
 def checkpoint_pvc(spec: JobSpec) -> dict[str, Any]:
     e = spec.eks
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-            "metadata": {"name": e.checkpoint_pvc, "namespace": e.namespace, "labels": {names.MANAGED_BY: names.MANAGER}},
+            "metadata": {"name": e.checkpoint_pvc, "namespace": e.namespace,
+                         "labels": {names.MANAGED_BY: names.MANAGER}},
             "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": e.storage_class,
                      "resources": {"requests": {"storage": e.storage_size}}}}
 

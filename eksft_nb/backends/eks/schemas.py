@@ -2,8 +2,8 @@
 
 Core kinds use ``kubernetes-validate`` (the Kubernetes OpenAPI schemas, strict: unknown fields are
 errors) for the chosen Kubernetes version. JobSet, PyTorchJob, PodMonitor and Kueue's queue kinds use
-the ``openAPIV3Schema`` of their CRDs, shipped in ``eksft_nb/backends/schemas/``, closed the same way (an object with declared
-properties accepts no others unless it says ``x-kubernetes-preserve-unknown-fields``).
+the ``openAPIV3Schema`` of their CRDs, shipped in ``eksft_nb/backends/schemas/``, closed the same way (an
+object with declared properties accepts no others unless it says ``x-kubernetes-preserve-unknown-fields``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ def validate(manifest: dict[str, Any], k8s_version: str) -> None:
     """Raise :class:`SpecError` naming the field when ``manifest`` does not match its schema."""
     kind, name = manifest.get("kind", "?"), manifest.get("metadata", {}).get("name", "?")
     if kind in CRDS:
-        error = jsonschema.exceptions.best_match(crd_validator(kind, manifest["apiVersion"]).iter_errors(manifest))
+        error = jsonschema.exceptions.best_match(crd_validator(kind,
+                                                               manifest["apiVersion"]).iter_errors(manifest))
     else:
         try:
             kubernetes_validate.validate(manifest, k8s_version, strict=True)
@@ -52,7 +53,8 @@ def validate_all(manifests: list[dict[str, Any]], k8s_version: str) -> None:
 
 @lru_cache(maxsize=None)
 def crd_validator(kind: str, api_version: str) -> jsonschema.protocols.Validator:
-    crd = yaml.load((SCHEMA_DIR / CRDS[kind]).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    crd = yaml.load((SCHEMA_DIR / CRDS[kind]).read_text(),
+                    Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     group, _, version = api_version.partition("/")
     served = {v["name"]: v for v in crd["spec"]["versions"] if v.get("served")}
     if crd["spec"]["group"] != group or version not in served:

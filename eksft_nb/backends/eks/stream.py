@@ -99,7 +99,8 @@ class Tracker:
             self.started = True
             s = self.spec
             self._emit("job_start", t=self.created, spec_digest=s.digest(), world_size=s.world_size,
-                       steps=None if s.script else s.steps, backend="eks", host=self.server, pid=0, namespace=s.eks.namespace, workload=s.eks.kind)
+                       steps=None if s.script else s.steps, backend="eks", host=self.server, pid=0,
+                       namespace=s.eks.namespace, workload=s.eks.kind)
 
     # ---- inputs ------------------------------------------------------------------------------------
     def feed(self, item: tuple[Any, ...]) -> None:
@@ -135,7 +136,8 @@ class Tracker:
         fault = _note((meta.get("annotations") or {}).get(names.FAULT_ANNOTATION))
         ps = pod_state(pod, self.container)
         if fault and uid not in self.fault_seen:
-            self.fault_seen.add(uid)   # the fault happened when the pod's deletion began (the cluster's clock)
+            # the fault happened when the pod's deletion began (the cluster's clock)
+            self.fault_seen.add(uid)
             self._emit("fault", t=ps.ended_at or self.pod_now(), fault=fault["fault"], id=fault["id"],
                        target_rank=None, at_step=self.mon.last_step, node=fault["node"], pod=meta.get("name"))
         if ending or self.outcome is not None:
@@ -147,7 +149,8 @@ class Tracker:
             cause = f"{ps.label}: {ps.reason}" if ps.failed else f"{ps.label} was deleted: its node is lost"
             self._open_node_incident(ps, cause, ps.ended_at)
         elif ps.restarts and f"{uid}/{ps.restarts - 1}" not in self.counted:
-            self.counted.add(f"{uid}/{ps.restarts - 1}")   # restarted in place (PyTorchJob) since the last look
+            # restarted in place (PyTorchJob) since the last look
+            self.counted.add(f"{uid}/{ps.restarts - 1}")
             self._open_node_incident(ps, f"{ps.label}: ft_launcher {ps.last_exit}, restarted in place", None)
 
     def _open_node_incident(self, ps: PodState, cause: str, ended_at: float | None) -> None:
@@ -178,7 +181,8 @@ class Tracker:
             return
         self.ended = True
         state, reason = self.outcome
-        self._emit("job_end", state=state, reason=reason, final_step=self.mon.last_step, digest=self.mon.digest,
+        self._emit("job_end", state=state, reason=reason, final_step=self.mon.last_step,
+                   digest=self.mon.digest,
                    restarts=self.mon.restarts_by_level())
 
     def _ranks_to_hear(self) -> list[int]:
@@ -209,7 +213,8 @@ def _note(text: Any) -> dict[str, Any] | None:
         note = json.loads(text) if isinstance(text, str) else None
     except ValueError:
         return None
-    ok = isinstance(note, dict) and isinstance(note.get("fault"), str) and isinstance(note.get("id"), str) and \
+    ok = isinstance(note, dict) and isinstance(note.get("fault"),
+                                               str) and isinstance(note.get("id"), str) and \
         type(note.get("node")) is int
     return note if ok else None
 
@@ -280,8 +285,10 @@ class EksEvents:
         core, ns = self.cluster.core, self.cluster.namespace
         while not self._closed.is_set():
             try:
-                for ev in watch.Watch().stream(core.list_namespaced_pod, ns, label_selector=names.selector(self.spec.name),
-                                               timeout_seconds=30, _request_timeout=(5, 60), deserialize=False):
+                for ev in watch.Watch().stream(core.list_namespaced_pod, ns,
+                                               label_selector=names.selector(self.spec.name),
+                                               timeout_seconds=30, _request_timeout=(5, 60),
+                                               deserialize=False):
                     if self._closed.is_set():
                         return
                     pod = ev["object"]
@@ -306,11 +313,14 @@ class EksEvents:
                 return   # asked again at the pod's next event
             self._noted[uid] = ((note or {}).get("data") or {}).get(names.FAULT_ANNOTATION)
         if self._noted[uid]:
-            meta["annotations"] = {**(meta.get("annotations") or {}), names.FAULT_ANNOTATION: self._noted[uid]}
+            meta["annotations"] = {**(meta.get("annotations") or {}),
+                                   names.FAULT_ANNOTATION: self._noted[uid]}
 
     def _follow_logs(self, pod: dict[str, Any]) -> None:
         container = names.container(self.spec)
-        status = next((c for c in (pod.get("status") or {}).get("containerStatuses") or [] if c["name"] == container), None)
+        status = next(
+            (c for c in (pod.get("status") or {}).get("containerStatuses") or [] if c["name"] == container),
+            None)
         if not status or not ({"running", "terminated"} & set(status.get("state") or {})):
             return
         key = (pod["metadata"]["uid"], status.get("restartCount", 0))
@@ -326,7 +336,8 @@ class EksEvents:
         while not self._closed.is_set() and failures < 5:
             try:
                 n = 0
-                for line in watch.Watch().stream(self.cluster.core.read_namespaced_pod_log, pod, self.cluster.namespace,
+                for line in watch.Watch().stream(self.cluster.core.read_namespaced_pod_log, pod,
+                                                 self.cluster.namespace,
                                                  container=names.container(self.spec), follow=True,
                                                  _request_timeout=(5, FOLLOW_IDLE_S)):
                     n += 1

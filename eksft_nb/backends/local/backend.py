@@ -76,8 +76,10 @@ class LocalBackend(FolderJobs, Backend):
 
             return "\n".join([*lines, render(spec, str(jd.path))])
         ports = Ports(29500, 29501, 29502)
-        lines += [f"# job folder: {jd.path}", "# environment of each launcher (ports are picked free at launch):"]
-        for k, v in {**rank_env(spec, ports=ports, job_attempt=0, job_dir=str(jd.path)), **loopback.env()}.items():
+        lines += [f"# job folder: {jd.path}",
+                  "# environment of each launcher (ports are picked free at launch):"]
+        for k, v in {**rank_env(spec, ports=ports, job_attempt=0, job_dir=str(jd.path)),
+                     **loopback.env()}.items():
             lines.append(f"{k}={v}")
         for node in range(spec.nnodes + spec.spare_nodes):   # the spares' lines are the same
             argv = launcher_argv(spec, node_rank=node, rdzv_host="127.0.0.1", ports=ports, rdzv_id=spec.name)
@@ -130,9 +132,11 @@ class LocalBackend(FolderJobs, Backend):
         if procs.recorded(sup.get("supervisor"), uid) or procs.recorded(sup.get("keeper"), uid):
             return JobSummary(name, self.name, state, "")
         if not procs.marked(uid):
-            return JobSummary(name, self.name, JobState.LOST, "the supervisor is gone (the machine restarted, or it "
+            return JobSummary(name, self.name, JobState.LOST,
+                              "the supervisor is gone (the machine restarted, or it "
                               f"was killed) and nothing of the job runs; see {jd.logs / 'supervisor.err'}")
-        return JobSummary(name, self.name, JobState.RUNNING, "its supervisor is gone: nothing supervises the running "
+        return JobSummary(name, self.name, JobState.RUNNING,
+                          "its supervisor is gone: nothing supervises the running "
                           "job", orphaned=True)
 
     def adopt(self, name: str) -> str:
@@ -189,7 +193,8 @@ class LocalBackend(FolderJobs, Backend):
         jd = self._jd(name)
         sup = jd.supervisor()
         uid = _job_uid(sup)
-        heads = [p for p in (procs.recorded(sup.get("supervisor"), uid), procs.recorded(sup.get("keeper"), uid))
+        heads = [p for p in (procs.recorded(sup.get("supervisor"), uid),
+                             procs.recorded(sup.get("keeper"), uid))
                  if uid and p is not None]
         for p in heads:
             try:
@@ -217,7 +222,8 @@ class LocalBackend(FolderJobs, Backend):
     def remove(self, name: str) -> None:
         status = self.state(name)
         if status.state in ACTIVE:
-            raise JobError(f"job {name!r} is still running", f"stop it first: `python -m eksft_nb stop {name}`")
+            raise JobError(f"job {name!r} is still running",
+                           f"stop it first: `python -m eksft_nb stop {name}`")
         uid = _job_uid(self._jd(name).supervisor())
         running = procs.marked(uid) if uid else []
         if running:
@@ -255,7 +261,9 @@ def _check_resume_source(spec: JobSpec, jd: JobDir) -> None:
         avail = ", ".join(str(i.path) for i in committed) or "none"
         where = f"at {path}"
     if not infos:
-        raise JobError(f"no checkpoint {where} (committed: {avail})", "pick one listed by `python -m eksft_nb ckpts NAME`")
+        raise JobError(f"no checkpoint {where} (committed: {avail})",
+                       "pick one listed by `python -m eksft_nb ckpts NAME`")
     reason = verify(infos[0])
     if reason:
-        raise JobError(f"checkpoint {infos[0].path} cannot be used: {reason}", "pick an older committed checkpoint")
+        raise JobError(f"checkpoint {infos[0].path} cannot be used: {reason}",
+                       "pick an older committed checkpoint")

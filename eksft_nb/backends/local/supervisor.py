@@ -73,7 +73,8 @@ class Node:
     popen: subprocess.Popen | None = None   # None: adopted from a supervisor that died
     proc: psutil.Process | None = None      # the adopted launcher, if it still ran when adopted
     offset: int = 0
-    joined: bool = False                    # its log says it joined a rendezvous round (not only waited as a spare)
+    # its log says it joined a rendezvous round (not only waited as a spare)
+    joined: bool = False
 
     @property
     def pid(self) -> int:
@@ -100,12 +101,15 @@ class Supervisor:
         self.log = open(self.jd.logs / "supervisor.log", "a", buffering=1)
         self.keeper = self.jd.supervisor().get("keeper")
         self.adoptions = 0
-        self.replayed: set[tuple] | None = None  # while adopting: the failure/restart events already published
-        self.seen_until = 0.0  # adopted: launcher-log failures logged before this the events already accounted for
+        # while adopting: the failure/restart events already published
+        self.replayed: set[tuple] | None = None
+        # adopted: launcher-log failures logged before this the events already accounted for
+        self.seen_until = 0.0
         self.attempt = 0
         self.nodes: list[Node] = []
         self.standby: dict[int, subprocess.Popen] = {}  # node -> a warm ft_launcher for the next attempt
-        self.zygotes: dict[str, subprocess.Popen] = {}  # node tag -> its warm-rank zygote (this attempt's, the next's)
+        # node tag -> its warm-rank zygote (this attempt's, the next's)
+        self.zygotes: dict[str, subprocess.Popen] = {}
         self.store: Any = None   # the rendezvous store, when the supervisor hosts it (hot spares)
         self.rdzv_id = ""         # this attempt's rendezvous id
         self.t_launch = 0.0
@@ -114,7 +118,8 @@ class Supervisor:
         self.stop_requested = False
         self.t_start = time.time()
         self.incidents = Incidents(self.mon, self._publish, self.t_start, say=self.say,
-                                   patience=self.spec.ft.progress_patience, steps_expected=not self.spec.script)
+                                   patience=self.spec.ft.progress_patience,
+                                   steps_expected=not self.spec.script)
         self.folder_inode = os.stat(self.jd.path).st_ino
         self.nvrx = nvrx.installed()
         self.cycles_seen: dict[tuple[int, int], nvrx.CycleRecord] = {}  # (attempt, cycle) -> as last emitted
@@ -134,7 +139,8 @@ class Supervisor:
                 if self.nvrx and self.spec.ft.inprocess and (note := self.nvrx.inprocess_note()):
                     self.say(note)
                 self.events.emit("job_start", spec_digest=self.spec.digest(), world_size=self.spec.world_size,
-                                 steps=None if self.spec.script else self.spec.steps, backend="local", host=socket.gethostname(), pid=os.getpid(),
+                                 steps=None if self.spec.script else self.spec.steps, backend="local",
+                                 host=socket.gethostname(), pid=os.getpid(),
                                  nvrx=self.nvrx.version if self.nvrx else None)
                 self._launch()
                 outcome = self._watch()
@@ -143,7 +149,8 @@ class Supervisor:
                 outcome = self._watch()
             state, reason = outcome
             self._pump()
-        except OSError as e:  # a full disk, a folder gone read-only: end cleanly rather than orphan the launchers
+        # a full disk, a folder gone read-only: end cleanly rather than orphan the launchers
+        except OSError as e:
             state, reason = JobState.FAILED, f"the supervisor could not go on: {e}"
         self._kill_everything()
         remove_copies(self.job_uid)  # the ranks' in-memory checkpoint copies end with the job
@@ -166,7 +173,8 @@ class Supervisor:
         self.adoptions = _int(record.get("adoptions")) + 1
         for entry in record.get("launchers") or []:
             try:
-                ident = {"pid": int(entry["pid"]), "started": float(entry["started"]), "ticks": entry.get("ticks")}
+                ident = {"pid": int(entry["pid"]), "started": float(entry["started"]),
+                         "ticks": entry.get("ticks")}
                 node = Node(int(entry["node"]), Path(entry["log"]), str(entry["tag"]), ident,
                             proc=procs.recorded(ident, self.job_uid), offset=int(entry.get("offset", 0)))
             except (KeyError, TypeError, ValueError):
@@ -220,9 +228,11 @@ class Supervisor:
             zygote = self._start_zygote(tag)
             argv = launcher_argv(self.spec, node_rank=node, rdzv_host="127.0.0.1", ports=ports, rdzv_id=rdzv_id,
                                  nvrx=self.nvrx, cycle_dir=str(self._cycle_dir(self.attempt)),
-                                 store_elsewhere=self.store is not None, warm_python=zygote and sys.executable)
+                                 store_elsewhere=self.store is not None,
+                                 warm_python=zygote and sys.executable)
             env = quiet_env({**os.environ,
-                             **rank_env(self.spec, ports=ports, job_attempt=self.attempt, job_dir=str(self.jd.path),
+                             **rank_env(self.spec, ports=ports, job_attempt=self.attempt,
+                                        job_dir=str(self.jd.path),
                                         nvrx=self.nvrx),
                              **loopback.env(), procs.JOB_UID_ENV: self.job_uid, procs.NODE_MARK: tag,
                              **({WARM_SOCKET: zygote, WARM_ZYGOTE: str(self.zygotes[tag].pid)}
@@ -230,12 +240,13 @@ class Supervisor:
             log = self._launcher_log(self.attempt, node)
             popen = self._hand_over(node, argv, env)
             if popen is None:
-                # a module, not the console script: NVRx installed with `pip --target` (on PYTHONPATH) has none;
-                # ours, so that the launcher's stores listen on loopback only
+                # a module, not the console script: NVRx installed with `pip --target` (on PYTHONPATH) has
+                # none; ours, so that the launcher's stores listen on loopback only
                 command = [sys.executable, "-m", STANDBY_MODULE, *argv]
                 with open(log, "ab") as out:
                     popen = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                             stdin=subprocess.DEVNULL, cwd=self.jd.path, start_new_session=True)
+                                             stdin=subprocess.DEVNULL, cwd=self.jd.path,
+                                             start_new_session=True)
             else:
                 warm.append(node)
             try:
@@ -269,8 +280,10 @@ class Supervisor:
         env = quiet_env({**os.environ, "OMP_NUM_THREADS": str(self.spec.threads_per_rank),
                          procs.JOB_UID_ENV: self.job_uid, procs.NODE_MARK: tag})
         with open(self.jd.logs / f"zygote-{tag}.log", "ab") as out:
-            self.zygotes[tag] = subprocess.Popen([sys.executable, "-m", ZYGOTE_MODULE, name], env=env, stdout=out,
-                                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.jd.path,
+            self.zygotes[tag] = subprocess.Popen([sys.executable, "-m", ZYGOTE_MODULE, name], env=env,
+                                                 stdout=out,
+                                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                 cwd=self.jd.path,
                                                  start_new_session=True)
         return name
 
@@ -315,12 +328,13 @@ class Supervisor:
             codes = [n.poll() for n in self.nodes]
             if all(c == 0 or c == UNKNOWN_EXIT and self._finished() for c in codes):
                 self._pump()
-                if self.spec.script:  # a user script's own loop decides when it is done; ft_launcher says it was
+                # a user script's own loop decides when it is done; ft_launcher says it was
+                if self.spec.script:
                     return JobState.SUCCEEDED, "the script exited 0 on every rank"
                 if (d := self.mon.drain) is not None:
                     saved = "saved and committed" if d["committed"] else "its save could NOT be committed"
-                    return JobState.STOPPED, f"drained on SIGTERM at step {d['step']} ({saved}): resume it with " \
-                                             f"`python -m eksft_nb resume {self.spec.name}`"
+                    return JobState.STOPPED, (f"drained on SIGTERM at step {d['step']} ({saved}): resume it "
+                                              f"with `python -m eksft_nb resume {self.spec.name}`")
                 if self.mon.digest is not None or self.mon.last_step >= self.spec.steps:
                     return JobState.SUCCEEDED, f"all {self.spec.steps} steps done"
                 return JobState.FAILED, "the launchers exited before training finished (see `logs --debug`)"
@@ -355,10 +369,13 @@ class Supervisor:
         if node.joined:
             self._hand_spare_over(node)   # first: the spare comes in while the lost node's ranks are ended
         self.nodes.remove(node)
-        procs.kill_marked(self.job_uid, node.tag)   # a lost node loses its ranks too (they outlive a killed launcher)
-        how = signal.Signals(-code).name if code < 0 and -code in signal.Signals._value2member_map_ else f"exit {code}"
+        # a lost node loses its ranks too (they outlive a killed launcher)
+        procs.kill_marked(self.job_uid, node.tag)
+        how = (signal.Signals(-code).name if code < 0 and -code in signal.Signals._value2member_map_
+               else f"exit {code}")
         if not node.joined:
-            self.say(f"spare ft_launcher {node.index} ended ({how}); {len(alive) - self.spec.nnodes} spare(s) left")
+            self.say(f"spare ft_launcher {node.index} ended ({how}); {len(alive) - self.spec.nnodes} "
+                     "spare(s) left")
             return True
         cause = f"its ft_launcher (launcher {node.index}) was lost ({how}); a hot spare took its place"
         self.say(f"{cause} ({len(alive) - self.spec.nnodes} spare(s) left)")
@@ -384,7 +401,8 @@ class Supervisor:
         if node is None:
             cause = "the launchers of the supervisor that died could not be found again"
         elif code == UNKNOWN_EXIT:
-            cause = f"ft_launcher on node {node.index} ended (adopted from a supervisor that died: exit status unknown)"
+            cause = (f"ft_launcher on node {node.index} ended (adopted from a supervisor that died: exit "
+                     "status unknown)")
         elif code < 0:
             cause = f"ft_launcher on node {node.index} was killed ({signal.Signals(-code).name})"
         else:
@@ -397,7 +415,8 @@ class Supervisor:
         if self.incidents.give_up:
             return JobState.FAILED, self.incidents.give_up
         if self.attempt >= self.spec.ft.max_job_restarts:
-            return JobState.FAILED, f"{cause}; no job restarts left (max_job_restarts={self.spec.ft.max_job_restarts})"
+            return JobState.FAILED, (f"{cause}; no job restarts left "
+                                     f"(max_job_restarts={self.spec.ft.max_job_restarts})")
         self.attempt += 1
         self.say(f"relaunching (job restart {self.attempt} of {self.spec.ft.max_job_restarts})")
         return None
@@ -478,7 +497,8 @@ class Supervisor:
 
     def _on_launcher_line(self, node: Node, seen: LauncherLine) -> None:
         if seen.kind == "restarting":
-            self.say(f"ft_launcher restarts the worker group ({seen.left[0]}/{seen.left[1]} in-job restarts left)")
+            self.say(f"ft_launcher restarts the worker group ({seen.left[0]}/{seen.left[1]} in-job "
+                     "restarts left)")
         elif (self.incidents.incident is None and not self.stop_requested and seen.at > self.seen_until
               and not self._restarted_since(seen.at)):
             if seen.kind == "hang":
@@ -522,7 +542,8 @@ class Supervisor:
             time.sleep(0.1)
         nxt = f"{self.attempt + 1}."
         keep = [os.getppid()] + ([p.pid for p in self.standby.values()] +
-                                 [z.pid for tag, z in self.zygotes.items() if tag.startswith(nxt)] if keep_standby else [])
+                                 [z.pid for tag,
+                                  z in self.zygotes.items() if tag.startswith(nxt)] if keep_standby else [])
         procs.kill_marked(self.job_uid, keep=keep)
         for tag, zygote in list(self.zygotes.items()):
             if zygote.pid not in keep:
@@ -548,7 +569,8 @@ class Supervisor:
                   "job_uid": self.job_uid, "state": state, "reason": reason, "attempt": self.attempt,
                   "adoptions": self.adoptions, "started": self.t_start, "t_launch": self.t_launch,
                   "updated": time.time(),
-                  "launchers": [{"node": n.index, **n.identity, "pgid": n.pid, "tag": n.tag, "log": str(n.log),
+                  "launchers": [{"node": n.index, **n.identity, "pgid": n.pid, "tag": n.tag,
+                                 "log": str(n.log),
                                  "offset": n.offset} for n in self.nodes]}
         atomic_write(self.jd.supervisor_path, json.dumps(record, indent=1))
 

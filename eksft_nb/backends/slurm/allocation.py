@@ -46,7 +46,8 @@ class Watcher:
         self.events = EventWriter(jd.events_path, self.spec.name, rank=None)
         self.tail = EventTail(jd.events_path)
         self.mon = JobMonitor()
-        self.incidents = Incidents(self.mon, self.events.emit, time.time(), patience=self.spec.ft.progress_patience,
+        self.incidents = Incidents(self.mon, self.events.emit, time.time(),
+                                   patience=self.spec.ft.progress_patience,
                                    steps_expected=not self.spec.script)
         self.offsets: dict[Path, int] = {}
         self.ranks_started: dict[int, float] = {}
@@ -88,8 +89,10 @@ class Watcher:
         """A requeued run whose previous run recorded no failure: the watcher died with the allocation's
         first node (or someone requeued the job from outside eksft). The job-level incident it could not
         record is recorded now, from the last event that run left."""
-        cause = (f"the run before attempt {self.attempt} ended without a word from its watcher: the allocation's "
-                 "first node was lost (or the job was requeued from outside eksft), and Slurm requeued the job")
+        cause = (f"the run before attempt {self.attempt} ended without a word from its watcher: the "
+                 "allocation's "
+                 "first node was lost (or the job was requeued from outside eksft), and Slurm "
+                 "requeued the job")
         self.incidents.node_failed(cause, time.time(), ended_at=last_seen)
 
     def _outcome(self, code: int) -> tuple[JobState | None, str]:
@@ -99,11 +102,13 @@ class Watcher:
         if self.signalled:
             job = cluster.show_job(os.environ.get("SLURM_JOB_ID", ""))
             if job is None or job.slurm_state == "CANCELLED":
-                return JobState.STOPPED, ("cancelled by Slurm from outside eksft (scancel): resume it from its "
+                return JobState.STOPPED, ("cancelled by Slurm from outside eksft (scancel): resume "
+                                          "it from its "
                                           "last checkpoint")
             # a node failed, a preemption, the time limit: Slurm requeues the job (--requeue) or ends it
             why = f", {job.reason}" if job.reason not in ("", "None") else ""
-            cause = f"Slurm ended the allocation (a node failed, a preemption or the time limit; job {job.slurm_state}{why})"
+            cause = ("Slurm ended the allocation (a node failed, a preemption or the time limit; "
+                     f"job {job.slurm_state}{why})")
             self.incidents.node_failed(cause, time.time())
             return None, cause
         if self.incidents.give_up:
@@ -114,20 +119,23 @@ class Watcher:
             if self.mon.digest is not None or self.mon.last_step >= self.spec.steps:
                 return JobState.SUCCEEDED, f"all {self.spec.steps} steps done"
             return JobState.FAILED, "the launchers exited before training finished (see `logs --debug`)"
-        how = signal.Signals(-code).name if code < 0 and -code in signal.Signals._value2member_map_ else f"exit {code}"
+        how = (signal.Signals(-code).name if code < 0 and -code in signal.Signals._value2member_map_
+               else f"exit {code}")
         cause = f"the srun step of the launchers ended ({how}): a node's ft_launcher was lost or gave up"
         self.incidents.node_failed(cause, time.time())
         if self.incidents.give_up:
             return JobState.FAILED, self.incidents.give_up
         if self.attempt >= self.spec.ft.max_job_restarts:
-            return JobState.FAILED, f"{cause}; no job restarts left (max_job_restarts={self.spec.ft.max_job_restarts})"
+            return JobState.FAILED, (f"{cause}; no job restarts left "
+                                     f"(max_job_restarts={self.spec.ft.max_job_restarts})")
         return None, cause
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.signalled = True
 
     def _pump(self) -> None:
-        """The ranks' new events and the launchers' new log lines, folded in by time (as the supervisor does)."""
+        """The ranks' new events and the launchers' new log lines, folded in by time (as the supervisor
+        does)."""
         events = self.tail.read()
         lines = sorted(((seen.at, node, seen) for node, seen in self._launcher_lines()), key=lambda x: x[0])
         for e in events:
@@ -169,7 +177,8 @@ class Watcher:
             return   # every rank started again since: an incident already accounted for
         if (seen.kind == "worker_failed" and seen.exitcode == -signal.SIGTERM
                 and not any(f["fault"] == "sigterm" for f in self.incidents.recent_faults)):
-            return   # Slurm ending the step (a lost node's peers, scancel) terminates the ranks: not an in-job failure
+            # Slurm ending the step (a lost node's peers, scancel) terminates the ranks: not an in-job failure
+            return
         if seen.kind == "hang":
             self.incidents.hang(seen.at, self.spec.ft.heartbeat_timeout)
         else:

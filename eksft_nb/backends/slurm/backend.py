@@ -54,7 +54,8 @@ class SlurmBackend(FolderJobs, Backend):
                 return JobDir(link.resolve())
         raise UnknownJobError(f"no Slurm job named {name!r} was launched here"
                               + (f" nor is one under {self.root}" if self.root else ""),
-                              f"check the name, or set {SHARED_DIR_ENV} to the --shared-dir it was launched with")
+                              f"check the name, or set {SHARED_DIR_ENV} to the --shared-dir it was "
+                              "launched with")
 
     def _record(self, jd: JobDir) -> dict:
         try:
@@ -67,7 +68,8 @@ class SlurmBackend(FolderJobs, Backend):
     def check(self, spec: JobSpec, launching: bool = True) -> JobSpec:
         """No script or spares yet, and (``launching``) the shared folder mounted here."""
         if spec.script:
-            raise JobError("--script is not supported on Slurm yet", "run the built-in trainer, or use --backend local")
+            raise JobError("--script is not supported on Slurm yet",
+                           "run the built-in trainer, or use --backend local")
         if spec.spare_nodes:
             raise JobError("--spare-nodes is not supported on Slurm yet (a lost node is a requeue there)",
                            "use --spare-nodes 0, or --backend local")
@@ -119,13 +121,16 @@ class SlurmBackend(FolderJobs, Backend):
             return JobSummary(name, self.name, JobState.FAILED, "it was never submitted (sbatch failed)")
         job = cluster.show_job(job_id)
         if job is None:
-            return JobSummary(name, self.name, JobState.LOST, f"Slurm no longer knows job {job_id} and its events "
+            return JobSummary(name, self.name, JobState.LOST,
+                              f"Slurm no longer knows job {job_id} and its events "
                               f"recorded no end; see {jd.logs}/slurm-{job_id}.out")
         if job.state == JobState.STARTING:
             return JobSummary(name, self.name, JobState.STARTING, _waiting(job))
         if job.state == JobState.STOPPED:
-            by = "stopped by the user" if (jd.path / STOP_MARK).exists() else "cancelled outside eksft (scancel)"
-            return JobSummary(name, self.name, JobState.STOPPED, f"{by}: Slurm job {job_id} {job.slurm_state}")
+            by = ("stopped by the user" if (jd.path / STOP_MARK).exists()
+                  else "cancelled outside eksft (scancel)")
+            return JobSummary(name, self.name, JobState.STOPPED,
+                              f"{by}: Slurm job {job_id} {job.slurm_state}")
         if job.state == JobState.FAILED:
             return JobSummary(name, self.name, JobState.FAILED, f"Slurm job {job_id} {job.slurm_state}"
                               + (f" ({job.reason})" if job.reason not in ("", "None") else ""))
@@ -136,7 +141,8 @@ class SlurmBackend(FolderJobs, Backend):
         jd = self._jd(name)
         out: list[str] = []
         notes: list[str] = []   # files of which only the end is read (anything in the job can grow them)
-        logs = sorted(jd.logs.glob("slurm-*.out")) + sorted(jd.logs.glob("launcher-*.log"), key=lambda p: p.stat().st_mtime)
+        logs = sorted(jd.logs.glob("slurm-*.out")) + sorted(jd.logs.glob("launcher-*.log"),
+                                                            key=lambda p: p.stat().st_mtime)
         for log in logs:
             note, text = tail_lines(log)
             notes.extend([note] if note else [])
@@ -165,7 +171,8 @@ class SlurmBackend(FolderJobs, Backend):
         atomic_write(jd.path / STOP_MARK, str(time.time()))
         cluster.scancel(job_id)
         deadline = time.time() + timeout
-        while (job := cluster.show_job(job_id)) is not None and job.state in ACTIVE and time.time() < deadline:
+        while ((job := cluster.show_job(job_id)) is not None and job.state in ACTIVE
+               and time.time() < deadline):
             time.sleep(0.5)
         if job is not None and job.state in ACTIVE:
             raise JobError(f"Slurm job {job_id} of {name} is still {job.slurm_state} after {timeout:g}s",
@@ -175,7 +182,8 @@ class SlurmBackend(FolderJobs, Backend):
         """Delete an ended job's folder (checkpoints included) from the shared disk, and its link here."""
         status = self.state(name)
         if status.state in ACTIVE:
-            raise JobError(f"job {name!r} is still {status.state} on Slurm", f"stop it first: `python -m eksft_nb stop "
+            raise JobError(f"job {name!r} is still {status.state} on Slurm",
+                           "stop it first: `python -m eksft_nb stop "
                            f"{name} --backend slurm`")
         shutil.rmtree(self._jd(name).path)
         (self.links / name).unlink(missing_ok=True)

@@ -50,7 +50,8 @@ def run(argv: list[str], what: str, stdin: str | None = None) -> subprocess.Comp
     """Run one Slurm command; a missing command or a timeout is a :class:`SlurmError`."""
     if shutil.which(argv[0]) is None:
         raise SlurmError(f"{argv[0]} is not on PATH, so this machine cannot {what}",
-                         "run eksft-nb on a Slurm login node (or install the Slurm client and its slurm.conf)")
+                         "run eksft-nb on a Slurm login node (or install the Slurm client and its "
+                         "slurm.conf)")
     try:
         return subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -63,7 +64,8 @@ def sbatch(script: str, cwd: str) -> str:
     done = subprocess_checked(["sbatch", "--parsable", f"--chdir={cwd}"], "submit the job", stdin=script)
     job_id = done.stdout.strip().split(";")[0]
     if not job_id.isdigit():
-        raise SlurmError(f"sbatch printed {done.stdout.strip()[:80]!r} instead of a job id", "check the Slurm version")
+        raise SlurmError(f"sbatch printed {done.stdout.strip()[:80]!r} instead of a job id",
+                         "check the Slurm version")
     return job_id
 
 
@@ -86,7 +88,8 @@ def show_job(job_id: str) -> SlurmJob | None:
                             f.get("NodeList", ""), _int(f.get("Restarts", "0")))
     if shutil.which("sacct") is None:
         return None
-    done = run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "JobID,State,Partition,NodeList"], "read its history")
+    done = run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "JobID,State,Partition,NodeList"],
+               "read its history")
     for line in done.stdout.splitlines() if done.returncode == 0 else []:
         parts = line.split("|")
         if len(parts) == 4 and parts[0] == job_id:

@@ -20,8 +20,10 @@ from ...procs import JOB_UID_ENV
 
 RDZV_HOST = "${RDZV_HOST}"     # the batch shell fills it in: the allocation's first node
 WATCHER = "eksft_nb.backends.slurm.allocation"
-WARM_ENTRY = "eksft_nb.backends.eks.inpod"   # starts a node's zygote, then becomes its ft_launcher (any cluster)
-STOP_MARK = "stop-requested"   # in the job folder: ``SlurmBackend.stop`` cancelled it (not someone outside eksft)
+# starts a node's zygote, then becomes its ft_launcher (any cluster)
+WARM_ENTRY = "eksft_nb.backends.eks.inpod"
+# in the job folder: ``SlurmBackend.stop`` cancelled it (not someone outside eksft)
+STOP_MARK = "stop-requested"
 REQUEUE_EXIT = 75   # the watcher's exit status that asks the batch script for a job-level restart (a requeue)
 
 
@@ -55,12 +57,15 @@ def uid_line(job_uid: str) -> str:
 
 
 def environment(spec: JobSpec) -> dict[str, str]:
-    """Every launcher's and rank's environment, but the attempt and the job's id (the batch shell sets them)."""
-    values = rank_env(spec, ports=Ports.from_base(spec.slurm.port), job_attempt=0, job_dir=str(job_dir(spec).path))
+    """Every launcher's and rank's environment, but the attempt and the job's id (the batch shell sets
+    them)."""
+    values = rank_env(spec, ports=Ports.from_base(spec.slurm.port), job_attempt=0,
+                      job_dir=str(job_dir(spec).path))
     del values["EKSFT_JOB_ATTEMPT"]
     values = quiet_env(values)
     # --efa means a p4d/p5-class node (its help says so): EFA with RDMA read
-    values.update(nccl_env(spec.slurm.gpus_per_node, spec.slurm.efa, spec.ft.inprocess, rdma_read=spec.slurm.efa))
+    values.update(nccl_env(spec.slurm.gpus_per_node, spec.slurm.efa, spec.ft.inprocess,
+                           rdma_read=spec.slurm.efa))
     return values
 
 
@@ -69,14 +74,16 @@ def node_line(spec: JobSpec) -> list[str]:
     argv = launcher_argv(spec, node_rank="NODE", rdzv_host=RDZV_HOST, ports=Ports.from_base(spec.slurm.port),
                          rdzv_id=f"{spec.name}-$SLURM_JOB_ID-$EKSFT_JOB_ATTEMPT")
     argv = [a for a in argv if not a.startswith("--node-rank=")]
-    head = f'exec {"python -m " + WARM_ENTRY + " launch " if spec.ft.warm_ranks else ""}"$0" --node-rank="$SLURM_NODEID" "$@"'
+    warm = "python -m " + WARM_ENTRY + " launch " if spec.ft.warm_ranks else ""
+    head = f'exec {warm}"$0" --node-rank="$SLURM_NODEID" "$@"'
     return ["bash", "-c", head, *argv]
 
 
 def render(spec: JobSpec, job_uid: str | None = None) -> str:
     """The sbatch script; ``job_uid`` is the launch's (a new one when not given)."""
     jd = job_dir(spec)
-    srun = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1", f"--output={jd.logs}/launcher-$EKSFT_JOB_ATTEMPT-%t.log"]
+    srun = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+            f"--output={jd.logs}/launcher-$EKSFT_JOB_ATTEMPT-%t.log"]
     node = node_line(spec)
     # one line for srun, one for the per-node shell that adds the node rank, one per launcher flag
     groups = [srun, node[:3], *([a] for a in node[3:])]

@@ -2,17 +2,14 @@
 
 A save has three stages, like torchtitan's and Megatron's async checkpointing:
 
-1. **stage** (blocks training): the state is copied into shared-memory buffers that are allocated
-   once and reused (:mod:`.staging`), the DCP save plan is agreed on a checkpoint-only gloo group
-   once and kept while the staged layout stays the same (:mod:`.plan`: later saves run no
-   collective), and the write is handed to NVRx's ``PersistentAsyncCaller`` (:mod:`.writer`, a
-   writer process per rank).
-2. **write** (background): NVRx's ``FileSystemWriterAsync`` writes this rank's shard and fsyncs it;
-   the writer then records each file's size and SHA-256 in ``manifest-<rank>.json``.
-3. **commit** (collective, at a step boundary once every rank's write is done): rank 0 writes the
-   DCP ``.metadata`` and then ``commit.json`` (step, world size, every file with size and checksum)
-   atomically (:mod:`.manager`). Only a folder with a ``commit.json`` is a checkpoint; a crash at
-   any point before leaves the previous one untouched and loadable.
+1. **stage** (blocks training): copy into reused shared-memory buffers (:mod:`.staging`), with the
+   DCP plan agreed once while the layout stays the same (:mod:`.plan`), and hand the write to NVRx's
+   ``PersistentAsyncCaller`` (:mod:`.writer`, a writer process per rank).
+2. **write** (background): NVRx writes and fsyncs this rank's shard; each file's size and SHA-256
+   go to ``manifest-<rank>.json``.
+3. **commit** (collective, at a step boundary once every write is done): rank 0 writes ``.metadata``
+   and then ``commit.json`` atomically (:mod:`.manager`). Only a folder with a ``commit.json`` is a
+   checkpoint, so a crash before leaves the previous one loadable.
 
 Loading verifies sizes and checksums first, then loads through :mod:`.safe_load`, which trusts
 only what commit.json lists and unpickles nothing but DCP's own metadata records.

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import _is_wrapped_exception
 
-from ...checkpoint_folders import (COMMIT, STEP_DIR, CheckpointInfo, list_checkpoints, reject, sha256_file, share,
+from ...checkpoint_folders import (COMMIT, STEP_DIR, CheckpointInfo, list_checkpoints, reject, sha256_file,
+                                   share,
                                    step_dir)
 from ...errors import JobError
 from ...states import CheckpointState
@@ -112,9 +113,9 @@ class CheckpointManager:
 
         When a save is due while the previous one is still being written, it is deferred to the next
         step boundary instead of blocking training: on slow storage saves come as often as the writer
-        allows. Only the last save waits (and is retried at once if it fails). ``state`` maps names to tensors, plain values or objects
-        with ``state_dict()`` / ``load_state_dict()`` (see :class:`ModelState`); it is read only when a
-        save starts."""
+        allows. Only the last save waits (and is retried at once if it fails). ``state`` maps names to
+        tensors, plain values or objects with ``state_dict()`` / ``load_state_dict()`` (see
+        :class:`ModelState`); it is read only when a save starts."""
         if self.pending is not None:
             self._finalize_if_done(blocking=last)
             if self.pending is None:   # committed (or failed): progress, before the next save's own time
@@ -168,7 +169,8 @@ class CheckpointManager:
         try:  # collective on every rank, so a failing rank fails the save everywhere instead of hanging it
             dcp.save(state, storage_writer=writer, process_group=self.group)
             # every rank hashes the files it wrote (rank 0 also the metadata), in parallel
-            mine = sorted(path.glob(f"__{self.rank}_*.distcp")) + ([path / ".metadata"] if self.rank == 0 else [])
+            mine = sorted(path.glob(f"__{self.rank}_*.distcp")) + ([path / ".metadata"] if self.rank == 0
+                                                                   else [])
             tick = self._ticker()
             files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p, tick)} for p in mine}
             error = None
@@ -199,7 +201,8 @@ class CheckpointManager:
         t_staged = time.perf_counter()
         self.pending = self.writer.unfinished = _Pending(step, path, writer, (writer, metadata, None),
                                                          t_staged, t_staged - t0, save_id)
-        self.emit("checkpoint", phase="staged", step=step, blocked_s=t_staged - t0, bytes=self.stager.staged_bytes)
+        self.emit("checkpoint", phase="staged", step=step, blocked_s=t_staged - t0,
+                  bytes=self.stager.staged_bytes)
         self.stager.checksum()  # last: training goes on as it starts
 
     def _hand_over(self, path: Path, staged: Any, writer: Any, cache: PlanCache | None) -> tuple[str, Any]:
@@ -219,7 +222,8 @@ class CheckpointManager:
         else:  # planned anew, handed over whole
             metadata = self.plan_metadata
             write_fn, preload_fn, nvrx_args = writer.get_save_function_and_args()
-            buckets = nvrx_args[1] if nvrx_args[1] is not None else preload_fn  # NVRx 0.6+: built by the writer process
+            # NVRx 0.6+: built by the writer process
+            buckets = nvrx_args[1] if nvrx_args[1] is not None else preload_fn
             args = (write_fn, self.rank, buckets, nvrx_args[2], manifest, save_id, self._fault())
         self.writer.schedule(AsyncRequest(write_shard, args, []), save_id)
         if cache is not None:
@@ -247,7 +251,8 @@ class CheckpointManager:
         planner = save_planner()
         _, self.plan_metadata, _ = save_state_dict_async_plan(staged, writer, self.group, 0, planner=planner)
         cache = PlanCache.of(shape, staged, writer, planner, self.plan_metadata, self.writer.new_id())
-        everywhere = torch.tensor([int(cache is not None)], dtype=torch.int32)  # e.g. another NVRx on one rank
+        # e.g. another NVRx on one rank
+        everywhere = torch.tensor([int(cache is not None)], dtype=torch.int32)
         dist.all_reduce(everywhere, op=dist.ReduceOp.MIN, group=self.group)
         self.plan_cache = cache if everywhere.item() else None
         return True, self.plan_cache
@@ -380,7 +385,8 @@ class CheckpointManager:
         if isinstance(listing[0], JobError):
             raise listing[0]
         # async saves stage into the in-memory copies; sync saves keep none
-        from_memory = self._restore_from_memory(listing[0][0], state) if listing[0] and self.mode == "async" else None
+        from_memory = self._restore_from_memory(listing[0][0],
+                                                state) if listing[0] and self.mode == "async" else None
         if isinstance(from_memory, int):
             return from_memory
         skipped: list[dict[str, Any]] = []
@@ -401,7 +407,8 @@ class CheckpointManager:
             if reason:  # the rank that found it says so
                 self.emit("checkpoint", phase="rejected", step=info.step, path=str(info.path), reason=reason)
             found = next(r for r, why in enumerate(reasons) if why)
-            skipped.append({"step": info.step, "path": str(info.path), "reason": reasons[found], "rank": found})
+            skipped.append({"step": info.step, "path": str(info.path), "reason": reasons[found],
+                            "rank": found})
             if self.rank == 0 and info.path.parent == self.root:
                 reject(info, reasons[found])
         else:
@@ -412,15 +419,18 @@ class CheckpointManager:
                 raise JobError(where + why,
                                "list them with `python -m eksft_nb ckpts NAME` and pick a committed one")
             if touched is not None:  # not a fresh state any more: the restart that follows skips it
-                raise JobError(f"checkpoint {touched.path} verified but failed to load, and no other checkpoint "
+                raise JobError(f"checkpoint {touched.path} verified but failed to load, and no "
+                               "other checkpoint "
                                "is left to load over it", "the job restarts and starts fresh")
             if skipped:  # every candidate was rejected: say so, then start fresh
                 self.emit("resume", step=0, path="", load_s=0.0, skipped=skipped)
             return 0
         if info.path.parent == self.root:
             self.last_committed = info.step
-        self.emit("resume", step=info.step, path=str(info.path), load_s=time.perf_counter() - t1, skipped=skipped,
-                  verify_s=verify_s, verified_files=[len(share(info, r, self.world_size)) for r in range(self.world_size)],
+        self.emit("resume", step=info.step, path=str(info.path), load_s=time.perf_counter() - t1,
+                  skipped=skipped,
+                  verify_s=verify_s,
+                  verified_files=[len(share(info, r, self.world_size)) for r in range(self.world_size)],
                   source="storage", **(from_memory or {}))
         return info.step
 
@@ -462,7 +472,8 @@ class CheckpointManager:
                     "memory_s": time.perf_counter() - t0}
         if newest.path.parent == self.root:
             self.last_committed = newest.step
-        self.emit("resume", step=newest.step, path=str(newest.path), load_s=time.perf_counter() - t0, skipped=[],
+        self.emit("resume", step=newest.step, path=str(newest.path), load_s=time.perf_counter() - t0,
+                  skipped=[],
                   verify_s=verify_s, source="memory")
         return newest.step
 

@@ -67,13 +67,15 @@ class PlanCache:
     layout: tuple
     staged: Any  # holds the staged objects, so that no id in ``layout`` is reused while the plan is kept
     metadata: Any
-    files: list[tuple[str, list[tuple[Any, tuple]], list[tuple[Any, torch.Tensor]]]]  # name, bytes items and where, tensor items
+    # name, bytes items and where, tensor items
+    files: list[tuple[str, list[tuple[Any, tuple]], list[tuple[Any, torch.Tensor]]]]
     write_fn: Any
     key: str
     reused: int = 0
 
     @classmethod
-    def of(cls, layout: tuple, staged: Any, writer: Any, planner: Any, metadata: Any, key: str) -> PlanCache | None:
+    def of(cls, layout: tuple, staged: Any, writer: Any, planner: Any, metadata: Any,
+           key: str) -> PlanCache | None:
         """The plan DCP and NVRx just made, to keep; None where it cannot be kept (another NVRx
         release's bucket format, or a write item that is not one of the staged buffers)."""
         buckets = getattr(writer, "write_buckets", None)
@@ -82,9 +84,11 @@ class PlanCache:
         buffers = {getattr(t, "_local_tensor", t).data_ptr() for t in _tensors(staged)}
         files = []
         for _, name, (bytes_data, tensor_data) in buckets:
-            if any(t.data_ptr() not in buffers for _, t in tensor_data):  # a copy, not a view of a staged buffer
+            # a copy, not a view of a staged buffer
+            if any(t.data_ptr() not in buffers for _, t in tensor_data):
                 return None
-            where = [(item, planner.mappings[item.index.fqn] if planner.flatten_state_dict else (item.index.fqn,))
+            where = [(item,
+                      planner.mappings[item.index.fqn] if planner.flatten_state_dict else (item.index.fqn,))
                      for item, _ in bytes_data]
             files.append((name, where, list(tensor_data)))
         return cls(layout, staged, metadata, files, writer.get_save_function_and_args()[0], key)
@@ -93,7 +97,8 @@ class PlanCache:
         """This save's part for the writer: its folder and the plain values (the writer serializes
         them), with the plan itself only if this writer process has not got it yet."""
         values = [[_element(staged, where) for _, where in bytes_items] for _, bytes_items, _ in self.files]
-        plan = (self.write_fn, [(name, [item for item, _ in b], t) for name, b, t in self.files]) if send_plan else None
+        plan = (self.write_fn,
+                [(name, [item for item, _ in b], t) for name, b, t in self.files]) if send_plan else None
         return ShardWrite(self.key, plan, str(path), values)
 
 

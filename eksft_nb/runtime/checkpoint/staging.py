@@ -25,7 +25,8 @@ class Stager:
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
-        self._dtensors: dict[str, Any] = {}  # the staged DTensors, kept with their buffers (no new wrapper per save)
+        # the staged DTensors, kept with their buffers (no new wrapper per save)
+        self._dtensors: dict[str, Any] = {}
         self._values: dict[str, Any] = {}   # the plain values of the last staging, for the copy's record
         self._described: Callable[[], dict[str, Any]] | None = None  # the last staging's layout, to describe
         self._wanted: dict[str, tuple[torch.Size, torch.dtype]] = {}
@@ -101,7 +102,8 @@ class Stager:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
 
-def _describe(buffers: dict[str, torch.Tensor], dtensors: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+def _describe(buffers: dict[str, torch.Tensor], dtensors: dict[str, Any],
+              values: dict[str, Any]) -> dict[str, Any]:
     """The layout of a staged state, for the in-memory copy's record (run in the background; the
     shelf adds each buffer's file and checksums)."""
     entries = [{"key": key, "dtype": str(buf.dtype).removeprefix("torch."), "shape": list(buf.shape),

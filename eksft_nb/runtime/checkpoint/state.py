@@ -38,7 +38,8 @@ class ModelState:
     def _kept_state_dict(self, sd: Any) -> dict[str, Any]:
         key = [self.optim, *self.model.parameters()]  # the objects the kept work is about
         with sd._gc_context(), self._kept_fqns(sd):
-            if self._info is None or len(key) != len(self._key) or any(a is not b for a, b in zip(key, self._key)):
+            if self._info is None or len(key) != len(self._key) or any(
+                    a is not b for a, b in zip(key, self._key)):
                 self._fqns.clear()
                 self._info = sd._verify_options(self.model, (self.optim,), optim_only=False)
                 self._key = key
@@ -68,4 +69,5 @@ class ModelState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        set_state_dict(self.model, self.optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(self.model, self.optim, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])

@@ -47,7 +47,8 @@ def write_shard(write_fn: Any, rank: int, write_buckets: Any, results_queue: Any
             os.replace(tmp, manifest_path)
     except Exception as e:  # noqa: BLE001 - reported, not swallowed
         box.value = e
-    results_queue.put((save_id, box.value if box.value is not None else RuntimeError("the write produced no result")))
+    results_queue.put((save_id,
+                       box.value if box.value is not None else RuntimeError("the write produced no result")))
 
 
 class _Box:
@@ -107,7 +108,8 @@ def _forked_if_warm() -> Any:
 
     import torch.multiprocessing as tmp
 
-    if os.environ.get("EKSFT_WARM_RANK") != "1" or len(os.listdir("/proc/self/task")) > threading.active_count():
+    if os.environ.get("EKSFT_WARM_RANK") != "1" or len(
+        os.listdir("/proc/self/task")) > threading.active_count():
         yield
         return
     nvrx_context = tmp.get_context
@@ -127,7 +129,8 @@ class AsyncWriter:
         self.caller: Any = None
         self.outstanding = 0  # requests handed over whose local completion was not yet seen
         self.plan_sent: tuple[Any, str] | None = None  # (NVRx caller, plan key): the kept save plan it holds
-        self.unfinished: Any = None  # the save handed over and not finalized: an in-process restart commits it
+        # the save handed over and not finalized: an in-process restart commits it
+        self.unfinished: Any = None
         self._ids = itertools.count()
         self.handed: set[str] = set()  # ids handed to the running writer process whose result was not read
         self.lost: dict[str, str] = {}  # ids handed to a writer process that died: why they have no result
