@@ -83,8 +83,8 @@ class PlainTorchrunJob:
         cmd = [PY, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={self.spec.nproc_per_node}",
                "--max-restarts=0", f"--log-dir={self.jd.logs / f'torchrun-{attempt}'}", "-m", TRAINER_MODULE]
-        env = rank_env(EKSFT_JOB=self.spec.name, EKSFT_JOB_DIR=str(self.jd.path), EKSFT_JOB_ATTEMPT=str(attempt),
-                       **{procs.JOB_UID_ENV: self.uid})
+        env = rank_env(EKSFT_JOB=self.spec.name, EKSFT_JOB_DIR=str(self.jd.path),
+                       EKSFT_JOB_ATTEMPT=str(attempt), **{procs.JOB_UID_ENV: self.uid})
         with open(self.jd.logs / f"torchrun-{attempt}.log", "ab") as log:
             return subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)

@@ -144,8 +144,10 @@ class Eksft(Method):
 
         self.events: list[dict[str, Any]] = []
         # every=0: never due on its own; save() makes the chosen step due, as a schedule would
-        # job_uid: a job uid, so the staged buffers live in a named /dev/shm file, as in a job (see restore_times)
-        self.mgr = CheckpointManager(self.dir, rank=ctx.rank, world_size=ctx.world, group=ctx.ckpt_group, every=0,
+        # job_uid: a job uid, so the staged buffers live in a named /dev/shm file, as in a job
+        # (see restore_times)
+        self.mgr = CheckpointManager(self.dir, rank=ctx.rank, world_size=ctx.world, group=ctx.ckpt_group,
+                                     every=0,
                                      mode="async", keep_last=2,
                                      emit=lambda kind, **data: self.events.append({"kind": kind, **data}),
                                      job_uid=f"bench{os.getppid()}", process=ctx.process)

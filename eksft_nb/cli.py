@@ -90,8 +90,8 @@ def describe(spec: JobSpec) -> str:
         return (f"torchft: {spec.nnodes} replica groups of {spec.nproc_per_node} rank(s), {spec.steps} "
                 f"steps, model {spec.model.preset}, a lost group heals from a peer (up to "
                 f"{spec.ft.max_job_restarts} restarts each; no checkpoints yet)")
-    return (f"{ranks}, {spec.steps} steps, model {spec.model.preset}, {spec.checkpoint.mode} checkpoints every "
-            f"{spec.checkpoint.every} steps, in-process restart {'on' if spec.ft.inprocess else 'off'}")
+    return (f"{ranks}, {spec.steps} steps, model {spec.model.preset}, {spec.checkpoint.mode} checkpoints "
+            f"every {spec.checkpoint.every} steps, in-process restart {'on' if spec.ft.inprocess else 'off'}")
 
 
 def cmd_watch(args: argparse.Namespace) -> int:

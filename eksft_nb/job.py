@@ -64,7 +64,8 @@ class Job:
                after: float | None = None, **params: Any) -> FaultCommand:
         """Queue a fault: now, at the start of ``step``, or ``after`` seconds. It has fired once
         :meth:`fired` finds it (the ranks report it when they fire it)."""
-        return self.inject_command(FaultCommand(fault, rank=rank, step=step, after=after, node=node, params=params))
+        return self.inject_command(FaultCommand(fault, rank=rank, step=step, after=after, node=node,
+                                                params=params))
 
     def inject_command(self, command: FaultCommand) -> FaultCommand:
         """:meth:`inject` of a command already built, checked once by the command layer."""

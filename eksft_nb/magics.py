@@ -217,8 +217,8 @@ class FtrainMagics(Magics):
 
 def parse_cell(line: str, cell: str, parser: MagicArgumentParser | None = None
                ) -> tuple[JobSpec, list[FaultCommand], bool]:
-    """What a ``%%ftrain`` cell asks for: the validated spec, the scheduled faults, and whether it is a dry run
-    (what its backend refuses, and what must exist here, is the launch's to check).
+    """What a ``%%ftrain`` cell asks for: the validated spec, the scheduled faults, and whether it is a
+    dry run (what its backend refuses, and what must exist here, is the launch's to check).
 
     Raises :class:`UsageError` or :class:`EksftError` with one line that says what to write instead.
     """

@@ -76,7 +76,8 @@ class JobMonitor:
     drain: dict[str, Any] | None = None   # the ranks stopped on SIGTERM after saving (the drain event)
     rank_pids: dict[int, int] = field(default_factory=dict)
     nvrx: str | None = None   # the NVRx version the job ran with, as its supervisor found it (job_start)
-    nvrx_cycles: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)  # (attempt, cycle) -> record
+    # (attempt, cycle) -> record
+    nvrx_cycles: dict[tuple[int, int], dict[str, Any]] = field(default_factory=dict)
     # what NVRx's in-process Wrapper added to each rank process (inprocess_wrapper events, in order)
     wrapper: list[dict[str, Any]] = field(default_factory=list)
     saves: list[CheckpointRecord] = field(default_factory=list)   # every save begun, a step's repeats too

@@ -3,9 +3,10 @@
 A pid (or a process group id) read back from a job's folder may by now belong to an unrelated
 process: pids are reused once a process is gone. So a process is named by its pid *and* its start
 time (:func:`identity`), and every process a job starts inherits the job's uid (:data:`JOB_UID_ENV`,
-its one name on disk and in the code is ``job_uid``) and ``EKSFT_NODE_TAG`` in its environment; nothing is signalled unless it carries the job's mark or
-its recorded identity. The mark also finds the processes that leave their process group (NVRx's
-double-forked in-process monitor, checkpoint writers).
+its one name on disk and in the code is ``job_uid``) and ``EKSFT_NODE_TAG`` in its environment;
+nothing is signalled unless it carries the job's mark or its recorded identity. The mark also finds
+the processes that leave their process group (NVRx's double-forked in-process monitor, checkpoint
+writers).
 """
 
 from __future__ import annotations

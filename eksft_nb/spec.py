@@ -227,8 +227,10 @@ class SlurmConfig:
 class JobSpec:
     """Everything needed to run one fault-tolerant FSDP training job."""
 
-    name: str = opt("ftrain", "--name", "job name: a DNS-1123 label, since it becomes a Kubernetes name and a folder")
-    backend: Literal["local", "eks", "slurm"] = opt("local", "--backend", "local (ranks on this machine), eks or slurm")
+    name: str = opt("ftrain", "--name",
+                    "job name: a DNS-1123 label, since it becomes a Kubernetes name and a folder")
+    backend: Literal["local", "eks", "slurm"] = opt("local", "--backend",
+                                                    "local (ranks on this machine), eks or slurm")
     engine: Literal["nvrx", "torchft"] = opt(
         "nvrx", "--engine", "nvrx: restart the group (in-process, in-job, job) and resume from a checkpoint; "
         "torchft: replica groups (one per --nnodes) train on through a per-step quorum, a lost one heals "

@@ -43,13 +43,14 @@ def record(path: str | Path, frames: int = 3, interval: float = 1.0, nvml: Any =
         pass
     out: list[dict[str, Any]] = []
     for _ in range(frames):
-        frame: dict[str, Any] = {"gpus": [{"uuid": raw(nvml.nvmlDeviceGetUUID, h),
-                                           "temperature": raw(nvml.nvmlDeviceGetTemperature, h, _TEMPERATURE_GPU),
-                                           "power_mw": raw(nvml.nvmlDeviceGetPowerUsage, h), "throttle": raw(reasons, h),
-                                           "ecc_sbe": raw(nvml.nvmlDeviceGetTotalEccErrors, h, _CORRECTED, _VOLATILE),
-                                           "ecc_dbe": raw(nvml.nvmlDeviceGetTotalEccErrors, h, _UNCORRECTED, _VOLATILE)}
-                                          if h is not None else {"uuid": {"nvml_error": _GPU_IS_LOST}} for h in gpus],
-                                 "events": []}
+        frame: dict[str, Any] = {
+            "gpus": [{"uuid": raw(nvml.nvmlDeviceGetUUID, h),
+                      "temperature": raw(nvml.nvmlDeviceGetTemperature, h, _TEMPERATURE_GPU),
+                      "power_mw": raw(nvml.nvmlDeviceGetPowerUsage, h), "throttle": raw(reasons, h),
+                      "ecc_sbe": raw(nvml.nvmlDeviceGetTotalEccErrors, h, _CORRECTED, _VOLATILE),
+                      "ecc_dbe": raw(nvml.nvmlDeviceGetTotalEccErrors, h, _UNCORRECTED, _VOLATILE)}
+                     if h is not None else {"uuid": {"nvml_error": _GPU_IS_LOST}} for h in gpus],
+            "events": []}
         deadline = time.monotonic() + interval
         while (left := int((deadline - time.monotonic()) * 1000)) > 0:
             if events is None:
@@ -99,20 +100,23 @@ class Replay:
         try:
             data = json.loads(Path(path).read_text())
         except (OSError, ValueError, RecursionError) as e:
-            raise GpuReadingError(f"cannot read the NVML recording {path} ({type(e).__name__})", fix) from None
+            raise GpuReadingError(f"cannot read the NVML recording {path} ({type(e).__name__})",
+                                  fix) from None
         if not isinstance(data, dict) or data.get("format") != RECORDING or data.get("version") != 1:
             raise GpuReadingError(f"{path} is not a version-1 {RECORDING}", fix)
         frames = data.get("frames")
         if not isinstance(frames, list) or not frames or len(frames) > 100_000:
             raise GpuReadingError(f"{path} has no frames", fix)
         for i, frame in enumerate(frames):
-            gpus, events = (frame.get("gpus"), frame.get("events", [])) if isinstance(frame, dict) else (None, None)
+            gpus, events = ((frame.get("gpus"), frame.get("events", [])) if isinstance(frame, dict)
+                            else (None, None))
             if not isinstance(gpus, list) or not all(isinstance(g, dict) for g in gpus) or len(gpus) > 64 \
                     or (i and len(gpus) != len(frames[0]["gpus"])) or not isinstance(events, list) \
-                    or not all(isinstance(ev, dict) and type(ev.get("gpu")) is int and 0 <= ev["gpu"] < len(gpus)
-                               and ev.get("type") in ("xid", "ecc_dbe") for ev in events):
-                raise GpuReadingError(f"{path}: frame {i} is not a list of GPU readings and events on those GPUs",
-                                      fix)
+                    or not all(isinstance(ev, dict) and type(ev.get("gpu")) is int
+                               and 0 <= ev["gpu"] < len(gpus) and ev.get("type") in ("xid", "ecc_dbe")
+                               for ev in events):
+                raise GpuReadingError(f"{path}: frame {i} is not a list of GPU readings and events on "
+                                      "those GPUs", fix)
             frame["events"] = events
         return cls(frames)
 

@@ -303,10 +303,12 @@ def test_the_header_is_the_command_layers_row(monkeypatch: pytest.MonkeyPatch) -
     h = Dashboard(job.handle(), live=False).header
     row = rows[-1]
     assert (h.state, h.step, h.total, h.restarts, h.last_checkpoint, h.goodput) == (
-        row["state"], row["step"], row["total_steps"], row["restarts"], row["last_checkpoint"], row["goodput"])
+        row["state"], row["step"], row["total_steps"], row["restarts"], row["last_checkpoint"],
+        row["goodput"])
     cli = commands.status("header-row")
     assert (cli["state"], cli["step"], cli["restarts"], cli["last_checkpoint"]) == (
-        "starting", 30, {"inprocess": 0, "injob": 1, "job": 0}, 20) == (h.state, h.step, h.restarts, h.last_checkpoint)
+        "starting", 30, {"inprocess": 0, "injob": 1, "job": 0}, 20) == (
+        h.state, h.step, h.restarts, h.last_checkpoint)
 
 
 def test_inject_controls_write_the_command_the_job_reads(tmp_path: Path) -> None:

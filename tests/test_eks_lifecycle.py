@@ -483,7 +483,8 @@ def test_a_claim_other_nodes_cannot_mount_is_refused(kube: Kube, backend: EksBac
     assert posts(kube) == ["persistentvolumeclaims"] * 2   # the two claims: nothing of the job was sent
 
 
-def test_every_launch_has_its_own_job_uid_in_the_record(kube: Kube, backend: EksBackend, ctl: Controllers) -> None:
+def test_every_launch_has_its_own_job_uid_in_the_record(kube: Kube, backend: EksBackend,
+                                                        ctl: Controllers) -> None:
     """Issue 18, finding 6: a relaunch under the same name and spec (after `rm`, which keeps the job's
     folder and checkpoints) commits under another job uid, so it never takes the earlier launch's newer
     checkpoints for its own, nor prunes its own saves for theirs. The pods read the id from the record."""

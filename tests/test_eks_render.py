@@ -59,8 +59,8 @@ def test_matrix_renders_valid_manifests(kind: str, nnodes: int, gpus: int, efa: 
     env = {e["name"]: e.get("value", e.get("valueFrom")) for e in trainer["env"]}
     # the local launch line, with node 0's stable DNS name: no shell, no sleep, no DNS polling
     node_rank = "$(RANK)" if kind == "pytorchjob" else "$(EKSFT_NODE_RANK)"
-    line = launcher_argv(spec, node_rank=node_rank, rdzv_host=names.rank0_host(spec), ports=Ports.from_base(29500),
-                         rdzv_id="demo")
+    line = launcher_argv(spec, node_rank=node_rank, rdzv_host=names.rank0_host(spec),
+                         ports=Ports.from_base(29500), rdzv_id="demo")
     # warm ranks (the default): the in-pod entry starts the pod's zygote, then runs that very line with the
     # image's shim as its worker; the shim's path is the container's, so this machine's is nowhere
     assert trainer["command"] == INPOD + ["launch"] and trainer["args"] == line and line[0] == "ft_launcher"

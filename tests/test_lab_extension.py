@@ -96,8 +96,8 @@ def drive(page: Any, lab: dict[str, Any], shots: Path) -> None:
     panel = page.locator(".eksft-panel[data-live=true]")
     panel.wait_for(timeout=60_000)   # the stream is open: what follows comes from it
 
-    # a job launched from a terminal shows in the panel, pushed by the stream (how soon is a figure, not a test:
-    # on busy cores it measured 2.4 and 9.4 s)
+    # a job launched from a terminal shows in the panel, pushed by the stream (how soon is a figure, not a
+    # test: on busy cores it measured 2.4 and 9.4 s)
     launched = cli("run", "--name", JOB, "--model", "tiny", "--steps", "100000", "--ckpt-every", str(EVERY),
                    "--detach")
     returned = time.monotonic()
@@ -144,7 +144,8 @@ def drive(page: Any, lab: dict[str, Any], shots: Path) -> None:
     dash.locator(".eksft-whatif-plot.js-plotly-plot").wait_for(timeout=120_000)
     assert dash.locator(".eksft-plot.js-plotly-plot").first.is_hidden()     # the training tab is shut
     line = whatif.locator(".eksft-whatif-line").inner_text()
-    assert re.fullmatch(rf"recommended: every \d+ steps: \+\d+\.\d points ETTR \(now every {EVERY}\)", line), line
+    assert re.fullmatch(rf"recommended: every \d+ steps: \+\d+\.\d points ETTR \(now every {EVERY}\)",
+                        line), line
     assert whatif.get_attribute("data-every") == line.split()[2]             # what an apply action reads
     labels = whatif.locator(".eksft-whatif-table tbody tr td:first-child").all_inner_texts()
     assert labels[:2] == ["measured (as run)", "predicted (as run)"] and len(labels) >= 4, labels

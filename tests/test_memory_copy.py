@@ -158,9 +158,9 @@ def _rank(rank: int, incarnation: int, root: str, store: str, run: str, out: str
     dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=120))
     events: list[dict[str, Any]] = []
-    mgr = CheckpointManager(Path(root), rank=rank, world_size=2, group=dist.new_group(backend="gloo"), every=5,
-                            mode="async", keep_last=3, emit=lambda kind, **data: events.append({"kind": kind, **data}),
-                            job_uid=run)
+    mgr = CheckpointManager(Path(root), rank=rank, world_size=2, group=dist.new_group(backend="gloo"),
+                            every=5, mode="async", keep_last=3,
+                            emit=lambda kind, **data: events.append({"kind": kind, **data}), job_uid=run)
     model, optim = _model()
     result: dict[str, Any] = {}
     if incarnation == 0:
@@ -262,9 +262,9 @@ def test_a_copy_being_overwritten_by_a_newer_save_is_not_used(tmp_path: Path, gr
     run = f"test{uuid.uuid4().hex[:12]}"
     events: list[dict[str, Any]] = []
     try:
-        mgr = CheckpointManager(tmp_path, rank=0, world_size=1, group=group, every=5, mode="async", keep_last=3,
-                                emit=lambda kind, **data: events.append({"kind": kind, **data}), job_uid=run,
-                                process=process)
+        mgr = CheckpointManager(tmp_path, rank=0, world_size=1, group=group, every=5, mode="async",
+                                keep_last=3, emit=lambda kind, **data: events.append({"kind": kind, **data}),
+                                job_uid=run, process=process)
         model = torch.nn.Linear(16, 16)
         mgr.maybe_save(5, {"model": model.state_dict()})
         mgr.finish()
@@ -280,9 +280,10 @@ def test_a_copy_being_overwritten_by_a_newer_save_is_not_used(tmp_path: Path, gr
         resume = [e for e in events if e["kind"] == "resume"][-1]
         assert resume["source"] == "storage" and "there is none" in resume["memory"]
         assert all(torch.equal(fresh.state_dict()[k], v) for k, v in at_5.items())
-        other = CheckpointManager(tmp_path, rank=0, world_size=1, group=group, every=5, mode="async", keep_last=3,
-                                  emit=lambda kind, **data: events.append({"kind": kind, **data}), job_uid=run + "x",
-                                  process=process)
+        other = CheckpointManager(tmp_path, rank=0, world_size=1, group=group, every=5, mode="async",
+                                  keep_last=3,
+                                  emit=lambda kind, **data: events.append({"kind": kind, **data}),
+                                  job_uid=run + "x", process=process)
         assert other.restore({"model": fresh}, "latest", restarting=False) == 5
         assert events[-1]["source"] == "storage"
     finally:
@@ -297,8 +298,8 @@ def test_each_staged_buffer_is_a_storage_of_its_own_and_the_save_plan_is_kept(tm
 
     run = f"test{uuid.uuid4().hex[:12]}"
     try:
-        mgr = CheckpointManager(tmp_path, rank=0, world_size=1, group=group, every=5, mode="async", keep_last=2,
-                                emit=lambda kind, **data: None, job_uid=run, process=process)
+        mgr = CheckpointManager(tmp_path, rank=0, world_size=1, group=group, every=5, mode="async",
+                                keep_last=2, emit=lambda kind, **data: None, job_uid=run, process=process)
         model = torch.nn.Linear(16, 8)
         for step in (5, 10, 15):
             mgr.maybe_save(step, {"model": model.state_dict(), "step": torch.tensor(step)})
@@ -337,7 +338,8 @@ def test_a_state_that_does_not_fit_in_dev_shm_keeps_no_copy(tmp_path: Path) -> N
     shelf = memcopy.Shelf()
     shelf.bind("", 0, 1)  # no job uid: anonymous shared memory, no file
     buffers = shelf.allocate(wanted)
-    assert all(b.is_shared() for b in buffers.values()) and shelf.path is None and shelf.note == "the job has no job uid"
+    assert all(b.is_shared() for b in buffers.values()) and shelf.path is None \
+        and shelf.note == "the job has no job uid"
     run = f"test{uuid.uuid4().hex[:12]}"
     shelf.bind(run, 0, 1)
     blocker = buffer_path(copy_path(run, 0), 1)  # the large buffer's file cannot be made; the small one's can

@@ -95,7 +95,8 @@ def test_a_recorded_process_is_known_by_its_start_ticks_when_the_clock_steps(
 def test_rm_refuses_while_a_process_of_the_job_runs(tmp_path: Path) -> None:
     uid = "fedcba9876543210"
     backend = fake_job(tmp_path, {"job_uid": uid, "state": "failed", "reason": "gave up"})
-    rank = subprocess.Popen(["sleep", "600"], env={**os.environ, procs.JOB_UID_ENV: uid}, start_new_session=True)
+    rank = subprocess.Popen(["sleep", "600"], env={**os.environ, procs.JOB_UID_ENV: uid},
+                            start_new_session=True)
     try:
         with pytest.raises(JobError, match=f"processes \\[{rank.pid}\\] of job 'old' still run"):
             backend.remove("old")
@@ -111,7 +112,8 @@ def test_a_job_reads_ended_only_once_its_supervisor_and_keeper_are_gone(tmp_path
     """The supervisor records the end (``job_end``, then its record) a moment before it and its keeper
     exit: until they have, the job is still running, ending, so that "stopped" means nothing runs."""
     uid = "00112233445566aa"
-    keeper = subprocess.Popen(["sleep", "600"], env={**os.environ, procs.JOB_UID_ENV: uid}, start_new_session=True)
+    keeper = subprocess.Popen(["sleep", "600"], env={**os.environ, procs.JOB_UID_ENV: uid},
+                              start_new_session=True)
     try:
         backend = fake_job(tmp_path, {"job_uid": uid, "state": "stopped", "reason": "stopped by the user",
                                       "keeper": procs.identity(keeper.pid)})

@@ -153,7 +153,8 @@ def test_a_job_runs_on_two_slurm_nodes_and_reads_as_a_local_one(cluster: SlurmCl
     # every checkpoint was committed under this launch's id (its part and the Slurm job id)
     record = json.loads((folder / "slurm.json").read_text())
     assert record["job_uid"].endswith(f"-{record['job_id']}")
-    assert {c.job_uid for c in SlurmBackend(shared_dir=cluster.shared).checkpoints("reference")} == {record["job_uid"]}
+    assert {c.job_uid for c in SlurmBackend(shared_dir=cluster.shared).checkpoints("reference")} \
+        == {record["job_uid"]}
     # the job's own narrative and the launchers' lines, without the launchers' noise
     text = cli(cluster, "logs", "reference", "--backend", "slurm").stdout
     assert "[launcher-0-0]" in text and "Rendezvous info" not in text

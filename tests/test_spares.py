@@ -31,7 +31,8 @@ def test_eks_workloads_get_the_spare_pods_and_the_rendezvous_keeps_its_size(kind
 
 def test_pytorchjobs_refuse_spares_in_one_line() -> None:
     with pytest.raises(SpecError) as err:
-        commands.dry_run(eks_spec(nnodes=2, kind="pytorchjob", spare_nodes=1))   # the command layer's one check
+        # the command layer's one check
+        commands.dry_run(eks_spec(nnodes=2, kind="pytorchjob", spare_nodes=1))
     assert "\n" not in str(err.value) and "use --kind job (or jobset) for hot spares" in str(err.value)
 
 

@@ -191,7 +191,8 @@ def test_young_daly_from_the_measured_costs() -> None:
     assert rec["tau_s"] == pytest.approx(math.sqrt(34) - 0.5, abs=1e-3)
     assert rec["young_daly"] == 5 and rec["gain_points"] == 0.0 and rec["every"] is None   # the job's own
     assert rec["text"] == "keep every 5: it is Young/Daly's interval for this job's measured costs"
-    assert 5 in [r["setting"]["ckpt_every"] for r in report["rows"]]   # the formula's interval is one of the rows
+    # the formula's interval is one of the rows
+    assert 5 in [r["setting"]["ckpt_every"] for r in report["rows"]]
     # recovery 10 s: every 6 steps replays at +3.3 points, so it is recommended (what Apply sets)
     rec = replay(stream(downtime=10.0), spec()).to_dict()["recommendation"]
     assert (rec["every"], rec["young_daly"]) == (6, 6) and rec["gain_points"] > 0

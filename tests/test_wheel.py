@@ -96,7 +96,8 @@ def test_the_wheel_is_the_whole_install(tmp_path: Path) -> None:
                EKSFT_HOME=str(tmp_path / "eksft"), JUPYTER_CONFIG_DIR=str(tmp_path / "jupyter-config"),
                JUPYTER_DATA_DIR=str(tmp_path / "jupyter-data"), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"))
     src = with_built_extension(clean_tree(tmp_path / "src"))
-    run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", tmp_path / "dist", src], tmp_path, env)
+    run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", tmp_path / "dist", src],
+        tmp_path, env)
     (wheel,) = (tmp_path / "dist").glob("eksft_nb-*.whl")
     version = json.loads((REPO / "nbext" / "package.json").read_text())["version"]   # the one source
     assert wheel.name.startswith(f"eksft_nb-{version}-"), wheel.name

@@ -16,11 +16,12 @@ def dcgm_metrics(jobs: Iterable[tuple[str, GpuFold]]) -> Iterator[Any]:
 
     labels = ["gpu", "UUID", "Hostname", "job"]
     families = {
-        "xid": GaugeMetricFamily("DCGM_FI_DEV_XID_ERRORS", "Value of the last XID error encountered", labels=labels),
-        "ecc_dbe": GaugeMetricFamily("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "Total number of double-bit volatile ECC errors",
-                                     labels=labels),
-        "ecc_sbe": GaugeMetricFamily("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "Total number of single-bit volatile ECC errors",
-                                     labels=labels),
+        "xid": GaugeMetricFamily("DCGM_FI_DEV_XID_ERRORS", "Value of the last XID error encountered",
+                                 labels=labels),
+        "ecc_dbe": GaugeMetricFamily("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
+                                     "Total number of double-bit volatile ECC errors", labels=labels),
+        "ecc_sbe": GaugeMetricFamily("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL",
+                                     "Total number of single-bit volatile ECC errors", labels=labels),
         "temp_c": GaugeMetricFamily("DCGM_FI_DEV_GPU_TEMP", "GPU temperature (in C)", labels=labels),
         "power_w": GaugeMetricFamily("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W)", labels=labels),
         "throttle": GaugeMetricFamily("DCGM_FI_DEV_CLOCK_THROTTLE_REASONS", "Current clock throttle reasons",

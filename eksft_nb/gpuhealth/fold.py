@@ -17,9 +17,11 @@ class GpuFold:
     samples are all kept; of older ones, those where a node's status changed (and each node's first).
     Read what arrived with :meth:`since`, by the count :attr:`n_samples`."""
 
-    nodes: dict[int, dict[str, Any]] = field(default_factory=dict)   # node -> {host, note, t, gpus: {i: entry}}
+    # node -> {host, note, t, gpus: {i: entry}}
+    nodes: dict[int, dict[str, Any]] = field(default_factory=dict)
     samples: list[dict[str, Any]] = field(default_factory=list)      # {t, node, status, text, seq, change}
-    faults: list[dict[str, Any]] = field(default_factory=list)       # {t, node, host, gpu, uuid, fault, detail, xid}
+    # {t, node, host, gpu, uuid, fault, detail, xid}
+    faults: list[dict[str, Any]] = field(default_factory=list)
     n_samples: int = 0                                               # samples ever folded in
     recent: int = 4096
     _status: dict[int, str] = field(default_factory=dict)           # node -> status of its newest sample
@@ -84,7 +86,8 @@ def _summary(entries: list[dict[str, Any]]) -> str:
         vals = [e[key] for e in entries if e[key] is not None]
         return str(sum(vals)) if vals else "?"
 
-    return (f"{len(entries)} GPU{'s' if len(entries) != 1 else ''}: {span('temp_c', ' C')}, {span('power_w', ' W')}, "
+    return (f"{len(entries)} GPU{'s' if len(entries) != 1 else ''}: {span('temp_c', ' C')}, "
+            f"{span('power_w', ' W')}, "
             f"ECC {total('ecc_sbe')}/{total('ecc_dbe')} (single/double)")
 
 

@@ -9,13 +9,13 @@ The model, term by term (``N`` useful steps, ``t`` clean step time, ``k`` the in
   further save costs beyond its stall (an async save's commit, agreed by the ranks between steps),
   observed: the gaps between steps, less the stall, less a gap's median at every step, per save
 - saves = the saves the job made, plus what ``k`` changes in ceil(N / k) and in the saves a rollback
-  repeats (so the job's own settings replay its own count), of three kinds that cost differently: the first save after each start of the
-  ranks (the job's start and every recovery: it waits for a fresh writer and plans the save anew), the
-  last step's (it waits for its write to commit), and the rest. Each kind costs its observed mean
-  stall; the firsts are counted by replaying the restarts under ``k`` (the save after each resumed
-  step), so a longer interval saves no stall on them. Interference = saves * interference per save
-  (an async save's slowdown of the steps it overlaps); sync from async: a save blocks for its
-  staging plus its write
+  repeats (so the job's own settings replay its own count), of three kinds that cost differently: the
+  first save after each start of the ranks (the job's start and every recovery: it waits for a fresh
+  writer and plans the save anew), the last step's (it waits for its write to commit), and the rest.
+  Each kind costs its observed mean stall; the firsts are counted by replaying the restarts under
+  ``k`` (the save after each resumed step), so a longer interval saves no stall on them.
+  Interference = saves * interference per save (an async save's slowdown of the steps it overlaps);
+  sync from async: a save blocks for its staging plus its write
 - each observed failure replayed at the step it hit (s): it rolls back to the newest save it can
   load, s - s mod k (in-job and job restarts load committed saves only: an async save becomes
   loadable ``commit lag`` steps after it began, the median observed; at the job's own interval the

@@ -73,7 +73,8 @@ def remove_stale_copies(live: set[str]) -> int:
 
 
 def _remove(doomed: Callable[[str], bool]) -> int:
-    """Remove this user's copy files (buffers, record, a record's temporary file) whose job_uid is ``doomed``."""
+    """Remove this user's copy files (buffers, record, a record's temporary file) whose job_uid is
+    ``doomed``."""
     removed = 0
     for path in SHM.glob("*eksft-*"):
         m = re.fullmatch(r"\.?eksft-(.+)-\d+(\.\d+|\.json(\.\d+\.tmp)?)?", path.name)
@@ -132,7 +133,8 @@ def parse_header(text: str | bytes) -> Header | str:
         return f"its header has version {str(raw.get('version'))[:20]!r}, not {VERSION}"
     job_uid = raw.get("job_uid", raw.get("run"))   # "run": older jobs' name for it
     step, t = raw.get("step"), raw.get("committed_at")
-    if not isinstance(job_uid, str) or not _int(raw.get("rank"), 0, 1 << 20) or not _int(raw.get("world_size"), 1, 1 << 20):
+    if not isinstance(job_uid, str) or not _int(raw.get("rank"), 0, 1 << 20) \
+            or not _int(raw.get("world_size"), 1, 1 << 20):
         return "its header lacks the job uid, rank or world size"
     if not _int(step) or type(t) is not float or not math.isfinite(t):
         return "its header lacks the step or commit time"
@@ -307,7 +309,8 @@ class Shelf:
                     with contextlib.suppress(OSError):
                         old.unlink()
         storages: dict[str, Any] = {}
-        files = {key: (i, math.prod(shape) * dtype.itemsize) for i, (key, (shape, dtype)) in enumerate(wanted.items())}
+        files = {key: (i, math.prod(shape) * dtype.itemsize)
+                 for i, (key, (shape, dtype)) in enumerate(wanted.items())}
         why = "" if base is not None else "the job has no job uid"
         for key, (i, nbytes) in files.items() if base is not None else ():
             reserved = reserve(buffer_path(base, i), nbytes) if nbytes else None
@@ -387,8 +390,8 @@ class Shelf:
             return
         (_, described), (_, step, t) = self._hashed, self._commit
         job_uid, rank, world_size = self.identity
-        header = {"format": FORMAT, "version": VERSION, "job_uid": job_uid, "rank": rank, "world_size": world_size,
-                  "step": step, "committed_at": t, **described}
+        header = {"format": FORMAT, "version": VERSION, "job_uid": job_uid, "rank": rank,
+                  "world_size": world_size, "step": step, "committed_at": t, **described}
         try:
             atomic_write(_header_path(self.path), json.dumps(header))
         except OSError as e:

@@ -327,7 +327,8 @@ def container_env(spec: JobSpec, attempt_from: str | None) -> list[dict[str, Any
     env += [{"name": k, "value": literal(v)} for k, v in values.items()]
     # the launch's id for checkpoint lineage, from the job's record: the same in every pod and across
     # restarts of one workload (whose Jobs and pods are recreated), new for every launch
-    env.append({"name": JOB_UID_ENV, "valueFrom": {"configMapKeyRef": {"name": spec.name, "key": names.JOB_UID}}})
+    env.append({"name": JOB_UID_ENV,
+                "valueFrom": {"configMapKeyRef": {"name": spec.name, "key": names.JOB_UID}}})
     return env
 
 

@@ -80,7 +80,8 @@ def keep(jd: JobDir) -> int:
     mon.update(EventTail(jd.events_path).read())
     EventWriter(jd.events_path, jd.name, rank=None).emit("job_end", state=JobState.FAILED, reason=reason,
                                                          final_step=mon.last_step)
-    atomic_write(jd.supervisor_path, json.dumps({**jd.supervisor(), "state": JobState.FAILED, "reason": reason}, indent=1))
+    atomic_write(jd.supervisor_path,
+                 json.dumps({**jd.supervisor(), "state": JobState.FAILED, "reason": reason}, indent=1))
     return 1
 
 

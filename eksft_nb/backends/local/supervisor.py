@@ -7,15 +7,15 @@ launcher dies, emits the ``failure``/``restart`` events with cause, blamed rank 
 gives up with a reason when restarts stop making progress.
 
 When the supervisor dies. The supervisor runs as the child of a small *keeper* process
-(:mod:`.keeper`) that holds the job folder's lock. If the supervisor dies before the job ended (SIGKILL, a crash, an uncaught
-error), the keeper starts a successor that *adopts* the job: it finds the launchers again by identity
-(pid and start time, and the job's mark, from ``supervisor.json``), rebuilds what its predecessor knew
-by replaying the job's events (publishing only the failure/restart events its predecessor did not,
-such as an in-job restart while nobody watched), reads the launcher logs on from the saved offsets,
-and carries on. After :data:`.keeper.MAX_SUPERVISORS` deaths the keeper ends every process of the job and
-records why. If the keeper is gone too, any client that finds the job's processes running without a
-supervisor (``LocalBackend.state``) starts a new keeper. An ``OSError`` in the supervisor (a full
-disk) ends the job with that reason, its launchers stopped.
+(:mod:`.keeper`) that holds the job folder's lock. If the supervisor dies before the job ended
+(SIGKILL, a crash, an uncaught error), the keeper starts a successor that *adopts* the job: it finds
+the launchers again by identity (pid and start time, and the job's mark, from ``supervisor.json``),
+rebuilds what its predecessor knew by replaying the job's events (publishing only the failure/restart
+events its predecessor did not, such as an in-job restart while nobody watched), reads the launcher
+logs on from the saved offsets, and carries on. After :data:`.keeper.MAX_SUPERVISORS` deaths the
+keeper ends every process of the job and records why. If the keeper is gone too, any client that finds
+the job's processes running without a supervisor (``LocalBackend.state``) starts a new keeper. An
+``OSError`` in the supervisor (a full disk) ends the job with that reason, its launchers stopped.
 
 About 600 lines, one idea: the supervisor's loop and the state its launch, watch, spare hand-over and
 adoption share; the ideas of their own are modules beside it (:mod:`.keeper`, :mod:`.handover`,
@@ -226,7 +226,8 @@ class Supervisor:
         for node in range(self.spec.nnodes + self.spec.spare_nodes):   # spares wait in the rendezvous
             tag = f"{self.attempt}.{node}"
             zygote = self._start_zygote(tag)
-            argv = launcher_argv(self.spec, node_rank=node, rdzv_host="127.0.0.1", ports=ports, rdzv_id=rdzv_id,
+            argv = launcher_argv(self.spec, node_rank=node, rdzv_host="127.0.0.1", ports=ports,
+                                 rdzv_id=rdzv_id,
                                  nvrx=self.nvrx, cycle_dir=str(self._cycle_dir(self.attempt)),
                                  store_elsewhere=self.store is not None,
                                  warm_python=zygote and sys.executable)

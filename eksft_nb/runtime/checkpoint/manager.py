@@ -59,7 +59,8 @@ class CheckpointManager:
     def __init__(self, root: Path, *, rank: int, world_size: int, group: dist.ProcessGroup | None,
                  every: int, mode: str, keep_last: int, emit: Callable[..., Any],
                  atomic: Callable[[], Any] | None = None, keepalive: Callable[[], Any] | None = None,
-                 storage_fault: Callable[[], tuple[str, float] | None] | None = None, job_uid: str | None = None,
+                 storage_fault: Callable[[], tuple[str, float] | None] | None = None,
+                 job_uid: str | None = None,
                  process: CheckpointProcess | None = None) -> None:
         self.root, self.rank, self.world_size, self.group = Path(root), rank, world_size, group
         self.every, self.mode, self.keep_last, self.emit = every, mode, keep_last, emit
@@ -77,7 +78,8 @@ class CheckpointManager:
         self.writer, self.stager = process.writer, process.stager
         self.shelf = self.stager.shelf  # where the staged buffers live, and the record of the copy they hold
         self.shelf.bind(self.job_uid, rank, world_size)
-        self.ahead: set[int] | None = None  # step folders to clear before saving there, see _clear; None: not listed yet
+        # step folders to clear before saving there, see _clear; None: not listed yet
+        self.ahead: set[int] | None = None
         self.plan_cache: PlanCache | None = None  # the save plan, kept while the staged layout stays the same
         self.plan_metadata: Any = None  # the DCP metadata of the last plan made (rank 0)
         self.writer.drain()
@@ -314,7 +316,8 @@ class CheckpointManager:
             try:
                 files = collect()
                 record = {"step": step, "world_size": self.world_size, "time": time.time(), "mode": self.mode,
-                          "job_uid": self.job_uid, "bytes": sum(f["size"] for f in files.values()), "files": files}
+                          "job_uid": self.job_uid, "bytes": sum(f["size"] for f in files.values()),
+                          "files": files}
                 tmp = path / (COMMIT + ".tmp")
                 fault = self.storage_fault()
                 if fault is not None and fault[0] == "full":  # a full disk fails the record too
@@ -453,8 +456,8 @@ class CheckpointManager:
         its step, or what the storage restore that follows reports about the copies (why not, time spent)."""
         t0 = time.perf_counter()
         try:
-            load_fn, reason, verify_s = memcopy.prepare(self.job_uid, self.rank, self.world_size, newest.step, newest.time,
-                                                        state, self._ticker())
+            load_fn, reason, verify_s = memcopy.prepare(self.job_uid, self.rank, self.world_size, newest.step,
+                                                        newest.time, state, self._ticker())
         except Exception as e:  # noqa: BLE001 - every rank must reach the gather below, whatever this one met
             load_fn, reason, verify_s = None, f"it cannot be read: {type(e).__name__}: {e}"[:300], 0.0
         if reason and self.shelf.note:  # this process knows why it kept none
