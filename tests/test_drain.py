@@ -37,7 +37,9 @@ def test_sigterm_to_every_rank_saves_commits_and_stops_then_resumes_bit_identica
     assert status["state"] == "stopped", story(name)
     [drain] = events(name, "drain")
     step = drain["step"]
-    assert drain["committed"] and drain["ranks_asked"] == 2 and 13 <= step < 80, drain
+    # the signals go to the two ranks one after the other: rank 1 may already have added its share to
+    # the step's all-reduce when its SIGTERM lands, so the step that agrees counts one or both
+    assert drain["committed"] and drain["ranks_asked"] in (1, 2) and 13 <= step < 80, drain
     # the step it drained at is committed on disk, intact, and nothing after it was trained
     committed = {i.step: i for i in list_checkpoints(job_dir(name) / "ckpt") if i.state == "committed"}
     assert step in committed and verify(committed[step]) is None, committed
