@@ -33,8 +33,10 @@ FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking",
          "--disable-component-update", "--disable-sync"]
 JOB = "panel-job"
-# it saves at every step: Young/Daly's longer interval pays off on the replay of its sigkill, so the
-# what-if recommends it and offers Apply (an interval that loses is said, never offered)
+# it saves at every step, synchronously: Young/Daly's longer interval pays off on the replay of its
+# sigkill (+23 points measured here), so the what-if recommends it and offers Apply (an interval that
+# loses is said, never offered). Async saves every step would be deferred to one per write, which the
+# formula's interval then barely beats (-0.3 points in one CI run)
 EVERY = 1
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow,
@@ -99,7 +101,7 @@ def drive(page: Any, lab: dict[str, Any], shots: Path) -> None:
     # a job launched from a terminal shows in the panel, pushed by the stream (how soon is a figure, not a
     # test: on busy cores it measured 2.4 and 9.4 s)
     launched = cli("run", "--name", JOB, "--model", "tiny", "--steps", "100000", "--ckpt-every", str(EVERY),
-                   "--detach")
+                   "--ckpt-mode", "sync", "--detach")
     returned = time.monotonic()
     assert launched.returncode == 0, launched.stderr
     row = page.locator(f'.eksft-job[data-job="{JOB}"]')
