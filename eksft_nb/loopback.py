@@ -104,3 +104,17 @@ def env() -> dict[str, str]:
     default both take the address the host name resolves to, or the first network interface)."""
     name = interface()
     return {"GLOO_SOCKET_IFNAME": name, "NCCL_SOCKET_IFNAME": name}
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct loopback ports free now (each held until all are found, so none repeats)."""
+    socks = []
+    try:
+        for _ in range(n):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            socks.append(sock)
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()

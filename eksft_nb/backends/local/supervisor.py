@@ -215,7 +215,7 @@ class Supervisor:
         self.stop_requested = True
 
     def _launch(self) -> None:
-        ports = Ports(*_free_ports(3))
+        ports = Ports(*loopback.free_ports(3))
         rdzv_id = self.rdzv_id = f"{self.spec.name}-{self.attempt}-{uuid.uuid4().hex[:6]}"
         self.nodes = []
         self.t_launch = time.time()
@@ -314,16 +314,23 @@ class Supervisor:
             return None
         return spare
 
+    def _read_and_check(self, what: str) -> tuple[JobState, str] | None:
+        """A watch loop's first move each poll: fold what the job wrote, then end on a stop the user
+        asked for (terminating ``what``); exit at once if the job folder is no longer this job's."""
+        self._pump()
+        if self.stop_requested:
+            self.say(f"stop requested: terminating {what}")
+            return JobState.STOPPED, "stopped by the user"
+        if not self._folder_is_mine():
+            self._kill_everything()
+            sys.exit(1)  # the job folder was deleted or replaced: nobody to report to
+        return None
+
     def _watch(self) -> tuple[JobState, str] | None:
         """Poll until the attempt ends. Returns the job outcome, or None to relaunch."""
         while True:
-            self._pump()
-            if self.stop_requested:
-                self.say("stop requested: terminating the launchers")
-                return JobState.STOPPED, "stopped by the user"
-            if not self._folder_is_mine():
-                self._kill_everything()
-                sys.exit(1)  # the job folder was deleted or replaced: nobody to report to
+            if (ended := self._read_and_check("the launchers")) is not None:
+                return ended
             if self.incidents.give_up:
                 return JobState.FAILED, self.incidents.give_up
             codes = [n.poll() for n in self.nodes]
@@ -599,19 +606,6 @@ def _rendezvous_store(port: int) -> Any:
 
     loopback.install()
     return TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def main() -> None:

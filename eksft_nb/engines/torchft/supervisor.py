@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ... import procs
+from ... import loopback, procs
 from ...jobdir import JobDir
-from ...backends.local.supervisor import POLL_S, Node, Supervisor, _free_ports
+from ...backends.local.supervisor import POLL_S, Node, Supervisor
 from ...runtime.quiet import quiet_env
 from ...states import JobState, RestartLevel
 from . import lighthouse
@@ -47,18 +47,10 @@ class TorchftSupervisor(Supervisor):
         return JobState.FAILED, "the supervisor died, and a torchft job cannot be adopted yet: run it again"
 
     def _launch(self) -> None:
-        self.lighthouse_port = _free_ports(1)[0]
+        self.lighthouse_port = loopback.free_ports(1)[0]
         env = quiet_env({**os.environ, procs.JOB_UID_ENV: self.job_uid, procs.NODE_MARK: "lighthouse"})
-        with open(self.jd.logs / "lighthouse.log", "ab") as out:
-            self.lighthouse = subprocess.Popen(
-                lighthouse.argv(self.lighthouse_port),
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                cwd=self.jd.path,
-                start_new_session=True,
-            )
+        self.lighthouse = self._spawn(lighthouse.argv(self.lighthouse_port), env,
+                                      self.jd.logs / "lighthouse.log")
         self.t_launch = time.time()
         self.nodes = [self._start_group(g) for g in range(self.spec.nnodes)]
         self.say(
@@ -80,35 +72,27 @@ class TorchftSupervisor(Supervisor):
                     group,
                     job_dir=str(self.jd.path),
                     lighthouse_port=self.lighthouse_port,
-                    store_port=_free_ports(1)[0],
+                    store_port=loopback.free_ports(1)[0],
                     restart=restart,
                     last_step=last_step,
                 ),
             }
         )
         log = self.jd.logs / f"group-{group}-{restart}.log"
-        with open(log, "ab") as out:
-            popen = subprocess.Popen(
-                group_argv(),
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                cwd=self.jd.path,
-                start_new_session=True,
-            )
+        popen = self._spawn(group_argv(), env, log)
         self.events.emit("launch", attempt=restart, node=group, pid=popen.pid, pgid=popen.pid)
         return Node(group, log, tag, procs.identity(popen.pid), popen=popen)
 
+    def _spawn(self, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+        """A process of the job in its own session (signalled as a group), its output appended to ``log``."""
+        with open(log, "ab") as out:
+            return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, cwd=self.jd.path, start_new_session=True)
+
     def _watch(self) -> tuple[JobState, str] | None:
         while True:
-            self._pump()
-            if self.stop_requested:
-                self.say("stop requested: terminating the replica groups")
-                return JobState.STOPPED, "stopped by the user"
-            if not self._folder_is_mine():
-                self._kill_everything()
-                sys.exit(1)
+            if (ended := self._read_and_check("the replica groups")) is not None:
+                return ended
             if self.lighthouse is not None and (code := self.lighthouse.poll()) is not None:
                 return JobState.FAILED, f"torchft's Lighthouse ended (exit {code}; see logs/lighthouse.log)"
             codes = [n.poll() for n in self.nodes]
