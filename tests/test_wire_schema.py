@@ -22,7 +22,8 @@ MODELS: dict[str, Any] = {
     "IJobRow": JobRow, "IStopResult": StopResult, "IResumeResult": ResumeResult,
     "ISettingsResult": SettingsResult, "IFaultKindInfo": wire.FaultKindInfo, "ILiveSetting": wire.LiveSetting,
     "IBackendStatus": wire.BackendStatus, "IJobsReply": wire.JobsReply,
-    "ISettingsInForce": wire.SettingsInForce,
+    "ISettingsInForce": wire.SettingsInForce, "ICheckpointRow": wire.CheckpointRow,
+    "ICheckpointsReply": wire.CheckpointsReply,
     "IFigure": wire.Figure, "IWhatIfView": wire.WhatIfView}
 NAMES = {model: name for name, model in MODELS.items()}
 

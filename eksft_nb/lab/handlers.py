@@ -143,8 +143,8 @@ class CheckpointsHandler(Base):
     @web.authenticated
     @refusing
     async def get(self, name: str) -> None:
-        self.finish(json.dumps({"checkpoints": await self.call(commands.checkpoints, name,
-                                                               backend=self.backend())}))
+        rows = await self.call(commands.checkpoints, name, backend=self.backend())
+        self.finish(json.dumps(wire.checkpoints_reply(rows)))
 
 
 class SummaryHandler(Base):

@@ -13,13 +13,27 @@ from typing import Any, TypedDict, cast
 from ..commands import JobRow
 from ..fault_registry import REGISTRY
 from ..settings import LIVE, MAX_VALUE
-from ..states import FAILED_ENDS, JobState, RestartLevel
+from ..states import FAILED_ENDS, CheckpointState, FaultScope, JobState, RestartLevel
 
 
 class FaultKindInfo(TypedDict):
-    kind: str        # a FaultKind value
-    scope: str       # a FaultScope value: what the fault targets
+    kind: str             # a FaultKind value
+    scope: str            # a FaultScope value: what the fault targets
+    target: str | None    # the inject request's field naming the rank or node it targets; None: the job
     help: str
+
+
+class CheckpointRow(TypedDict):
+    """One step folder of ``GET /eksft/jobs/NAME/checkpoints``; ``resumable``: a resume may start from it."""
+
+    step: int
+    state: str            # a CheckpointState value
+    time: float | None
+    resumable: bool
+
+
+class CheckpointsReply(TypedDict):
+    checkpoints: list[CheckpointRow]
 
 
 class LiveSetting(TypedDict):
@@ -83,7 +97,8 @@ class WhatIfView(TypedDict):
 def jobs_reply(jobs: list[JobRow], backends: dict[str, BackendStatus]) -> JobsReply:
     """The reply of ``GET /eksft/jobs``: ``jobs`` and ``backends`` with the words the panel learns here."""
     return {"jobs": jobs, "backends": backends,
-            "faults": [FaultKindInfo(kind=k.value, scope=d.scope.value, help=d.description)
+            "faults": [FaultKindInfo(kind=k.value, scope=d.scope.value, help=d.description,
+                                     target=None if d.scope == FaultScope.JOB else d.scope.value)
                        for k, d in REGISTRY.items()],
             "levels": {level.value: level.label for level in RestartLevel},
             "failed": [s.value for s in JobState if s in FAILED_ENDS],
@@ -96,3 +111,9 @@ def whatif_reply(shown: dict[str, Any]) -> WhatIfView:
     as commands.apply_whatif sets it; empty where none is recommended."""
     every = shown["every"]
     return cast(WhatIfView, {**shown, "settings": {} if every is None else {"ckpt-every": every}})
+
+
+def checkpoints_reply(rows: list[dict[str, Any]]) -> CheckpointsReply:
+    """``commands.checkpoints``' rows as the panel reads them: which it may resume from is said here."""
+    return {"checkpoints": [CheckpointRow(step=r["step"], state=str(r["state"]), time=r["time"],
+                                          resumable=r["state"] == CheckpointState.COMMITTED) for r in rows]}

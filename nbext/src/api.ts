@@ -24,6 +24,7 @@ export interface IJobRow {
 export interface IFaultKindInfo {
   kind: string;
   scope: string;
+  target: string | null;
   help: string;
 }
 
@@ -80,10 +81,17 @@ export interface ISettingsResult {
   message: string;
 }
 
-export interface ICheckpoint {
+/** A step folder (lab/wire.py CheckpointRow): the server says which a resume may start from. */
+export interface ICheckpointRow {
   step: number;
   state: string;
   time: number | null;
+  resumable: boolean;
+}
+
+/** GET checkpoints (lab/wire.py CheckpointsReply). */
+export interface ICheckpointsReply {
+  checkpoints: ICheckpointRow[];
 }
 
 /** A refused request: `message` is the server's one line (the CLI's message); `status` its HTTP status. */

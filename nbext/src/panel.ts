@@ -5,7 +5,7 @@
 import { Message } from '@lumino/messaging';
 import { Widget } from '@lumino/widgets';
 
-import { ICheckpoint, IFaultKindInfo, IJobRow, IResumeResult, IStopResult, jobPath, post, request } from './api';
+import { ICheckpointsReply, IFaultKindInfo, IJobRow, IResumeResult, IStopResult, jobPath, post, request } from './api';
 import { JobsModel } from './model';
 import { button, el, JobSummary } from './rows';
 
@@ -116,7 +116,7 @@ class JobRowView {
     this._rank.type = 'number';
     this._rank.min = '0';
     this._rank.value = '0';
-    this._rank.setAttribute('aria-label', 'rank');
+    this._target.hidden = true; // until the server's fault kinds say what the chosen one targets
     this._target.append(this._targetLabel, this._rank);
     const injectRow = el('div', 'eksft-control eksft-inject-row');
     injectRow.append(
@@ -175,6 +175,7 @@ class JobRowView {
         const option = el('option', '', f.kind, { value: f.kind });
         option.title = f.help || '';
         option.dataset.scope = f.scope;
+        option.dataset.target = f.target ?? '';
         return option;
       })
     );
@@ -185,20 +186,25 @@ class JobRowView {
     this._scopeChanged();
   }
 
-  /** Rank faults take a rank, node faults a node, job faults neither. */
+  /** The server names what a fault targets (a rank, a node) or null (the job): the box follows it. */
   private _scopeChanged(): void {
-    const scope = this.model.faults.find(f => f.kind === this._fault.value)?.scope ?? 'rank';
-    this._target.hidden = scope !== 'rank' && scope !== 'node';
-    this._targetLabel.textContent = scope === 'node' ? 'node' : 'rank';
-    this._rank.setAttribute('aria-label', scope === 'node' ? 'node' : 'rank');
+    const target = this._targetOf(this._fault.value);
+    this._target.hidden = target === null;
+    this._targetLabel.textContent = target ?? '';
+    this._rank.setAttribute('aria-label', target ?? '');
+  }
+
+  private _targetOf(kind: string): string | null {
+    const found = this.model.faults.find(f => f.kind === kind);
+    return found ? found.target : null;
   }
 
   private async _loadCheckpoints(): Promise<void> {
     const wanted = this._row?.last_checkpoint ?? null;
     this._ckptsFor = wanted;
     try {
-      const reply = await request<{ checkpoints: ICheckpoint[] }>(this._path('checkpoints'));
-      const committed = reply.checkpoints.filter(c => c.state === 'committed').sort((a, b) => b.step - a.step);
+      const reply = await request<ICheckpointsReply>(this._path('checkpoints'));
+      const committed = reply.checkpoints.filter(c => c.resumable).sort((a, b) => b.step - a.step);
       const chosen = this._ckpts.value;
       this._ckpts.replaceChildren(
         ...committed.map(c => el('option', '', `step ${c.step}`, { value: String(c.step) })),
@@ -219,13 +225,13 @@ class JobRowView {
       this._say('no fault kinds from the server: is the eksft_nb server extension up to date?', true);
       return;
     }
-    const scope = this.model.faults.find(f => f.kind === fault)?.scope;
+    const field = this._targetOf(fault);
     const body: { [k: string]: unknown } = { fault, backend: this._row?.backend };
     const target = this._rank.value.trim();
-    if (target && (scope === 'rank' || scope === 'node')) {
+    if (target && field !== null) {
       const n = Number(target);
       // a rank the server cannot read is its to refuse, with the CLI's line: send what was typed
-      body[scope] = Number.isInteger(n) ? n : target;
+      body[field] = Number.isInteger(n) ? n : target;
     }
     await this._act(() => post<{ message: string }>(this._path('inject'), body), r => r.message);
   }
@@ -288,7 +294,7 @@ class JobRowView {
   private _stopButton: HTMLButtonElement;
   private _fault = el('select', 'eksft-fault');
   private _target = el('label', 'eksft-target');
-  private _targetLabel = el('span', '', 'rank');
+  private _targetLabel = el('span', '');
   private _rank = el('input', 'eksft-rank');
   private _ckpts = el('select', 'eksft-ckpts');
   private _faultsShown: IFaultKindInfo[] | null = null;
