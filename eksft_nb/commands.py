@@ -4,6 +4,8 @@ the one table of their arguments from which the CLI's and the magics' parsers ar
 
 Bad input raises the :class:`~eksft_nb.errors.EksftError` the CLI shows (``str(e)`` is the one line),
 before anything is written.
+
+About 500 lines, one idea: every operation the front ends share, beside the table that parses them.
 """
 
 from __future__ import annotations

@@ -32,6 +32,8 @@ reason instead; so does one that cannot pay off with the job's NVRx (hot spares 
 rendezvous closes the job when a spare joins, see :attr:`eksft_nb.nvrx.NVRx.spares_refused`). The
 recommended interval is Young/Daly's, tau = sqrt(2 C (M + R)) - C (C: the cost of a save, M: the mean time
 between failures, R: a recovery's downtime), never shorter than the detection latency.
+
+About 500 lines, one idea: the replay's terms share the events they are learned from.
 """
 
 from __future__ import annotations
