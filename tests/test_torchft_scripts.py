@@ -14,7 +14,7 @@ import pytest
 from eksft_nb import commands, magics
 from eksft_nb.control import FaultCommand
 from eksft_nb.spec import JobSpec
-from jobs import cli, events, story, wait_for
+from jobs import events, story, wait_for
 from test_ports import Listeners, is_loopback
 from test_torchft import of, pace, until, watched
 
@@ -83,12 +83,12 @@ def test_a_script_with_no_torchft_manager_is_refused_in_one_line(tmp_path: Path)
     script = tmp_path / "plain.py"
     script.write_text("import torch\nm = torch.nn.Linear(2, 1)\no = torch.optim.SGD(m.parameters(), lr=0.1)\n"
                       "m(torch.ones(1, 2)).sum().backward()\no.step()\n")
-    done = cli("run", "--name", "tft-plain", "--engine", "torchft", "--nnodes", "2", "--nproc-per-node", "1",
-               "--script", str(script))
-    end = of("tft-plain", "job_end")[0]
-    assert end["state"] == "failed" and "before creating a torchft Manager" in end["reason"], done.stdout
+    name = "tft-plain"
+    commands.launch(JobSpec(name=name, engine="torchft", nnodes=2, nproc_per_node=1, script=str(script)))
+    end = wait_for("the job to end", lambda: of(name, "job_end"), timeout=300)[0]
+    assert end["state"] == "failed" and "before creating a torchft Manager" in end["reason"], story(name)
     assert "examples/torchft_train.py" in end["reason"] and "\n" not in end["reason"]
-    assert not of("tft-plain", "restart") and len(of("tft-plain", "launch")) == 2, story("tft-plain")
+    assert not of(name, "restart") and len(of(name, "launch")) == 2, story(name)
 
 
 def test_a_torchft_cell_runs_as_a_script_in_every_replica_group() -> None:
