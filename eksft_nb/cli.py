@@ -82,8 +82,12 @@ def cmd_run(args: argparse.Namespace) -> int:
 def describe(spec: JobSpec) -> str:
     """What a job runs, in one line: only what applies to it (a script has its own steps and checkpoints)."""
     ranks = f"{spec.world_size} ranks ({spec.nnodes}x{spec.nproc_per_node})"
+    args = " " + " ".join(spec.script_args) if spec.script_args else ""
+    if spec.script and spec.engine == "torchft":
+        return (f"torchft: {spec.nnodes} replica groups running {spec.script}{args} (its own loop: steps are "
+                f"those torchft commits), a lost group heals from a peer (up to {spec.ft.max_job_restarts} "
+                "restarts each)")
     if spec.script:
-        args = " " + " ".join(spec.script_args) if spec.script_args else ""
         return (f"{ranks} running {spec.script}{args} (its own loop: steps are its optimizer steps), "
                 f"up to {spec.ft.max_injob_restarts} in-job and {spec.ft.max_job_restarts} job restarts")
     if spec.engine == "torchft":

@@ -6,6 +6,7 @@ the job listens on loopback only; what the engine does not take is refused in on
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -48,10 +49,7 @@ def healed() -> Iterator[tuple[str, Listeners]]:
     and no longer."""
     name = "tft-heal"
     commands.launch(torchft_spec(name), [pace(0, step=1), FaultCommand("sigkill", rank=1, step=3)])
-    uid = wait_for("the job's uid", lambda: JobDir.for_name(name).supervisor().get("job_uid"), timeout=120)
-    listeners = Listeners(uid)
-    listeners.start()
-    try:
+    with watched(name) as listeners:
         heal = wait_for("group 1 to heal from group 0", until(name, "heal", 1), timeout=600)[0]
         commands.inject_command(name, pace(1))  # the restarted process has no pace: group 0 goes next
         commands.inject(name, "exception", rank=1)
@@ -61,11 +59,22 @@ def healed() -> Iterator[tuple[str, Listeners]]:
         wait_for("group 0 to heal from group 1", until(name, "heal", 0), timeout=600)
         commands.inject_command(name, pace(1, delay=0.01, duration=1))
         wait_for("the job to end", lambda: of(name, "job_end"), timeout=600)
+    yield name, listeners
+
+
+@contextmanager
+def watched(name: str) -> Iterator[Listeners]:
+    """The listeners of a launched job's processes, sampled while the block runs; the job is stopped if it
+    has not ended by then."""
+    uid = wait_for("the job's uid", lambda: JobDir.for_name(name).supervisor().get("job_uid"), timeout=120)
+    listeners = Listeners(uid)
+    listeners.start()
+    try:
+        yield listeners
     finally:
         listeners.stop()
         if not of(name, "job_end"):
             commands.stop(name)
-    yield name, listeners
 
 
 def pace(rank: int, step: int | None = None, delay: float = 2.0, duration: int = 10**6) -> FaultCommand:
@@ -137,7 +146,6 @@ def test_every_process_of_a_torchft_job_listens_on_loopback_only(healed) -> None
         ({"nproc_per_node": 2}, "1 rank per replica group"),
         ({"spare_nodes": 1}, "--spare-nodes is NVRx's"),
         ({"ft.soft_timeout": 3.0}, "--soft-timeout is an NVRx setting"),
-        ({"script": "train.py"}, "not a --script"),
     ],
 )
 def test_what_the_torchft_engine_does_not_take_is_refused_in_one_line(changes: dict, words: str) -> None:

@@ -43,7 +43,8 @@ from .trainer_main import exit_cleanly
 POLL_S = 0.25   # how often the fault thread looks for commands (one stat when nothing changed)
 
 
-def main() -> None:
+def main(probe_type: type[ScriptProbe] | None = None) -> None:
+    """``probe_type``: what watches the script (an engine's :class:`ScriptProbe`; default: NVRx's)."""
     quiet_process()
     if len(sys.argv) < 2:
         sys.exit("usage: python -m eksft_nb.runtime.script SCRIPT [ARGS...]")
@@ -69,14 +70,15 @@ def main() -> None:
     cell = Path(script).resolve().parent == (eksft_home() / "scripts").resolve()
     sys.path[0] = os.getcwd() if cell else os.path.dirname(script)
     s.rank_start(0, script=os.path.basename(script))
-    probe = ScriptProbe(s)   # last before the script: a fault it fires lands in the script, reported as one
+    # last before the script: a fault it fires lands in the script, reported as one
+    probe = (probe_type or ScriptProbe)(s)
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if code:
             s.emit("rank_error", error=f"exit code {code}", step=s.step_entered or None, origin="exception")
-        s.emit("rank_end", final_step=s.step_done, exit_code=code)
+        s.emit("rank_end", final_step=s.step_done, exit_code=code, **probe.ended(code))
         s.close()
         raise
     except BaseException as e:
@@ -85,7 +87,7 @@ def main() -> None:
         raise
     finally:
         probe.stop()
-    s.emit("rank_end", final_step=s.step_done, exit_code=0)
+    s.emit("rank_end", final_step=s.step_done, exit_code=0, **probe.ended(0))
     s.close()
     exit_cleanly()
 
@@ -119,6 +121,10 @@ class ScriptProbe:
     def stop(self) -> None:
         self._halt.set()
 
+    def ended(self, exit_code: int) -> dict[str, Any]:
+        """What the script's ``rank_end`` event adds (an engine's probe: the weights' digest)."""
+        return {}
+
     # ---- steps ------------------------------------------------------------------------------
     def _hook_torch(self, _torch: ModuleType) -> None:
         from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -150,16 +156,23 @@ class ScriptProbe:
             self.primary = weakref.ref(optimizer)
         elif primary is not optimizer:
             return
+        if (counted := self.count()) is None:
+            return
         now = time.perf_counter()
-        self.steps += 1
-        step, step_time, self.t_last = self.steps, now - self.t_last, now
+        (step, report), step_time, self.t_last = counted, now - self.t_last, now
         s.step_entered = s.step_done = step
         s.t_done = time.time()
         s.heartbeat()
-        if s.rank == 0 and s.instrumented:
+        if report and s.instrumented:
             s.emit("step", step=step, loss=None, tokens=None, step_time=step_time)
         s.lingering_faults(step)
         fire_due(s, step + 1, steps_only=True, lock=self._lock)
+
+    def count(self) -> tuple[int, bool] | None:
+        """The optimizer step just taken: its number, and whether this rank reports it (rank 0); None when
+        it does not count (an engine's probe: a step its engine did not commit)."""
+        self.steps += 1
+        return self.steps, self.s.rank == 0
 
     # ---- faults now or after a delay --------------------------------------------------------
     def _poll(self) -> None:

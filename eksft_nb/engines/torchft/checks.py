@@ -28,11 +28,6 @@ def check(spec: JobSpec, faults: Sequence[Any] = ()) -> None:
             f"--engine torchft runs on the local backend so far, not {spec.backend}",
             "use --backend local, or --engine nvrx on a cluster",
         )
-    if spec.script:
-        raise SpecError(
-            "--engine torchft runs the built-in trainer so far, not a --script",
-            "drop --script, or use --engine nvrx",
-        )
     if spec.nnodes < 2:
         raise SpecError(
             f"--engine torchft needs 2 or more replica groups (--nnodes), got {spec.nnodes}: a lost "

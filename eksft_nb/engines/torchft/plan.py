@@ -11,6 +11,7 @@ from . import lighthouse
 from .trainer import LAST_STEP_ENV, RESTART_ENV
 
 TRAINER_MODULE = "eksft_nb.engines.torchft.trainer"
+SCRIPT_MODULE = "eksft_nb.engines.torchft.script"  # a user's script (--script, or a notebook cell's code)
 
 
 def group_env(
@@ -45,7 +46,10 @@ def group_env(
     }
 
 
-def group_argv() -> list[str]:
+def group_argv(spec: JobSpec) -> list[str]:
+    """A replica group's command: the built-in trainer, or the user's script under the torchft probe."""
+    if spec.script:
+        return [sys.executable, "-m", SCRIPT_MODULE, spec.script, *spec.script_args]
     return [sys.executable, "-m", TRAINER_MODULE]
 
 
@@ -58,5 +62,6 @@ def render(spec: JobSpec, job_dir: str) -> str:
     ]
     for group in range(spec.nnodes):
         env = group_env(spec, group, job_dir=job_dir, lighthouse_port=29510, store_port=29520 + group)
-        lines += [f"# replica group {group}", *(f"{k}={v}" for k, v in env.items()), " ".join(group_argv())]
+        argv = " ".join(group_argv(spec))
+        lines += [f"# replica group {group}", *(f"{k}={v}" for k, v in env.items()), argv]
     return "\n".join(lines)

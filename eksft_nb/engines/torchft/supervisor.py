@@ -27,6 +27,7 @@ from ...runtime.quiet import quiet_env
 from ...states import JobState, RestartLevel
 from . import lighthouse
 from .plan import group_argv, group_env
+from .script import REFUSED_EXIT, refusal
 
 TYPICAL_STEPS = 20  # a step's typical time: the median of this many before a fault
 
@@ -79,7 +80,7 @@ class TorchftSupervisor(Supervisor):
             }
         )
         log = self.jd.logs / f"group-{group}-{restart}.log"
-        popen = self._spawn(group_argv(), env, log)
+        popen = self._spawn(group_argv(self.spec), env, log)
         self.events.emit("launch", attempt=restart, node=group, pid=popen.pid, pgid=popen.pid)
         return Node(group, log, tag, procs.identity(popen.pid), popen=popen)
 
@@ -96,9 +97,16 @@ class TorchftSupervisor(Supervisor):
             if self.lighthouse is not None and (code := self.lighthouse.poll()) is not None:
                 return JobState.FAILED, f"torchft's Lighthouse ended (exit {code}; see logs/lighthouse.log)"
             codes = [n.poll() for n in self.nodes]
-            done = self.mon.last_step >= self.spec.steps
+            if REFUSED_EXIT in codes:  # a script torchft cannot run (said in one line): restarts can't help
+                self._pump()
+                refused = self.nodes[codes.index(REFUSED_EXIT)].index
+                return JobState.FAILED, refusal(self.mon.rank_errors, refused)
+            # a user's script's own loop decides when it is done
+            done = not self.spec.script and self.mon.last_step >= self.spec.steps
             if all(c is not None for c in codes) and (done or all(c == 0 for c in codes)):
                 self._pump()
+                if self.spec.script:
+                    return JobState.SUCCEEDED, "the script exited 0 in every replica group"
                 if self.mon.last_step >= self.spec.steps:
                     return JobState.SUCCEEDED, f"all {self.spec.steps} steps done"
                 return (

@@ -20,10 +20,10 @@ from typing import Any
 
 from ...errors import JobError
 from ...runtime.quiet import quiet_process
+from .startup import all_groups_up
 
 LAST_STEP_ENV = "EKSFT_TORCHFT_LAST_STEP"  # a restarted group: the job's last committed step when it was lost
 RESTART_ENV = "EKSFT_TORCHFT_RESTART"  # a restarted group: how many times the supervisor restarted it
-START_WAIT_S = 120  # at the job's start, for every group to be up
 TIMEOUT_S = 10  # a collective or a checkpoint fetch from a peer
 
 
@@ -104,7 +104,7 @@ class GroupTrainer:
         tokens_per_step = spec.batch * spec.seq
         restart = int(os.environ.get(RESTART_ENV) or 0)
         if not restart:
-            self._all_groups_up()
+            all_groups_up(s, self.group)
         s.rank_start(manager.current_step(), replica_group=self.group, group_restart=restart)
         while manager.current_step() < spec.steps:
             before = manager.current_step()
@@ -167,26 +167,6 @@ class GroupTrainer:
             self.s.emit(
                 "heal", from_step=trained, step=now, skipped_batches=max(0, now - trained), heal_s=quorum_s
             )
-
-    def _all_groups_up(self) -> None:
-        """At the job's start, wait until every group's manager heartbeats to the Lighthouse, which then
-        waits for all of them to join (else the first group up would train alone from step 0 and the
-        others heal from it: batches skipped for a slow start)."""
-        folder = self.s.job_dir.path / "torchft"
-        folder.mkdir(exist_ok=True)
-        (folder / f"up-{self.group}").touch()
-        groups = int(os.environ["NUM_REPLICA_GROUPS"])
-        deadline = time.monotonic() + START_WAIT_S
-        while sum((folder / f"up-{g}").exists() for g in range(groups)) < groups:
-            if time.monotonic() > deadline:
-                self.s.warn(
-                    "slow-start",
-                    f"not every replica group was up after {START_WAIT_S} s: the first "
-                    "quorum forms without the late ones, which heal from a peer when they join",
-                )
-                return
-            self.s.heartbeat()
-            time.sleep(0.1)
 
     def _raise_in_backward(self, error: BaseException) -> None:
         """Raise ``error`` at the end of this step's backward, after DDP has sent every gradient bucket
