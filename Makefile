@@ -16,13 +16,13 @@ CHROMIUM := /usr/lib/chromium/chromium
 LAB_PORT ?= 8888
 DEMO_NAME ?= demo-$(shell date +%H%M%S)
 
-.PHONY: setup lab demo test bench bench-quick chromium prometheus slurm clean
+.PHONY: setup lab demo test bench bench-quick chromium prometheus slurm system-tools clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	SKIP_JUPYTER_BUILDER=1 $(PY) -m pip install -q -e '.[dev]'   # nbext/ is built below
+	# torch and the project in one resolve (torch pinned to TORCH_SPEC); nbext/ is built below
+	SKIP_JUPYTER_BUILDER=1 $(PY) -m pip install -q "$(TORCH_SPEC)" -e '.[dev]'
 	touch $@
 
 # A second NVRx for the tests, beside the one pip resolved (0.4.1 where glibc < 2.39): the engine's fault
@@ -69,30 +69,32 @@ $(SERVER_EXT_CONF): jupyter-config/jupyter_server_config.d/eksft_nb.json $(VENV)
 	install -D -m 644 $< $@
 setup: $(SERVER_EXT_CONF)
 
-chromium:
-	@if [ ! -x $(CHROMIUM) ]; then \
-	  echo "installing Chromium for the browser tests (apt)"; \
+# What the tests need from the system (apt): Chromium for the browser tests; Prometheus for the dashboard test
+# (the real server, started by the test on a free port with its own config and storage); Slurm for the Slurm
+# backend tests (a real controller and two node daemons that tests/slurm_cluster.py starts on free ports in a
+# temporary folder). The packages' own services play no part. Each tool: how to tell it is there, its packages.
+chromium_there := test -x $(CHROMIUM)
+chromium_packages := chromium fonts-liberation
+prometheus_there := command -v prometheus >/dev/null
+prometheus_packages := prometheus
+slurm_there := command -v slurmctld >/dev/null
+slurm_packages := slurm-wlm
+SYSTEM_TOOLS := chromium prometheus slurm
+
+# the missing ones of the tools $(1), with one apt-get update and one apt-get install
+apt_install = missing=""; $(foreach t,$(1),$($(t)_there) || missing="$$missing $($(t)_packages)";) \
+	if [ -n "$$missing" ]; then \
+	  echo "installing$$missing for the tests (apt)"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends chromium fonts-liberation >/dev/null; \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
+	    --no-install-recommends $$missing >/dev/null; \
 	fi
 
-# the Prometheus test runs the real server: Debian's package, started by the test on a free port with its
-# own config and storage (the package's own service plays no part)
-prometheus:
-	@if ! command -v prometheus >/dev/null; then \
-	  echo "installing Prometheus for the dashboard test (apt)"; \
-	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
-	fi
+$(SYSTEM_TOOLS):
+	@$(call apt_install,$@)
 
-# the Slurm tests run a real controller and two node daemons on this machine (tests/slurm_cluster.py starts
-# them on free ports in a temporary folder): Debian's package, its own services play no part
-slurm:
-	@if ! command -v slurmctld >/dev/null; then \
-	  echo "installing Slurm for the Slurm backend tests (apt)"; \
-	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq --no-install-recommends slurm-wlm >/dev/null; \
-	fi
+system-tools:
+	@$(call apt_install,$(SYSTEM_TOOLS))
 
 demo: setup
 	$(PY) -m eksft_nb run --name $(DEMO_NAME) --steps 80 --model tiny --ckpt-every 10 \
@@ -102,7 +104,7 @@ lab: demo
 	$(VENV)/bin/jupyter lab --port=$(LAB_PORT) $(if $(filter 0,$(shell id -u)),--allow-root,) \
 	  notebooks/01_quickstart.ipynb
 
-test: setup chromium prometheus slurm
+test: setup system-tools
 	$(PY) -m pytest -q
 
 bench: setup

@@ -122,7 +122,9 @@ def test_recovery(results: dict[str, Any]) -> None:
 
 def test_goodput(results: dict[str, Any]) -> None:
     r = results["parts"]["goodput"]
-    assert len(r["configs"]) == 4 and set(r["references"]) == {"async"}
+    # --quick: each checkpoint mode and each in-process setting once, against the async reference
+    assert set(r["configs"]) == {"async ckpt, in-process on", "sync ckpt, in-process off"}
+    assert set(r["references"]) == {"async"}
     reference = r["references"]["async"]
     assert reference["faults_injected"] == [] and reference["useful_steps"] > 0
     assert reference["steps_per_s"] == pytest.approx(reference["useful_steps"] / reference["wall_s"])
@@ -183,7 +185,7 @@ def test_scale(results: dict[str, Any]) -> None:
 
 def test_whatif_proof(results: dict[str, Any]) -> None:
     r = results["parts"]["whatif"]
-    assert set(r["settings"]) == {"interval x0.5", "interval x2", "in-process off"}
+    assert set(r["settings"]) == {"interval x2", "in-process off"}   # --quick's
     scheduled = [int(f.split("@")[1]) for f in r["faults"]]
     for label, c in r["settings"].items():
         a, b, predicted = c["a"], c["b"], c["predicted"]

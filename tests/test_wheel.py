@@ -114,14 +114,15 @@ def test_the_wheel_is_the_whole_install(tmp_path: Path) -> None:
     requires = runtime_requirements(wheel)
     assert requires and not {Requirement(r).name.lower() for r in requires} & BUILD_TOOLS, requires
 
-    # a fresh venv, a real (not editable) install with every dependency
+    # a fresh venv, a real (not editable) install with every dependency: this pip installs into it
+    # (--python), so the venv needs no pip of its own (ensurepip: seconds of a busy machine)
     venv = tmp_path / "venv"
     base = Path(getattr(sys, "_base_executable", sys.executable))
-    run([base, "-m", "venv", venv], tmp_path, env)
+    run([base, "-m", "venv", "--without-pip", venv], tmp_path, env)
     py, bindir = venv / "bin" / "python", venv / "bin"
     env["PATH"] = f"{bindir}{os.pathsep}{env['PATH']}"
-    run([py, "-m", "pip", "install", "-q", TORCH_SPEC], tmp_path, env)
-    run([py, "-m", "pip", "install", "-q", wheel], tmp_path, env)
+    run([sys.executable, "-m", "pip", "--python", py, "install", "-q", TORCH_SPEC, wheel],   # one resolve
+        tmp_path, env)
     where = run([py, "-c", "import eksft_nb; print(eksft_nb.__file__, eksft_nb.__version__)"], tmp_path,
                 env).stdout
     assert where.startswith(str(venv)) and where.split()[1] == version, where
