@@ -310,18 +310,20 @@ class EksBackend(Backend):
                            "their node may be unreachable: check `kubectl get pods -l "
                            "eksft.io/job=NAME -o wide`")
         cluster.delete(NETPOL, name)   # its pods are gone: nothing is left for it to guard
-        cluster.delete(NETPOL, torchft.lighthouse_name(name))   # a torchft job's Lighthouse's (else a 404)
+        if spec.engine == "torchft":
+            cluster.delete(NETPOL, torchft.lighthouse_name(name))
 
     def remove(self, name: str) -> None:
         """Forget a job that no longer runs (its folder and checkpoints on the volume stay)."""
-        cluster, _, _ = self._job(name)
+        cluster, spec, _ = self._job(name)
         status = self.state(name)
         if status.state in ACTIVE:
             raise JobError(f"job {name!r} is still {status.state}", "stop it first")
         cluster.delete(SERVICE, name)
         cluster.delete(NETPOL, name)
-        for kind in (DEPLOYMENT, SERVICE, NETPOL):   # a torchft job's Lighthouse (else 404s)
-            cluster.delete(kind, torchft.lighthouse_name(name))
+        if spec.engine == "torchft":   # its Lighthouse's objects
+            for kind in (DEPLOYMENT, SERVICE, NETPOL):
+                cluster.delete(kind, torchft.lighthouse_name(name))
         for note in cluster.list(CONFIGMAP, f"{names.FAULT_OF}={name}"):
             cluster.delete(CONFIGMAP, note["metadata"]["name"])
         cluster.delete(CONFIGMAP, name)
