@@ -53,8 +53,10 @@ def listener(address: str, port: int) -> socket.socket:
     return sock
 
 
-def install() -> None:
-    """Make every TCPStore server this process hosts for a loopback endpoint listen on loopback only.
+def install(own: str | None = None) -> None:
+    """Make every TCPStore server this process hosts for a loopback endpoint listen on loopback only,
+    and (``own``: the address its peers reach this host by, see :mod:`.engines.torchft.hosts`) one it
+    hosts for ``own`` listen on that address alone.
 
     Patched on torch's class itself, so NVRx's subclasses (``inprocess.store.TCPStore``) and every
     module that imported the name follow. A port already taken fails as torch's own bind would
@@ -72,7 +74,8 @@ def install() -> None:
                  timeout: datetime.timedelta = datetime.timedelta(seconds=300), wait_for_workers: bool = True,
                  multi_tenant: bool = False, master_listen_fd: int | None = None, use_libuv: bool = True,
                  **more: Any) -> None:
-        address = loopback_address(host_name) if is_master and master_listen_fd is None else None
+        address = (loopback_address(host_name) or (own if host_name == own else None)
+                   if is_master and master_listen_fd is None else None)
         if address is not None:
             try:
                 sock = listener(address, port)

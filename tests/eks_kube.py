@@ -279,15 +279,18 @@ class Controllers:
         """The pods of an Indexed Job (or a JobSet's one child job), from its template, Pending."""
         owner = self.custom.get_namespaced_custom_object(*workload[:2], self.ns, workload[2], job)
         spec = owner["spec"]
-        template = (spec["template"] if "template" in spec
-                    else spec["replicatedJobs"][0]["template"]["spec"]["template"])
-        count = spec.get("completions") or spec["replicatedJobs"][0]["template"]["spec"]["completions"]
+        jobset = "replicatedJobs" in spec
+        replicated = spec["replicatedJobs"][0] if jobset else {"replicas": 1, "template": {"spec": spec}}
+        child = replicated["template"]["spec"]
+        template, count = child["template"], child["completions"]
         config = self.core.read_namespaced_config_map(job, self.ns).data
         names = []
-        for index in range(count):
-            name = f"{job}-{index}-{uuid.uuid4().hex[:5]}"
+        # a JobSet's child Jobs, numbered (torchft: one per replica group), each of ``count`` indexed pods
+        for number, index in itertools.product(range(replicated["replicas"]), range(count)):
+            name = f"{job}-{number * count + index}-{uuid.uuid4().hex[:5]}"
             annotations = {**template["metadata"].get("annotations", {}),
                            "batch.kubernetes.io/job-completion-index": str(index),
+                           **({"jobset.sigs.k8s.io/job-index": str(number)} if jobset else {}),
                            "batch.kubernetes.io/job-index-failure-count": str(failures)}
             pod = {"apiVersion": "v1", "kind": "Pod",
                    "metadata": {"name": name, "labels": {**template["metadata"]["labels"], "job-name": job},
@@ -326,11 +329,24 @@ class Controllers:
                                                           {"status": {
             "conditions": [{"type": condition, "status": "True", "reason": reason, "message": message}]}})
 
-    def start_job(self, job: str, hosts: dict[str, str]) -> threading.Thread:
+    def start_deployment(self, name: str, hosts: dict[str, str]) -> subprocess.Popen[bytes]:
+        """Run a Deployment's one pod (a torchft job's Lighthouse) as a local process, until close()."""
+        deployment = self.custom.get_namespaced_custom_object("apps", "v1", self.ns, "deployments", name)
+        assert deployment["spec"]["replicas"] == 1
+        template = deployment["spec"]["template"]
+        pod = LocalPod(template, f"{name}-pod", self.root, {}, hosts=hosts)
+        [container] = template["spec"]["containers"]
+        self.root.mkdir(parents=True, exist_ok=True)
+        proc = pod.start(container["name"], self.root / f"{name}.log")
+        self.procs.append(proc)
+        return proc
+
+    def start_job(self, job: str, hosts: dict[str, str],
+                  workload: tuple[str, str, str] = ("batch", "v1", "jobs")) -> threading.Thread:
         """Run the job's pods as local processes: the init container, then the trainer. Their output
         becomes the pod logs (paths as the pod sees them), their exit codes the pods' states, and the
-        Job completes when every pod has succeeded. Returns the thread that finishes it."""
-        pods = self.create_pods(job, hosts=hosts)
+        Job (or JobSet) completes when every pod has succeeded. Returns the thread that finishes it."""
+        pods = self.create_pods(job, workload, hosts=hosts)
         threads = [threading.Thread(target=self._run_pod, args=(name,), daemon=True) for name in pods]
         for t in threads:
             t.start()
@@ -339,7 +355,7 @@ class Controllers:
             for t in threads:
                 t.join()
             ok = all(self.exit_codes[name] == 0 for name in pods)
-            self.finish(job, "Complete" if ok else "Failed", "" if ok else "FailedIndexes")
+            self.finish(job, "Complete" if ok else "Failed", "" if ok else "FailedIndexes", workload=workload)
 
         done = threading.Thread(target=finish, daemon=True)
         done.start()

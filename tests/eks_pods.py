@@ -31,6 +31,7 @@ class LocalPod:
     config: dict[str, str]          # the ConfigMap's data
     annotations: dict[str, str] = field(default_factory=dict)   # what controllers add (completion index...)
     hosts: dict[str, str] = field(default_factory=dict)         # DNS name -> address
+    ip: str = "127.0.0.1"                                       # the pod's IP (status.podIP): this machine
 
     @cached_property
     def mounts(self) -> dict[str, Path]:
@@ -38,7 +39,7 @@ class LocalPod:
 
         The ConfigMap is written out with the same mapping applied to its files, since the ranks
         read paths (a resume checkpoint, the script) from them."""
-        volumes = {v["name"]: v for v in self.template["spec"]["volumes"]}
+        volumes = {v["name"]: v for v in self.template["spec"].get("volumes", [])}
         spec = self.template["spec"]
         out: dict[str, Path] = {}
         config_folders = []
@@ -73,9 +74,8 @@ class LocalPod:
             else:
                 path = var["valueFrom"]["fieldRef"]["fieldPath"]
                 m = FIELD_REF.match(path)
-                env[var["name"]] = self.name if path == "metadata.name" else (
-                    meta.get(m.group(1), {}).get(m.group(2), "")
-                                                                               if m else "")
+                env[var["name"]] = {"metadata.name": self.name, "status.podIP": self.ip}.get(path) or (
+                    meta.get(m.group(1), {}).get(m.group(2), "") if m else "")
         return {k: self._local(v) for k, v in env.items()}
 
     def argv(self, container: str) -> list[str]:

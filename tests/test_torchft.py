@@ -141,7 +141,7 @@ def test_every_process_of_a_torchft_job_listens_on_loopback_only(healed) -> None
 @pytest.mark.parametrize(
     "changes, words",
     [
-        ({"backend": "eks"}, "local backend"),
+        ({"backend": "eks", "eks.image": "img"}, "runs its replica groups as a JobSet"),
         ({"nnodes": 1}, "2 or more replica groups"),
         ({"nproc_per_node": 2}, "1 rank per replica group"),
         ({"spare_nodes": 1}, "--spare-nodes is NVRx's"),

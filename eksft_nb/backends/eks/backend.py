@@ -28,7 +28,7 @@ from ...spec import JobSpec, valid_name
 from ...states import ACTIVE, JobState
 from ...tails import bounded
 from ..base import Backend, JobSummary, readable
-from . import checks, names, schemas
+from . import checks, names, schemas, torchft
 from .cluster import ApiError, Cluster, explain
 from .inpod import NOT_HERE
 from .pods import PodState, parse_time, pod_state
@@ -38,6 +38,7 @@ from .stream import EksEvents, workload_outcome
 CONFIGMAP, SERVICE, POD, PVC = (names.KINDS[k] for k in ("ConfigMap", "Service", "Pod",
                                                          "PersistentVolumeClaim"))
 PODMONITOR, NETPOL = names.KINDS["PodMonitor"], names.KINDS["NetworkPolicy"]
+DEPLOYMENT = names.KINDS["Deployment"]
 
 
 class EksBackend(Backend):
@@ -296,6 +297,9 @@ class EksBackend(Backend):
         cluster, spec, _ = self._job(name)
         cluster.delete(names.workload(spec), name, propagation="Foreground")
         cluster.delete(SERVICE, name)
+        if spec.engine == "torchft":   # its Lighthouse (the NetworkPolicy goes with the job's, below)
+            cluster.delete(DEPLOYMENT, torchft.lighthouse_name(name), propagation="Foreground")
+            cluster.delete(SERVICE, torchft.lighthouse_name(name))
         cluster.delete(PODMONITOR, name)   # False (a 404) also where the cluster has no PodMonitor API
         deadline = time.time() + timeout
         while (left := cluster.list(POD, names.selector(name))) and time.time() < deadline:
@@ -306,15 +310,20 @@ class EksBackend(Backend):
                            "their node may be unreachable: check `kubectl get pods -l "
                            "eksft.io/job=NAME -o wide`")
         cluster.delete(NETPOL, name)   # its pods are gone: nothing is left for it to guard
+        if spec.engine == "torchft":
+            cluster.delete(NETPOL, torchft.lighthouse_name(name))
 
     def remove(self, name: str) -> None:
         """Forget a job that no longer runs (its folder and checkpoints on the volume stay)."""
-        cluster, _, _ = self._job(name)
+        cluster, spec, _ = self._job(name)
         status = self.state(name)
         if status.state in ACTIVE:
             raise JobError(f"job {name!r} is still {status.state}", "stop it first")
         cluster.delete(SERVICE, name)
         cluster.delete(NETPOL, name)
+        if spec.engine == "torchft":   # its Lighthouse's objects
+            for kind in (DEPLOYMENT, SERVICE, NETPOL):
+                cluster.delete(kind, torchft.lighthouse_name(name))
         for note in cluster.list(CONFIGMAP, f"{names.FAULT_OF}={name}"):
             cluster.delete(CONFIGMAP, note["metadata"]["name"])
         cluster.delete(CONFIGMAP, name)
@@ -391,8 +400,8 @@ def _check_existing(cluster: Cluster, obj: dict[str, Any]) -> None:
         return  # the checkpoint volume is shared by jobs
     existing = cluster.get(kind, name) or {}
     meta = existing.get("metadata") or {}
-    job = (meta.get("labels") or {}).get(names.JOB_LABEL)
-    if job != name:
+    job = (meta.get("labels") or {}).get(names.JOB_LABEL)   # its job (a torchft Lighthouse: NAME-lighthouse)
+    if job is None or job != obj["metadata"]["labels"].get(names.JOB_LABEL):
         raise ApiError(f"a {obj['kind']} named {name!r} already exists in namespace "
                        f"{cluster.namespace} and is not "
                        "an eksft job", "choose another --name", 409)

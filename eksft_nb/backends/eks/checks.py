@@ -46,6 +46,12 @@ def check(spec: JobSpec) -> JobSpec:
         raise SpecError("--spare-nodes needs pods that wait in ft_launcher's rendezvous; the "
                         "PyTorchJob operator "
                         "sizes the world itself", "use --kind job (or jobset) for hot spares")
+    if spec.engine == "torchft" and e.kind != "jobset":
+        raise SpecError(f"--engine torchft on EKS runs its replica groups as a JobSet, not --kind {e.kind}",
+                        "use --kind jobset (the JobSet controller must be installed)")
+    if spec.engine == "torchft" and e.queue:
+        raise SpecError("--engine torchft cannot be queued yet: Kueue would admit its replica groups, "
+                        "not its Lighthouse", "drop --queue, or use --engine nvrx")
     _check_devices(spec)
     _check_sizes(spec)
     if not 1024 <= e.port <= 65533:

@@ -20,6 +20,7 @@ FAULT_OF = "eksft.io/fault-of"      # label of the ConfigMap that holds a node-l
 COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
 INDEX_FAILURES = "batch.kubernetes.io/job-index-failure-count"
 JOBSET_RESTARTS = "jobset.sigs.k8s.io/restart-attempt"
+JOB_INDEX = "jobset.sigs.k8s.io/job-index"   # a JobSet child Job's number in its replicated job, on its pods
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"          # Kueue: the LocalQueue a workload waits in
 PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"   # Kueue: its WorkloadPriorityClass
 METRICS = "metrics"                 # the pods' Prometheus exporter: container and port name
@@ -58,6 +59,7 @@ KINDS: dict[str, Kind] = {k.kind: k for k in (
     Kind("v1", "PersistentVolumeClaim", "persistentvolumeclaims"),
     Kind("v1", "Pod", "pods"),
     Kind("batch/v1", "Job", "jobs"),
+    Kind("apps/v1", "Deployment", "deployments"),
     Kind("jobset.x-k8s.io/v1alpha2", "JobSet", "jobsets"),
     Kind("kubeflow.org/v1", "PyTorchJob", "pytorchjobs"),
     Kind("rbac.authorization.k8s.io/v1", "Role", "roles"),

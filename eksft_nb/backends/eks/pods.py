@@ -116,10 +116,13 @@ def parse_time(stamp: str | None) -> float | None:
 
 
 def node_index(pod: dict[str, Any]) -> int | None:
+    """Its node: a Job's completion index; in a JobSet its child Job's number plus that (eksft's JobSets
+    have one child Job of a pod per node, or, a torchft job's, one child Job per node of one pod)."""
     meta = pod.get("metadata", {})
-    value = (meta.get("annotations") or {}).get(names.COMPLETION_INDEX)
-    if value is not None and value.isdigit():
-        return int(value)
+    annotations = meta.get("annotations") or {}
+    value, child = annotations.get(names.COMPLETION_INDEX), annotations.get(names.JOB_INDEX) or "0"
+    if value is not None and value.isdigit() and child.isdigit():
+        return int(value) + int(child)
     labels = meta.get("labels") or {}
     kind = labels.get("training.kubeflow.org/replica-type")
     index = labels.get("training.kubeflow.org/replica-index")

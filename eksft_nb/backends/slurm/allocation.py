@@ -122,6 +122,10 @@ class Watcher:
         how = (signal.Signals(-code).name if code < 0 and -code in signal.Signals._value2member_map_
                else f"exit {code}")
         cause = f"the srun step of the launchers ended ({how}): a node's ft_launcher was lost or gave up"
+        if self.spec.engine == "torchft":   # its runner restarted lost groups alone until it gave up
+            return JobState.FAILED, (f"a replica group was lost more often than max_job_restarts="
+                                     f"{self.spec.ft.max_job_restarts} allows, or the Lighthouse ended "
+                                     f"(exit {code}; see `logs --debug`)")
         self.incidents.node_failed(cause, time.time())
         if self.incidents.give_up:
             return JobState.FAILED, self.incidents.give_up

@@ -3,9 +3,11 @@ torchft's Lighthouse forms, and a group that was lost heals from a peer's live s
 restarting from a checkpoint.
 
 - :mod:`.checks`: which specs and faults the engine takes (the command layer asks it once);
-- :mod:`.lighthouse`: the Lighthouse's command line, on loopback;
+- :mod:`.lighthouse`: the Lighthouse's command line;
 - :mod:`.supervisor`: the local supervisor's torchft variant (the Lighthouse, one process per group);
-- :mod:`.listen`: torchft's own servers on loopback in a local job;
+- :mod:`.hosts`: where a job's servers listen, per backend (loopback locally, the pod's or node's address
+  on a cluster); :mod:`.listen` puts a group's servers, torchft's own included, there alone;
+- the clusters render their own: :mod:`eksft_nb.backends.eks.torchft`, :mod:`eksft_nb.backends.slurm.torchft`;
 - :mod:`.trainer`: the built-in trainer as torchft DDP, reporting through the one event schema;
 - :mod:`.script`: a user's torchft script as a replica group, its Manager watched;
 - :mod:`.startup`: at the job's start, every group waits for the others before its first quorum.

@@ -23,10 +23,10 @@ def check(spec: JobSpec, faults: Sequence[Any] = ()) -> None:
             "--engine torchft needs torchft, which is not installed here",
             "pip install 'torchft>=0.2.0,<0.3' (wheels for Linux x86_64), or use --engine nvrx",
         )
-    if spec.backend != "local":
+    if spec.script and spec.backend != "local":
         raise SpecError(
-            f"--engine torchft runs on the local backend so far, not {spec.backend}",
-            "use --backend local, or --engine nvrx on a cluster",
+            f"--engine torchft runs a --script on the local backend so far, not {spec.backend}",
+            "use --backend local for the script, or the built-in trainer on a cluster",
         )
     if spec.nnodes < 2:
         raise SpecError(

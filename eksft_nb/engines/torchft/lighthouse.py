@@ -5,19 +5,25 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from .hosts import endpoint
+
 HEARTBEAT_TIMEOUT_MS = 1000  # a group silent this long is out of the quorum: the healthy ones stall as long
 JOIN_TIMEOUT_MS = 10000  # how long a quorum waits for a group that heartbeats but has not asked to join
 QUORUM_TICK_MS = 100
+COMMAND = "torchft_lighthouse"   # torchft's console script
 
 
 def argv(port: int, host: str = "127.0.0.1", min_replicas: int = 1) -> list[str]:
     """The Lighthouse listening on ``host:port`` only (gRPC and its HTTP status page share the port)."""
     # torchft's own console script: its Rust command line reads the process's arguments after the
     # interpreter's, so `python -c` or `-m` would be taken for the program and its first argument
-    script = Path(sys.executable).with_name("torchft_lighthouse")
+    script = Path(sys.executable).with_name(COMMAND)
+    return [sys.executable, str(script), *flags(endpoint(host, port), min_replicas)]
+
+
+def flags(bind: str, min_replicas: int = 1) -> list[str]:
+    """Its options, listening on ``bind`` (``host:port``) only: a cluster's pod runs ``COMMAND`` with them."""
     return [
-        sys.executable,
-        str(script),
         "--min_replicas",
         str(min_replicas),
         "--quorum_tick_ms",
@@ -27,5 +33,5 @@ def argv(port: int, host: str = "127.0.0.1", min_replicas: int = 1) -> list[str]
         "--heartbeat_timeout_ms",
         str(HEARTBEAT_TIMEOUT_MS),
         "--bind",
-        f"{host}:{port}",
+        bind,
     ]

@@ -7,7 +7,7 @@ import sys
 
 from ... import loopback
 from ...spec import JobSpec
-from . import lighthouse
+from . import hosts, lighthouse
 from .trainer import LAST_STEP_ENV, RESTART_ENV
 
 TRAINER_MODULE = "eksft_nb.engines.torchft.trainer"
@@ -24,25 +24,35 @@ def group_env(
     restart: int = 0,
     last_step: int = 0,
 ) -> dict[str, str]:
-    """The environment of replica group ``group``'s rank (one per group so far: it hosts the group's
-    store)."""
+    """The environment of replica group ``group``'s rank in a local job (one per group so far: it hosts
+    the group's store)."""
     return {
         **loopback.env(),
+        **job_env(spec, job_dir=job_dir, lighthouse=f"http://127.0.0.1:{lighthouse_port}",
+                  host=hosts.LOCAL, store_port=store_port),
+        "RANK": str(group),
+        "GROUP_RANK": str(group),
+        "REPLICA_GROUP_ID": str(group),
+        RESTART_ENV: str(restart),
+        LAST_STEP_ENV: str(last_step),
+    }
+
+
+def job_env(spec: JobSpec, *, job_dir: str, lighthouse: str, host: str, store_port: int) -> dict[str, str]:
+    """What every replica group's rank gets, on any backend: ``lighthouse`` the Lighthouse's URL, ``host``
+    the address the group's servers bind (:func:`.hosts.rendered`: each backend renders its own)."""
+    return {
         "EKSFT_JOB": spec.name,
         "EKSFT_JOB_DIR": job_dir,
         "EKSFT_JOB_ATTEMPT": "0",
-        "RANK": str(group),
         "LOCAL_RANK": "0",
-        "GROUP_RANK": str(group),
         "WORLD_SIZE": str(spec.world_size),
-        "REPLICA_GROUP_ID": str(group),
         "NUM_REPLICA_GROUPS": str(spec.nnodes),
-        "MASTER_ADDR": "127.0.0.1",
+        hosts.HOST_ENV: host,
+        "MASTER_ADDR": host,
         "MASTER_PORT": str(store_port),
         "OMP_NUM_THREADS": str(spec.threads_per_rank),
-        "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{lighthouse_port}",
-        RESTART_ENV: str(restart),
-        LAST_STEP_ENV: str(last_step),
+        "TORCHFT_LIGHTHOUSE": lighthouse,
     }
 
 

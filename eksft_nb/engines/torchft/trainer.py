@@ -21,6 +21,7 @@ from typing import Any
 from ...errors import JobError
 from ...runtime.quiet import quiet_process
 from .startup import all_groups_up
+from .hosts import group_host
 
 LAST_STEP_ENV = "EKSFT_TORCHFT_LAST_STEP"  # a restarted group: the job's last committed step when it was lost
 RESTART_ENV = "EKSFT_TORCHFT_RESTART"  # a restarted group: how many times the supervisor restarted it
@@ -29,13 +30,11 @@ TIMEOUT_S = 10  # a collective or a checkpoint fetch from a peer
 
 def main() -> None:
     quiet_process()
-    from ...loopback import install
     from ...runtime.session import session
     from ...runtime.trainer_main import exit_cleanly
-    from .listen import install as install_torchft
+    from .listen import install
 
-    install()  # the group's store on loopback
-    install_torchft()  # the manager's and the checkpoint server's too
+    install()  # the group's store, manager and checkpoint servers on the group's address alone (hosts.py)
     s = session()
     try:
         GroupTrainer(s).train()
@@ -61,8 +60,8 @@ class GroupTrainer:
         self.group = int(env["REPLICA_GROUP_ID"])
         self.last_step = int(env.get(LAST_STEP_ENV) or 0)
         torch.set_num_threads(spec.threads_per_rank)
-        port = int(env["MASTER_PORT"])
-        self.store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+        port, host = int(env["MASTER_PORT"]), group_host()   # the peers reach this group's store there
+        self.store = TCPStore(host, port, is_master=True, wait_for_workers=False)
         vocab, d_model, n_layers, n_heads = spec.model.dims()
         self.model = build_model(
             vocab, d_model, n_layers, n_heads, spec.seq, spec.seed, torch.device("cpu"), fsdp=False
@@ -79,8 +78,8 @@ class GroupTrainer:
             replica_id=f"group{self.group}",
             rank=0,
             world_size=1,
-            store_addr="127.0.0.1",
-            store_port=port,
+            store_addr=host,
+            store_port=self.store.port,  # the one it took, where a cluster's group asks for any
             timeout=timeout,
             connect_timeout=timeout,
         )

@@ -1,0 +1,140 @@
+"""A torchft job (``--engine torchft``) on Slurm: its sbatch script, and the runner of its replica groups.
+
+The batch script runs on the allocation's first node. The watcher (:mod:`.allocation`) records the job's
+start and end as for an NVRx job; its step is this module's runner (``python -m
+eksft_nb.backends.slurm.torchft JOB_DIR FIRST_NODE``), which starts the Lighthouse there and one job step
+per replica group (``srun --relative=G``: group G on the allocation's node G). A group whose step fails is
+started again alone (up to ``max_job_restarts`` times per group) and heals from a peer, while the others
+train on; the job is never requeued (the surviving groups hold its state).
+
+Ports (see :mod:`eksft_nb.engines.torchft.hosts`): the Lighthouse binds the first node's address on
+``--slurm-port``; a group's store, manager and checkpoint servers bind free ports on the address its node's
+host name resolves to; none binds every interface.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ...engines.torchft import hosts, lighthouse
+from ...engines.torchft.plan import TRAINER_MODULE, job_env
+from ...engines.torchft.trainer import LAST_STEP_ENV, RESTART_ENV
+from ...events import EventTail
+from ...jobdir import JobDir
+from ...monitor import JobMonitor
+from ...runtime.quiet import quiet_env
+from ...spec import JobSpec
+from .render import WATCHER, directives, job_dir, new_job_uid, uid_line
+
+RUNNER = "eksft_nb.backends.slurm.torchft"
+POLL_S = 0.2
+
+
+def render(spec: JobSpec, job_uid: str | None = None) -> str:
+    """The sbatch script; ``job_uid`` is the launch's (a new one when not given)."""
+    jd, port = job_dir(spec), spec.slurm.port
+    env = job_env(spec, job_dir=str(jd.path), lighthouse="", host="", store_port=hosts.ANY_PORT)
+    for per_node in ("TORCHFT_LIGHTHOUSE", hosts.HOST_ENV, "MASTER_ADDR", "EKSFT_JOB_ATTEMPT"):   # set below
+        del env[per_node]
+    env = quiet_env(env)
+    heads = [d.replace("--requeue", "--no-requeue") for d in directives(spec)]
+    lines = ["#!/bin/bash", *heads,
+             f"# eksft-nb job {spec.name} (spec {spec.digest()}), engine torchft: its folder {jd.path} is "
+             "on the shared disk",
+             "set -u",
+             "# the environment of every replica group",
+             *(f"export {k}={shlex.quote(v)}" for k, v in env.items()),
+             'export EKSFT_JOB_ATTEMPT="${SLURM_RESTART_COUNT:-0}"',
+             uid_line(job_uid or new_job_uid()),
+             "# the Lighthouse is on the allocation's first node (this script runs there), port "
+             f"{port}",
+             'FIRST_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
+             f'export TORCHFT_LIGHTHOUSE="http://$FIRST_NODE:{port}"',
+             "# the watcher records the job's start and end; its step starts the Lighthouse and one job step",
+             "# per replica group, and starts a lost group again alone",
+             f"python -m {WATCHER} {shlex.quote(str(jd.path))} -- python -m {RUNNER} "
+             f'{shlex.quote(str(jd.path))} "$FIRST_NODE"',
+             'exit "$?"']
+    return "\n".join(lines) + "\n"
+
+
+def group_step(spec: JobSpec, group: int, restart: int, log: Path) -> list[str]:
+    """Replica group ``group``'s job step, on the allocation's node ``group``; its servers on the address
+    that node's host name resolves to."""
+    inner = (f'export {hosts.HOST_ENV}="{hosts.rendered("slurm")}" MASTER_ADDR="{hosts.rendered("slurm")}"; '
+             f'exec "$0" -m {TRAINER_MODULE}')
+    return ["srun", "--nodes=1", "--ntasks=1", f"--relative={group}", f"--job-name={spec.name}-g{group}",
+            f"--output={log}", "bash", "-c", inner, sys.executable]
+
+
+class Runner:
+    def __init__(self, jd: JobDir, first_node: str) -> None:
+        self.jd, self.spec, self.first = jd, jd.spec(), first_node
+        self.restarts: dict[int, int] = {}
+        self.mon, self.tail = JobMonitor(), EventTail(jd.events_path)
+        self.procs: list[subprocess.Popen[Any]] = []
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # the watcher gave up: end everything
+        try:
+            argv = lighthouse.argv(self.spec.slurm.port, hosts.resolve(self.first))
+            with open(self.jd.logs / "lighthouse.log", "ab") as log:
+                lh = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self.procs.append(lh)
+            groups = {g: self._start(g) for g in range(self.spec.nnodes)}
+            while groups:
+                if lh.poll() is not None:
+                    print(f"eksft: torchft's Lighthouse ended (exit {lh.returncode}; see "
+                          "logs/lighthouse.log)", file=sys.stderr)
+                    return 1
+                for g, step in list(groups.items()):
+                    code = step.poll()
+                    if code is None:
+                        continue
+                    if code == 0:
+                        del groups[g]
+                    elif self.restarts.get(g, 0) >= self.spec.ft.max_job_restarts:
+                        print(f"eksft: replica group {g}'s step failed (exit {code}); no restarts left "
+                              f"(max_job_restarts={self.spec.ft.max_job_restarts})", file=sys.stderr)
+                        return 1
+                    else:
+                        self.restarts[g] = self.restarts.get(g, 0) + 1
+                        groups[g] = self._start(g)
+                        print(f"eksft: replica group {g}'s step failed (exit {code}); started it again alone "
+                              f"({self.restarts[g]} of {self.spec.ft.max_job_restarts})", file=sys.stderr)
+                time.sleep(POLL_S)
+            return 0
+        finally:
+            for proc in self.procs:
+                if proc.poll() is None:
+                    proc.terminate()
+            for proc in self.procs:
+                proc.wait()
+
+    def _start(self, group: int) -> subprocess.Popen[Any]:
+        self.mon.update(self.tail.read())
+        restart = self.restarts.get(group, 0)
+        env = {**os.environ, "RANK": str(group), "GROUP_RANK": str(group), "REPLICA_GROUP_ID": str(group),
+               RESTART_ENV: str(restart), LAST_STEP_ENV: str(self.mon.last_step if restart else 0)}
+        log = self.jd.logs / f"group-{group}-{restart}.log"
+        step = subprocess.Popen(group_step(self.spec, group, restart, log), env=env, stdin=subprocess.DEVNULL)
+        self.procs.append(step)
+        return step
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print(f"usage: python -m {RUNNER} JOB_DIR FIRST_NODE", file=sys.stderr)
+        return 2
+    return Runner(JobDir(Path(argv[0])), argv[1]).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

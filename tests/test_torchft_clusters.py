@@ -1,0 +1,299 @@
+"""The torchft engine on clusters: on EKS the Lighthouse as a Deployment behind a Service and the replica
+groups as a JobSet, validated against the schemas, and the rendered pods' commands really training here
+against their Lighthouse (kmock as the API server, see test_eks_replay.py); on a real two-node Slurm
+(slurm_cluster.py) the Lighthouse on the allocation's first node and a job step per group. Everywhere the
+groups' servers listen on the one address their peers use (engines/torchft/hosts.py), never on every
+interface."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from eks_kube import Controllers, Kube, running
+from jobs import free_port, wait_for
+from slurm_cluster import SlurmCluster, free_base, slurm_cluster
+from test_eks_replay import free_port_base
+
+from eksft_nb import commands
+from eksft_nb.backends.eks import EksBackend, names
+from eksft_nb.backends.eks.torchft import LIGHTHOUSE_LABEL, lighthouse_name
+from eksft_nb.engines.torchft import lighthouse as lh
+from eksft_nb.engines.torchft.hosts import HOST_ENV
+from eksft_nb.errors import EksftError
+from eksft_nb.events import decode_lines, read_all
+from eksft_nb.job import Job
+from eksft_nb.spec import JobSpec
+
+pytest.importorskip("torchft")
+
+JOBSET = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
+
+
+def eks_spec(name: str, **changes: object) -> JobSpec:
+    return JobSpec(name=name, backend="eks", engine="torchft", nnodes=3, nproc_per_node=1).replace(**{
+        "eks.image": "img", "eks.kind": "jobset", "eks.namespace": "train", **changes})
+
+
+def env_of(container: dict) -> dict[str, object]:
+    return {v["name"]: v.get("value", v.get("valueFrom")) for v in container["env"]}
+
+
+def test_an_eks_torchft_job_is_a_lighthouse_deployment_and_a_jobset_of_replica_groups() -> None:
+    spec, _ = commands.prepare(eks_spec("tft"), launching=False)
+    m = EksBackend().manifests(spec)   # every manifest validated against its schema (a CRD's, or Kubernetes')
+    kinds = [(o["kind"], o["metadata"]["name"]) for o in m.job]
+    assert kinds[-4:] == [("NetworkPolicy", "tft-lighthouse"), ("Service", "tft-lighthouse"),
+                          ("Deployment", "tft-lighthouse"), ("JobSet", "tft")], kinds
+    policy, service, deployment, jobset = m.job[-4:]
+    # the Lighthouse: one pod, bound to its own IP on --rdzv-port, reached through its Service by the job's
+    # pods alone; its pod is not one of the job's (those are the groups)
+    pod = deployment["spec"]["template"]
+    [lighthouse] = pod["spec"]["containers"]
+    assert lighthouse["command"] == ["torchft_lighthouse"]
+    assert lighthouse["args"][lighthouse["args"].index("--bind") + 1] == "$(POD_IP):29500"
+    assert env_of(lighthouse)["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert names.JOB_LABEL not in pod["metadata"]["labels"]
+    selector = {LIGHTHOUSE_LABEL: "tft"}
+    assert service["spec"]["selector"] == selector == policy["spec"]["podSelector"]["matchLabels"]
+    assert service["spec"]["ports"] == [{"name": "lighthouse", "port": 29500, "targetPort": 29500}]
+    groups_pods = {"podSelector": {"matchLabels": {names.JOB_LABEL: "tft"}}}
+    port = [{"protocol": "TCP", "port": 29500}]
+    assert policy["spec"]["ingress"] == [{"from": [groups_pods], "ports": port}]
+    # the groups: one replicated job of a one-pod child Job per group (JobSet numbers them 0..2, torchft's
+    # replica ids), retried alone, never the set restarted
+    [groups] = jobset["spec"]["replicatedJobs"]
+    child = groups["template"]["spec"]
+    assert (groups["replicas"], child["completions"]) == (3, 1)
+    assert child["backoffLimitPerIndex"] == spec.ft.max_job_restarts
+    assert jobset["spec"]["failurePolicy"]["maxRestarts"] == 0
+    [trainer] = child["template"]["spec"]["containers"]
+    env = env_of(trainer)
+    assert trainer["command"] == ["python", "-m", "eksft_nb.engines.torchft.trainer"]
+    assert "ports" not in trainer   # ephemeral (hosts.py)
+    assert env["TORCHFT_LIGHTHOUSE"] == "http://tft-lighthouse.train.svc.cluster.local:29500"
+    index = "metadata.annotations['jobset.sigs.k8s.io/job-index']"
+    assert env["REPLICA_GROUP_ID"] == {"fieldRef": {"fieldPath": index}}
+    assert env[HOST_ENV] == env["MASTER_ADDR"] == "$(POD_IP)" and env["NUM_REPLICA_GROUPS"] == "3"
+    order = [v["name"] for v in trainer["env"]]
+    assert order.index("POD_IP") < order.index(HOST_ENV)   # the kubelet expands only what comes before
+    assert "0.0.0.0" not in json.dumps([lighthouse, trainer])
+    rules = next(o for o in m.admin if o["kind"] == "Role")["rules"]
+    assert {"apiGroups": ["apps"], "resources": ["deployments"],
+            "verbs": ["get", "create", "delete"]} in rules
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"eks.kind": "job"}, "runs its replica groups as a JobSet"),
+    ({"eks.queue": "q"}, "cannot be queued yet"),
+])
+def test_what_eks_cannot_run_of_a_torchft_job_is_refused_in_one_line(changes: dict, words: str) -> None:
+    with pytest.raises(EksftError) as refused:
+        commands.prepare(eks_spec("tft", **changes), launching=False)
+    assert words in str(refused.value) and "\n" not in str(refused.value)
+
+
+# ---- EKS: the rendered pods, run here ---------------------------------------------------------------------
+
+@pytest.fixture
+def cluster(tmp_path: Path,
+            monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Kube, EksBackend, Controllers]]:
+    with running() as kube:
+        monkeypatch.setenv("KUBECONFIG", str(kube.kubeconfig(tmp_path / "kubeconfig")))
+        ctl = Controllers(kube, "default", tmp_path / "cluster")
+        backend = EksBackend(context="kmock")
+        backend._cluster().create({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                                   "metadata": {"name": "fsx-claim", "namespace": "default"},
+                                   "spec": {"accessModes": ["ReadWriteMany"],
+                                            "resources": {"requests": {"storage": "1200Gi"}}}})
+        try:
+            yield kube, backend, ctl
+        finally:
+            ctl.close()
+
+
+def listening(pid: int) -> set[str]:
+    """The addresses a process tree listens on (none once it ended)."""
+    out: set[str] = set()
+    try:
+        tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return out
+    for p in tree:
+        try:
+            out |= {c.laddr.ip for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+        except psutil.Error:
+            continue
+    return out
+
+
+@pytest.mark.slow
+def test_a_rendered_torchft_job_trains_its_groups_against_its_lighthouse(cluster) -> None:
+    kube, backend, ctl = cluster
+    spec = eks_spec("tftreplay", nnodes=2, steps=20).replace(**{
+        "eks.namespace": "default", "eks.gpus_per_node": 0, "eks.port": free_port_base(),
+        "model.preset": "tiny"})
+    backend.launch(spec)
+    hosts = {f"{lighthouse_name('tftreplay')}.default.svc.{names.CLUSTER_DOMAIN}": "127.0.0.1"}
+    lighthouse = ctl.start_deployment(lighthouse_name("tftreplay"), hosts)
+    ctl.start_job("tftreplay", hosts, workload=JOBSET)
+    job = Job("tftreplay", backend)
+    seen: set[str] = set()
+    deadline = time.time() + 300
+    while not (state := job.state).ended and time.time() < deadline:
+        seen |= {ip for p in ctl.procs for ip in listening(p.pid)}
+        time.sleep(0.5)
+    assert state == "succeeded", backend.logs("tftreplay", debug=True)[-4000:]
+    # every step committed, and both groups ended at the last step with the same weights (read from the
+    # pods' logs: the stream behind the monitor once delivered 3 of pod 0's 20 steps, under a load of 15)
+    events = [e for p in ctl.root.glob("tftreplay-[0-9]-*.log")
+              for e in decode_lines(p.read_text().splitlines())]
+    assert sorted(e["step"] for e in events if e.kind == "step") == list(range(1, 21))
+    ends = [e for e in events if e.kind == "rank_end"]
+    assert sorted(e["replica_group"] for e in ends) == [0, 1] and {e["final_step"] for e in ends} == {20}
+    assert len({e["digest"] for e in ends}) == 1, ends
+    # the pods' servers (the Lighthouse's, the groups' stores, managers and checkpoint servers) listened on
+    # the pod's IP, here 127.0.0.1, and nowhere else
+    assert lighthouse.poll() is None and seen == {"127.0.0.1"}, seen
+
+
+# ---- Slurm ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    with slurm_cluster(tmp_path_factory.mktemp("slurm")) as c:
+        yield c
+
+
+def test_a_slurm_torchft_script_starts_the_lighthouse_on_the_first_node_and_a_step_per_group() -> None:
+    spec = JobSpec(name="tft", backend="slurm", engine="torchft", nnodes=2, nproc_per_node=1).replace(**{
+        "slurm.shared_dir": "/fsx/eksft", "slurm.port": 31000})
+    script = commands.dry_run(spec)
+    lines = script.splitlines()
+    assert "#SBATCH --nodes=2" in lines and "#SBATCH --no-requeue" in lines
+    assert 'FIRST_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)' in lines
+    assert 'export TORCHFT_LIGHTHOUSE="http://$FIRST_NODE:31000"' in lines
+    assert "eksft_nb.backends.slurm.torchft /fsx/eksft/tft" in script and "0.0.0.0" not in script
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+@pytest.mark.slow
+def test_a_torchft_job_on_slurm_runs_every_group_as_a_step_to_the_end(slurm: SlurmCluster) -> None:
+    done = subprocess.run([sys.executable, "-m", "eksft_nb", "run", "--backend", "slurm", "--engine",
+                           "torchft", "--shared-dir", str(slurm.shared), "--name", "tft-slurm",
+                           "--nnodes", "2",
+                           "--nproc-per-node", "1", "--model", "tiny", "--steps", "20",
+                           "--slurm-port", str(free_base()), "--json"],
+                          capture_output=True, text=True, timeout=600, env=slurm.env)
+    folder = slurm.shared / "tft-slurm"
+    logs = "\n".join(f"== {p.name}\n{p.read_text()[-2000:]}" for p in sorted((folder / "logs").glob("*")))
+    assert "{" in done.stdout, done.stderr[-3000:] + logs
+    summary = json.loads(done.stdout[done.stdout.index("{"):])
+    assert summary["state"] == "succeeded" and summary["steps_done"] == 20, logs
+    events = read_all(folder / "events.jsonl")
+    ends = [e for e in events if e.kind == "rank_end"]
+    assert sorted(e["replica_group"] for e in ends) == [0, 1] and len({e["digest"] for e in ends}) == 1
+    job_events = [e.kind for e in events if e.rank is None]
+    assert (job_events[0], job_events[-1]) == ("job_start", "job_end"), job_events
+    # the Lighthouse ran on the first node, each group in a job step of its own that ended
+    assert sorted(p.name for p in (folder / "logs").glob("group-*.log")) == ["group-0-0.log", "group-1-0.log"]
+    job_id = json.loads((folder / "slurm.json").read_text())["job_id"]
+    shown = slurm.run("scontrol", "show", "job", job_id).stdout
+    assert "JobState=COMPLETED" in shown, shown
+
+
+# ---- the port rule, across a real network path ------------------------------------------------------------
+
+GROUP = """
+import datetime, json, os, sys, psutil
+from eksft_nb.engines.torchft.listen import install
+from eksft_nb.engines.torchft.hosts import group_host
+install()   # as the trainer does: the store, manager and checkpoint servers on EKSFT_TORCHFT_HOST
+from torch.distributed import TCPStore
+from torchft import Manager, ProcessGroupGloo
+host, t = group_host(), datetime.timedelta(seconds=30)
+store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+manager = Manager(pg=ProcessGroupGloo(timeout=t), min_replica_size=1, load_state_dict=lambda s: None,
+                  state_dict=lambda: {}, replica_id="group0", rank=0, world_size=1, store_addr=host,
+                  store_port=store.port, timeout=t, connect_timeout=t)
+print(json.dumps(sorted({(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections(kind="inet")
+                         if c.status == psutil.CONN_LISTEN})), flush=True)
+sys.stdin.read()   # until the test is done
+"""
+HOST_SIDE, PEER_SIDE = "10.213.7.1", "10.213.7.2"   # a private /24 used only inside this test's namespace
+
+
+def ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def peer() -> Iterator[str]:
+    """Another host: a network namespace reached through a veth pair (../shared/notes/network-namespaces.md);
+    yields its name."""
+    name = f"eksft-peer-{os.getpid()}"
+    if ip("netns", "add", name).returncode != 0:
+        pytest.skip("needs root and iproute2 (ip netns) to make a second host")
+    try:
+        host_if, peer_if = f"vh{name[-8:]}", f"vp{name[-8:]}"
+        for step in (["link", "add", host_if, "type", "veth", "peer", "name", peer_if],
+                     ["link", "set", peer_if, "netns", name],
+                     ["addr", "add", f"{HOST_SIDE}/24", "dev", host_if], ["link", "set", host_if, "up"],
+                     ["-n", name, "addr", "add", f"{PEER_SIDE}/24", "dev", peer_if],
+                     ["-n", name, "link", "set", peer_if, "up"], ["-n", name, "link", "set", "lo", "up"]):
+            done = ip(*step)
+            assert done.returncode == 0, (step, done.stderr)
+        yield name
+    finally:
+        ip("netns", "del", name)
+        ip("link", "del", f"vh{name[-8:]}")
+
+
+def reach_from(peer: str, address: str, ports: list[int]) -> list[bool]:
+    """Whether each port at ``address`` accepts a connection from the peer host (3 s each at most)."""
+    probe = ("import socket, sys\nfor p in sys.argv[2:]:\n    try:\n        socket.create_connection("
+             "(sys.argv[1], int(p)), timeout=3).close(); print(1)\n    except OSError:\n        print(0)\n")
+    done = subprocess.run(["ip", "netns", "exec", peer, sys.executable, "-c", probe, address,
+                           *map(str, ports)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return [line == "1" for line in done.stdout.split()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("host", ["127.0.0.1", HOST_SIDE], ids=["local", "cluster"])
+def test_a_groups_servers_are_reached_only_at_the_address_the_rule_gives(peer: str, host: str) -> None:
+    """A local group's store, manager and checkpoint servers (and its Lighthouse) cannot be reached from
+    another host; a cluster group's, bound to the address its peers use, can, there and nowhere else."""
+    port = free_port()
+    lighthouse = subprocess.Popen(lh.argv(port, host), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    group = subprocess.Popen([sys.executable, "-c", GROUP], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, HOST_ENV: host,
+                                  "TORCHFT_LIGHTHOUSE": f"http://{host}:{port}"})
+    try:
+        line = group.stdout.readline()
+        assert line, group.communicate(timeout=60)[1][-3000:]
+        listens = [tuple(x) for x in json.loads(line)]
+        listens += wait_for("the Lighthouse to listen", lambda: [
+            (a.laddr.ip, a.laddr.port) for a in psutil.Process(lighthouse.pid).net_connections("inet")
+            if a.status == psutil.CONN_LISTEN], timeout=60)
+        ports = sorted({p for _, p in listens})
+        assert len(ports) >= 4 and {a for a, _ in listens} == {host}, listens   # store, manager, ckpt, LH
+        assert reach_from(peer, HOST_SIDE, ports) == [host == HOST_SIDE] * len(ports)
+        if host == HOST_SIDE:   # not every interface: not through this host's loopback either
+            for p in ports:
+                with pytest.raises(ConnectionRefusedError):
+                    socket.create_connection(("127.0.0.1", p), timeout=3).close()
+    finally:
+        group.kill()
+        lighthouse.kill()
+        group.communicate()
+        lighthouse.wait()
