@@ -1,8 +1,8 @@
-"""Part 3, goodput: a job that runs for a fixed wall time with a fault every ``period`` seconds
-(kinds in turn), for async vs sync checkpoints and in-process restart on vs off, plus a fault-free
-reference of each checkpoint mode in the same run. ETTR (useful steps per wall second against the
-reference of the same checkpoint mode), goodput and its breakdown come from :mod:`eksft_nb.goodput`,
-over the events up to the end of the window."""
+"""Part 3, goodput: a job that runs for a fixed wall time after its first step, with a fault every
+``period`` seconds (kinds in turn), for async vs sync checkpoints and in-process restart on vs off,
+plus a fault-free reference of each checkpoint mode in the same run. ETTR (useful steps per wall
+second against the reference of the same checkpoint mode), goodput and its breakdown come from
+:mod:`eksft_nb.goodput`, over the events up to the end of the window."""
 
 from __future__ import annotations
 
@@ -51,12 +51,23 @@ def run(quick: bool, window_s: tuple[float, float] | None = None) -> dict[str, A
             "references": references, "configs": configs}
 
 
+FIRST_STEP_WITHIN_S = 600.0  # a launch that runs no step by then is a failure of the run
+
+
 def window(name: str, changes: dict[str, Any], duration: float, period: float | None,
            reference_steps_per_s: float | None = None) -> dict[str, Any]:
-    """Run one configuration for ``duration`` seconds, injecting a fault every ``period`` seconds
-    (none when ``period`` is None: a reference run)."""
+    """Run one configuration for ``duration`` seconds from its first step, injecting a fault every
+    ``period`` seconds (none when ``period`` is None: a reference run). The start-up before the first
+    step is in the window too (goodput counts it as lost), but does not eat into it: on a busy machine
+    a short window counted from launch could end before any step ran."""
     before = load_avg()
     job = launch(JobSpec().replace(name=name, **SPEC, **changes).validate())
+    deadline = time.time() + FIRST_STEP_WITHIN_S
+    while job.refresh().max_step < 1 and not job.state.ended:
+        if time.time() > deadline:
+            job.stop()
+            raise RuntimeError(f"{name} ran no step within {FIRST_STEP_WITHIN_S:.0f} s of its launch")
+        time.sleep(0.2)
     t0 = time.time()
     fired = []
     try:
