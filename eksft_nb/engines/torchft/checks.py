@@ -9,9 +9,10 @@ from typing import Any
 from ...errors import SpecError
 from ...spec import JobSpec
 
-# the faults a torchft job fires: a rank killed (its group restarts and heals from a peer), an exception
-# inside backward (the step is thrown away), a straggler
-FAULTS = ("sigkill", "exception", "slow-rank")
+# the faults a torchft job fires: a rank killed (its group restarts and heals from a peer), a whole
+# replica group lost (kill-launcher on node N: group N's process group), a hang (the supervisor finds it,
+# ends the group and restarts it), an exception inside backward (the step is thrown away), a straggler
+FAULTS = ("sigkill", "kill-launcher", "hang", "exception", "slow-rank")
 
 
 def check(spec: JobSpec, faults: Sequence[Any] = ()) -> None:
