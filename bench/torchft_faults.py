@@ -53,7 +53,7 @@ def one_job(name: str) -> list[dict[str, Any]]:
         for kind in FAULTS:
             before = time.time()
             if kind == "every-group":
-                at = last_step(name) + 5
+                at = last_step(name) + 50  # room to queue both: one fault ending every group at once
                 for group in (0, 1):
                     commands.inject(name, "kill-launcher", node=group, step=at)
                 wait(name, lambda ev, t=before: any(e.kind == "restart" and e.t > t for e in ev), kind)
