@@ -227,7 +227,9 @@ class TorchftSupervisor(Supervisor):
             procs.kill_marked(self.job_uid, node.tag)
         lost = ", ".join(f"group {n.index} {_how(c)}" for n, c in zip(self.nodes, codes))
         cause = f"every replica group was lost ({lost}): no peer holds the job's state"
-        fault_time = min(self._fault_time(n, detected) for n in self.nodes)
+        # groups lost one after the other (a restarted one found no peer): dated by the first loss still open
+        fault_time = min([self._fault_time(n, detected) for n in self.nodes] +
+                         [lost["fault_time"] for lost in self.lost.values()])
         self.lost.clear()  # their own incidents end with the job's
         self.beacons.clear()
         self.incidents.open(
