@@ -5,6 +5,8 @@
 - checkpoint interference: what such steps took beyond the clean step time (the writer competing
   for the machine), so async saves cannot pass a slowdown off as productive time
 - recomputed: earlier executions of steps that a restart rolled back (lost work)
+- skipped: the share of kept steps that a torchft replica group did not train (the batches a group
+  that healed from a peer skipped: its ``heal`` events), out of productive: the model saw fewer samples
 - checkpoint stall: time the training loop was blocked by saves
 - restart downtime: from each fault to the first step after recovery
 - startup: from job start to the first step
@@ -25,7 +27,7 @@ from .monitor import JobMonitor
 from .states import JobState
 
 CATEGORIES = ("productive", "checkpoint_stall", "checkpoint_interference", "restart_downtime", "recomputed",
-              "startup", "other")
+              "skipped", "startup", "other")
 
 
 @dataclass
@@ -36,6 +38,7 @@ class Goodput:
     checkpoint_interference_s: float
     restart_downtime_s: float
     recomputed_s: float
+    skipped_s: float
     startup_s: float
     other_s: float
 
@@ -61,7 +64,7 @@ class Goodput:
 
 def compute(mon: JobMonitor, now: float | None = None) -> Goodput:
     if mon.t_start is None:
-        return Goodput(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        return Goodput(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
     end, wall = _window(mon, now)
     s = mon.steps
     last_execution = {step: i for i, step in enumerate(s.step)}
@@ -75,6 +78,10 @@ def compute(mon: JobMonitor, now: float | None = None) -> Goodput:
     kept = float(took.sum()) - recomputed
     interference = _interference(mon, idx, took, end)
     productive = kept - interference
+    # a skipped batch is one rank's share of a step: that share of a typical kept step
+    typical = float(np.median(took[idx])) if len(idx) else 0.0
+    skipped = min(productive, skipped_steps(mon) * typical)
+    productive -= skipped
     downtime = sum(r["downtime_s"] for r in mon.restarts)
     if mon.state == JobState.RECOVERING and mon.failures and not mon.finished:
         downtime += max(0.0, end - mon.failures[-1]["fault_time"])
@@ -84,7 +91,7 @@ def compute(mon: JobMonitor, now: float | None = None) -> Goodput:
     startup = min(wall, max(0.0, min(ends) - mon.t_start))
     stall = mon.checkpoint_stall_s
     other = max(0.0, wall - kept - recomputed - downtime - startup - stall)
-    return Goodput(wall, productive, stall, interference, downtime, recomputed, startup, other)
+    return Goodput(wall, productive, stall, interference, downtime, recomputed, skipped, startup, other)
 
 
 def _window(mon: JobMonitor, now: float | None) -> tuple[float, float]:
@@ -132,10 +139,16 @@ def useful_steps(mon: JobMonitor) -> int:
     return len({step for step in mon.steps.step if step <= mon.last_step})
 
 
+def skipped_steps(mon: JobMonitor) -> float:
+    """The steps' worth of batches torchft replica groups skipped when they healed from a peer (each
+    batch one rank's share of a step; groups of one rank)."""
+    return mon.skipped_batches / mon.world_size if mon.world_size else 0.0
+
+
 def steps_per_s(mon: JobMonitor, now: float | None = None) -> float:
-    """Useful steps per wall second, start-up and every loss included."""
+    """Useful steps per wall second, start-up and every loss included (skipped batches too)."""
     wall = _window(mon, now)[1]
-    return useful_steps(mon) / wall if wall > 0 else 0.0
+    return max(0.0, useful_steps(mon) - skipped_steps(mon)) / wall if wall > 0 else 0.0
 
 
 def ettr(mon: JobMonitor, reference_steps_per_s: float, now: float | None = None) -> float | None:

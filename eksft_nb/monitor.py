@@ -84,6 +84,7 @@ class JobMonitor:
     gpu: GpuFold = field(default_factory=GpuFold)   # GPU health per node (gpu_health / gpu_fault events)
     digest: str | None = None
     checkpoint_stall_s: float = 0.0
+    skipped_batches: int = 0   # batches torchft replica groups skipped when they healed (heal events)
     last_event_t: float | None = None
     n_events: int = 0
 
@@ -190,6 +191,9 @@ class JobMonitor:
 
     def _on_nvrx_cycle(self, e: Event) -> None:
         self.nvrx_cycles[(e["attempt"], e["cycle"])] = dict(e.data)
+
+    def _on_heal(self, e: Event) -> None:
+        self.skipped_batches += e["skipped_batches"]
 
     def _on_resume(self, e: Event) -> None:
         self.resumes.append({"t": e.t, **e.data})

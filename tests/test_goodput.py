@@ -91,3 +91,19 @@ def test_a_slowed_step_that_a_rollback_ran_again_is_recomputed_not_interference(
     gp = compute(mon, now=end)
     assert gp.checkpoint_interference_s == 0.0
     assert gp.recomputed_s == pytest.approx(2 * CLEAN + 0.5) and gp.productive_s == pytest.approx(5 * CLEAN)
+
+
+def test_batches_a_torchft_group_skipped_when_it_healed_are_lost_work_in_goodput_and_ettr() -> None:
+    """Two replica groups of one rank: a group that healed from its peer skipped 6 batches, 3 steps'
+    worth of one group's share (half a step each): 0.3 s of the 10 kept steps was not productive, and
+    ETTR counts 7 useful steps where 10 ran."""
+    mon, end = _job([(s, CLEAN) for s in range(1, 11)], [])
+    clean = compute(mon, now=end)
+    reference = steps_per_s(mon, now=end)
+    mon.world_size = 2
+    mon.update([make("heal", "j", 1, t=end - 0.5, from_step=2, step=8, skipped_batches=6, heal_s=0.01)])
+    gp = compute(mon, now=end)
+    assert gp.skipped_s == pytest.approx(3 * CLEAN) and clean.skipped_s == 0.0
+    assert gp.productive_s == pytest.approx(clean.productive_s - 3 * CLEAN)
+    assert sum(gp.seconds().values()) == pytest.approx(gp.wall_s)
+    assert ettr(mon, reference, now=end) == pytest.approx(7 / 10)

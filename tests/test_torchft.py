@@ -1,6 +1,9 @@
-"""The torchft engine (``--engine torchft``) on the local backend, with real replica groups: a group killed
-by SIGKILL restarts and heals from its peer (no committed step lost, the groups' weights identical at the
-end, the batches it missed counted); an exception inside backward throws that step away; every process of
+"""The torchft engine (``--engine torchft``) on the local backend, with real replica groups, through the
+fault matrix of one job: a group's rank killed by SIGKILL restarts and heals from its peer (no committed
+step lost, the batches it missed counted); an exception inside backward throws that step away; a whole
+group lost (the registry's kill-launcher) heals likewise; a hung group is found by the supervisor,
+restarted, and heals while the other trains on; the loss of every group restarts the job from its newest
+checkpoint. After each, the job ends with every step and the groups' weights identical. Every process of
 the job listens on loopback only; what the engine does not take is refused in one line."""
 
 from __future__ import annotations
@@ -11,16 +14,19 @@ from contextlib import contextmanager
 import pytest
 
 from eksft_nb import commands
+from eksft_nb.checkpoint_folders import list_checkpoints
 from eksft_nb.control import FaultCommand
 from eksft_nb.errors import EksftError
 from eksft_nb.jobdir import JobDir
 from eksft_nb.spec import JobSpec, ModelConfig
+from eksft_nb.states import CheckpointState
 from jobs import cli, events, story, wait_for
 from test_ports import Listeners, is_loopback
 
 pytest.importorskip("torchft")
 
-STEPS = 60
+STEPS = 150  # paced (2 s a step) until the last fault: room for five recoveries on a busy machine
+CKPT_EVERY = 5
 
 
 def torchft_spec(name: str, **changes: object) -> JobSpec:
@@ -40,24 +46,36 @@ def until(name: str, kind: str, rank: int | None = None, after: float = 0.0) -> 
     return lambda: of(name, kind, rank, after) or of(name, "job_end")
 
 
+def fault(name: str, kind: str) -> list:
+    return [e for e in events(name, "fault") if e["fault"] == kind]
+
+
 @pytest.fixture(scope="module")
-def healed() -> Iterator[tuple[str, Listeners]]:
-    """A 2-group job: group 1 killed at step 3; once it healed, an exception inside its backward; then group
-    0 (the one that reported the steps) killed; once it healed too, the job runs to its end. Its listeners
-    sampled throughout. The groups are stragglers (the registry's slow-rank) until the test ends that: the
-    job runs long enough for a killed group to come back however slowly this machine starts a process,
-    and no longer."""
-    name = "tft-heal"
-    commands.launch(torchft_spec(name), [pace(0, step=1), FaultCommand("sigkill", rank=1, step=3)])
+def matrix() -> Iterator[tuple[str, Listeners]]:
+    """A 2-group job through the fault matrix, each fault once the last one healed: group 1's rank killed
+    at step 3; an exception inside its backward; group 0 lost whole (kill-launcher); group 1 hung; then
+    both groups lost at one step, and the job resumes from its newest checkpoint. Its listeners sampled
+    throughout. The groups are stragglers (the registry's slow-rank) until the last fault: the job runs long
+    enough for a lost group to come back however slowly this machine starts a process, and no longer."""
+    name = "tft-matrix"
+    spec = torchft_spec(name, **{"checkpoint.every": CKPT_EVERY, "ft.max_job_restarts": 3})
+    commands.launch(spec, [pace(0, step=1), FaultCommand("sigkill", rank=1, step=3)])
     with watched(name) as listeners:
         heal = wait_for("group 1 to heal from group 0", until(name, "heal", 1), timeout=600)[0]
         commands.inject_command(name, pace(1))  # the restarted process has no pace: group 0 goes next
         commands.inject(name, "exception", rank=1)
         wait_for("group 1 to throw a step away", until(name, "step_discarded", 1), timeout=300)
         wait_for("group 1 to heal the thrown-away step", until(name, "heal", 1, heal.t + 1e-6), timeout=300)
-        commands.inject(name, "sigkill", rank=0)
+        commands.inject(name, "kill-launcher", node=0)
         wait_for("group 0 to heal from group 1", until(name, "heal", 0), timeout=600)
-        commands.inject_command(name, pace(1, delay=0.01, duration=1))
+        commands.inject_command(name, pace(0))  # group 1 goes next
+        hang = commands.inject(name, "hang", rank=1, wait=300)
+        assert hang["fired"], hang
+        t_hang = wait_for("the hang's event", lambda: fault(name, "hang"), timeout=60)[0].t
+        wait_for("the hung group 1 to heal", until(name, "heal", 1, t_hang), timeout=600)
+        at = of(name, "step")[-1]["step"] + 2  # both groups lost at the start of one step
+        for group in (0, 1):
+            commands.inject(name, "kill-launcher", node=group, step=at)
         wait_for("the job to end", lambda: of(name, "job_end"), timeout=600)
     yield name, listeners
 
@@ -82,21 +100,32 @@ def pace(rank: int, step: int | None = None, delay: float = 2.0, duration: int =
     return FaultCommand("slow-rank", rank=rank, step=step, params={"delay": delay, "duration": duration})
 
 
+def job_restart(name: str) -> tuple:
+    """The restart of the whole job after every group was lost: its failure and restart events."""
+    failure = next(e for e in of(name, "failure") if e["blame_rank"] is None)
+    return failure, next(e for e in of(name, "restart") if e["fault_time"] == failure["fault_time"])
+
+
 @pytest.mark.slow
-def test_a_killed_group_heals_from_its_peer_and_the_job_ends_with_every_step(healed) -> None:
-    name, _ = healed
+def test_through_every_fault_the_job_ends_with_every_step_and_identical_groups(matrix) -> None:
+    name, _ = matrix
     end = of(name, "job_end")[0]
     assert end["state"] == "succeeded" and end["final_step"] == STEPS, story(name)
+    failure, restart = job_restart(name)
     steps = [e["step"] for e in events(name, "step")]
-    assert steps == list(range(1, STEPS + 1)), steps  # every step committed once, in order: none lost
-    digests = {e.rank: e["digest"] for e in events(name, "rank_end")}
+    before = [s for e, s in zip(events(name, "step"), steps) if e.t < failure["detected_at"]]
+    after = steps[len(before):]
+    # every step committed once, in order, up to the loss of every group; then on from the checkpoint
+    assert before == list(range(1, len(before) + 1)), before
+    assert after == list(range(restart["resumed_step"] + 1, STEPS + 1)), after
+    digests = {e.rank: e["digest"] for e in of(name, "rank_end", after=failure.t)}
     assert set(digests) == {0, 1} and digests[0] == digests[1], digests
 
 
 @pytest.mark.slow
-def test_the_events_tell_the_quorum_changes_the_heal_and_the_skipped_batches(healed) -> None:
-    name, _ = healed
-    kill = next(e for e in events(name, "fault") if e["fault"] == "sigkill")
+def test_the_events_tell_the_quorum_changes_the_heal_and_the_skipped_batches(matrix) -> None:
+    name, _ = matrix
+    kill = fault(name, "sigkill")[0]
     sizes = [e["participants"] for e in of(name, "quorum", rank=1)]
     assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, sizes  # both, group 1 alone, both again
     heal = of(name, "heal", rank=1)[0]
@@ -109,29 +138,76 @@ def test_the_events_tell_the_quorum_changes_the_heal_and_the_skipped_batches(hea
     assert restart["resumed_step"] == heal["step"] and restart["skipped_batches"] == heal["skipped_batches"]
     assert 0 < restart["downtime_s"] < restart["group_downtime_s"], restart
     row = commands.status(name)
-    assert row["restarts"]["job"] == 2 and row["step"] == STEPS, row
-    # group 0 lost: group 1, first in the quorum then, reported the steps
-    lost = next(e for e in events(name, "fault") if e["fault"] == "sigkill" and e["target_rank"] == 0)
-    back = of(name, "heal", rank=0)[0]
-    assert {e.rank for e in events(name, "step") if lost.t < e.t < back.t} == {1}
-    assert of(name, "restart")[1]["blame_rank"] == 0
+    assert row["restarts"]["job"] == 4 and row["step"] == STEPS, row
+    # the four losses, in order: group 1, group 0, group 1 hung, every group (no one group to blame)
+    assert [e["blame_rank"] for e in of(name, "failure")] == [1, 0, 1, None], story(name)
 
 
 @pytest.mark.slow
-def test_an_exception_inside_backward_throws_the_step_away_and_the_group_heals_it(healed) -> None:
-    name, _ = healed
-    fault = next(e for e in events(name, "fault") if e["fault"] == "exception")
+def test_an_exception_inside_backward_throws_the_step_away_and_the_group_heals_it(matrix) -> None:
+    name, _ = matrix
+    raised = fault(name, "exception")[0]
     thrown = of(name, "step_discarded", rank=1)[0]
-    assert "injected exception" in thrown["reason"] and thrown.t > fault.t
+    assert "injected exception" in thrown["reason"] and thrown.t > raised.t
     again = of(name, "heal", rank=1, after=thrown.t)[0]
     assert again["skipped_batches"] == 1 and again["step"] == thrown["step"], again  # group 0 committed it
-    assert not of(name, "rank_error", rank=1, after=fault.t)  # the group went on: nothing restarted it
-    assert [e["blame_rank"] for e in of(name, "failure")] == [1, 0]  # the two kills, not the exception
+    next_loss = of(name, "failure", after=raised.t)[0]
+    assert next_loss["blame_rank"] == 0  # the exception restarted nothing: the next loss is group 0's
+    assert not [e for e in of(name, "rank_error", rank=1, after=raised.t) if e.t < next_loss.t]
 
 
 @pytest.mark.slow
-def test_every_process_of_a_torchft_job_listens_on_loopback_only(healed) -> None:
-    name, listeners = healed
+def test_a_whole_group_lost_heals_from_its_peer_which_reports_the_steps_meanwhile(matrix) -> None:
+    name, _ = matrix
+    lost = fault(name, "kill-launcher")[0]
+    assert lost["node"] == 0 and lost["target_rank"] is None, lost.data
+    failure = of(name, "failure", after=lost.t)[0]
+    assert failure["blame_rank"] == 0 and "SIGKILL" in failure["cause"], failure.data
+    back = of(name, "heal", rank=0)[0]
+    restart = next(e for e in of(name, "restart") if e["fault_time"] == lost.t)
+    assert restart["restored_from"] == "peer" and restart["resumed_step"] == back["step"], restart.data
+    # group 1, first in the quorum while group 0 was lost, reported the steps
+    assert {e.rank for e in of(name, "step") if lost.t < e.t < back.t} == {1}
+
+
+@pytest.mark.slow
+def test_a_hung_group_is_found_restarted_and_heals_while_its_peer_trains_on(matrix) -> None:
+    name, _ = matrix
+    hang = fault(name, "hang")[0]
+    failure = of(name, "failure", after=hang.t)[0]
+    assert failure["blame_rank"] == 1 and "hung" in failure["cause"], failure.data
+    restart = next(e for e in of(name, "restart") if e["fault_time"] == hang.t)
+    assert restart["restored_from"] == "peer" and restart["rolled_back_steps"] == 0, restart.data
+    back = of(name, "heal", rank=1, after=hang.t)[0]
+    assert restart["resumed_step"] == back["step"]
+    # found by the supervisor, not by torchft's timeouts: the healthy group never failed, and trained on
+    assert not [e for e in of(name, "rank_error", rank=0, after=hang.t) if e.t < back.t]
+    assert [e for e in of(name, "step", rank=0) if failure["detected_at"] < e.t < back.t], story(name)
+
+
+@pytest.mark.slow
+def test_the_loss_of_every_group_resumes_from_the_newest_checkpoint_on_disk(matrix) -> None:
+    name, _ = matrix
+    failure, restart = job_restart(name)
+    assert "every replica group was lost" in failure["cause"], failure.data
+    assert restart["level"] == "job" and restart["restored_from"] == "storage", restart.data
+    resumed = of(name, "resume", after=failure.t)
+    assert {e.rank for e in resumed} == {0, 1}, [e.data for e in resumed]
+    assert {(e["step"], e["source"]) for e in resumed} == {(restart["resumed_step"], "storage")}
+    committed = [e["step"] for e in of(name, "checkpoint") if e["phase"] == "committed" and e.t < failure.t]
+    assert restart["resumed_step"] == max(committed) > 0 and max(committed) % CKPT_EVERY == 0, committed
+    on_disk = {i.step for i in list_checkpoints(JobDir.for_name(name).path / "ckpt")
+               if i.state == CheckpointState.COMMITTED}
+    assert STEPS in on_disk, on_disk  # the last step's save, by the group first in the quorum
+    # one group saves each step: no step saved twice
+    saves = [e["step"] for e in of(name, "checkpoint") if e["phase"] == "begin"]
+    before = [s for s in saves if s <= max(committed)]
+    assert len(before) == len(set(before)), saves
+
+
+@pytest.mark.slow
+def test_every_process_of_a_torchft_job_listens_on_loopback_only(matrix) -> None:
+    name, listeners = matrix
     who = " ".join(listeners.seen.values())
     assert "torchft_lighthouse" in who and "eksft_nb.engines.torchft.trainer" in who, listeners.seen
     wide = {f"{ip}:{port}": w for (ip, port), w in listeners.seen.items() if not is_loopback(ip)}
@@ -166,9 +242,9 @@ def test_a_fault_the_torchft_engine_cannot_fire_is_refused_before_launch() -> No
         "--nproc-per-node",
         "1",
         "--fault",
-        "hang:0@5",
+        "kill-supervisor@5",
     )
-    assert done.returncode != 0 and "cannot fire hang" in done.stderr, done.stderr
+    assert done.returncode != 0 and "cannot fire kill-supervisor" in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert not JobDir.for_name("tft-refused").path.exists()
 

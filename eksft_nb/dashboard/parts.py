@@ -23,7 +23,7 @@ STATE_COLORS = {JobState.RUNNING: "#2ca02c", JobState.RECOVERING: "#ff7f0e", Job
                 JobState.STARTING: "#7f7f7f"}
 GOODPUT_COLORS = {"productive": "#2ca02c", "checkpoint_stall": "#d62728",
                   "checkpoint_interference": "#ff9896", "restart_downtime": "#9467bd",
-                  "recomputed": "#ff7f0e", "startup": "#bcbd22", "other": "#c7c7c7"}
+                  "recomputed": "#ff7f0e", "skipped": "#ffbb78", "startup": "#bcbd22", "other": "#c7c7c7"}
 LEVEL_NAMES = {level.value: level.label for level in RestartLevel}
 
 

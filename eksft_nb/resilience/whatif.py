@@ -477,7 +477,9 @@ def replay(mon: JobMonitor, spec: JobSpec, settings: Settings = Settings(),
         [x for x in (max(1, k // 2), k, 2 * k, rec.get("young_daly")) if x]))
     rows = [predict(inp, as_run, replace(other, ckpt_every=i)) for i in intervals]
     gp = compute(mon, now)
-    measured = {"ettr": round(gp.goodput, 5), "terms": {c: round(v, 4) for c, v in gp.seconds().items()},
+    # the terms it predicts (an NVRx job skips no batches: torchft's skipped time is not one of them)
+    measured = {"ettr": round(gp.goodput, 5),
+                "terms": {c: round(v, 4) for c, v in gp.seconds().items() if c in TERMS},
                 "wall_s": round(gp.wall_s, 3), "predicted_as_run": base.to_dict()}
     return Report(mon.name or spec.name, as_run, measured, inp, rows, rec)
 

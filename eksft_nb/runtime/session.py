@@ -305,9 +305,11 @@ class _Beacon(threading.Thread):
         where, waiting = "", False
         if frame is not None:
             where = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} {frame.f_code.co_name}"
+            peers = _peer_code()
             f = frame
             while f is not None:
-                if "/torch/distributed/" in f.f_code.co_filename.replace("\\", "/"):
+                name = f.f_code.co_filename.replace("\\", "/")
+                if "/torch/distributed/" in name or any(name.startswith(p) for p in peers):
                     waiting = True
                     break
                 f = f.f_back
@@ -324,6 +326,14 @@ class _Beacon(threading.Thread):
 
     def stop(self) -> None:
         self._halt.set()
+
+
+def _peer_code() -> tuple[str, ...]:
+    """Where, besides torch.distributed, a rank waits for its peers: torchft's package (its quorum, its
+    commit vote), once imported."""
+    torchft = sys.modules.get("torchft")
+    where = getattr(torchft, "__file__", None)
+    return (str(Path(where).parent).replace("\\", "/") + "/",) if where else ()
 
 
 def raised_in_collective(e: BaseException) -> bool:

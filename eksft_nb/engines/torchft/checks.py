@@ -9,9 +9,13 @@ from typing import Any
 from ...errors import SpecError
 from ...spec import JobSpec
 
-# the faults a torchft job fires: a rank killed (its group restarts and heals from a peer), an exception
-# inside backward (the step is thrown away), a straggler
-FAULTS = ("sigkill", "exception", "slow-rank")
+# the faults a torchft job fires: a rank killed (its group restarts and heals from a peer), a whole
+# replica group lost (kill-launcher on node N: group N's process group), a hang (the supervisor finds it,
+# ends the group and restarts it), an exception inside backward (the step is thrown away), a straggler
+FAULTS = ("sigkill", "kill-launcher", "hang", "exception", "slow-rank")
+# in a user's script: the ones its runner fires and the tests prove there (exception: reported to the
+# Manager before its next commit decision)
+SCRIPT_FAULTS = ("sigkill", "exception", "slow-rank")
 
 
 def check(spec: JobSpec, faults: Sequence[Any] = ()) -> None:
@@ -65,9 +69,10 @@ def check_faults(spec: JobSpec, faults: Sequence[Any]) -> None:
     """Refuse a fault the torchft engine cannot fire (scheduled at launch, or injected into a running job)."""
     if spec.engine != "torchft":
         return
+    takes, where = (SCRIPT_FAULTS, " in a --script") if spec.script else (FAULTS, "")
     for f in faults:
-        if f.fault not in FAULTS:
+        if f.fault not in takes:
             raise SpecError(
-                f"--engine torchft cannot fire {f.fault} so far",
-                f"use one of {', '.join(FAULTS)}, or --engine nvrx",
+                f"--engine torchft cannot fire {f.fault}{where} so far",
+                f"use one of {', '.join(takes)}, or --engine nvrx",
             )

@@ -16,8 +16,8 @@ START_WAIT_S = 120  # at the job's start, for every group to be up
 def all_groups_up(s: Any, group: int) -> None:
     """Mark replica group ``group`` up in the job folder and wait until every group is (``s``: the rank's
     session); after :data:`START_WAIT_S`, warn and go on (the late ones heal from a peer when they join)."""
-    folder = s.job_dir.path / "torchft"
-    folder.mkdir(exist_ok=True)
+    folder = s.job_dir.path / "torchft" / f"attempt-{s.info.job_attempt}"  # a job restart waits anew
+    folder.mkdir(parents=True, exist_ok=True)
     (folder / f"up-{group}").touch()
     groups = int(os.environ["NUM_REPLICA_GROUPS"])
     deadline = time.monotonic() + START_WAIT_S

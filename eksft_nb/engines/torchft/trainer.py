@@ -8,6 +8,12 @@ threw a step away) heals from a peer's live state and skips the batches it did n
 It reports through the one event schema: ``step`` for each committed step (by the group ranked first in
 the quorum, so once per step), ``quorum`` when its quorum changes, ``heal`` with the skipped batches,
 ``step_discarded`` when its gradients were thrown away.
+
+Checkpoints cover the loss of every group: the group ranked first in a step's quorum (it holds the
+committed state, and only one group is first) saves that step through the one checkpoint package, so no
+two groups write one folder; the others only commit an async save of theirs that finished. Every group
+restores the same checkpoint when the whole job starts (``--resume``) or restarts after every group was
+lost; a group restarted alone heals from a peer instead.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from ...runtime.quiet import quiet_process
 from .startup import all_groups_up
 from .hosts import group_host
 
+LAUNCHER_PID_ENV = "EKSFT_LAUNCHER_PID"  # whose process group the registry's kill-launcher kills
 LAST_STEP_ENV = "EKSFT_TORCHFT_LAST_STEP"  # a restarted group: the job's last committed step when it was lost
 RESTART_ENV = "EKSFT_TORCHFT_RESTART"  # a restarted group: how many times the supervisor restarted it
 TIMEOUT_S = 10  # a collective or a checkpoint fetch from a peer
@@ -35,6 +42,9 @@ def main() -> None:
     from .listen import install
 
     install()  # the group's store, manager and checkpoint servers on the group's address alone (hosts.py)
+    # the group's process leads its process group (the supervisor starts it in a session of its own): the
+    # registry's kill-launcher, a whole replica group lost, kills that group, every rank of it
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     s = session()
     try:
         GroupTrainer(s).train()
@@ -49,9 +59,11 @@ def main() -> None:
 class GroupTrainer:
     def __init__(self, s: Any) -> None:
         import torch
+        import torch.distributed as dist
         from torch.distributed import TCPStore
         from torchft import DistributedDataParallel, Manager, ProcessGroupGloo
 
+        from ...runtime.checkpoint import ModelState
         from ...runtime.data import SyntheticCorpus
         from ...runtime.model import build_model
 
@@ -85,6 +97,13 @@ class GroupTrainer:
         )
         self.ddp = DistributedDataParallel(self.manager, self.model)
         self.quorum_id: int | None = None
+        # the checkpoint package's collectives run within the group (one rank: a group of one)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        self.ckpt = s.checkpoints(dist.group.WORLD)
+        self.ckpt.emit = s.emit  # every group reports its own saves (the session's filter is rank 0's)
+        # each group's staging buffers in shared memory of its own (all are rank 0 of their group)
+        self.ckpt.shelf.bind(self.ckpt.job_uid, self.group, spec.nnodes)
+        self.state = {"train": ModelState(self.model, self.optim), "torchft": self.manager}
 
     def _state(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optim": self.optim.state_dict()}
@@ -102,7 +121,8 @@ class GroupTrainer:
         s, spec, manager = self.s, self.spec, self.manager
         tokens_per_step = spec.batch * spec.seq
         restart = int(os.environ.get(RESTART_ENV) or 0)
-        if not restart:
+        if not restart:  # the whole job (re)starts: every group from the same checkpoint
+            self._restore()
             all_groups_up(s, self.group)
         s.rank_start(manager.current_step(), replica_group=self.group, group_restart=restart)
         while manager.current_step() < spec.steps:
@@ -128,13 +148,18 @@ class GroupTrainer:
                 self.ddp = DistributedDataParallel(manager, self.model)
             if manager.should_commit():
                 self.optim.step()
+                first = manager.participating_rank() == 0
                 s.step_end(
                     step,
                     float(loss.detach()),
                     tokens_per_step * manager.num_participants(),
                     time.perf_counter() - t0,
-                    report=manager.participating_rank() == 0,
+                    report=first,
                 )
+                if first:  # it holds the committed state, and no other group is first in this quorum
+                    self.ckpt.maybe_save(step, self.state, last=step == spec.steps)
+                else:
+                    self.ckpt.settle()
             else:
                 error = manager.errored()
                 s.emit(
@@ -144,8 +169,21 @@ class GroupTrainer:
                     if error
                     else "the quorum did not commit the step",
                 )
+        self.ckpt.finish()
         s.emit("rank_end", final_step=manager.current_step(), digest=self.digest(), replica_group=self.group)
         manager.shutdown(wait=False)
+
+    def _restore(self) -> None:
+        """Load the checkpoint the job starts from (``--resume``; after every group was lost, this job's
+        newest that loads) into the model, the optimizer and the manager's step. A restart that finds none
+        starts from step 0, said (a checkpoint skipped for an older one is said by the checkpoint package)."""
+        step = self.ckpt.restore(self.state, self.spec.resume, self.s.restarting)
+        if step == 0 and self.s.restarting:
+            self.s.warn(
+                "fresh-start",
+                f"every replica group was lost and no checkpoint of this job loads: replica group "
+                f"{self.group} trains again from step 0",
+            )
 
     def _after_quorum(self, before: int, quorum_s: float) -> None:
         """Report a new quorum, and a heal from a peer with the batches this group skipped."""
@@ -159,7 +197,7 @@ class GroupTrainer:
             raise JobError(
                 f"replica group {self.group} found no peer at step {self.last_step} or later to heal "
                 f"from (the quorum is at step {now}): every group that held the job's state was lost",
-                "run the job again (the torchft engine writes no checkpoints yet)",
+                "the supervisor restarts every group from the newest checkpoint",
             )
         if now != before:
             trained = before or self.last_step  # a fresh process starts at 0: it trained up to last_step

@@ -135,6 +135,12 @@ class CheckpointManager:
             if not self.retry:
                 break
 
+    def settle(self) -> None:
+        """Commit a finished async save without starting one: a saver whose turn has passed (a torchft
+        replica group no longer first in its quorum: another group saves the coming steps)."""
+        if self.pending is not None:
+            self._finalize_if_done(blocking=False)
+
     def _save(self, step: int, state: dict[str, Any]) -> None:
         path = step_dir(self.root, step)
         t0 = time.perf_counter()
