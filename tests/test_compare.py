@@ -16,7 +16,7 @@ from eksft_nb.monitor import JobMonitor
 from eksft_nb.resilience.compare import CANDIDATES, plan
 from eksft_nb.resilience.ledger import ledger
 
-BATCH = 8
+BATCH, SEQ = 8, 64
 STEP_S = 0.1
 
 
@@ -37,9 +37,10 @@ class Run:
                        injob_restart=injob, inprocess_iteration=0, world_size=2, start_step=step,
                        t_enter=self.t, t_group=self.t + dt / 2)
 
-    def steps(self, first: int, last: int, rank: int = 0, step_s: float = STEP_S) -> None:
+    def steps(self, first: int, last: int, rank: int = 0, step_s: float = STEP_S, groups: int = 2) -> None:
         for s in range(first, last + 1):
-            self.at(step_s, "step", rank, step=s, loss=10.0 / s, tokens=2 * BATCH * 64, step_time=step_s)
+            self.at(step_s, "step", rank, step=s, loss=10.0 / s, tokens=groups * BATCH * SEQ,
+                    step_time=step_s)
 
     def fault(self, kind: str, rank: int, step: int) -> Event:
         return self.at(0.01, "fault", rank, fault=kind, id=f"{kind}{step}", target_rank=rank, at_step=step)
@@ -86,11 +87,11 @@ def torchft_run() -> tuple[Run, dict[str, Event]]:
     seen["failure"] = r.at(0.2, "failure", level="job", cause="replica group 1's rank was killed (SIGKILL)",
                            blame_rank=1, fault_time=seen["kill"].t, detected_at=r.t + 0.2)
     r.at(0.5, "quorum", 0, quorum_id=2, participants=1, step=4)
-    r.steps(5, 6)
+    r.steps(5, 6, groups=1)
     seen["start"] = r.at(0.5, "rank_start", 1, pid=7, host="h", job_attempt=0, injob_restart=0,
                          inprocess_iteration=0, world_size=2, start_step=0, t_enter=r.t - 0.4,
                          group_restart=1)
-    r.steps(7, 8)
+    r.steps(7, 8, groups=1)
     seen["heal"] = r.at(0.3, "heal", 1, from_step=4, step=8, skipped_batches=4, heal_s=0.25)
     seen["restart"] = r.at(0.0, "restart", level="job", cause="replica group 1's rank was killed (SIGKILL)",
                            blame_rank=1, fault_time=seen["kill"].t, detection_s=seen["failure"]["detected_at"]
@@ -109,7 +110,7 @@ def torchft_run() -> tuple[Run, dict[str, Event]]:
 
 def test_an_nvrx_run_loses_what_its_restart_rolled_back_and_skips_nothing() -> None:
     r, fault, restart = nvrx_run()
-    led = ledger(r.events, world_size=2, batch=BATCH)
+    led = ledger(r.events, world_size=2, batch=BATCH, seq=SEQ)
     assert led["state"] == "succeeded" and led["steps_done"] == 20
     assert led["steps_lost"] == 2 and led["skipped_batches"] == 0 and led["lost_step_equivalents"] == 2
     assert led["terms"]["skipped"] == 0 and led["terms"]["recomputed"] == pytest.approx(2 * STEP_S, abs=1e-3)
@@ -128,12 +129,13 @@ def test_an_nvrx_run_loses_what_its_restart_rolled_back_and_skips_nothing() -> N
 
 def test_a_torchft_run_counts_the_batches_its_rejoining_group_skipped_as_lost() -> None:
     r, seen = torchft_run()
-    led = ledger(r.events, world_size=2, batch=BATCH)
+    led = ledger(r.events, world_size=2, batch=BATCH, seq=SEQ)
     gp = compute(_mon(r.events))
-    assert led["steps_lost"] == 0 and led["skipped_batches"] == 5 and led["samples_skipped"] == 5 * BATCH
-    assert led["lost_step_equivalents"] == 2.5   # five batches of two a step: two and a half steps' samples
-    assert led["terms"]["skipped"] == pytest.approx(2.5 * STEP_S, abs=1e-4)
-    assert led["terms"]["productive"] == pytest.approx(gp.productive_s - 2.5 * STEP_S, abs=1e-3)
+    # steps 5-8 committed by group 0 alone: four batches of two a step missing, two steps' samples
+    assert led["steps_lost"] == 0 and led["skipped_batches"] == 4 and led["samples_skipped"] == 4 * BATCH
+    assert led["lost_step_equivalents"] == 2
+    assert led["terms"]["skipped"] == pytest.approx(2 * STEP_S, abs=1e-4)
+    assert led["terms"]["productive"] == pytest.approx(gp.productive_s - 2 * STEP_S, abs=1e-3)
     assert led["ettr"] == pytest.approx(led["terms"]["productive"] / led["wall_s"], abs=1e-4)
     assert led["ettr"] < gp.goodput
     assert sum(led["terms"].values()) == pytest.approx(led["wall_s"], abs=1e-3)
@@ -149,7 +151,8 @@ def test_a_torchft_run_counts_the_batches_its_rejoining_group_skipped_as_lost() 
         "first_step": 0.0},
         abs=1e-3)
     assert kill["recovery_s"] == pytest.approx(seen["restart"]["group_downtime_s"], abs=1e-3)
-    # the exception: no restart; the step thrown away, the group healed at the next quorum
+    # the exception: no restart; the step thrown away by group 1 after its gradients were all-reduced (group
+    # 0's step had both batches), the group healed at the next quorum
     assert (thrown["fault"], thrown["level"], thrown["stall_s"], thrown["skipped_batches"]) == \
         ("exception", "none", 0.0, 1)
     assert thrown["detection_s"] == pytest.approx(seen["thrown"].t - seen["exception"].t, abs=1e-3)
@@ -157,10 +160,22 @@ def test_a_torchft_run_counts_the_batches_its_rejoining_group_skipped_as_lost() 
     assert thrown["phases"]["restore"] == pytest.approx(0.02) and set(thrown["phases"]) == set(RESTART_PHASES)
 
 
+def test_a_group_that_never_came_back_skipped_every_batch_after_it_was_lost() -> None:
+    r, seen = torchft_run()
+    cut = r.events.index(seen["start"])   # the job ended while group 1's new process was starting
+    events = r.events[:cut]
+    r2 = Run("cmp-torchft")
+    r2.t, r2.events = events[-1].t, events
+    r2.steps(7, 20, groups=1)
+    r2.at(0.1, "job_end", state="succeeded", reason="all 20 steps done", final_step=20)
+    led = ledger(r2.events, world_size=2, batch=BATCH, seq=SEQ)
+    assert led["skipped_batches"] == 16 and led["faults"][0]["level"] is None   # steps 5 to 20 alone
+
+
 def test_a_fault_no_recovery_followed_is_said_so() -> None:
     r, _, _ = nvrx_run()
     cut = next(i for i, e in enumerate(r.events) if e.kind == "failure")
-    [row] = ledger(r.events[:cut], world_size=2, batch=BATCH)["faults"]
+    [row] = ledger(r.events[:cut], world_size=2, batch=BATCH, seq=SEQ)["faults"]
     assert row["level"] is None and row["recovery_s"] is None and row["phases"] == {}
 
 

@@ -5,11 +5,13 @@ Every engine's events go through the same goodput (:func:`eksft_nb.goodput.compu
 same on each; ETTR is its productive share of the wall time (the what-if's). Two things only torchft does
 are counted on top:
 
-- samples skipped: a replica group that rejoins (restarted, or after throwing a step away) takes a peer's
-  state and never trains the batches it missed (``heal.skipped_batches``), while the steps the others
-  committed meanwhile look productive though they trained fewer samples. A batch is ``1 / world_size`` of
-  a step's samples, so ``skipped_batches / world_size`` clean steps' time moves from productive to
-  ``skipped``: lost, as a rollback's recomputed steps are;
+- samples skipped: while a replica group is away, the others commit steps without its batches (a step's
+  ``tokens`` fall short of ``world_size x batch x seq``), and when it rejoins it takes a peer's state and
+  never trains them (what its ``heal`` reports as skipped). Those steps look productive though they trained
+  fewer samples: each missing batch is ``1 / world_size`` of a step's, so that many clean steps' time
+  moves from productive to ``skipped``: lost, as a rollback's recomputed steps are. Counted from the
+  committed steps, a group that never came back counts too; a step one group threw away after its
+  gradients were all-reduced (an exception late in backward) lacks nothing;
 - a recovery that rolls nothing back: its phases come from the group's own events (the failure the
   supervisor saw, the new process's start, its heal), as a restart's phases come from the ranks'.
 """
@@ -30,15 +32,15 @@ TERMS = (*CATEGORIES[:5], "skipped", *CATEGORIES[5:])
 LAST_LOSSES = 5  # the final loss: the mean of the last steps' (one step's loss is one batch's, noisy)
 
 
-def ledger(events: Sequence[Event], world_size: int, batch: int) -> dict[str, Any]:
-    """One engine's account of a run (``world_size`` ranks of ``batch`` sequences a step)."""
+def ledger(events: Sequence[Event], world_size: int, batch: int, seq: int) -> dict[str, Any]:
+    """One engine's account of a run (``world_size`` ranks of ``batch`` sequences of ``seq`` tokens a
+    step)."""
     mon = JobMonitor()
     mon.update(events)
     gp = compute(mon)
     seconds = gp.seconds()
     clean = median(mon.steps.step_time) if len(mon.steps) else 0.0
-    heals = [e for e in events if e.kind == "heal"]
-    skipped_batches = sum(e["skipped_batches"] for e in heals)
+    skipped_batches = missing_batches(mon, world_size, batch * seq)
     seconds["skipped"] = min(seconds["productive"], skipped_batches / world_size * clean)
     seconds["productive"] -= seconds["skipped"]
     steps_lost = sum(r["rolled_back_steps"] for r in mon.restarts)
@@ -61,10 +63,18 @@ def ledger(events: Sequence[Event], world_size: int, batch: int) -> dict[str, An
     }
 
 
+def missing_batches(mon: JobMonitor, world_size: int, tokens_per_batch: int) -> int:
+    """Batches the committed steps lacked: each step's last execution, against ``world_size`` batches (a
+    step that reports no tokens, a user script's, lacks none)."""
+    last = {step: tokens for step, tokens in zip(mon.steps.step, mon.steps.tokens) if step <= mon.last_step}
+    return sum(world_size - round(t / tokens_per_batch) for t in last.values() if t is not None)
+
+
 def recovery(fault: dict[str, Any], mon: JobMonitor, events: Sequence[Event]) -> dict[str, Any]:
     """How the job got over one fault: its restart (matched by the fault's time), or a replica group that
     threw the step away and healed without one; ``level`` None: no recovery of its own was seen (the job
-    ended first, or one restart healed it with an earlier fault)."""
+    ended first, or one restart healed it with an earlier fault). ``skipped_batches``: the batches the
+    recovering group reported it skipped."""
     row = {"fault": fault["fault"], "rank": fault["rank"], "step": fault["step"], "level": None,
            "restored_from": None, "detection_s": None, "stall_s": None, "recovery_s": None, "phases": {},
            "steps_lost": 0, "skipped_batches": 0}
