@@ -1,5 +1,5 @@
 """Part 2, recovery: from a fault to the first step completed after recovery, split into phases,
-per fault type and level, for eksft and for the plain-torchrun baseline (:mod:`bench.baseline`).
+per fault type and level, for eksft and for the plain-torchrun baseline (:mod:`eksft_nb.resilience.torchrun`).
 
 Phases are the product's (:data:`eksft_nb.events.RESTART_PHASES`): eksft's from its ``restart``
 events, the baseline's from the same split (:meth:`eksft_nb.incidents.Incident.phases`) of its
@@ -35,9 +35,9 @@ from eksft_nb.incidents import Incident
 from eksft_nb.jobdir import JobDir, jobs_root
 from eksft_nb.job import launch
 from eksft_nb.launcher import ZYGOTE_MODULE
+from eksft_nb.resilience.torchrun import PlainTorchrunJob
 from eksft_nb.spec import JobSpec
 
-from .baseline import PlainTorchrunJob
 from .common import fmt, load_avg, med, ratio, stat, table
 
 PHASES = RESTART_PHASES

@@ -401,3 +401,26 @@ class Controllers:
     def _exec(self, pod: str, container: str, argv: list[str]) -> tuple[str, int]:
         done = self.pods[pod].run(container, argv, timeout=60)
         return self.pods[pod].to_pod_paths(done.stdout + done.stderr), done.returncode
+
+
+@contextlib.contextmanager
+def replay_cluster(tmp_path: Path, monkeypatch: Any,
+                   mount_checkpoints: bool = False) -> Iterator[tuple[Kube, Any, Controllers]]:
+    """A kmock API server with the controllers that run its pods here, and an EKS backend pointed at it,
+    the checkpoint volume's claim made (``mount_checkpoints``: this machine mounts the volume too, so
+    checkpoints are listed after the pods are gone)."""
+    from eksft_nb.backends.eks import EksBackend
+
+    with running() as kube:
+        monkeypatch.setenv("KUBECONFIG", str(kube.kubeconfig(tmp_path / "kubeconfig")))
+        ctl = Controllers(kube, "default", tmp_path / "cluster")
+        mount = {"checkpoints_mount": str(ctl.root / "volumes" / "fsx-claim")} if mount_checkpoints else {}
+        backend = EksBackend(context="kmock", **mount)
+        backend._cluster().create({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                                   "metadata": {"name": "fsx-claim", "namespace": "default"},
+                                   "spec": {"accessModes": ["ReadWriteMany"],
+                                            "resources": {"requests": {"storage": "1200Gi"}}}})
+        try:
+            yield kube, backend, ctl
+        finally:
+            ctl.close()

@@ -31,7 +31,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     assert f"results: {path}" in proc.stdout
     for title in ("1. checkpoint stall", "2. recovery", "3. goodput", "4. overhead", "5. dashboard",
                   "6. scale",
-                  "7. what-if proof"):
+                  "7. what-if proof", "8. engines side by side"):
         assert title in proc.stdout
     return json.loads(path.read_text())
 
@@ -49,7 +49,7 @@ def assert_stat(s: dict[str, Any], n: int | None = None, positive: bool = True) 
 def test_the_run_is_complete_and_leaves_nothing_running(results: dict[str, Any]) -> None:
     assert results["quick"] is True and results["errors"] == {}
     assert set(results["parts"]) == {"ckpt", "recovery", "goodput", "overhead", "dashboard", "scale",
-                                     "whatif"}
+                                     "whatif", "compare"}
     m = results["machine"]
     assert m["nproc"] >= 1 and m["ram_gib"] > 0 and m["cpu"] and len(m["load_avg"]) == 3
     home = results["home"]
@@ -209,3 +209,13 @@ def test_whatif_proof(results: dict[str, Any]) -> None:
         assert a["as_run_predicted"] == pytest.approx(a["ettr"], abs=0.02)
     assert r["max_error_points"] == max(abs(c["error_points"]) for c in r["settings"].values())
     assert isinstance(r["target_met"], bool)
+
+
+def test_engines_side_by_side(results: dict[str, Any]) -> None:
+    r = results["parts"]["compare"]
+    assert list(r["engines"]) == ["nvrx", "torchft", "torchrun"]
+    for e in r["engines"].values():   # one plan, each of its faults fired and healed on every engine
+        assert e["state"] == "succeeded" and len(e["faults"]) == len(r["plan"]["faults"]), e
+        assert all(f["recovery_s"] is not None for f in e["faults"]) and 0 < e["ettr"] < 1
+        assert sum(e["terms"].values()) >= 0.99 * e["wall_s"]
+    assert r["engines"]["torchft"]["skipped_batches"] > 0 and r["engines"]["torchft"]["steps_lost"] == 0

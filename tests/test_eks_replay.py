@@ -11,11 +11,12 @@ import contextlib
 import re
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
-from eks_kube import Controllers, Kube, running
+from eks_kube import Controllers, Kube, replay_cluster
 
 from eksft_nb.backends.eks import EksBackend, names
 from eksft_nb.control import parse_fault
@@ -53,20 +54,10 @@ def pods_processes(root: Path, job: str) -> list[str]:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Kube, EksBackend, Controllers]:
-    with running() as kube:
-        monkeypatch.setenv("KUBECONFIG", str(kube.kubeconfig(tmp_path / "kubeconfig")))
-        ctl = Controllers(kube, "default", tmp_path / "cluster")
-        # this machine mounts the FSx volume too, so checkpoints are listed after the pods are gone
-        backend = EksBackend(context="kmock", checkpoints_mount=str(ctl.root / "volumes" / "fsx-claim"))
-        backend._cluster().create({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-                                   "metadata": {"name": "fsx-claim", "namespace": "default"},
-                                   "spec": {"accessModes": ["ReadWriteMany"],
-                                            "resources": {"requests": {"storage": "1200Gi"}}}})
-        try:
-            yield kube, backend, ctl
-        finally:
-            ctl.close()
+def cluster(tmp_path: Path,
+            monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Kube, EksBackend, Controllers]]:
+    with replay_cluster(tmp_path, monkeypatch, mount_checkpoints=True) as made:
+        yield made
 
 
 def test_rendered_pods_train_survive_a_sigkill_and_resume(

@@ -138,10 +138,47 @@ def check_slurm(nb: Any) -> None:
     assert {e["step"] for e in resumed if e.kind == "resume"} == {60}
 
 
+def check_engines(nb: Any) -> None:
+    """Each engine ran the plan to its end; what the comparison says of each agrees with the job's events."""
+    from eksft_nb.events import read_all
+    from eksft_nb.jobdir import JobDir, jobs_root
+
+    result = json.loads((_RUNS["07_engines"][1].parent / "engines.json").read_text())
+    kinds = [f.split("@")[0].split(":")[0] for f in result["plan"]["faults"]]
+    engines = result["engines"]
+    assert list(engines) == ["nvrx", "torchft", "torchrun"] and "sigkill" in kinds
+    for e in engines.values():
+        assert e["state"] == "succeeded" and e["steps_done"] == result["plan"]["steps"], e
+        assert [r["fault"] for r in e["faults"]] == kinds, e["faults"]
+        assert 0 < e["ettr"] < 1
+        assert e["ettr"] == pytest.approx(e["terms"]["productive"] / e["wall_s"], abs=1e-4)
+        for r in e["faults"]:   # every fault healed, its phases adding up to its recovery
+            assert r["level"] is not None and r["recovery_s"] > 0, (e["label"], r)
+            assert sum(r["phases"].values()) == pytest.approx(r["recovery_s"], abs=0.01)
+    levels = {key: {r["fault"]: r["level"] for r in e["faults"]} for key, e in engines.items()}
+    assert levels["nvrx"] == {"sigkill": "injob", "exception": "inprocess"}, levels
+    assert set(levels["torchrun"].values()) == {"job"}, levels   # resubmitted
+    assert engines["nvrx"]["steps_lost"] > 0 and engines["nvrx"]["skipped_batches"] == 0
+    # torchft: the killed group healed from its peer, nothing rolled back, the batches it missed counted
+    tft = engines["torchft"]
+    kill = next(r for r in tft["faults"] if r["fault"] == "sigkill")
+    assert kill["restored_from"] == "peer" and kill["steps_lost"] == 0 and kill["skipped_batches"] > 0
+    # no step ran twice (none rolled back); a step one group's batch short of both groups' skipped one batch
+    steps = [e for e in read_all(JobDir(jobs_root() / tft["job"]).events_path) if e.kind == "step"]
+    assert [e["step"] for e in steps] == sorted({e["step"] for e in steps})
+    assert tft["skipped_batches"] == sum(e["tokens"] < max(x["tokens"] for x in steps) for e in steps) > 0
+    assert tft["samples_skipped"] == tft["skipped_batches"] * result["batch"] and tft["terms"]["skipped"] > 0
+    baseline = read_all(jobs_root().parent / "baseline" / engines["torchrun"]["job"] / "events.jsonl")
+    assert [e["level"] for e in baseline if e.kind == "restart"] == ["job"] * len(kinds)
+    figures = [o for c in nb.cells for o in c.get("outputs", []) if "application/vnd.plotly.v1+json" in
+               o.get("data", {})]
+    assert len(figures) == 1 and "engines side by side" in json.dumps(figures[0]["data"])
+
+
 CHECKS: dict[str, Callable[[Any], None]] = {"01_quickstart": check_quickstart,
                                             "02_checkpoint_overlap": check_overlap,
                                              "03_resume": check_resume, "05_resilience_lab": check_lab,
-                                             "06_slurm": check_slurm}
+                                             "06_slurm": check_slurm, "07_engines": check_engines}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from eks_kube import Controllers, Kube, running
+from eks_kube import Controllers, Kube, replay_cluster
 from jobs import free_port, wait_for
 from slurm_cluster import SlurmCluster, free_base, slurm_cluster
 from test_eks_replay import free_port_base
@@ -106,18 +106,8 @@ def test_what_eks_cannot_run_of_a_torchft_job_is_refused_in_one_line(changes: di
 @pytest.fixture
 def cluster(tmp_path: Path,
             monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Kube, EksBackend, Controllers]]:
-    with running() as kube:
-        monkeypatch.setenv("KUBECONFIG", str(kube.kubeconfig(tmp_path / "kubeconfig")))
-        ctl = Controllers(kube, "default", tmp_path / "cluster")
-        backend = EksBackend(context="kmock")
-        backend._cluster().create({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-                                   "metadata": {"name": "fsx-claim", "namespace": "default"},
-                                   "spec": {"accessModes": ["ReadWriteMany"],
-                                            "resources": {"requests": {"storage": "1200Gi"}}}})
-        try:
-            yield kube, backend, ctl
-        finally:
-            ctl.close()
+    with replay_cluster(tmp_path, monkeypatch) as made:
+        yield made
 
 
 def listening(pid: int) -> set[str]:

@@ -1,5 +1,6 @@
 """Plotly figures of the resilience lab: a test's card (each case's downtime split into its phases,
-passed or failed), and a what-if's ETTR against the checkpoint interval."""
+passed or failed), a what-if's ETTR against the checkpoint interval, and a comparison of engines side by
+side (each one's wall time by term, each fault's recovery by phase)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,15 @@ from contextlib import nullcontext
 from typing import Any
 
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
 
 from ..events import RESTART_PHASES
+from .ledger import TERMS
 
 WIDTH = 840
 PHASE_COLORS = dict(zip(RESTART_PHASES, ("#d62728", "#ff7f0e", "#9467bd", "#1f77b4", "#2ca02c")))
+TERM_COLORS = dict(zip(TERMS, ("#2ca02c", "#d62728", "#ff9896", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+                               "#c7c7c7")))
 
 
 def card_figure(card: dict[str, Any], widget: go.FigureWidget | None = None) -> go.Figure:
@@ -88,4 +93,41 @@ def whatif_figure(report: dict[str, Any]) -> go.Figure:
         yaxis_title="ETTR (%)",
         margin={"l": 10, "r": 10, "t": 50, "b": 40},
     )
+    return fig
+
+
+def compare_figure(result: dict[str, Any]) -> go.Figure:
+    """A comparison of engines (:func:`eksft_nb.resilience.compare.compare`): on top, each engine's wall
+    time split into goodput's terms (percent; productive is its ETTR, samples skipped counted as lost);
+    below, each fault's recovery on each engine, stacked by phase (seconds from the fault until the failed
+    part trains again)."""
+    engines = list(result["engines"].values())
+    names = [e["label"] for e in engines]
+    rows = [(f"{fault} · {e['label']}", e["faults"][i]) for i, fault in enumerate(result["plan"]["faults"])
+            for e in engines if i < len(e["faults"])]
+    fig = make_subplots(rows=2, cols=1, vertical_spacing=0.16, row_heights=[0.4, 0.6],
+                        subplot_titles=("wall time by term (%): productive = ETTR",
+                                        "recovery per fault, by phase (s)"))
+    for t in TERMS:
+        fig.add_trace(go.Bar(
+            name=t.replace("_", " "), y=names, orientation="h", marker_color=TERM_COLORS[t],
+            x=[100 * e["terms"][t] / e["wall_s"] if e["wall_s"] else 0.0 for e in engines],
+            text=[f"ETTR {100 * e['ettr']:.1f}%" if t == "productive" else "" for e in engines],
+            textposition="inside", legendgroup="terms",
+            hovertemplate="%{y}: %{x:.1f}% " + t.replace("_", " ") + "<extra></extra>"), row=1, col=1)
+    for p in RESTART_PHASES:
+        fig.add_trace(go.Bar(
+            name=p.replace("_", " "), y=[label for label, _ in rows], orientation="h",
+            x=[r["phases"].get(p, 0.0) for _, r in rows], marker_color=PHASE_COLORS[p], legendgroup="phases",
+            customdata=[[r["level"] or "no recovery seen", r["stall_s"] or 0.0] for _, r in rows],
+            hovertemplate="%{y}: %{x:.2f}s " + p.replace("_", " ")
+            + " (healed by: %{customdata[0]}; the job stalled %{customdata[1]:.2f}s)<extra></extra>"),
+            row=2, col=1)
+    plan = result["plan"]
+    fig.update_layout(
+        barmode="stack", width=WIDTH, height=300 + 28 * (len(engines) + len(rows)),
+        title=f"engines side by side: {plan['steps']} steps, {', '.join(plan['faults'])} "
+              f"(seed {plan['seed']})",
+        margin={"l": 10, "r": 10, "t": 70, "b": 40}, legend={"tracegroupgap": 20})
+    fig.update_yaxes(autorange="reversed")
     return fig

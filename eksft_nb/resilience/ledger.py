@@ -1,0 +1,117 @@
+"""What one engine's run of a fault plan cost, from its events alone: ETTR with its time breakdown, each
+fault's recovery with its phases, the steps it lost and the samples it skipped, and its final loss.
+
+Every engine's events go through the same goodput (:func:`eksft_nb.goodput.compute`), so a term means the
+same on each; ETTR is its productive share of the wall time (the what-if's). Two things only torchft does
+are counted on top:
+
+- samples skipped: while a replica group is away, the others commit steps without its batches (a step's
+  ``tokens`` fall short of ``world_size x batch x seq``), and when it rejoins it takes a peer's state and
+  never trains them (what its ``heal`` reports as skipped). Those steps look productive though they trained
+  fewer samples: each missing batch is ``1 / world_size`` of a step's, so that many clean steps' time
+  moves from productive to ``skipped``: lost, as a rollback's recomputed steps are. Counted from the
+  committed steps, a group that never came back counts too; a step one group threw away after its
+  gradients were all-reduced (an exception late in backward) lacks nothing;
+- a recovery that rolls nothing back: its phases come from the group's own events (the failure the
+  supervisor saw, the new process's start, its heal), as a restart's phases come from the ranks'.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from statistics import median
+from typing import Any
+
+from ..events import Event
+from ..goodput import CATEGORIES, compute
+from ..incidents import Incident
+from ..monitor import JobMonitor
+
+# goodput's terms, with the samples torchft's rejoining groups skipped after the steps rollbacks recomputed
+TERMS = (*CATEGORIES[:5], "skipped", *CATEGORIES[5:])
+LAST_LOSSES = 5  # the final loss: the mean of the last steps' (one step's loss is one batch's, noisy)
+
+
+def ledger(events: Sequence[Event], world_size: int, batch: int, seq: int) -> dict[str, Any]:
+    """One engine's account of a run (``world_size`` ranks of ``batch`` sequences of ``seq`` tokens a
+    step)."""
+    mon = JobMonitor()
+    mon.update(events)
+    gp = compute(mon)
+    seconds = gp.seconds()
+    clean = median(mon.steps.step_time) if len(mon.steps) else 0.0
+    skipped_batches = missing_batches(mon, world_size, batch * seq)
+    seconds["skipped"] = min(seconds["productive"], skipped_batches / world_size * clean)
+    seconds["productive"] -= seconds["skipped"]
+    steps_lost = sum(r["rolled_back_steps"] for r in mon.restarts)
+    losses = [x for x in mon.steps.loss[-LAST_LOSSES:] if x is not None]
+    return {
+        "state": mon.state.value,
+        "reason": mon.reason,
+        "steps_done": mon.last_step,
+        "wall_s": round(gp.wall_s, 3),
+        "ettr": round(seconds["productive"] / gp.wall_s, 5) if gp.wall_s > 0 else 0.0,
+        "terms": {t: round(seconds[t], 4) for t in TERMS},
+        "clean_step_s": round(clean, 5),
+        "faults": [recovery(f, mon, events) for f in mon.faults],
+        "steps_lost": steps_lost,
+        "skipped_batches": skipped_batches,
+        "samples_skipped": skipped_batches * batch,
+        "lost_step_equivalents": round(steps_lost + skipped_batches / world_size, 3),
+        "final_loss": round(sum(losses) / len(losses), 5) if losses else None,
+        "digest": mon.digest,
+    }
+
+
+def missing_batches(mon: JobMonitor, world_size: int, tokens_per_batch: int) -> int:
+    """Batches the committed steps lacked: each step's last execution, against ``world_size`` batches (a
+    step that reports no tokens, a user script's, lacks none)."""
+    last = {step: tokens for step, tokens in zip(mon.steps.step, mon.steps.tokens) if step <= mon.last_step}
+    return sum(world_size - round(t / tokens_per_batch) for t in last.values() if t is not None)
+
+
+def recovery(fault: dict[str, Any], mon: JobMonitor, events: Sequence[Event]) -> dict[str, Any]:
+    """How the job got over one fault: its restart (matched by the fault's time), or a replica group that
+    threw the step away and healed without one; ``level`` None: no recovery of its own was seen (the job
+    ended first, or one restart healed it with an earlier fault). ``skipped_batches``: the batches the
+    recovering group reported it skipped."""
+    row = {"fault": fault["fault"], "rank": fault["rank"], "step": fault["step"], "level": None,
+           "restored_from": None, "detection_s": None, "stall_s": None, "recovery_s": None, "phases": {},
+           "steps_lost": 0, "skipped_batches": 0}
+    restart = next((r for r in mon.restarts if abs(r["fault_time"] - fault["t"]) < 1e-6), None)
+    if restart is not None:
+        phases = restart.get("phases") or _group_phases(restart, events)
+        return {**row, "level": restart["level"], "restored_from": restart.get("restored_from"),
+                "detection_s": round(restart["detection_s"], 4), "stall_s": round(restart["downtime_s"], 4),
+                "recovery_s": round(sum(phases.values()), 4), "phases": phases,
+                "steps_lost": restart["rolled_back_steps"],
+                "skipped_batches": restart.get("skipped_batches", 0)}
+    rank, t = fault["rank"], fault["t"]
+    thrown = _first(events, "step_discarded", rank, t)
+    heal = _first(events, "heal", rank, thrown.t if thrown else t)
+    if thrown is None or heal is None:
+        return row
+    incident = Incident("none", "", rank, t, thrown.t, 0, grouped=heal.t - heal["heal_s"], restored=heal.t)
+    phases = incident.phases(heal.t)
+    return {**row, "level": "none", "restored_from": "peer", "detection_s": round(thrown.t - t, 4),
+            "stall_s": 0.0, "recovery_s": round(sum(phases.values()), 4), "phases": phases,
+            "skipped_batches": heal["skipped_batches"]}
+
+
+def _group_phases(restart: dict[str, Any], events: Sequence[Event]) -> dict[str, float]:
+    """A replica group's recovery (torchft): detection (fault -> the supervisor saw its process gone),
+    teardown (-> the new process started), reformation (-> its first quorum began: imports, model, the
+    group's store and manager), restore (the quorum and the fetch of a peer's state), up to its heal."""
+    group, fault_time = restart.get("replica_group", restart["blame_rank"]), restart["fault_time"]
+    start = _first(events, "rank_start", group, fault_time)
+    heal = _first(events, "heal", group, fault_time)
+    end = heal.t if heal is not None else fault_time + restart["downtime_s"]
+    incident = Incident(restart["level"], restart["cause"], group, fault_time,
+                        fault_time + restart["detection_s"], 0,
+                        entered=start.get("t_enter", start.t) if start is not None else None,
+                        grouped=heal.t - heal["heal_s"] if heal is not None else None, restored=end)
+    return incident.phases(end)
+
+
+def _first(events: Sequence[Event], kind: str, rank: int | None, after: float) -> Event | None:
+    return next((e for e in events if e.kind == kind and e.rank == rank and e.t > after), None)
