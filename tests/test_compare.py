@@ -135,9 +135,12 @@ def test_a_torchft_run_counts_the_batches_its_rejoining_group_skipped_as_lost() 
     assert led["steps_lost"] == 0 and led["skipped_batches"] == 4 and led["samples_skipped"] == 4 * BATCH
     assert led["lost_step_equivalents"] == 2
     assert led["terms"]["skipped"] == pytest.approx(2 * STEP_S, abs=1e-4)
-    assert led["terms"]["productive"] == pytest.approx(gp.productive_s - 2 * STEP_S, abs=1e-3)
+    # goodput counts the heals' 5 batches (2.5 steps), the thrown-away step's too; the ledger's count from
+    # the committed steps replaces it (that step's gradients were all-reduced: it lacked nothing)
+    assert gp.skipped_s == pytest.approx(2.5 * STEP_S, rel=0.05)
+    assert led["terms"]["productive"] == pytest.approx(gp.productive_s + gp.skipped_s - 2 * STEP_S, abs=1e-3)
     assert led["ettr"] == pytest.approx(led["terms"]["productive"] / led["wall_s"], abs=1e-4)
-    assert led["ettr"] < gp.goodput
+    assert led["ettr"] < (gp.productive_s + gp.skipped_s) / gp.wall_s
     assert sum(led["terms"].values()) == pytest.approx(led["wall_s"], abs=1e-3)
     kill, thrown = led["faults"]
     # the group's recovery, from its own events: seen gone, a new process, its first quorum, the heal
@@ -190,7 +193,7 @@ def test_the_plan_is_seeded_drawn_from_the_kinds_every_engine_fires_and_leaves_r
     steps = [c.step for c in a.commands()]
     assert steps == sorted(steps) and steps[0] > 2 * 10 and steps[-1] < 300 // 2
     assert all(s % 10 not in (0, 1) for s in steps)   # never on a save's step: each engine loses some steps
-    assert all(c.rank in (0, 1) for c in a.commands())
+    assert all(c.rank in (0, 1) for c in a.commands() if c.fault != "kill-launcher")   # a node: each's own
     with pytest.raises(EksftError) as refused:
         plan(steps=30, faults=3, every=10)
     assert "do not fit" in str(refused.value) and "\n" not in str(refused.value)

@@ -27,8 +27,7 @@ from ..goodput import CATEGORIES, compute
 from ..incidents import Incident
 from ..monitor import JobMonitor
 
-# goodput's terms, with the samples torchft's rejoining groups skipped after the steps rollbacks recomputed
-TERMS = (*CATEGORIES[:5], "skipped", *CATEGORIES[5:])
+TERMS = CATEGORIES  # goodput's terms: each means the same on every engine
 LAST_LOSSES = 5  # the final loss: the mean of the last steps' (one step's loss is one batch's, noisy)
 
 
@@ -41,6 +40,9 @@ def ledger(events: Sequence[Event], world_size: int, batch: int, seq: int) -> di
     seconds = gp.seconds()
     clean = median(mon.steps.step_time) if len(mon.steps) else 0.0
     skipped_batches = missing_batches(mon, world_size, batch * seq)
+    # goodput counts the batches the heals reported; the committed steps' tokens count a group that never
+    # came back too: their count replaces goodput's, moved from productive as goodput moves its own
+    seconds["productive"] += seconds["skipped"]
     seconds["skipped"] = min(seconds["productive"], skipped_batches / world_size * clean)
     seconds["productive"] -= seconds["skipped"]
     steps_lost = sum(r["rolled_back_steps"] for r in mon.restarts)

@@ -11,7 +11,6 @@ checkpoint writer stages state in a memory-backed ``/dev/shm`` sized for it.
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,11 +23,12 @@ from ...nccl import nccl_env as shared_nccl_env
 from ...launcher import Ports, launcher_argv, rank_env
 from ...runtime.quiet import quiet_env
 from ...spec import JobSpec
-from ...timeouts import derive, resolved
+from ...timeouts import derive
 from ...procs import JOB_UID_ENV
 from . import failures, kueue, names, sizing
 from .instances import lookup
 from .network import network_policy
+from .pod_values import field_env, literal, pod_view, script_key
 
 # what the control plane calls, and nothing else: (api group, resource, verbs). RBAC cannot select
 # pods by label, and the pods of an Indexed Job or a JobSet have generated names, so the pod rules
@@ -122,22 +122,6 @@ def render(spec: JobSpec, faults: list[FaultCommand] | None = None, queue_object
         m.job.append(headless_service(spec))
     m.job.append(workload)
     return m
-
-
-def pod_view(spec: JobSpec) -> JobSpec:
-    """The spec as the ranks read it: the timeouts filled in for the pods (GPU-scale where they have
-    GPUs, see :mod:`eksft_nb.timeouts`); a user script points at its copy in the ConfigMap."""
-    spec = resolved(spec)
-    if not spec.script:
-        return spec
-    return spec.replace(script=f"{names.CONFIG_MOUNT}/{script_key(spec)}")
-
-
-def script_key(spec: JobSpec) -> str:
-    """The script's file name, as a ConfigMap key (and so its file name in the pods)."""
-    key = re.sub(r"[^-._a-zA-Z0-9]", "_", Path(str(spec.script)).name)
-    return key if key not in (names.POD_SPEC, names.SUBMITTED_SPEC, names.FAULTS,
-                              names.JOB_UID) else f"script-{key}"
 
 
 def _meta(spec: JobSpec, name: str) -> dict[str, Any]:
@@ -320,10 +304,10 @@ def container_env(spec: JobSpec, attempt_from: str | None) -> list[dict[str, Any
     """The launcher's environment: the local one (``launch.rank_env``) with per-pod values from the
     pod's annotations, events on stdout (the pod logs carry them), and the NCCL/EFA settings."""
     # the GPU health sampler's Hostname label, as dcgm-exporter's (its DaemonSet reads NODE_NAME too)
-    env: list[dict[str, Any]] = [_field_env("NODE_NAME", "spec.nodeName")]
+    env: list[dict[str, Any]] = [field_env("NODE_NAME", "spec.nodeName")]
     if attempt_from:
-        env.append(_field_env("EKSFT_NODE_RANK", f"metadata.annotations['{names.COMPLETION_INDEX}']"))
-        env.append(_field_env("EKSFT_JOB_ATTEMPT", f"metadata.annotations['{attempt_from}']"))
+        env.append(field_env("EKSFT_NODE_RANK", f"metadata.annotations['{names.COMPLETION_INDEX}']"))
+        env.append(field_env("EKSFT_JOB_ATTEMPT", f"metadata.annotations['{attempt_from}']"))
     values = rank_env(pod_view(spec), ports=Ports.from_base(spec.eks.port), job_attempt=0,
                       job_dir=names.job_dir(spec), spec_path=f"{names.CONFIG_MOUNT}/{names.POD_SPEC}",
                       events_stdout=True)
@@ -337,12 +321,6 @@ def container_env(spec: JobSpec, attempt_from: str | None) -> list[dict[str, Any
     env.append({"name": JOB_UID_ENV,
                 "valueFrom": {"configMapKeyRef": {"name": spec.name, "key": names.JOB_UID}}})
     return env
-
-
-def literal(text: str) -> str:
-    """``text`` as the container must see it: the kubelet expands ``$(VAR)`` in command, args and
-    env values and turns ``$$`` into ``$``, so every ``$`` is doubled."""
-    return text.replace("$", "$$")
 
 
 def nccl_env(spec: JobSpec) -> dict[str, str]:
@@ -366,10 +344,6 @@ def resources(spec: JobSpec) -> dict[str, Any]:
     devices, memory = device_amounts(spec), sizing.memory(spec)
     return {"requests": {**devices, "cpu": sizing.cpu(spec), "memory": memory},
             "limits": {**devices, "memory": memory}}
-
-
-def _field_env(name: str, path: str) -> dict[str, Any]:
-    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
 
 
 # ---- shared and admin manifests ---------------------------------------------------------------

@@ -29,7 +29,7 @@ from ...procs import JOB_UID_ENV
 from ...runtime.quiet import quiet_env
 from ...spec import JobSpec
 from . import failures, names
-from .render import _field_env, literal, pod_view
+from .pod_values import field_env, literal, pod_view
 
 LIGHTHOUSE_LABEL = "eksft.io/lighthouse-of"   # the Lighthouse's pod: the job it serves
 
@@ -60,7 +60,7 @@ def lighthouse_objects(spec: JobSpec) -> list[dict[str, Any]]:
                         "ports": [{"name": "lighthouse", "port": port, "targetPort": port}]}}
     container = {"name": "lighthouse", "image": e.image, "command": [lighthouse.COMMAND],
                  "args": lighthouse.flags(hosts.endpoint(hosts.rendered("eks"), port)),
-                 "env": [_field_env(hosts.POD_IP, "status.podIP")],
+                 "env": [field_env(hosts.POD_IP, "status.podIP")],
                  "ports": [{"name": "lighthouse", "containerPort": port}],
                  "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}}}
     pod = {"automountServiceAccountToken": False, "enableServiceLinks": False, "containers": [container],
@@ -91,11 +91,11 @@ def jobset(spec: JobSpec, template: dict[str, Any], meta: dict[str, Any]) -> dic
 def group_env(spec: JobSpec) -> list[dict[str, Any]]:
     """A group's environment: its number from JobSet, its restarts from its child Job (per-index retries
     only), its servers on the pod's IP, the Lighthouse's Service."""
-    env: list[dict[str, Any]] = [_field_env("NODE_NAME", "spec.nodeName"),
-                                 _field_env(hosts.POD_IP, "status.podIP"),
-                                 _field_env("REPLICA_GROUP_ID", f"metadata.annotations['{names.JOB_INDEX}']")]
+    env: list[dict[str, Any]] = [field_env("NODE_NAME", "spec.nodeName"),
+                                 field_env(hosts.POD_IP, "status.podIP"),
+                                 field_env("REPLICA_GROUP_ID", f"metadata.annotations['{names.JOB_INDEX}']")]
     if failures.per_index(spec):
-        env.append(_field_env(RESTART_ENV, f"metadata.annotations['{names.INDEX_FAILURES}']"))
+        env.append(field_env(RESTART_ENV, f"metadata.annotations['{names.INDEX_FAILURES}']"))
     values = job_env(pod_view(spec), job_dir=names.job_dir(spec), lighthouse=lighthouse_url(spec),
                      host="", store_port=hosts.ANY_PORT)
     values.update({"EKSFT_SPEC": f"{names.CONFIG_MOUNT}/{names.POD_SPEC}", "EKSFT_EVENTS_STDOUT": "1"})
