@@ -214,8 +214,13 @@ def test_whatif_proof(results: dict[str, Any]) -> None:
 def test_engines_side_by_side(results: dict[str, Any]) -> None:
     r = results["parts"]["compare"]
     assert list(r["engines"]) == ["nvrx", "torchft", "torchrun"]
-    for e in r["engines"].values():   # one plan, each of its faults fired and healed on every engine
-        assert e["state"] == "succeeded" and len(e["faults"]) == len(r["plan"]["faults"]), e
-        assert all(f["recovery_s"] is not None for f in e["faults"]) and 0 < e["ettr"] < 1
+    for key, e in r["engines"].items():   # one plan, each of its faults fired and healed on every engine,
+        assert e["state"] == "succeeded" and 0 < e["ettr"] < 1, e
         assert sum(e["terms"].values()) >= 0.99 * e["wall_s"]
+        if key == "torchft":   # but a torchft group killed may still be away when the job ends (its faults
+            assert 1 <= len(e["faults"]) <= len(r["plan"]["faults"]), e   # due meanwhile then never fire)
+            assert all(f["recovery_s"] is not None or f["level"] is None for f in e["faults"]), e
+        else:
+            assert len(e["faults"]) == len(r["plan"]["faults"]), e
+            assert all(f["recovery_s"] is not None for f in e["faults"]), e
     assert r["engines"]["torchft"]["skipped_batches"] > 0 and r["engines"]["torchft"]["steps_lost"] == 0
