@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ..errors import EksftError
-from ..goodput import compute, useful_steps
+from ..goodput import CATEGORIES, compute, useful_steps
 from ..incidents import phases_text
 from ..monitor import JobMonitor
 from ..nvrx import NVRx
@@ -54,8 +54,8 @@ from ..spec import JobSpec
 from ..states import CheckpointState, RestartLevel
 
 MAX_INTERVALS = 16
-TERMS = ("productive", "checkpoint_stall", "checkpoint_interference", "restart_downtime", "recomputed",
-         "startup", "other")
+# goodput's terms but torchft's skipped batches (an NVRx job, the what-if's, skips none)
+TERMS = tuple(c for c in CATEGORIES if c != "skipped")
 
 
 @dataclass(frozen=True)

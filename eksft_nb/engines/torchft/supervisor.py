@@ -251,9 +251,10 @@ class TorchftSupervisor(Supervisor):
             )
         self.attempt += 1
         newest = self.mon.last_committed
-        where = f"the newest committed checkpoint (step {newest.step})" if newest else (
+        # the groups' resume events say which checkpoint loaded (an older one if the newest is refused)
+        where = f"the newest that loads (step {newest.step} is the newest committed)" if newest else (
             "step 0: no checkpoint was committed")
-        self.say(f"{cause}; restarting every group from {where} (job restart {self.attempt} of "
+        self.say(f"{cause}; restarting every group, each loading {where} (job restart {self.attempt} of "
                  f"{self.spec.ft.max_job_restarts})")
         self.t_launch = time.time()
         self.nodes = [self._start_group(g) for g in range(self.spec.nnodes)]
