@@ -59,7 +59,8 @@ def fault(name: str, kind: str) -> list:
 @pytest.fixture(scope="module")
 def matrix() -> Iterator[tuple[str, Listeners]]:
     """A 2-group job through the fault matrix, each fault once the last one healed: group 1's rank killed
-    at step 3; an exception inside group 0's backward (group 0 is first in the quorum); group 0 lost whole
+    at step 3; an exception inside group 0's backward at a save's step (group 0 is first in the quorum, and
+    saves the steps it reports); group 0 lost whole
     (kill-launcher); group 1 hung; then both groups lost at one step, two steps or more after a save
     (committed by then), and the job resumes from its newest checkpoint. Its listeners sampled
     throughout. The groups are stragglers (the registry's slow-rank) until the last fault: the job runs long
@@ -70,7 +71,8 @@ def matrix() -> Iterator[tuple[str, Listeners]]:
     with watched(name) as listeners:
         wait_for("group 1 to heal from group 0", until(name, "heal", 1), timeout=600)
         commands.inject_command(name, pace(1))  # the restarted process has no pace: group 0 goes next
-        commands.inject(name, "exception", rank=0)
+        at = -(-(of(name, "step")[-1]["step"] + 4) // CKPT_EVERY) * CKPT_EVERY  # a save's step, ahead of both
+        commands.inject(name, "exception", rank=0, step=at)
         wait_for("group 0 to throw a step away", until(name, "step_discarded", 0), timeout=300)
         again = wait_for("group 0 to heal the thrown-away step", until(name, "heal", 0), timeout=300)[0]
         commands.inject(name, "kill-launcher", node=0)
@@ -172,6 +174,10 @@ def test_an_exception_inside_backward_throws_the_step_away_and_the_group_heals_i
     # both groups' batches (group 0's gradients were all-reduced before it threw the step away)
     [step] = [e for e in of(name, "step") if e["step"] == thrown["step"]]
     assert step.rank == 1 and step["batches"] == 2 and step["tokens"] == 2 * BATCH_TOKENS, step.data
+    # and saved it: it was due
+    saves = [(e.rank, e["phase"]) for e in of(name, "checkpoint") if e["step"] == thrown["step"]]
+    assert thrown["step"] % CKPT_EVERY == 0 and {r for r, _ in saves} == {1}, saves
+    assert (1, "committed") in saves, saves
     next_loss = of(name, "failure", after=raised.t)[0]
     assert next_loss.t > fault(name, "kill-launcher")[0].t  # the exception restarted nothing
     assert not [e for e in of(name, "rank_error", rank=0, after=raised.t) if e.t < next_loss.t]

@@ -62,15 +62,18 @@ class StepReports:
         quorum = self.quorum.last   # torchft ranks a quorum's groups by replica id
         self.held = report, set(sorted(quorum.replica_ids)[:quorum.replica_rank]) if quorum else set()
 
-    def after_quorum(self) -> None:
-        """Report the held step if it went unreported (see the module's docstring); drop it either way."""
+    def after_quorum(self) -> int | None:
+        """Report the held step if it went unreported (see the module's docstring), and return it; drop it
+        either way."""
         held, self.held, quorum = self.held, None, self.quorum.last
         if held is None or quorum is None:
-            return
+            return None
         report, before = held
         unreported = before & set(quorum.replica_ids)   # a group ranked before this one then, here behind it
         if quorum.max_step == report.step and quorum.max_replica_rank == 0 and unreported:
             self.report(report)
+            return report.step
+        return None
 
     def report(self, r: StepReport) -> None:
         if self.s.instrumented:

@@ -11,9 +11,9 @@ after the last step every group takes one more quorum, which also heals a group 
 ``quorum`` when its quorum changes, ``heal`` with the skipped batches, ``step_discarded`` when its gradients
 were thrown away.
 
-Checkpoints cover the loss of every group: the group ranked first in a step's quorum (it holds the
-committed state, and only one group is first) saves that step through the one checkpoint package, so no
-two groups write one folder; the others only commit an async save of theirs that finished. Every group
+Checkpoints cover the loss of every group: the group that reports a step saves it, if due, through the one
+checkpoint package (it holds the committed state, and only one group reports a step), so no two groups
+write one folder; the others only commit an async save of theirs that finished. Every group
 restores the same checkpoint when the whole job starts (``--resume``) or restarts after every group was
 lost (from the in-memory copy of the group that saved it, where it is on this host and checks out; else
 from storage, with why); a group restarted alone heals from a peer instead.
@@ -194,10 +194,12 @@ class GroupTrainer:
             )
 
     def _after_quorum(self, before: int, quorum_s: float) -> None:
-        """Report a step this group held that went unreported (see :mod:`.steps`), a new quorum, and a heal
-        from a peer with the batches this group skipped."""
+        """Report (and save, if due) a step this group held that went unreported (see :mod:`.steps`: its
+        state is still that step's), a new quorum, and a heal from a peer with the batches this group
+        skipped."""
         manager = self.manager
-        self.reports.after_quorum()
+        if (late := self.reports.after_quorum()) is not None:  # and it saves the step, if one is due
+            self.ckpt.maybe_save(late, self.state, last=late == self.spec.steps)
         now = manager.current_step()
         quorum_id = manager._quorum_id  # torchft 0.2.0 has no public accessor for it
         if quorum_id != self.quorum_id:
