@@ -86,6 +86,9 @@ KINDS: dict[str, dict[str, tuple[type, ...] | type]] = {
 
 # kind -> optional field -> accepted types, for the optional fields readers compute with
 OPTIONAL: dict[str, dict[str, tuple[type, ...] | type]] = {
+    # the ranks' batches the step trained, where some may be missing (torchft: the replica groups that took
+    # part); absent: all of the job's world_size
+    "step": {"batches": int},
     "checkpoint": {"blocked_s": (*_num, type(None)), "background_s": (*_num, type(None)), "bytes": _opt_int,
                    "path": _opt_str, "mode": str, "error": _opt_str, "reason": _opt_str},
     "fault": {"node": _opt_int, "path": _opt_str},

@@ -5,8 +5,8 @@
 - checkpoint interference: what such steps took beyond the clean step time (the writer competing
   for the machine), so async saves cannot pass a slowdown off as productive time
 - recomputed: earlier executions of steps that a restart rolled back (lost work)
-- skipped: the share of kept steps that a torchft replica group did not train (the batches a group
-  that healed from a peer skipped: its ``heal`` events), out of productive: the model saw fewer samples
+- skipped: the share of kept steps whose batches the model never saw (:func:`missing_batches`: a torchft
+  step committed without some replica groups' batches), out of productive: lost, as recomputed steps are
 - checkpoint stall: time the training loop was blocked by saves
 - restart downtime: from each fault to the first step after recovery
 - startup: from job start to the first step
@@ -78,7 +78,7 @@ def compute(mon: JobMonitor, now: float | None = None) -> Goodput:
     kept = float(took.sum()) - recomputed
     interference = _interference(mon, idx, took, end)
     productive = kept - interference
-    # a skipped batch is one rank's share of a step: that share of a typical kept step
+    # a missing batch is one rank's share of a step: that share of a typical kept step
     typical = float(np.median(took[idx])) if len(idx) else 0.0
     skipped = min(productive, skipped_steps(mon) * typical)
     productive -= skipped
@@ -139,10 +139,21 @@ def useful_steps(mon: JobMonitor) -> int:
     return len({step for step in mon.steps.step if step <= mon.last_step})
 
 
+def missing_batches(mon: JobMonitor) -> int:
+    """The batches the kept steps lacked, the one count of skipped batches: each step's last execution
+    against the job's ``world_size`` ranks' batches (its ``batches``). Under torchft a step the quorum
+    committed without a replica group (lost, restarting, or healing from a peer) lacks that group's
+    batches, and a group that never came back counts too; a step a group threw away after its gradients
+    were all-reduced lacks none (the committed step had them). A step that says no ``batches`` lacks none."""
+    if not mon.world_size:
+        return 0
+    last = {step: n for step, n in zip(mon.steps.step, mon.steps.batches) if step <= mon.last_step}
+    return sum(max(0, mon.world_size - n) for n in last.values() if n is not None)
+
+
 def skipped_steps(mon: JobMonitor) -> float:
-    """The steps' worth of batches torchft replica groups skipped when they healed from a peer (each
-    batch one rank's share of a step; groups of one rank)."""
-    return mon.skipped_batches / mon.world_size if mon.world_size else 0.0
+    """The steps' worth of batches the kept steps lacked (each batch one rank's share of a step)."""
+    return missing_batches(mon) / mon.world_size if mon.world_size else 0.0
 
 
 def steps_per_s(mon: JobMonitor, now: float | None = None) -> float:

@@ -37,6 +37,7 @@ class StepSeries:
     loss: list[float | None] = field(default_factory=list)     # None: not reported (a user script's step)
     step_time: list[float] = field(default_factory=list)
     tokens: list[int | None] = field(default_factory=list)     # likewise
+    batches: list[int | None] = field(default_factory=list)    # the ranks' batches it trained (None: all)
 
     def __len__(self) -> int:
         return len(self.step)
@@ -84,7 +85,6 @@ class JobMonitor:
     gpu: GpuFold = field(default_factory=GpuFold)   # GPU health per node (gpu_health / gpu_fault events)
     digest: str | None = None
     checkpoint_stall_s: float = 0.0
-    skipped_batches: int = 0   # batches torchft replica groups skipped when they healed (heal events)
     last_event_t: float | None = None
     n_events: int = 0
 
@@ -144,6 +144,7 @@ class JobMonitor:
         s.loss.append(e["loss"])
         s.step_time.append(e["step_time"])
         s.tokens.append(e["tokens"])
+        s.batches.append(e.get("batches"))
         if self.state == JobState.RECOVERING:
             self.state = JobState.RUNNING
 
@@ -191,9 +192,6 @@ class JobMonitor:
 
     def _on_nvrx_cycle(self, e: Event) -> None:
         self.nvrx_cycles[(e["attempt"], e["cycle"])] = dict(e.data)
-
-    def _on_heal(self, e: Event) -> None:
-        self.skipped_batches += e["skipped_batches"]
 
     def _on_resume(self, e: Event) -> None:
         self.resumes.append({"t": e.t, **e.data})

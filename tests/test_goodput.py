@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from eksft_nb.events import Event, make
-from eksft_nb.goodput import compute, ettr, steps_per_s, useful_steps
+from eksft_nb.goodput import compute, ettr, missing_batches, steps_per_s, useful_steps
 from eksft_nb.monitor import JobMonitor
 
 CLEAN = 0.1  # the step time of a step that overlaps no background write
@@ -93,17 +93,39 @@ def test_a_slowed_step_that_a_rollback_ran_again_is_recomputed_not_interference(
     assert gp.recomputed_s == pytest.approx(2 * CLEAN + 0.5) and gp.productive_s == pytest.approx(5 * CLEAN)
 
 
-def test_batches_a_torchft_group_skipped_when_it_healed_are_lost_work_in_goodput_and_ettr() -> None:
-    """Two replica groups of one rank: a group that healed from its peer skipped 6 batches, 3 steps'
-    worth of one group's share (half a step each): 0.3 s of the 10 kept steps was not productive, and
-    ETTR counts 7 useful steps where 10 ran."""
+def test_batches_a_torchft_step_was_committed_without_are_lost_work_in_goodput_and_ettr() -> None:
+    """Two replica groups of one rank: steps 3 to 8 committed by one group alone lack 6 batches, 3 steps'
+    worth (half a step each): 0.3 s of the 10 kept steps was not productive, and ETTR counts 7 useful steps
+    where 10 ran. A heal's own count of the batches it skipped is not a second count."""
     mon, end = _job([(s, CLEAN) for s in range(1, 11)], [])
     clean = compute(mon, now=end)
     reference = steps_per_s(mon, now=end)
-    mon.world_size = 2
-    mon.update([make("heal", "j", 1, t=end - 0.5, from_step=2, step=8, skipped_batches=6, heal_s=0.01)])
+    events = [make("job_start", "j", None, t=0.0, spec_digest="d", world_size=2, steps=None, backend="local",
+                   host="h", pid=1)]
+    for step, t, took in zip(mon.steps.step, mon.steps.t, mon.steps.step_time):
+        events.append(make("step", "j", 0, t=t, step=step, loss=None, tokens=None, step_time=took,
+                           batches=1 if 3 <= step <= 8 else 2))
+    events.append(make("heal", "j", 1, t=end - 0.5, from_step=2, step=8, skipped_batches=7, heal_s=0.01))
+    mon = JobMonitor()
+    mon.update(events)
+    assert missing_batches(mon) == 6
     gp = compute(mon, now=end)
     assert gp.skipped_s == pytest.approx(3 * CLEAN) and clean.skipped_s == 0.0
     assert gp.productive_s == pytest.approx(clean.productive_s - 3 * CLEAN)
     assert sum(gp.seconds().values()) == pytest.approx(gp.wall_s)
     assert ettr(mon, reference, now=end) == pytest.approx(7 / 10)
+
+
+def test_only_a_kept_steps_last_execution_counts_its_missing_batches() -> None:
+    """A step committed by one group, then rolled back (every group lost) and run again by both, lacks
+    nothing; a step above the newest one run is not kept."""
+    events = [make("job_start", "j", None, t=0.0, spec_digest="d", world_size=2, steps=None, backend="local",
+                   host="h", pid=1)]
+    for i, (step, batches) in enumerate([(1, 2), (2, 1), (3, 1), (2, 2), (3, 1)]):
+        events.append(make("step", "j", 0, t=1.0 + i, step=step, loss=None, tokens=None, step_time=CLEAN,
+                           batches=batches))
+    mon = JobMonitor()
+    mon.update(events)
+    assert missing_batches(mon) == 1
+    mon.update([make("step", "j", 0, t=9.0, step=2, loss=None, tokens=None, step_time=CLEAN, batches=2)])
+    assert missing_batches(mon) == 0   # back to step 2 again: step 3 not kept (yet)

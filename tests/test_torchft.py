@@ -1,10 +1,12 @@
 """The torchft engine (``--engine torchft``) on the local backend, with real replica groups, through the
 fault matrix of one job: a group's rank killed by SIGKILL restarts and heals from its peer (no committed
-step lost, the batches it missed counted); an exception inside backward throws that step away; a whole
-group lost (the registry's kill-launcher) heals likewise; a hung group is found by the supervisor,
-restarted, and heals while the other trains on; the loss of every group restarts the job from its newest
-checkpoint. After each, the job ends with every step and the groups' weights identical. Every process of
-the job listens on loopback only; what the engine does not take is refused in one line."""
+step lost, the batches it missed counted); an exception inside backward throws that step away in the group
+first in the quorum, and the other group, which committed it, reports it; a whole group lost (the registry's
+kill-launcher) heals likewise; a hung group is found by the supervisor, restarted, and heals while the other
+trains on; the loss of every group restarts the job from its newest checkpoint, loaded from the in-memory
+copy of the group that saved it. After each, the job ends with every step reported once and the groups'
+weights identical. Every process of the job listens on loopback only; what the engine does not take is
+refused in one line."""
 
 from __future__ import annotations
 
@@ -17,7 +19,10 @@ from eksft_nb import commands
 from eksft_nb.checkpoint_folders import list_checkpoints
 from eksft_nb.control import FaultCommand
 from eksft_nb.errors import EksftError
+from eksft_nb.goodput import compute, missing_batches
 from eksft_nb.jobdir import JobDir
+from eksft_nb.monitor import JobMonitor
+from eksft_nb.resilience.ledger import ledger
 from eksft_nb.spec import JobSpec, ModelConfig
 from eksft_nb.states import CheckpointState
 from jobs import cli, events, story, wait_for
@@ -27,6 +32,7 @@ pytest.importorskip("torchft")
 
 STEPS = 150  # paced (2 s a step) until the last fault: room for five recoveries on a busy machine
 CKPT_EVERY = 5
+BATCH_TOKENS = JobSpec().batch * JobSpec().seq  # one group's batch of a step
 
 
 def torchft_spec(name: str, **changes: object) -> JobSpec:
@@ -53,27 +59,32 @@ def fault(name: str, kind: str) -> list:
 @pytest.fixture(scope="module")
 def matrix() -> Iterator[tuple[str, Listeners]]:
     """A 2-group job through the fault matrix, each fault once the last one healed: group 1's rank killed
-    at step 3; an exception inside its backward; group 0 lost whole (kill-launcher); group 1 hung; then
-    both groups lost at one step, and the job resumes from its newest checkpoint. Its listeners sampled
+    at step 3; an exception inside group 0's backward at a save's step (group 0 is first in the quorum, and
+    saves the steps it reports); group 0 lost whole
+    (kill-launcher); group 1 hung; then both groups lost at one step, two steps or more after a save
+    (committed by then), and the job resumes from its newest checkpoint. Its listeners sampled
     throughout. The groups are stragglers (the registry's slow-rank) until the last fault: the job runs long
     enough for a lost group to come back however slowly this machine starts a process, and no longer."""
     name = "tft-matrix"
     spec = torchft_spec(name, **{"checkpoint.every": CKPT_EVERY, "ft.max_job_restarts": 3})
     commands.launch(spec, [pace(0, step=1), FaultCommand("sigkill", rank=1, step=3)])
     with watched(name) as listeners:
-        heal = wait_for("group 1 to heal from group 0", until(name, "heal", 1), timeout=600)[0]
+        wait_for("group 1 to heal from group 0", until(name, "heal", 1), timeout=600)
         commands.inject_command(name, pace(1))  # the restarted process has no pace: group 0 goes next
-        commands.inject(name, "exception", rank=1)
-        wait_for("group 1 to throw a step away", until(name, "step_discarded", 1), timeout=300)
-        wait_for("group 1 to heal the thrown-away step", until(name, "heal", 1, heal.t + 1e-6), timeout=300)
+        at = -(-(of(name, "step")[-1]["step"] + 4) // CKPT_EVERY) * CKPT_EVERY  # a save's step, ahead of both
+        commands.inject(name, "exception", rank=0, step=at)
+        wait_for("group 0 to throw a step away", until(name, "step_discarded", 0), timeout=300)
+        again = wait_for("group 0 to heal the thrown-away step", until(name, "heal", 0), timeout=300)[0]
         commands.inject(name, "kill-launcher", node=0)
-        wait_for("group 0 to heal from group 1", until(name, "heal", 0), timeout=600)
+        wait_for("group 0 to heal from group 1", until(name, "heal", 0, again.t + 1e-6), timeout=600)
         commands.inject_command(name, pace(0))  # group 1 goes next
         hang = commands.inject(name, "hang", rank=1, wait=300)
         assert hang["fired"], hang
         t_hang = wait_for("the hang's event", lambda: fault(name, "hang"), timeout=60)[0].t
         wait_for("the hung group 1 to heal", until(name, "heal", 1, t_hang), timeout=600)
-        at = of(name, "step")[-1]["step"] + 2  # both groups lost at the start of one step
+        at = of(name, "step")[-1]["step"] + 4  # both groups lost at the start of one step ahead of both,
+        while any((at - k) % CKPT_EVERY == 0 for k in range(3)):  # which no save can be in flight at
+            at += 1
         for group in (0, 1):
             commands.inject(name, "kill-launcher", node=group, step=at)
         wait_for("the job to end", lambda: of(name, "job_end"), timeout=600)
@@ -132,6 +143,14 @@ def test_the_events_tell_the_quorum_changes_the_heal_and_the_skipped_batches(mat
     assert (
         heal["step"] > heal["from_step"] >= 2 and heal["skipped_batches"] == heal["step"] - heal["from_step"]
     )
+    # the steps group 1 missed were committed with group 0's batch alone: the one count of skipped batches
+    alone = [e["batches"] for e in of(name, "step") if heal["from_step"] < e["step"] <= heal["step"]]
+    assert alone == [1] * heal["skipped_batches"], alone
+    mon = JobMonitor()
+    mon.update(events(name))
+    gp, led = compute(mon), ledger(events(name), 2, JobSpec().batch)
+    assert led["skipped_batches"] == missing_batches(mon) >= heal["skipped_batches"], led
+    assert led["terms"]["skipped"] == round(gp.skipped_s, 4) > 0 and led["ettr"] == round(gp.goodput, 5)
     restart = of(name, "restart")[0]
     assert restart["level"] == "job" and restart["blame_rank"] == 1 and restart["restored_from"] == "peer"
     assert restart["fault_time"] == kill.t and restart["rolled_back_steps"] == 0
@@ -147,13 +166,21 @@ def test_the_events_tell_the_quorum_changes_the_heal_and_the_skipped_batches(mat
 def test_an_exception_inside_backward_throws_the_step_away_and_the_group_heals_it(matrix) -> None:
     name, _ = matrix
     raised = fault(name, "exception")[0]
-    thrown = of(name, "step_discarded", rank=1)[0]
+    thrown = of(name, "step_discarded", rank=0)[0]
     assert "injected exception" in thrown["reason"] and thrown.t > raised.t
-    again = of(name, "heal", rank=1, after=thrown.t)[0]
-    assert again["skipped_batches"] == 1 and again["step"] == thrown["step"], again  # group 0 committed it
+    again = of(name, "heal", rank=0, after=thrown.t)[0]
+    assert again["skipped_batches"] == 1 and again["step"] == thrown["step"], again  # group 1 committed it
+    # group 0 was first in that step's quorum: group 1, which committed the step, reported it, once, with
+    # both groups' batches (group 0's gradients were all-reduced before it threw the step away)
+    [step] = [e for e in of(name, "step") if e["step"] == thrown["step"]]
+    assert step.rank == 1 and step["batches"] == 2 and step["tokens"] == 2 * BATCH_TOKENS, step.data
+    # and saved it: it was due
+    saves = [(e.rank, e["phase"]) for e in of(name, "checkpoint") if e["step"] == thrown["step"]]
+    assert thrown["step"] % CKPT_EVERY == 0 and {r for r, _ in saves} == {1}, saves
+    assert (1, "committed") in saves, saves
     next_loss = of(name, "failure", after=raised.t)[0]
-    assert next_loss["blame_rank"] == 0  # the exception restarted nothing: the next loss is group 0's
-    assert not [e for e in of(name, "rank_error", rank=1, after=raised.t) if e.t < next_loss.t]
+    assert next_loss.t > fault(name, "kill-launcher")[0].t  # the exception restarted nothing
+    assert not [e for e in of(name, "rank_error", rank=0, after=raised.t) if e.t < next_loss.t]
 
 
 @pytest.mark.slow
@@ -163,7 +190,7 @@ def test_a_whole_group_lost_heals_from_its_peer_which_reports_the_steps_meanwhil
     assert lost["node"] == 0 and lost["target_rank"] is None, lost.data
     failure = of(name, "failure", after=lost.t)[0]
     assert failure["blame_rank"] == 0 and "SIGKILL" in failure["cause"], failure.data
-    back = of(name, "heal", rank=0)[0]
+    back = of(name, "heal", rank=0, after=lost.t)[0]
     restart = next(e for e in of(name, "restart") if e["fault_time"] == lost.t)
     assert restart["restored_from"] == "peer" and restart["resumed_step"] == back["step"], restart.data
     # group 1, first in the quorum while group 0 was lost, reported the steps
@@ -186,14 +213,15 @@ def test_a_hung_group_is_found_restarted_and_heals_while_its_peer_trains_on(matr
 
 
 @pytest.mark.slow
-def test_the_loss_of_every_group_resumes_from_the_newest_checkpoint_on_disk(matrix) -> None:
+def test_the_loss_of_every_group_resumes_from_the_newest_checkpoint_in_memory(matrix) -> None:
     name, _ = matrix
     failure, restart = job_restart(name)
     assert "every replica group was lost" in failure["cause"], failure.data
-    assert restart["level"] == "job" and restart["restored_from"] == "storage", restart.data
+    assert restart["level"] == "job" and restart["restored_from"] == "memory", restart.data
+    # one group saved that step: both loaded its in-memory copy (the other's own held another step)
     resumed = of(name, "resume", after=failure.t)
     assert {e.rank for e in resumed} == {0, 1}, [e.data for e in resumed]
-    assert {(e["step"], e["source"]) for e in resumed} == {(restart["resumed_step"], "storage")}
+    assert {(e["step"], e["source"]) for e in resumed} == {(restart["resumed_step"], "memory")}
     committed = [e["step"] for e in of(name, "checkpoint") if e["phase"] == "committed" and e.t < failure.t]
     assert restart["resumed_step"] == max(committed) > 0 and max(committed) % CKPT_EVERY == 0, committed
     on_disk = {i.step for i in list_checkpoints(JobDir.for_name(name).path / "ckpt")

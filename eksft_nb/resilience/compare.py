@@ -137,7 +137,7 @@ def compare(fault_plan: FaultPlan, base: JobSpec | None = None, name: str = "com
     for key, spec in specs.items():
         path = baseline.jd.events_path if key == "torchrun" else JobDir.for_name(spec.name).events_path
         engines[key] = {"label": ENGINES[key], "job": spec.name,
-                        **ledger(read_all(path), spec.world_size, spec.batch, spec.seq)}
+                        **ledger(read_all(path), spec.world_size, spec.batch)}
     return {"plan": asdict(fault_plan), "model": base.model.preset, "world_size": base.world_size,
             "batch": base.batch, "seq": base.seq, "engines": engines, "wall_s": round(time.time() - t0, 1),
             "load_avg_before": before, "load_avg_after": _load()}

@@ -2,18 +2,11 @@
 fault's recovery with its phases, the steps it lost and the samples it skipped, and its final loss.
 
 Every engine's events go through the same goodput (:func:`eksft_nb.goodput.compute`), so a term means the
-same on each; ETTR is its productive share of the wall time (the what-if's). Two things only torchft does
-are counted on top:
-
-- samples skipped: while a replica group is away, the others commit steps without its batches (a step's
-  ``tokens`` fall short of ``world_size x batch x seq``), and when it rejoins it takes a peer's state and
-  never trains them (what its ``heal`` reports as skipped). Those steps look productive though they trained
-  fewer samples: each missing batch is ``1 / world_size`` of a step's, so that many clean steps' time
-  moves from productive to ``skipped``: lost, as a rollback's recomputed steps are. Counted from the
-  committed steps, a group that never came back counts too; a step one group threw away after its
-  gradients were all-reduced (an exception late in backward) lacks nothing;
-- a recovery that rolls nothing back: its phases come from the group's own events (the failure the
-  supervisor saw, the new process's start, its heal), as a restart's phases come from the ranks'.
+same on each; ETTR is its productive share of the wall time (the what-if's). Its ``skipped`` term is what
+only torchft loses: while a replica group is away, or heals from a peer, the others commit steps without
+its batches (:func:`eksft_nb.goodput.missing_batches`, the one count of them). A recovery that rolls nothing
+back has its phases from the group's own events (the failure the supervisor saw, the new process's start,
+its heal), as a restart's phases come from the ranks'.
 """
 
 from __future__ import annotations
@@ -23,7 +16,7 @@ from statistics import median
 from typing import Any
 
 from ..events import Event
-from ..goodput import CATEGORIES, compute
+from ..goodput import CATEGORIES, compute, missing_batches
 from ..incidents import Incident
 from ..monitor import JobMonitor
 
@@ -31,20 +24,14 @@ TERMS = CATEGORIES  # goodput's terms: each means the same on every engine
 LAST_LOSSES = 5  # the final loss: the mean of the last steps' (one step's loss is one batch's, noisy)
 
 
-def ledger(events: Sequence[Event], world_size: int, batch: int, seq: int) -> dict[str, Any]:
-    """One engine's account of a run (``world_size`` ranks of ``batch`` sequences of ``seq`` tokens a
-    step)."""
+def ledger(events: Sequence[Event], world_size: int, batch: int) -> dict[str, Any]:
+    """One engine's account of a run (``world_size`` ranks of ``batch`` sequences a step)."""
     mon = JobMonitor()
     mon.update(events)
     gp = compute(mon)
     seconds = gp.seconds()
     clean = median(mon.steps.step_time) if len(mon.steps) else 0.0
-    skipped_batches = missing_batches(mon, world_size, batch * seq)
-    # goodput counts the batches the heals reported; the committed steps' tokens count a group that never
-    # came back too: their count replaces goodput's, moved from productive as goodput moves its own
-    seconds["productive"] += seconds["skipped"]
-    seconds["skipped"] = min(seconds["productive"], skipped_batches / world_size * clean)
-    seconds["productive"] -= seconds["skipped"]
+    skipped_batches = missing_batches(mon)
     steps_lost = sum(r["rolled_back_steps"] for r in mon.restarts)
     losses = [x for x in mon.steps.loss[-LAST_LOSSES:] if x is not None]
     return {
@@ -52,7 +39,7 @@ def ledger(events: Sequence[Event], world_size: int, batch: int, seq: int) -> di
         "reason": mon.reason,
         "steps_done": mon.last_step,
         "wall_s": round(gp.wall_s, 3),
-        "ettr": round(seconds["productive"] / gp.wall_s, 5) if gp.wall_s > 0 else 0.0,
+        "ettr": round(gp.goodput, 5),
         "terms": {t: round(seconds[t], 4) for t in TERMS},
         "clean_step_s": round(clean, 5),
         "faults": [recovery(f, mon, events) for f in mon.faults],
@@ -63,13 +50,6 @@ def ledger(events: Sequence[Event], world_size: int, batch: int, seq: int) -> di
         "final_loss": round(sum(losses) / len(losses), 5) if losses else None,
         "digest": mon.digest,
     }
-
-
-def missing_batches(mon: JobMonitor, world_size: int, tokens_per_batch: int) -> int:
-    """Batches the committed steps lacked: each step's last execution, against ``world_size`` batches (a
-    step that reports no tokens, a user script's, lacks none)."""
-    last = {step: tokens for step, tokens in zip(mon.steps.step, mon.steps.tokens) if step <= mon.last_step}
-    return sum(world_size - round(t / tokens_per_batch) for t in last.values() if t is not None)
 
 
 def recovery(fault: dict[str, Any], mon: JobMonitor, events: Sequence[Event]) -> dict[str, Any]:

@@ -163,10 +163,15 @@ class ScriptProbe:
         s.step_entered = s.step_done = step
         s.t_done = time.time()
         s.heartbeat()
-        if report and s.instrumented:
-            s.emit("step", step=step, loss=None, tokens=None, step_time=step_time)
+        if report:
+            self.report(step, step_time)
         s.lingering_faults(step)
         fire_due(s, step + 1, steps_only=True, lock=self._lock)
+
+    def report(self, step: int, step_time: float) -> None:
+        """The ``step`` event of a counted step (an engine's probe may decide which of its ranks emits it)."""
+        if self.s.instrumented:
+            self.s.emit("step", step=step, loss=None, tokens=None, step_time=step_time)
 
     def count(self) -> tuple[int, bool] | None:
         """The optimizer step just taken: its number, and whether this rank reports it (rank 0); None when

@@ -203,8 +203,8 @@ class Session:
 
     def step_end(self, step: int, loss: float, tokens: int, step_time: float,
                  report: bool | None = None) -> None:
-        """``report``: whether this rank emits the ``step`` event (default: rank 0; under torchft the group
-        ranked first in the step's quorum, whichever that is)."""
+        """``report``: whether this rank emits the ``step`` event (default: rank 0; a torchft group reports
+        its steps itself, see ``eksft_nb.engines.torchft.steps``)."""
         if self.sections:
             self.section("step", False)
         self.heartbeat()

@@ -8,8 +8,10 @@ around torchft's ``Manager``, with no change to the script:
 
 - torchft's manager and checkpoint servers on loopback (:mod:`.listen`), and at the job's start every group
   waits for the others (:mod:`.startup`);
-- a ``step`` event for each step torchft committed, numbered as torchft does (``current_step()``) and
-  reported by the group ranked first in the step's quorum, from the optimizer-step hook;
+- a ``step`` event for each step torchft committed, numbered as torchft does (``current_step()``), counted
+  by the optimizer-step hook and reported once: by the group first in the step's quorum or, where that group
+  threw it away, by the first that committed it, at the next quorum (:mod:`.steps`; the script's last step
+  has no next quorum);
 - ``quorum`` when the group's quorum, or who takes part in it, changes and ``heal`` when it healed from
   a peer (from its quorum thread), ``step_discarded`` when ``should_commit()`` threw the step away;
 - the ``exception`` fault thrown into the next step: the error is reported to the Manager before it decides
@@ -37,6 +39,7 @@ from ...runtime.quiet import quiet_process
 from ...runtime.script import ScriptProbe, when_imported
 from ...runtime.script import main as run_script
 from .startup import all_groups_up
+from .steps import StepReport, StepReports
 from .trainer import LAST_STEP_ENV, RESTART_ENV
 
 REFUSED_EXIT = 78  # sysexits' EX_CONFIG: the script cannot run under --engine torchft; restarting won't help
@@ -85,6 +88,7 @@ class TorchftProbe(ScriptProbe):
 
         super().__init__(s)
         self.manager: Any = None  # the script's (first) torchft Manager
+        self.reports: StepReports | None = None  # its committed steps' reports (see .steps)
         self.group = s.rank
         self.last_step = int(os.environ.get(LAST_STEP_ENV) or 0)
         self.quorum: tuple[int, int] | None = None  # the last reported: its id, how many groups take part
@@ -94,8 +98,8 @@ class TorchftProbe(ScriptProbe):
 
     # ---- steps -------------------------------------------------------------------------------------
     def count(self) -> tuple[int, bool] | None:
-        """A step counts once torchft committed it (its number: the Manager's); the group first in the
-        step's quorum reports it."""
+        """A step counts once torchft committed it (its number: the Manager's); :mod:`.steps` says which
+        group reports it."""
         if self.manager is None:
             refuse(self.s, JobError("the script stepped its optimizer before creating a torchft Manager: "
                                     "--engine torchft runs replica groups that train through one", FIX))
@@ -103,7 +107,11 @@ class TorchftProbe(ScriptProbe):
         if step <= self.steps:  # the optimizer stepped though torchft did not commit (nothing new)
             return None
         self.steps = step
-        return step, self.manager.participating_rank() == 0
+        return step, True
+
+    def report(self, step: int, step_time: float) -> None:
+        self.reports.committed(StepReport(step, None, None, step_time, self.manager.num_participants(),
+                                          time.time()))
 
     def on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         from ...runtime.session import InjectedFault
@@ -153,7 +161,7 @@ class TorchftProbe(ScriptProbe):
         def __init__(manager: Any, *args: Any, **kwargs: Any) -> None:
             init(manager, *args, **kwargs)
             if probe.manager is None:
-                probe.manager = manager
+                probe.manager, probe.reports = manager, StepReports(probe.s, manager)
                 if not int(os.environ.get(RESTART_ENV) or 0):
                     all_groups_up(probe.s, probe.group)  # its manager heartbeats meanwhile
 
@@ -184,6 +192,7 @@ class TorchftProbe(ScriptProbe):
         """In the Manager's quorum thread: report a new quorum, and a heal from a peer with the batches
         this group skipped (torchft 0.2.0 has no public accessors for what is read here)."""
         manager, s = self.manager, self.s
+        self.reports.after_quorum()
         now = manager._step
         # with torchft's async quorum (its default) a group that heals takes part from the next step on, in
         # the same quorum: a change of who takes part is reported as a change of quorum is

@@ -5,15 +5,18 @@ step's quorum through the Lighthouse, all-reduces gradients across the groups in
 applies them only when the quorum commits the step. A group behind the quorum (restarted, or one that
 threw a step away) heals from a peer's live state and skips the batches it did not train.
 
-It reports through the one event schema: ``step`` for each committed step (by the group ranked first in
-the quorum, so once per step), ``quorum`` when its quorum changes, ``heal`` with the skipped batches,
-``step_discarded`` when its gradients were thrown away.
+It reports through the one event schema: ``step`` for each committed step, once, by the group first in its
+quorum or, where that group threw it away, by the first that committed it, at the next quorum (:mod:`.steps`;
+after the last step every group takes one more quorum, which also heals a group that threw that step away),
+``quorum`` when its quorum changes, ``heal`` with the skipped batches, ``step_discarded`` when its gradients
+were thrown away.
 
-Checkpoints cover the loss of every group: the group ranked first in a step's quorum (it holds the
-committed state, and only one group is first) saves that step through the one checkpoint package, so no
-two groups write one folder; the others only commit an async save of theirs that finished. Every group
+Checkpoints cover the loss of every group: the group that reports a step saves it, if due, through the one
+checkpoint package (it holds the committed state, and only one group reports a step), so no two groups
+write one folder; the others only commit an async save of theirs that finished. Every group
 restores the same checkpoint when the whole job starts (``--resume``) or restarts after every group was
-lost; a group restarted alone heals from a peer instead.
+lost (from the in-memory copy of the group that saved it, where it is on this host and checks out; else
+from storage, with why); a group restarted alone heals from a peer instead.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from ...errors import JobError
 from ...runtime.quiet import quiet_process
 from .startup import all_groups_up
 from .hosts import group_host
+from .steps import StepReport, StepReports
 
 LAUNCHER_PID_ENV = "EKSFT_LAUNCHER_PID"  # whose process group the registry's kill-launcher kills
 LAST_STEP_ENV = "EKSFT_TORCHFT_LAST_STEP"  # a restarted group: the job's last committed step when it was lost
@@ -96,13 +100,17 @@ class GroupTrainer:
             connect_timeout=timeout,
         )
         self.ddp = DistributedDataParallel(self.manager, self.model)
+        self.reports = StepReports(s, self.manager)
         self.quorum_id: int | None = None
         # the checkpoint package's collectives run within the group (one rank: a group of one)
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         self.ckpt = s.checkpoints(dist.group.WORLD)
         self.ckpt.emit = s.emit  # every group reports its own saves (the session's filter is rank 0's)
-        # each group's staging buffers in shared memory of its own (all are rank 0 of their group)
+        # each group's staging buffers in shared memory of its own (all are rank 0 of their group); after
+        # every group was lost, a group restores from whichever group's copy on this host holds the newest
+        # committed checkpoint (one group saves each step), checked as its own would be
         self.ckpt.shelf.bind(self.ckpt.job_uid, self.group, spec.nnodes)
+        self.ckpt.peer_copies = tuple(range(spec.nnodes))
         self.state = {"train": ModelState(self.model, self.optim), "torchft": self.manager}
 
     def _state(self) -> dict[str, Any]:
@@ -125,17 +133,20 @@ class GroupTrainer:
             self._restore()
             all_groups_up(s, self.group)
         s.rank_start(manager.current_step(), replica_group=self.group, group_restart=restart)
-        while manager.current_step() < spec.steps:
+        while True:  # after the last step, one more quorum (see the module's docstring)
             before = manager.current_step()
             armed: InjectedFault | None = None
             try:
-                s.step_begin(before + 1)
+                if before < spec.steps:
+                    s.step_begin(before + 1)
             except InjectedFault as e:  # raised inside this step's backward instead (see _raise_in_backward)
                 armed = e
             t0 = time.perf_counter()
             manager.start_quorum()  # synchronous: heals from a peer here when behind the quorum
             self.optim.zero_grad(set_to_none=True)
             self._after_quorum(before, time.perf_counter() - t0)
+            if manager.current_step() >= spec.steps:
+                break
             step = manager.current_step() + 1
             loss = loss_fn(self.ddp, self.data.batch_at(step - 1))
             if armed is not None:
@@ -148,15 +159,12 @@ class GroupTrainer:
                 self.ddp = DistributedDataParallel(manager, self.model)
             if manager.should_commit():
                 self.optim.step()
-                first = manager.participating_rank() == 0
-                s.step_end(
-                    step,
-                    float(loss.detach()),
-                    tokens_per_step * manager.num_participants(),
-                    time.perf_counter() - t0,
-                    report=first,
-                )
-                if first:  # it holds the committed state, and no other group is first in this quorum
+                took, value = time.perf_counter() - t0, float(loss.detach())
+                groups = manager.num_participants()
+                tokens = tokens_per_step * groups
+                s.step_end(step, value, tokens, took, report=False)
+                self.reports.committed(StepReport(step, value, tokens, took, groups, time.time()))
+                if manager.participating_rank() == 0:  # it holds the committed state; no other group is first
                     self.ckpt.maybe_save(step, self.state, last=step == spec.steps)
                 else:
                     self.ckpt.settle()
@@ -186,8 +194,12 @@ class GroupTrainer:
             )
 
     def _after_quorum(self, before: int, quorum_s: float) -> None:
-        """Report a new quorum, and a heal from a peer with the batches this group skipped."""
+        """Report (and save, if due) a step this group held that went unreported (see :mod:`.steps`: its
+        state is still that step's), a new quorum, and a heal from a peer with the batches this group
+        skipped."""
         manager = self.manager
+        if (late := self.reports.after_quorum()) is not None:  # and it saves the step, if one is due
+            self.ckpt.maybe_save(late, self.state, last=late == self.spec.steps)
         now = manager.current_step()
         quorum_id = manager._quorum_id  # torchft 0.2.0 has no public accessor for it
         if quorum_id != self.quorum_id:

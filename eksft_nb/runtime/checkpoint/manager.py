@@ -78,6 +78,9 @@ class CheckpointManager:
         self.writer, self.stager = process.writer, process.stager
         self.shelf = self.stager.shelf  # where the staged buffers live, and the record of the copy they hold
         self.shelf.bind(self.job_uid, rank, world_size)
+        # the ranks (of the shelf's world) whose in-memory copies a restore may load besides the shelf's own:
+        # none, but for a torchft replica group every group's (each holds the whole state)
+        self.peer_copies: tuple[int, ...] = ()
         # step folders to clear before saving there, see _clear; None: not listed yet
         self.ahead: set[int] | None = None
         self.plan_cache: PlanCache | None = None  # the save plan, kept while the staged layout stays the same
@@ -458,14 +461,11 @@ class CheckpointManager:
             self._finalize_if_done(blocking=True)
 
     def _restore_from_memory(self, newest: CheckpointInfo, state: dict[str, Any]) -> int | dict[str, Any]:
-        """Load ``newest`` from the ranks' in-memory copies if every rank's is intact (collective):
-        its step, or what the storage restore that follows reports about the copies (why not, time spent)."""
+        """Load ``newest`` from the ranks' in-memory copies if every rank's is intact (collective): its step,
+        or what the storage restore that follows reports about the copies (why not, time spent). Each rank
+        loads its shelf's own copy or, failing that, a peer's that holds ``newest`` (see ``peer_copies``)."""
         t0 = time.perf_counter()
-        try:
-            load_fn, reason, verify_s = memcopy.prepare(self.job_uid, self.rank, self.world_size, newest.step,
-                                                        newest.time, state, self._ticker())
-        except Exception as e:  # noqa: BLE001 - every rank must reach the gather below, whatever this one met
-            load_fn, reason, verify_s = None, f"it cannot be read: {type(e).__name__}: {e}"[:300], 0.0
+        load_fn, reason, verify_s = self._memory_copy(newest, state)
         if reason and self.shelf.note:  # this process knows why it kept none
             reason = f"{reason}; {self.shelf.note}"
         reasons = self._gather(reason)
@@ -485,6 +485,26 @@ class CheckpointManager:
                   skipped=[],
                   verify_s=verify_s, source="memory")
         return newest.step
+
+    def _memory_copy(self, newest: CheckpointInfo,
+                     state: dict[str, Any]) -> tuple[Callable[[], None] | None, str | None, float]:
+        """The first copy, of the shelf's own rank then of ``peer_copies``, that holds ``newest`` and
+        passes every check (:func:`memcopy.prepare`): (its loader, None, seconds spent hashing), or (None,
+        why each was refused, seconds)."""
+        job_uid, own, world_size = self.shelf.identity
+        sources = [own, *(r for r in self.peer_copies if r != own)]
+        why, spent = [], 0.0
+        for source in sources:
+            try:
+                load_fn, reason, verify_s = memcopy.prepare(job_uid, source, world_size, newest.step,
+                                                            newest.time, state, self._ticker())
+            except Exception as e:  # noqa: BLE001 - every rank must reach the gather that follows
+                load_fn, reason, verify_s = None, f"it cannot be read: {type(e).__name__}: {e}"[:300], 0.0
+            spent += verify_s
+            if load_fn is not None:
+                return load_fn, None, spent
+            why.append(reason if len(sources) == 1 else f"rank {source}'s copy: {reason}")
+        return None, "; ".join(why)[:600], spent
 
 
 def _fsync_dir(path: Path) -> None:
