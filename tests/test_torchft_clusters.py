@@ -42,7 +42,7 @@ from eksft_nb.spec import JobSpec
 pytest.importorskip("torchft")
 
 JOBSET = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
-STEPS = 30   # a cluster job that loses group 1 at step 3: paced until it healed (see pace), then fast
+STEPS = 60   # a cluster job that loses group 1 at step 3: paced (2 s a step) until it healed, then fast
 
 
 def eks_spec(name: str, **changes: object) -> JobSpec:
@@ -262,8 +262,8 @@ def test_a_torchft_job_on_slurm_runs_every_group_as_a_step_and_a_lost_group_heal
     assert sorted(p.name for p in (folder / "logs").glob("group-*.log")) == [
         "group-0-0.log", "group-1-0.log", "group-1-1.log"]
     job_id = json.loads((folder / "slurm.json").read_text())["job_id"]
-    shown = slurm.run("scontrol", "show", "job", job_id).stdout
-    assert "JobState=COMPLETED" in shown, shown
+    wait_for("Slurm to record the job's end (its batch script exits after the job_end event)", lambda: (
+        "JobState=COMPLETED" in slurm.run("scontrol", "show", "job", job_id).stdout), timeout=120)
 
 
 # ---- the port rule, across a real network path ------------------------------------------------------------

@@ -69,9 +69,12 @@ def render(spec: JobSpec, job_uid: str | None = None) -> str:
 
 def group_step(spec: JobSpec, group: int, restart: int, log: Path) -> list[str]:
     """Replica group ``group``'s job step, on the allocation's node ``group``; its servers on the address
-    that node's host name resolves to."""
+    that node's host name resolves to. The trainer leads a process group of its own, which the step's shell
+    ends with it: a child it leaves behind (a checkpoint writer) would hold the step's output open, and
+    Slurm would end the step only 60 s later (measured), too late for the group to heal from a peer."""
     inner = (f'export {hosts.HOST_ENV}="{hosts.rendered("slurm")}" MASTER_ADDR="{hosts.rendered("slurm")}"; '
-             f'exec "$0" -m {TRAINER_MODULE}')
+             f'setsid -w "$0" -m {TRAINER_MODULE} & wait "$!"; rc=$?; kill -KILL -- "-$!" 2>/dev/null; '
+             'exit "$rc"')
     return ["srun", "--nodes=1", "--ntasks=1", f"--relative={group}", f"--job-name={spec.name}-g{group}",
             f"--output={log}", "bash", "-c", inner, sys.executable]
 
