@@ -275,8 +275,10 @@ class Controllers:
         kube.emulator.exec_in = self._exec
 
     def create_pods(self, job: str, workload: tuple[str, str, str] = ("batch", "v1", "jobs"),
-                    failures: int = 0, hosts: dict[str, str] | None = None) -> list[str]:
-        """The pods of an Indexed Job (or a JobSet's one child job), from its template, Pending."""
+                    failures: int = 0, hosts: dict[str, str] | None = None,
+                    only: tuple[int, int] | None = None) -> list[str]:
+        """The pods of an Indexed Job (or a JobSet's one child job), from its template, Pending; ``only``:
+        the one pod of (child Job number, completion index), as a child Job replaces a failed pod."""
         owner = self.custom.get_namespaced_custom_object(*workload[:2], self.ns, workload[2], job)
         spec = owner["spec"]
         jobset = "replicatedJobs" in spec
@@ -286,7 +288,8 @@ class Controllers:
         config = self.core.read_namespaced_config_map(job, self.ns).data
         names = []
         # a JobSet's child Jobs, numbered (torchft: one per replica group), each of ``count`` indexed pods
-        for number, index in itertools.product(range(replicated["replicas"]), range(count)):
+        made = itertools.product(range(replicated["replicas"]), range(count))
+        for number, index in [only] if only else made:
             name = f"{job}-{number * count + index}-{uuid.uuid4().hex[:5]}"
             annotations = {**template["metadata"].get("annotations", {}),
                            "batch.kubernetes.io/job-completion-index": str(index),
@@ -342,33 +345,49 @@ class Controllers:
         return proc
 
     def start_job(self, job: str, hosts: dict[str, str],
-                  workload: tuple[str, str, str] = ("batch", "v1", "jobs")) -> threading.Thread:
+                  workload: tuple[str, str, str] = ("batch", "v1", "jobs"),
+                  retries: int = 0) -> threading.Thread:
         """Run the job's pods as local processes: the init container, then the trainer. Their output
         becomes the pod logs (paths as the pod sees them), their exit codes the pods' states, and the
-        Job (or JobSet) completes when every pod has succeeded. Returns the thread that finishes it."""
+        Job (or JobSet) completes when every pod has succeeded. A failed pod is replaced by a new one of its
+        index, up to ``retries`` times (``backoffLimitPerIndex``). Returns the thread that finishes it."""
         pods = self.create_pods(job, workload, hosts=hosts)
-        threads = [threading.Thread(target=self._run_pod, args=(name,), daemon=True) for name in pods]
+        ended: dict[str, int] = {}
+
+        def run(name: str) -> None:
+            first = name
+            for failures in itertools.count(1):
+                code = self._run_pod(name)
+                if code == 0 or failures > retries:
+                    ended[first] = code
+                    return
+                a = self.pods[name].annotations
+                where = (int(a.get("jobset.sigs.k8s.io/job-index", 0)),
+                         int(a["batch.kubernetes.io/job-completion-index"]))
+                [name] = self.create_pods(job, workload, failures, hosts, only=where)
+
+        threads = [threading.Thread(target=run, args=(name,), daemon=True) for name in pods]
         for t in threads:
             t.start()
 
         def finish() -> None:
             for t in threads:
                 t.join()
-            ok = all(self.exit_codes[name] == 0 for name in pods)
+            ok = all(ended.get(name) == 0 for name in pods)
             self.finish(job, "Complete" if ok else "Failed", "" if ok else "FailedIndexes", workload=workload)
 
         done = threading.Thread(target=finish, daemon=True)
         done.start()
         return done
 
-    def _run_pod(self, name: str) -> None:
+    def _run_pod(self, name: str) -> int:
         pod, log = self.pods[name], self.root / f"{name}.log"
         prepared = pod.run("prepare", timeout=120)
         if prepared.returncode:
             self.log(name, *(prepared.stdout + prepared.stderr).splitlines())
             self.exit_codes[name] = prepared.returncode
             self.exit(name, prepared.returncode, "Error")
-            return
+            return prepared.returncode
         self.run(name)
         proc = pod.start("trainer", log)
         self.procs.append(proc)
@@ -386,6 +405,7 @@ class Controllers:
                     time.sleep(0.05)
         self.exit_codes[name] = proc.returncode
         self.exit(name, proc.returncode, "Completed" if proc.returncode == 0 else "Error")
+        return proc.returncode
 
     def close(self) -> None:
         """End every process the pods started (ranks and their helpers included)."""

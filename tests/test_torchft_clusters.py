@@ -1,9 +1,10 @@
 """The torchft engine on clusters: on EKS the Lighthouse as a Deployment behind a Service and the replica
 groups as a JobSet, validated against the schemas, and the rendered pods' commands really training here
 against their Lighthouse (kmock as the API server, see test_eks_replay.py); on a real two-node Slurm
-(slurm_cluster.py) the Lighthouse on the allocation's first node and a job step per group. Everywhere the
-groups' servers listen on the one address their peers use (engines/torchft/hosts.py), never on every
-interface."""
+(slurm_cluster.py) the Lighthouse on the allocation's first node and a job step per group. On both, a
+group killed at a step is replaced and heals from its peer, and the job's events say so as a local job's
+(engines/torchft/losses.py). Everywhere the groups' servers listen on the one address their peers use
+(engines/torchft/hosts.py), IPv4 or IPv6, never on every interface."""
 
 from __future__ import annotations
 
@@ -19,23 +20,29 @@ from pathlib import Path
 import psutil
 import pytest
 from eks_kube import Controllers, Kube, replay_cluster
+from eks_pods import LocalPod
 from jobs import free_port, wait_for
 from slurm_cluster import SlurmCluster, free_base, slurm_cluster
 from test_eks_replay import free_port_base
+from test_torchft import pace
 
 from eksft_nb import commands
 from eksft_nb.backends.eks import EksBackend, names
 from eksft_nb.backends.eks.torchft import LIGHTHOUSE_LABEL, lighthouse_name
+from eksft_nb.backends.slurm import SlurmBackend
 from eksft_nb.engines.torchft import lighthouse as lh
-from eksft_nb.engines.torchft.hosts import HOST_ENV
+from eksft_nb.engines.torchft.hosts import HOST_ENV, endpoint
 from eksft_nb.errors import EksftError
+from eksft_nb.control import FaultCommand
 from eksft_nb.events import decode_lines, read_all
 from eksft_nb.job import Job
+from eksft_nb.monitor import JobMonitor
 from eksft_nb.spec import JobSpec
 
 pytest.importorskip("torchft")
 
 JOBSET = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
+STEPS = 60   # a cluster job that loses group 1 at step 3: paced (2 s a step) until it healed, then fast
 
 
 def eks_spec(name: str, **changes: object) -> JobSpec:
@@ -58,9 +65,9 @@ def test_an_eks_torchft_job_is_a_lighthouse_deployment_and_a_jobset_of_replica_g
     # pods alone; its pod is not one of the job's (those are the groups)
     pod = deployment["spec"]["template"]
     [lighthouse] = pod["spec"]["containers"]
-    assert lighthouse["command"] == ["torchft_lighthouse"]
-    assert lighthouse["args"][lighthouse["args"].index("--bind") + 1] == "$(POD_IP):29500"
+    assert lighthouse["command"] + lighthouse["args"] == ["python", "-m", lh.MODULE, "29500"]
     assert env_of(lighthouse)["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env_of(lighthouse)[HOST_ENV] == "$(POD_IP)"   # its entry brackets an IPv6 one for --bind
     assert names.JOB_LABEL not in pod["metadata"]["labels"]
     selector = {LIGHTHOUSE_LABEL: "tft"}
     assert service["spec"]["selector"] == selector == policy["spec"]["podSelector"]["matchLabels"]
@@ -89,6 +96,24 @@ def test_an_eks_torchft_job_is_a_lighthouse_deployment_and_a_jobset_of_replica_g
     rules = next(o for o in m.admin if o["kind"] == "Role")["rules"]
     assert {"apiGroups": ["apps"], "resources": ["deployments"],
             "verbs": ["get", "create", "delete"]} in rules
+
+
+def test_the_eks_lighthouse_binds_an_ipv6_pod_ip_alone(tmp_path: Path) -> None:
+    """The rendered Lighthouse pod, run here with ``::1`` as its pod IP (the kubelet's part: eks_pods.py),
+    listens on it alone: its entry put the address in the brackets ``--bind`` needs."""
+    port = free_port()
+    spec, _ = commands.prepare(eks_spec("tft6", **{"eks.port": port}), launching=False)
+    deployment = next(o for o in EksBackend().manifests(spec).job if o["kind"] == "Deployment")
+    pod = LocalPod(deployment["spec"]["template"], "tft6-lighthouse", tmp_path, {}, ip="::1")
+    proc = pod.start("lighthouse", tmp_path / "lighthouse.log")
+    try:
+        bound = wait_for("the Lighthouse to listen", lambda: {
+            (c.laddr.ip, c.laddr.port) for c in psutil.Process(proc.pid).net_connections("inet")
+            if c.status == psutil.CONN_LISTEN} or proc.poll() is not None, timeout=60)
+        assert bound == {("::1", port)}, (tmp_path / "lighthouse.log").read_text()[-2000:]
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 @pytest.mark.parametrize("changes, words", [
@@ -125,31 +150,62 @@ def listening(pid: int) -> set[str]:
     return out
 
 
+def losses(mon: JobMonitor, heals: list) -> tuple[dict, dict, dict]:
+    """A job whose group 1 was lost once and healed: the failure, the restart and the heal its events
+    say, checked as the local supervisor's are (test_torchft.py)."""
+    assert len(mon.failures) == len(mon.restarts) == 1, (mon.failures, mon.restarts)
+    [failure], [restart], [heal] = mon.failures, mon.restarts, [e for e in heals if e.rank == 1]
+    kill = next(f for f in mon.faults if f["fault"] == "sigkill")
+    assert (failure["level"], failure["blame_rank"], failure["fault_time"]) == ("job", 1, kill["t"]), failure
+    assert "replica group 1" in failure["cause"] and failure["detected_at"] >= kill["t"], failure
+    assert (restart["level"], restart["blame_rank"], restart["replica_group"], restart["restored_from"]) == (
+        "job", 1, 1, "peer") and restart["fault_time"] == kill["t"], restart
+    assert heal["step"] > heal["from_step"] >= 1, heal
+    assert heal["skipped_batches"] == heal["step"] - heal["from_step"], heal
+    assert restart["resumed_step"] == heal["step"] and restart["skipped_batches"] == heal["skipped_batches"]
+    assert mon.skipped_batches == heal["skipped_batches"]   # the heal reached the job's events too
+    assert 0 < restart["downtime_s"] < restart["group_downtime_s"], restart
+    return failure, restart, heal
+
+
 @pytest.mark.slow
-def test_a_rendered_torchft_job_trains_its_groups_against_its_lighthouse(cluster) -> None:
+def test_a_rendered_torchft_job_trains_against_its_lighthouse_and_a_lost_group_heals(cluster) -> None:
+    """Group 1's process is killed at step 3 (the registry's sigkill): its pod fails, its child Job replaces
+    it, the new pod heals from group 0, and the job's events say so as a local job's do. Group 0 is a
+    straggler (slow-rank) until then, so the job outlasts the replacement however slowly it starts."""
     kube, backend, ctl = cluster
-    spec = eks_spec("tftreplay", nnodes=2, steps=20).replace(**{
+    spec = eks_spec("tftreplay", nnodes=2, steps=STEPS).replace(**{
         "eks.namespace": "default", "eks.gpus_per_node": 0, "eks.port": free_port_base(),
         "model.preset": "tiny"})
-    backend.launch(spec)
+    backend.launch(spec, faults=[pace(0, step=1), FaultCommand("sigkill", rank=1, step=3)])
     hosts = {f"{lighthouse_name('tftreplay')}.default.svc.{names.CLUSTER_DOMAIN}": "127.0.0.1"}
     lighthouse = ctl.start_deployment(lighthouse_name("tftreplay"), hosts)
-    ctl.start_job("tftreplay", hosts, workload=JOBSET)
+    ctl.start_job("tftreplay", hosts, workload=JOBSET, retries=spec.ft.max_job_restarts)
     job = Job("tftreplay", backend)
     seen: set[str] = set()
-    deadline = time.time() + 300
+    deadline = time.time() + 600
+    while not job.refresh().restarts and not job.monitor.finished and time.time() < deadline:
+        seen |= {ip for p in ctl.procs for ip in listening(p.pid)}
+        time.sleep(0.5)
+    if job.monitor.restarts:
+        job.inject("slow-rank", rank=0, delay=0.01, duration=1)   # healed: group 0 at full speed again
     while not (state := job.state).ended and time.time() < deadline:
         seen |= {ip for p in ctl.procs for ip in listening(p.pid)}
         time.sleep(0.5)
     assert state == "succeeded", backend.logs("tftreplay", debug=True)[-4000:]
-    # every step committed, and both groups ended at the last step with the same weights (read from the
-    # pods' logs: the stream behind the monitor once delivered 3 of pod 0's 20 steps, under a load of 15)
-    events = [e for p in ctl.root.glob("tftreplay-[0-9]-*.log")
-              for e in decode_lines(p.read_text().splitlines())]
-    assert sorted(e["step"] for e in events if e.kind == "step") == list(range(1, 21))
+    # every step committed once, and both groups (group 1's replacement pod) ended at the last step with
+    # the same weights (read from the pods' logs: the stream behind the monitor once delivered 3 of pod 0's
+    # 20 steps, under a load of 15)
+    pods = sorted(ctl.root.glob("tftreplay-[0-9]-*.log"))
+    events = [e for p in pods for e in decode_lines(p.read_text().splitlines())]
+    assert sorted(e["step"] for e in events if e.kind == "step") == list(range(1, STEPS + 1))
     ends = [e for e in events if e.kind == "rank_end"]
-    assert sorted(e["replica_group"] for e in ends) == [0, 1] and {e["final_step"] for e in ends} == {20}
+    assert sorted(e["replica_group"] for e in ends) == [0, 1] and {e["final_step"] for e in ends} == {STEPS}
     assert len({e["digest"] for e in ends}) == 1, ends
+    assert len(pods) == 3   # group 1's pod was replaced once
+    failure, _, heal = losses(job.monitor, [e for e in events if e.kind == "heal"])
+    assert "pod tftreplay-1-" in failure["cause"] and "trainer" in failure["cause"], failure
+    assert job.monitor.restarts_by_level()["job"] == 1
     # the pods' servers (the Lighthouse's, the groups' stores, managers and checkpoint servers) listened on
     # the pod's IP, here 127.0.0.1, and nowhere else
     assert lighthouse.poll() is None and seen == {"127.0.0.1"}, seen
@@ -176,28 +232,38 @@ def test_a_slurm_torchft_script_starts_the_lighthouse_on_the_first_node_and_a_st
 
 
 @pytest.mark.slow
-def test_a_torchft_job_on_slurm_runs_every_group_as_a_step_to_the_end(slurm: SlurmCluster) -> None:
-    done = subprocess.run([sys.executable, "-m", "eksft_nb", "run", "--backend", "slurm", "--engine",
-                           "torchft", "--shared-dir", str(slurm.shared), "--name", "tft-slurm",
-                           "--nnodes", "2",
-                           "--nproc-per-node", "1", "--model", "tiny", "--steps", "20",
-                           "--slurm-port", str(free_base()), "--json"],
-                          capture_output=True, text=True, timeout=600, env=slurm.env)
+def test_a_torchft_job_on_slurm_runs_every_group_as_a_step_and_a_lost_group_heals(
+        slurm: SlurmCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Group 1's process is killed at step 3 (the registry's sigkill): its job step ends, the runner starts
+    it again alone, it heals from group 0, and the job's events say so as a local job's do. Paced as the
+    EKS job above."""
+    for key in ("SLURM_CONF", "PATH"):
+        monkeypatch.setenv(key, slurm.env[key])
+    spec = JobSpec(name="tft-slurm", backend="slurm", engine="torchft", nnodes=2, nproc_per_node=1,
+                   steps=STEPS).replace(**{"slurm.shared_dir": str(slurm.shared), "slurm.port": free_base(),
+                                           "model.preset": "tiny"})
+    commands.launch(spec, [pace(0, step=1), FaultCommand("sigkill", rank=1, step=3)])
+    job = Job("tft-slurm", SlurmBackend(shared_dir=slurm.shared))
+    wait_for("group 1 to heal", lambda: job.refresh().restarts or job.monitor.finished, timeout=600)
+    if job.monitor.restarts:
+        job.inject("slow-rank", rank=0, delay=0.01, duration=1)   # healed: group 0 at full speed again
+    state = job.wait(timeout=600)
     folder = slurm.shared / "tft-slurm"
     logs = "\n".join(f"== {p.name}\n{p.read_text()[-2000:]}" for p in sorted((folder / "logs").glob("*")))
-    assert "{" in done.stdout, done.stderr[-3000:] + logs
-    summary = json.loads(done.stdout[done.stdout.index("{"):])
-    assert summary["state"] == "succeeded" and summary["steps_done"] == 20, logs
+    assert state == "succeeded" and job.monitor.last_step == STEPS, logs
     events = read_all(folder / "events.jsonl")
     ends = [e for e in events if e.kind == "rank_end"]
     assert sorted(e["replica_group"] for e in ends) == [0, 1] and len({e["digest"] for e in ends}) == 1
     job_events = [e.kind for e in events if e.rank is None]
     assert (job_events[0], job_events[-1]) == ("job_start", "job_end"), job_events
-    # the Lighthouse ran on the first node, each group in a job step of its own that ended
-    assert sorted(p.name for p in (folder / "logs").glob("group-*.log")) == ["group-0-0.log", "group-1-0.log"]
+    losses(job.monitor, [e for e in events if e.kind == "heal"])
+    assert job.monitor.restarts_by_level()["job"] == 1
+    # the Lighthouse ran on the first node, each group in a job step of its own, group 1's twice
+    assert sorted(p.name for p in (folder / "logs").glob("group-*.log")) == [
+        "group-0-0.log", "group-1-0.log", "group-1-1.log"]
     job_id = json.loads((folder / "slurm.json").read_text())["job_id"]
-    shown = slurm.run("scontrol", "show", "job", job_id).stdout
-    assert "JobState=COMPLETED" in shown, shown
+    wait_for("Slurm to record the job's end (its batch script exits after the job_end event)", lambda: (
+        "JobState=COMPLETED" in slurm.run("scontrol", "show", "job", job_id).stdout), timeout=120)
 
 
 # ---- the port rule, across a real network path ------------------------------------------------------------
@@ -219,6 +285,7 @@ print(json.dumps(sorted({(c.laddr.ip, c.laddr.port) for c in psutil.Process().ne
 sys.stdin.read()   # until the test is done
 """
 HOST_SIDE, PEER_SIDE = "10.213.7.1", "10.213.7.2"   # a private /24 used only inside this test's namespace
+HOST_SIDE6, PEER_SIDE6 = "fd00:213:7::1", "fd00:213:7::2"   # and a private IPv6 /64 likewise (an IPv6 pod IP)
 
 
 def ip(*args: str) -> subprocess.CompletedProcess:
@@ -236,8 +303,11 @@ def peer() -> Iterator[str]:
         host_if, peer_if = f"vh{name[-8:]}", f"vp{name[-8:]}"
         for step in (["link", "add", host_if, "type", "veth", "peer", "name", peer_if],
                      ["link", "set", peer_if, "netns", name],
-                     ["addr", "add", f"{HOST_SIDE}/24", "dev", host_if], ["link", "set", host_if, "up"],
+                     ["addr", "add", f"{HOST_SIDE}/24", "dev", host_if],
+                     ["-6", "addr", "add", f"{HOST_SIDE6}/64", "dev", host_if, "nodad"],
+                     ["link", "set", host_if, "up"],
                      ["-n", name, "addr", "add", f"{PEER_SIDE}/24", "dev", peer_if],
+                     ["-n", name, "-6", "addr", "add", f"{PEER_SIDE6}/64", "dev", peer_if, "nodad"],
                      ["-n", name, "link", "set", peer_if, "up"], ["-n", name, "link", "set", "lo", "up"]):
             done = ip(*step)
             assert done.returncode == 0, (step, done.stderr)
@@ -258,16 +328,18 @@ def reach_from(peer: str, address: str, ports: list[int]) -> list[bool]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("host", ["127.0.0.1", HOST_SIDE], ids=["local", "cluster"])
+@pytest.mark.parametrize("host", ["127.0.0.1", HOST_SIDE, HOST_SIDE6],
+                         ids=["local", "cluster", "cluster-ipv6"])
 def test_a_groups_servers_are_reached_only_at_the_address_the_rule_gives(peer: str, host: str) -> None:
     """A local group's store, manager and checkpoint servers (and its Lighthouse) cannot be reached from
-    another host; a cluster group's, bound to the address its peers use, can, there and nowhere else."""
+    another host; a cluster group's, bound to the address its peers use (an IPv6 one too), can, there and
+    nowhere else."""
     port = free_port()
     lighthouse = subprocess.Popen(lh.argv(port, host), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     group = subprocess.Popen([sys.executable, "-c", GROUP], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True,
                              env={**os.environ, HOST_ENV: host,
-                                  "TORCHFT_LIGHTHOUSE": f"http://{host}:{port}"})
+                                  "TORCHFT_LIGHTHOUSE": f"http://{endpoint(host, port)}"})
     try:
         line = group.stdout.readline()
         assert line, group.communicate(timeout=60)[1][-3000:]
@@ -277,11 +349,14 @@ def test_a_groups_servers_are_reached_only_at_the_address_the_rule_gives(peer: s
             if a.status == psutil.CONN_LISTEN], timeout=60)
         ports = sorted({p for _, p in listens})
         assert len(ports) >= 4 and {a for a, _ in listens} == {host}, listens   # store, manager, ckpt, LH
-        assert reach_from(peer, HOST_SIDE, ports) == [host == HOST_SIDE] * len(ports)
-        if host == HOST_SIDE:   # not every interface: not through this host's loopback either
+        remote = host != "127.0.0.1"
+        assert reach_from(peer, host if remote else HOST_SIDE, ports) == [remote] * len(ports)
+        if remote:   # not every interface: not through this host's loopback, nor its other family's address
+            other = HOST_SIDE6 if host == HOST_SIDE else HOST_SIDE
             for p in ports:
-                with pytest.raises(ConnectionRefusedError):
-                    socket.create_connection(("127.0.0.1", p), timeout=3).close()
+                for address in ("127.0.0.1", "::1", other):
+                    with pytest.raises(ConnectionRefusedError):
+                        socket.create_connection((address, p), timeout=3).close()
     finally:
         group.kill()
         lighthouse.kill()

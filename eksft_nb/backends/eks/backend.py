@@ -132,7 +132,8 @@ class EksBackend(Backend):
             return JobSummary(name, self.name, *outcome)
         if spec.eks.queue and _suspended(obj):   # Kueue has not admitted it (or has evicted it) yet
             return JobSummary(name, self.name, "starting", self._queue_state(cluster, spec, obj))
-        pods = sorted((pod_state(p, names.container(spec)) for p in cluster.list(POD, names.selector(name))),
+        pods = sorted((pod_state(p, names.container(spec), names.process(spec))
+                       for p in cluster.list(POD, names.selector(name))),
                       key=lambda p: (p.node is None, p.node or 0))
         stuck = next((p for p in pods if p.stuck), None)
         if stuck:
@@ -226,7 +227,7 @@ class EksBackend(Backend):
         pods = sorted(cluster.list(POD, names.selector(name)),
                       key=lambda p: p["metadata"].get("creationTimestamp") or "")
         for pod in pods:
-            state = pod_state(pod, names.container(spec))
+            state = pod_state(pod, names.container(spec), names.process(spec))
             try:
                 text = cluster.core.read_namespaced_pod_log(state.name, cluster.namespace,
                                                             container=names.container(spec),
@@ -277,7 +278,8 @@ class EksBackend(Backend):
         A note (a ConfigMap named after the pod) first marks the deletion as the fault, so every
         watcher reports it as injected."""
         cluster, spec, _ = self._job(name)
-        pods = [pod_state(p, names.container(spec)) for p in cluster.list(POD, names.selector(name))]
+        pods = [pod_state(p, names.container(spec), names.process(spec))
+                for p in cluster.list(POD, names.selector(name))]
         target = next((p for p in pods if p.node == node and not p.deleting and p.phase != "succeeded"), None)
         if target is None:
             raise JobError(f"job {name} has no live pod for node {node}",
@@ -329,7 +331,8 @@ class EksBackend(Backend):
         cluster.delete(CONFIGMAP, name)
 
     def _running_pods(self, cluster: Cluster, spec: JobSpec, purpose: str) -> list[str]:
-        pods = [pod_state(p, names.container(spec)) for p in cluster.list(POD, names.selector(spec.name))]
+        pods = [pod_state(p, names.container(spec), names.process(spec))
+                for p in cluster.list(POD, names.selector(spec.name))]
         running = [p.name for p in sorted(pods, key=lambda p: p.node or 0) if p.phase == "running"
                    and not p.deleting]
         if not running:

@@ -50,8 +50,9 @@ def check(spec: JobSpec) -> JobSpec:
         raise SpecError(f"--engine torchft on EKS runs its replica groups as a JobSet, not --kind {e.kind}",
                         "use --kind jobset (the JobSet controller must be installed)")
     if spec.engine == "torchft" and e.queue:
-        raise SpecError("--engine torchft cannot be queued yet: Kueue would admit its replica groups, "
-                        "not its Lighthouse", "drop --queue, or use --engine nvrx")
+        raise SpecError("--engine torchft cannot be queued yet: Kueue admits its JobSet of replica groups as "
+                        "one workload, but not its Lighthouse's Deployment with it",
+                        "drop --queue, or use --engine nvrx")
     _check_devices(spec)
     _check_sizes(spec)
     if not 1024 <= e.port <= 65533:

@@ -87,6 +87,12 @@ def container(spec: JobSpec) -> str:
     return "pytorch" if spec.eks.kind == "pytorchjob" else "trainer"
 
 
+def process(spec: JobSpec) -> str:
+    """What the training container runs, as a pod's state names it: ft_launcher, or a torchft group's
+    trainer."""
+    return "the replica group's trainer" if spec.engine == "torchft" else "ft_launcher"
+
+
 def pod_host(spec: JobSpec, node: int) -> str:
     """Host name of the pod of ``node`` (what ``socket.gethostname()`` returns in it)."""
     kind, name = spec.eks.kind, spec.name

@@ -36,7 +36,8 @@ class PodState:
         return f"pod {self.name}" + (f" (node {self.node})" if self.node is not None else "")
 
 
-def pod_state(pod: dict[str, Any], container: str) -> PodState:
+def pod_state(pod: dict[str, Any], container: str, process: str = "ft_launcher") -> PodState:
+    """``process``: what the ``container`` runs (:func:`.names.process`)."""
     meta, status = pod.get("metadata", {}), pod.get("status") or {}
     base = dict(name=meta.get("name", "?"), uid=meta.get("uid", ""), node=node_index(pod),
                 deleting=bool(meta.get("deletionTimestamp")))
@@ -59,7 +60,7 @@ def pod_state(pod: dict[str, Any], container: str) -> PodState:
         problem = _container_problem(init, "the prepare step")
         if problem:
             return PodState(**base, **problem)
-    problem = _container_problem(main, "ft_launcher")
+    problem = _container_problem(main, process)
     if problem:
         return PodState(**base, **problem)
     if "terminated" in (main.get("state") or {}):

@@ -6,7 +6,8 @@ Two sources, merged in arrival order:
   followed and decoded as it is written;
 - what the local supervisor would report, derived here from the pods and the workload: ``job_start``,
   ``failure``/``restart`` (a pod OOM-killed, evicted, deleted or lost; ft_launcher restarting its
-  ranks; in-process restarts) and ``job_end``.
+  ranks; in-process restarts; a torchft replica group's pod lost, then its replacement healed, as the
+  local supervisor's, :mod:`eksft_nb.engines.torchft.losses`) and ``job_end``.
 
 Background threads only fetch (a pod watch, one log follower per container, a workload poll);
 :meth:`EksEvents.read` turns what they fetched into events in the caller's thread.
@@ -25,6 +26,7 @@ import urllib3
 from kubernetes import watch
 from kubernetes.client.rest import ApiException
 
+from ...engines.torchft.losses import LostGroups, fault_time
 from ...events import Event, decode, make
 from ...incidents import Incidents
 from ...monitor import JobMonitor
@@ -72,6 +74,11 @@ class Tracker:
         self.outcome_at = 0.0
         self.ended = False
         self.incidents = Incidents(self.mon, self._emit, created)
+        # a torchft job: a group's pod lost is the group's incident, not the job's (the others train on)
+        self.groups = LostGroups(self._emit) if spec.engine == "torchft" else None
+        self.started_at: dict[int, float] = {}         # rank -> its latest start (a torchft group's too)
+        # a torchft group's pod seen failed while its log is still read: (group, cause, ended, detected, seen)
+        self.pending: dict[Any, tuple[int, str, float | None, float, float]] = {}
         self.counted: set[str] = set()                 # pod failures already reported (uid, restarts)
         self.fault_seen: set[str] = set()              # pods whose fault annotation was reported
         self.rank_of: dict[tuple[str, int], int] = {}  # (pod, pid) -> rank, for each rank's latest start
@@ -106,11 +113,16 @@ class Tracker:
     def feed(self, item: tuple[Any, ...]) -> None:
         self._start()
         {"workload": self.on_workload, "pod": self.on_pod, "line": self.on_line,
-         "log_start": self.on_log_start, "log_end": self.open_logs.discard}[item[0]](*item[1:])
+         "log_start": self.on_log_start, "log_end": self.on_log_end}[item[0]](*item[1:])
 
     def on_log_start(self, key: Any, pod: str = "") -> None:
         self.open_logs.add(key)
         self.log_pod[key] = pod
+
+    def on_log_end(self, key: Any) -> None:
+        self.open_logs.discard(key)
+        if key in self.pending:
+            self._group_lost(*self.pending.pop(key)[:4])
 
     def pod_now(self) -> float:
         """Now, on the pods' clock: failures the notebook notices are compared with times the pods
@@ -134,7 +146,7 @@ class Tracker:
         meta = pod.get("metadata") or {}
         uid = meta.get("uid", "")
         fault = _note((meta.get("annotations") or {}).get(names.FAULT_ANNOTATION))
-        ps = pod_state(pod, self.container)
+        ps = pod_state(pod, self.container, names.process(self.spec))
         if fault and uid not in self.fault_seen:
             # the fault happened when the pod's deletion began (the cluster's clock)
             self.fault_seen.add(uid)
@@ -147,7 +159,16 @@ class Tracker:
         if (ps.failed or lost) and ps.phase != "succeeded" and key not in self.counted:
             self.counted.add(key)
             cause = f"{ps.label}: {ps.reason}" if ps.failed else f"{ps.label} was deleted: its node is lost"
-            self._open_node_incident(ps, cause, ps.ended_at)
+            if self.groups is not None and ps.node is not None:
+                # its log's last lines (an injected fault's event, which dates the loss) first
+                loss = (ps.node, f"replica group {ps.node}'s {cause}", ps.ended_at, self.pod_now(),
+                        time.time())
+                if (uid, ps.restarts) in self.open_logs:
+                    self.pending[(uid, ps.restarts)] = loss
+                else:
+                    self._group_lost(*loss[:4])
+            else:
+                self._open_node_incident(ps, cause, ps.ended_at)
         elif ps.restarts and f"{uid}/{ps.restarts - 1}" not in self.counted:
             # restarted in place (PyTorchJob) since the last look
             self.counted.add(f"{uid}/{ps.restarts - 1}")
@@ -157,6 +178,13 @@ class Tracker:
         """A node (pod) failed: the job-level tier, as when the local supervisor relaunches. The
         container's end (or the pod's deletion) is when it failed, and Kubernetes reports it at once."""
         self.incidents.node_failed(cause, ended_at or self.pod_now(), ended_at)
+
+    def _group_lost(self, group: int, cause: str, ended_at: float | None, detected: float) -> None:
+        """A torchft group's pod failed: its child Job replaces it, and the replacement heals from a peer.
+        An injected fault on the group dates the loss, else the container's end (or the deletion)."""
+        assert self.groups is not None
+        when = fault_time(self.mon.faults, group, self.started_at.get(group, 0.0), detected, ended_at)
+        self.groups.lost(group, cause, when, detected, self.mon.last_step)
 
     def on_line(self, pod: str, text: str) -> None:
         event = decode(text)
@@ -173,7 +201,12 @@ class Tracker:
             self.incidents.hang(self.pod_now())
 
     def finish(self, now: float) -> None:
-        """``job_end`` once the workload has ended and its pods' logs are read (or stopped coming)."""
+        """``job_end`` once the workload has ended and its pods' logs are read (or stopped coming); a lost
+        group's failure whose pod's log stopped coming, without it."""
+        for key, loss in list(self.pending.items()):
+            if now - loss[4] > LOG_DRAIN_S:
+                del self.pending[key]
+                self._group_lost(*loss[:4])
         if self.outcome is None or self.ended:
             return
         draining = self.open_logs or (self.outcome[0] == JobState.SUCCEEDED and self._ranks_to_hear())
@@ -200,11 +233,16 @@ class Tracker:
                 del self.rank_of[old]
             self.rank_of[(pod, e["pid"])], self.started_as[e.rank] = e.rank, (pod, e["pid"])
             self.pod_of[e.rank] = pod
+            self.started_at[e.rank] = e.t
             self.ended_ranks.discard(e.rank)
         elif e.kind == "rank_end" and isinstance(e.rank, int):
             self.ended_ranks.add(e.rank)
             self.pod_of.setdefault(e.rank, pod)
         self.incidents.observe(e)
+        if self.groups is not None:
+            for key in [k for k, loss in self.pending.items() if e.kind == "heal" and loss[0] == e.rank]:
+                self._group_lost(*self.pending.pop(key)[:4])   # its replacement healed before its log ended
+            self.groups.observe(e)
 
 
 def _note(text: Any) -> dict[str, Any] | None:
@@ -292,7 +330,7 @@ class EksEvents:
                     if self._closed.is_set():
                         return
                     pod = ev["object"]
-                    ps = pod_state(pod, names.container(self.spec))
+                    ps = pod_state(pod, names.container(self.spec), names.process(self.spec))
                     gone = ev["type"] == "DELETED" or ps.deleting
                     ending = (gone or ps.failed) and self._workload_ending()
                     if gone:

@@ -58,9 +58,10 @@ def lighthouse_objects(spec: JobSpec) -> list[dict[str, Any]]:
     service = {"apiVersion": "v1", "kind": "Service", "metadata": meta,
                "spec": {"selector": selector,
                         "ports": [{"name": "lighthouse", "port": port, "targetPort": port}]}}
-    container = {"name": "lighthouse", "image": e.image, "command": [lighthouse.COMMAND],
-                 "args": lighthouse.flags(hosts.endpoint(hosts.rendered("eks"), port)),
-                 "env": [field_env(hosts.POD_IP, "status.podIP")],
+    container = {"name": "lighthouse", "image": e.image, "command": ["python", "-m", lighthouse.MODULE],
+                 "args": [str(port)],   # on the pod's IP, an IPv6 one in brackets
+                 "env": [field_env(hosts.POD_IP, "status.podIP"),
+                         {"name": hosts.HOST_ENV, "value": hosts.rendered("eks")}],
                  "ports": [{"name": "lighthouse", "containerPort": port}],
                  "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}}}
     pod = {"automountServiceAccountToken": False, "enableServiceLinks": False, "containers": [container],

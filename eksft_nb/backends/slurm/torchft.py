@@ -5,7 +5,8 @@ start and end as for an NVRx job; its step is this module's runner (``python -m
 eksft_nb.backends.slurm.torchft JOB_DIR FIRST_NODE``), which starts the Lighthouse there and one job step
 per replica group (``srun --relative=G``: group G on the allocation's node G). A group whose step fails is
 started again alone (up to ``max_job_restarts`` times per group) and heals from a peer, while the others
-train on; the job is never requeued (the surviving groups hold its state).
+train on; the job is never requeued (the surviving groups hold its state). The runner records the group's
+loss and its heal as the local supervisor does (:mod:`eksft_nb.engines.torchft.losses`).
 
 Ports (see :mod:`eksft_nb.engines.torchft.hosts`): the Lighthouse binds the first node's address on
 ``--slurm-port``; a group's store, manager and checkpoint servers bind free ports on the address its node's
@@ -24,9 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from ...engines.torchft import hosts, lighthouse
+from ...engines.torchft.losses import LostGroups, fault_time
 from ...engines.torchft.plan import TRAINER_MODULE, job_env
 from ...engines.torchft.trainer import LAST_STEP_ENV, RESTART_ENV
-from ...events import EventTail
+from ...events import EventTail, EventWriter
 from ...jobdir import JobDir
 from ...monitor import JobMonitor
 from ...runtime.quiet import quiet_env
@@ -67,9 +69,12 @@ def render(spec: JobSpec, job_uid: str | None = None) -> str:
 
 def group_step(spec: JobSpec, group: int, restart: int, log: Path) -> list[str]:
     """Replica group ``group``'s job step, on the allocation's node ``group``; its servers on the address
-    that node's host name resolves to."""
+    that node's host name resolves to. The trainer leads a process group of its own, which the step's shell
+    ends with it: a child it leaves behind (a checkpoint writer) would hold the step's output open, and
+    Slurm would end the step only 60 s later (measured), too late for the group to heal from a peer."""
     inner = (f'export {hosts.HOST_ENV}="{hosts.rendered("slurm")}" MASTER_ADDR="{hosts.rendered("slurm")}"; '
-             f'exec "$0" -m {TRAINER_MODULE}')
+             f'setsid -w "$0" -m {TRAINER_MODULE} & wait "$!"; rc=$?; kill -KILL -- "-$!" 2>/dev/null; '
+             'exit "$rc"')
     return ["srun", "--nodes=1", "--ntasks=1", f"--relative={group}", f"--job-name={spec.name}-g{group}",
             f"--output={log}", "bash", "-c", inner, sys.executable]
 
@@ -79,6 +84,9 @@ class Runner:
         self.jd, self.spec, self.first = jd, jd.spec(), first_node
         self.restarts: dict[int, int] = {}
         self.mon, self.tail = JobMonitor(), EventTail(jd.events_path)
+        self.losses = LostGroups(EventWriter(jd.events_path, self.spec.name, rank=None).emit,
+                                 lambda text: print(f"eksft: {text}", file=sys.stderr))
+        self.started: dict[int, float] = {}   # group -> when its latest step was started
         self.procs: list[subprocess.Popen[Any]] = []
 
     def run(self) -> int:
@@ -90,6 +98,7 @@ class Runner:
             self.procs.append(lh)
             groups = {g: self._start(g) for g in range(self.spec.nnodes)}
             while groups:
+                self._pump()
                 if lh.poll() is not None:
                     print(f"eksft: torchft's Lighthouse ended (exit {lh.returncode}; see "
                           "logs/lighthouse.log)", file=sys.stderr)
@@ -105,11 +114,13 @@ class Runner:
                               f"(max_job_restarts={self.spec.ft.max_job_restarts})", file=sys.stderr)
                         return 1
                     else:
+                        self._lost(g, code)
                         self.restarts[g] = self.restarts.get(g, 0) + 1
                         groups[g] = self._start(g)
                         print(f"eksft: replica group {g}'s step failed (exit {code}); started it again alone "
                               f"({self.restarts[g]} of {self.spec.ft.max_job_restarts})", file=sys.stderr)
                 time.sleep(POLL_S)
+            self._pump()
             return 0
         finally:
             for proc in self.procs:
@@ -118,8 +129,24 @@ class Runner:
             for proc in self.procs:
                 proc.wait()
 
+    def _pump(self) -> None:
+        """The job's new events: the steps and heals that close a lost group's incident."""
+        for e in self.tail.read():
+            self.mon.update([e])
+            self.losses.observe(e)
+
+    def _lost(self, group: int, code: int) -> None:
+        """Group ``group``'s step ended with ``code``: its ``failure`` (dated by an injected fault on it,
+        else now), before it is started again."""
+        detected = time.time()
+        self._pump()
+        when = fault_time(self.mon.faults, group, self.started.get(group, 0.0), detected)
+        self.losses.lost(group, f"replica group {group}'s job step ended (exit {code})", when, detected,
+                         self.mon.last_step)
+
     def _start(self, group: int) -> subprocess.Popen[Any]:
-        self.mon.update(self.tail.read())
+        self._pump()
+        self.started[group] = time.time()
         restart = self.restarts.get(group, 0)
         env = {**os.environ, "RANK": str(group), "GROUP_RANK": str(group), "REPLICA_GROUP_ID": str(group),
                RESTART_ENV: str(restart), LAST_STEP_ENV: str(self.mon.last_step if restart else 0)}

@@ -5,6 +5,7 @@ restarting from a checkpoint.
 - :mod:`.checks`: which specs and faults the engine takes (the command layer asks it once);
 - :mod:`.lighthouse`: the Lighthouse's command line;
 - :mod:`.supervisor`: the local supervisor's torchft variant (the Lighthouse, one process per group);
+- :mod:`.losses`: a group lost, then healed, as ``failure`` and ``restart`` events (every backend's);
 - :mod:`.hosts`: where a job's servers listen, per backend (loopback locally, the pod's or node's address
   on a cluster); :mod:`.listen` puts a group's servers, torchft's own included, there alone;
 - the clusters render their own: :mod:`eksft_nb.backends.eks.torchft`, :mod:`eksft_nb.backends.slurm.torchft`;

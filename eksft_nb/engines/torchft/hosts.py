@@ -10,7 +10,8 @@ through the first group's store), so they listen on the one address the peers us
 - ``slurm``: the address the node's host name resolves to, which is how the other nodes reach it.
 
 The backends render it into :data:`HOST_ENV` (a pod's IP through the downward API, a node's host name in
-its step's shell); the group's process binds :func:`group_host`, resolved to an address.
+its step's shell); the group's process binds :func:`group_host`, resolved to an address, IPv4 or IPv6 (an
+IPv6 one in brackets wherever it meets a port: :func:`endpoint`).
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ def rendered(backend: str) -> str:
 
 
 def resolve(host: str) -> str:
-    """``host`` as an IP address (a name: the IPv4 address it resolves to here)."""
+    """``host`` as an IP address (a name: the first address it resolves to here, IPv4 or IPv6, in the
+    resolver's order of preference)."""
     try:
         return str(ipaddress.ip_address(host))
     except ValueError:
-        return socket.gethostbyname(host)
+        return str(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0])
 
 
 def group_host() -> str:

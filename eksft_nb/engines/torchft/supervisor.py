@@ -3,10 +3,7 @@
 It keeps :class:`~eksft_nb.backends.local.supervisor.Supervisor`'s lifecycle (keeper, events, stop,
 the job's end) and replaces what differs: there is no ft_launcher, and a lost group is restarted alone
 while the others train on. Its ``failure`` and ``restart`` events (level ``job``: the supervisor
-recovered it) say what the job lost: ``downtime_s`` is the survivors' stall (they wait until the
-Lighthouse drops the lost group: how much longer than a typical step the first step committed after the
-fault took), ``group_downtime_s`` the time until the restarted group healed, and ``skipped_batches`` the
-batches it did not train.
+recovered it) say what the job lost (:mod:`.losses`, shared with the clusters' backends).
 
 A group is lost when its process ends, or when it hangs: its progress beacon shows it inside a step,
 not waiting for its peers, and unchanged for :func:`hang_after_s` (torchft's heartbeats go on from a
@@ -20,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -34,10 +30,10 @@ from ...runtime.quiet import quiet_env
 from ...incidents import Incident
 from ...states import JobState, RestartLevel
 from . import lighthouse
+from .losses import LostGroups, fault_time
 from .plan import group_argv, group_env
 from .script import REFUSED_EXIT, refusal
 
-TYPICAL_STEPS = 20  # a step's typical time: the median of this many before a fault
 HANG_MIN_S = 8.0  # a group is hung after no progress for this long at least (a restarted one's start aside)
 HANG_STEPS = 5  # ... or for this many typical steps, if longer
 SETTLE_S = 0.5  # a group found dead: how long to look again for others dying of the same fault
@@ -54,8 +50,7 @@ class TorchftSupervisor(Supervisor):
         self.lighthouse: subprocess.Popen | None = None
         self.lighthouse_port = 0
         self.group_restarts: dict[int, int] = {}
-        self.lost: dict[int, dict[str, Any]] = {}  # group -> its open incident, until it heals
-        self.recent_step_s: list[float] = []  # the last TYPICAL_STEPS steps' times
+        self.losses = LostGroups(self.events.emit, self.say)  # the groups lost, until each heals
         self.beacons: dict[int, tuple[tuple, float]] = {}  # group -> (its beacon's progress, when first seen)
 
     def _adopt(self) -> tuple[JobState, str] | None:
@@ -158,7 +153,7 @@ class TorchftSupervisor(Supervisor):
     def _hung(self) -> dict[int, tuple[str, float]]:
         """The running groups that hang (see the module's docstring): the cause, and since when."""
         now, hung = time.time(), {}
-        limit = hang_after_s(statistics.median(self.recent_step_s or [0.0]))
+        limit = hang_after_s(self.losses.typical_step_s())
         for node in self.nodes:
             try:
                 b = json.loads((self.jd.progress / f"rank-{node.index}.json").read_text())
@@ -190,22 +185,7 @@ class TorchftSupervisor(Supervisor):
         if node.popen is not None:
             node.popen.wait()
         self.beacons.pop(group, None)
-        self.events.emit(
-            "failure",
-            level=RestartLevel.JOB,
-            cause=cause,
-            blame_rank=group,
-            fault_time=(fault_time := self._fault_time(node, detected, since)),
-            detected_at=detected,
-        )
-        self.lost[group] = {
-            "cause": cause,
-            "fault_time": fault_time,
-            "detected": detected,
-            "last_step": self.mon.last_step,
-            "stall": None,
-            "typical_step_s": statistics.median(self.recent_step_s or [0.0]),
-        }
+        self.losses.lost(group, cause, self._fault_time(node, detected, since), detected, self.mon.last_step)
         self.group_restarts[group] = self.group_restarts.get(group, 0) + 1
         self.say(
             f"{cause} at step {self.mon.last_step}: the other groups train on; restarting it "
@@ -216,15 +196,7 @@ class TorchftSupervisor(Supervisor):
     def _fault_time(self, node: Node, detected: float, since: float | None = None) -> float:
         """An injected fault on the group (its rank, or the group as a node) dates its loss; else when it
         last made progress (``since``: a hang), else the moment it was seen lost."""
-        started = node.identity.get("started") or 0.0
-        return max(
-            (
-                f["t"]
-                for f in self.mon.faults
-                if node.index in (f["rank"], f.get("node")) and started <= f["t"] <= detected
-            ),
-            default=detected if since is None else since,
-        )
+        return fault_time(self.mon.faults, node.index, node.identity.get("started") or 0.0, detected, since)
 
     def _restart_job(self, codes: list[int | None]) -> tuple[JobState, str] | None:
         """Every group was lost: no peer holds the job's state. Restart them all (a new attempt): each
@@ -237,8 +209,8 @@ class TorchftSupervisor(Supervisor):
         cause = f"every replica group was lost ({lost}): no peer holds the job's state"
         # groups lost one after the other (a restarted one found no peer): dated by the first loss still open
         fault_time = min([self._fault_time(n, detected) for n in self.nodes] +
-                         [lost["fault_time"] for lost in self.lost.values()])
-        self.lost.clear()  # their own incidents end with the job's
+                         [loss.fault_time for loss in self.losses.open.values()])
+        self.losses.clear()  # their own incidents end with the job's
         self.beacons.clear()
         self.incidents.open(
             Incident(RestartLevel.JOB, cause, None, fault_time, detected, self.mon.last_step), force=True
@@ -263,35 +235,8 @@ class TorchftSupervisor(Supervisor):
 
     def _on_event(self, e: Any) -> None:
         super()._on_event(e)
-        if e.kind == "step":
-            for lost in self.lost.values():
-                if lost["stall"] is None and e.t > lost["fault_time"]:
-                    # the first step committed after the fault took longer by the survivors' stall
-                    lost["stall"] = max(0.0, e.t - lost["fault_time"] - lost["typical_step_s"])
-            self.recent_step_s = [*self.recent_step_s[-(TYPICAL_STEPS - 1) :], e["step_time"]]
-        elif e.kind == "heal" and e.rank in self.lost:
-            lost = self.lost.pop(e.rank)
-            stall = lost["stall"] if lost["stall"] is not None else e.t - lost["fault_time"]
-            self.events.emit(
-                "restart",
-                level=RestartLevel.JOB,
-                cause=lost["cause"],
-                blame_rank=e.rank,
-                fault_time=lost["fault_time"],
-                detection_s=lost["detected"] - lost["fault_time"],
-                downtime_s=stall,
-                rolled_back_steps=max(0, lost["last_step"] - e["step"]),
-                resumed_step=e["step"],
-                restored_from="peer",
-                group_downtime_s=e.t - lost["fault_time"],
-                skipped_batches=e["skipped_batches"],
-                replica_group=e.rank,
-            )
-            self.say(
-                f"replica group {e.rank} healed from a peer at step {e['step']}, "
-                f"{e.t - lost['fault_time']:.1f}s after the fault (skipped {e['skipped_batches']} batches)"
-            )
-        elif e.kind == "step_discarded":
+        self.losses.observe(e)
+        if e.kind == "step_discarded":
             self.say(f"replica group {e.rank} threw step {e['step']} away: {e['reason']}")
 
     def _kill_everything(self, keep_standby: bool = False) -> None:

@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import json
 import os
 import time
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from ...errors import JobError
@@ -49,6 +52,7 @@ def main() -> None:
     # the group's process leads its process group (the supervisor starts it in a session of its own): the
     # registry's kill-launcher, a whole replica group lost, kills that group, every rank of it
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    os.environ[LAST_STEP_ENV] = str(last_step(os.environ))   # before this process's beacon replaces it
     s = session()
     try:
         GroupTrainer(s).train()
@@ -58,6 +62,20 @@ def main() -> None:
     finally:
         s.close()
     exit_cleanly()
+
+
+def last_step(env: Mapping[str, str]) -> int:
+    """The step a restarted group had trained to: what its supervisor says (local, Slurm), else (a cluster's
+    controller restarted it: a pod's child Job) the last progress beacon of its lost process in the job
+    folder, to within one beacon interval (a read that fails: 0, and its heal counts from step 0)."""
+    if env.get(LAST_STEP_ENV) or not int(env.get(RESTART_ENV) or 0):
+        return int(env.get(LAST_STEP_ENV) or 0)
+    try:
+        beacon = Path(env["EKSFT_JOB_DIR"]) / "progress" / f"rank-{env['RANK']}.json"
+        step = json.loads(beacon.read_text())["step_done"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+    return step if type(step) is int and step >= 0 else 0
 
 
 class GroupTrainer:
