@@ -27,10 +27,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from ... import loopback, procs
 from ...jobdir import JobDir
 from ...backends.local.supervisor import POLL_S, Node, Supervisor
+from ...launcher import WARM_SHIM
 from ...runtime.quiet import quiet_env
+from ...runtime.warm_shim import SOCKET_ENV as WARM_SOCKET
+from ...runtime.warm_shim import ZYGOTE_ENV as WARM_ZYGOTE
 from ...incidents import Incident
 from ...states import JobState, RestartLevel
 from . import lighthouse
@@ -77,11 +82,28 @@ class TorchftSupervisor(Supervisor):
         )
         self._write_state(JobState.RUNNING)
 
+    def _tag(self, group: int, restart: int) -> str:
+        return f"g{group}.{self.attempt}.{restart}"
+
+    def _warm_next(self) -> None:
+        """Once every group is set up and none is rejoining, start each group's zygote for its next restart
+        (:mod:`eksft_nb.runtime.zygote`: torch and the runtime imported ahead, off any start-up's CPU): a
+        group restarted alone is then forked from it instead of importing anew, which under load took
+        most of its rejoin (bench/README.md, "torchft: a killed group's rejoin")."""
+        if self.lost or any(n.index not in self.mon.rank_pids for n in self.nodes):
+            return
+        for node in self.nodes:
+            tag = self._tag(node.index, self.group_restarts.get(node.index, 0) + 1)
+            if tag not in self.zygotes:
+                self._start_zygote(tag)
+
     def _start_group(self, group: int, last_step: int = 0, fresh: bool = True) -> Node:
         """Start replica group ``group``'s process: ``fresh`` with the others (it loads the job's
-        checkpoint), else alone (it heals from a peer)."""
+        checkpoint), else alone (it heals from a peer), forked from its warm zygote when one is up."""
         restart = self.group_restarts.get(group, 0)
-        tag = f"g{group}.{self.attempt}.{restart}"
+        tag = self._tag(group, restart)
+        zygote = self.zygotes.get(tag) if not fresh else None
+        warm = zygote is not None and zygote.poll() is None
         env = quiet_env(
             {
                 **os.environ,
@@ -97,10 +119,14 @@ class TorchftSupervisor(Supervisor):
                     last_step=last_step,
                 ),
                 "EKSFT_JOB_ATTEMPT": str(self.attempt),  # > 0: every group was lost, the job restarts
+                **({WARM_SOCKET: str(self.jd.warm / f"{tag}.sock"), WARM_ZYGOTE: str(zygote.pid)}
+                   if warm else {}),
             }
         )
         log = self.jd.logs / f"group-{group}-{self.attempt}.{restart}.log"
-        popen = self._spawn(group_argv(self.spec), env, log)
+        argv = group_argv(self.spec)
+        # the shim hands the command to the zygote (or, refused, runs it cold: said in the group's log)
+        popen = self._spawn([argv[0], "-S", WARM_SHIM, *argv[1:]] if warm else argv, env, log)
         self.events.emit("launch", attempt=restart, node=group, pid=popen.pid, pgid=popen.pid)
         return Node(group, log, tag, procs.identity(popen.pid), popen=popen)
 
@@ -125,6 +151,10 @@ class TorchftSupervisor(Supervisor):
                 return JobState.FAILED, refusal(self.mon.rank_errors, refused)
             # a user's script's own loop decides when it is done
             done = not self.spec.script and self.mon.last_step >= self.spec.steps
+            if done and self.lost and all(c is not None or n.index in self.lost
+                                          for n, c in zip(self.nodes, codes)):
+                self._end_rejoins()   # training is over: a group still rejoining has nothing left to join
+                codes = [n.poll() for n in self.nodes]
             if all(c is not None for c in codes) and (done or all(c == 0 for c in codes)):
                 self._pump()
                 if self.spec.script:
@@ -143,6 +173,7 @@ class TorchftSupervisor(Supervisor):
                     return ended
                 continue
             hung = {} if done else self._hung()
+            self._warm_next()
             for i, (node, code) in enumerate(zip(self.nodes, codes)):
                 if done or (code in (None, 0) and node.index not in hung):
                     continue
@@ -162,7 +193,7 @@ class TorchftSupervisor(Supervisor):
         for node in self.nodes:
             try:
                 b = json.loads((self.jd.progress / f"rank-{node.index}.json").read_text())
-                mine = b["pid"] == node.pid
+                mine = b["pid"] == node.pid or self._forked_for(node, b["pid"])
                 progress = (int(b["step_entered"]), int(b["step_done"]), bool(b["in_collective"]))
             except (OSError, ValueError, KeyError, TypeError):
                 continue
@@ -180,6 +211,15 @@ class TorchftSupervisor(Supervisor):
                     seen[1],
                 )
         return hung
+
+    def _forked_for(self, node: Node, pid: int) -> bool:
+        """Whether ``pid`` is the rank a warm zygote forked for ``node`` (its start-up environment, the
+        zygote's, carries the node's mark)."""
+        try:
+            env = psutil.Process(pid).environ()
+        except (psutil.Error, OSError):
+            return False
+        return env.get(procs.JOB_UID_ENV) == self.job_uid and env.get(procs.NODE_MARK) == node.tag
 
     def _restart_group(self, node: Node, cause: str, since: float | None = None) -> Node:
         """A group was lost (its process died, or hung ``since`` then and is ended here): the survivors
@@ -213,6 +253,28 @@ class TorchftSupervisor(Supervisor):
         )
         return self._start_group(group, last_step=self.mon.last_step, fresh=False)
 
+    def _end_rejoins(self) -> None:
+        """Every step is committed while lost groups still rejoin: end them (left alone, each would find
+        no peer once set up, and fail), and say how far each got."""
+        self._pump()   # a heal read now takes its group off the list
+        now = time.time()
+        for node in self.nodes:
+            lost = self.lost.pop(node.index, None)
+            if lost is None or node.poll() is not None:
+                continue
+            procs.kill_marked(self.job_uid, node.tag)
+            if node.popen is not None:
+                node.popen.wait()
+            started = node.identity.get("started") or lost["detected"]
+            where = ("set up, not yet healed from a peer" if self.mon.rank_pids.get(node.index) == node.pid
+                     else "still setting up (imports, model, its manager; no rank_start yet)")
+            message = (f"replica group {node.index} was still rejoining when the job ended: lost "
+                       f"{now - lost['fault_time']:.1f} s before ({lost['cause']}, at step "
+                       f"{lost['last_step']}), its new process started {now - started:.1f} s before and was "
+                       f"{where}; the steps since its loss trained without its batches")
+            self.events.emit("warning", what="rejoining", message=message)
+            self.say(message)
+
     def _fault_time(self, node: Node, detected: float, since: float | None = None) -> float:
         """An injected fault on the group (its rank, or the group as a node) dates its loss; else when it
         last made progress (``since``: a hang), else the moment it was seen lost."""
@@ -233,6 +295,10 @@ class TorchftSupervisor(Supervisor):
         self._pump()
         for node in self.nodes:
             procs.kill_marked(self.job_uid, node.tag)
+        for tag, zygote in list(self.zygotes.items()):   # for this attempt's restarts: the next starts cold
+            zygote.kill()
+            zygote.wait()
+            del self.zygotes[tag]
         lost = ", ".join(f"group {n.index} {_how(c)}" for n, c in zip(self.nodes, codes))
         cause = f"every replica group was lost ({lost}): no peer holds the job's state"
         # groups lost one after the other (a restarted one found no peer): dated by the first loss still open
