@@ -7,9 +7,9 @@ samples skipped, final loss.
 
 The plan is drawn from the one fault registry: the kinds in :data:`CANDIDATES` that every engine fires, in
 turn, one in each equal stretch of the run between the first committed checkpoint and its second half
-(which is left for the last recovery: a torchft group restarted under load took 27 s to rejoin, while its
-peer trained on at full speed), at a seeded step off the save steps and on a seeded rank. A kind joins
-the plan, by name, once every engine fires it; the kinds left out say why.
+(which is left for the last recovery: a torchft group restarted cold under load took 27 s to rejoin, while
+its peer trained on at full speed; forked from its zygote, 3-6 s), at a seeded step off the save steps and
+on a seeded rank. A kind joins the plan, by name, once every engine fires it; the kinds left out say why.
 """
 
 from __future__ import annotations

@@ -8,6 +8,10 @@ Lighthouse drops the lost group: how much longer than a typical step the first s
 fault took), ``group_downtime_s`` the time until the restarted group healed, and ``skipped_batches`` the
 batches it did not train.
 
+A group restarted alone is forked from a zygote (:mod:`eksft_nb.runtime.zygote`) started for its next
+restart once every group is set up: a fresh process's imports were most of a rejoin, and under load longer
+than the peer's remaining steps. When every step is done while a group still rejoins, it is ended and said.
+
 A group is lost when its process ends, or when it hangs: its progress beacon shows it inside a step,
 not waiting for its peers, and unchanged for :func:`hang_after_s` (torchft's heartbeats go on from a
 thread, so the Lighthouse keeps a hung group in the quorum and the others would wait for it). When every
@@ -62,6 +66,7 @@ class TorchftSupervisor(Supervisor):
         self.lost: dict[int, dict[str, Any]] = {}  # group -> its open incident, until it heals
         self.recent_step_s: list[float] = []  # the last TYPICAL_STEPS steps' times
         self.beacons: dict[int, tuple[tuple, float]] = {}  # group -> (its beacon's progress, when first seen)
+        self.set_up: set[int] = set()  # the groups whose current process has reported its rank_start
 
     def _adopt(self) -> tuple[JobState, str] | None:
         """A supervisor that died took the Lighthouse's port with it, which a restarted group needs: end
@@ -90,7 +95,7 @@ class TorchftSupervisor(Supervisor):
         (:mod:`eksft_nb.runtime.zygote`: torch and the runtime imported ahead, off any start-up's CPU): a
         group restarted alone is then forked from it instead of importing anew, which under load took
         most of its rejoin (bench/README.md, "torchft: a killed group's rejoin")."""
-        if self.lost or any(n.index not in self.mon.rank_pids for n in self.nodes):
+        if self.lost or len(self.set_up) < len(self.nodes):
             return
         for node in self.nodes:
             tag = self._tag(node.index, self.group_restarts.get(node.index, 0) + 1)
@@ -230,6 +235,7 @@ class TorchftSupervisor(Supervisor):
         if node.popen is not None:
             node.popen.wait()
         self.beacons.pop(group, None)
+        self.set_up.discard(group)
         self.events.emit(
             "failure",
             level=RestartLevel.JOB,
@@ -306,6 +312,7 @@ class TorchftSupervisor(Supervisor):
                          [lost["fault_time"] for lost in self.lost.values()])
         self.lost.clear()  # their own incidents end with the job's
         self.beacons.clear()
+        self.set_up.clear()
         self.incidents.open(
             Incident(RestartLevel.JOB, cause, None, fault_time, detected, self.mon.last_step), force=True
         )
@@ -329,7 +336,9 @@ class TorchftSupervisor(Supervisor):
 
     def _on_event(self, e: Any) -> None:
         super()._on_event(e)
-        if e.kind == "step":
+        if e.kind == "rank_start" and e.rank is not None:
+            self.set_up.add(e.rank)
+        elif e.kind == "step":
             for lost in self.lost.values():
                 if lost["stall"] is None and e.t > lost["fault_time"]:
                     # the first step committed after the fault took longer by the survivors' stall
