@@ -108,7 +108,8 @@ class TorchftSupervisor(Supervisor):
         restart = self.group_restarts.get(group, 0)
         tag = self._tag(group, restart)
         zygote = self.zygotes.get(tag) if not fresh else None
-        warm = zygote is not None and zygote.poll() is None
+        # its socket's path (the zygote runs: nothing is started)
+        sock = self._start_zygote(tag) if zygote is not None and zygote.poll() is None else None
         env = quiet_env(
             {
                 **os.environ,
@@ -124,14 +125,13 @@ class TorchftSupervisor(Supervisor):
                     last_step=last_step,
                 ),
                 "EKSFT_JOB_ATTEMPT": str(self.attempt),  # > 0: every group was lost, the job restarts
-                **({WARM_SOCKET: str(self.jd.warm / f"{tag}.sock"), WARM_ZYGOTE: str(zygote.pid)}
-                   if warm else {}),
+                **({WARM_SOCKET: sock, WARM_ZYGOTE: str(self.zygotes[tag].pid)} if sock else {}),
             }
         )
         log = self.jd.logs / f"group-{group}-{self.attempt}.{restart}.log"
         argv = group_argv(self.spec)
         # the shim hands the command to the zygote (or, refused, runs it cold: said in the group's log)
-        popen = self._spawn([argv[0], "-S", WARM_SHIM, *argv[1:]] if warm else argv, env, log)
+        popen = self._spawn([argv[0], "-S", WARM_SHIM, *argv[1:]] if sock else argv, env, log)
         self.events.emit("launch", attempt=restart, node=group, pid=popen.pid, pgid=popen.pid)
         return Node(group, log, tag, procs.identity(popen.pid), popen=popen)
 
@@ -272,7 +272,7 @@ class TorchftSupervisor(Supervisor):
             if node.popen is not None:
                 node.popen.wait()
             started = node.identity.get("started") or lost["detected"]
-            where = ("set up, not yet healed from a peer" if self.mon.rank_pids.get(node.index) == node.pid
+            where = ("set up, not yet healed from a peer" if node.index in self.set_up
                      else "still setting up (imports, model, its manager; no rank_start yet)")
             message = (f"replica group {node.index} was still rejoining when the job ended: lost "
                        f"{now - lost['fault_time']:.1f} s before ({lost['cause']}, at step "
