@@ -99,8 +99,9 @@ OPTIONAL: dict[str, dict[str, tuple[type, ...] | type]] = {
     "job_end": {"digest": _opt_str, "restarts": dict},
     "rank_error": {"waiting": bool},
     # when the incarnation began (process start, or re-entry after an in-process restart) and when its
-    # process groups were formed
-    "rank_start": {"t_enter": _num, "t_group": _num},
+    # process groups were formed; a torchft group's process: each set-up phase -> when it ended (imports,
+    # session, model, manager, wiring; see eksft_nb.engines.torchft.trainer)
+    "rank_start": {"t_enter": _num, "t_group": _num, "t_setup": dict},
     # phases: phase -> seconds (RESTART_PHASES), summing to downtime_s; restored_from: the resume's source
     "restart": {"phases": dict, "restored_from": _opt_str},
     "gpu_health": {"note": _opt_str, "interval_s": _num},

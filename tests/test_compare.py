@@ -13,7 +13,7 @@ from eksft_nb.errors import EksftError
 from eksft_nb.events import RESTART_PHASES, Event, make
 from eksft_nb.goodput import compute
 from eksft_nb.monitor import JobMonitor
-from eksft_nb.resilience.compare import CANDIDATES, plan
+from eksft_nb.resilience.compare import CANDIDATES, plan, text
 from eksft_nb.resilience.ledger import ledger
 
 BATCH, SEQ = 8, 64
@@ -172,6 +172,13 @@ def test_a_group_that_never_came_back_skipped_every_batch_after_it_was_lost() ->
     r2.at(0.1, "job_end", state="succeeded", reason="all 20 steps done", final_step=20)
     led = ledger(r2.events, world_size=2, batch=BATCH)
     assert led["skipped_batches"] == 16 and led["faults"][0]["level"] is None   # steps 5 to 20 alone
+    # lost and never back: said so, with the time from the fault to the job's end, not as "no restart"
+    row = led["faults"][0]
+    assert row["away_s"] == pytest.approx(r2.t - seen["kill"].t, abs=1e-3) and row["recovery_s"] is None
+    result = {"plan": {"steps": 20, "every": 10, "faults": ["sigkill:1@5"], "seed": 0, "skipped": {}},
+              "engines": {"torchft": {"label": "torchft", **led}}}
+    [line] = [x for x in text(result).splitlines() if x.startswith("sigkill:1@5")]
+    assert line.split()[2:4] == ["rejoining", "-"] and f">{row['away_s']:.2f}" in line, line
 
 
 def test_a_fault_no_recovery_followed_is_said_so() -> None:

@@ -2,7 +2,8 @@
 fault matrix of one job: a group's rank killed by SIGKILL restarts and heals from its peer (no committed
 step lost, the batches it missed counted); an exception inside backward throws that step away in the group
 first in the quorum, and the other group, which committed it, reports it; a whole group lost (the registry's
-kill-launcher) heals likewise; a hung group is found by the supervisor, restarted, and heals while the other
+kill-launcher) heals likewise (a group restarted alone is forked from a zygote that imported
+ahead); a hung group is found by the supervisor, restarted, and heals while the other
 trains on; the loss of every group restarts the job from its newest checkpoint, loaded from the in-memory
 copy of the group that saved it. After each, the job ends with every step reported once and the groups'
 weights identical. Every process of the job listens on loopback only; what the engine does not take is
@@ -195,6 +196,21 @@ def test_a_whole_group_lost_heals_from_its_peer_which_reports_the_steps_meanwhil
     assert restart["restored_from"] == "peer" and restart["resumed_step"] == back["step"], restart.data
     # group 1, first in the quorum while group 0 was lost, reported the steps
     assert {e.rank for e in of(name, "step") if lost.t < e.t < back.t} == {1}
+
+
+@pytest.mark.slow
+def test_a_group_restarted_alone_is_forked_from_its_zygote_and_reports_its_set_up(matrix) -> None:
+    name, _ = matrix
+    kill = fault(name, "sigkill")[0]
+    launch = of(name, "launch", after=kill.t)[0]   # the warm shim, which hands the command to the zygote
+    start = of(name, "rank_start", rank=1, after=kill.t)[0]
+    assert launch["node"] == 1 and start["group_restart"] == 1 and start["pid"] != launch["pid"], story(name)
+    assert f"forked rank {start['pid']} " in (JobDir.for_name(name).logs / "zygote-g1.0.1.log").read_text()
+    # its set-up's phases, each ended in turn after the process began, before it was ready
+    setup = start["t_setup"]
+    assert list(setup) == ["imports", "session", "model", "manager", "wiring"], setup
+    assert start["t_enter"] - 0.05 <= setup["imports"] and list(setup.values()) == sorted(setup.values())
+    assert setup["wiring"] <= start.t
 
 
 @pytest.mark.slow

@@ -7,9 +7,9 @@ samples skipped, final loss.
 
 The plan is drawn from the one fault registry: the kinds in :data:`CANDIDATES` that every engine fires, in
 turn, one in each equal stretch of the run between the first committed checkpoint and its second half
-(which is left for the last recovery: a torchft group restarted under load took 27 s to rejoin, while its
-peer trained on at full speed), at a seeded step off the save steps and on a seeded rank. A kind joins
-the plan, by name, once every engine fires it; the kinds left out say why.
+(which is left for the last recovery: a torchft group restarted cold under load took 27 s to rejoin, while
+its peer trained on at full speed; forked from its zygote, 3-6 s), at a seeded step off the save steps and
+on a seeded rank. A kind joins the plan, by name, once every engine fires it; the kinds left out say why.
 """
 
 from __future__ import annotations
@@ -160,16 +160,23 @@ def text(result: dict[str, Any]) -> str:
                      + "".join(f"{e['terms'][t]:>13.2f}" for t in TERMS)
                      + f"{e['steps_lost']:>11}{e['skipped_batches']:>16}{e['lost_step_equivalents']:>15.1f}"
                      + f"{_num(e['final_loss'], '.4f'):>11}")
-    lines += ["", "each fault's recovery: level (none: no restart), restored from, the job's stall, the "
-              "recovery (fault -> the failed part trains again) and its phases, steps lost, batches skipped",
+    lines += ["", "each fault's recovery: level (none: no restart; rejoining, away: a torchft group, or "
+              "another engine's job, not back when the job ended, its recovery at least the fault's time "
+              "to the end), restored from, the job's stall, the recovery (fault -> the failed part trains "
+              "again) and its phases, steps lost, batches skipped",
               f"{'fault':<18}{'engine':<20}{'level':>10}{'from':>9}{'stall':>7}{'recovery':>9}"
               + "".join(f"{ph.replace('_', ' '):>13}" for ph in RESTART_PHASES)
               + f"{'lost':>6}{'skipped':>9}"]
     for i, fault in enumerate(p["faults"]):
-        for e in result["engines"].values():
+        for key, e in result["engines"].items():
             r = e["faults"][i] if i < len(e["faults"]) else None
             if r is None:
                 lines.append(f"{fault:<18}{e['label']:<20}{'not fired':>10}")
+                continue
+            if r.get("away_s") is not None:   # lost, and not back when the job ended
+                lines.append(f"{fault:<18}{e['label']:<20}{'rejoining' if key == 'torchft' else 'away':>10}"
+                             f"{'-':>9}{'-':>7}{'>' + format(r['away_s'], '.2f'):>9}  (not back when the job "
+                             "ended)")
                 continue
             lines.append(f"{fault:<18}{e['label']:<20}{r['level'] or '-':>10}{r['restored_from'] or '-':>9}"
                          f"{_num(r['stall_s'], '.2f'):>7}{_num(r['recovery_s'], '.2f'):>9}"

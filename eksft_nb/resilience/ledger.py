@@ -55,12 +55,15 @@ def ledger(events: Sequence[Event], world_size: int, batch: int) -> dict[str, An
 def recovery(fault: dict[str, Any], mon: JobMonitor, events: Sequence[Event]) -> dict[str, Any]:
     """How the job got over one fault: its restart (matched by the fault's time), or a replica group that
     threw the step away and healed without one; ``level`` None: no recovery of its own was seen (the job
-    ended first, or one restart healed it with an earlier fault). ``skipped_batches``: the batches the
-    recovering group reported it skipped."""
+    ended first, or one restart healed it with an earlier fault); ``away_s``: a failure was seen and no
+    recovery, the seconds from the fault to the job's last event (a torchft group still rejoining at the
+    end). ``skipped_batches``: the batches the recovering group reported it skipped."""
     row = {"fault": fault["fault"], "rank": fault["rank"], "step": fault["step"], "level": None,
            "restored_from": None, "detection_s": None, "stall_s": None, "recovery_s": None, "phases": {},
-           "steps_lost": 0, "skipped_batches": 0}
+           "steps_lost": 0, "skipped_batches": 0, "away_s": None}
     restart = next((r for r in mon.restarts if abs(r["fault_time"] - fault["t"]) < 1e-6), None)
+    if restart is None and any(abs(f["fault_time"] - fault["t"]) < 1e-6 for f in mon.failures):
+        return {**row, "away_s": round((mon.last_event_t or fault["t"]) - fault["t"], 4)}
     if restart is not None:
         phases = restart.get("phases") or _group_phases(restart, events)
         return {**row, "level": restart["level"], "restored_from": restart.get("restored_from"),

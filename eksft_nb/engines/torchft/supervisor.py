@@ -5,6 +5,10 @@ the job's end) and replaces what differs: there is no ft_launcher, and a lost gr
 while the others train on. Its ``failure`` and ``restart`` events (level ``job``: the supervisor
 recovered it) say what the job lost (:mod:`.losses`, shared with the clusters' backends).
 
+A group restarted alone is forked from a zygote (:mod:`eksft_nb.runtime.zygote`) started for its next
+restart once every group is set up: a fresh process's imports were most of a rejoin, and under load longer
+than the peer's remaining steps. When every step is done while a group still rejoins, it is ended and said.
+
 A group is lost when its process ends, or when it hangs: its progress beacon shows it inside a step,
 not waiting for its peers, and unchanged for :func:`hang_after_s` (torchft's heartbeats go on from a
 thread, so the Lighthouse keeps a hung group in the quorum and the others would wait for it). When every
@@ -23,10 +27,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from ... import loopback, procs
 from ...jobdir import JobDir
 from ...backends.local.supervisor import POLL_S, Node, Supervisor
+from ...launcher import WARM_SHIM
 from ...runtime.quiet import quiet_env
+from ...runtime.warm_shim import SOCKET_ENV as WARM_SOCKET
+from ...runtime.warm_shim import ZYGOTE_ENV as WARM_ZYGOTE
 from ...incidents import Incident
 from ...states import JobState, RestartLevel
 from . import lighthouse
@@ -52,6 +61,7 @@ class TorchftSupervisor(Supervisor):
         self.group_restarts: dict[int, int] = {}
         self.losses = LostGroups(self.events.emit, self.say)  # the groups lost, until each heals
         self.beacons: dict[int, tuple[tuple, float]] = {}  # group -> (its beacon's progress, when first seen)
+        self.set_up: set[int] = set()  # the groups whose current process has reported its rank_start
 
     def _adopt(self) -> tuple[JobState, str] | None:
         """A supervisor that died took the Lighthouse's port with it, which a restarted group needs: end
@@ -72,11 +82,29 @@ class TorchftSupervisor(Supervisor):
         )
         self._write_state(JobState.RUNNING)
 
+    def _tag(self, group: int, restart: int) -> str:
+        return f"g{group}.{self.attempt}.{restart}"
+
+    def _warm_next(self) -> None:
+        """Once every group is set up and none is rejoining, start each group's zygote for its next restart
+        (:mod:`eksft_nb.runtime.zygote`: torch and the runtime imported ahead, off any start-up's CPU): a
+        group restarted alone is then forked from it instead of importing anew, which under load took
+        most of its rejoin (bench/README.md, "torchft: a killed group's rejoin")."""
+        if self.losses.open or len(self.set_up) < len(self.nodes):
+            return
+        for node in self.nodes:
+            tag = self._tag(node.index, self.group_restarts.get(node.index, 0) + 1)
+            if tag not in self.zygotes:
+                self._start_zygote(tag)
+
     def _start_group(self, group: int, last_step: int = 0, fresh: bool = True) -> Node:
         """Start replica group ``group``'s process: ``fresh`` with the others (it loads the job's
-        checkpoint), else alone (it heals from a peer)."""
+        checkpoint), else alone (it heals from a peer), forked from its warm zygote when one is up."""
         restart = self.group_restarts.get(group, 0)
-        tag = f"g{group}.{self.attempt}.{restart}"
+        tag = self._tag(group, restart)
+        zygote = self.zygotes.get(tag) if not fresh else None
+        # its socket's path (the zygote runs: nothing is started)
+        sock = self._start_zygote(tag) if zygote is not None and zygote.poll() is None else None
         env = quiet_env(
             {
                 **os.environ,
@@ -92,10 +120,13 @@ class TorchftSupervisor(Supervisor):
                     last_step=last_step,
                 ),
                 "EKSFT_JOB_ATTEMPT": str(self.attempt),  # > 0: every group was lost, the job restarts
+                **({WARM_SOCKET: sock, WARM_ZYGOTE: str(self.zygotes[tag].pid)} if sock else {}),
             }
         )
         log = self.jd.logs / f"group-{group}-{self.attempt}.{restart}.log"
-        popen = self._spawn(group_argv(self.spec), env, log)
+        argv = group_argv(self.spec)
+        # the shim hands the command to the zygote (or, refused, runs it cold: said in the group's log)
+        popen = self._spawn([argv[0], "-S", WARM_SHIM, *argv[1:]] if sock else argv, env, log)
         self.events.emit("launch", attempt=restart, node=group, pid=popen.pid, pgid=popen.pid)
         return Node(group, log, tag, procs.identity(popen.pid), popen=popen)
 
@@ -120,6 +151,10 @@ class TorchftSupervisor(Supervisor):
                 return JobState.FAILED, refusal(self.mon.rank_errors, refused)
             # a user's script's own loop decides when it is done
             done = not self.spec.script and self.mon.last_step >= self.spec.steps
+            if done and self.losses.open and all(c is not None or n.index in self.losses.open
+                                          for n, c in zip(self.nodes, codes)):
+                self._end_rejoins()   # training is over: a group still rejoining has nothing left to join
+                codes = [n.poll() for n in self.nodes]
             if all(c is not None for c in codes) and (done or all(c == 0 for c in codes)):
                 self._pump()
                 if self.spec.script:
@@ -138,6 +173,7 @@ class TorchftSupervisor(Supervisor):
                     return ended
                 continue
             hung = {} if done else self._hung()
+            self._warm_next()
             for i, (node, code) in enumerate(zip(self.nodes, codes)):
                 if done or (code in (None, 0) and node.index not in hung):
                     continue
@@ -157,7 +193,7 @@ class TorchftSupervisor(Supervisor):
         for node in self.nodes:
             try:
                 b = json.loads((self.jd.progress / f"rank-{node.index}.json").read_text())
-                mine = b["pid"] == node.pid
+                mine = b["pid"] == node.pid or self._forked_for(node, b["pid"])
                 progress = (int(b["step_entered"]), int(b["step_done"]), bool(b["in_collective"]))
             except (OSError, ValueError, KeyError, TypeError):
                 continue
@@ -176,6 +212,15 @@ class TorchftSupervisor(Supervisor):
                 )
         return hung
 
+    def _forked_for(self, node: Node, pid: int) -> bool:
+        """Whether ``pid`` is the rank a warm zygote forked for ``node`` (its start-up environment, the
+        zygote's, carries the node's mark)."""
+        try:
+            env = psutil.Process(pid).environ()
+        except (psutil.Error, OSError):
+            return False
+        return env.get(procs.JOB_UID_ENV) == self.job_uid and env.get(procs.NODE_MARK) == node.tag
+
     def _restart_group(self, node: Node, cause: str, since: float | None = None) -> Node:
         """A group was lost (its process died, or hung ``since`` then and is ended here): the survivors
         train on, and it restarts and heals from a peer."""
@@ -185,6 +230,7 @@ class TorchftSupervisor(Supervisor):
         if node.popen is not None:
             node.popen.wait()
         self.beacons.pop(group, None)
+        self.set_up.discard(group)
         self.losses.lost(group, cause, self._fault_time(node, detected, since), detected, self.mon.last_step)
         self.group_restarts[group] = self.group_restarts.get(group, 0) + 1
         self.say(
@@ -192,6 +238,28 @@ class TorchftSupervisor(Supervisor):
             f"({self.group_restarts[group]} of {self.spec.ft.max_job_restarts})"
         )
         return self._start_group(group, last_step=self.mon.last_step, fresh=False)
+
+    def _end_rejoins(self) -> None:
+        """Every step is committed while lost groups still rejoin: end them (left alone, each would find
+        no peer once set up, and fail), and say how far each got."""
+        self._pump()   # a heal read now takes its group off the list
+        now = time.time()
+        for node in self.nodes:
+            lost = self.losses.open.pop(node.index, None)
+            if lost is None or node.poll() is not None:
+                continue
+            procs.kill_marked(self.job_uid, node.tag)
+            if node.popen is not None:
+                node.popen.wait()
+            started = node.identity.get("started") or lost.detected
+            where = ("set up, not yet healed from a peer" if node.index in self.set_up
+                     else "still setting up (imports, model, its manager; no rank_start yet)")
+            message = (f"replica group {node.index} was still rejoining when the job ended: lost "
+                       f"{now - lost.fault_time:.1f} s before ({lost.cause}, at step "
+                       f"{lost.last_step}), its new process started {now - started:.1f} s before and was "
+                       f"{where}; the steps since its loss trained without its batches")
+            self.events.emit("warning", what="rejoining", message=message)
+            self.say(message)
 
     def _fault_time(self, node: Node, detected: float, since: float | None = None) -> float:
         """An injected fault on the group (its rank, or the group as a node) dates its loss; else when it
@@ -205,6 +273,10 @@ class TorchftSupervisor(Supervisor):
         self._pump()
         for node in self.nodes:
             procs.kill_marked(self.job_uid, node.tag)
+        for tag, zygote in list(self.zygotes.items()):   # for this attempt's restarts: the next starts cold
+            zygote.kill()
+            zygote.wait()
+            del self.zygotes[tag]
         lost = ", ".join(f"group {n.index} {_how(c)}" for n, c in zip(self.nodes, codes))
         cause = f"every replica group was lost ({lost}): no peer holds the job's state"
         # groups lost one after the other (a restarted one found no peer): dated by the first loss still open
@@ -212,6 +284,7 @@ class TorchftSupervisor(Supervisor):
                          [loss.fault_time for loss in self.losses.open.values()])
         self.losses.clear()  # their own incidents end with the job's
         self.beacons.clear()
+        self.set_up.clear()
         self.incidents.open(
             Incident(RestartLevel.JOB, cause, None, fault_time, detected, self.mon.last_step), force=True
         )
@@ -236,7 +309,9 @@ class TorchftSupervisor(Supervisor):
     def _on_event(self, e: Any) -> None:
         super()._on_event(e)
         self.losses.observe(e)
-        if e.kind == "step_discarded":
+        if e.kind == "rank_start" and e.rank is not None:
+            self.set_up.add(e.rank)
+        elif e.kind == "step_discarded":
             self.say(f"replica group {e.rank} threw step {e['step']} away: {e['reason']}")
 
     def _kill_everything(self, keep_standby: bool = False) -> None:

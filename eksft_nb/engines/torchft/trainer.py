@@ -32,6 +32,7 @@ from typing import Any
 
 from ...errors import JobError
 from ...runtime.quiet import quiet_process
+from ...runtime.zygote import WARM_ENV
 from .startup import all_groups_up
 from .hosts import group_host
 from .steps import StepReport, StepReports
@@ -49,13 +50,15 @@ def main() -> None:
     from .listen import install
 
     install()  # the group's store, manager and checkpoint servers on the group's address alone (hosts.py)
+    setup = {"imports": time.time()}  # each set-up phase -> when it ended (rank_start's t_setup)
     # the group's process leads its process group (the supervisor starts it in a session of its own): the
     # registry's kill-launcher, a whole replica group lost, kills that group, every rank of it
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     os.environ[LAST_STEP_ENV] = str(last_step(os.environ))   # before this process's beacon replaces it
     s = session()
+    setup["session"] = time.time()
     try:
-        GroupTrainer(s).train()
+        GroupTrainer(s, setup).train()
     except BaseException as e:
         s.rank_error(e)
         raise
@@ -79,7 +82,7 @@ def last_step(env: Mapping[str, str]) -> int:
 
 
 class GroupTrainer:
-    def __init__(self, s: Any) -> None:
+    def __init__(self, s: Any, setup: dict[str, float] | None = None) -> None:
         import torch
         import torch.distributed as dist
         from torch.distributed import TCPStore
@@ -89,10 +92,14 @@ class GroupTrainer:
         from ...runtime.data import SyntheticCorpus
         from ...runtime.model import build_model
 
-        self.s, self.spec = s, s.spec
+        self.s, self.spec, self.setup = s, s.spec, setup if setup is not None else {}
         env, spec = os.environ, s.spec
         self.group = int(env["REPLICA_GROUP_ID"])
         self.last_step = int(env.get(LAST_STEP_ENV) or 0)
+        if env.get(WARM_ENV) == "1" and spec.checkpoint.mode == "async":
+            # forked from its zygote: its writer processes are forked too while no native thread runs yet
+            # (the store's and the Manager's would make them spawn, importing torch again: checkpoint.writer)
+            s.checkpointing().writer.start()
         torch.set_num_threads(spec.threads_per_rank)
         port, host = int(env["MASTER_PORT"]), group_host()   # the peers reach this group's store there
         self.store = TCPStore(host, port, is_master=True, wait_for_workers=False)
@@ -101,6 +108,7 @@ class GroupTrainer:
             vocab, d_model, n_layers, n_heads, spec.seq, spec.seed, torch.device("cpu"), fsdp=False
         )
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=spec.lr)
+        self.setup["model"] = time.time()
         self.data = SyntheticCorpus(vocab, spec.seq, spec.batch, spec.seed, self.group)
         timeout = datetime.timedelta(seconds=TIMEOUT_S)
         self.manager = Manager(
@@ -117,6 +125,7 @@ class GroupTrainer:
             timeout=timeout,
             connect_timeout=timeout,
         )
+        self.setup["manager"] = time.time()  # it heartbeats: the Lighthouse counts the group healthy
         self.ddp = DistributedDataParallel(self.manager, self.model)
         self.reports = StepReports(s, self.manager)
         self.quorum_id: int | None = None
@@ -130,6 +139,7 @@ class GroupTrainer:
         self.ckpt.shelf.bind(self.ckpt.job_uid, self.group, spec.nnodes)
         self.ckpt.peer_copies = tuple(range(spec.nnodes))
         self.state = {"train": ModelState(self.model, self.optim), "torchft": self.manager}
+        self.setup["wiring"] = time.time()  # DDP, the group's own process group, the checkpoint package
 
     def _state(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optim": self.optim.state_dict()}
@@ -150,7 +160,8 @@ class GroupTrainer:
         if not restart:  # the whole job (re)starts: every group from the same checkpoint
             self._restore()
             all_groups_up(s, self.group)
-        s.rank_start(manager.current_step(), replica_group=self.group, group_restart=restart)
+        s.rank_start(manager.current_step(), replica_group=self.group, group_restart=restart,
+                     t_setup=self.setup)
         while True:  # after the last step, one more quorum (see the module's docstring)
             before = manager.current_step()
             armed: InjectedFault | None = None
