@@ -138,11 +138,15 @@ def test_through_every_fault_the_job_ends_with_every_step_and_identical_groups(m
 def test_the_events_tell_the_quorum_changes_the_heal_and_the_skipped_batches(matrix) -> None:
     name, _ = matrix
     kill = fault(name, "sigkill")[0]
-    sizes = [e["participants"] for e in of(name, "quorum", rank=1)]
-    assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, sizes  # both, group 1 alone, both again
+    sizes = {g: [e["participants"] for e in of(name, "quorum", rank=g)] for g in (0, 1)}
+    assert all(s[0] == 2 and s[-1] == 2 for s in sizes.values()), sizes  # both at the start and at the end
+    # a step committed with one group's batch came from a quorum of one (how many there are depends on how
+    # fast a lost group is back: forked warm, it may rejoin before its peer's next quorum)
+    alone_steps = [e["step"] for e in of(name, "step") if e["batches"] == 1]
+    assert not alone_steps or 1 in sizes[0] + sizes[1], (sizes, alone_steps)
     heal = of(name, "heal", rank=1)[0]
     assert (
-        heal["step"] > heal["from_step"] >= 2 and heal["skipped_batches"] == heal["step"] - heal["from_step"]
+        heal["step"] >= heal["from_step"] >= 2 and heal["skipped_batches"] == heal["step"] - heal["from_step"]
     )
     # the steps group 1 missed were committed with group 0's batch alone: the one count of skipped batches
     alone = [e["batches"] for e in of(name, "step") if heal["from_step"] < e["step"] <= heal["step"]]
@@ -151,7 +155,8 @@ def test_the_events_tell_the_quorum_changes_the_heal_and_the_skipped_batches(mat
     mon.update(events(name))
     gp, led = compute(mon), ledger(events(name), 2, JobSpec().batch)
     assert led["skipped_batches"] == missing_batches(mon) >= heal["skipped_batches"], led
-    assert led["terms"]["skipped"] == round(gp.skipped_s, 4) > 0 and led["ettr"] == round(gp.goodput, 5)
+    assert led["terms"]["skipped"] == round(gp.skipped_s, 4) and led["ettr"] == round(gp.goodput, 5)
+    assert (led["terms"]["skipped"] > 0) == bool(alone_steps), led
     restart = of(name, "restart")[0]
     assert restart["level"] == "job" and restart["blame_rank"] == 1 and restart["restored_from"] == "peer"
     assert restart["fault_time"] == kill.t and restart["rolled_back_steps"] == 0
