@@ -1,4 +1,6 @@
-"""The local supervisor of a torchft job: the Lighthouse on loopback, and one process per replica group.
+"""The local supervisor of a torchft job: the Lighthouse on loopback, and each replica group's processes
+(one per rank, :mod:`.group`: a group of N ranks trains as torchft HSDP, and is the unit that is lost and
+restarted).
 
 It keeps :class:`~eksft_nb.backends.local.supervisor.Supervisor`'s lifecycle (keeper, events, stop,
 the job's end) and replaces what differs: there is no ft_launcher, and a lost group is restarted alone
@@ -8,8 +10,8 @@ Lighthouse drops the lost group: how much longer than a typical step the first s
 fault took), ``group_downtime_s`` the time until the restarted group healed, and ``skipped_batches`` the
 batches it did not train.
 
-A group is lost when its process ends, or when it hangs: its progress beacon shows it inside a step,
-not waiting for its peers, and unchanged for :func:`hang_after_s` (torchft's heartbeats go on from a
+A group is lost when one of its processes ends, or when it hangs: a rank's progress beacon shows it inside
+a step, not waiting for its peers, and unchanged for :func:`hang_after_s` (torchft's heartbeats go on from a
 thread, so the Lighthouse keeps a hung group in the quorum and the others would wait for it). When every
 group is lost, no peer holds the job's state: the job restarts as a whole (a new attempt) and every
 group loads the newest committed checkpoint, through the incident of the job-level tier.
@@ -29,11 +31,12 @@ from typing import Any
 
 from ... import loopback, procs
 from ...jobdir import JobDir
-from ...backends.local.supervisor import POLL_S, Node, Supervisor
+from ...backends.local.supervisor import POLL_S, Supervisor
 from ...runtime.quiet import quiet_env
 from ...incidents import Incident
 from ...states import JobState, RestartLevel
 from . import lighthouse
+from .group import Group
 from .plan import group_argv, group_env
 from .script import REFUSED_EXIT, refusal
 
@@ -56,7 +59,7 @@ class TorchftSupervisor(Supervisor):
         self.group_restarts: dict[int, int] = {}
         self.lost: dict[int, dict[str, Any]] = {}  # group -> its open incident, until it heals
         self.recent_step_s: list[float] = []  # the last TYPICAL_STEPS steps' times
-        self.beacons: dict[int, tuple[tuple, float]] = {}  # group -> (its beacon's progress, when first seen)
+        self.beacons: dict[int, tuple[tuple, float]] = {}  # rank -> (its beacon's progress, when first seen)
 
     def _adopt(self) -> tuple[JobState, str] | None:
         """A supervisor that died took the Lighthouse's port with it, which a restarted group needs: end
@@ -77,38 +80,48 @@ class TorchftSupervisor(Supervisor):
         )
         self._write_state(JobState.RUNNING)
 
-    def _start_group(self, group: int, last_step: int = 0, fresh: bool = True) -> Node:
-        """Start replica group ``group``'s process: ``fresh`` with the others (it loads the job's
-        checkpoint), else alone (it heals from a peer)."""
+    def _start_group(self, group: int, last_step: int = 0, fresh: bool = True) -> Group:
+        """Start replica group ``group``'s processes, one per rank: ``fresh`` with the others (it loads the
+        job's checkpoint), else alone (it heals from a peer)."""
         restart = self.group_restarts.get(group, 0)
         tag = f"g{group}.{self.attempt}.{restart}"
-        env = quiet_env(
-            {
-                **os.environ,
-                procs.JOB_UID_ENV: self.job_uid,
-                procs.NODE_MARK: tag,
-                **group_env(
-                    self.spec,
-                    group,
-                    job_dir=str(self.jd.path),
-                    lighthouse_port=self.lighthouse_port,
-                    store_port=loopback.free_ports(1)[0],
-                    restart=0 if fresh else restart,
-                    last_step=last_step,
-                ),
-                "EKSFT_JOB_ATTEMPT": str(self.attempt),  # > 0: every group was lost, the job restarts
-            }
-        )
-        log = self.jd.logs / f"group-{group}-{self.attempt}.{restart}.log"
-        popen = self._spawn(group_argv(self.spec), env, log)
-        self.events.emit("launch", attempt=restart, node=group, pid=popen.pid, pgid=popen.pid)
-        return Node(group, log, tag, procs.identity(popen.pid), popen=popen)
+        store_port = loopback.free_ports(1)[0]   # the group's store, which its rank 0 hosts
+        log = self.jd.logs / f"group-{group}-{self.attempt}.{restart}.log"   # every rank's output
+        ranks: list[subprocess.Popen] = []
+        for local in range(self.spec.nproc_per_node):
+            env = quiet_env(
+                {
+                    **os.environ,
+                    procs.JOB_UID_ENV: self.job_uid,
+                    procs.NODE_MARK: tag,
+                    **group_env(
+                        self.spec,
+                        group,
+                        job_dir=str(self.jd.path),
+                        lighthouse_port=self.lighthouse_port,
+                        store_port=store_port,
+                        restart=0 if fresh else restart,
+                        last_step=last_step,
+                        local_rank=local,
+                    ),
+                    "EKSFT_JOB_ATTEMPT": str(self.attempt),  # > 0: every group was lost, the job restarts
+                }
+            )
+            # rank 0 leads the group's process group, the others join it (within the supervisor's session:
+            # a process cannot join a group of another session)
+            ranks.append(self._spawn(group_argv(self.spec), env, log, ranks[0].pid if ranks else 0))
+        lead = ranks[0]
+        self.events.emit("launch", attempt=restart, node=group, pid=lead.pid, pgid=lead.pid)
+        return Group(group, log, tag, procs.identity(lead.pid), popen=lead, others=ranks[1:])
 
-    def _spawn(self, argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-        """A process of the job in its own session (signalled as a group), its output appended to ``log``."""
+    def _spawn(self, argv: list[str], env: dict[str, str], log: Path,
+               pgid: int | None = None) -> subprocess.Popen:
+        """A process of the job in its own session (signalled as a group), or in process group ``pgid``
+        (0: a new one it leads); its output appended to ``log``."""
         with open(log, "ab") as out:
             return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, cwd=self.jd.path, start_new_session=True)
+                                    stdin=subprocess.DEVNULL, cwd=self.jd.path,
+                                    start_new_session=pgid is None, process_group=pgid)
 
     def _watch(self) -> tuple[JobState, str] | None:
         while True:
@@ -146,8 +159,7 @@ class TorchftSupervisor(Supervisor):
             for i, (node, code) in enumerate(zip(self.nodes, codes)):
                 if done or (code in (None, 0) and node.index not in hung):
                     continue
-                cause, since = hung.get(node.index) or (f"replica group {node.index}'s rank was {_how(code)}",
-                                                        None)
+                cause, since = hung.get(node.index) or (self._lost(node, code), None)
                 if self.group_restarts.get(node.index, 0) >= self.spec.ft.max_job_restarts:
                     return JobState.FAILED, (
                         f"{cause}; no restarts left for it (max_job_restarts={self.spec.ft.max_job_restarts})"
@@ -155,41 +167,50 @@ class TorchftSupervisor(Supervisor):
                 self.nodes[i] = self._restart_group(node, cause, since)
             time.sleep(POLL_S)
 
+    def _lost(self, node: Group, code: int) -> str:
+        """Why a group that ended is lost: its rank's exit (which rank, where a group has several)."""
+        size = self.spec.nproc_per_node
+        which = "" if size == 1 else f" {node.lost_rank(size)}"
+        return f"replica group {node.index}'s rank{which} was {_how(code)}"
+
     def _hung(self) -> dict[int, tuple[str, float]]:
         """The running groups that hang (see the module's docstring): the cause, and since when."""
         now, hung = time.time(), {}
         limit = hang_after_s(statistics.median(self.recent_step_s or [0.0]))
+        size = self.spec.nproc_per_node
         for node in self.nodes:
-            try:
-                b = json.loads((self.jd.progress / f"rank-{node.index}.json").read_text())
-                mine = b["pid"] == node.pid
-                progress = (int(b["step_entered"]), int(b["step_done"]), bool(b["in_collective"]))
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
-            if not mine or node.poll() is not None:
-                continue
-            seen = self.beacons.get(node.index)
-            if seen is None or seen[0] != progress:
-                self.beacons[node.index] = (progress, now)
-                continue
-            entered, done, waiting = progress
-            if entered > done and not waiting and now - seen[1] > limit:
-                hung[node.index] = (
-                    f"replica group {node.index} hung: no progress in step {entered} for "
-                    f"{now - seen[1]:.0f} s (limit {limit:.0f} s), not waiting for its peers",
-                    seen[1],
-                )
+            for rank in node.ranks(size):
+                try:
+                    b = json.loads((self.jd.progress / f"rank-{rank}.json").read_text())
+                    mine = b["pid"] in node.pids
+                    progress = (int(b["step_entered"]), int(b["step_done"]), bool(b["in_collective"]))
+                except (OSError, ValueError, KeyError, TypeError):
+                    continue
+                if not mine or node.poll() is not None:
+                    continue
+                seen = self.beacons.get(rank)
+                if seen is None or seen[0] != progress:
+                    self.beacons[rank] = (progress, now)
+                    continue
+                entered, done, waiting = progress
+                if entered > done and not waiting and now - seen[1] > limit and node.index not in hung:
+                    which = "" if size == 1 else f" (its rank {rank})"
+                    hung[node.index] = (
+                        f"replica group {node.index} hung{which}: no progress in step {entered} for "
+                        f"{now - seen[1]:.0f} s (limit {limit:.0f} s), not waiting for its peers",
+                        seen[1],
+                    )
         return hung
 
-    def _restart_group(self, node: Node, cause: str, since: float | None = None) -> Node:
+    def _restart_group(self, node: Group, cause: str, since: float | None = None) -> Group:
         """A group was lost (its process died, or hung ``since`` then and is ended here): the survivors
         train on, and it restarts and heals from a peer."""
         detected, group = time.time(), node.index
         self._pump()
         procs.kill_marked(self.job_uid, node.tag)  # every process of the group (it may hang), what it left
-        if node.popen is not None:
-            node.popen.wait()
-        self.beacons.pop(group, None)
+        node.wait()
+        for rank in node.ranks(self.spec.nproc_per_node):
+            self.beacons.pop(rank, None)
         self.events.emit(
             "failure",
             level=RestartLevel.JOB,
@@ -213,15 +234,16 @@ class TorchftSupervisor(Supervisor):
         )
         return self._start_group(group, last_step=self.mon.last_step, fresh=False)
 
-    def _fault_time(self, node: Node, detected: float, since: float | None = None) -> float:
-        """An injected fault on the group (its rank, or the group as a node) dates its loss; else when it
-        last made progress (``since``: a hang), else the moment it was seen lost."""
+    def _fault_time(self, node: Group, detected: float, since: float | None = None) -> float:
+        """An injected fault on the group (one of its ranks, or the group as a node) dates its loss; else
+        when it last made progress (``since``: a hang), else the moment it was seen lost."""
         started = node.identity.get("started") or 0.0
+        ranks = node.ranks(self.spec.nproc_per_node)
         return max(
             (
                 f["t"]
                 for f in self.mon.faults
-                if node.index in (f["rank"], f.get("node")) and started <= f["t"] <= detected
+                if (f["rank"] in ranks or f.get("node") == node.index) and started <= f["t"] <= detected
             ),
             default=detected if since is None else since,
         )
@@ -233,6 +255,7 @@ class TorchftSupervisor(Supervisor):
         self._pump()
         for node in self.nodes:
             procs.kill_marked(self.job_uid, node.tag)
+            node.wait()
         lost = ", ".join(f"group {n.index} {_how(c)}" for n, c in zip(self.nodes, codes))
         cause = f"every replica group was lost ({lost}): no peer holds the job's state"
         # groups lost one after the other (a restarted one found no peer): dated by the first loss still open
@@ -269,14 +292,14 @@ class TorchftSupervisor(Supervisor):
                     # the first step committed after the fault took longer by the survivors' stall
                     lost["stall"] = max(0.0, e.t - lost["fault_time"] - lost["typical_step_s"])
             self.recent_step_s = [*self.recent_step_s[-(TYPICAL_STEPS - 1) :], e["step_time"]]
-        elif e.kind == "heal" and e.rank in self.lost:
-            lost = self.lost.pop(e.rank)
+        elif e.kind == "heal" and (group := e.rank // self.spec.nproc_per_node) in self.lost:
+            lost = self.lost.pop(group)   # a group's rank 0 reports its heal
             stall = lost["stall"] if lost["stall"] is not None else e.t - lost["fault_time"]
             self.events.emit(
                 "restart",
                 level=RestartLevel.JOB,
                 cause=lost["cause"],
-                blame_rank=e.rank,
+                blame_rank=group,
                 fault_time=lost["fault_time"],
                 detection_s=lost["detected"] - lost["fault_time"],
                 downtime_s=stall,
@@ -285,17 +308,20 @@ class TorchftSupervisor(Supervisor):
                 restored_from="peer",
                 group_downtime_s=e.t - lost["fault_time"],
                 skipped_batches=e["skipped_batches"],
-                replica_group=e.rank,
+                replica_group=group,
             )
             self.say(
-                f"replica group {e.rank} healed from a peer at step {e['step']}, "
+                f"replica group {group} healed from a peer at step {e['step']}, "
                 f"{e.t - lost['fault_time']:.1f}s after the fault (skipped {e['skipped_batches']} batches)"
             )
         elif e.kind == "step_discarded":
-            self.say(f"replica group {e.rank} threw step {e['step']} away: {e['reason']}")
+            group = e.rank // self.spec.nproc_per_node
+            self.say(f"replica group {group} threw step {e['step']} away: {e['reason']}")
 
     def _kill_everything(self, keep_standby: bool = False) -> None:
         super()._kill_everything(keep_standby)
+        for node in self.nodes:
+            node.wait()   # the groups' other ranks (ended with the marked processes above)
         if self.lighthouse is not None:
             self.lighthouse.wait()  # ended with the job's marked processes above
 
