@@ -263,22 +263,22 @@ HSDP_STEPS = 60
 
 
 @pytest.fixture(scope="module")
-def hsdp() -> Iterator[str]:
+def hsdp() -> Iterator[tuple[str, Listeners]]:
     """2 groups of 2 ranks (HSDP): group 1's rank 1 (rank 3) killed at step 3, while group 0 is paced
-    (1 s a step) until group 1 healed, then goes at full speed to the end."""
+    (1 s a step) until group 1 healed, then goes at full speed to the end. Its listeners sampled."""
     name = "tft-hsdp"
     spec = torchft_spec(name, nproc_per_node=2, steps=HSDP_STEPS, **{"checkpoint.every": CKPT_EVERY})
     commands.launch(spec, [pace(0, step=1, delay=1.0), FaultCommand("sigkill", rank=3, step=3)])
-    with watched(name):
+    with watched(name) as listeners:
         wait_for("group 1 to heal from group 0", until(name, "heal", 2), timeout=600)
         commands.inject_command(name, pace(0, delay=0.01, duration=1))
         wait_for("the job to end", lambda: of(name, "job_end"), timeout=600)
-    yield name
+    yield name, listeners
 
 
 @pytest.mark.slow
 def test_hsdp_a_ranks_sigkill_restarts_its_group_which_heals_and_the_job_ends_identical(hsdp) -> None:
-    name = hsdp
+    name, listeners = hsdp
     end = of(name, "job_end")[0]
     assert end["state"] == "succeeded" and end["final_step"] == HSDP_STEPS, story(name)
     # every step reported once, in order, by the rank 0 of the group first in its quorum
@@ -298,3 +298,6 @@ def test_hsdp_a_ranks_sigkill_restarts_its_group_which_heals_and_the_job_ends_id
              if i.state == CheckpointState.COMMITTED}
     assert HSDP_STEPS in ckpts, ckpts
     assert {p.name.split("_")[2] for p in ckpts[HSDP_STEPS].glob("*.distcp")} == {"0", "1"}, ckpts
+    # every rank, its group's process group and stores included, on loopback only
+    wide = {f"{ip}:{port}": w for (ip, port), w in listeners.seen.items() if not is_loopback(ip)}
+    assert "eksft_nb.engines.torchft.trainer" in " ".join(listeners.seen.values()) and not wide, wide

@@ -13,8 +13,9 @@ batches it did not train.
 A group is lost when one of its processes ends, or when it hangs: a rank's progress beacon shows it inside
 a step, not waiting for its peers, and unchanged for :func:`hang_after_s` (torchft's heartbeats go on from a
 thread, so the Lighthouse keeps a hung group in the quorum and the others would wait for it). When every
-group is lost, no peer holds the job's state: the job restarts as a whole (a new attempt) and every
-group loads the newest committed checkpoint, through the incident of the job-level tier.
+group is lost (or the others were restarted and have not healed yet), no peer holds the job's state: the
+job restarts as a whole (a new attempt) and every group loads the newest committed checkpoint, through
+the incident of the job-level tier.
 """
 
 from __future__ import annotations
@@ -151,7 +152,7 @@ class TorchftSupervisor(Supervisor):
             if not done and any(c not in (None, 0) for c in codes):
                 time.sleep(SETTLE_S)  # one fault may end several groups: see them all before acting
                 codes = [n.poll() for n in self.nodes]
-            if not done and all(c not in (None, 0) for c in codes):
+            if not done and self._stateless(codes):
                 if (ended := self._restart_job(codes)) is not None:
                     return ended
                 continue
@@ -166,6 +167,12 @@ class TorchftSupervisor(Supervisor):
                     )
                 self.nodes[i] = self._restart_group(node, cause, since)
             time.sleep(POLL_S)
+
+    def _stateless(self, codes: list[int | None]) -> bool:
+        """Whether no group holds the job's state: each was lost, or restarted and not healed yet (it
+        has none of its own, and would find no peer to heal from), and one was lost just now."""
+        return any(c not in (None, 0) for c in codes) and all(
+            c not in (None, 0) or n.index in self.lost for n, c in zip(self.nodes, codes))
 
     def _lost(self, node: Group, code: int) -> str:
         """Why a group that ended is lost: its rank's exit (which rank, where a group has several)."""
@@ -256,7 +263,8 @@ class TorchftSupervisor(Supervisor):
         for node in self.nodes:
             procs.kill_marked(self.job_uid, node.tag)
             node.wait()
-        lost = ", ".join(f"group {n.index} {_how(c)}" for n, c in zip(self.nodes, codes))
+        lost = ", ".join(f"group {n.index} {_how(c) if c is not None else 'restarting, not healed'}"
+                         for n, c in zip(self.nodes, codes))
         cause = f"every replica group was lost ({lost}): no peer holds the job's state"
         # groups lost one after the other (a restarted one found no peer): dated by the first loss still open
         fault_time = min([self._fault_time(n, detected) for n in self.nodes] +
