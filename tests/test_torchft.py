@@ -265,10 +265,11 @@ HSDP_STEPS = 60
 @pytest.fixture(scope="module")
 def hsdp() -> Iterator[tuple[str, Listeners]]:
     """2 groups of 2 ranks (HSDP): group 1's rank 1 (rank 3) killed at step 3, while group 0 is paced
-    (1 s a step) until group 1 healed, then goes at full speed to the end. Its listeners sampled."""
+    (5 s a step: room for a restart of its peer however slow) until group 1 healed, then goes at full
+    speed to the end. Its listeners sampled."""
     name = "tft-hsdp"
     spec = torchft_spec(name, nproc_per_node=2, steps=HSDP_STEPS, **{"checkpoint.every": CKPT_EVERY})
-    commands.launch(spec, [pace(0, step=1, delay=1.0), FaultCommand("sigkill", rank=3, step=3)])
+    commands.launch(spec, [pace(0, step=1, delay=5.0), FaultCommand("sigkill", rank=3, step=3)])
     with watched(name) as listeners:
         wait_for("group 1 to heal from group 0", until(name, "heal", 2), timeout=600)
         commands.inject_command(name, pace(0, delay=0.01, duration=1))
