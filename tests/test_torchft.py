@@ -7,7 +7,9 @@ ahead); a hung group is found by the supervisor, restarted, and heals while the 
 trains on; the loss of every group restarts the job from its newest checkpoint, loaded from the in-memory
 copy of the group that saved it. After each, the job ends with every step reported once and the groups'
 weights identical. Every process of the job listens on loopback only; what the engine does not take is
-refused in one line."""
+refused in one line. With 2 ranks per
+group (HSDP: FSDP inside a group, torchft across), a rank's SIGKILL loses its group, which restarts as a
+whole and heals rank by rank from its peer's shards."""
 
 from __future__ import annotations
 
@@ -268,7 +270,7 @@ def test_every_process_of_a_torchft_job_listens_on_loopback_only(matrix) -> None
     [
         ({"backend": "eks", "eks.image": "img"}, "runs its replica groups as a JobSet"),
         ({"nnodes": 1}, "2 or more replica groups"),
-        ({"nproc_per_node": 2}, "1 rank per replica group"),
+        ({"nproc_per_node": 2, "backend": "eks", "eks.image": "img"}, "1 rank per replica group on the eks"),
         ({"spare_nodes": 1}, "--spare-nodes is NVRx's"),
         ({"ft.soft_timeout": 3.0}, "--soft-timeout is an NVRx setting"),
     ],
@@ -302,3 +304,50 @@ def test_a_dry_run_shows_the_lighthouse_on_loopback_and_one_process_per_group() 
     shown = commands.dry_run(torchft_spec("tft-dry", nnodes=3))
     assert "torchft_lighthouse" in shown and "--bind 127.0.0.1:" in shown, shown
     assert shown.count("-m eksft_nb.engines.torchft.trainer") == 3 and "NUM_REPLICA_GROUPS=3" in shown, shown
+    hsdp = commands.dry_run(torchft_spec("tft-dry", nnodes=2, nproc_per_node=2))
+    assert hsdp.count("-m eksft_nb.engines.torchft.trainer") == 4 and "RANK=3\n" in hsdp, hsdp
+
+
+HSDP_STEPS = 60
+
+
+@pytest.fixture(scope="module")
+def hsdp() -> Iterator[tuple[str, Listeners]]:
+    """2 groups of 2 ranks (HSDP): group 1's rank 1 (rank 3) killed at step 3, while group 0 is paced
+    (5 s a step: room for a restart of its peer however slow) until group 1 healed, then goes at full
+    speed to the end. Its listeners sampled."""
+    name = "tft-hsdp"
+    spec = torchft_spec(name, nproc_per_node=2, steps=HSDP_STEPS, **{"checkpoint.every": CKPT_EVERY})
+    commands.launch(spec, [pace(0, step=1, delay=5.0), FaultCommand("sigkill", rank=3, step=3)])
+    with watched(name) as listeners:
+        wait_for("group 1 to heal from group 0", until(name, "heal", 2), timeout=600)
+        commands.inject_command(name, pace(0, delay=0.01, duration=1))
+        wait_for("the job to end", lambda: of(name, "job_end"), timeout=600)
+    yield name, listeners
+
+
+@pytest.mark.slow
+def test_hsdp_a_ranks_sigkill_restarts_its_group_which_heals_and_the_job_ends_identical(hsdp) -> None:
+    name, listeners = hsdp
+    end = of(name, "job_end")[0]
+    assert end["state"] == "succeeded" and end["final_step"] == HSDP_STEPS, story(name)
+    # every step reported once, in order, by the rank 0 of the group first in its quorum
+    assert [e["step"] for e in events(name, "step")] == list(range(1, HSDP_STEPS + 1)), story(name)
+    assert {e.rank for e in events(name, "step")} <= {0, 2}
+    failure = of(name, "failure")[0]
+    assert failure["blame_rank"] == 1 and "rank 3 was killed (SIGKILL)" in failure["cause"], failure.data
+    restart = of(name, "restart")[0]
+    heal = of(name, "heal", 2)[0]
+    assert restart["restored_from"] == "peer" and restart["resumed_step"] == heal["step"] >= 3, restart.data
+    assert restart["fault_time"] == fault(name, "sigkill")[0].t
+    # the final state, gathered within each group: all four ranks report the same weights
+    digests = {(e["replica_group"], e.rank): e["digest"] for e in of(name, "rank_end")}
+    assert set(digests) == {(0, 0), (0, 1), (1, 2), (1, 3)} and len(set(digests.values())) == 1, digests
+    # the checkpoints, saved by the group first in the quorum, sharded across its two ranks
+    ckpts = {i.step: i.path for i in list_checkpoints(JobDir.for_name(name).path / "ckpt")
+             if i.state == CheckpointState.COMMITTED}
+    assert HSDP_STEPS in ckpts, ckpts
+    assert {p.name.split("_")[2] for p in ckpts[HSDP_STEPS].glob("*.distcp")} == {"0", "1"}, ckpts
+    # every rank, its group's process group and stores included, on loopback only
+    wide = {f"{ip}:{port}": w for (ip, port), w in listeners.seen.items() if not is_loopback(ip)}
+    assert "eksft_nb.engines.torchft.trainer" in " ".join(listeners.seen.values()) and not wide, wide

@@ -38,11 +38,14 @@ def check(spec: JobSpec, faults: Sequence[Any] = ()) -> None:
             "group heals from a peer",
             "use e.g. --nnodes 2",
         )
-    if spec.nproc_per_node != 1:
+    if spec.nproc_per_node != 1 and (spec.script or spec.backend != "local"):
+        # HSDP (N ranks per group, FSDP inside it) runs the built-in trainer on the local backend: a
+        # cluster's group is one process in its pod or step, a script's group one process under the probe
+        where = "a --script" if spec.script else f"the {spec.backend} backend"
         raise SpecError(
-            f"--engine torchft runs 1 rank per replica group so far, got --nproc-per-node "
-            f"{spec.nproc_per_node}",
-            "use --nproc-per-node 1 (and --nnodes for more groups)",
+            f"--engine torchft runs 1 rank per replica group on {where} so far, got --nproc-per-node "
+            f"{spec.nproc_per_node} (HSDP runs the built-in trainer on the local backend)",
+            "use --nproc-per-node 1 (and --nnodes for more groups), or the built-in trainer locally",
         )
     if spec.spare_nodes:
         raise SpecError(

@@ -13,7 +13,7 @@ did not train.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,20 +33,24 @@ class Loss:
 
 
 def fault_time(faults: Iterable[dict[str, Any]], group: int, started: float, detected: float,
-               since: float | None = None) -> float:
-    """When group ``group`` was lost: an injected fault on it (its rank, or the group as a node) between
-    its start and ``detected``; else when it last made progress (``since``: a hang); else ``detected``."""
+               since: float | None = None, ranks: Collection[int] | None = None) -> float:
+    """When group ``group`` was lost: an injected fault on it (one of its ``ranks``, by default the one
+    numbered as the group; or the group as a node) between its start and ``detected``; else when it last
+    made progress (``since``: a hang); else ``detected``."""
+    ranks = (group,) if ranks is None else ranks
     return max((f["t"] for f in faults
-                if group in (f["rank"], f.get("node")) and started <= f["t"] <= detected),
+                if (f["rank"] in ranks or f.get("node") == group) and started <= f["t"] <= detected),
                default=detected if since is None else since)
 
 
 class LostGroups:
     """The groups lost and not yet healed, and the job's recent step times. ``emit(kind, **fields)``
-    publishes an event; ``say(text)`` narrates (the supervisor's log, a runner's output)."""
+    publishes an event; ``say(text)`` narrates (the supervisor's log, a runner's output); a group of
+    ``ranks_per_group`` ranks reports its heal from its rank 0."""
 
-    def __init__(self, emit: Callable[..., Any], say: Callable[[str], Any] = lambda text: None) -> None:
-        self.emit, self.say = emit, say
+    def __init__(self, emit: Callable[..., Any], say: Callable[[str], Any] = lambda text: None,
+                 ranks_per_group: int = 1) -> None:
+        self.emit, self.say, self.ranks_per_group = emit, say, ranks_per_group
         self.open: dict[int, Loss] = {}
         self.recent: list[tuple[float, float]] = []   # the last TYPICAL_STEPS steps: (committed at, time)
 
@@ -78,14 +82,15 @@ class LostGroups:
             for loss in self.open.values():
                 self._stalled(loss, e.t)
             self.recent = [*self.recent[-(TYPICAL_STEPS - 1):], (e.t, e["step_time"])]
-        elif e.kind == "heal" and e.rank in self.open:
-            loss = self.open.pop(e.rank)
+        elif e.kind == "heal" and e.rank is not None and (group := e.rank // self.ranks_per_group) in \
+                self.open:
+            loss = self.open.pop(group)
             stall = loss.stall if loss.stall is not None else e.t - loss.fault_time
-            self.emit("restart", level=RestartLevel.JOB, cause=loss.cause, blame_rank=e.rank,
+            self.emit("restart", level=RestartLevel.JOB, cause=loss.cause, blame_rank=group,
                       fault_time=loss.fault_time, detection_s=loss.detected - loss.fault_time,
                       downtime_s=stall,
                       rolled_back_steps=max(0, loss.last_step - e["step"]), resumed_step=e["step"],
                       restored_from="peer", group_downtime_s=e.t - loss.fault_time,
-                      skipped_batches=e["skipped_batches"], replica_group=e.rank)
-            self.say(f"replica group {e.rank} healed from a peer at step {e['step']}, "
+                      skipped_batches=e["skipped_batches"], replica_group=group)
+            self.say(f"replica group {group} healed from a peer at step {e['step']}, "
                      f"{e.t - loss.fault_time:.1f}s after the fault (skipped {e['skipped_batches']} batches)")

@@ -23,14 +23,16 @@ def group_env(
     store_port: int,
     restart: int = 0,
     last_step: int = 0,
+    local_rank: int = 0,
 ) -> dict[str, str]:
-    """The environment of replica group ``group``'s rank in a local job (one per group so far: it hosts
-    the group's store)."""
+    """The environment of replica group ``group``'s rank ``local_rank`` in a local job (its rank 0 hosts
+    the group's store at ``store_port``; its rank in the job is ``group * nproc_per_node + local_rank``)."""
     return {
         **loopback.env(),
         **job_env(spec, job_dir=job_dir, lighthouse=f"http://127.0.0.1:{lighthouse_port}",
                   host=hosts.LOCAL, store_port=store_port),
-        "RANK": str(group),
+        "RANK": str(group * spec.nproc_per_node + local_rank),
+        "LOCAL_RANK": str(local_rank),
         "GROUP_RANK": str(group),
         "REPLICA_GROUP_ID": str(group),
         RESTART_ENV: str(restart),
@@ -67,11 +69,14 @@ def render(spec: JobSpec, job_dir: str) -> str:
     """``--dry-run``: the Lighthouse's command line and each group's environment and command."""
     lines = [
         f"# job folder: {job_dir}",
-        "# torchft: the Lighthouse, then one process per replica group (ports are picked free at launch)",
+        "# torchft: the Lighthouse, then each replica group's processes, one per rank (ports are picked "
+        "free at launch)",
         " ".join(lighthouse.argv(29510)),
     ]
+    argv = " ".join(group_argv(spec))
     for group in range(spec.nnodes):
-        env = group_env(spec, group, job_dir=job_dir, lighthouse_port=29510, store_port=29520 + group)
-        argv = " ".join(group_argv(spec))
-        lines += [f"# replica group {group}", *(f"{k}={v}" for k, v in env.items()), argv]
+        for local in range(spec.nproc_per_node):
+            env = group_env(spec, group, job_dir=job_dir, lighthouse_port=29510, store_port=29520 + group,
+                            local_rank=local)
+            lines += [f"# replica group {group}, rank {local}", *(f"{k}={v}" for k, v in env.items()), argv]
     return "\n".join(lines)

@@ -25,7 +25,7 @@ class StepReport:
     loss: float | None
     tokens: int | None
     step_time: float
-    batches: int    # the replica groups whose batches the committed step trained (one rank each)
+    batches: int    # the ranks whose batches the committed step trained (every rank of its groups)
     t: float        # when the step ended
 
 
@@ -48,8 +48,9 @@ class StepReports:
     """One replica group's step reports (see the module's docstring): ``committed`` after each step it
     committed, ``after_quorum`` once each quorum returned."""
 
-    def __init__(self, s: Any, manager: Any) -> None:
-        self.s, self.manager = s, manager
+    def __init__(self, s: Any, manager: Any, report: bool = True) -> None:
+        # every rank of a group decides alike (a late report's save is the group's); ``report``: it emits
+        self.s, self.manager, self.emits = s, manager, report
         self.quorum = manager._client = QuorumSeen(manager._client)
         self.held: tuple[StepReport, set[str]] | None = None  # and the groups ranked before this one then
 
@@ -76,6 +77,6 @@ class StepReports:
         return None
 
     def report(self, r: StepReport) -> None:
-        if self.s.instrumented:
+        if self.s.instrumented and self.emits:
             self.s.emit("step", step=r.step, loss=r.loss, tokens=r.tokens, step_time=r.step_time,
                         batches=r.batches, t=r.t)

@@ -1,19 +1,21 @@
 """The built-in trainer as one torchft replica group (``python -m eksft_nb.engines.torchft.trainer``).
 
-One rank per group so far: it hosts its group's store (a Manager is only a store client), forms each
-step's quorum through the Lighthouse, all-reduces gradients across the groups in it (torchft DDP), and
-applies them only when the quorum commits the step. A group behind the quorum (restarted, or one that
+A group is one rank (torchft DDP) or, with ``--nproc-per-node N``, N ranks that shard the model with FSDP
+(torchft HSDP, see :mod:`.hsdp`). Its rank 0 hosts the group's store (a Manager is only a store client);
+the group forms each step's quorum through the Lighthouse, all-reduces gradients across the groups in it,
+and applies them only when the quorum commits the step. A group behind the quorum (restarted, or one that
 threw a step away) heals from a peer's live state and skips the batches it did not train.
 
-It reports through the one event schema: ``step`` for each committed step, once, by the group first in its
-quorum or, where that group threw it away, by the first that committed it, at the next quorum (:mod:`.steps`;
-after the last step every group takes one more quorum, which also heals a group that threw that step away),
-``quorum`` when its quorum changes, ``heal`` with the skipped batches, ``step_discarded`` when its gradients
-were thrown away.
+It reports through the one event schema, from its rank 0: ``step`` for each committed step, once, by the
+group first in its quorum or, where that group threw it away, by the first that committed it, at the next
+quorum (:mod:`.steps`; after the last step every group takes one more quorum, which also heals a group that
+threw that step away), ``quorum`` when its quorum changes, ``heal`` with the skipped batches,
+``step_discarded`` when its gradients were thrown away.
 
 Checkpoints cover the loss of every group: the group that reports a step saves it, if due, through the one
-checkpoint package (it holds the committed state, and only one group reports a step), so no two groups
-write one folder; the others only commit an async save of theirs that finished. Every group
+checkpoint package (sharded across its ranks; it holds the committed state, and only one group reports a
+step), so no two groups write one folder; the others only commit an async save of theirs that finished.
+Every group
 restores the same checkpoint when the whole job starts (``--resume``) or restarts after every group was
 lost (from the in-memory copy of the group that saved it, where it is on this host and checks out; else
 from storage, with why); a group restarted alone heals from a peer instead.
@@ -51,7 +53,7 @@ def main() -> None:
 
     install()  # the group's store, manager and checkpoint servers on the group's address alone (hosts.py)
     setup = {"imports": time.time()}  # each set-up phase -> when it ended (rank_start's t_setup)
-    # the group's process leads its process group (the supervisor starts it in a session of its own): the
+    # the group's ranks share one process group (its rank 0 leads it, see group.py): the
     # registry's kill-launcher, a whole replica group lost, kills that group, every rank of it
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     os.environ[LAST_STEP_ENV] = str(last_step(os.environ))   # before this process's beacon replaces it
@@ -86,15 +88,18 @@ class GroupTrainer:
         import torch
         import torch.distributed as dist
         from torch.distributed import TCPStore
-        from torchft import DistributedDataParallel, Manager, ProcessGroupGloo
+        from torchft import Manager, ProcessGroupGloo
 
         from ...runtime.checkpoint import ModelState
         from ...runtime.data import SyntheticCorpus
         from ...runtime.model import build_model
+        from .hsdp import join, replicate
 
         self.s, self.spec, self.setup = s, s.spec, setup if setup is not None else {}
         env, spec = os.environ, s.spec
         self.group = int(env["REPLICA_GROUP_ID"])
+        self.local_rank, size = s.info.local_rank, spec.nproc_per_node   # the rank within the group
+        self.lead = self.local_rank == 0   # the group's rank 0: it reports for the group
         self.last_step = int(env.get(LAST_STEP_ENV) or 0)
         if env.get(WARM_ENV) == "1" and spec.checkpoint.mode == "async":
             # forked from its zygote: its writer processes are forked too while no native thread runs yet
@@ -102,15 +107,18 @@ class GroupTrainer:
             s.checkpointing().writer.start()
         torch.set_num_threads(spec.threads_per_rank)
         port, host = int(env["MASTER_PORT"]), group_host()   # the peers reach this group's store there
-        self.store = TCPStore(host, port, is_master=True, wait_for_workers=False)
+        # the group's rank 0 hosts its store, its other ranks join it
+        self.store = TCPStore(host, port, is_master=self.local_rank == 0, wait_for_workers=False)
+        timeout = datetime.timedelta(seconds=TIMEOUT_S)
+        # the checkpoint package's collectives, and FSDP's with N ranks, run within the group
+        join(self.store, self.local_rank, size, s.checkpoint_group_timeout())
         vocab, d_model, n_layers, n_heads = spec.model.dims()
         self.model = build_model(
-            vocab, d_model, n_layers, n_heads, spec.seq, spec.seed, torch.device("cpu"), fsdp=False
+            vocab, d_model, n_layers, n_heads, spec.seq, spec.seed, torch.device("cpu"), fsdp=size > 1
         )
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=spec.lr)
         self.setup["model"] = time.time()
-        self.data = SyntheticCorpus(vocab, spec.seq, spec.batch, spec.seed, self.group)
-        timeout = datetime.timedelta(seconds=TIMEOUT_S)
+        self.data = SyntheticCorpus(vocab, spec.seq, spec.batch, spec.seed, s.rank)
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout),
             min_replica_size=1,
@@ -118,44 +126,45 @@ class GroupTrainer:
             state_dict=self._state,
             use_async_quorum=False,
             replica_id=f"group{self.group}",
-            rank=0,
-            world_size=1,
+            rank=self.local_rank,
+            world_size=size,
             store_addr=host,
             store_port=self.store.port,  # the one it took, where a cluster's group asks for any
             timeout=timeout,
             connect_timeout=timeout,
         )
         self.setup["manager"] = time.time()  # it heartbeats: the Lighthouse counts the group healthy
-        self.ddp = DistributedDataParallel(self.manager, self.model)
-        self.reports = StepReports(s, self.manager)
+        self.ddp = replicate(self.manager, self.model)
+        self.reports = StepReports(s, self.manager, report=self.lead)
         self.quorum_id: int | None = None
-        # the checkpoint package's collectives run within the group (one rank: a group of one)
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         self.ckpt = s.checkpoints(dist.group.WORLD)
-        self.ckpt.emit = s.emit  # every group reports its own saves (the session's filter is rank 0's)
-        # each group's staging buffers in shared memory of its own (all are rank 0 of their group); after
-        # every group was lost, a group restores from whichever group's copy on this host holds the newest
-        # committed checkpoint (one group saves each step), checked as its own would be
-        self.ckpt.shelf.bind(self.ckpt.job_uid, self.group, spec.nnodes)
-        self.ckpt.peer_copies = tuple(range(spec.nnodes))
+        if self.lead:
+            self.ckpt.emit = s.emit  # every group reports its own saves (the session's filter is rank 0's)
+        # each rank's staging buffers in shared memory of its own (its rank in the job); after every group
+        # was lost, a rank restores from the copy of the same rank of whichever group on this host holds
+        # the newest committed checkpoint (one group saves each step), checked as its own would be
+        self.ckpt.shelf.bind(self.ckpt.job_uid, s.rank, spec.world_size)
+        self.ckpt.peer_copies = tuple(g * size + self.local_rank for g in range(spec.nnodes))
         self.state = {"train": ModelState(self.model, self.optim), "torchft": self.manager}
         self.setup["wiring"] = time.time()  # DDP, the group's own process group, the checkpoint package
 
     def _state(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optim": self.optim.state_dict()}
+        from .hsdp import local_state
+
+        return local_state(self.model, self.optim)
 
     def _load(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optim.load_state_dict(state["optim"])
+        from .hsdp import load_local_state
+
+        load_local_state(self.model, self.optim, state)
 
     def train(self) -> None:
-        from torchft import DistributedDataParallel
-
         from ...runtime.model import loss_fn
         from ...runtime.session import InjectedFault
+        from .hsdp import replicate
 
         s, spec, manager = self.s, self.spec, self.manager
-        tokens_per_step = spec.batch * spec.seq
+        tokens_per_step = spec.batch * spec.seq * spec.nproc_per_node   # a group's
         restart = int(os.environ.get(RESTART_ENV) or 0)
         if not restart:  # the whole job (re)starts: every group from the same checkpoint
             self._restore()
@@ -185,19 +194,21 @@ class GroupTrainer:
             except InjectedFault as e:
                 manager.report_error(e)
                 # DDP's reducer was left mid-iteration: a fresh wrapper (cheap: it broadcasts nothing)
-                self.ddp = DistributedDataParallel(manager, self.model)
+                self.ddp = replicate(manager, self.model)
             if manager.should_commit():
                 self.optim.step()
                 took, value = time.perf_counter() - t0, float(loss.detach())
                 groups = manager.num_participants()
                 tokens = tokens_per_step * groups
                 s.step_end(step, value, tokens, took, report=False)
-                self.reports.committed(StepReport(step, value, tokens, took, groups, time.time()))
+                batches = groups * spec.nproc_per_node   # one a rank
+                self.reports.committed(StepReport(step, value, tokens, took, batches, time.time()))
                 if manager.participating_rank() == 0:  # it holds the committed state; no other group is first
+                    # (every rank of it: the save is sharded across them)
                     self.ckpt.maybe_save(step, self.state, last=step == spec.steps)
                 else:
                     self.ckpt.settle()
-            else:
+            elif self.lead:  # the group's vote: one rank's error throws the step away on every rank of it
                 error = manager.errored()
                 s.emit(
                     "step_discarded",
@@ -215,7 +226,7 @@ class GroupTrainer:
         newest that loads) into the model, the optimizer and the manager's step. A restart that finds none
         starts from step 0, said (a checkpoint skipped for an older one is said by the checkpoint package)."""
         step = self.ckpt.restore(self.state, self.spec.resume, self.s.restarting)
-        if step == 0 and self.s.restarting:
+        if step == 0 and self.s.restarting and self.lead:
             self.s.warn(
                 "fresh-start",
                 f"every replica group was lost and no checkpoint of this job loads: replica group "
@@ -233,22 +244,24 @@ class GroupTrainer:
         quorum_id = manager._quorum_id  # torchft 0.2.0 has no public accessor for it
         if quorum_id != self.quorum_id:
             self.quorum_id = quorum_id
-            self.s.emit("quorum", quorum_id=quorum_id, participants=manager.num_participants(), step=now)
+            if self.lead:
+                self.s.emit("quorum", quorum_id=quorum_id, participants=manager.num_participants(), step=now)
         if now < self.last_step:  # no group in the quorum holds the job's state any more
             raise JobError(
                 f"replica group {self.group} found no peer at step {self.last_step} or later to heal "
                 f"from (the quorum is at step {now}): every group that held the job's state was lost",
                 "the supervisor restarts every group from the newest checkpoint",
             )
-        if now != before:
+        if now != before and self.lead:
             trained = before or self.last_step  # a fresh process starts at 0: it trained up to last_step
             self.s.emit(
                 "heal", from_step=trained, step=now, skipped_batches=max(0, now - trained), heal_s=quorum_s
             )
 
     def _raise_in_backward(self, error: BaseException) -> None:
-        """Raise ``error`` at the end of this step's backward, after DDP has sent every gradient bucket
-        (so the peers' all-reduce completes) but before the optimizer: the step is then thrown away."""
+        """Raise ``error`` at the end of this step's backward, after every gradient went out to the other
+        groups (so the peers' all-reduce completes) but before the optimizer: the step is then thrown away
+        (by every rank of the group: their commit vote is one)."""
         from torch.autograd import Variable
 
         def fail() -> None:
@@ -259,15 +272,18 @@ class GroupTrainer:
             Variable._execution_engine.queue_callback(fail)
 
         # the token embedding's gradient is the last backward computes: DDP's reducer queued its own
-        # callback (which waits for every bucket's all-reduce) earlier, so it runs first
+        # callback (which waits for every bucket's all-reduce) earlier, so it runs first; FSDP calls the
+        # hook on the gradient's shard after its all-reduce hook, in its own end-of-backward callback
         handle = self.model.tok.weight.register_post_accumulate_grad_hook(hook)
 
     def digest(self) -> str:
-        """SHA-256 over the parameters in name order, as the NVRx trainer's."""
+        """SHA-256 over the full parameters in name order, as the NVRx trainer's (sharded: gathered within
+        the group, a collective; every rank of a group reports the same)."""
         h = hashlib.sha256()
         for name, p in sorted(self.model.named_parameters()):
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
             h.update(name.encode())
-            h.update(p.detach().cpu().contiguous().numpy().tobytes())
+            h.update(full.detach().cpu().contiguous().numpy().tobytes())
         return h.hexdigest()[:16]
 
 
