@@ -201,8 +201,9 @@ def test_a_whole_group_lost_heals_from_its_peer_which_reports_the_steps_meanwhil
     back = of(name, "heal", rank=0, after=lost.t)[0]
     restart = next(e for e in of(name, "restart") if e["fault_time"] == lost.t)
     assert restart["restored_from"] == "peer" and restart["resumed_step"] == back["step"], restart.data
-    # group 1, first in the quorum while group 0 was lost, reported the steps
-    assert {e.rank for e in of(name, "step") if lost.t < e.t < back.t} == {1}
+    # group 1, first in the quorum while group 0 was lost, reported the steps committed meanwhile (none if
+    # group 0, forked warm, was back before group 1's next quorum)
+    assert {e.rank for e in of(name, "step") if lost.t < e.t < back.t} <= {1}
 
 
 @pytest.mark.slow
