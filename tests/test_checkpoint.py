@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import pickle
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -384,6 +385,25 @@ def test_old_checkpoints_are_pruned_to_keep_last(tmp_path: Path, group: Any,
     mgr = _manager(tmp_path, group, "sync", [], process)
     for step in (5, 10, 15, 20):
         mgr.maybe_save(step, _state(model, step))
+    assert [i.step for i in list_checkpoints(tmp_path)] == [15, 20]
+
+
+def test_a_save_in_flight_by_another_writer_is_not_pruned_while_newer_than_the_oldest_kept(
+        tmp_path: Path, group: Any, process: CheckpointProcess) -> None:
+    """torchft: the group that saved before another took over may still be writing an older step when
+    the other commits a newer one; that commit's prune must not remove the folder under its writer."""
+    model = torch.nn.Linear(8, 8)
+    mgr = _manager(tmp_path, group, "sync", [], process)
+    for step in (5, 10):
+        mgr.maybe_save(step, _state(model, step))
+    folder = list_checkpoints(tmp_path)[-1].path
+    in_flight = folder.with_name(folder.name.replace("10", "12"))   # another writer's, no commit record yet
+    shutil.copytree(folder, in_flight)
+    (in_flight / "commit.json").unlink()
+    mgr.maybe_save(15, _state(model, 15))
+    assert [(i.step, i.state) for i in list_checkpoints(tmp_path)] == [
+        (10, "committed"), (12, "incomplete"), (15, "committed")]
+    mgr.maybe_save(20, _state(model, 20))   # older than every kept one now: debris, removed
     assert [i.step for i in list_checkpoints(tmp_path)] == [15, 20]
 
 

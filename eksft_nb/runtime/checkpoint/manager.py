@@ -364,12 +364,19 @@ class CheckpointManager:
             self.emit("checkpoint", phase="failed", step=step, error=reasons, retry="next step")
 
     def _prune(self, newest: int) -> None:
+        """Keep the newest ``keep_last`` committed checkpoints. A folder not committed is left while it is
+        newer than the oldest kept: it may be a save still in flight by another writer (torchft: the group
+        that saved before another took over), which its own writer commits, or a later prune removes."""
         infos = list_checkpoints(self.root)
         committed = [i for i in infos if i.state == CheckpointState.COMMITTED]
         keep = {i.step for i in committed[-self.keep_last:]}
+        oldest_kept = min(keep, default=newest)
         for info in infos:
-            if info.step not in keep and info.step < newest:
-                shutil.rmtree(info.path, ignore_errors=True)
+            if info.step in keep or info.step >= newest:
+                continue
+            if info.state != CheckpointState.COMMITTED and info.step > oldest_kept:
+                continue
+            shutil.rmtree(info.path, ignore_errors=True)
 
     def finish(self) -> None:
         if self.pending is not None:
