@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shutil
@@ -76,6 +77,14 @@ def machine() -> dict[str, Any]:
             "cpu": cpu, "load_avg": load_avg(), "python": platform.python_version(),
             "torch": torch.__version__,
             "nvrx": nvrx, "time": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def save(result: dict[str, Any], out: Path, stem: str, stamp: str | None = None) -> Path:
+    """Write one standalone bench's results as ``out/STEM-STAMP.json`` (stamp: now) and return the path."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{stem}-{stamp or time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(result, indent=1, default=str))
+    return path
 
 
 @contextmanager

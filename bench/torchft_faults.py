@@ -18,7 +18,6 @@ It is not a part of ``python -m bench`` (that set is shared with the compare par
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -30,7 +29,7 @@ from eksft_nb.events import Event, read_all
 from eksft_nb.jobdir import JobDir
 from eksft_nb.spec import JobSpec, ModelConfig
 
-from .common import fmt, load_avg, machine, private_home, table
+from .common import fmt, load_avg, machine, private_home, save, table
 
 FAULTS = ("sigkill", "kill-launcher", "hang", "exception", "every-group")
 STEPS = 100_000  # stopped once the last fault recovered
@@ -129,9 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     with private_home():
         result = {"machine": machine(), **run(args.repeats)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"torchft-faults-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    path.write_text(json.dumps(result, indent=1, default=str))
+    path = save(result, args.out, "torchft-faults")
     print(report(result))
     print(f"results: {path}")
     return 0

@@ -18,7 +18,6 @@ of ``python -m bench``.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import subprocess
 import sys
@@ -32,7 +31,7 @@ from eksft_nb.job import launch
 from eksft_nb.resilience.compare import engine_specs, plan
 from eksft_nb.spec import JobSpec
 
-from .common import fmt, load_avg, machine, private_home, table
+from .common import fmt, load_avg, machine, private_home, save, table
 from .compare import EVERY, QUICK, SEED
 
 SETUP = ("imports", "session", "model", "manager", "wiring")
@@ -117,8 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     keep.mkdir(parents=True, exist_ok=True)
     with private_home():
         result = {"machine": machine(), "runs": [one_run(i, args.burners, keep) for i in range(args.runs)]}
-    path = args.out / f"torchft-rejoin-{stamp}.json"
-    path.write_text(json.dumps(result, indent=1, default=str))
+    path = save(result, args.out, "torchft-rejoin", stamp)
     print(report(result))
     print(f"results: {path}; events and logs: {keep}")
     return 0
