@@ -35,7 +35,7 @@ SPEC = {"model.preset": "small", "steps": 1_000_000, "checkpoint.every": 10, "ft
 
 def run(quick: bool, window_s: tuple[float, float] | None = None) -> dict[str, Any]:
     """``window_s``: (duration, fault period) instead of the defaults (a shortened run)."""
-    duration, period = window_s or ((20.0, 10.0) if quick else (600.0, 120.0))  # quick: the tests, CI time
+    duration, period = window_s or ((12.0, 6.0) if quick else (600.0, 120.0))  # quick: the tests, CI time
     # --quick (the tests) runs one reference, the async one, for every configuration
     references = {mode: window(f"goodput-ref-{mode}", {"checkpoint.mode": mode}, duration, None)
                   for mode in (("async",) if quick else ("async", "sync"))}

@@ -89,6 +89,9 @@ def free_base() -> int:
 
 
 def config(d: Path, ports: list[int], names: tuple[str, str]) -> str:
+    """A requeued job may start ``cred_expire`` s after its requeue (Slurm's rule), and only the main
+    scheduler's periodic pass starts it then (the backfill's skips a pass when no job or node changed): that
+    pass runs every second, not every 60 s (which added up to a minute to each requeue of the tests)."""
     ctld, slurmd, *node_ports = ports
     nodes = "\n".join(f"NodeName={n} NodeHostname=localhost Port={p} CPUs=2 RealMemory=4000 State=UNKNOWN"
                       for n, p in zip(names, node_ports))
@@ -109,6 +112,7 @@ SlurmdPort={slurmd}
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=1
 SelectType=select/cons_tres
 ReturnToService=2
 MpiDefault=none
