@@ -35,6 +35,7 @@ from eksft_nb.engines.torchft.hosts import HOST_ENV, endpoint
 from eksft_nb.errors import EksftError
 from eksft_nb.control import FaultCommand
 from eksft_nb.events import decode_lines, read_all
+from eksft_nb.goodput import missing_batches
 from eksft_nb.job import Job
 from eksft_nb.monitor import JobMonitor
 from eksft_nb.spec import JobSpec
@@ -163,7 +164,9 @@ def losses(mon: JobMonitor, heals: list) -> tuple[dict, dict, dict]:
     assert heal["step"] > heal["from_step"] >= 1, heal
     assert heal["skipped_batches"] == heal["step"] - heal["from_step"], heal
     assert restart["resumed_step"] == heal["step"] and restart["skipped_batches"] == heal["skipped_batches"]
-    assert mon.skipped_batches == heal["skipped_batches"]   # the heal reached the job's events too
+    # the steps committed while group 1 was away lacked its batch: the one count of skipped batches agrees
+    # with the heal's (a replaced EKS pod reads its step from a beacon written once a second: one more)
+    assert 0 <= heal["skipped_batches"] - missing_batches(mon) <= 1, (heal, missing_batches(mon))
     assert 0 < restart["downtime_s"] < restart["group_downtime_s"], restart
     return failure, restart, heal
 
