@@ -202,22 +202,25 @@ def groups_state_check(case: JobMonitor, reference: JobMonitor, events: Sequence
     missing = sorted(set(reference.steps.step) - set(case.steps.step))
     if missing:
         return "differs", f"{len(missing)} of the reference's steps never committed (first: {missing[0]})"
-    ref, got = _losses(reference), _losses(case)
-    early = [s for s in ref if s < fault_step and s in got and _rel(got[s], ref[s]) > tolerance]
-    if early:
-        return "differs", (f"loss at step {early[0]}, before the fault, is {got[early[0]]:.5g}, the "
-                           f"reference's {ref[early[0]]:.5g} (tolerance {100 * tolerance:g} %)")
-    final, ref_final = final_loss(case), final_loss(reference)
-    share = missing_batches(case) / max(1, len(ref) * (case.world_size or 1))
-    if final is None or ref_final is None or _rel(final, ref_final) > tolerance + share:
-        return "differs", (f"final loss {_g(final)}, the reference's {_g(ref_final)} (tolerance "
-                           f"{100 * tolerance:g} % + {100 * share:.1f} % of batches skipped)")
+    ref, got, skipped = _losses(reference), _losses(case), missing_batches(case)
+    loss = "the job reports no loss (a script), so its loss is not compared"
+    if ref:
+        early = [s for s in ref if s < fault_step and s in got and _rel(got[s], ref[s]) > tolerance]
+        if early:
+            return "differs", (f"loss at step {early[0]}, before the fault, is {got[early[0]]:.5g}, the "
+                               f"reference's {ref[early[0]]:.5g} (tolerance {100 * tolerance:g} %)")
+        final, ref_final = final_loss(case), final_loss(reference)
+        share = skipped / max(1, len(ref) * (case.world_size or 1))   # of the reference's batches
+        allowed = f"{100 * tolerance:g} % + {100 * share:.1f} % (the batches skipped)"
+        if final is None or ref_final is None or _rel(final, ref_final) > tolerance + share:
+            return "differs", f"final loss {_g(final)}, the reference's {_g(ref_final)} (tolerance {allowed})"
+        loss = (f"the loss before the fault within {100 * tolerance:g} % of the reference's, the final loss "
+                f"{final:.4g} within {allowed} of its {ref_final:.4g}")
+    why = f": the steps a group was away trained without its {skipped} batches" if skipped else \
+        ", though no batch was skipped"
+    steps = len(set(reference.steps.step))
     return "consistent", (f"every replica group ended with digest {digest} (not the reference's "
-                          f"{reference.digest}: the steps a group was away trained without its batches); all "
-                          f"{len(ref)} of the reference's steps committed, the loss before the fault within "
-                          f"{100 * tolerance:g} % of the reference's, the final loss {final:.4g} within "
-                          f"{100 * tolerance:g} % + {100 * share:.1f} % (batches skipped) of its "
-                          f"{ref_final:.4g}")
+                          f"{reference.digest}{why}); all {steps} of the reference's steps committed; {loss}")
 
 
 def _g(v: float | None) -> str:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..backends import get_backend
+from ..engines.torchft.checks import fires
 from ..errors import EksftError
 from ..goodput import compute
 from ..job import Job
@@ -43,10 +44,10 @@ def run_test(launch: Callable[..., object], spec: JobSpec, kinds: Sequence[Fault
     if refused:   # known before any job runs (whether a script's saves are eksft's: after its reference)
         raise EksftError(f"the {spec.backend} backend cannot deliver {', '.join(refused)}",
                          "leave it out of --faults")
-    unfired = [f"{k.value} ({why})" for k in kinds or () if (why := engine_refuses(k, spec))]
-    if unfired:
+    unfired = [k.value for k in kinds or () if engine_refuses(k, spec)]
+    if unfired:   # known before any job runs too (the case's launch would refuse it after the reference)
         raise EksftError(f"--faults names kinds the {spec.engine} engine cannot fire: {', '.join(unfired)}",
-                         "leave them out of --faults")
+                         f"leave them out of --faults (it fires {', '.join(fires(spec) or ())})")
     names = [f"{spec.name}-ref",
              *(f"{spec.name}-{k.value}"[:63].rstrip("-") for k in (kinds or list(FaultKind)))]
     taken = sorted({j.name for j in backend.jobs()} & set(names))
