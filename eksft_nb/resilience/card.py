@@ -180,18 +180,18 @@ def _group_recoveries(fired: list[dict[str, Any]], mon: JobMonitor, events: Sequ
 
 def groups_state_check(case: JobMonitor, reference: JobMonitor, events: Sequence[Event], fault_step: int,
                        tolerance: float = LOSS_TOLERANCE) -> tuple[str, str]:
-    """A torchft job's final state (see :func:`state_check` for the rest): ``match`` where every group
-    ended with the reference's digest. A group healed from a peer legitimately ends elsewhere (the steps it
-    was away trained without its batches), so otherwise ``consistent`` where what a healthy job keeps
-    holds: every rank's final digest (its ``rank_end``) the same, every step of the reference's committed,
-    each loss before the fault within ``tolerance`` of the reference's (the same job until then), and the
-    final loss within ``tolerance`` plus the share of batches skipped; else ``differs``."""
+    """A torchft job's final state: ``match`` where every group ended with the reference's digest. A group
+    healed from a peer legitimately ends elsewhere (the steps it was away trained without its batches), so
+    otherwise ``consistent`` where what a healthy job keeps holds: every rank's final digest (its
+    ``rank_end``) the same, every step of the reference's committed, each loss before the fault within
+    ``tolerance`` of the reference's (the same job until then), and the final loss within ``tolerance`` plus
+    the share of batches skipped; else ``differs``."""
     ends = {e.rank: (e.get("replica_group", e.rank), e.get("digest")) for e in events
             if e.kind == "rank_end" and e.rank is not None}
     silent = [r for r in range(case.world_size or 0) if not ends.get(r, (None, None))[1]]
     if silent or not ends:
-        return "differs", (f"rank(s) {', '.join(map(str, silent))} reported no final digest: their replica "
-                           "group did not train to the job's end")
+        who = f"rank(s) {', '.join(map(str, silent))}" if silent else "no rank"
+        return "differs", f"{who} reported no final digest: their replica group did not train to the end"
     digests = {d for _, d in ends.values()}
     if len(digests) > 1:
         shown = ", ".join(f"group {g} {d}" for g, d in sorted(set(ends.values())))
