@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 from IPython.core.error import UsageError
 
+from eksft_nb.engines.torchft.checks import FAULTS as TORCHFT_FAULTS
 from eksft_nb.errors import EksftError
 from eksft_nb.events import make
+from eksft_nb.goodput import missing_batches
 from eksft_nb.monitor import JobMonitor
 from eksft_nb.resilience import expect, plan
 from eksft_nb.resilience.card import Row, junit, state_check, table
@@ -24,6 +26,10 @@ from jobs import cli, events, job_dir
 REPO = Path(__file__).resolve().parents[1]
 
 T0 = 1_000_000.0
+# a group killed at step 30 (--at-step: a torchft job's first async save committed only at step 128 of 200 in
+# its reference, 14 s in, which would leave the faults little room) comes back and heals well before the end
+# (2.5 s, 50 steps, on a quiet machine)
+TORCHFT_STEPS = 200
 
 
 # ---- expectations ------------------------------------------------------------------------------
@@ -170,6 +176,9 @@ def test_bad_input_is_refused_before_any_job_runs(ip: object, tmp_path: Path) ->
     assert proc.returncode == 2 and "unknown expectation 'lvl'" in proc.stderr, proc.stderr
     proc = cli("test", "--name", "bad", "--faults", "sigkil")
     assert proc.returncode == 2 and "did you mean sigkill" in proc.stderr, proc.stderr
+    proc = cli("test", "--name", "bad", "--engine", "torchft", "--nnodes", "2", "--nproc-per-node", "1",
+               "--faults", "sigkill,segfault")
+    assert proc.returncode == 2 and "the torchft engine cannot fire: segfault" in proc.stderr, proc.stderr
     proc = cli("test", "--name", "bad", "--junit", str(tmp_path / "no" / "card.xml"))
     assert proc.returncode == 2 and "does not exist" in proc.stderr, proc.stderr
     with pytest.raises(UsageError, match="unknown expectation"):
@@ -332,3 +341,106 @@ def test_a_row_reads_the_cases_events() -> None:
     assert not r["passed"] and r["why"][0].startswith("the fault never fired (scheduled at step 10")
     r = row(case, case_job(True, state="failed"), ref, checks, "")
     assert r["level"] is None and r["why"] == ["the job did not heal: it ended failed"]
+
+
+# ---- torchft ------------------------------------------------------------------------------------
+
+TORCHFT = JobSpec(name="t", engine="torchft", nnodes=2, nproc_per_node=1)
+
+
+def test_a_torchft_plan_takes_the_kinds_its_engine_fires() -> None:
+    p = plan.build(TORCHFT, reference(), "t")
+    assert [c.kind.value for c in p.cases] == [k.value for k in FaultKind if k.value in TORCHFT_FAULTS]
+    assert set(p.skipped) == {k.value for k in FaultKind} - set(TORCHFT_FAULTS)
+    fires = ", ".join(TORCHFT_FAULTS)
+    assert p.skipped["segfault"] == f"the torchft engine cannot fire it (it fires {fires})"
+
+
+def torchft_case(case: plan.Case, digests: tuple[str, ...], healed: bool = True) -> tuple[JobMonitor, list]:
+    """A torchft case job over the reference's 20 steps: group 1's rank killed at step 10, restarted by the
+    supervisor, healed from group 0 at step 12 (steps 10-12 trained without its batch); each rank's digest."""
+    cause = "replica group 1's rank was killed (SIGKILL)"
+    evs = [make("fault", "t", rank=1, t=T0 + 9.5, fault="sigkill", id=case.faults[0].id, target_rank=1,
+                at_step=10),
+           make("failure", "t", t=T0 + 9.7, level="job", cause=cause, blame_rank=1, fault_time=T0 + 9.5,
+                detected_at=T0 + 9.7)]
+    if healed:
+        evs += [make("rank_start", "t", rank=1, t=T0 + 11.0, pid=7, host="h", job_attempt=0, injob_restart=0,
+                     inprocess_iteration=0, world_size=2, start_step=0, t_enter=T0 + 10.2),
+                make("heal", "t", rank=1, t=T0 + 12.6, from_step=9, step=12, skipped_batches=3, heal_s=0.4),
+                make("restart", "t", t=T0 + 12.6, level="job", cause=cause, blame_rank=1, fault_time=T0 + 9.5,
+                     detection_s=0.2, downtime_s=0.8, rolled_back_steps=0, resumed_step=12,
+                     restored_from="peer", group_downtime_s=3.1, skipped_batches=3, replica_group=1)]
+    evs += [make("rank_end", "t", rank=r, t=T0 + 20.5, final_step=20, digest=d, replica_group=r)
+            for r, d in enumerate(digests)]
+    evs.append(make("job_end", "t", t=T0 + 21, state="succeeded", reason="all 20 steps done", final_step=20,
+                    digest=digests[-1]))
+    mon = reference()
+    mon.steps.batches[9:12] = [1, 1, 1]   # group 0 alone
+    mon.update(evs)
+    return mon, evs
+
+
+def test_a_torchft_row_reads_the_groups_recovery_and_fails_where_they_diverged() -> None:
+    from eksft_nb.resilience.card import row
+
+    [case] = plan.build(TORCHFT, reference(), "t", [FaultKind.SIGKILL]).cases
+    ref = reference()
+    ref.digest = "d1"
+    checks = expect.parse("level<=job, lost<=0, state=reference")
+    mon, evs = torchft_case(case, ("d2", "d2"))
+    r = healthy = row(case, mon, ref, checks, "", events=evs)
+    assert (r["level"], r["restored_from"], r["lost"], r["skipped_batches"]) == ("job", "peer", 0, 3)
+    assert (r["detection_s"], r["downtime_s"]) == (0.2, 0.8) and r["passed"], r
+    assert r["state_check"] == "consistent"   # healed from a peer: never the reference's digest, said why
+    assert r["state_detail"].startswith("every replica group ended with digest d2 (not the reference's d1")
+    mon, evs = torchft_case(case, ("d2", "d3"))
+    r = row(case, mon, ref, checks, "", events=evs)
+    assert r["state_check"] == "differs" and not r["passed"], r
+    assert r["why"] == ["state: the replica groups ended with different weights (group 0 d2, group 1 d3)"]
+    # group 1 never came back before the job ended: not healed, and its rank reported no digest
+    mon, evs = torchft_case(case, ("d2",), healed=False)
+    r = row(case, mon, ref, checks, "", events=evs)
+    assert r["level"] is None and r["state_check"] == "differs" and not r["passed"], r
+    assert r["why"][0].startswith("the replica group of rank 1 was lost and had not healed from a peer"), r
+    text = table({"job": "t", "expect": [], "reference": {}, "rows": [healthy], "skipped": {}, "problem": "",
+                  "passed": True})
+    assert "restored from peer; 3 batches skipped" in text and "consistent" in text, text
+
+
+@pytest.mark.slow
+def test_torchft_groups_heal_each_fault_and_the_card_reads_how(tmp_path: Path) -> None:
+    pytest.importorskip("torchft")
+    rc, card, narration, failures = run_test(
+        "rtft", "--engine", "torchft", "--nnodes", "2", "--nproc-per-node", "1", "--steps",
+        str(TORCHFT_STEPS), "--ckpt-every", "5", "--at-step", "30", "--faults", "sigkill,exception",
+        "--expect", "level<=job, lost<=0, state=reference", tmp=tmp_path)
+    rows = {r["case"]: r for r in card["rows"]}
+    assert list(rows) == ["sigkill", "exception"] and card["skipped"] == {}, narration[-3000:]
+    ref_digest = card["reference"]["digest"]
+    for r in rows.values():
+        evs = events(r["job"])
+        mon = JobMonitor()
+        mon.update(evs)
+        assert r["fired"] and [e["fault"] for e in events(r["job"], "fault")] == [r["fault"]], r
+        assert r["passed"] and r["why"] == [] and r["lost"] == 0, (r, narration[-3000:])
+        assert r["skipped_batches"] == missing_batches(mon), r
+        assert r["restored_from"] == "peer" and [e["step"] for e in events(r["job"], "heal")], r
+        # every group's final digest the same: the reference's, or (a group healed from a peer after
+        # training steps without it) consistent with it
+        ends = {e["digest"] for e in events(r["job"], "rank_end")}
+        assert len(ends) == 1, ends
+        assert r["state_check"] == ("match" if ends == {ref_digest} else "consistent"), r
+    # a step thrown away inside backward: healed from a peer without a restart, nothing skipped
+    x = rows["exception"]
+    assert x["level"] == "none" and x["downtime_s"] == 0.0 and x["skipped_batches"] == 0, x
+    assert events(x["job"], "step_discarded") and not events(x["job"], "restart"), x
+    # a rank killed: its group restarted by the supervisor and healed from its peer, which trained on
+    s = rows["sigkill"]
+    [restart] = events(s["job"], "restart")
+    assert s["level"] == "job" and restart["restored_from"] == "peer" and restart["replica_group"] == 1, s
+    assert s["downtime_s"] == pytest.approx(restart["downtime_s"], abs=1e-3) and s["skipped_batches"] > 0, s
+    [digest] = {e["digest"] for e in events(s["job"], "rank_end")}
+    assert s["state_check"] == "consistent" and digest != ref_digest, s
+    assert s["state_detail"].startswith(f"every replica group ended with digest {digest} (not the "), s
+    assert rc == 0 and card["passed"] and failures == {"exception": [], "sigkill": []}

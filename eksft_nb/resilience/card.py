@@ -8,11 +8,13 @@ import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from typing import Any, TypedDict
 
-from ..events import RESTART_PHASES
+from ..events import RESTART_PHASES, Event
+from ..goodput import missing_batches
 from ..incidents import phases_text
 from ..monitor import JobMonitor
 from ..states import JobState
 from .expect import LEVELS, Expectation
+from .ledger import final_loss, recovery
 from .plan import Case
 
 LOSS_TOLERANCE = 0.02   # a job without a digest: each step's loss within 2 % of the reference's
@@ -30,7 +32,9 @@ class Row(TypedDict):
     downtime_s: float | None
     phases: dict[str, float]
     lost: int | None
-    state_check: str           # match | differs | unchecked
+    restored_from: str | None  # where the healed state came from: memory, storage, peer (torchft)
+    skipped_batches: int       # the batches the kept steps lacked (torchft: a group away or healing)
+    state_check: str           # match | consistent (torchft: see groups_state_check) | differs | unchecked
     state_detail: str
     passed: bool
     why: list[str]
@@ -93,30 +97,33 @@ def _rel(a: float, b: float) -> float:
 
 
 def row(case: Case, mon: JobMonitor, reference: JobMonitor, expect: Sequence[Expectation], end: str,
-        tolerance: float = LOSS_TOLERANCE, state: JobState | None = None) -> Row:
+        tolerance: float = LOSS_TOLERANCE, state: JobState | None = None,
+        events: Sequence[Event] | None = None) -> Row:
     """The card's row for a case job whose events ``mon`` has folded; ``end``: why waiting stopped
-    ("" when the job ended by itself); ``state``: how it ended (default: as its events say)."""
+    ("" when the job ended by itself); ``state``: how it ended (default: as its events say); ``events``:
+    a torchft job's events (its groups recover without a restart of the job, and each reports its end)."""
     ids = {f.id for f in case.faults}
     fired = [f for f in mon.faults if f["id"] in ids]
-    first_t = min((f["t"] for f in fired), default=None)
-    healed = [r for r in mon.restarts if first_t is not None and r["fault_time"] >= first_t - 1.0]
     state = state or mon.state
-    level: str | None = None
-    if fired and state == JobState.SUCCEEDED:
-        level = max((r["level"] for r in healed), key=LEVELS.index, default="none")
-    phases = {p: round(sum((r.get("phases") or {}).get(p, 0.0) for r in healed), 3) for p in RESTART_PHASES}
-    check, detail = state_check(mon, reference, tolerance) if state == JobState.SUCCEEDED else \
-        ("unchecked", f"the job ended {state.value}" + (f" ({mon.reason})" if mon.reason else ""))
-    none = level == "none"   # absorbed without a restart: nothing detected, down or lost
+    ended_well = bool(fired) and state == JobState.SUCCEEDED
+    outcome, why = _restarts(fired, mon, ended_well) if events is None else \
+        _group_recoveries(fired, mon, events, ended_well)
+    if state != JobState.SUCCEEDED:
+        check = "unchecked"
+        detail = f"the job ended {state.value}" + (f" ({mon.reason})" if mon.reason else "")
+    elif events is None:
+        check, detail = state_check(mon, reference, tolerance)
+    else:
+        check, detail = groups_state_check(mon, reference, events, case.step, tolerance)
+    note = "; ".join(n for n in (case.note, outcome.pop("note", "")) if n)
     out: Row = {"case": case.kind.value, "job": case.job, "fault": case.kind.value, "target": case.target,
-                "at_step": case.step, "fired": len(fired) == len(case.faults), "level": level,
-                "detection_s": round(healed[0]["detection_s"], 3) if healed else (0.0 if none else None),
-                "downtime_s": round(sum(r["downtime_s"] for r in healed), 3) if healed else
-                (0.0 if none else None),
-                "phases": phases if healed else {},
-                "lost": sum(r["rolled_back_steps"] for r in healed) if healed else (0 if none else None),
-                "state_check": check, "state_detail": detail, "passed": False, "why": [], "note": case.note}
-    why = [end] if end else []
+                "at_step": case.step, "fired": len(fired) == len(case.faults), "level": outcome["level"],
+                "detection_s": outcome["detection_s"], "downtime_s": outcome["downtime_s"],
+                "phases": outcome["phases"], "lost": outcome["lost"],
+                "restored_from": outcome["restored_from"],
+                "skipped_batches": missing_batches(mon), "state_check": check, "state_detail": detail,
+                "passed": False, "why": [], "note": note}
+    why = ([end] if end else []) + why
     if len(fired) < len(case.faults):
         why.append(f"the fault never fired (scheduled at step {case.step}; the job reached step "
                    f"{mon.max_step})")
@@ -129,6 +136,97 @@ def row(case: Case, mon: JobMonitor, reference: JobMonitor, expect: Sequence[Exp
     return out
 
 
+def _restarts(fired: list[dict[str, Any]], mon: JobMonitor,
+              ended_well: bool) -> tuple[dict[str, Any], list[str]]:
+    """An NVRx job's recovery: the restarts since the first fault (a fault may be healed with the next)."""
+    first_t = min((f["t"] for f in fired), default=None)
+    healed = [r for r in mon.restarts if first_t is not None and r["fault_time"] >= first_t - 1.0]
+    level = max((r["level"] for r in healed), key=LEVELS.index, default="none") if ended_well else None
+    none = level == "none"   # absorbed without a restart: nothing detected, down or lost
+    phases = {p: round(sum((r.get("phases") or {}).get(p, 0.0) for r in healed), 3) for p in RESTART_PHASES}
+    return {"level": level,
+            "detection_s": round(healed[0]["detection_s"], 3) if healed else (0.0 if none else None),
+            "downtime_s": round(sum(r["downtime_s"] for r in healed), 3) if healed else
+            (0.0 if none else None),
+            "phases": phases if healed else {},
+            "lost": sum(r["rolled_back_steps"] for r in healed) if healed else (0 if none else None),
+            "restored_from": next((r["restored_from"] for r in healed if r.get("restored_from")), None)}, []
+
+
+def _group_recoveries(fired: list[dict[str, Any]], mon: JobMonitor, events: Sequence[Event],
+                      ended_well: bool) -> tuple[dict[str, Any], list[str]]:
+    """A torchft job's recovery, each fault's read as ``compare`` reads it (:func:`.ledger.recovery`): a
+    group lost is restarted by the backend (level ``job``) and heals from a peer; a step thrown away is
+    healed from a peer without a restart (``none``); nothing rolls back. The job's downtime is the other
+    groups' stall; the phases are the lost group's way back. A group still away at the job's end failed."""
+    recs = [recovery(f, mon, events) for f in fired]
+    seen = [r for r in recs if r["level"] is not None]
+    why = [f"the replica group of rank {r['rank']} was lost and had not healed from a peer when the job "
+           f"ended, {r['away_s']:.1f}s after the fault" for r in recs if r["away_s"] is not None]
+    level = max((r["level"] for r in seen), key=LEVELS.index, default="none") if ended_well and not why \
+        else None
+    none = level == "none" and not seen   # absorbed (a straggler): nothing detected, down or lost
+    back = sum(r["recovery_s"] for r in seen if r["level"] == "job")
+    return {"level": level,
+            "detection_s": round(seen[0]["detection_s"], 3) if seen else (0.0 if none else None),
+            "downtime_s": round(sum(r["stall_s"] for r in seen), 3) if seen else (0.0 if none else None),
+            "phases": {p: round(sum(r["phases"].get(p, 0.0) for r in seen), 3) for p in RESTART_PHASES}
+            if seen else {},
+            "lost": sum(r["steps_lost"] for r in seen) if seen else (0 if none else None),
+            "restored_from": next((r["restored_from"] for r in seen if r["restored_from"]), None),
+            "note": f"downtime is the other groups' stall; the lost group was back {back:.2f}s after the "
+                    "fault (its phases)" if back else ""}, why
+
+
+def groups_state_check(case: JobMonitor, reference: JobMonitor, events: Sequence[Event], fault_step: int,
+                       tolerance: float = LOSS_TOLERANCE) -> tuple[str, str]:
+    """A torchft job's final state: ``match`` where every group ended with the reference's digest. A group
+    healed from a peer legitimately ends elsewhere (the steps it was away trained without its batches), so
+    otherwise ``consistent`` where what a healthy job keeps holds: every rank's final digest (its
+    ``rank_end``) the same, every step of the reference's committed, each loss before the fault within
+    ``tolerance`` of the reference's (the same job until then), and the final loss within ``tolerance`` plus
+    the share of batches skipped; else ``differs``."""
+    ends = {e.rank: (e.get("replica_group", e.rank), e.get("digest")) for e in events
+            if e.kind == "rank_end" and e.rank is not None}
+    silent = [r for r in range(case.world_size or 0) if not ends.get(r, (None, None))[1]]
+    if silent or not ends:
+        who = f"rank(s) {', '.join(map(str, silent))}" if silent else "no rank"
+        return "differs", f"{who} reported no final digest: their replica group did not train to the end"
+    digests = {d for _, d in ends.values()}
+    if len(digests) > 1:
+        shown = ", ".join(f"group {g} {d}" for g, d in sorted(set(ends.values())))
+        return "differs", f"the replica groups ended with different weights ({shown})"
+    digest = digests.pop()
+    if digest == reference.digest:
+        return "match", f"every replica group's final digest {digest} is the reference's"
+    missing = sorted(set(reference.steps.step) - set(case.steps.step))
+    if missing:
+        return "differs", f"{len(missing)} of the reference's steps never committed (first: {missing[0]})"
+    ref, got, skipped = _losses(reference), _losses(case), missing_batches(case)
+    loss = "the job reports no loss (a script), so its loss is not compared"
+    if ref:
+        early = [s for s in ref if s < fault_step and s in got and _rel(got[s], ref[s]) > tolerance]
+        if early:
+            return "differs", (f"loss at step {early[0]}, before the fault, is {got[early[0]]:.5g}, the "
+                               f"reference's {ref[early[0]]:.5g} (tolerance {100 * tolerance:g} %)")
+        final, ref_final = final_loss(case), final_loss(reference)
+        share = skipped / max(1, len(ref) * (case.world_size or 1))   # of the reference's batches
+        allowed = f"{100 * tolerance:g} % + {100 * share:.1f} % (the batches skipped)"
+        if final is None or ref_final is None or _rel(final, ref_final) > tolerance + share:
+            return "differs", f"final loss {_g(final)}, the reference's {_g(ref_final)} (tolerance {allowed})"
+        loss = (f"the loss before the fault within {100 * tolerance:g} % of the reference's, the final loss "
+                f"{final:.4g} within {allowed} of its {ref_final:.4g}")
+    why = f": the steps a group was away trained without its {skipped} batches" if skipped else \
+        ", though no batch was skipped"
+    steps = len(set(reference.steps.step))
+    return "consistent", (f"every replica group ended with digest {digest} (not the reference's "
+                          f"{reference.digest}{why}); all {steps} of the reference's steps committed; {loss}")
+
+
+def _g(v: float | None) -> str:
+    return "none" if v is None else f"{v:.5g}"
+
+
 def table(card: Card) -> str:
     """The card as text: one line per case, its phases and why it failed under it."""
     lines = [f"resilience test of {card['job']}: " + ("PASSED" if card["passed"] else "FAILED"),
@@ -137,15 +235,20 @@ def table(card: Card) -> str:
         lines.append(f"  FAIL  {card['problem']}")
     head = f"  {'fault':<20}{'target':<9}{'step':>5}  {'level':<10}{'detect':>8}{'downtime':>10}" \
            f"{'lost':>6}  " \
-           f"{'state':<10}result"
+           f"{'state':<12}result"
     if card["rows"]:
         lines.append(head)
     for r in card["rows"]:
         lines.append(f"  {r['fault']:<20}{r['target']:<9}{r['at_step'] or '-':>5}  {r['level'] or '-':<10}"
                      f"{_s(r['detection_s']):>8}{_s(r['downtime_s']):>10}{_n(r['lost']):>6}  "
-                     f"{r['state_check']:<10}{'pass' if r['passed'] else 'FAIL'}")
+                     f"{r['state_check']:<12}{'pass' if r['passed'] else 'FAIL'}")
         if r["phases"]:
             lines.append(f"      phases: {phases_text(r['phases'])}")
+        if r["restored_from"] or r["skipped_batches"]:
+            lines.append(f"      restored from {r['restored_from'] or '-'}; {r['skipped_batches']} batches "
+                         "skipped (steps trained without them)")
+        if r["state_check"] == "consistent":
+            lines.append(f"      state: {r['state_detail']}")
         if r["note"]:
             lines.append(f"      note: {r['note']}")
         lines += [f"      why: {w}" for w in r["why"]]

@@ -23,7 +23,8 @@ OPS: dict[str, Callable[[Any, Any], bool]] = {"<=": operator.le, ">=": operator.
 KEYS = {"level": "who healed it (none, inprocess, injob, job)",
         "downtime": "seconds from fault to the next step",
         "detection": "seconds from fault to its detection", "lost": "steps rolled back",
-        "state": "the final state (reference: the same as the fault-free run's)"}
+        "state": "the final state (reference: the same as the fault-free run's, or for a torchft job "
+                 "healed from a peer consistent with it)"}
 CLAUSE = re.compile(r"^\s*([a-z]+)\s*(<=|>=|==|<|>|=)\s*(\S+)\s*$")
 EXAMPLE = 'e.g. --expect "level<=injob, downtime<5s, lost<=10, state=reference"'
 DEFAULT = "state=reference"
@@ -44,7 +45,9 @@ class Expectation:
     def check(self, outcome: dict[str, Any]) -> str:
         """"" when ``outcome`` (a card row) meets it, else why not."""
         if self.key == "state":
-            return "" if outcome["state_check"] == "match" else f"state: {outcome['state_detail']}"
+            # consistent: a torchft job whose groups healed from a peer (see card.groups_state_check)
+            ok = outcome["state_check"] in ("match", "consistent")
+            return "" if ok else f"state: {outcome['state_detail']}"
         if self.key == "level":
             actual = outcome["level"]
             ok = actual is not None and OPS[self.op](LEVELS.index(actual), self.value)

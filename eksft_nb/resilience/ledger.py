@@ -33,7 +33,6 @@ def ledger(events: Sequence[Event], world_size: int, batch: int) -> dict[str, An
     clean = median(mon.steps.step_time) if len(mon.steps) else 0.0
     skipped_batches = missing_batches(mon)
     steps_lost = sum(r["rolled_back_steps"] for r in mon.restarts)
-    losses = [x for x in mon.steps.loss[-LAST_LOSSES:] if x is not None]
     return {
         "state": mon.state.value,
         "reason": mon.reason,
@@ -47,9 +46,15 @@ def ledger(events: Sequence[Event], world_size: int, batch: int) -> dict[str, An
         "skipped_batches": skipped_batches,
         "samples_skipped": skipped_batches * batch,
         "lost_step_equivalents": round(steps_lost + skipped_batches / world_size, 3),
-        "final_loss": round(sum(losses) / len(losses), 5) if losses else None,
+        "final_loss": None if (final := final_loss(mon)) is None else round(final, 5),
         "digest": mon.digest,
     }
+
+
+def final_loss(mon: JobMonitor) -> float | None:
+    """The mean of the last steps' losses (None: they reported none)."""
+    losses = [x for x in mon.steps.loss[-LAST_LOSSES:] if x is not None]
+    return sum(losses) / len(losses) if losses else None
 
 
 def recovery(fault: dict[str, Any], mon: JobMonitor, events: Sequence[Event]) -> dict[str, Any]:

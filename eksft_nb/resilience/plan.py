@@ -1,9 +1,9 @@
 """The fault plan of a resilience test: which fault kinds apply to a job, at which step each case
 fires, and how long the whole test should take.
 
-The kinds and their scopes come from :class:`~eksft_nb.states.FaultKind` (the one registry); this
-module only says what a kind needs of a job to mean anything. The plan is built from the job's
-fault-free reference run, so it is the same on every backend.
+The kinds and their scopes come from :class:`~eksft_nb.states.FaultKind` (the one registry), and what
+the torchft engine fires from its checks; this module only says what a kind needs of a job to mean
+anything. The plan is built from the job's fault-free reference run, so it is the same on every backend.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ..control import FaultCommand
+from ..engines.torchft.checks import fires
 from ..errors import EksftError
 from ..fault_registry import REGISTRY
 from ..monitor import JobMonitor
@@ -127,16 +128,28 @@ def build(spec: JobSpec, reference: JobMonitor, base: str, kinds: Iterable[Fault
     return plan
 
 
+def engine_refuses(kind: FaultKind, spec: JobSpec) -> str:
+    """Why ``spec``'s engine cannot fire ``kind`` ("" when it can): the torchft engine's own list."""
+    takes = fires(spec)
+    if takes is None or kind.value in takes:
+        return ""
+    return f"the torchft engine cannot fire it{' in a --script' if spec.script else ''} (it fires " \
+           f"{', '.join(takes)})"
+
+
 def _why_not(kind: FaultKind, spec: JobSpec, eksft_saves: bool, refused: set[str]) -> str:
     if kind.value in refused:
         return f"the {spec.backend} backend cannot deliver it"
+    if why := engine_refuses(kind, spec):
+        return why
     if kind in STORAGE_KINDS and not eksft_saves:
         return "it acts on checkpoints eksft writes, and the reference run showed none"
     return ""
 
 
 def _case(kind: FaultKind, spec: JobSpec, job: str, step: int) -> Case:
-    rank = spec.world_size - 1
+    # the last rank; torchft: the last replica group's first (it reports the group's thrown-away step, heal)
+    rank = spec.world_size - 1 if spec.engine != "torchft" else (spec.nnodes - 1) * spec.nproc_per_node
     faults = [_command(kind, rank, step)]
     note = ""
     if kind in FOLLOW_UP:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..backends import get_backend
+from ..engines.torchft.checks import fires
 from ..errors import EksftError
 from ..goodput import compute
 from ..job import Job
@@ -19,7 +20,7 @@ from ..states import FaultKind, JobState
 from ..timeouts import resolved
 from . import card as cards
 from . import expect as expectations
-from .plan import Case, build
+from .plan import Case, build, engine_refuses
 
 POLL_S = 0.5
 REFERENCE_TIMEOUT_S = 3600.0
@@ -43,6 +44,10 @@ def run_test(launch: Callable[..., object], spec: JobSpec, kinds: Sequence[Fault
     if refused:   # known before any job runs (whether a script's saves are eksft's: after its reference)
         raise EksftError(f"the {spec.backend} backend cannot deliver {', '.join(refused)}",
                          "leave it out of --faults")
+    unfired = [k.value for k in kinds or () if engine_refuses(k, spec)]
+    if unfired:   # known before any job runs too (the case's launch would refuse it after the reference)
+        raise EksftError(f"--faults names kinds the {spec.engine} engine cannot fire: {', '.join(unfired)}",
+                         f"leave them out of --faults (it fires {', '.join(fires(spec) or ())})")
     names = [f"{spec.name}-ref",
              *(f"{spec.name}-{k.value}"[:63].rstrip("-") for k in (kinds or list(FaultKind)))]
     taken = sorted({j.name for j in backend.jobs()} & set(names))
@@ -53,7 +58,8 @@ def run_test(launch: Callable[..., object], spec: JobSpec, kinds: Sequence[Fault
     card: cards.Card = {"job": spec.name, "expect": [c.text for c in checks], "reference": {}, "rows": [],
                         "skipped": {}, "problem": "", "passed": False}
     ref_name = names[0]
-    most = len([k for k in kinds or FaultKind if k.value not in backend.refused_faults])
+    most = len([k for k in kinds or FaultKind
+                if k.value not in backend.refused_faults and not engine_refuses(k, spec)])
     say(f"running the fault-free reference {ref_name} first: up to {most} case(s) follow, each about as long "
         "as it plus a recovery (its checkpoints set the step the faults fire at)")
     if folders:
@@ -85,6 +91,7 @@ def run_test(launch: Callable[..., object], spec: JobSpec, kinds: Sequence[Fault
         r = card["rows"][-1]
         healed = "absorbed without a restart" if r["level"] == "none" else \
             f"healed at level {r['level'] or '-'}"
+        healed += f", restored from {r['restored_from']}" if r["restored_from"] else ""
         why = f"; {'; '.join(r['why'])}" if r["why"] else ""
         say(f"  {'pass' if r['passed'] else 'FAIL'}: {healed}{why}")
         on_row(card)
@@ -96,8 +103,11 @@ def _run_case(launch: Callable[..., object], spec: JobSpec, case: Case, ref: Job
               checks: list[expectations.Expectation], wall: float, tolerance: float) -> cards.Row:
     launch(spec.replace(name=case.job), list(case.faults))
     budget = 3 * wall + 300.0 + resolved(spec).ft.heartbeat_timeout * len(case.faults)
-    mon, state, end = _follow(Job(case.job, get_backend(spec.backend)), budget)
-    return cards.row(case, mon, ref, checks, end, tolerance, state)
+    backend = get_backend(spec.backend)
+    mon, state, end = _follow(Job(case.job, backend), budget)
+    # a torchft job's groups recover without a restart of the job: its events tell how, and each group's end
+    events = backend.events(case.job).read() if spec.engine == "torchft" else None
+    return cards.row(case, mon, ref, checks, end, tolerance, state, events)
 
 
 def _work_folders(spec: JobSpec, backend: str, names: list[str]) -> dict[str, Path]:

@@ -68,11 +68,19 @@ def check(spec: JobSpec, faults: Sequence[Any] = ()) -> None:
     check_faults(spec, faults)
 
 
+def fires(spec: JobSpec) -> tuple[str, ...] | None:
+    """The faults ``spec``'s torchft job fires (None: not a torchft job, which this module does not limit)."""
+    if spec.engine != "torchft":
+        return None
+    return SCRIPT_FAULTS if spec.script else FAULTS
+
+
 def check_faults(spec: JobSpec, faults: Sequence[Any]) -> None:
     """Refuse a fault the torchft engine cannot fire (scheduled at launch, or injected into a running job)."""
-    if spec.engine != "torchft":
+    takes = fires(spec)
+    if takes is None:
         return
-    takes, where = (SCRIPT_FAULTS, " in a --script") if spec.script else (FAULTS, "")
+    where = " in a --script" if spec.script else ""
     for f in faults:
         if f.fault not in takes:
             raise SpecError(
