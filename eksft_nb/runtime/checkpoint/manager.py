@@ -79,7 +79,8 @@ class CheckpointManager:
         self.shelf = self.stager.shelf  # where the staged buffers live, and the record of the copy they hold
         self.shelf.bind(self.job_uid, rank, world_size)
         # the ranks (of the shelf's world) whose in-memory copies a restore may load besides the shelf's own:
-        # none, but for a torchft replica group every group's (each holds the whole state)
+        # none, but for a torchft rank the same rank of every replica group (the groups shard alike, and one
+        # group saves each step)
         self.peer_copies: tuple[int, ...] = ()
         # step folders to clear before saving there, see _clear; None: not listed yet
         self.ahead: set[int] | None = None
