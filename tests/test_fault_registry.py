@@ -66,7 +66,7 @@ def test_a_fault_that_raises_leaves_the_next_due_one_queued_not_lost(tmp_path: P
 def test_an_injected_exception_that_a_library_raised_again_is_still_the_fault() -> None:
     """A timed fault may land inside library code that wraps what it caught (an import, a collective's
     set-up): the rank's error is still the injected fault, not an exception of its own."""
-    from eksft_nb.runtime.session import InjectedFault, error_origin
+    from eksft_nb.runtime.session import InjectedFault, error_origin, error_text
 
     def wrapped(chain: bool) -> BaseException:
         try:
@@ -81,3 +81,8 @@ def test_an_injected_exception_that_a_library_raised_again_is_still_the_fault() 
 
     assert error_origin(wrapped(True)) == "fault" and error_origin(wrapped(False)) == "fault"
     assert error_origin(RuntimeError("the script's own")) == "exception"
+    # the rank's error names the fault, not the wrapper's message (DTensor appends its sharding propagation)
+    fault = "InjectedFault: injected exception on rank 1"
+    assert error_text(wrapped(True)) == f"{fault} (raised again as ImportError)"
+    assert error_text(InjectedFault("injected exception on rank 1")) == fault
+    assert error_text(RuntimeError("the script's own")) == "RuntimeError: the script's own"

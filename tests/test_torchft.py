@@ -339,7 +339,9 @@ def test_hsdp_a_ranks_sigkill_restarts_its_group_which_heals_and_the_job_ends_id
     assert failure["blame_rank"] == 1 and "rank 3 was killed (SIGKILL)" in failure["cause"], failure.data
     restart = of(name, "restart")[0]
     heal = of(name, "heal", 2)[0]
-    assert restart["restored_from"] == "peer" and restart["resumed_step"] == heal["step"] >= 3, restart.data
+    # rank 3 was killed entering step 3: step 2 is the last both groups committed; group 0 may have
+    # committed more alone, or none if group 1 was back before its next quorum formed
+    assert restart["restored_from"] == "peer" and restart["resumed_step"] == heal["step"] >= 2, restart.data
     assert restart["fault_time"] == fault(name, "sigkill")[0].t
     # the final state, gathered within each group: all four ranks report the same weights
     digests = {(e["replica_group"], e.rank): e["digest"] for e in of(name, "rank_end")}

@@ -180,8 +180,9 @@ class Session:
                   t_enter=t_enter if t_enter is not None else _process_start(), **extra)
 
     def rank_error(self, e: BaseException) -> None:
-        """Report the exception this rank is failing with, and whose it is (see :func:`error_origin`)."""
-        self.emit("rank_error", error=f"{type(e).__name__}: {e}"[:500], step=self.step_entered or None,
+        """Report the exception this rank is failing with (see :func:`error_text`), and whose it is (see
+        :func:`error_origin`)."""
+        self.emit("rank_error", error=error_text(e)[:500], step=self.step_entered or None,
                   origin=error_origin(e), waiting=raised_in_collective(e))
 
     def heartbeat(self) -> None:
@@ -346,18 +347,35 @@ def raised_in_collective(e: BaseException) -> bool:
     return False
 
 
+def injected_fault(e: BaseException) -> InjectedFault | None:
+    """The injected fault behind ``e``: ``e`` itself, or the one library code caught and raised again as
+    its own error (``raise ... from``, or while handling it)."""
+    seen: set[int] = set()
+    cause: BaseException | None = e
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, InjectedFault):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def error_text(e: BaseException) -> str:
+    """``Type: message``; an injected fault that library code raised again as its own error reads as the
+    fault, the wrapper named (DTensor, for one, appends its sharding propagation to the message)."""
+    fault = injected_fault(e)
+    if fault is None:
+        return f"{type(e).__name__}: {e}"
+    return f"InjectedFault: {fault}" + ("" if fault is e else f" (raised again as {type(e).__name__})")
+
+
 def error_origin(e: BaseException) -> str:
     """Whose failure it is: this rank's ("fault" injected, "exception" of its own), a peer's ("peer":
     a collective failed because another rank went away or stalled), or the in-process monitor's
     ("interrupted": this rank or a peer stopped making progress). An injected fault that library code
     caught and raised again as its own error (``raise ... from``, or while handling it) is still the fault."""
-    seen: set[int] = set()
-    cause: BaseException | None = e
-    while cause is not None and id(cause) not in seen:
-        if isinstance(cause, InjectedFault):
-            return "fault"
-        seen.add(id(cause))
-        cause = cause.__cause__ or cause.__context__
+    if injected_fault(e) is not None:
+        return "fault"
     name, text = type(e).__name__, str(e)
     if name == "RankShouldRestart":
         return "interrupted"
