@@ -59,7 +59,9 @@ def test_a_users_torchft_script_heals_a_killed_group_throws_a_failed_step_away_a
     sizes = [e["participants"] for e in of(name, "quorum", rank=0)]
     assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, sizes  # both, group 0 alone, both again
     heal = of(name, "heal", rank=1)[0]
-    assert heal["step"] > heal["from_step"] >= 2, heal
+    # group 1 was killed entering step 3 (from_step: the job's last step when its loss was seen); group 0
+    # may have committed steps alone (batches group 1 skipped), or none if group 1 was back before it did
+    assert heal["step"] >= heal["from_step"] >= 2, heal
     assert heal["skipped_batches"] == heal["step"] - heal["from_step"], heal
     restart = of(name, "restart")[0]
     assert restart["blame_rank"] == 1 and restart["restored_from"] == "peer", restart
