@@ -5,6 +5,7 @@
 #               dashboard test) and run the test suite
 #   make demo   set up and run the headless demo only
 #   make bench  set up and run the benchmarks (make bench-quick: the short version)
+#   make docs   set up and build the docs site (docs/, Sphinx + MyST) into build/docs/html
 
 PYTHON ?= python3
 VENV := .venv
@@ -16,7 +17,7 @@ CHROMIUM := /usr/lib/chromium/chromium
 LAB_PORT ?= 8888
 DEMO_NAME ?= demo-$(shell date +%H%M%S)
 
-.PHONY: setup lab demo test bench bench-quick chromium prometheus slurm system-tools clean
+.PHONY: setup lab demo test bench bench-quick docs chromium prometheus slurm system-tools clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -112,6 +113,13 @@ bench: setup
 
 bench-quick: setup
 	$(PY) -m bench --quick
+
+# The docs site, as tests/test_docs.py builds it (warnings are errors); the tutorials are the committed
+# notebooks, not run. Python only: it needs neither the JupyterLab extension nor NVRx's second release.
+DOCS_OUT := build/docs
+docs: $(VENV)/.installed
+	$(PY) -m sphinx -W --keep-going -q -b html -d $(DOCS_OUT)/doctrees docs $(DOCS_OUT)/html
+	@echo "docs: $(DOCS_OUT)/html/index.html"
 
 clean:
 	rm -rf $(VENV) .pytest_cache build dist *.egg-info nbext/node_modules nbext/lib eksft_nb/labextension
