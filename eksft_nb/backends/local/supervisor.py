@@ -60,7 +60,7 @@ POLL_S = 0.2
 STANDBY_MODULE = "eksft_nb.backends.local.standby"   # a local job's ft_launcher (see its module)
 UNKNOWN_EXIT = -256    # an adopted launcher ended (not our child: its exit status is unknown)
 
-TORCHFT_SUPERVISOR = "eksft_nb.engines.torchft.supervisor"   # the supervisor of an --engine torchft job
+TORCHFT_SUPERVISOR = "eksft_nb.backends.local.torchft"   # the supervisor of an --engine torchft job
 UNRECORDED = 3         # the supervisor's exit status when the job ended but writing that down failed
 
 
