@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import hashlib
 import json
 import math
@@ -23,16 +24,17 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 import yaml
 
 from .errors import SpecError
+from .states import EngineName
 from .timeouts import resolved
 
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 BACKENDS = ("local", "eks", "slurm")
-ENGINES = ("nvrx", "torchft")
 
 
-def opt(default: Any, flag: str, help: str, **kw: Any) -> Any:
-    """A dataclass field with its command-line flag and help text."""
-    meta = {"flag": flag, "help": help}
+def opt(default: Any, flag: str, help: str, choices: type[enum.Enum] | None = None, **kw: Any) -> Any:
+    """A dataclass field with its command-line flag and help text (``choices``: the enum whose values are
+    the field's only ones; the field holds the value itself, as a file names it)."""
+    meta = {"flag": flag, "help": help, **({"choices": tuple(c.value for c in choices)} if choices else {})}
     if callable(default) and not isinstance(default, (str, int, float, bool)):
         return field(default_factory=default, metadata=meta, **kw)
     return field(default=default, metadata=meta, **kw)
@@ -231,10 +233,11 @@ class JobSpec:
                     "job name: a DNS-1123 label, since it becomes a Kubernetes name and a folder")
     backend: Literal["local", "eks", "slurm"] = opt("local", "--backend",
                                                     "local (ranks on this machine), eks or slurm")
-    engine: Literal["nvrx", "torchft"] = opt(
-        "nvrx", "--engine", "nvrx: restart the group (in-process, in-job, job) and resume from a checkpoint; "
+    engine: str = opt(
+        EngineName.NVRX.value, "--engine",
+        "nvrx: restart the group (in-process, in-job, job) and resume from a checkpoint; "
         "torchft: replica groups (one per --nnodes) train on through a per-step quorum, a lost one heals "
-        "from a peer")
+        "from a peer", choices=EngineName)
     nnodes: int = opt(1, "--nnodes", "nodes (one ft_launcher each); with --engine torchft, replica groups")
     nproc_per_node: int = opt(2, "--nproc-per-node", "ranks per node")
     spare_nodes: int = opt(0, "--spare-nodes",
@@ -274,8 +277,9 @@ class JobSpec:
                 "starting and ending with a letter or digit, at most 63 characters)",
                 f"use e.g. --name {_suggest_name(n)}",
             )
-        if self.engine not in ENGINES:
-            raise SpecError(f"unknown engine {_show(self.engine)}", "use --engine nvrx or --engine torchft")
+        if self.engine not in list(EngineName):
+            raise SpecError(f"unknown engine {_show(self.engine)}",
+                            f"use {' or '.join(f'--engine {e}' for e in EngineName)}")
         if self.backend not in BACKENDS:
             raise SpecError(f"unknown backend {self.backend!r}",
                             f"use --backend {' or --backend '.join(BACKENDS)}")
@@ -511,6 +515,7 @@ def _walk_options(cls: type, prefix: str, instance: Any) -> Iterator[SpecOption]
             yield from _walk_options(type(value), f"{prefix}{f.name}.", value)
             continue
         base, optional, choices = _unwrap(hints[f.name])
+        choices = f.metadata.get("choices", choices)
         yield SpecOption(f"{prefix}{f.name}", f.metadata["flag"], base, optional, choices, f.metadata["help"],
                          value)
 

@@ -11,7 +11,7 @@ from kubernetes_validate.utils import all_versions
 
 from ...errors import SpecError
 from ...spec import DNS1123_LABEL, JobSpec
-from . import names
+from . import engine_parts, names
 from .instances import lookup
 from .sizing import GiB, gib, min_memory, quantity, rank_floor, shm_size
 
@@ -46,13 +46,7 @@ def check(spec: JobSpec) -> JobSpec:
         raise SpecError("--spare-nodes needs pods that wait in ft_launcher's rendezvous; the "
                         "PyTorchJob operator "
                         "sizes the world itself", "use --kind job (or jobset) for hot spares")
-    if spec.engine == "torchft" and e.kind != "jobset":
-        raise SpecError(f"--engine torchft on EKS runs its replica groups as a JobSet, not --kind {e.kind}",
-                        "use --kind jobset (the JobSet controller must be installed)")
-    if spec.engine == "torchft" and e.queue:
-        raise SpecError("--engine torchft cannot be queued yet: Kueue admits its JobSet of replica groups as "
-                        "one workload, but not its Lighthouse's Deployment with it",
-                        "drop --queue, or use --engine nvrx")
+    engine_parts.of(spec).check(spec)   # what an EKS job of its engine may not be
     _check_devices(spec)
     _check_sizes(spec)
     if not 1024 <= e.port <= 65533:

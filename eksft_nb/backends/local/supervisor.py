@@ -54,13 +54,13 @@ from ...runtime.warm_shim import ZYGOTE_ENV as WARM_ZYGOTE
 from ...states import JobState, RestartLevel
 from ... import procs
 from ..launcher_log import LauncherLine, parse_launcher_line
+from . import engine_parts
 from .handover import HandoverError, expire
 
 POLL_S = 0.2
 STANDBY_MODULE = "eksft_nb.backends.local.standby"   # a local job's ft_launcher (see its module)
 UNKNOWN_EXIT = -256    # an adopted launcher ended (not our child: its exit status is unknown)
 
-TORCHFT_SUPERVISOR = "eksft_nb.backends.local.torchft"   # the supervisor of an --engine torchft job
 UNRECORDED = 3         # the supervisor's exit status when the job ended but writing that down failed
 
 
@@ -609,10 +609,11 @@ def _rendezvous_store(port: int) -> Any:
 
 
 def main() -> None:
-    """``python -m eksft_nb.backends.local.supervisor JOB_DIR [--adopt]``, as the keeper runs it."""
+    """``python -m eksft_nb.backends.local.supervisor JOB_DIR [--adopt]``, as the keeper runs it; a job whose
+    engine has a supervisor of its own (torchft: the Lighthouse, a process per replica group) runs that."""
     jd = JobDir(Path(sys.argv[1]))
-    if jd.spec().engine == "torchft":   # its own supervisor (the Lighthouse, a process per replica group)
-        os.execv(sys.executable, [sys.executable, "-m", TORCHFT_SUPERVISOR, "--run", *sys.argv[1:]])
+    if (own := engine_parts.of(jd.spec()).supervisor) is not None:
+        os.execv(sys.executable, [sys.executable, "-m", own, "--run", *sys.argv[1:]])
     sys.exit(Supervisor(jd, adopt="--adopt" in sys.argv).run())
 
 

@@ -13,7 +13,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +26,8 @@ from ...tails import bounded, tail_lines
 from ..base import Backend, JobSummary, readable
 from ..folder import FolderJobs
 from ..inbox import queue_fault, queue_settings, settings_in_force
-from . import cluster, torchft
-from .render import STOP_MARK, job_dir, new_job_uid, render
+from . import cluster, engine_parts
+from .render import STOP_MARK, job_dir, new_job_uid
 
 RECORD = "slurm.json"
 SHARED_DIR_ENV = "EKSFT_SHARED_DIR"
@@ -82,13 +82,13 @@ class SlurmBackend(FolderJobs, Backend):
     def render(self, spec: JobSpec, queue_objects: bool = False) -> str:
         """The sbatch script (``queue_objects``: Slurm has no queue objects to add)."""
         assert spec.backend == self.name
-        return _renderer(spec)(spec)
+        return engine_parts.of(spec).render(spec)
 
     def launch(self, spec: JobSpec, faults: list[FaultCommand] | None = None) -> None:
         assert spec.backend == self.name and not spec.script and not spec.spare_nodes
         jd = job_dir(spec)
         job_uid = new_job_uid()
-        script = _renderer(spec)(spec, job_uid)
+        script = engine_parts.of(spec).render(spec, job_uid)
         jd.create(spec)   # refuses a job folder that exists
         for f in faults or []:
             submit(jd.pending, f)
@@ -187,11 +187,6 @@ class SlurmBackend(FolderJobs, Backend):
                            f"{name} --backend slurm`")
         shutil.rmtree(self._jd(name).path)
         (self.links / name).unlink(missing_ok=True)
-
-
-def _renderer(spec: JobSpec) -> Callable[..., str]:
-    """The sbatch script's renderer: ft_launcher per node, or a torchft job's Lighthouse and groups."""
-    return torchft.render if spec.engine == "torchft" else render
 
 
 def _waiting(job: cluster.SlurmJob) -> str:
