@@ -12,12 +12,12 @@ from typing import Any, NoReturn
 from . import commands, nvrx
 from .commands import CLI
 from .engines.registry import engine_of
-from .errors import EksftError
+from .errors import EksftError, closest
 from .fault_registry import target_text
 from .goodput import CATEGORIES
 from .incidents import phases_text
 from .job import Job, attach
-from .spec import JobSpec, _closest
+from .spec import JobSpec
 from .states import CheckpointState, JobState
 
 
@@ -38,7 +38,7 @@ class _Parser(argparse.ArgumentParser):
             verb = next((w for w in self.words if w in commands.ARGS), None)
             if unknown:
                 known = commands.flags(CLI, [verb] if verb else None)
-                message += f" (did you mean {_closest(unknown.split('=')[0], known)}?)"
+                message += f" (did you mean {closest(unknown.split('=')[0], known)}?)"
         super().error(message)
 
 

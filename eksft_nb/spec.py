@@ -9,13 +9,11 @@ Over 500 lines, one idea: every field, its flag and its check sit together, as t
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import enum
 import hashlib
 import json
 import math
 import re
-import reprlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -23,12 +21,13 @@ from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 import yaml
 
-from .errors import SpecError
+from .errors import SHOWN_CHARS, SpecError, closest, shown
 from .states import EngineName
 from .timeouts import resolved
 
 DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 BACKENDS = ("local", "eks", "slurm")
+MAX_SPEC_BYTES = 1 << 20   # a spec is a few kB: anything this large is not one (and would be parsed whole)
 
 
 def opt(default: Any, flag: str, help: str, choices: type[enum.Enum] | None = None, **kw: Any) -> Any:
@@ -132,7 +131,7 @@ class FaultToleranceConfig:
         found = {k: v for k, v in found.items() if v is not None}
         text = self.section_timeouts or ""
         if not isinstance(text, str):
-            raise SpecError(f"ft.section_timeouts must be text, got {_show(text)}",
+            raise SpecError(f"ft.section_timeouts must be text, got {shown(text)}",
                             "write e.g. --section-timeouts init:60")
         for item in text.split(","):
             name, _, seconds = item.strip().partition(":")
@@ -143,7 +142,7 @@ class FaultToleranceConfig:
             except ValueError:
                 value = -1.0
             if not re.fullmatch(r"[A-Za-z_][\w.-]*", name) or not value > 0:
-                raise SpecError(f"cannot read section timeout {item.strip()!r}",
+                raise SpecError(f"cannot read section timeout {shown(item.strip())}",
                                 "write --section-timeouts NAME:SECONDS[,NAME:SECONDS...], e.g. "
                                 "init:60,eval:30")
             found[name] = value
@@ -273,15 +272,15 @@ class JobSpec:
         n = self.name
         if not valid_name(n):
             raise SpecError(
-                f"invalid job name {n!r} (it must be a DNS-1123 label: lower-case letters, digits and '-', "
-                "starting and ending with a letter or digit, at most 63 characters)",
+                f"invalid job name {shown(n)} (it must be a DNS-1123 label: lower-case letters, digits and "
+                "'-', starting and ending with a letter or digit, at most 63 characters)",
                 f"use e.g. --name {_suggest_name(n)}",
             )
         if self.engine not in list(EngineName):
-            raise SpecError(f"unknown engine {_show(self.engine)}",
+            raise SpecError(f"unknown engine {shown(self.engine)}",
                             f"use {' or '.join(f'--engine {e}' for e in EngineName)}")
         if self.backend not in BACKENDS:
-            raise SpecError(f"unknown backend {self.backend!r}",
+            raise SpecError(f"unknown backend {shown(self.backend)}",
                             f"use --backend {' or --backend '.join(BACKENDS)}")
         for fname, minimum in (("nnodes", 1), ("nproc_per_node", 1), ("steps", 1), ("batch", 1), ("seq", 2),
                                ("threads_per_rank", 1)):
@@ -289,13 +288,13 @@ class JobSpec:
         _require_int(self, "seed", 0)
         _require_int(self, "spare_nodes", 0)
         if not isinstance(self.lr, (int, float)) or not self.lr > 0:
-            raise SpecError(f"lr must be a positive number, got {self.lr!r}", "use e.g. --lr 3e-3")
+            raise SpecError(f"lr must be a positive number, got {shown(self.lr)}", "use e.g. --lr 3e-3")
         if self.device not in ("auto", "cpu", "cuda"):
-            raise SpecError(f"unknown device {self.device!r}", "use --device auto, cpu or cuda")
+            raise SpecError(f"unknown device {shown(self.device)}", "use --device auto, cpu or cuda")
         m = self.model
         if m.preset not in MODEL_PRESETS:
-            raise SpecError(f"unknown model preset {m.preset!r}",
-                            f"use --model {_closest(m.preset, MODEL_PRESETS)}")
+            raise SpecError(f"unknown model preset {shown(m.preset)}",
+                            f"use --model {closest(m.preset, MODEL_PRESETS)}")
         for fname in ("vocab", "d_model", "n_layers", "n_heads"):
             if getattr(m, fname) is not None:
                 _require_int(m, fname, 1, prefix="model.")
@@ -311,14 +310,14 @@ class JobSpec:
         _require_int(c, "keep_last", 2, prefix="checkpoint.",
                      why=" (one fewer than two could leave no loadable checkpoint while a save is in flight)")
         if c.mode not in ("async", "sync"):
-            raise SpecError(f"unknown checkpoint mode {c.mode!r}",
+            raise SpecError(f"unknown checkpoint mode {shown(c.mode)}",
                             "use --ckpt-mode async or --ckpt-mode sync")
         f = self.ft
         for fname in ("max_injob_restarts", "max_job_restarts"):
             _require_int(f, fname, 0, prefix="ft.")
         _require_int(f, "progress_patience", 1, prefix="ft.")
         if not c.storage_mbps > 0:
-            raise SpecError(f"checkpoint.storage_mbps must be a positive number, got {c.storage_mbps!r}",
+            raise SpecError(f"checkpoint.storage_mbps must be a positive number, got {shown(c.storage_mbps)}",
                             "set --storage-mbps to your storage's throughput, e.g. 300")
         for fname in ("heartbeat_timeout", "initial_heartbeat_timeout", "soft_timeout", "hard_timeout",
                       "collective_timeout", "step_timeout", "checkpoint_timeout"):
@@ -326,7 +325,7 @@ class JobSpec:
             if v is None:  # a section without a timeout, or a timeout derived for the backend (timeouts.py)
                 continue
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
-                raise SpecError(f"ft.{fname} must be a positive number of seconds, got {v!r}",
+                raise SpecError(f"ft.{fname} must be a positive number of seconds, got {shown(v)}",
                                 f"set {_flag_of(FaultToleranceConfig, fname)} to e.g. 10")
         f.sections()  # raises on a malformed --section-timeouts
         f = resolved(self).ft   # the unset timeouts as the backend derives them, checked with the set ones
@@ -350,24 +349,27 @@ class JobSpec:
         r = self.resume
         if not isinstance(r, str) or not (r in ("latest",
                                                 "none") or re.fullmatch(r"step:\d+", r) or "/" in r):
-            raise SpecError(f"invalid resume {r!r}",
+            raise SpecError(f"invalid resume {shown(r)}",
                             "use --resume latest, none, step:N or a checkpoint folder path")
         if self.script is not None and not isinstance(self.script, str):
-            raise SpecError(f"script must be a path, got {self.script!r}", "use --script path/to/train.py")
+            raise SpecError(f"script must be a path, got {shown(self.script)}",
+                            "use --script path/to/train.py")
         if self.workdir is not None and not isinstance(self.workdir, str):
-            raise SpecError(f"workdir must be a path, got {self.workdir!r}", "use --workdir path/to/folder")
+            raise SpecError(f"workdir must be a path, got {shown(self.workdir)}",
+                            "use --workdir path/to/folder")
         if not isinstance(self.script_args, list) or not all(isinstance(a, str) for a in self.script_args):
             raise SpecError("script_args must be a list of strings", "use --script-args '--foo 1 --bar 2'")
         e = self.eks
         if e.kind not in ("job", "jobset", "pytorchjob"):
-            raise SpecError(f"unknown EKS workload kind {e.kind!r}", "use --kind job, jobset or pytorchjob")
+            raise SpecError(f"unknown EKS workload kind {shown(e.kind)}",
+                            "use --kind job, jobset or pytorchjob")
         _require_int(e, "gpus_per_node", 0, prefix="eks.")
         _require_int(e, "efa_per_node", 0, prefix="eks.")
         _require_int(e, "port", 1024, prefix="eks.")
         for fname in ("queue", "priority"):
             value = getattr(e, fname)
             if value is not None and not (isinstance(value, str) and valid_name(value)):
-                raise SpecError(f"--{fname} {value!r} is not a Kubernetes name (a DNS-1123 label)",
+                raise SpecError(f"--{fname} {shown(value)} is not a Kubernetes name (a DNS-1123 label)",
                                 f"use --{fname} {_suggest_name(str(value))}")
         if e.priority and not e.queue:
             raise SpecError("--priority needs --queue (Kueue reads the priority class of queued "
@@ -375,7 +377,7 @@ class JobSpec:
                             "add --queue NAME, or drop --priority")
         if e.topology is not None and not (isinstance(e.topology, str)
                                            and re.fullmatch(r"(required|preferred)(:[123])?", e.topology)):
-            raise SpecError(f"--topology {e.topology!r} is not a placement",
+            raise SpecError(f"--topology {shown(e.topology)} is not a placement",
                             "use --topology required, preferred, or either with :LAYER, e.g. required:2")
         if e.topology and not e.queue:
             raise SpecError("--topology needs --queue (Kueue places queued workloads only)",
@@ -384,7 +386,7 @@ class JobSpec:
             raise SpecError("--topology places one pod set, but a PyTorchJob's master and workers are two",
                             "use --kind job or jobset with --topology")
         if not (isinstance(e.prometheus_namespace, str) and valid_name(e.prometheus_namespace)):
-            raise SpecError(f"--prometheus-namespace {e.prometheus_namespace!r} is not a Kubernetes "
+            raise SpecError(f"--prometheus-namespace {shown(e.prometheus_namespace)} is not a Kubernetes "
                             "namespace name",
                             f"use --prometheus-namespace {_suggest_name(str(e.prometheus_namespace))}")
         self._validate_slurm()
@@ -399,7 +401,7 @@ class JobSpec:
         for fname in ("partition", "account", "qos", "time", "gres", "constraint"):
             value = getattr(s, fname)
             if value is not None and not re.fullmatch(r"[\w:.,|&*!=\[\]()+-]+", value):
-                raise SpecError(f"slurm.{fname} {_show(value)} holds characters sbatch does not take there",
+                raise SpecError(f"slurm.{fname} {shown(value)} holds characters sbatch does not take there",
                                 f"use {_flag_of(SlurmConfig, fname)} with letters, digits and :.,-_ only")
         if self.backend == "slurm":
             if not s.shared_dir:
@@ -407,7 +409,7 @@ class JobSpec:
                                 "checkpoints)",
                                 "add --shared-dir /fsx/eksft (a path mounted on this machine and every node)")
             if not s.shared_dir.startswith("/"):
-                raise SpecError(f"--shared-dir {_show(s.shared_dir)} is not an absolute path",
+                raise SpecError(f"--shared-dir {shown(s.shared_dir)} is not an absolute path",
                                 "use the path every node mounts, e.g. --shared-dir /fsx/eksft")
 
     @property
@@ -440,6 +442,7 @@ class JobSpec:
 
     @classmethod
     def from_json(cls, text: str) -> JobSpec:
+        _require_size(len(text), "the job spec", "characters")
         try:
             data = json.loads(text)
         except (ValueError, RecursionError) as e:
@@ -450,6 +453,7 @@ class JobSpec:
 
     @classmethod
     def from_yaml(cls, text: str) -> JobSpec:
+        _require_size(len(text), "the job spec", "characters")
         try:
             data = yaml.load(text, Loader=_SpecLoader) or {}
         except (yaml.YAMLError, ValueError, RecursionError) as e:
@@ -465,12 +469,16 @@ class JobSpec:
     @classmethod
     def load(cls, path: str | Path) -> JobSpec:
         p = Path(path)
-        if not p.is_file():
-            raise SpecError(f"spec file {p} does not exist", "check the path")
+        said = str(p) if len(str(p)) <= SHOWN_CHARS else shown(str(p))
         try:
-            text = p.read_text()
+            if not p.is_file():
+                raise SpecError(f"spec file {said} does not exist", "check the path")
+            with open(p, "rb") as f:
+                data = f.read(MAX_SPEC_BYTES + 1)   # a file of any size costs no more than the cap
+            _require_size(max(len(data), p.stat().st_size), f"spec file {said}")
+            text = data.decode()
         except (OSError, ValueError) as e:
-            raise SpecError(f"cannot read spec file {p} ({type(e).__name__})",
+            raise SpecError(f"cannot read spec file {said} ({type(e).__name__})",
                             "check that it is a readable UTF-8 text file") \
                 from None
         return cls.from_json(text) if p.suffix == ".json" else cls.from_yaml(text)
@@ -549,12 +557,12 @@ def parse_option_value(option: SpecOption, raw: str) -> Any:
             return shlex.split(raw)
         value = option.type(raw)
     except ValueError:
-        raise SpecError(f"{option.flag} expects {option.type.__name__}, got {raw!r}",
+        raise SpecError(f"{option.flag} expects {option.type.__name__}, got {shown(raw)}",
                         f"write e.g. {option.flag} "
                         f"{option.default if option.default is not None else 1}") from None
     if option.choices and value not in option.choices:
-        raise SpecError(f"{option.flag} must be one of {', '.join(option.choices)}, got {raw!r}",
-                        f"use {option.flag} {_closest(raw, option.choices)}")
+        raise SpecError(f"{option.flag} must be one of {', '.join(option.choices)}, got {shown(raw)}",
+                        f"use {option.flag} {closest(raw, option.choices)}")
     return value
 
 
@@ -579,14 +587,20 @@ def _from_dict(cls: type, data: dict[str, Any], prefix: str) -> Any:
     kwargs = {}
     for key, value in data.items():
         if key not in known:
-            raise SpecError(f"unknown spec field {prefix}{key!r}",
-                            f"did you mean {prefix}{_closest(key, known)}? (see --help for all fields)")
+            raise SpecError(f"unknown spec field {prefix}{shown(key)}",
+                            f"did you mean {prefix}{closest(key, known)}? (see --help for all fields)")
         default = known[key].default_factory() if known[
             key].default_factory is not dataclasses.MISSING else None
         if dataclasses.is_dataclass(default):
             value = _from_dict(type(default), value or {}, f"{prefix}{key}.")
         kwargs[key] = value
     return cls(**kwargs)
+
+
+def _require_size(size: int, what: str, unit: str = "bytes") -> None:
+    if size > MAX_SPEC_BYTES:
+        raise SpecError(f"{what} is {size:,} {unit}, over the {MAX_SPEC_BYTES:,} a job spec may hold",
+                        "a spec is a few kB of `key: value` lines: check that it is the spec file you meant")
 
 
 def valid_name(name: Any) -> bool:
@@ -619,7 +633,7 @@ def _require_type(spec: JobSpec, option: SpecOption) -> None:
         example = option.default if option.default not in (None, "",
                                                            []) else ("1" if t in (int, float) else "VALUE")
         raise SpecError(f"{option.path} must be {what}"
-                        + (" or null" if option.optional else "") + f", got {_show(value)}",
+                        + (" or null" if option.optional else "") + f", got {shown(value)}",
                         f"use e.g. {option.flag} {example}")
 
 
@@ -627,25 +641,12 @@ def _require_int(obj: Any, fname: str, minimum: int, prefix: str = "", why: str 
     v = getattr(obj, fname)
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
         flag = _flag_of(type(obj), fname)
-        raise SpecError(f"{prefix}{fname} must be an integer >= {minimum}, got {_show(v)}{why}",
+        raise SpecError(f"{prefix}{fname} must be an integer >= {minimum}, got {shown(v)}{why}",
                         f"use e.g. {flag} {max(minimum, 1)}")
 
 
 def _flag_of(cls: type, fname: str) -> str:
     return next(f.metadata["flag"] for f in fields(cls) if f.name == fname)
-
-
-def _closest(word: str, candidates: Any) -> str:
-    match = difflib.get_close_matches(str(word), list(candidates), n=1, cutoff=0.0)
-    return match[0] if match else next(iter(candidates))
-
-
-def _show(value: Any) -> str:
-    """A value as it may appear in a one-line message (bounded, one line)."""
-    short = reprlib.Repr()   # bounded before it is built: a value from a file may be any size or depth
-    short.maxlevel, short.maxstring, short.maxother = 3, 50, 50
-    text = short.repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _suggest_name(name: Any) -> str:

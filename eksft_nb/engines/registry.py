@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..errors import SpecError
-from ..spec import JobSpec, _show
+from ..errors import SpecError, shown
+from ..spec import JobSpec
 from ..states import EngineName
 from .base import Engine, per_engine
 from .nvrx import NVRX
@@ -20,5 +20,5 @@ def engine_of(spec: JobSpec) -> Engine:
     try:
         return ENGINES[EngineName(spec.engine)]
     except (ValueError, TypeError):
-        raise SpecError(f"unknown engine {_show(spec.engine)}",
+        raise SpecError(f"unknown engine {shown(spec.engine)}",
                         f"use {' or '.join(f'--engine {e}' for e in EngineName)}") from None

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 from ..control import FaultCommand
 from ..engines.registry import engine_of
-from ..errors import EksftError
+from ..errors import EksftError, closest, shown
 from ..fault_registry import REGISTRY
 from ..monitor import JobMonitor
-from ..spec import JobSpec, _closest
+from ..spec import JobSpec
 from ..states import CheckpointState, FaultKind, FaultScope
 from ..timeouts import resolved
 
@@ -73,8 +73,8 @@ def parse_kinds(text: str | Sequence[str] | None) -> list[FaultKind] | None:
     kinds = []
     for w in words:
         if w not in set(FaultKind):
-            raise EksftError(f"unknown fault kind {w!r} in --faults",
-                             f"did you mean {_closest(w, [k.value for k in FaultKind])}? (kinds: {_kinds()})")
+            raise EksftError(f"unknown fault kind {shown(w)} in --faults",
+                             f"did you mean {closest(w, [k.value for k in FaultKind])}? (kinds: {_kinds()})")
         kinds.append(FaultKind(w))
     return list(dict.fromkeys(kinds))
 

@@ -22,7 +22,7 @@ from kubernetes.client.rest import ApiException
 from ...timeouts import derive
 from ...checkpoint_folders import CheckpointInfo, list_checkpoints
 from ...control import FaultCommand
-from ...errors import JobError, UnknownJobError
+from ...errors import JobError, UnknownJobError, shown
 from ...events import LOG_PREFIX
 from ...spec import JobSpec, valid_name
 from ...states import ACTIVE, JobState
@@ -78,7 +78,7 @@ class EksBackend(Backend):
         cluster = self._cluster(*self._where.get(name, (None, None)))
         record = cluster.get(CONFIGMAP, name) if valid_name(name) else None
         if record is None or (record["metadata"].get("labels") or {}).get(names.JOB_LABEL) != name:
-            raise UnknownJobError(f"no EKS job named {name!r} in namespace {cluster.namespace}",
+            raise UnknownJobError(f"no EKS job named {shown(name)} in namespace {cluster.namespace}",
                            "check the name, --namespace and --context (EksBackend().jobs() lists them)")
         data = record.get("data") or {}
         return cluster, JobSpec.from_json(data.get(names.SUBMITTED_SPEC) or data[names.POD_SPEC]), record

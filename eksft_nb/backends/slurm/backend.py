@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ...control import FaultCommand, submit
-from ...errors import JobError, UnknownJobError
+from ...errors import JobError, UnknownJobError, shown
 from ...jobdir import JobDir, atomic_write, eksft_home
 from ...spec import JobSpec, valid_name
 from ...states import ACTIVE, JobState
@@ -52,7 +52,7 @@ class SlurmBackend(FolderJobs, Backend):
             link = self.links / name
             if link.is_symlink() and (link / "spec.json").is_file():
                 return JobDir(link.resolve())
-        raise UnknownJobError(f"no Slurm job named {name!r} was launched here"
+        raise UnknownJobError(f"no Slurm job named {shown(name)} was launched here"
                               + (f" nor is one under {self.root}" if self.root else ""),
                               f"check the name, or set {SHARED_DIR_ENV} to the --shared-dir it was "
                               "launched with")
