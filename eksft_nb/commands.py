@@ -21,7 +21,8 @@ from .control import FAULTS, FaultCommand
 from .errors import ControlError, EksftError, SpecError, closest, shown
 from .goodput import compute
 from .job import Job, attach
-from .spec import JobSpec, parse_option_value, spec_options
+from .spec import JobSpec, spec_options
+from .spec_fields import parse_option_value
 from .states import JobState, RestartLevel
 from .validation import check_fault, faults_for, prepare
 

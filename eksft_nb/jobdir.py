@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from .errors import JobError, UnknownJobError, shown
-from .spec import JobSpec, valid_name
+from .spec import JobSpec
+from .spec_checks import valid_name
 
 
 def eksft_home() -> Path:

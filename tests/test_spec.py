@@ -9,7 +9,9 @@ import pytest
 from eksft_nb.control import parse_fault
 from eksft_nb.errors import SHOWN_CHARS, EksftError, SpecError, closest, shown
 from eksft_nb.jobdir import JobDir
-from eksft_nb.spec import MAX_SPEC_BYTES, MODEL_PRESETS, JobSpec, parse_option_value, spec_options
+from eksft_nb.spec import MAX_SPEC_BYTES, JobSpec, spec_options
+from eksft_nb.spec_fields import parse_option_value
+from eksft_nb.spec_sections import MODEL_PRESETS
 
 
 def test_json_and_yaml_round_trip_keep_every_field() -> None:

@@ -24,7 +24,8 @@ from ...checkpoint_folders import CheckpointInfo, list_checkpoints
 from ...control import FaultCommand
 from ...errors import JobError, UnknownJobError, shown
 from ...events import LOG_PREFIX
-from ...spec import JobSpec, valid_name
+from ...spec import JobSpec
+from ...spec_checks import valid_name
 from ...states import ACTIVE, JobState
 from ...tails import bounded
 from ..base import Backend, JobSummary, readable

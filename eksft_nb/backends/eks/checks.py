@@ -10,7 +10,8 @@ import kubernetes_validate
 from kubernetes_validate.utils import all_versions
 
 from ...errors import SpecError, shown
-from ...spec import DNS1123_LABEL, JobSpec
+from ...spec import JobSpec
+from ...spec_checks import DNS1123_LABEL
 from . import engine_parts, names
 from .instances import lookup
 from .sizing import GiB, gib, min_memory, quantity, rank_floor, shm_size

@@ -20,7 +20,8 @@ from typing import Any
 from ...control import FaultCommand, submit
 from ...errors import JobError, UnknownJobError, shown
 from ...jobdir import JobDir, atomic_write, eksft_home
-from ...spec import JobSpec, valid_name
+from ...spec import JobSpec
+from ...spec_checks import valid_name
 from ...states import ACTIVE, JobState
 from ...tails import bounded, tail_lines
 from ..base import Backend, JobSummary, readable
