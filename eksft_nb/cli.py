@@ -11,12 +11,13 @@ from typing import Any, NoReturn
 
 from . import commands, nvrx
 from .commands import CLI
-from .errors import EksftError
+from .engines.registry import engine_of
+from .errors import EksftError, closest
 from .fault_registry import target_text
 from .goodput import CATEGORIES
 from .incidents import phases_text
 from .job import Job, attach
-from .spec import JobSpec, _closest
+from .spec import JobSpec
 from .states import CheckpointState, JobState
 
 
@@ -37,7 +38,7 @@ class _Parser(argparse.ArgumentParser):
             verb = next((w for w in self.words if w in commands.ARGS), None)
             if unknown:
                 known = commands.flags(CLI, [verb] if verb else None)
-                message += f" (did you mean {_closest(unknown.split('=')[0], known)}?)"
+                message += f" (did you mean {closest(unknown.split('=')[0], known)}?)"
         super().error(message)
 
 
@@ -69,7 +70,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(commands.dry_run(spec, queue_objects=args.kueue_objects, faults=args.fault))
         return 0
     row = commands.launch(spec, args.fault)
-    print(f"launched {row['name']}: {describe(spec)}")
+    print(f"launched {row['name']}: {engine_of(spec).describe(spec)}")
     if (spec.backend == "local" and spec.ft.inprocess and (here := nvrx.installed())
             and (note := here.inprocess_note())):
         print(f"note: {note}")  # on EKS the image's NVRx decides
@@ -77,25 +78,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"follow it with: python -m eksft_nb watch {spec.name}")
         return 0
     return follow(attach(spec.name, spec.backend), as_json=args.json)
-
-
-def describe(spec: JobSpec) -> str:
-    """What a job runs, in one line: only what applies to it (a script has its own steps and checkpoints)."""
-    ranks = f"{spec.world_size} ranks ({spec.nnodes}x{spec.nproc_per_node})"
-    args = " " + " ".join(spec.script_args) if spec.script_args else ""
-    if spec.script and spec.engine == "torchft":
-        return (f"torchft: {spec.nnodes} replica groups running {spec.script}{args} (its own loop: steps are "
-                f"those torchft commits), a lost group heals from a peer (up to {spec.ft.max_job_restarts} "
-                "restarts each)")
-    if spec.script:
-        return (f"{ranks} running {spec.script}{args} (its own loop: steps are its optimizer steps), "
-                f"up to {spec.ft.max_injob_restarts} in-job and {spec.ft.max_job_restarts} job restarts")
-    if spec.engine == "torchft":
-        return (f"torchft: {spec.nnodes} replica groups of {spec.nproc_per_node} rank(s), {spec.steps} "
-                f"steps, model {spec.model.preset}, a lost group heals from a peer (up to "
-                f"{spec.ft.max_job_restarts} restarts each; no checkpoints yet)")
-    return (f"{ranks}, {spec.steps} steps, model {spec.model.preset}, {spec.checkpoint.mode} checkpoints "
-            f"every {spec.checkpoint.every} steps, in-process restart {'on' if spec.ft.inprocess else 'off'}")
 
 
 def cmd_watch(args: argparse.Namespace) -> int:

@@ -18,10 +18,11 @@ from typing import Any, TypedDict
 
 from .backends import JobSummary, get_backend
 from .control import FAULTS, FaultCommand
-from .errors import ControlError, EksftError, SpecError
+from .errors import ControlError, EksftError, SpecError, closest, shown
 from .goodput import compute
 from .job import Job, attach
-from .spec import JobSpec, _closest, parse_option_value, spec_options
+from .spec import JobSpec, spec_options
+from .spec_fields import parse_option_value
 from .states import JobState, RestartLevel
 from .validation import check_fault, faults_for, prepare
 
@@ -258,7 +259,8 @@ def resilience_test(spec: JobSpec, faults: str | None = None, expect: str | None
 
     tolerance = card.LOSS_TOLERANCE if loss_tolerance is None else loss_tolerance
     if not (isinstance(tolerance, (int, float)) and 0 < tolerance < 1):
-        raise EksftError(f"--loss-tol {loss_tolerance!r} is not a fraction", "use e.g. --loss-tol 0.02 (2 %)")
+        raise EksftError(f"--loss-tol {shown(loss_tolerance)} is not a fraction",
+                         "use e.g. --loss-tol 0.02 (2 %)")
     return dict(run.run_test(launch, spec, plan.parse_kinds(faults), expect, at_step=at_step, say=say,
                              on_row=on_row, tolerance=tolerance))
 
@@ -284,7 +286,7 @@ def spec_from_options(values: Mapping[str, Any], base: JobSpec | None = None,
     for path, raw in values.items():
         opt = options.get(path)
         if opt is None:
-            raise SpecError(f"unknown spec field {path!r}", f"did you mean {_closest(path, options)}?")
+            raise SpecError(f"unknown spec field {shown(path)}", f"did you mean {closest(path, options)}?")
         changes[path] = parse_option_value(opt, raw) if isinstance(raw, str) else raw
     spec = base or JobSpec()
     spec = spec.replace(**changes) if changes else spec

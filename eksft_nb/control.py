@@ -22,10 +22,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ControlError
+from .errors import ControlError, closest, shown
 from .fault_registry import REGISTRY, integer, number, target_text
 from .jobdir import atomic_write
-from .spec import _closest, _show
 from .states import FaultKind, FaultScope
 
 # fault -> (what it targets, what it does), by name, from the one table
@@ -106,7 +105,7 @@ class FaultCommand:
     def _check_types(self) -> None:
         for name, (ok, what) in FIELDS.items():
             if not ok(getattr(self, name)):
-                raise ControlError(f"fault command field {name} is {_show(getattr(self, name))}",
+                raise ControlError(f"fault command field {name} is {shown(getattr(self, name))}",
                                    f"it must be {what}")
 
     def validate(self, world_size: int, nnodes: int, current_step: int | None = None) -> FaultCommand:
@@ -116,23 +115,23 @@ class FaultCommand:
         calls this, so a command that passes can be fired without further checks."""
         self._check_types()
         if self.fault not in FAULTS:
-            raise ControlError(f"unknown fault {_show(self.fault)}",
-                               f"did you mean {_closest(self.fault, FAULTS)}? Faults: {', '.join(FAULTS)}")
+            raise ControlError(f"unknown fault {shown(self.fault)}",
+                               f"did you mean {closest(self.fault, FAULTS)}? Faults: {', '.join(FAULTS)}")
         if self.scope == FaultScope.RANK:
             if self.rank is None:
                 self.rank = 0
             if not 0 <= self.rank < world_size:
-                raise ControlError(f"rank {self.rank!r} is out of range for a job of {world_size} ranks",
+                raise ControlError(f"rank {shown(self.rank)} is out of range for a job of {world_size} ranks",
                                    f"use --rank between 0 and {world_size - 1}")
         elif self.rank is not None:
             raise ControlError(f"{self.fault} does not target a rank", "leave out --rank" +
                                (" and use --node" if self.scope == FaultScope.NODE else ""))
         if not 0 <= self.node < nnodes:
-            raise ControlError(f"node {self.node!r} is out of range for a job of {nnodes} node(s)",
+            raise ControlError(f"node {shown(self.node)} is out of range for a job of {nnodes} node(s)",
                                f"use --node between 0 and {nnodes - 1}")
         if self.step is not None:
             if self.step < 1:
-                raise ControlError(f"step must be a positive integer, got {self.step!r}",
+                raise ControlError(f"step must be a positive integer, got {shown(self.step)}",
                                    "use --step N with N >= 1, or omit it to inject now")
             if current_step is not None and self.step <= current_step:
                 raise ControlError(f"step {self.step} has already passed (the job is at step {current_step})",
@@ -143,12 +142,12 @@ class FaultCommand:
         unknown = sorted(set(self.params) - set(allowed))
         if unknown:
             takes = f"it takes only {', '.join(allowed)}" if allowed else "it takes none"
-            raise ControlError(f"{self.fault} has no parameter(s) {_show(', '.join(unknown))}",
+            raise ControlError(f"{self.fault} has no parameter(s) {shown(', '.join(unknown))}",
                                f"leave them out: {takes}")
         for name, param in allowed.items():
             value = self.params.setdefault(name, param.default)
             if not param.check(value):
-                raise ControlError(f"{self.fault} parameter {name} is {_show(value)}", f"use {param.what}")
+                raise ControlError(f"{self.fault} parameter {name} is {shown(value)}", f"use {param.what}")
         return self
 
 
@@ -175,7 +174,7 @@ def parse_fault(text: str) -> FaultCommand:
         rank_or_node = int(target) if target else None
         at, after = parse_when(when) if at_sign and when.strip() not in ("", "now") else (None, None)
     except ValueError:
-        raise ControlError(f"cannot parse fault {text!r}",
+        raise ControlError(f"cannot parse fault {shown(text)}",
                            "write kind[:rank][@step] (or @SECONDSs: seconds after launch), e.g. "
                            "exception:0@15, "
                            "hang:0@45s or kill-launcher@60") from None

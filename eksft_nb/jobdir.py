@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import JobError, UnknownJobError
-from .spec import JobSpec, valid_name
+from .errors import JobError, UnknownJobError, shown
+from .spec import JobSpec
+from .spec_checks import valid_name
 
 
 def eksft_home() -> Path:
@@ -64,7 +65,7 @@ class JobDir:
         if jd is None or not jd.spec_path.is_file():
             known = ", ".join(sorted(p.name
                                      for p in (root or jobs_root()).glob("*") if (p / "spec.json").is_file()))
-            raise UnknownJobError(f"no job named {name!r} under {root or jobs_root()}",
+            raise UnknownJobError(f"no job named {shown(name)} under {root or jobs_root()}",
                                   f"pick one of: {known}" if known
                                   else "launch one first with `python -m eksft_nb run`")
         return jd

@@ -24,10 +24,10 @@ from . import cli, commands
 from .commands import ARGS, MAGIC
 from .control import FaultCommand
 from .dashboard import Dashboard
-from .errors import EksftError
+from .errors import EksftError, closest, shown
 from .job import Job, attach
 from .jobdir import atomic_write, eksft_home
-from .spec import JobSpec, _closest
+from .spec import JobSpec
 
 LINE_USAGE = """\
 %ftrain list [--json]                 jobs and their state
@@ -123,7 +123,7 @@ class FtrainMagics(Magics):
             return
         args = _parse(self.line_parser, line, "%ftrain")
         if args.command is None:
-            raise UsageError(f"unknown command {tokens[0]!r}\n{LINE_USAGE}")
+            raise UsageError(f"unknown command {shown(tokens[0])}\n{LINE_USAGE}")
         cmd = args.command
         if cmd == "test":   # its --backend is the job spec's
             self._test(args, "")
@@ -245,7 +245,8 @@ def _parse(parser: MagicArgumentParser, line: str, prog: str) -> argparse.Namesp
     try:
         words = shlex.split(line)  # as in a shell: quotes group words and go away
     except ValueError as e:
-        raise UsageError(f"cannot split the {prog} line {line.strip()!r}: {e}\n  → close the quote") from None
+        raise UsageError(f"cannot split the {prog} line {shown(line.strip())}: {e}\n"
+                         "  → close the quote") from None
     verb = next((v.name for v in ARGS.values() if prog == "%ftrain" and words[:1] == [v.name_in(MAGIC)]),
                 None)
     verbs = ["run"] if prog == "%%ftrain" else ["test"] if prog == "%%ftrain test" else \
@@ -258,16 +259,16 @@ def _parse(parser: MagicArgumentParser, line: str, prog: str) -> argparse.Namesp
             bad = message.split("unrecognized arguments:", 1)[1].split()
             unknown = next((b for b in bad if b.startswith("-")), bad[0] if bad else "")
             if unknown.startswith("-"):
-                hint = f"did you mean {_closest(unknown.split('=')[0], commands.flags(MAGIC, verbs))}?"
-                raise UsageError(f"{prog} does not understand {unknown!r}\n  → {hint} ({prog} --help lists "
-                                 "every option)") from None
+                hint = f"did you mean {closest(unknown.split('=')[0], commands.flags(MAGIC, verbs))}?"
+                raise UsageError(f"{prog} does not understand {shown(unknown)}\n  → {hint} ({prog} --help "
+                                 "lists every option)") from None
             if verb:
                 raise UsageError(f"{words[0]} takes {commands.positionals(verb, MAGIC)}, not "
-                                 f"{unknown!r} too\n"
+                                 f"{shown(unknown)} too\n"
                                  f"  → quote values that contain spaces ({prog} --help lists every "
                                  "command)") from None
-            raise UsageError(f"{prog} does not understand {unknown!r}\n  → quote values that contain spaces "
-                             f"({prog} --help lists every option)") from None
+            raise UsageError(f"{prog} does not understand {shown(unknown)}\n  → quote values that contain "
+                             f"spaces ({prog} --help lists every option)") from None
         raise UsageError(f"{message}\n  → {prog} --help lists every option") from None
 
 

@@ -26,9 +26,9 @@ from typing import Any
 
 from .control import read_command
 from .fault_registry import integer
-from .errors import ControlError
+from .errors import ControlError, closest, shown
 from .jobdir import JobDir, atomic_write
-from .spec import JobSpec, _closest, _show, spec_options
+from .spec import JobSpec, spec_options
 
 VERSION = 1
 MAX_VALUE = 1_000_000  # the ranks agree in a float32 all-reduce: integers up to 2**24 are exact
@@ -79,7 +79,7 @@ def _key(raw: str) -> str:
 def check_name(raw: Any) -> str:
     """The live setting ``raw`` names, or one line: unknown, or why it cannot change while the job runs."""
     if not isinstance(raw, str) or KEY.fullmatch(_key(raw)) is None:
-        raise ControlError(f"{_show(raw)} is not a setting name", f"use one of: {live_names()}")
+        raise ControlError(f"{shown(raw)} is not a setting name", f"use one of: {live_names()}")
     key = _key(raw)
     if key in LIVE:
         return key
@@ -94,7 +94,7 @@ def check_name(raw: Any) -> str:
             f"set one of {live_names()}, or launch a new job with {flag}",
         )
     raise ControlError(
-        f"unknown setting {_show(raw)}", f"did you mean {_closest(key, LIVE)}? Live: {live_names()}"
+        f"unknown setting {shown(raw)}", f"did you mean {closest(key, LIVE)}? Live: {live_names()}"
     )
 
 
@@ -106,7 +106,7 @@ def check_value(name: str, raw: Any) -> int:
         value = int(raw.strip()) if VALUE.fullmatch(raw.strip()) else None
     fix = f"use an integer from {live.low} to {MAX_VALUE} ({live.help})"
     if not integer(value):
-        raise ControlError(f"{name}={_show(raw)} is not an integer", fix)
+        raise ControlError(f"{name}={shown(raw)} is not an integer", fix)
     if not live.low <= value <= MAX_VALUE:   # said alike whether it came as text (CLI) or a number (REST)
         raise ControlError(f"{name}={value} is out of range", fix)
     return value
@@ -116,7 +116,7 @@ def check_values(values: Any) -> dict[str, int]:
     """A mapping of setting names to values (a request's, a record's), every one checked; at least one."""
     if not isinstance(values, Mapping) or not values:
         raise ControlError(
-            f"settings {_show(values)} are not a non-empty object of name to value",
+            f"settings {shown(values)} are not a non-empty object of name to value",
             "give e.g. ckpt-every=25 keep-last=5",
         )
     if len(values) > MAX_RECORD_KEYS:
@@ -140,7 +140,7 @@ def parse_assignments(items: Sequence[str]) -> dict[str, int]:
     for item in items:
         key, eq, value = str(item).partition("=")
         if not eq or not key.strip():
-            raise ControlError(f"{_show(item)} is not NAME=VALUE", "write e.g. ckpt-every=25")
+            raise ControlError(f"{shown(item)} is not NAME=VALUE", "write e.g. ckpt-every=25")
         name = check_name(key)
         if name in pairs:
             raise ControlError(f"{name} is given twice", "give each setting once")
@@ -193,7 +193,7 @@ def read_record(path: Path) -> dict[str, Any] | None:
         )
     if "step" in data and not (integer(data["step"]) and data["step"] >= 0):
         raise ControlError(
-            f"{path.name} step is {_show(data['step'])}", "it must be a step (an integer >= 0)"
+            f"{path.name} step is {shown(data['step'])}", "it must be a step (an integer >= 0)"
         )
     return {"seq": data["seq"], "values": check_values(data.get("values")), "step": data.get("step")}
 

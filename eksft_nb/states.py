@@ -1,4 +1,4 @@
-"""The words every front end, backend and event share: job states, restart levels, fault kinds.
+"""The words every front end, backend and event share: job states, restart levels, engines, fault kinds.
 
 ``str`` enums: a member *is* its value (``JobState.RUNNING == "running"``, ``json.dumps`` writes the
 value), so events on disk keep their strings and old readers keep working.
@@ -64,6 +64,13 @@ class RestartLevel(_Str):
     def label(self) -> str:
         """As the dashboard writes it: in-process, in-job, job."""
         return {"inprocess": "in-process", "injob": "in-job"}.get(self.value, self.value)
+
+
+class EngineName(_Str):
+    """Every engine, as ``--engine`` and a spec file name it (what each is: :mod:`eksft_nb.engines`)."""
+
+    NVRX = "nvrx"
+    TORCHFT = "torchft"
 
 
 class FaultScope(_Str):

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 
 from .backends import Backend, get_backend
 from .control import FaultCommand, parse_fault
-from .engines.torchft import checks as torchft_checks
+from .engines.registry import engine_of
 from .errors import ControlError
 from .spec import JobSpec
 
@@ -17,7 +17,7 @@ def check_fault(command: FaultCommand, spec: JobSpec, backend: Backend) -> Fault
     """The one check of a fault command a front end sends: against the job's ranks and nodes, its engine,
     and whether ``backend`` can deliver its kind (the fault registry's ``refused_by``)."""
     command.validate(spec.world_size, spec.nnodes)
-    torchft_checks.check_faults(spec, [command])   # what the torchft engine cannot fire
+    engine_of(spec).check_faults(spec, [command])   # what the job's engine cannot fire
     if command.fault in backend.refused_faults:
         raise ControlError(f"{command.fault} is a local fault: on {backend.name} no eksft supervisor runs",
                            "use kill-launcher to lose a node, or sigkill to lose a rank")
@@ -35,6 +35,6 @@ def prepare(spec: JobSpec, faults: Iterable[str | FaultCommand] = (),
     """The one validation of a launch (or, not ``launching``, a dry run), for every front end: the spec,
     what its engine and its backend refuse of it (:meth:`Backend.check`), then the scheduled faults."""
     spec = spec.validate()
-    torchft_checks.check(spec)   # what the torchft engine does not take (nothing, under NVRx)
+    engine_of(spec).check(spec)   # what the job's engine does not take
     spec = get_backend(spec.backend).check(spec, launching)
     return spec, faults_for(spec, faults)

@@ -19,7 +19,8 @@ import pytest
 
 from eksft_nb import procs
 from eksft_nb.backends.eks.render import INPOD
-from eksft_nb.backends.local.supervisor import Node, Supervisor
+from eksft_nb.backends.local.launchers import Node
+from eksft_nb.backends.local.supervisor import Supervisor
 from eksft_nb.events import EventWriter, make, read_all
 from eksft_nb.jobdir import JobDir
 from eksft_nb.launcher import TRAINER_MODULE, WARM_SHIM, ZYGOTE_MODULE

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..errors import SpecError
+from ..errors import SpecError, shown
 from .base import Backend, EventSource, JobSummary
 
 __all__ = ["Backend", "EventSource", "JobSummary", "get_backend"]
@@ -21,4 +21,4 @@ def get_backend(name: str, **kwargs: object) -> Backend:
         from .slurm import SlurmBackend
 
         return SlurmBackend(**kwargs)  # type: ignore[arg-type]
-    raise SpecError(f"unknown backend {name!r}", "use --backend local, eks or slurm")
+    raise SpecError(f"unknown backend {shown(name)}", "use --backend local, eks or slurm")

@@ -14,8 +14,8 @@ from typing import Any
 from .. import commands
 from ..control import FaultCommand
 from ..fault_registry import integer
-from ..errors import ControlError
-from ..spec import JobSpec, _show
+from ..errors import ControlError, shown
+from ..spec import JobSpec
 
 MAX_BODY = 64 * 1024      # bytes: a spec and a few faults fit many times over
 MAX_FAULTS = 64
@@ -67,12 +67,12 @@ def body(raw: bytes, shape: Mapping[str, Check]) -> dict[str, Any]:
                            f"send e.g. {example}")
     unknown = sorted(set(data) - set(shape))
     if unknown:
-        raise ControlError(f"unknown field(s) in the request: {_show(', '.join(unknown))}",
+        raise ControlError(f"unknown field(s) in the request: {shown(', '.join(unknown))}",
                            f"use only {', '.join(shape)}")
     for key, value in data.items():
         ok, what = shape[key]
         if not ok(value):
-            raise ControlError(f"request field {key} is {_show(value)}", f"it must be {what}")
+            raise ControlError(f"request field {key} is {shown(value)}", f"it must be {what}")
     return data
 
 
@@ -102,7 +102,7 @@ def query_int(raw: str | None, name: str, default: int, low: int, high: int) -> 
     except ValueError:
         value = None
     if value is None or not low <= value <= high:
-        raise ControlError(f"query argument {name} is {_show(raw)}", f"use an integer from {low} to {high}")
+        raise ControlError(f"query argument {name} is {shown(raw)}", f"use an integer from {low} to {high}")
     return value
 
 
@@ -111,5 +111,5 @@ def query_bool(raw: str | None, name: str) -> bool:
         return False
     if raw.lower() in ("1", "true", "yes"):
         return True
-    raise ControlError(f"query argument {name} is {_show(raw)}", "use true or false")
+    raise ControlError(f"query argument {name} is {shown(raw)}", "use true or false")
 

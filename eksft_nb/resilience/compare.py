@@ -22,18 +22,19 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..control import FaultCommand, parse_fault
-from ..engines.torchft.checks import FAULTS as TORCHFT_FAULTS
+from ..engines.registry import ENGINES
 from ..errors import EksftError
 from ..events import RESTART_PHASES, read_all
 from ..fault_registry import REGISTRY
 from ..job import launch
 from ..jobdir import JobDir, jobs_root
 from ..spec import JobSpec
-from ..states import FaultKind, FaultScope
+from ..states import EngineName, FaultKind, FaultScope
 from .ledger import TERMS, ledger
 from .torchrun import PlainTorchrunJob
 
-ENGINES = {"nvrx": "NVRx", "torchft": "torchft", "torchrun": "torchrun + resubmit"}
+BASELINE = "torchrun"   # plain torchrun, resubmitted: the run each engine is compared with
+LABELS = {**{name: engine.label for name, engine in ENGINES.items()}, BASELINE: "torchrun + resubmit"}
 # the kinds a plan draws from, in the order it takes them
 CANDIDATES = (FaultKind.SIGKILL, FaultKind.EXCEPTION, FaultKind.HANG, FaultKind.KILL_LAUNCHER)
 # what the baseline cannot recover from in a run's time
@@ -62,8 +63,8 @@ def kinds() -> tuple[list[FaultKind], dict[str, str]]:
     """The candidate kinds every engine fires, and why each other one is left out."""
     chosen, skipped = [], {}
     for kind in CANDIDATES:
-        if kind.value not in TORCHFT_FAULTS:
-            skipped[kind.value] = "the torchft engine cannot fire it yet"
+        if refusing := [e.label for e in ENGINES.values() if kind.value not in e.faults]:
+            skipped[kind.value] = f"the {refusing[0]} engine cannot fire it yet"
         elif kind in BASELINE_CANNOT:
             skipped[kind.value] = BASELINE_CANNOT[kind]
         else:
@@ -96,11 +97,11 @@ def engine_specs(name: str, base: JobSpec) -> dict[str, JobSpec]:
     """The same job for each engine: ``base``'s model, data, steps and world size; torchft with one
     replica group per rank."""
     restarts = {"ft.max_job_restarts": RESTARTS, "ft.max_injob_restarts": RESTARTS}
-    nvrx = base.replace(name=f"{name}-nvrx", engine="nvrx", **restarts)
-    return {"nvrx": nvrx,
-            "torchft": base.replace(name=f"{name}-torchft", engine="torchft", nnodes=base.world_size,
-                                    nproc_per_node=1, **restarts),
-            "torchrun": nvrx.replace(name=f"{name}-torchrun")}
+    nvrx = base.replace(name=f"{name}-nvrx", engine=EngineName.NVRX.value, **restarts)
+    return {EngineName.NVRX: nvrx,
+            EngineName.TORCHFT: base.replace(name=f"{name}-torchft", engine=EngineName.TORCHFT.value,
+                                             nnodes=base.world_size, nproc_per_node=1, **restarts),
+            BASELINE: nvrx.replace(name=f"{name}-{BASELINE}")}
 
 
 def compare(fault_plan: FaultPlan, base: JobSpec | None = None, name: str = "compare",
@@ -110,15 +111,15 @@ def compare(fault_plan: FaultPlan, base: JobSpec | None = None, name: str = "com
     base = (base or JobSpec()).replace(steps=fault_plan.steps, **{"checkpoint.every": fault_plan.every})
     specs = {k: s.validate() for k, s in engine_specs(name, base).items()}
     root = jobs_root().parent / "baseline"
-    taken = [s.name for k, s in specs.items() if (root if k == "torchrun" else jobs_root()).joinpath(s.name)
+    taken = [s.name for k, s in specs.items() if (root if k == BASELINE else jobs_root()).joinpath(s.name)
              .exists()]
     if taken:
         raise EksftError(f"jobs {', '.join(taken)} exist already", "choose another name for the comparison")
     before, t0 = _load(), time.time()
-    baseline = PlainTorchrunJob.create(root, specs["torchrun"])
+    baseline = PlainTorchrunJob.create(root, specs[BASELINE])
     jobs = {}
     try:
-        for key in ("nvrx", "torchft"):
+        for key in ENGINES:
             jobs[key] = launch(specs[key], fault_plan.commands())
         for command in fault_plan.commands():
             baseline.inject(command)
@@ -126,17 +127,17 @@ def compare(fault_plan: FaultPlan, base: JobSpec | None = None, name: str = "com
         say(f"running {', '.join(s.name for s in specs.values())} side by side, each with "
             f"{', '.join(fault_plan.faults)}")
         states = {key: job.wait(timeout) for key, job in jobs.items()}
-        states["torchrun"] = baseline.wait(timeout)
+        states[BASELINE] = baseline.wait(timeout)
     finally:
         for job in jobs.values():
             if not job.state.ended:
                 job.stop()
         baseline.stop()
-    say(f"ended after {time.time() - t0:.0f}s: " + ", ".join(f"{ENGINES[k]} {s}" for k, s in states.items()))
+    say(f"ended after {time.time() - t0:.0f}s: " + ", ".join(f"{LABELS[k]} {s}" for k, s in states.items()))
     engines = {}
     for key, spec in specs.items():
-        path = baseline.jd.events_path if key == "torchrun" else JobDir.for_name(spec.name).events_path
-        engines[key] = {"label": ENGINES[key], "job": spec.name,
+        path = baseline.jd.events_path if key == BASELINE else JobDir.for_name(spec.name).events_path
+        engines[key] = {"label": LABELS[key], "job": spec.name,
                         **ledger(read_all(path), spec.world_size, spec.batch)}
     return {"plan": asdict(fault_plan), "model": base.model.preset, "world_size": base.world_size,
             "batch": base.batch, "seq": base.seq, "engines": engines, "wall_s": round(time.time() - t0, 1),
@@ -174,7 +175,7 @@ def text(result: dict[str, Any]) -> str:
                 lines.append(f"{fault:<18}{e['label']:<20}{'not fired':>10}")
                 continue
             if r.get("away_s") is not None:   # lost, and not back when the job ended
-                lines.append(f"{fault:<18}{e['label']:<20}{'rejoining' if key == 'torchft' else 'away':>10}"
+                lines.append(f"{fault:<18}{e['label']:<20}{'rejoining' if _heals_alone(key) else 'away':>10}"
                              f"{'-':>9}{'-':>7}{'>' + format(r['away_s'], '.2f'):>9}  (not back when the job "
                              "ended)")
                 continue
@@ -185,6 +186,11 @@ def text(result: dict[str, Any]) -> str:
     if p["skipped"]:
         lines.append("kinds not in the plan: " + "; ".join(f"{k} ({why})" for k, why in p["skipped"].items()))
     return "\n".join(lines)
+
+
+def _heals_alone(key: str) -> bool:
+    """Whether the engine compared under ``key`` restarts a lost part alone (torchft: a replica group)."""
+    return key in ENGINES and ENGINES[EngineName(key)].heals_alone
 
 
 def _num(v: float | None, spec: str) -> str:

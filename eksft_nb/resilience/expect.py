@@ -11,8 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import EksftError
-from ..spec import _closest
+from ..errors import SHOWN_CHARS, EksftError, closest, shown
 from ..states import RestartLevel
 
 # who healed a fault, from least to most disruptive ("none": the job absorbed it without a restart)
@@ -69,38 +68,40 @@ def parse(text: str | None) -> list[Expectation]:
     out = []
     for clause in text.split(","):
         if not clause.strip():
-            raise EksftError(f"--expect {text!r} has an empty clause",
+            raise EksftError(f"--expect {shown(text)} has an empty clause",
                              f"separate clauses with one comma, {EXAMPLE}")
         m = CLAUSE.match(clause)
         if not m:
-            raise EksftError(f"cannot read expectation {clause.strip()!r}", f"write KEY OP VALUE, {EXAMPLE}")
+            raise EksftError(f"cannot read expectation {shown(clause.strip())}",
+                             f"write KEY OP VALUE, {EXAMPLE}")
         key, op, raw = m.groups()
         if key not in KEYS:
-            raise EksftError(f"unknown expectation {key!r}",
-                             f"did you mean {_closest(key, KEYS)}? keys: "
+            raise EksftError(f"unknown expectation {shown(key)}",
+                             f"did you mean {closest(key, KEYS)}? keys: "
                              + "; ".join(f"{k}: {v}" for k, v in KEYS.items()))
         out.append(Expectation(key, op, _value(key, op, raw)))
     return out
 
 
 def _value(key: str, op: str, raw: str) -> Any:
+    said = f"{key}{op}{raw if len(raw) <= SHOWN_CHARS else shown(raw)}"   # the clause, as a message echoes it
     if key == "state":
         if op not in ("=", "==") or raw != "reference":
-            raise EksftError(f"cannot read state{op}{raw}", "the state expectation is state=reference")
+            raise EksftError(f"cannot read {said}", "the state expectation is state=reference")
         return "reference"
     if key == "level":
         if raw not in LEVEL_WORDS:
-            raise EksftError(f"unknown level {raw!r} in level{op}{raw}",
-                             f"use one of {', '.join(LEVELS)} (did you mean {_closest(raw, LEVEL_WORDS)}?)")
+            raise EksftError(f"unknown level {shown(raw)} in {said}",
+                             f"use one of {', '.join(LEVELS)} (did you mean {closest(raw, LEVEL_WORDS)}?)")
         return LEVELS.index(LEVEL_WORDS[raw])
     if key == "lost":
         if not re.fullmatch(r"\d{1,9}", raw):
-            raise EksftError(f"lost{op}{raw}: {raw!r} is not a whole number of steps", "write e.g. lost<=10")
+            raise EksftError(f"{said}: {shown(raw)} is not a whole number of steps", "write e.g. lost<=10")
         return int(raw)
     m = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)(ms|s)?", raw)
     if not m:
-        raise EksftError(f"{key}{op}{raw}: {raw!r} is not a duration", f"write e.g. {key}<5s or {key}<500ms")
+        raise EksftError(f"{said}: {shown(raw)} is not a duration", f"write e.g. {key}<5s or {key}<500ms")
     seconds = float(m.group(1)) / (1000.0 if m.group(2) == "ms" else 1.0)
     if not math.isfinite(seconds):
-        raise EksftError(f"{key}{op}{raw} is not a finite duration", f"write e.g. {key}<5s")
+        raise EksftError(f"{said} is not a finite duration", f"write e.g. {key}<5s")
     return seconds

@@ -2,8 +2,9 @@
 fires, and how long the whole test should take.
 
 The kinds and their scopes come from :class:`~eksft_nb.states.FaultKind` (the one registry), and what
-the torchft engine fires from its checks; this module only says what a kind needs of a job to mean
-anything. The plan is built from the job's fault-free reference run, so it is the same on every backend.
+the job's engine fires from the engine (:meth:`~eksft_nb.engines.base.Engine.fires`); this module only
+says what a kind needs of a job to mean anything. The plan is built from the job's fault-free reference
+run, so it is the same on every backend.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ..control import FaultCommand
-from ..engines.torchft.checks import fires
-from ..errors import EksftError
+from ..engines.registry import engine_of
+from ..errors import EksftError, closest, shown
 from ..fault_registry import REGISTRY
 from ..monitor import JobMonitor
-from ..spec import JobSpec, _closest
+from ..spec import JobSpec
 from ..states import CheckpointState, FaultKind, FaultScope
 from ..timeouts import resolved
 
@@ -72,8 +73,8 @@ def parse_kinds(text: str | Sequence[str] | None) -> list[FaultKind] | None:
     kinds = []
     for w in words:
         if w not in set(FaultKind):
-            raise EksftError(f"unknown fault kind {w!r} in --faults",
-                             f"did you mean {_closest(w, [k.value for k in FaultKind])}? (kinds: {_kinds()})")
+            raise EksftError(f"unknown fault kind {shown(w)} in --faults",
+                             f"did you mean {closest(w, [k.value for k in FaultKind])}? (kinds: {_kinds()})")
         kinds.append(FaultKind(w))
     return list(dict.fromkeys(kinds))
 
@@ -129,11 +130,12 @@ def build(spec: JobSpec, reference: JobMonitor, base: str, kinds: Iterable[Fault
 
 
 def engine_refuses(kind: FaultKind, spec: JobSpec) -> str:
-    """Why ``spec``'s engine cannot fire ``kind`` ("" when it can): the torchft engine's own list."""
-    takes = fires(spec)
-    if takes is None or kind.value in takes:
+    """Why ``spec``'s engine cannot fire ``kind`` ("" when it can): the engine's own list."""
+    engine = engine_of(spec)
+    takes = engine.fires(spec)
+    if kind.value in takes:
         return ""
-    return f"the torchft engine cannot fire it{' in a --script' if spec.script else ''} (it fires " \
+    return f"the {engine.name} engine cannot fire it{' in a --script' if spec.script else ''} (it fires " \
            f"{', '.join(takes)})"
 
 
@@ -148,8 +150,7 @@ def _why_not(kind: FaultKind, spec: JobSpec, eksft_saves: bool, refused: set[str
 
 
 def _case(kind: FaultKind, spec: JobSpec, job: str, step: int) -> Case:
-    # the last rank; torchft: the last replica group's first (it reports the group's thrown-away step, heal)
-    rank = spec.world_size - 1 if spec.engine != "torchft" else (spec.nnodes - 1) * spec.nproc_per_node
+    rank = engine_of(spec).target_rank(spec)
     faults = [_command(kind, rank, step)]
     note = ""
     if kind in FOLLOW_UP:

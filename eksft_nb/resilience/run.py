@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..backends import get_backend
-from ..engines.torchft.checks import fires
+from ..engines.registry import engine_of
 from ..errors import EksftError
 from ..goodput import compute
 from ..job import Job
@@ -47,7 +47,7 @@ def run_test(launch: Callable[..., object], spec: JobSpec, kinds: Sequence[Fault
     unfired = [k.value for k in kinds or () if engine_refuses(k, spec)]
     if unfired:   # known before any job runs too (the case's launch would refuse it after the reference)
         raise EksftError(f"--faults names kinds the {spec.engine} engine cannot fire: {', '.join(unfired)}",
-                         f"leave them out of --faults (it fires {', '.join(fires(spec) or ())})")
+                         f"leave them out of --faults (it fires {', '.join(engine_of(spec).fires(spec))})")
     names = [f"{spec.name}-ref",
              *(f"{spec.name}-{k.value}"[:63].rstrip("-") for k in (kinds or list(FaultKind)))]
     taken = sorted({j.name for j in backend.jobs()} & set(names))
@@ -106,7 +106,7 @@ def _run_case(launch: Callable[..., object], spec: JobSpec, case: Case, ref: Job
     backend = get_backend(spec.backend)
     mon, state, end = _follow(Job(case.job, backend), budget)
     # a torchft job's groups recover without a restart of the job: its events tell how, and each group's end
-    events = backend.events(case.job).read() if spec.engine == "torchft" else None
+    events = backend.events(case.job).read() if engine_of(spec).heals_alone else None
     return cards.row(case, mon, ref, checks, end, tolerance, state, events)
 
 

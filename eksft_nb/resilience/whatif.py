@@ -45,7 +45,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from ..errors import EksftError
+from ..errors import EksftError, shown
 from ..goodput import CATEGORIES, compute, useful_steps
 from ..incidents import phases_text
 from ..monitor import JobMonitor
@@ -153,7 +153,8 @@ def parse_settings(ckpt_every: str | Sequence[int] | None, inprocess: bool | Non
         for w in words:
             text = str(w).strip()
             if not re.fullmatch(r"\d{1,7}", text) or int(text) < 1:
-                raise EksftError(f"--ckpt-every {ckpt_every!r}: {text!r} is not a whole number of steps >= 1",
+                raise EksftError(f"--ckpt-every {shown(ckpt_every)}: {shown(text)} is not a whole number of "
+                                 "steps >= 1",
                                  "write e.g. --ckpt-every 5,10,20,50")
             vals.append(int(text))
         if not vals or len(vals) > MAX_INTERVALS:
@@ -161,11 +162,11 @@ def parse_settings(ckpt_every: str | Sequence[int] | None, inprocess: bool | Non
                              "write e.g. --ckpt-every 5,10,20,50")
         intervals = tuple(dict.fromkeys(vals))
     if ckpt_mode is not None and ckpt_mode not in ("async", "sync"):
-        raise EksftError(f"unknown checkpoint mode {ckpt_mode!r}",
+        raise EksftError(f"unknown checkpoint mode {shown(ckpt_mode)}",
                          "use --ckpt-mode async or --ckpt-mode sync")
     if spares is not None and (isinstance(spares, bool) or not isinstance(spares, int)
                                or not 0 <= spares <= 64):
-        raise EksftError(f"--spares {spares!r} is not a number of nodes from 0 to 64",
+        raise EksftError(f"--spares {shown(spares)} is not a number of nodes from 0 to 64",
                          "write e.g. --spares 1")
     return Settings(intervals, inprocess, ckpt_mode, spares)
 

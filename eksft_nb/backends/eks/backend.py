@@ -22,13 +22,14 @@ from kubernetes.client.rest import ApiException
 from ...timeouts import derive
 from ...checkpoint_folders import CheckpointInfo, list_checkpoints
 from ...control import FaultCommand
-from ...errors import JobError, UnknownJobError
+from ...errors import JobError, UnknownJobError, shown
 from ...events import LOG_PREFIX
-from ...spec import JobSpec, valid_name
+from ...spec import JobSpec
+from ...spec_checks import valid_name
 from ...states import ACTIVE, JobState
 from ...tails import bounded
 from ..base import Backend, JobSummary, readable
-from . import checks, names, schemas, torchft
+from . import checks, engine_parts, names, schemas
 from .cluster import ApiError, Cluster, explain
 from .inpod import NOT_HERE
 from .pods import PodState, parse_time, pod_state
@@ -38,7 +39,6 @@ from .stream import EksEvents, workload_outcome
 CONFIGMAP, SERVICE, POD, PVC = (names.KINDS[k] for k in ("ConfigMap", "Service", "Pod",
                                                          "PersistentVolumeClaim"))
 PODMONITOR, NETPOL = names.KINDS["PodMonitor"], names.KINDS["NetworkPolicy"]
-DEPLOYMENT = names.KINDS["Deployment"]
 
 
 class EksBackend(Backend):
@@ -79,7 +79,7 @@ class EksBackend(Backend):
         cluster = self._cluster(*self._where.get(name, (None, None)))
         record = cluster.get(CONFIGMAP, name) if valid_name(name) else None
         if record is None or (record["metadata"].get("labels") or {}).get(names.JOB_LABEL) != name:
-            raise UnknownJobError(f"no EKS job named {name!r} in namespace {cluster.namespace}",
+            raise UnknownJobError(f"no EKS job named {shown(name)} in namespace {cluster.namespace}",
                            "check the name, --namespace and --context (EksBackend().jobs() lists them)")
         data = record.get("data") or {}
         return cluster, JobSpec.from_json(data.get(names.SUBMITTED_SPEC) or data[names.POD_SPEC]), record
@@ -299,9 +299,10 @@ class EksBackend(Backend):
         cluster, spec, _ = self._job(name)
         cluster.delete(names.workload(spec), name, propagation="Foreground")
         cluster.delete(SERVICE, name)
-        if spec.engine == "torchft":   # its Lighthouse (the NetworkPolicy goes with the job's, below)
-            cluster.delete(DEPLOYMENT, torchft.lighthouse_name(name), propagation="Foreground")
-            cluster.delete(SERVICE, torchft.lighthouse_name(name))
+        beside = engine_parts.of(spec).beside(name)   # what its engine runs beside the workload
+        for kind, other in beside:
+            if kind != NETPOL:   # a NetworkPolicy goes with the job's, below
+                cluster.delete(kind, other)
         cluster.delete(PODMONITOR, name)   # False (a 404) also where the cluster has no PodMonitor API
         deadline = time.time() + timeout
         while (left := cluster.list(POD, names.selector(name))) and time.time() < deadline:
@@ -312,8 +313,9 @@ class EksBackend(Backend):
                            "their node may be unreachable: check `kubectl get pods -l "
                            "eksft.io/job=NAME -o wide`")
         cluster.delete(NETPOL, name)   # its pods are gone: nothing is left for it to guard
-        if spec.engine == "torchft":
-            cluster.delete(NETPOL, torchft.lighthouse_name(name))
+        for kind, other in beside:
+            if kind == NETPOL:
+                cluster.delete(kind, other)
 
     def remove(self, name: str) -> None:
         """Forget a job that no longer runs (its folder and checkpoints on the volume stay)."""
@@ -323,9 +325,8 @@ class EksBackend(Backend):
             raise JobError(f"job {name!r} is still {status.state}", "stop it first")
         cluster.delete(SERVICE, name)
         cluster.delete(NETPOL, name)
-        if spec.engine == "torchft":   # its Lighthouse's objects
-            for kind in (DEPLOYMENT, SERVICE, NETPOL):
-                cluster.delete(kind, torchft.lighthouse_name(name))
+        for kind, other in engine_parts.of(spec).beside(name):   # what its engine runs beside the workload
+            cluster.delete(kind, other)
         for note in cluster.list(CONFIGMAP, f"{names.FAULT_OF}={name}"):
             cluster.delete(CONFIGMAP, note["metadata"]["name"])
         cluster.delete(CONFIGMAP, name)

@@ -9,9 +9,10 @@ from pathlib import Path
 import kubernetes_validate
 from kubernetes_validate.utils import all_versions
 
-from ...errors import SpecError
-from ...spec import DNS1123_LABEL, JobSpec
-from . import names
+from ...errors import SpecError, shown
+from ...spec import JobSpec
+from ...spec_checks import DNS1123_LABEL
+from . import engine_parts, names
 from .instances import lookup
 from .sizing import GiB, gib, min_memory, quantity, rank_floor, shm_size
 
@@ -25,15 +26,16 @@ def check(spec: JobSpec) -> JobSpec:
     """Raise SpecError on the first EKS-specific problem; return the spec when all is well."""
     e = spec.eks
     if not e.image or any(c.isspace() for c in e.image):
-        raise SpecError(f"container image {e.image!r} is missing or invalid",
+        raise SpecError(f"container image {shown(e.image)} is missing or invalid",
                         "use --image REGISTRY/REPO:TAG, an image with eksft-nb installed (see the README)")
     if not DNS1123_LABEL.match(e.namespace or "") or len(e.namespace) > 63:
-        raise SpecError(f"namespace {e.namespace!r} is not a DNS-1123 label", "use e.g. --namespace training")
+        raise SpecError(f"namespace {shown(e.namespace)} is not a DNS-1123 label",
+                        "use e.g. --namespace training")
     if not e.checkpoint_pvc:
         raise SpecError("no checkpoint PVC name: ranks save to a shared FSx for Lustre volume",
                         "use --pvc NAME (an existing ReadWriteMany claim), or add --create-pvc to render one")
     if not _DNS1123_SUBDOMAIN.match(e.checkpoint_pvc) or len(e.checkpoint_pvc) > 253:
-        raise SpecError(f"checkpoint PVC name {e.checkpoint_pvc!r} is not a valid Kubernetes name",
+        raise SpecError(f"checkpoint PVC name {shown(e.checkpoint_pvc)} is not a valid Kubernetes name",
                         "use lower-case letters, digits, '-' and '.', e.g. --pvc fsx-claim")
     longest = names.longest_host(spec)
     if len(longest) > 63:
@@ -46,13 +48,7 @@ def check(spec: JobSpec) -> JobSpec:
         raise SpecError("--spare-nodes needs pods that wait in ft_launcher's rendezvous; the "
                         "PyTorchJob operator "
                         "sizes the world itself", "use --kind job (or jobset) for hot spares")
-    if spec.engine == "torchft" and e.kind != "jobset":
-        raise SpecError(f"--engine torchft on EKS runs its replica groups as a JobSet, not --kind {e.kind}",
-                        "use --kind jobset (the JobSet controller must be installed)")
-    if spec.engine == "torchft" and e.queue:
-        raise SpecError("--engine torchft cannot be queued yet: Kueue admits its JobSet of replica groups as "
-                        "one workload, but not its Lighthouse's Deployment with it",
-                        "drop --queue, or use --engine nvrx")
+    engine_parts.of(spec).check(spec)   # what an EKS job of its engine may not be
     _check_devices(spec)
     _check_sizes(spec)
     if not 1024 <= e.port <= 65533:
@@ -78,7 +74,7 @@ def check(spec: JobSpec) -> JobSpec:
                             "bake it into the image and pass its path in the image")
     oldest, latest = (_minor(v) for v in (all_versions()[0], kubernetes_validate.latest_version()))
     if not re.fullmatch(r"1\.\d+", e.k8s_version) or not oldest <= _minor(e.k8s_version) <= latest:
-        raise SpecError(f"cannot validate for Kubernetes {e.k8s_version!r}",
+        raise SpecError(f"cannot validate for Kubernetes {shown(e.k8s_version)}",
                         f"use --k8s-version 1.{oldest} to 1.{latest}: your cluster's (`kubectl version`)")
     return spec
 
@@ -151,7 +147,7 @@ def _check_sizes(spec: JobSpec) -> None:
                             "--fsx-security-groups sg-..."
                             " (allowing TCP 988 from the nodes)")
         if not _DNS1123_SUBDOMAIN.match(e.storage_class):
-            raise SpecError(f"StorageClass name {e.storage_class!r} is invalid",
+            raise SpecError(f"StorageClass name {shown(e.storage_class)} is invalid",
                             "use e.g. --storage-class fsx-sc")
 
 

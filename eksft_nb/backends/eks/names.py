@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ...engines.registry import engine_of
 from ...spec import JobSpec
 
 CKPT_MOUNT = "/checkpoints"         # the FSx for Lustre volume: job folders and checkpoints
@@ -90,7 +91,7 @@ def container(spec: JobSpec) -> str:
 def process(spec: JobSpec) -> str:
     """What the training container runs, as a pod's state names it: ft_launcher, or a torchft group's
     trainer."""
-    return "the replica group's trainer" if spec.engine == "torchft" else "ft_launcher"
+    return engine_of(spec).node_process
 
 
 def pod_host(spec: JobSpec, node: int) -> str:

@@ -25,7 +25,7 @@ from ...runtime.quiet import quiet_env
 from ...spec import JobSpec
 from ...timeouts import derive
 from ...procs import JOB_UID_ENV
-from . import failures, kueue, names, sizing
+from . import engine_parts, failures, kueue, names, sizing
 from .instances import lookup
 from .network import network_policy
 from .pod_values import field_env, literal, pod_view, script_key
@@ -99,14 +99,13 @@ def render(spec: JobSpec, faults: list[FaultCommand] | None = None, queue_object
     """All manifests of a job (the spec must have passed ``spec.validate()`` and ``checks.check``);
     ``queue_objects``: also Kueue's objects for its ``--queue`` (admin), sized to admit this job;
     ``job_uid``: this launch's id (default: a new one), kept in the job's record."""
-    from . import torchft   # it renders from this module's pod template
-
+    parts = engine_parts.of(spec)
     m = Manifests(admin=control_rbac(spec))
     if spec.eks.create_pvc:
         m.admin.append(storage_class(spec))
         m.job.append(checkpoint_pvc(spec))
-    if spec.engine == "torchft":   # the replica groups (checks.check: a JobSet)
-        workload = torchft.jobset(spec, pod_template(spec), _workload_meta(spec))
+    if parts.workload is not None:   # the engine's own (torchft: its replica groups as a JobSet)
+        workload = parts.workload(spec, pod_template(spec), _workload_meta(spec))
     else:
         workload = {"job": indexed_job, "jobset": jobset, "pytorchjob": pytorchjob}[spec.eks.kind](spec)
     kueue.place(workload, spec)
@@ -116,8 +115,7 @@ def render(spec: JobSpec, faults: list[FaultCommand] | None = None, queue_object
     m.job.append(network_policy(spec, serves_metrics(spec)))   # before any pod exists
     if serves_metrics(spec):
         m.job.append(pod_monitor(spec))
-    if spec.engine == "torchft":
-        m.job += torchft.lighthouse_objects(spec)
+    m.job += parts.objects(spec)
     if spec.eks.kind == "job":
         m.job.append(headless_service(spec))
     m.job.append(workload)
@@ -375,11 +373,8 @@ def control_rbac(spec: JobSpec) -> list[dict[str, Any]]:
     w = names.workload(spec)
     meta = {"name": names.CONTROL, "namespace": ns, "labels": {names.MANAGED_BY: names.MANAGER}}
     rules = [{"apiGroups": [w.group], "resources": [w.plural], "verbs": ["get", "create", "delete"]}]
-    if spec.engine == "torchft":   # the Lighthouse's
-        rules.append({"apiGroups": ["apps"], "resources": ["deployments"],
-                      "verbs": ["get", "create", "delete"]})
-    rules += [{"apiGroups": [g], "resources": [r], "verbs": v}
-              for g, r, v in CONTROL_RULES + (QUEUE_RULES if spec.eks.queue else [])]
+    granted = [*engine_parts.of(spec).rules, *CONTROL_RULES, *(QUEUE_RULES if spec.eks.queue else [])]
+    rules += [{"apiGroups": [g], "resources": [r], "verbs": v} for g, r, v in granted]
     # the checkpoint volume is checked before submitting (and created with --create-pvc)
     rules.append({"apiGroups": [""], "resources": ["persistentvolumeclaims"],
                   "verbs": ["get", "create"] if spec.eks.create_pvc else ["get"]})

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from ...errors import SpecError
+from ...errors import SpecError, shown
 from ...spec import JobSpec
 from . import quantities
 from .instances import lookup
@@ -24,7 +24,7 @@ SCRIPT_SHM_PER_GPU_RANK = 8 * GiB   # a script's /dev/shm per rank where the pod
 def quantity(value: str, flag: str) -> float:
     """A Kubernetes quantity ("16Gi", "500m", "2") as a number, or a SpecError naming the flag."""
     if (exact := quantities.parse(value)) is None:
-        raise SpecError(f"{flag} {value!r} is not a Kubernetes quantity",
+        raise SpecError(f"{flag} {shown(value)} is not a Kubernetes quantity",
                         f"write e.g. {flag} {'4 (or 500m)' if flag == '--cpu' else '16Gi'}")
     return float(exact)
 

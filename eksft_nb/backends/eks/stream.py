@@ -26,7 +26,8 @@ import urllib3
 from kubernetes import watch
 from kubernetes.client.rest import ApiException
 
-from ...engines.torchft.losses import LostGroups, fault_time
+from ...engines.registry import engine_of
+from ...engines.torchft.losses import fault_time
 from ...events import Event, decode, make
 from ...incidents import Incidents
 from ...monitor import JobMonitor
@@ -75,7 +76,7 @@ class Tracker:
         self.ended = False
         self.incidents = Incidents(self.mon, self._emit, created)
         # a torchft job: a group's pod lost is the group's incident, not the job's (the others train on)
-        self.groups = LostGroups(self._emit) if spec.engine == "torchft" else None
+        self.groups = engine_of(spec).group_losses(self._emit)
         self.started_at: dict[int, float] = {}         # rank -> its latest start (a torchft group's too)
         # a torchft group's pod seen failed while its log is still read: (group, cause, ended, detected, seen)
         self.pending: dict[Any, tuple[int, str, float | None, float, float]] = {}

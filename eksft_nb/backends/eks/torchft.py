@@ -25,6 +25,7 @@ from typing import Any
 from ...engines.torchft import hosts, lighthouse
 from ...engines.torchft.plan import TRAINER_MODULE, job_env
 from ...engines.torchft.trainer import RESTART_ENV
+from ...errors import SpecError
 from ...procs import JOB_UID_ENV
 from ...runtime.quiet import quiet_env
 from ...spec import JobSpec
@@ -32,10 +33,30 @@ from . import failures, names
 from .pod_values import field_env, literal, pod_view
 
 LIGHTHOUSE_LABEL = "eksft.io/lighthouse-of"   # the Lighthouse's pod: the job it serves
+# what the control Role grants beside the common rules (API group, resource, verbs): the Lighthouse's
+RULES = (("apps", "deployments", ["get", "create", "delete"]),)
+
+
+def check(spec: JobSpec) -> None:
+    """What a torchft job on EKS may not be (beside what the engine refuses anywhere)."""
+    if spec.eks.kind != "jobset":
+        raise SpecError("--engine torchft on EKS runs its replica groups as a JobSet, not --kind "
+                        f"{spec.eks.kind}",
+                        "use --kind jobset (the JobSet controller must be installed)")
+    if spec.eks.queue:
+        raise SpecError("--engine torchft cannot be queued yet: Kueue admits its JobSet of replica groups as "
+                        "one workload, but not its Lighthouse's Deployment with it",
+                        "drop --queue, or use --engine nvrx")
 
 
 def lighthouse_name(job: str) -> str:
     return f"{job}-lighthouse"
+
+
+def lighthouse_kinds(job: str) -> list[tuple[names.Kind, str]]:
+    """The Lighthouse's objects (:func:`lighthouse_objects`) by kind and name, in the order they are deleted:
+    its Deployment, Service and NetworkPolicy."""
+    return [(names.KINDS[kind], lighthouse_name(job)) for kind in ("Deployment", "Service", "NetworkPolicy")]
 
 
 def lighthouse_url(spec: JobSpec) -> str:

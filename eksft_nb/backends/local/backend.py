@@ -21,12 +21,11 @@ from typing import Any
 
 import psutil
 
-from ... import loopback, nvrx
+from ... import nvrx
 from ...checkpoint_folders import STEP_DIR, list_checkpoints, verify
 from ...control import FaultCommand, submit
 from ...errors import JobError
 from ...jobdir import JobDir, atomic_write, jobs_root
-from ...launcher import Ports, launcher_argv, rank_env
 from ...runtime.memcopy import remove_copies, remove_stale_copies
 from ...runtime.quiet import quiet_env
 from ...spec import JobSpec
@@ -37,6 +36,7 @@ from ... import procs
 from ..base import Backend, JobSummary, readable
 from ..folder import FolderJobs
 from ..inbox import queue_fault, queue_settings, settings_in_force
+from . import engine_parts
 
 class LocalBackend(FolderJobs, Backend):
     name = "local"
@@ -71,20 +71,7 @@ class LocalBackend(FolderJobs, Backend):
         lines = [f"# {line}" for line in derive(spec).lines()]
         spec = resolved(spec)
         jd = JobDir.for_name(spec.name, self.root)
-        if spec.engine == "torchft":
-            from ...engines.torchft.plan import render
-
-            return "\n".join([*lines, render(spec, str(jd.path))])
-        ports = Ports(29500, 29501, 29502)
-        lines += [f"# job folder: {jd.path}",
-                  "# environment of each launcher (ports are picked free at launch):"]
-        for k, v in {**rank_env(spec, ports=ports, job_attempt=0, job_dir=str(jd.path)),
-                     **loopback.env()}.items():
-            lines.append(f"{k}={v}")
-        for node in range(spec.nnodes + spec.spare_nodes):   # the spares' lines are the same
-            argv = launcher_argv(spec, node_rank=node, rdzv_host="127.0.0.1", ports=ports, rdzv_id=spec.name)
-            lines.append(" \\\n    ".join(argv))
-        return "\n".join(lines)
+        return "\n".join([*lines, engine_parts.of(spec).plan(spec, str(jd.path))])
 
     def launch(self, spec: JobSpec, faults: list[FaultCommand] | None = None) -> None:
         assert spec.backend == self.name and (not spec.script or Path(spec.script).is_absolute())  # check()ed

@@ -17,9 +17,9 @@ keeper ends every process of the job and records why. If the keeper is gone too,
 the job's processes running without a supervisor (``LocalBackend.state``) starts a new keeper. An
 ``OSError`` in the supervisor (a full disk) ends the job with that reason, its launchers stopped.
 
-About 600 lines, one idea: the supervisor's loop and the state its launch, watch, spare hand-over and
-adoption share; the ideas of their own are modules beside it (:mod:`.keeper`, :mod:`.handover`,
-:mod:`..launcher_log`).
+One idea: the supervisor's loop and the state its watch, spare hand-over and adoption share; the ideas
+of their own are modules beside it: the processes it starts and ends (:mod:`.launchers`), :mod:`.keeper`,
+:mod:`.handover`, :mod:`..launcher_log`.
 
 Run by the keeper as ``python -m eksft_nb.backends.local.supervisor JOB_DIR [--adopt]``, with the job's
 mark ``EKSFT_JOB_UID`` in the environment.
@@ -39,56 +39,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
 
 from ...events import EventTail, EventWriter
 from ...jobdir import JobDir, atomic_write
-from ... import loopback, nvrx
-from ...launcher import ZYGOTE_MODULE, Ports, launcher_argv, rank_env
+from ... import nvrx
 from ...incidents import Incidents
 from ...monitor import JobMonitor
 from ...runtime.memcopy import remove_copies
-from ...runtime.quiet import quiet_env
-from ...runtime.warm_shim import SOCKET_ENV as WARM_SOCKET
-from ...runtime.warm_shim import ZYGOTE_ENV as WARM_ZYGOTE
 from ...states import JobState, RestartLevel
 from ... import procs
 from ..launcher_log import LauncherLine, parse_launcher_line
+from . import engine_parts
 from .handover import HandoverError, expire
+from .launchers import UNKNOWN_EXIT, Launchers, Node
 
 POLL_S = 0.2
-STANDBY_MODULE = "eksft_nb.backends.local.standby"   # a local job's ft_launcher (see its module)
-UNKNOWN_EXIT = -256    # an adopted launcher ended (not our child: its exit status is unknown)
-
-TORCHFT_SUPERVISOR = "eksft_nb.engines.torchft.supervisor"   # the supervisor of an --engine torchft job
 UNRECORDED = 3         # the supervisor's exit status when the job ended but writing that down failed
 
 
 @dataclass
-class Node:
-    index: int
-    log: Path
-    tag: str
-    identity: dict[str, Any]                # pid and start time (see procs.identity)
-    popen: subprocess.Popen | None = None   # None: adopted from a supervisor that died
-    proc: psutil.Process | None = None      # the adopted launcher, if it still ran when adopted
-    offset: int = 0
-    # its log says it joined a rendezvous round (not only waited as a spare)
-    joined: bool = False
-
-    @property
-    def pid(self) -> int:
-        return self.identity["pid"]
-
-    def poll(self) -> int | None:
-        """None while the launcher runs, else its exit status (:data:`UNKNOWN_EXIT` if adopted)."""
-        if self.popen is not None:
-            return self.popen.poll()
-        return None if self.proc is not None and procs.running(self.proc) else UNKNOWN_EXIT
-
-
-@dataclass
-class Supervisor:
+class Supervisor(Launchers):
     jd: JobDir
     adopt: bool = False   # take over the running job of a supervisor that died
     job_uid: str = field(default_factory=lambda: os.environ.get(procs.JOB_UID_ENV) or uuid.uuid4().hex[:16])
@@ -213,106 +183,6 @@ class Supervisor:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.stop_requested = True
-
-    def _launch(self) -> None:
-        ports = Ports(*loopback.free_ports(3))
-        rdzv_id = self.rdzv_id = f"{self.spec.name}-{self.attempt}-{uuid.uuid4().hex[:6]}"
-        self.nodes = []
-        self.t_launch = time.time()
-        self.ranks_started, self.ranks_done = {}, set()
-        # with hot spares the rendezvous store lives here: a launcher that hosted it could not be lost
-        self.store = _rendezvous_store(ports.rdzv) if self.spec.spare_nodes else None
-        warm = []
-        for node in range(self.spec.nnodes + self.spec.spare_nodes):   # spares wait in the rendezvous
-            tag = f"{self.attempt}.{node}"
-            zygote = self._start_zygote(tag)
-            argv = launcher_argv(self.spec, node_rank=node, rdzv_host="127.0.0.1", ports=ports,
-                                 rdzv_id=rdzv_id,
-                                 nvrx=self.nvrx, cycle_dir=str(self._cycle_dir(self.attempt)),
-                                 store_elsewhere=self.store is not None,
-                                 warm_python=zygote and sys.executable)
-            env = quiet_env({**os.environ,
-                             **rank_env(self.spec, ports=ports, job_attempt=self.attempt,
-                                        job_dir=str(self.jd.path),
-                                        nvrx=self.nvrx),
-                             **loopback.env(), procs.JOB_UID_ENV: self.job_uid, procs.NODE_MARK: tag,
-                             **({WARM_SOCKET: zygote, WARM_ZYGOTE: str(self.zygotes[tag].pid)}
-                                if zygote else {})})
-            log = self._launcher_log(self.attempt, node)
-            popen = self._hand_over(node, argv, env)
-            if popen is None:
-                # a module, not the console script: NVRx installed with `pip --target` (on PYTHONPATH) has
-                # none; ours, so that the launcher's stores listen on loopback only
-                command = [sys.executable, "-m", STANDBY_MODULE, *argv]
-                with open(log, "ab") as out:
-                    popen = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                             stdin=subprocess.DEVNULL, cwd=self.jd.path,
-                                             start_new_session=True)
-            else:
-                warm.append(node)
-            try:
-                ident = procs.identity(popen.pid)
-            except psutil.Error:  # it has already ended (we have not reaped it: its pid is still ours)
-                ident = {"pid": popen.pid, "started": None, "ticks": None}
-            self.nodes.append(Node(node, log, tag, ident, popen=popen))
-            self.events.emit("launch", attempt=self.attempt, node=node, pid=popen.pid, pgid=popen.pid)
-        self.say(f"attempt {self.attempt}: started ft_launcher on {len(self.nodes)} node(s), "
-                 f"pids {', '.join(str(n.pid) for n in self.nodes)}" + (" (warm standby)" if warm else ""))
-        self._write_state(JobState.RUNNING)
-
-    def _launcher_log(self, attempt: int, node: int) -> Path:
-        return self.jd.logs / f"launcher-{attempt}-{node}.log"
-
-    def _cycle_dir(self, attempt: int) -> Path:
-        """Where NVRx 0.6+ writes this attempt's cycle records (its file names restart with each launcher)."""
-        return self.jd.logs / "nvrx" / f"attempt-{attempt}"
-
-    def _start_zygote(self, tag: str) -> str | None:
-        """Start the warm-rank zygote of the node ``tag`` (see :mod:`eksft_nb.runtime.zygote`) unless it
-        runs already (started as a standby); its socket's path (in the job's private folder: no one else
-        can bind or reach it), None when the spec turns warm ranks off."""
-        if not self.spec.ft.warm_ranks:
-            return None
-        self.jd.warm.mkdir(mode=0o700, exist_ok=True)
-        name = str(self.jd.warm / f"{tag}.sock")
-        if tag in self.zygotes and self.zygotes[tag].poll() is None:
-            return name
-        # what the ranks' interpreter and torch read at start-up must match theirs (see zygote.FIXED_AT_START)
-        env = quiet_env({**os.environ, "OMP_NUM_THREADS": str(self.spec.threads_per_rank),
-                         procs.JOB_UID_ENV: self.job_uid, procs.NODE_MARK: tag})
-        with open(self.jd.logs / f"zygote-{tag}.log", "ab") as out:
-            self.zygotes[tag] = subprocess.Popen([sys.executable, "-m", ZYGOTE_MODULE, name], env=env,
-                                                 stdout=out,
-                                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                                 cwd=self.jd.path,
-                                                 start_new_session=True)
-        return name
-
-    def _start_standby(self) -> None:
-        """Start a warm ft_launcher per node for the next attempt (see :mod:`.standby`) once every
-        rank of this attempt has set up, so that its imports take no CPU from this attempt's start-up."""
-        nxt = self.attempt + 1
-        for node in range(self.spec.nnodes + self.spec.spare_nodes):
-            self._start_zygote(f"{nxt}.{node}")
-            env = quiet_env({**os.environ, procs.JOB_UID_ENV: self.job_uid, procs.NODE_MARK: f"{nxt}.{node}"})
-            with open(self._launcher_log(nxt, node), "ab") as out:
-                self.standby[node] = subprocess.Popen(
-                    [sys.executable, "-m", STANDBY_MODULE], env=env, stdin=subprocess.PIPE,
-                    stdout=out, stderr=subprocess.STDOUT, cwd=self.jd.path, start_new_session=True)
-
-    def _hand_over(self, node: int, argv: list[str], env: dict[str, str]) -> subprocess.Popen | None:
-        """Give this attempt's command line to the node's standby; None when there is none alive."""
-        spare = self.standby.pop(node, None)
-        if spare is None:
-            return None
-        try:
-            spare.stdin.write(json.dumps({"argv": argv, "env": env}).encode() + b"\n")
-            spare.stdin.close()
-        except OSError:  # it died: start afresh
-            spare.kill()
-            spare.wait()
-            return None
-        return spare
 
     def _read_and_check(self, what: str) -> tuple[JobState, str] | None:
         """A watch loop's first move each poll: fold what the job wrote, then end on a stop the user
@@ -536,42 +406,6 @@ class Supervisor:
         pool = [b for b in beacons if not b.get("in_collective")] or beacons
         return min(pool, key=lambda b: (b.get("step_done", 0), b.get("t_done", 0)))["rank"]
 
-    # ---- processes ----------------------------------------------------------------------------
-    def _kill_everything(self, keep_standby: bool = False) -> None:
-        """End every process of this job attempt: launchers, ranks, what escaped the launchers'
-        groups (NVRx's double-forked monitors, checkpoint writers) and, unless kept for the next
-        attempt, the standby launchers. Found by the job's mark, never by a group id that may by now
-        be another's; the keeper (our parent) stays."""
-        for node in self.nodes:
-            if node.poll() is None:
-                procs.signal_marked(self.job_uid, signal.SIGTERM, node_tag=node.tag)
-        deadline = time.time() + 10
-        while time.time() < deadline and any(n.poll() is None for n in self.nodes):
-            time.sleep(0.1)
-        nxt = f"{self.attempt + 1}."
-        keep = [os.getppid()] + ([p.pid for p in self.standby.values()] +
-                                 [z.pid for tag,
-                                  z in self.zygotes.items() if tag.startswith(nxt)] if keep_standby else [])
-        procs.kill_marked(self.job_uid, keep=keep)
-        for tag, zygote in list(self.zygotes.items()):
-            if zygote.pid not in keep:
-                zygote.kill()
-                zygote.wait()
-                del self.zygotes[tag]
-        for node in self.nodes:
-            if node.popen is not None:
-                node.popen.wait()
-            try:
-                for seen in self._launcher_lines(node):
-                    self._on_launcher_line(node, seen)
-            except OSError:
-                pass
-        if not keep_standby:
-            for spare in self.standby.values():
-                spare.kill()
-                spare.wait()
-            self.standby = {}
-
     def _write_state(self, state: JobState, reason: str = "") -> None:
         record = {"pid": os.getpid(), "supervisor": procs.identity(os.getpid()), "keeper": self.keeper,
                   "job_uid": self.job_uid, "state": state, "reason": reason, "attempt": self.attempt,
@@ -599,20 +433,12 @@ def _num(value: Any, default: float) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else default
 
 
-def _rendezvous_store(port: int) -> Any:
-    """A c10d TCPStore server for the launchers' rendezvous, on loopback only (torch is imported only
-    for this)."""
-    from torch.distributed import TCPStore
-
-    loopback.install()
-    return TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-
-
 def main() -> None:
-    """``python -m eksft_nb.backends.local.supervisor JOB_DIR [--adopt]``, as the keeper runs it."""
+    """``python -m eksft_nb.backends.local.supervisor JOB_DIR [--adopt]``, as the keeper runs it; a job whose
+    engine has a supervisor of its own (torchft: the Lighthouse, a process per replica group) runs that."""
     jd = JobDir(Path(sys.argv[1]))
-    if jd.spec().engine == "torchft":   # its own supervisor (the Lighthouse, a process per replica group)
-        os.execv(sys.executable, [sys.executable, "-m", TORCHFT_SUPERVISOR, "--run", *sys.argv[1:]])
+    if (own := engine_parts.of(jd.spec()).supervisor) is not None:
+        os.execv(sys.executable, [sys.executable, "-m", own, "--run", *sys.argv[1:]])
     sys.exit(Supervisor(jd, adopt="--adopt" in sys.argv).run())
 
 

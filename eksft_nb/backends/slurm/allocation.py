@@ -31,7 +31,7 @@ from ...monitor import JobMonitor
 from ...states import JobState
 from ...timeouts import resolved
 from ..launcher_log import LauncherLine, parse_launcher_line
-from . import cluster
+from . import cluster, engine_parts
 from .render import REQUEUE_EXIT, STOP_MARK
 
 POLL_S = 0.2
@@ -122,10 +122,8 @@ class Watcher:
         how = (signal.Signals(-code).name if code < 0 and -code in signal.Signals._value2member_map_
                else f"exit {code}")
         cause = f"the srun step of the launchers ended ({how}): a node's ft_launcher was lost or gave up"
-        if self.spec.engine == "torchft":   # its runner restarted lost groups alone until it gave up
-            return JobState.FAILED, (f"a replica group was lost more often than max_job_restarts="
-                                     f"{self.spec.ft.max_job_restarts} allows, or the Lighthouse ended "
-                                     f"(exit {code}; see `logs --debug`)")
+        if (gave_up := engine_parts.of(self.spec).gave_up) is not None:   # its runner restarted lost nodes
+            return JobState.FAILED, gave_up(self.spec, code)
         self.incidents.node_failed(cause, time.time())
         if self.incidents.give_up:
             return JobState.FAILED, self.incidents.give_up

@@ -13,21 +13,22 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ...control import FaultCommand, submit
-from ...errors import JobError, UnknownJobError
+from ...errors import JobError, UnknownJobError, shown
 from ...jobdir import JobDir, atomic_write, eksft_home
-from ...spec import JobSpec, valid_name
+from ...spec import JobSpec
+from ...spec_checks import valid_name
 from ...states import ACTIVE, JobState
 from ...tails import bounded, tail_lines
 from ..base import Backend, JobSummary, readable
 from ..folder import FolderJobs
 from ..inbox import queue_fault, queue_settings, settings_in_force
-from . import cluster, torchft
-from .render import STOP_MARK, job_dir, new_job_uid, render
+from . import cluster, engine_parts
+from .render import STOP_MARK, job_dir, new_job_uid
 
 RECORD = "slurm.json"
 SHARED_DIR_ENV = "EKSFT_SHARED_DIR"
@@ -52,7 +53,7 @@ class SlurmBackend(FolderJobs, Backend):
             link = self.links / name
             if link.is_symlink() and (link / "spec.json").is_file():
                 return JobDir(link.resolve())
-        raise UnknownJobError(f"no Slurm job named {name!r} was launched here"
+        raise UnknownJobError(f"no Slurm job named {shown(name)} was launched here"
                               + (f" nor is one under {self.root}" if self.root else ""),
                               f"check the name, or set {SHARED_DIR_ENV} to the --shared-dir it was "
                               "launched with")
@@ -82,13 +83,13 @@ class SlurmBackend(FolderJobs, Backend):
     def render(self, spec: JobSpec, queue_objects: bool = False) -> str:
         """The sbatch script (``queue_objects``: Slurm has no queue objects to add)."""
         assert spec.backend == self.name
-        return _renderer(spec)(spec)
+        return engine_parts.of(spec).render(spec)
 
     def launch(self, spec: JobSpec, faults: list[FaultCommand] | None = None) -> None:
         assert spec.backend == self.name and not spec.script and not spec.spare_nodes
         jd = job_dir(spec)
         job_uid = new_job_uid()
-        script = _renderer(spec)(spec, job_uid)
+        script = engine_parts.of(spec).render(spec, job_uid)
         jd.create(spec)   # refuses a job folder that exists
         for f in faults or []:
             submit(jd.pending, f)
@@ -187,11 +188,6 @@ class SlurmBackend(FolderJobs, Backend):
                            f"{name} --backend slurm`")
         shutil.rmtree(self._jd(name).path)
         (self.links / name).unlink(missing_ok=True)
-
-
-def _renderer(spec: JobSpec) -> Callable[..., str]:
-    """The sbatch script's renderer: ft_launcher per node, or a torchft job's Lighthouse and groups."""
-    return torchft.render if spec.engine == "torchft" else render
 
 
 def _waiting(job: cluster.SlurmJob) -> str:

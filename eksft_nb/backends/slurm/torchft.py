@@ -67,6 +67,13 @@ def render(spec: JobSpec, job_uid: str | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def gave_up(spec: JobSpec, code: int) -> str:
+    """Why the job failed when the runner's step ended ``code``: it restarted lost groups alone until it
+    gave up."""
+    return (f"a replica group was lost more often than max_job_restarts={spec.ft.max_job_restarts} allows, "
+            f"or the Lighthouse ended (exit {code}; see `logs --debug`)")
+
+
 def group_step(spec: JobSpec, group: int, restart: int, log: Path) -> list[str]:
     """Replica group ``group``'s job step, on the allocation's node ``group``; its servers on the address
     that node's host name resolves to. The trainer leads a process group of its own, which the step's shell

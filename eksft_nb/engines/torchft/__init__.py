@@ -4,12 +4,12 @@ restarting from a checkpoint.
 
 - :mod:`.checks`: which specs and faults the engine takes (the command layer asks it once);
 - :mod:`.lighthouse`: the Lighthouse's command line;
-- :mod:`.supervisor`: the local supervisor's torchft variant (the Lighthouse, and each group's
-  processes, one per rank: :mod:`.group`);
 - :mod:`.losses`: a group lost, then healed, as ``failure`` and ``restart`` events (every backend's);
 - :mod:`.hosts`: where a job's servers listen, per backend (loopback locally, the pod's or node's address
   on a cluster); :mod:`.listen` puts a group's servers, torchft's own included, there alone;
-- the clusters render their own: :mod:`eksft_nb.backends.eks.torchft`, :mod:`eksft_nb.backends.slurm.torchft`;
+- each backend runs its own: :mod:`eksft_nb.backends.local.torchft` (the local supervisor's torchft
+  variant: the Lighthouse, and each group's processes, one per rank), :mod:`eksft_nb.backends.eks.torchft`,
+  :mod:`eksft_nb.backends.slurm.torchft` (what the clusters render);
 - :mod:`.trainer`: the built-in trainer as torchft DDP, or HSDP with N ranks per group (:mod:`.hsdp`:
   FSDP inside a group, torchft across groups), reporting through the one event schema;
 - :mod:`.script`: a user's torchft script as a replica group, its Manager watched;

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Sequence
-from typing import Any
 
 from ...errors import SpecError
 from ...spec import JobSpec
@@ -18,10 +16,9 @@ FAULTS = ("sigkill", "kill-launcher", "hang", "exception", "slow-rank")
 SCRIPT_FAULTS = ("sigkill", "exception", "slow-rank")
 
 
-def check(spec: JobSpec, faults: Sequence[Any] = ()) -> None:
-    """Raise :class:`SpecError` when ``spec`` (or a scheduled fault) does not apply to the torchft engine."""
-    if spec.engine != "torchft":
-        return
+def check(spec: JobSpec) -> None:
+    """Raise :class:`SpecError` when ``spec`` does not apply to the torchft engine (the faults it fires:
+    :class:`.engine.TorchftEngine`)."""
     if importlib.util.find_spec("torchft") is None:
         raise SpecError(
             "--engine torchft needs torchft, which is not installed here",
@@ -64,26 +61,4 @@ def check(spec: JobSpec, faults: Sequence[Any] = ()) -> None:
                 f"{flag} is an NVRx setting (in-process restart, ft_launcher's sections); "
                 "torchft does not use it",
                 f"drop {flag}, or use --engine nvrx",
-            )
-    check_faults(spec, faults)
-
-
-def fires(spec: JobSpec) -> tuple[str, ...] | None:
-    """The faults ``spec``'s torchft job fires (None: not a torchft job, which this module does not limit)."""
-    if spec.engine != "torchft":
-        return None
-    return SCRIPT_FAULTS if spec.script else FAULTS
-
-
-def check_faults(spec: JobSpec, faults: Sequence[Any]) -> None:
-    """Refuse a fault the torchft engine cannot fire (scheduled at launch, or injected into a running job)."""
-    takes = fires(spec)
-    if takes is None:
-        return
-    where = " in a --script" if spec.script else ""
-    for f in faults:
-        if f.fault not in takes:
-            raise SpecError(
-                f"--engine torchft cannot fire {f.fault}{where} so far",
-                f"use one of {', '.join(takes)}, or --engine nvrx",
             )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import subprocess
 from dataclasses import dataclass, field
 
-from ...backends.local.supervisor import Node
+from .launchers import Node
 
 
 @dataclass

@@ -1,11 +1,12 @@
-"""The local supervisor of a torchft job: the Lighthouse on loopback, and each replica group's processes
-(one per rank, :mod:`.group`: a group of N ranks trains as torchft HSDP, and is the unit that is lost and
-restarted).
+"""The local supervisor of a torchft job (``--engine torchft``): the Lighthouse on loopback, and each
+replica group's processes (one per rank, :mod:`.torchft_group`: a group of N ranks trains as torchft HSDP,
+and is the unit that is lost and restarted). The clusters' torchft parts are beside it:
+:mod:`eksft_nb.backends.eks.torchft`, :mod:`eksft_nb.backends.slurm.torchft`.
 
-It keeps :class:`~eksft_nb.backends.local.supervisor.Supervisor`'s lifecycle (keeper, events, stop,
-the job's end) and replaces what differs: there is no ft_launcher, and a lost group is restarted alone
-while the others train on. Its ``failure`` and ``restart`` events (level ``job``: the supervisor
-recovered it) say what the job lost (:mod:`.losses`, shared with the clusters' backends).
+It keeps :class:`.supervisor.Supervisor`'s lifecycle (keeper, events, stop, the job's end) and replaces
+what differs: there is no ft_launcher, and a lost group is restarted alone while the others train on. Its
+``failure`` and ``restart`` events (level ``job``: the supervisor recovered it) say what the job lost
+(:mod:`eksft_nb.engines.torchft.losses`, shared with the clusters' backends).
 
 A group restarted alone is forked from a zygote (:mod:`eksft_nb.runtime.zygote`) started for its next
 restart once every group is set up: a fresh process's imports were most of a rejoin, and under load longer
@@ -34,19 +35,19 @@ from typing import Any
 import psutil
 
 from ... import loopback, procs
+from ...engines.torchft import lighthouse
+from ...engines.torchft.losses import LostGroups, fault_time
+from ...engines.torchft.plan import group_argv, group_env
+from ...engines.torchft.script import REFUSED_EXIT, refusal
+from ...incidents import Incident
 from ...jobdir import JobDir
-from ...backends.local.supervisor import POLL_S, Supervisor
 from ...launcher import WARM_SHIM
 from ...runtime.quiet import quiet_env
 from ...runtime.warm_shim import SOCKET_ENV as WARM_SOCKET
 from ...runtime.warm_shim import ZYGOTE_ENV as WARM_ZYGOTE
-from ...incidents import Incident
 from ...states import JobState, RestartLevel
-from . import lighthouse
-from .group import Group
-from .losses import LostGroups, fault_time
-from .plan import group_argv, group_env
-from .script import REFUSED_EXIT, refusal
+from .supervisor import POLL_S, Supervisor
+from .torchft_group import Group
 
 HANG_MIN_S = 8.0  # a group is hung after no progress for this long at least (a restarted one's start aside)
 HANG_STEPS = 5  # ... or for this many typical steps, if longer
