@@ -71,12 +71,15 @@ class Trainer:
         self.ckpt.pending, self.ckpt.mode = None, "sync"
 
     def _drained(self, step: int, asked: int, save_s: float) -> None:
-        """Every rank saved ``step`` (or it was committed already) and stops: rank 0 says so."""
+        """Every rank saved ``step`` (or it was committed already) and stops: rank 0 says so, and each rank
+        leaves its mark for the process around its launcher (see :mod:`.drain`)."""
+        committed = self.ckpt.last_committed == step
         if self.rank == 0:
-            committed = self.ckpt.last_committed == step
             self.s.emit("drain", step=step, committed=committed, ranks_asked=asked, save_s=save_s,
                         path=str(self.ckpt.root) if committed else None)
         dist.barrier(group=self.ckpt_group)
+        if self.s.drain is not None:
+            self.s.drain.drained(step, committed)
 
     def _restore_overrun(self, budget: float, took: float | None = None) -> None:
         """Warn that a restore outlasts the keepalive's budget: from then on the timeouts count it as a
