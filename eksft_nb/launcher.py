@@ -35,7 +35,8 @@ class Ports:
 
 def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports: Ports, rdzv_id: str,
                   log_dir: str | None = None, nvrx: NVRx | None = None, cycle_dir: str | None = None,
-                  store_elsewhere: bool = False, warm_python: str | None = None) -> list[str]:
+                  store_elsewhere: bool = False, warm_python: str | None = None,
+                  rdzv_conf: dict[str, str] | None = None, term_timeout: float | None = None) -> list[str]:
     """``ft_launcher ...`` for one node (argv[0] is the bare command name).
 
     ``node_rank`` may be a Kubernetes reference such as ``"$(EKSFT_NODE_RANK)"``, which the kubelet
@@ -46,6 +47,9 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
     are added (see :meth:`NVRx.launcher_flags`; ``cycle_dir`` receives its per-cycle records).
     ``store_elsewhere``: no launcher hosts the rendezvous store (the local supervisor does, so that
     any node, the first included, can be lost while a hot spare takes its place).
+    ``rdzv_conf``: more of the rendezvous' settings (``--rdzv-conf``), e.g. its ``join_timeout``.
+    ``term_timeout``: how long a SIGTERMed launcher waits for its ranks to save (default: the grace period
+    on GPUs, else 5 s); where SIGTERM only ever means a drain (an EKS pod), the grace period.
     ``warm_python``: each worker is :mod:`.runtime.warm_shim` run by that interpreter, which turns it
     into a rank forked from the node's zygote (:mod:`.runtime.zygote`) when there is one.
     A loopback ``rdzv_host`` means every node is this machine: it is then each node's address too, so
@@ -56,7 +60,7 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
     # SIGTERM to the launcher (a drain, a preemption) reaches the ranks, which save before they exit: on
     # GPUs it waits the grace period for that before SIGKILL (a restart's stop has its own timeout)
     grace = derive(spec)
-    term = grace.grace.seconds if grace.gpu else 5
+    term = term_timeout if term_timeout is not None else grace.grace.seconds if grace.gpu else 5
     argv = [
         "ft_launcher",
         f"--nnodes={spec.nnodes}", f"--nproc-per-node={spec.nproc_per_node}", f"--node-rank={node_rank}",
@@ -71,8 +75,9 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
     sections = ft.sections()
     if sections:
         argv.append("--ft-rank-section-timeouts=" + ",".join(f"{k}:{v:g}" for k, v in sections.items()))
-    if store_elsewhere:
-        argv.append("--rdzv-conf=is_host=false")
+    conf = {**({"is_host": "false"} if store_elsewhere else {}), **(rdzv_conf or {})}
+    if conf:
+        argv.append("--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()))
     if loopback_address(rdzv_host):
         argv.append(f"--local-addr={rdzv_host}")
     if log_dir:

@@ -7,15 +7,18 @@ def nccl_env(gpus_per_node: int, efa: bool, inprocess: bool, rdma_read: bool) ->
     """For ranks on GPUs: no loopback or container interfaces for NCCL's sockets, and NCCL's network
     choice logged at INFO for the INIT and NET subsystems only (one "NET/OFI ..." or "NET/Socket ..."
     line per rank), so a fall back to TCP shows in the log. With EFA: libfabric's provider and the
-    fork-safety NVRx's restarts need (they fork ranks); device RDMA only where the EFA has RDMA read
-    (``rdma_read``: p4d, p5...; elsewhere libfabric aborts)."""
+    fork-safety NVRx's restarts need (they fork ranks); huge pages off for libfabric's buffers (AWS's
+    current guidance: with them a fork, a data loader's or a restart's, can fail with "Cannot allocate
+    memory" once the node's huge pages run out); no ``RDMAV_FORK_SAFE``, which rdma-core no longer needs
+    (the kernel copies registered memory on fork) and which costs every registration; device RDMA only
+    where the EFA has RDMA read (``rdma_read``: p4d, p5...; elsewhere libfabric aborts)."""
     if not gpus_per_node:
         return {}
     env = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET", "NCCL_SOCKET_IFNAME": "^docker,lo,veth"}
     if inprocess:  # let inprocess.Wrapper see NCCL errors as exceptions it can restart from
         env.update({"TORCH_NCCL_RETHROW_CUDA_ERRORS": "0", "NCCL_NVLS_ENABLE": "0"})
     if efa:
-        env.update({"FI_PROVIDER": "efa", "FI_EFA_FORK_SAFE": "1", "RDMAV_FORK_SAFE": "1",
+        env.update({"FI_PROVIDER": "efa", "FI_EFA_FORK_SAFE": "1", "FI_EFA_USE_HUGE_PAGE": "0",
                     "FI_LOG_LEVEL": "warn"})
         if rdma_read:
             env["FI_EFA_USE_DEVICE_RDMA"] = "1"

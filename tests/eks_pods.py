@@ -83,12 +83,21 @@ class LocalPod:
         return [self._local(_expand(a, env)) for a in c.get("command", []) + c.get("args", [])]
 
     def process_env(self, container: str) -> dict[str, str]:
-        """The image's environment (this venv first on PATH) plus the container's."""
+        """The image's environment (this venv first on PATH) plus the container's; where the kubelet's
+        termination-message file is for this container (``/dev/termination-log`` in a pod)."""
         base = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                 "HOME": str(self.root), "LANG": os.environ.get("LANG", "C.UTF-8"),
+                "EKSFT_TERMINATION_LOG": str(self.termination_log(container)),
                 # the eksft-nb under test
                 **{k: os.environ[k] for k in ("PYTHONPATH", "LD_LIBRARY_PATH") if k in os.environ}}
         return {**base, **self.env(container)}
+
+    def termination_log(self, container: str) -> Path:
+        """The file this container's termination message is read from (the kubelet mounts one per
+        container)."""
+        folder = self.root / "pods" / self.name
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder / f"{container}.termination-log"
 
     def run(self, container: str, argv: list[str] | None = None,
             **kw: Any) -> subprocess.CompletedProcess[str]:

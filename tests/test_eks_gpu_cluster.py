@@ -17,6 +17,7 @@ from jobs import cli
 from eksft_nb import commands
 from eksft_nb.backends.eks import EksBackend, names, schemas, sizing
 from eksft_nb.backends.eks.failures import CONFIG_ERROR
+from eksft_nb.runtime.drain import DRAIN_EXIT
 from eksft_nb.errors import SpecError
 from eksft_nb.spec import JobSpec
 
@@ -53,8 +54,10 @@ def test_four_p5_nodes_render_for_a_real_gpu_cluster() -> None:
     pod = pod_of(job)["spec"]
     trainer, prepare = pod["containers"][0], pod["initContainers"][0]
     env = env_of(trainer)
-    # EFA: device RDMA (p5's EFA has RDMA read); NCCL says which network it took, so a TCP fallback shows
+    # EFA: device RDMA (p5's EFA has RDMA read); NCCL says which network it took, so a TCP fallback shows;
+    # AWS's current libfabric settings: huge pages off (forks fail without), no RDMAV_FORK_SAFE
     assert env["FI_PROVIDER"] == "efa" and env["FI_EFA_USE_DEVICE_RDMA"] == "1"
+    assert env["FI_EFA_USE_HUGE_PAGE"] == "0" and "RDMAV_FORK_SAFE" not in env
     assert env["NCCL_DEBUG"] == "INFO" and env["NCCL_DEBUG_SUBSYS"] == "INIT,NET"
     # `prepare` sees the EFA devices to check them (the trainer reuses an init container's devices)
     assert prepare["resources"]["limits"] == {"vpc.amazonaws.com/efa": "32"}
@@ -68,13 +71,30 @@ def test_four_p5_nodes_render_for_a_real_gpu_cluster() -> None:
     assert limits == {"nvidia.com/gpu": "8", "vpc.amazonaws.com/efa": "32", "memory": "1792Gi"}
     shm = next(v for v in pod["volumes"] if v["name"] == "shm")["emptyDir"]["sizeLimit"]
     assert sizing.quantity(shm, "") + 8 * 8 * sizing.GiB <= sizing.quantity(requests["memory"], "")
-    # no capability Pod Security "baseline" refuses
-    assert "IPC_LOCK" not in done.stdout and "securityContext" not in trainer
-    # node failures: a disruption is not charged, a configuration error fails the job at once
+    # what Pod Security "restricted" asks: no capability, no privilege escalation, RuntimeDefault seccomp, not
+    # root (UID and group 1000 by default, the job folder's group too)
+    assert "IPC_LOCK" not in done.stdout
+    for container in (trainer, prepare, pod["initContainers"][1]):
+        assert container["securityContext"] == {"allowPrivilegeEscalation": False,
+                                                "capabilities": {"drop": ["ALL"]}}
+    assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000,
+                                      "fsGroup": 1000, "fsGroupChangePolicy": "OnRootMismatch",
+                                      "seccompProfile": {"type": "RuntimeDefault"}}
+    # node failures: a drain and a disruption are not charged, a configuration error fails the job at once
     assert job["spec"]["backoffLimitPerIndex"] == 2 and job["spec"]["podReplacementPolicy"] == "Failed"
     assert job["spec"]["podFailurePolicy"]["rules"] == [
         {"action": "FailJob", "onExitCodes": {"operator": "In", "values": [CONFIG_ERROR]}},
+        {"action": "Ignore",
+         "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [DRAIN_EXIT]}},
         {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}]
+    # voluntary disruption takes no node the job needs: Karpenter leaves the nodes alone, evictions wait
+    assert pod_of(job)["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
+    pdb = next(d for d in docs if d["kind"] == "PodDisruptionBudget")
+    assert pdb["spec"] == {"minAvailable": 4, "selector": {"matchLabels": {names.JOB_LABEL: "llm"}},
+                           "unhealthyPodEvictionPolicy": "AlwaysAllow"}
+    # a pod recreated after a drain counts the drains and disruptions of its index (it restarts, not starts)
+    assert env["EKSFT_IGNORED_FAILURES"] == {"fieldRef": {
+        "fieldPath": "metadata.annotations['batch.kubernetes.io/job-index-ignored-failure-count']"}}
     # a lost node's pods are evicted in a minute, not five
     fast = {t["key"]: t["tolerationSeconds"] for t in pod["tolerations"] if t["effect"] == "NoExecute"}
     assert fast == {"node.kubernetes.io/unreachable": 60, "node.kubernetes.io/not-ready": 60}

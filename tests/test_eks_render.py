@@ -15,6 +15,7 @@ from eksft_nb.errors import SpecError
 from eksft_nb.backends.eks.render import INPOD
 from eksft_nb.launcher import WARM_SHIM, Ports, launcher_argv
 from eksft_nb.spec import JobSpec
+from eksft_nb.timeouts import derive
 
 IMAGE = "123456789012.dkr.ecr.us-west-2.amazonaws.com/eksft-nb:0.1.0"
 
@@ -59,14 +60,20 @@ def test_matrix_renders_valid_manifests(kind: str, nnodes: int, gpus: int, efa: 
     env = {e["name"]: e.get("value", e.get("valueFrom")) for e in trainer["env"]}
     # the local launch line, with node 0's stable DNS name: no shell, no sleep, no DNS polling
     node_rank = "$(RANK)" if kind == "pytorchjob" else "$(EKSFT_NODE_RANK)"
+    # the rendezvous waits for pods that are still being scheduled (--rdzv-join-timeout); a SIGTERMed pod's
+    # launcher gives its ranks the grace period to save (a drain), on CPU pods too
+    grace = derive(spec).grace.seconds
     line = launcher_argv(spec, node_rank=node_rank, rdzv_host=names.rank0_host(spec),
-                         ports=Ports.from_base(29500), rdzv_id="demo")
-    # warm ranks (the default): the in-pod entry starts the pod's zygote, then runs that very line with the
-    # image's shim as its worker; the shim's path is the container's, so this machine's is nowhere
+                         ports=Ports.from_base(29500), rdzv_id="demo", rdzv_conf={"join_timeout": "1800"},
+                         term_timeout=grace)
+    assert "--rdzv-conf=join_timeout=1800" in line and f"--term-timeout={grace:g}" in line
+    # the in-pod entry runs that very line and ends the pod as its ranks did (a drain is no success); with
+    # warm ranks (the default) it starts the pod's zygote first and makes the image's shim the launcher's
+    # worker: the shim's path is the container's, so this machine's is nowhere
     assert trainer["command"] == INPOD + ["launch"] and trainer["args"] == line and line[0] == "ft_launcher"
     assert WARM_SHIM not in text and "sleep" not in text and "getent" not in text
     cold = pod_template(EksBackend().manifests(spec.replace(**{"ft.warm_ranks": False})).workload())["spec"]
-    assert cold["containers"][0]["command"] == ["ft_launcher"] and cold["containers"][0]["args"] == line[1:]
+    assert cold["containers"][0]["command"] == INPOD + ["launch"] and cold["containers"][0]["args"] == line
     if kind != "pytorchjob":
         assert names.rank0_host(spec) == f"{names.pod_host(spec, 0)}.demo.default.svc.cluster.local"
         assert env["EKSFT_NODE_RANK"]["fieldRef"]["fieldPath"].endswith(
@@ -86,7 +93,7 @@ def test_matrix_renders_valid_manifests(kind: str, nnodes: int, gpus: int, efa: 
 
 def test_job_pods_find_node_0_through_the_headless_service() -> None:
     docs = EksBackend().manifests(eks_spec(nnodes=4, gpus=8, efa=4)).job
-    service, job = docs[-2], docs[-1]
+    service, job = next(d for d in docs if d["kind"] == "Service"), docs[-1]
     pod = job["spec"]["template"]
     assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
@@ -123,6 +130,7 @@ def test_control_plane_role_grants_only_what_it_calls() -> None:
         ("", "persistentvolumeclaims"): {"get"},
         ("monitoring.coreos.com", "podmonitors"): {"get", "create", "delete"},
         ("networking.k8s.io", "networkpolicies"): {"get", "create", "delete"},
+        ("policy", "poddisruptionbudgets"): {"get", "create", "delete"},
     }
     # a queued job's state reads Kueue's Workloads
     assert grants_for(eks_spec(kind="jobset", **{"eks.queue": "gpus"})) == {
@@ -229,7 +237,7 @@ def test_cli_dry_run_prints_the_manifests() -> None:
     assert done.returncode == 0, done.stderr
     docs = [d for d in yaml.safe_load_all(done.stdout) if d]
     assert [d["kind"] for d in docs] == ["ServiceAccount", "Role", "RoleBinding", "ConfigMap",
-                                         "NetworkPolicy", "PodMonitor",
+                                         "NetworkPolicy", "PodMonitor", "PodDisruptionBudget",
                                         "JobSet"]
     assert all(d["metadata"]["namespace"] == "training" for d in docs)
     bad = cli("run", "--backend", "eks", "--dry-run", "--image", IMAGE, "--gpus-per-node", "12", timeout=120)

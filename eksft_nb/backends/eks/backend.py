@@ -34,11 +34,12 @@ from .cluster import ApiError, Cluster, explain
 from .inpod import NOT_HERE
 from .pods import PodState, parse_time, pod_state
 from .render import INPOD, Manifests, render
-from .stream import EksEvents, workload_outcome
+from .stream import EksEvents, with_cause, workload_outcome
 
 CONFIGMAP, SERVICE, POD, PVC = (names.KINDS[k] for k in ("ConfigMap", "Service", "Pod",
                                                          "PersistentVolumeClaim"))
 PODMONITOR, NETPOL = names.KINDS["PodMonitor"], names.KINDS["NetworkPolicy"]
+PDB = names.KINDS["PodDisruptionBudget"]
 
 
 class EksBackend(Backend):
@@ -128,6 +129,10 @@ class EksBackend(Backend):
         if obj is None or obj["metadata"].get("deletionTimestamp"):
             return JobSummary(name, self.name, JobState.STOPPED, "stopped: its workload was deleted")
         outcome = workload_outcome(obj)
+        if outcome and outcome[0] == JobState.FAILED:   # said with the pod behind it, in its own words
+            pods = [pod_state(p, names.container(spec), names.process(spec))
+                    for p in cluster.list(POD, names.selector(name))]
+            return JobSummary(name, self.name, JobState.FAILED, with_cause(outcome[1], pods))
         if outcome:
             return JobSummary(name, self.name, *outcome)
         if spec.eks.queue and _suspended(obj):   # Kueue has not admitted it (or has evicted it) yet
@@ -144,12 +149,12 @@ class EksBackend(Backend):
                          # telling ones first
                          key=lambda p: p.reason in ("", "ContainerCreating", "PodInitializing"))
         if not pods or waiting or len(pods) < spec.nnodes:
-            detail = (f"{waiting[0].label}: {self._pending_reason(cluster, waiting[0])}" if waiting
-                      else f"{len(pods)} of {spec.nnodes} pods created")
+            detail = (f"{waiting[0].label}: {self._pending_reason(cluster, waiting[0])}{_since(waiting[0])}"
+                      if waiting else f"{len(pods)} of {spec.nnodes} pods created")
             # Kueue unsuspends only what it admitted
             return JobSummary(name, self.name, JobState.STARTING,
                               f"admitted; {detail}" if spec.eks.queue else detail)
-        failed = next((p for p in pods if p.failed), None)
+        failed = next((p for p in pods if p.failed or p.drained), None)
         return JobSummary(name, self.name, JobState.RUNNING,
                           f"recovering: {failed.label}: {failed.reason}" if failed else "")
 
@@ -299,6 +304,7 @@ class EksBackend(Backend):
         cluster, spec, _ = self._job(name)
         cluster.delete(names.workload(spec), name, propagation="Foreground")
         cluster.delete(SERVICE, name)
+        cluster.delete(PDB, name)
         beside = engine_parts.of(spec).beside(name)   # what its engine runs beside the workload
         for kind, other in beside:
             if kind != NETPOL:   # a NetworkPolicy goes with the job's, below
@@ -324,6 +330,7 @@ class EksBackend(Backend):
         if status.state in ACTIVE:
             raise JobError(f"job {name!r} is still {status.state}", "stop it first")
         cluster.delete(SERVICE, name)
+        cluster.delete(PDB, name)
         cluster.delete(NETPOL, name)
         for kind, other in engine_parts.of(spec).beside(name):   # what its engine runs beside the workload
             cluster.delete(kind, other)
@@ -360,6 +367,15 @@ def _check_claim(cluster: Cluster, spec: JobSpec) -> None:
                        "not ReadWriteMany: the pods of other nodes could not mount it",
                        "use an FSx for Lustre claim with accessModes [ReadWriteMany] (see the README), or "
                        "--create-pvc")
+
+
+def _since(pod: PodState) -> str:
+    """Since when a pending pod waits, in words."""
+    if pod.since is None:
+        return ""
+    waited = max(0, int(time.time() - pod.since))
+    since = time.strftime('%H:%M:%S', time.localtime(pod.since))
+    return f" (since {since}, {waited // 60}m{waited % 60:02d}s)"
 
 
 def _suspended(obj: dict[str, Any]) -> bool:

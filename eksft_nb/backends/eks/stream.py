@@ -7,7 +7,11 @@ Two sources, merged in arrival order:
 - what the local supervisor would report, derived here from the pods and the workload: ``job_start``,
   ``failure``/``restart`` (a pod OOM-killed, evicted, deleted or lost; ft_launcher restarting its
   ranks; in-process restarts; a torchft replica group's pod lost, then its replacement healed, as the
-  local supervisor's, :mod:`eksft_nb.engines.torchft.losses`) and ``job_end``.
+  local supervisor's, :mod:`eksft_nb.engines.torchft.losses`; the job's pods drained on SIGTERM and
+  recreated, one job-level restart whose cause is the drain) and ``job_end``, never "succeeded" for a
+  job whose ranks stopped short of their last step;
+- ``warning`` events for what the job waits on or loses: a pod not scheduled (what for, since when),
+  NCCL falling back to TCP sockets on pods that have EFA.
 
 Background threads only fetch (a pod watch, one log follower per container, a workload poll);
 :meth:`EksEvents.read` turns what they fetched into events in the caller's thread.
@@ -35,12 +39,14 @@ from ...spec import JobSpec
 from ...states import JobState
 from . import names
 from .cluster import ApiError, Cluster
+from .instances import efa_per_node
 from .pods import PodState, pod_state
 
 CONFIGMAP = names.KINDS["ConfigMap"]
 
 WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")  # ft_launcher
 FT_TIMEOUT = re.compile(r"FT timeout elapsed")
+NCCL_NETWORK = re.compile(r"NCCL INFO Using network (\S[^\r\n]*?)\s*$")   # NCCL's choice, at INFO for NET
 LOG_DRAIN_S = 15.0      # once the workload has ended, how long to wait for the last log lines
 FOLLOW_IDLE_S = 300.0   # a log stream with nothing new for this long is reopened
 
@@ -54,12 +60,23 @@ def workload_outcome(obj: dict[str, Any]) -> tuple[JobState, str] | None:
             return JobState.SUCCEEDED, "all pods finished"
         if c.get("type") == "Failed":
             reason = c.get("reason", "")
-            if reason in ("FailedIndexes", "BackoffLimitExceeded", "ReachedMaxRestarts"):
+            if reason in ("FailedIndexes", "MaxFailedIndexesExceeded", "BackoffLimitExceeded",
+                          "ReachedMaxRestarts"):
                 why = "a node failed more often than max_job_restarts allows"
             else:
                 why = "the workload failed"
             return JobState.FAILED, f"{why} ({reason}: {c.get('message', '')})".replace(": )", ")")
     return None
+
+
+def with_cause(reason: str, pods: list[PodState]) -> str:
+    """A failed workload's reason led by the pod behind it, in its own words (a prepare step's refusal, its
+    termination message): the pod the Job's failure message names, else the one that failed last."""
+    named = re.search(r"for pod [^/\s]+/(\S+)", reason)
+    failed = [p for p in pods if p.failed and p.reason]
+    pod = next((p for p in failed if named and p.name == named.group(1)), None) or \
+        max(failed, key=lambda p: p.ended_at or 0.0, default=None)
+    return f"{pod.label}: {pod.reason} ({reason})" if pod is not None else reason
 
 
 class Tracker:
@@ -89,6 +106,9 @@ class Tracker:
         self.pod_of: dict[int, str] = {}               # rank -> the pod of its latest start
         self.ended_ranks: set[int] = set()             # ranks whose latest start has ended (rank_end)
         self.lag: float | None = None                  # least (our clock - a rank event's t) seen
+        self.drain_incident: Any = None                # the incident a drain opened (one for all its pods)
+        self.said: set[str] = set()                    # warnings given once (pending pods, NCCL's network)
+        self.pods: dict[str, PodState] = {}            # pod uid -> its latest state
 
     # ---- output ------------------------------------------------------------------------------------
     def take(self) -> list[Event]:
@@ -148,6 +168,7 @@ class Tracker:
         uid = meta.get("uid", "")
         fault = _note((meta.get("annotations") or {}).get(names.FAULT_ANNOTATION))
         ps = pod_state(pod, self.container, names.process(self.spec))
+        self.pods[uid] = ps
         if fault and uid not in self.fault_seen:
             # the fault happened when the pod's deletion began (the cluster's clock)
             self.fault_seen.add(uid)
@@ -156,6 +177,15 @@ class Tracker:
         if ending or self.outcome is not None:
             return
         key = f"{uid}/{ps.restarts}"
+        if ps.drained:
+            if key not in self.counted:
+                self.counted.add(key)
+                self._drained(ps)
+            return
+        unscheduled = ps.phase == "pending" and ps.reason.startswith("not scheduled")
+        if unscheduled and f"pending/{uid}" not in self.said:
+            self.said.add(f"pending/{uid}")
+            self._emit("warning", what="pod-pending", message=self._pending(ps))
         lost = kind == "DELETED" or ps.deleting
         if (ps.failed or lost) and ps.phase != "succeeded" and key not in self.counted:
             self.counted.add(key)
@@ -174,6 +204,38 @@ class Tracker:
             # restarted in place (PyTorchJob) since the last look
             self.counted.add(f"{uid}/{ps.restarts - 1}")
             self._open_node_incident(ps, f"{ps.label}: ft_launcher {ps.last_exit}, restarted in place", None)
+
+    def _drained(self, ps: PodState) -> None:
+        """A pod whose ranks drained: the workload recreates it (and the others, which drained with it), and
+        they resume from the drain's save. One job-level restart for the drain, not one per pod."""
+        if self.drain_incident is not None and self.incidents.incident is self.drain_incident:
+            return
+        d = self.mon.drain
+        if d is not None:
+            saved = "saved and committed" if d["committed"] else "its save could NOT be committed"
+            what = f"drained on SIGTERM at step {d['step']} ({saved})"
+        else:
+            what = "stopped on SIGTERM"
+        self._open_node_incident(ps, f"{what}: {ps.label} and the job's other pods are recreated by the "
+                                 "workload", ps.ended_at)
+        self.drain_incident = self.incidents.incident
+
+    def _pending(self, ps: PodState) -> str:
+        """What a pod that is not scheduled waits for, since when, and what that holds up."""
+        since = time.strftime("%H:%M:%S", time.localtime(ps.since)) if ps.since else "its creation"
+        waits = (f"the other pods wait for it in the rendezvous for up to {self.spec.eks.join_timeout} s "
+                 "(--rdzv-join-timeout), then fail") if self.spec.nnodes > 1 else "training waits for it"
+        return f"{ps.label} is {ps.reason} (since {since}); {waits}"
+
+    def _network(self, pod: str, network: str) -> None:
+        """NCCL's network, as a rank logs it: TCP sockets on a pod with EFA devices is a warning."""
+        efa = efa_per_node(self.spec)
+        if efa and "socket" in network.lower() and "nccl-socket" not in self.said:
+            self.said.add("nccl-socket")
+            self._emit("warning", what="nccl-socket",
+                       message=f"NCCL in pod {pod} uses TCP sockets, not its {efa} EFA devices (\"Using "
+                               f"network {network}\"): collectives run many times slower; the image's "
+                               "aws-ofi-nccl did not load (see `logs --debug`)")
 
     def _open_node_incident(self, ps: PodState, cause: str, ended_at: float | None) -> None:
         """A node (pod) failed: the job-level tier, as when the local supervisor relaunches. The
@@ -200,6 +262,8 @@ class Tracker:
             self.incidents.worker_failed(self.rank_of.get((pod, pid)), code, self.pod_now())
         elif FT_TIMEOUT.search(text):
             self.incidents.hang(self.pod_now())
+        elif m := NCCL_NETWORK.search(text):
+            self._network(pod, m.group(1))
 
     def finish(self, now: float) -> None:
         """``job_end`` once the workload has ended and its pods' logs are read (or stopped coming); a lost
@@ -215,9 +279,28 @@ class Tracker:
             return
         self.ended = True
         state, reason = self.outcome
+        if state == JobState.SUCCEEDED and (short := self._stopped_short()) is not None:
+            state, reason = short
+        elif state == JobState.FAILED:
+            reason = with_cause(reason, list(self.pods.values()))
         self._emit("job_end", state=state, reason=reason, final_step=self.mon.last_step,
                    digest=self.mon.digest,
                    restarts=self.mon.restarts_by_level())
+
+    def _stopped_short(self) -> tuple[JobState, str] | None:
+        """A workload Complete while the built-in trainer's ranks stopped before their last step (pods whose
+        eksft-nb exits 0 on a drain, or a launcher that exited 0 early): not a success. A script's own loop
+        decides when it is done."""
+        mon, steps = self.mon, self.spec.steps
+        if self.spec.script or mon.digest is not None or mon.last_step >= steps:
+            return None
+        if (d := mon.drain) is not None:
+            saved = "saved and committed" if d["committed"] else "its save could NOT be committed"
+            return JobState.STOPPED, (f"drained on SIGTERM at step {d['step']} of {steps} ({saved}), and the "
+                                      "workload ended Complete: its image's eksft-nb predates drain exits; "
+                                      f"resume it with `python -m eksft_nb resume {self.spec.name}`")
+        return JobState.FAILED, (f"the pods finished at step {mon.last_step} of {steps}: the workload is "
+                                 "Complete but training is not (see `logs --debug`)")
 
     def _ranks_to_hear(self) -> list[int]:
         """Ranks whose end may still come: not ended since their start, and their pod's log still

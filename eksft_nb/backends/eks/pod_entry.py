@@ -1,0 +1,194 @@
+"""The trainer container's main process: ft_launcher's parent, which ends as the pod's ranks did.
+
+``python -m eksft_nb.backends.eks.inpod launch ft_launcher ARGS...`` starts the pod's zygote first when
+the spec keeps warm ranks (:mod:`eksft_nb.runtime.zygote`), then ft_launcher, and stays around it:
+
+- SIGTERM from the kubelet (a node drain, Karpenter's consolidation, a node group update, node
+  auto-repair, a HyperPod node replacement, a Kueue suspend) goes on to ft_launcher, which passes it to
+  its ranks: they agree on a step, save, commit and exit 0 (:mod:`eksft_nb.runtime.drain`), and so does
+  ft_launcher ("All ranks exited gracefully").
+- Each rank that drained leaves a mark in a folder this process gives it. Once every rank of the pod has,
+  ft_launcher gets :data:`EXIT_GRACE_S` to exit on its own, then SIGTERM: a launcher whose peer left on
+  SIGTERM would otherwise wait in torchelastic's exit barrier for it (300 s), holding the node.
+- The exit code: :data:`~eksft_nb.runtime.drain.DRAIN_EXIT` when every rank of the pod drained, or when
+  the pod was sent SIGTERM and ft_launcher then ended (the cluster stopped it: a preemption, not the
+  job's failure; the built-in trainer's ranks that finished their last step exit 0 still); else
+  ft_launcher's own. The workload's failure policy recreates a drained pod without charging a retry,
+  and a job stopped short of its last step never ends Complete.
+- A drain is recorded in the job folder (``drains/<job uid>-N``): the pods of the next incarnation count
+  it into ``EKSFT_JOB_ATTEMPT``, so their ranks restart (from this launch's newest checkpoint, the drain's,
+  whatever ``--resume`` named) rather than start.
+- The pod's termination message (``/dev/termination-log``, what ``status`` shows) says how it ended.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ...jobdir import atomic_write
+from ...launcher import ZYGOTE_MODULE, warm_worker, worker_index
+from ...procs import JOB_UID_ENV
+from ...runtime.drain import DRAIN_EXIT, MARK_ENV, marks
+from ...runtime.warm_shim import SOCKET_ENV, ZYGOTE_ENV
+from ...spec import JobSpec
+from .failures import CONFIG_ERROR
+
+EXIT_GRACE_S = 5.0        # after every rank of the pod drained, ft_launcher's time to exit on its own
+POLL_S = 0.2
+IGNORED_ENV = "EKSFT_IGNORED_FAILURES"   # its index's failures the Job did not count (drains, disruptions)
+TERMINATION_ENV = "EKSFT_TERMINATION_LOG"   # where the kubelet reads the message (set only where it moved)
+TERMINATION_LOG = "/dev/termination-log"
+
+
+def termination_message(text: str) -> None:
+    """Say why the container ended where the kubelet reads it (its termination message, at most 4 KiB);
+    nothing where there is no such file (outside a pod)."""
+    path = Path(os.environ.get(TERMINATION_ENV) or TERMINATION_LOG)
+    try:
+        if path.exists() or os.environ.get(TERMINATION_ENV):
+            path.write_text(text[-4000:])
+    except OSError:
+        pass
+
+
+def _die_with(parent: int) -> None:
+    """In a child: SIGKILL when this process ends (the kernel's parent-death signal)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _start_zygote() -> subprocess.Popen[bytes]:
+    """The pod's zygote, listening before the first worker looks for it (see :mod:`.inpod`'s ``launch``)."""
+    # a private folder (0700): no other user of the pod's node or network namespace can bind or reach it
+    name = os.path.join(tempfile.mkdtemp(prefix="eksft-warm-"), "zygote.sock")
+    me = os.getpid()
+    zygote = subprocess.Popen([sys.executable, "-m", ZYGOTE_MODULE, name], stdin=subprocess.DEVNULL,
+                              preexec_fn=lambda: _die_with(me))
+    deadline = time.monotonic() + 30.0
+    # its socket appears once it listens (a fraction of a second); one that cannot start leaves the ranks
+    # cold, as the shim then says
+    while zygote.poll() is None and time.monotonic() < deadline and not os.path.exists(name):
+        time.sleep(0.01)
+    os.environ[SOCKET_ENV], os.environ[ZYGOTE_ENV] = name, str(zygote.pid)
+    return zygote
+
+
+class Drains:
+    """This launch's drains, recorded in the job folder on the shared volume."""
+
+    def __init__(self, job_dir: str | None, job_uid: str | None) -> None:
+        self.folder = Path(job_dir) / "drains" if job_dir else None
+        self.uid = job_uid or "unknown"
+        self.before = self._count()
+
+    def _count(self) -> int:
+        if self.folder is None or not self.folder.is_dir():
+            return 0
+        return sum(1 for p in self.folder.glob(f"{self.uid}-*.json"))
+
+    def record(self, what: dict[str, Any]) -> None:
+        """The drain this incarnation ended in: one record whichever of its pods writes it (the same name)."""
+        if self.folder is None:
+            return
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            atomic_write(self.folder / f"{self.uid}-{self.before + 1}.json", json.dumps(what))
+        except OSError as e:
+            print(f"eksft: warning: cannot record the drain in {self.folder} ({e.strerror}): the next "
+                  "incarnation starts as --resume says", file=sys.stderr, flush=True)
+
+
+def attempt(drains: Drains) -> int:
+    """This pod's incarnation: its index's failures (counted and not) or its JobSet's restarts, and the
+    drains before it."""
+    def number(key: str) -> int:
+        value = os.environ.get(key, "")
+        return int(value) if value.isdigit() else 0
+
+    return number("EKSFT_JOB_ATTEMPT") + number(IGNORED_ENV) + drains.before
+
+
+def launch(argv: list[str]) -> int:
+    """Run the launch line ``argv`` (``ft_launcher ... -m eksft_nb.runtime.MODULE ...``) as described
+    above; returns the container's exit code."""
+    at = worker_index(argv)
+    if at is None:
+        message = ("eksft: error: `launch` takes a launch line (ft_launcher ... -m eksft_nb.runtime.MODULE "
+                   "...): render the pod again with this eksft-nb")
+        print(message, file=sys.stderr)
+        termination_message(message)
+        return CONFIG_ERROR
+    spec_path = os.environ.get("EKSFT_SPEC")
+    spec = JobSpec.load(Path(spec_path)) if spec_path else None
+    drains = Drains(os.environ.get("EKSFT_JOB_DIR"), os.environ.get(JOB_UID_ENV))
+    env = dict(os.environ)
+    env["EKSFT_JOB_ATTEMPT"] = str(attempt(drains))
+    env[MARK_ENV] = tempfile.mkdtemp(prefix="eksft-drain-")
+    zygote = None
+    if spec is not None and spec.ft.warm_ranks:
+        zygote = _start_zygote()
+        env[SOCKET_ENV], env[ZYGOTE_ENV] = os.environ[SOCKET_ENV], os.environ[ZYGOTE_ENV]
+        argv = [*argv[:at], *warm_worker(sys.executable), *argv[at:]]
+    stopping: list[float] = []   # the kubelet's SIGTERM (only recorded here: passed on by _wait)
+    signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append(time.monotonic()))
+    me = os.getpid()
+    try:
+        launcher = subprocess.Popen(argv, env=env, preexec_fn=lambda: _die_with(me))
+    except OSError as e:
+        message = f"eksft: error: cannot run {argv[0]} ({e.strerror}): the image needs it on PATH"
+        print(message, file=sys.stderr)
+        termination_message(message)
+        return CONFIG_ERROR
+    ranks = spec.nproc_per_node if spec is not None else 0
+    code = _wait(launcher, env[MARK_ENV], ranks, stopping)
+    if zygote is not None:
+        zygote.kill()
+    return _outcome(code, marks(env[MARK_ENV]), ranks, bool(stopping), bool(spec and spec.script), drains)
+
+
+def _wait(launcher: subprocess.Popen[bytes], folder: str, ranks: int, stopping: list[float]) -> int:
+    """ft_launcher's exit code. The kubelet's SIGTERM is passed on to it once; so is one of our own once
+    every rank here drained and it has not exited within :data:`EXIT_GRACE_S` (it waits in the exit
+    barrier for a peer that left)."""
+    drained_at, signalled = None, False
+    while (code := launcher.poll()) is None:
+        if drained_at is None and ranks and len(marks(folder)) >= ranks:
+            drained_at = time.monotonic()
+        late = drained_at is not None and time.monotonic() - drained_at > EXIT_GRACE_S
+        if not signalled and (stopping or late):
+            launcher.send_signal(signal.SIGTERM)
+            signalled = True
+        time.sleep(POLL_S)
+    return code
+
+
+def _outcome(code: int, drained: list[dict[str, Any]], ranks: int, sigterm: bool, script: bool,
+             drains: Drains) -> int:
+    """The container's exit code and termination message (see the module's docstring)."""
+    if ranks and len(drained) >= ranks:
+        step = max(m["step"] for m in drained)
+        committed = all(m["committed"] for m in drained)
+        saved = "saved and committed" if committed else "its save could NOT be committed"
+        drains.record({"step": step, "committed": committed, "t": time.time(), "sigterm": sigterm})
+        termination_message(f"drained on SIGTERM at step {step} ({saved}): the workload recreates the pod, "
+                            "which resumes from that save")
+        return DRAIN_EXIT
+    if sigterm and (code != 0 or script):
+        drains.record({"step": None, "committed": False, "t": time.time(), "sigterm": True})
+        termination_message(f"stopped by the cluster (SIGTERM) before its ranks could drain (ft_launcher "
+                            f"exit {code}): the workload recreates the pod, which resumes from the newest "
+                            "checkpoint")
+        return DRAIN_EXIT
+    if code < 0:   # ft_launcher died of a signal: say so as a shell would
+        return 128 - code
+    return code
