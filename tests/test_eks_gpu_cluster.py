@@ -6,7 +6,9 @@ a script's /dev/shm, and `prepare` on an image without EFA."""
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ from eks_pods import LocalPod
 from jobs import cli
 
 from eksft_nb import commands
-from eksft_nb.backends.eks import EksBackend, names, schemas, sizing
+from eksft_nb.backends.eks import EksBackend, efa, names, schemas, sizing
 from eksft_nb.backends.eks.failures import CONFIG_ERROR
 from eksft_nb.runtime.drain import DRAIN_EXIT
 from eksft_nb.errors import SpecError
@@ -128,6 +130,15 @@ def test_hyperpod_instance_names_are_understood() -> None:
     pod = pod_of(m.workload())["spec"]
     # the node label, as given
     assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "ml.p5.48xlarge"}
+    # only on nodes HyperPod's health checks report Schedulable (ml. names, or --hyperpod with another)
+    health = {"key": "sagemaker.amazonaws.com/node-health-status", "operator": "In",
+              "values": ["Schedulable"]}
+    healthy = {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [health]}]}}
+    assert pod["affinity"]["nodeAffinity"] == healthy
+    flagged = pod_of(EksBackend().manifests(gpu_spec(None, efa=0, **{"eks.hyperpod": True})).workload())
+    assert flagged["spec"]["affinity"]["nodeAffinity"] == healthy
+    assert "nodeAffinity" not in pod_of(EksBackend().manifests(gpu_spec()).workload())["spec"]["affinity"]
     assert env_of(pod["containers"][0])["FI_EFA_USE_DEVICE_RDMA"] == "1"
     assert pod["containers"][0]["resources"]["requests"]["memory"] == "1792Gi"
     with pytest.raises(SpecError, match="32 EFA devices per node: ml.p4d.24xlarge has at most 4"):
@@ -217,3 +228,71 @@ def test_prepare_refuses_an_efa_pod_without_the_provider_or_the_plugin(
     done = pod.run("prepare", timeout=120)
     assert done.returncode == 0, done.stderr
     assert "ready" in done.stdout
+
+
+def _plugin(folder: Path, name: str, symbol: str | None = "ncclNetPlugin_v8") -> None:
+    """A shared library named ``name`` in ``folder`` exporting ``symbol`` (an NCCL net plugin's entry)."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("needs a C compiler to build a stand-in NCCL plugin (apt-get install gcc)")
+    folder.mkdir(parents=True, exist_ok=True)
+    source = folder / "plugin.c"
+    source.write_text(f"const int {symbol or 'somethingElse'} = 1;\n")
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(folder / name), str(source)], check=True)
+
+
+def test_the_trainer_checks_what_nccl_loads_not_a_file(tmp_path: Path) -> None:
+    """On an EFA pod the trainer's entry asks, in the trainer container, what NCCL would dlopen as its network
+    plugin (NCCL_NET_PLUGIN's name, else libnccl-net.so, through the loader's own search): none fails the pod
+    in one line (its termination message) before ft_launcher starts; an aws-ofi-nccl that installs only
+    libnccl-net-ofi.so gets NCCL_NET_PLUGIN=ofi."""
+    pod = _efa_pod(tmp_path)
+    done = pod.run("trainer", timeout=120)
+    assert done.returncode == CONFIG_ERROR, done.stderr[-2000:]
+    message = pod.termination_log("trainer").read_text()
+    assert message.startswith("this pod has EFA devices, but NCCL would load no network plugin "
+                              "(libnccl-net.so")
+    assert "LD_LIBRARY_PATH" in message and "\n" not in message and "ft_launcher" not in done.stderr
+    env = {"PATH": os.environ["PATH"], **{k: os.environ[k] for k in ("PYTHONPATH",) if k in os.environ}}
+    _plugin(tmp_path / "ofi", "libnccl-net-ofi.so")
+    ofi = {**env, "LD_LIBRARY_PATH": str(tmp_path / "ofi")}
+    assert efa.check_in_child(ofi) == ({"NCCL_NET_PLUGIN": "ofi"}, None)
+    _plugin(tmp_path / "both", "libnccl-net.so")
+    assert efa.check_in_child({**env, "LD_LIBRARY_PATH": str(tmp_path / "both")}) == ({}, None)
+    _plugin(tmp_path / "fake", "libnccl-net.so", symbol=None)
+    fix, problem = efa.check_in_child({**env, "LD_LIBRARY_PATH": str(tmp_path / "fake")})
+    assert fix == {} and "libnccl-net.so exports no ncclNetPlugin_vN: it is not an NCCL net plugin" in problem
+    assert efa.check_in_child({**env, "NCCL_NET_PLUGIN": "none"})[1].startswith("NCCL_NET_PLUGIN=none")
+
+
+def test_efa_is_on_by_default_where_the_instance_has_it() -> None:
+    """--instance-type p5.48xlarge alone renders its 32 EFA devices (a socket fallback is then the stream's
+    warning); --efa-per-node N asks for EFA (NCCL may use aws-ofi-nccl only: a fallback fails); 0 is none."""
+    def trainer(**changes: object) -> dict:
+        spec = gpu_spec(**{"eks.efa_per_node": None, **changes})
+        return pod_of(EksBackend().manifests(spec).workload())["spec"]["containers"][0]
+
+    default = trainer()
+    assert default["resources"]["limits"]["vpc.amazonaws.com/efa"] == "32"
+    assert env_of(default)["FI_PROVIDER"] == "efa" and "NCCL_NET" not in env_of(default)
+    assert env_of(trainer(**{"eks.efa_per_node": 32}))["NCCL_NET"] == "AWS Libfabric"
+    off = trainer(**{"eks.efa_per_node": 0})
+    assert "vpc.amazonaws.com/efa" not in off["resources"]["limits"] and "FI_PROVIDER" not in env_of(off)
+    assert env_of(trainer(**{"eks.instance_type": "g6e.48xlarge"}))["FI_PROVIDER"] == "efa"
+    assert "FI_PROVIDER" not in env_of(trainer(**{"eks.instance_type": None}))   # unknown: no guess
+    assert "FI_PROVIDER" not in env_of(trainer(**{"eks.gpus_per_node": 0, "nproc_per_node": 1,
+                                                  "model.preset": "tiny"}))   # CPU pods talk TCP
+
+
+def test_newer_instance_types_the_pods_root_choice_and_the_release_label() -> None:
+    for instance, gpus, efa_devices, rdma in (("g6e.48xlarge", 8, 4, False), ("p6-b200.48xlarge", 8, 8, True),
+                                              ("p6e-gb200.36xlarge", 4, 8, True)):
+        spec = gpu_spec(instance, efa=None, nproc_per_node=gpus, **{"eks.gpus_per_node": gpus})
+        trainer = pod_of(EksBackend().manifests(spec).workload())["spec"]["containers"][0]
+        assert trainer["resources"]["limits"]["vpc.amazonaws.com/efa"] == str(efa_devices)
+        assert ("FI_EFA_USE_DEVICE_RDMA" in env_of(trainer)) == rdma
+    # an image that must run as root: its choice, said (Pod Security "baseline" then, not "restricted")
+    root = pod_of(EksBackend().manifests(gpu_spec(**{"eks.run_as_user": 0})).workload())["spec"]
+    assert root["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
+    docs = EksBackend().manifests(gpu_spec(**{"eks.prometheus_release": "prom"})).job
+    assert next(d for d in docs if d["kind"] == "PodMonitor")["metadata"]["labels"]["release"] == "prom"

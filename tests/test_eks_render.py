@@ -145,6 +145,17 @@ def test_fsx_storage_class_and_claim() -> None:
     sc = next(d for d in m.admin if d["kind"] == "StorageClass")
     pvc = m.job[0]
     assert sc["provisioner"] == "fsx.csi.aws.com" and sc["parameters"]["subnetId"] == "subnet-0abc"
+    # the throughput the timeouts assume (--storage-mbps 300): the least tier that delivers it at the size
+    assert sc["parameters"]["perUnitStorageThroughput"] == "125"   # 2.4 TiB x 125 = 300 MB/s
+    tier = {(size, mbps): next(d for d in EksBackend().manifests(spec.replace(**{
+        "eks.storage_size": size, "checkpoint.storage_mbps": mbps})).admin
+        if d["kind"] == "StorageClass")["parameters"]["perUnitStorageThroughput"]
+        for size, mbps in (("1200Gi", 300.0), ("1200Gi", 301.0), ("1200Gi", 1200.0), ("4800Gi", 1200.0))}
+    assert tier == {("1200Gi", 300.0): "250", ("1200Gi", 301.0): "500", ("1200Gi", 1200.0): "1000",
+                    ("4800Gi", 1200.0): "250"}
+    chosen = EksBackend().manifests(spec.replace(**{"eks.fsx_throughput": 1000})).admin
+    assert next(d for d in chosen if d["kind"] == "StorageClass")["parameters"][
+        "perUnitStorageThroughput"] == "1000"
     assert pvc["kind"] == "PersistentVolumeClaim" and pvc["spec"]["accessModes"] == ["ReadWriteMany"]
     assert pvc["spec"]["storageClassName"] == "fsx-sc" and pvc["spec"]["resources"]["requests"][
         "storage"] == "2400Gi"
@@ -219,6 +230,21 @@ INVALID = [
     ({"eks.port": 70000}, "out of range", "--rdzv-port"),
     ({"name": "x" * 64}, "invalid job name", "--name"),
     ({"eks.kind": "deployment"}, "unknown EKS workload kind", "--kind job"),
+    ({"eks.instance_type": "trn1.32xlarge", "eks.gpus_per_node": 8, "nproc_per_node": 8},
+     "trn1.32xlarge has no NVIDIA GPUs", "p5.48xlarge"),
+    ({"eks.instance_type": "ml.trn2.48xlarge"}, "ml.trn2.48xlarge has no NVIDIA GPUs", "NVIDIA GPU instance"),
+    ({"eks.image": "repo/eksft:latest"}, "is tagged :latest", "--allow-latest-image"),
+    ({"eks.run_as_user": -1}, "--run-as-user -1 is not a user id", "--run-as-user 1000"),
+    ({"eks.join_timeout": 5}, "too short for a pod to be scheduled", "--rdzv-join-timeout 60"),
+    ({"eks.prometheus_release": "kube prometheus"}, "is not a label value", "--prometheus-release"),
+    ({"eks.create_pvc": True, "eks.fsx_subnet": "s", "eks.fsx_security_groups": "g",
+      "eks.fsx_throughput": 300},
+     "--fsx-throughput 300 is not an FSx for Lustre tier", "125 / 250 / 500 / 1000"),
+    ({"eks.create_pvc": True, "eks.fsx_subnet": "s", "eks.fsx_security_groups": "g",
+      "eks.fsx_throughput": 125},
+     "at 125 MB/s per TiB delivers 150 MB/s, less than the 300 MB/s", "--fsx-throughput 250"),
+    ({"eks.create_pvc": True, "eks.fsx_subnet": "s", "eks.fsx_security_groups": "g",
+      "checkpoint.storage_mbps": 5000.0}, "delivers at most 1200 MB/s", "--storage-size 7200Gi"),
 ]
 
 

@@ -18,6 +18,8 @@ the spec keeps warm ranks (:mod:`eksft_nb.runtime.zygote`), then ft_launcher, an
 - A drain is recorded in the job folder (``drains/<job uid>-N``): the pods of the next incarnation count
   it into ``EKSFT_JOB_ATTEMPT``, so their ranks restart (from this launch's newest checkpoint, the drain's,
   whatever ``--resume`` named) rather than start.
+- On an EFA pod, what NCCL will load as its network plugin is checked first (:func:`.efa.nccl_plugin`):
+  a plugin NCCL cannot load fails the pod (a configuration error) instead of training over TCP.
 - The pod's termination message (``/dev/termination-log``, what ``status`` shows) says how it ended.
 """
 
@@ -40,6 +42,7 @@ from ...procs import JOB_UID_ENV
 from ...runtime.drain import DRAIN_EXIT, MARK_ENV, marks
 from ...runtime.warm_shim import SOCKET_ENV, ZYGOTE_ENV
 from ...spec import JobSpec
+from . import efa
 from .failures import CONFIG_ERROR
 
 EXIT_GRACE_S = 5.0        # after every rank of the pod drained, ft_launcher's time to exit on its own
@@ -134,6 +137,16 @@ def launch(argv: list[str]) -> int:
     env = dict(os.environ)
     env["EKSFT_JOB_ATTEMPT"] = str(attempt(drains))
     env[MARK_ENV] = tempfile.mkdtemp(prefix="eksft-drain-")
+    if env.get("FI_PROVIDER") == "efa":   # what NCCL will load, here where the GPU libraries are
+        fix, problem = efa.check_in_child(env)
+        if problem:
+            message = f"this pod has EFA devices, but {problem} (NCCL would use TCP sockets)"
+            print(f"eksft: error: {message}", file=sys.stderr)
+            termination_message(message)
+            return CONFIG_ERROR
+        for key, value in fix.items():
+            print(f"eksft: {key}={value}: the image's aws-ofi-nccl installs only that name", file=sys.stderr)
+        env.update(fix)
     zygote = None
     if spec is not None and spec.ft.warm_ranks:
         zygote = _start_zygote()

@@ -340,11 +340,12 @@ def container_env(spec: JobSpec, attempt_from: str | None) -> list[dict[str, Any
 
 def nccl_env(spec: JobSpec) -> dict[str, str]:
     """NCCL and libfabric settings (:func:`eksft_nb.nccl.nccl_env`); device RDMA where the instance type's
-    EFA has RDMA read (an unknown type: libfabric decides from the device)."""
+    EFA has RDMA read (an unknown type: libfabric decides from the device); NCCL on EFA only where
+    ``--efa-per-node`` asked for it (by default, a fall back to sockets is the stream's warning)."""
     e = spec.eks
     known = lookup(e.instance_type)
     return shared_nccl_env(e.gpus_per_node, bool(efa_per_node(spec)), spec.ft.inprocess,
-                           rdma_read=bool(known and known.rdma_read))
+                           rdma_read=bool(known and known.rdma_read), require_efa=bool(e.efa_per_node))
 
 
 def device_amounts(spec: JobSpec) -> dict[str, str]:
