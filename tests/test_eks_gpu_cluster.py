@@ -296,3 +296,19 @@ def test_newer_instance_types_the_pods_root_choice_and_the_release_label() -> No
     assert root["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}
     docs = EksBackend().manifests(gpu_spec(**{"eks.prometheus_release": "prom"})).job
     assert next(d for d in docs if d["kind"] == "PodMonitor")["metadata"]["labels"]["release"] == "prom"
+
+
+def test_prepare_refuses_a_job_folder_it_cannot_write_in_one_line(tmp_path: Path) -> None:
+    """A shared volume the pods' user cannot write (root squash, a root-only volume root, a folder an earlier
+    job left): one line with the owner, the mode and the fix, as the termination message, not a traceback.
+    (This test runs as root, whom permissions do not stop: a file where the folder goes fails the same way.)"""
+    pod = _efa_pod(tmp_path)
+    volume = pod.mounts["/checkpoints"]
+    (volume / "llm").write_text("not a folder")
+    env = {**pod.process_env("prepare"), "FI_PROVIDER": ""}   # the EFA check is another test's
+    done = subprocess.run(pod._argv("prepare", None), env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == CONFIG_ERROR and "Traceback" not in done.stderr, done.stderr
+    message = pod.termination_log("prepare").read_text()
+    assert message.startswith(f"this pod (uid {os.getuid()} gid {os.getgid()}) cannot write the job folder "
+                              "(File exists: "), message
+    assert f"{volume / 'llm'} belongs to uid {os.getuid()}" in message and "--run-as-user" in message

@@ -49,6 +49,22 @@ def refuse(problem: str) -> int:
     return CONFIG_ERROR
 
 
+def unwritable(path: Path, error: OSError) -> str:
+    """Why this pod cannot write the job folder, with the fix: the shared volume's owner and mode (a root
+    squashed to nobody, a volume root only root may write, a folder an earlier job left as another user)."""
+    me = f"uid {os.getuid()} gid {os.getgid()}"
+    where = next((p for p in (path, *path.parents) if p.exists()), path)
+    try:
+        st = where.stat()
+        owner = f"{where} belongs to uid {st.st_uid} gid {st.st_gid}, mode {st.st_mode & 0o7777:o}"
+    except OSError:
+        owner = f"{where} cannot be read"
+    return (f"this pod ({me}) cannot write the job folder ({error.strerror or error}: {path}); {owner}: "
+            "let the pods' user write the shared volume (e.g. once, from a root pod: chown -R "
+            f"{os.getuid()}:{os.getgid()} {names.CKPT_MOUNT}), or launch with --run-as-user matching its "
+            "owner")
+
+
 def prepare() -> int:
     spec, jd = _job()
     if os.environ.get("FI_PROVIDER") == "efa" and (missing := efa.problem()):
@@ -63,10 +79,13 @@ def prepare() -> int:
     if other:
         return refuse(f"{jd.path} holds a different job named {spec.name}: remove that folder from the "
                       "volume, or launch with another --name")
-    for folder in (jd.path, jd.logs, jd.pending, jd.fired, jd.progress, jd.ckpt_dir(spec)):
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-    if not jd.spec_path.exists():
-        atomic_write(jd.spec_path, spec.to_json())
+    try:
+        for folder in (jd.path, jd.logs, jd.pending, jd.fired, jd.progress, jd.ckpt_dir(spec)):
+            folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if not jd.spec_path.exists():
+            atomic_write(jd.spec_path, spec.to_json())
+    except OSError as e:
+        return refuse(unwritable(Path(e.filename or jd.path), e))
     faults = Path(os.environ["EKSFT_SPEC"]).with_name(names.FAULTS)
     try:
         scheduled = json.loads(faults.read_text()) if faults.exists() else []

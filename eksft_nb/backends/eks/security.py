@@ -3,10 +3,10 @@
 By default the pods run as UID and GID :data:`DEFAULT_UID` (``--run-as-user``), never root, with every
 capability dropped, no privilege escalation and the runtime's default seccomp profile: the
 ``restricted`` level admits them. An image that must run as root (``--run-as-user 0``) keeps the rest
-and runs under the ``baseline`` level. The group is also the pods' ``fsGroup`` and the job folder's
-group, and the pods' ``umask`` leaves what they write group-writable (see :mod:`.pod_entry`), so every
-pod of the job, and its replacements, can write the job folder on a shared volume whose root squash
-maps root to nobody.
+and runs under the ``baseline`` level. Every pod of a job, and every pod that replaces one, runs as the
+same user, which owns the job folder (0700) on the shared volume. FSx for Lustre does not apply
+``fsGroup``: a volume whose root only root may write, or a folder an earlier job left as another user,
+makes ``prepare`` refuse in one line with the owner, the mode and the fix (see :mod:`.inpod`).
 """
 
 from __future__ import annotations
