@@ -355,3 +355,23 @@ def test_a_failed_job_says_the_pod_behind_it_and_nccl_over_sockets_is_a_warning(
     assert end["state"] == "failed" and end["reason"].startswith(
         "pod demo-1-abcde (node 1): the prepare step refused to run as configured (exit 78): this pod asks "
         "for EFA, but aws-ofi-nccl is missing: use an image with it (the workload failed (PodFailurePolicy: ")
+
+
+def test_a_pod_hung_on_a_lost_node_is_said_once_with_what_releases_it() -> None:
+    """Its node stopped answering: the pod stays Terminating past its grace period, and the Job will not
+    replace it (podReplacementPolicy: Failed) until it is gone."""
+    tr = tracker()
+    now = time.time()
+    hung = pod(name="demo-1-abcde")
+    hung["metadata"]["deletionTimestamp"] = stamp(now - 30)
+    tr.feed(("pod", "MODIFIED", hung, False))
+    tr.finish(now)
+    assert not [e for e in tr.take() if e.kind == "warning"]   # within its grace period: a pod ending
+    hung["metadata"]["deletionTimestamp"] = stamp(now - 3600)
+    tr.feed(("pod", "MODIFIED", hung, False))
+    tr.finish(now)
+    tr.finish(now + 1)
+    [warning] = [e for e in tr.take() if e.kind == "warning"]
+    assert warning["what"] == "pod-hung" and warning["message"].startswith(
+        "pod demo-1-abcde (node 1) has been terminating since ")
+    assert "node.kubernetes.io/out-of-service=nodeshutdown:NoExecute" in warning["message"]

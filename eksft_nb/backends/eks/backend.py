@@ -32,7 +32,7 @@ from ..base import Backend, JobSummary, readable
 from . import checks, engine_parts, names, schemas
 from .cluster import ApiError, Cluster, explain
 from .inpod import NOT_HERE
-from .pods import PodState, parse_time, pod_state
+from .pods import PodState, hung_reason, parse_time, pod_state
 from .render import INPOD, Manifests, render
 from .stream import EksEvents, with_cause, workload_outcome
 
@@ -154,6 +154,9 @@ class EksBackend(Backend):
             # Kueue unsuspends only what it admitted
             return JobSummary(name, self.name, JobState.STARTING,
                               f"admitted; {detail}" if spec.eks.queue else detail)
+        hung = next((p for p in pods if p.hung(derive(spec).grace.seconds, time.time())), None)
+        if hung is not None:
+            return JobSummary(name, self.name, JobState.RUNNING, f"recovering: {hung_reason(hung)}")
         failed = next((p for p in pods if p.failed or p.drained), None)
         return JobSummary(name, self.name, JobState.RUNNING,
                           f"recovering: {failed.label}: {failed.reason}" if failed else "")

@@ -14,6 +14,7 @@ from .failures import CONFIG_ERROR
 
 IMAGE_ERRORS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
 CONFIG_ERRORS = ("CreateContainerConfigError", "CreateContainerError", "RunContainerError")
+HUNG_AFTER_S = 60.0   # past the grace period: a deleted pod this much later is on a node that does not answer
 # a container that waits with one of these will not start until someone fixes something
 STUCK = ("ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull") + CONFIG_ERRORS
 
@@ -34,6 +35,12 @@ class PodState:
     last_exit: str = ""   # ...and how the previous one ended
     drained: bool = False   # its ranks drained on SIGTERM (saved, stopped): to be recreated, not a failure
     since: float | None = None   # pending: since when it waits for what ``reason`` says
+
+    def hung(self, grace_s: float, now: float) -> bool:
+        """Still there well past its grace period after its deletion began: its node does not answer (a
+        pod of an unreachable node stays Terminating until the node is gone), and its index waits for it."""
+        return self.deleting and self.phase in ("running", "pending") and self.ended_at is not None \
+            and now - self.ended_at > grace_s + HUNG_AFTER_S
 
     @property
     def label(self) -> str:
@@ -142,3 +149,11 @@ def node_index(pod: dict[str, Any]) -> int | None:
     if kind and index and index.isdigit():
         return int(index) + (0 if kind.lower() == "master" else 1)
     return None
+
+
+def hung_reason(pod: PodState) -> str:
+    """What a hung pod holds up, and how to release it."""
+    since = time.strftime("%H:%M:%S", time.localtime(pod.ended_at or time.time()))
+    return (f"{pod.label} has been terminating since {since}: its node does not answer, and the Job replaces "
+            "it only once it is gone (podReplacementPolicy: Failed); node auto-repair replaces the node, or "
+            "taint it node.kubernetes.io/out-of-service=nodeshutdown:NoExecute to release the pod now")

@@ -37,10 +37,11 @@ from ...incidents import Incidents
 from ...monitor import JobMonitor
 from ...spec import JobSpec
 from ...states import JobState
+from ...timeouts import derive
 from . import names
 from .cluster import ApiError, Cluster
 from .instances import efa_per_node
-from .pods import PodState, pod_state
+from .pods import PodState, hung_reason, pod_state
 
 CONFIGMAP = names.KINDS["ConfigMap"]
 
@@ -272,6 +273,11 @@ class Tracker:
             if now - loss[4] > LOG_DRAIN_S:
                 del self.pending[key]
                 self._group_lost(*loss[:4])
+        grace = derive(self.spec).grace.seconds
+        for uid, ps in self.pods.items():
+            if self.outcome is None and f"hung/{uid}" not in self.said and ps.hung(grace, self.pod_now()):
+                self.said.add(f"hung/{uid}")
+                self._emit("warning", what="pod-hung", message=hung_reason(ps))
         if self.outcome is None or self.ended:
             return
         draining = self.open_logs or (self.outcome[0] == JobState.SUCCEEDED and self._ranks_to_hear())
