@@ -266,6 +266,11 @@ def test_cli_dry_run_prints_the_manifests() -> None:
                                          "NetworkPolicy", "PodMonitor", "PodDisruptionBudget",
                                         "JobSet"]
     assert all(d["metadata"]["namespace"] == "training" for d in docs)
+    assert "# warning: image" not in done.stdout   # tagged
+    untagged = cli("run", "--backend", "eks", "--dry-run", "--name", "llm", "--image", "repo/eksft",
+                   "--gpus-per-node", "0", "--nproc-per-node", "1", timeout=120)
+    warned = "# warning: image repo/eksft has no tag, so the nodes pull :latest"
+    assert untagged.returncode == 0 and warned in untagged.stdout
     bad = cli("run", "--backend", "eks", "--dry-run", "--image", IMAGE, "--gpus-per-node", "12", timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith(
         "eksft: error: 12 GPUs per node") and bad.stdout == ""

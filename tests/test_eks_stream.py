@@ -375,3 +375,23 @@ def test_a_pod_hung_on_a_lost_node_is_said_once_with_what_releases_it() -> None:
     assert warning["what"] == "pod-hung" and warning["message"].startswith(
         "pod demo-1-abcde (node 1) has been terminating since ")
     assert "node.kubernetes.io/out-of-service=nodeshutdown:NoExecute" in warning["message"]
+
+
+def test_a_drain_said_before_its_event_arrives_takes_its_words() -> None:
+    """The pods' states can arrive before rank 0's drain event (another stream): the failure says what the
+    pod's termination message says, and the restart the drain event's words."""
+    tr = tracker()
+    tr.feed(("line", "demo-0-aaaaa", rank_start(0, T0 + 1)))
+    tr.feed(("line", "demo-0-aaaaa", step(1, T0 + 2)))
+    bare = pod({"terminated": {"exitCode": 138, "finishedAt": stamp(T0 + 7)}}, name="demo-0-aaaaa", node=0,
+               phase="Failed")
+    tr.feed(("pod", "MODIFIED", bare, False))
+    tr.feed(("line", "demo-0-aaaaa", line("drain", 0, T0 + 6, step=1, committed=False)))
+    tr.feed(("line", "demo-0-bbbbb", rank_start(0, T0 + 30, attempt=1, start=1)))
+    tr.feed(("line", "demo-0-bbbbb", step(2, T0 + 31)))
+    events = tr.take()
+    [failure] = [e for e in events if e.kind == "failure"]
+    [restart] = [e for e in events if e.kind == "restart"]
+    assert failure["cause"].startswith("stopped on SIGTERM: pod demo-0-aaaaa (node 0)")
+    assert restart["cause"].startswith("drained on SIGTERM at step 1 (its save could NOT be committed): pod "
+                                       "demo-0-aaaaa (node 0)")

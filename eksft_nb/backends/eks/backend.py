@@ -100,7 +100,12 @@ class EksBackend(Backend):
 
     def render(self, spec: JobSpec, queue_objects: bool = False) -> str:
         manifests = self.manifests(spec, queue_objects=queue_objects).to_yaml()
-        return "".join(f"# {line}\n" for line in derive(spec).lines()) + manifests
+        notes = derive(spec).lines()
+        if "@" not in spec.eks.image and checks.image_tag(spec.eks.image) is None:
+            notes.append(f"warning: image {spec.eks.image} has no tag, so the nodes pull :latest: the job's "
+                         "pods, and the pods that replace them, could run different builds (use an immutable "
+                         "tag)")
+        return "".join(f"# {line}\n" for line in notes) + manifests
 
     def launch(self, spec: JobSpec, faults: list[FaultCommand] | None = None) -> None:
         """Submit the job. Submitting the same spec again is a no-op (objects that exist with this

@@ -47,6 +47,7 @@ CONFIGMAP = names.KINDS["ConfigMap"]
 
 WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")  # ft_launcher
 FT_TIMEOUT = re.compile(r"FT timeout elapsed")
+DRAINED = re.compile(r"drained on SIGTERM at step \d+ \([^)]*\)")   # what a drained pod's message says
 NCCL_NETWORK = re.compile(r"NCCL INFO Using network (\S[^\r\n]*?)\s*$")   # NCCL's choice, at INFO for NET
 LOG_DRAIN_S = 15.0      # once the workload has ended, how long to wait for the last log lines
 FOLLOW_IDLE_S = 300.0   # a log stream with nothing new for this long is reopened
@@ -211,15 +212,19 @@ class Tracker:
         they resume from the drain's save. One job-level restart for the drain, not one per pod."""
         if self.drain_incident is not None and self.incidents.incident is self.drain_incident:
             return
-        d = self.mon.drain
-        if d is not None:
-            saved = "saved and committed" if d["committed"] else "its save could NOT be committed"
-            what = f"drained on SIGTERM at step {d['step']} ({saved})"
-        else:
-            what = "stopped on SIGTERM"
+        # the ranks' drain event, else the pod's termination message (its log may come after its state)
+        said = DRAINED.search(ps.reason)
+        what = self._drain_words() or (said.group(0) if said else "stopped on SIGTERM")
         self._open_node_incident(ps, f"{what}: {ps.label} and the job's other pods are recreated by the "
                                  "workload", ps.ended_at)
         self.drain_incident = self.incidents.incident
+
+    def _drain_words(self) -> str | None:
+        d = self.mon.drain
+        if d is None:
+            return None
+        saved = "saved and committed" if d["committed"] else "its save could NOT be committed"
+        return f"drained on SIGTERM at step {d['step']} ({saved})"
 
     def _pending(self, ps: PodState) -> str:
         """What a pod that is not scheduled waits for, since when, and what that holds up."""
@@ -329,6 +334,11 @@ class Tracker:
             self.ended_ranks.add(e.rank)
             self.pod_of.setdefault(e.rank, pod)
         self.incidents.observe(e)
+        if e.kind == "drain" and self.drain_incident is not None \
+                and self.incidents.incident is self.drain_incident:
+            # the drain's own words, for its restart, once its event arrives after the pods' states
+            rest = self.drain_incident.cause.split(": ", 1)[-1]
+            self.drain_incident.cause = f"{self._drain_words()}: {rest}"
         if self.groups is not None:
             for key in [k for k, loss in self.pending.items() if e.kind == "heal" and loss[0] == e.rank]:
                 self._group_lost(*self.pending.pop(key)[:4])   # its replacement healed before its log ended
