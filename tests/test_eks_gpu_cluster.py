@@ -301,7 +301,7 @@ def test_newer_instance_types_the_pods_root_choice_and_the_release_label() -> No
 def test_prepare_refuses_a_job_folder_it_cannot_write_in_one_line(tmp_path: Path) -> None:
     """A shared volume the pods' user cannot write (root squash, a root-only volume root, a folder an earlier
     job left): one line with the owner, the mode and the fix, as the termination message, not a traceback.
-    (This test runs as root, whom permissions do not stop: a file where the folder goes fails the same way.)"""
+    (Tests run as root, whom permissions do not stop: a file where the folder goes fails the same way.)"""
     pod = _efa_pod(tmp_path)
     volume = pod.mounts["/checkpoints"]
     (volume / "llm").write_text("not a folder")
