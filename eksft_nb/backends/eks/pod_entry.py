@@ -148,7 +148,7 @@ def launch(argv: list[str]) -> int:
             print(f"eksft: {key}={value}: the image's aws-ofi-nccl installs only that name", file=sys.stderr)
         env.update(fix)
     zygote = None
-    if spec is not None and spec.ft.warm_ranks:
+    if spec is None or spec.ft.warm_ranks:   # without a spec (a Slurm step, a test): warm, as it was rendered
         zygote = _start_zygote()
         env[SOCKET_ENV], env[ZYGOTE_ENV] = os.environ[SOCKET_ENV], os.environ[ZYGOTE_ENV]
         argv = [*argv[:at], *warm_worker(sys.executable), *argv[at:]]
