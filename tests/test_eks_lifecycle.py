@@ -126,12 +126,12 @@ def test_submit_creates_the_rendered_objects_and_is_idempotent(kube: Kube, backe
     # sent as validated
     assert job["spec"]["template"] == backend.manifests(spec).workload()["spec"]["template"]
     assert posts(kube) == ["persistentvolumeclaims", "configmaps", "networkpolicies", "podmonitors",
-                           "services", "poddisruptionbudgets",
+                           "poddisruptionbudgets", "services",
                            "jobs"]   # the claim: the fixture's
     assert stored(kube, "networkpolicies") == stored(kube, "poddisruptionbudgets") == ["demo"]
     backend.launch(spec)   # again: every object exists with this spec, nothing changes
-    assert posts(kube)[7:] == ["configmaps", "networkpolicies", "podmonitors", "services",
-                               "poddisruptionbudgets", "jobs"]
+    assert posts(kube)[7:] == ["configmaps", "networkpolicies", "podmonitors", "poddisruptionbudgets",
+                               "services", "jobs"]
     assert stored(kube, "jobs") == ["demo"] and backend.spec("demo") == spec
 
 

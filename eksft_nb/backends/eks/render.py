@@ -119,10 +119,10 @@ def render(spec: JobSpec, faults: list[FaultCommand] | None = None, queue_object
     m.job.append(network_policy(spec, serves_metrics(spec)))   # before any pod exists
     if serves_metrics(spec):
         m.job.append(pod_monitor(spec))
+    m.job.append(disruption.pod_disruption_budget(spec))
     m.job += parts.objects(spec)
     if spec.eks.kind == "job":
         m.job.append(headless_service(spec))
-    m.job.append(disruption.pod_disruption_budget(spec))
     m.job.append(workload)
     return m
 
