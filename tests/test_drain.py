@@ -131,3 +131,32 @@ def test_a_sigtermed_rank_dies_of_it_unless_its_drain_is_agreed(how: str, dies: 
     finally:
         proc.kill()
     assert code == (-signal.SIGTERM if dies else 0), code
+
+
+@pytest.mark.parametrize("code, drained, sigterm, script, exit_code", [
+    (0, 2, False, False, 138),    # every rank here drained (a peer pod's SIGTERM): a drain, never 0
+    (1, 2, True, False, 138),     # drained, then ft_launcher died of the signal in its exit barrier
+    (0, 0, True, False, 0),       # SIGTERM as the last step ended: finished
+    (0, 0, True, True, 138),      # a script that stopped on SIGTERM: not known to be done
+    (1, 0, True, False, 138),     # stopped before the ranks could drain: the cluster's doing, not a failure
+    (1, 0, False, False, 1),      # a launcher that gave up: its own code
+    (-9, 0, False, False, 137),   # a launcher killed: as a shell says it
+])
+def test_the_pods_exit_code_says_a_drain(tmp_path, monkeypatch, code: int, drained: int, sigterm: bool,
+                                         script: bool, exit_code: int) -> None:
+    """What the process around ft_launcher exits with (eks.pod_entry), from ft_launcher's code, the marks of
+    this pod's 2 ranks, a SIGTERM to it and whether the job is a script; a drain is recorded for the next
+    incarnation (its attempt counts it) and said in the termination message."""
+    from eksft_nb.backends.eks.pod_entry import Drains, _outcome, attempt
+    from eksft_nb.runtime.drain import DRAIN_EXIT
+
+    monkeypatch.setenv("EKSFT_TERMINATION_LOG", str(tmp_path / "termination-log"))
+    marks = [{"rank": r, "step": 12, "committed": True} for r in range(drained)]
+    drains = Drains(str(tmp_path / "job"), "uid1")
+    assert _outcome(code, marks, 2, sigterm, script, drains) == exit_code
+    message = (tmp_path / "termination-log").read_text() if exit_code == DRAIN_EXIT else ""
+    assert message.startswith("drained on SIGTERM at step 12 (saved and committed)" if drained else
+                              "stopped by the cluster (SIGTERM)" if exit_code == DRAIN_EXIT else "")
+    monkeypatch.setenv("EKSFT_JOB_ATTEMPT", "1")
+    assert attempt(Drains(str(tmp_path / "job"), "uid1")) == 1 + (exit_code == DRAIN_EXIT)
+    assert attempt(Drains(str(tmp_path / "job"), "another-launch")) == 1

@@ -131,6 +131,8 @@ def launch(argv: list[str]) -> int:
         print(message, file=sys.stderr)
         termination_message(message)
         return CONFIG_ERROR
+    stopping: list[float] = []   # the kubelet's SIGTERM (only recorded here: passed on by _wait)
+    signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append(time.monotonic()))
     spec_path = os.environ.get("EKSFT_SPEC")
     spec = JobSpec.load(Path(spec_path)) if spec_path else None
     drains = Drains(os.environ.get("EKSFT_JOB_DIR"), os.environ.get(JOB_UID_ENV))
@@ -152,8 +154,10 @@ def launch(argv: list[str]) -> int:
         zygote = _start_zygote()
         env[SOCKET_ENV], env[ZYGOTE_ENV] = os.environ[SOCKET_ENV], os.environ[ZYGOTE_ENV]
         argv = [*argv[:at], *warm_worker(sys.executable), *argv[at:]]
-    stopping: list[float] = []   # the kubelet's SIGTERM (only recorded here: passed on by _wait)
-    signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append(time.monotonic()))
+    if stopping:   # stopped before its ranks started: nothing to save, and not the job's failure
+        if zygote is not None:
+            zygote.kill()
+        return _outcome(0, [], 0, True, True, drains)
     me = os.getpid()
     try:
         launcher = subprocess.Popen(argv, env=env, preexec_fn=lambda: _die_with(me))
@@ -198,9 +202,9 @@ def _outcome(code: int, drained: list[dict[str, Any]], ranks: int, sigterm: bool
         return DRAIN_EXIT
     if sigterm and (code != 0 or script):
         drains.record({"step": None, "committed": False, "t": time.time(), "sigterm": True})
-        termination_message(f"stopped by the cluster (SIGTERM) before its ranks could drain (ft_launcher "
-                            f"exit {code}): the workload recreates the pod, which resumes from the newest "
-                            "checkpoint")
+        launcher = f" (ft_launcher exit {code})" if code else ""
+        termination_message(f"stopped by the cluster (SIGTERM) before its ranks could drain{launcher}: the "
+                            "workload recreates the pod, which resumes from the newest checkpoint")
         return DRAIN_EXIT
     if code < 0:   # ft_launcher died of a signal: say so as a shell would
         return 128 - code
