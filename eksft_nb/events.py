@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -119,6 +120,17 @@ JOB_STATES = tuple(s.value for s in JobState if s in RECORDED_ENDS)   # what a j
 GPU_FAULTS = ("xid", "ecc", "throttle")
 
 
+# what a number of a known field may be: finite, and >= 0 unless SIGNED names it; below MAX_TIME if
+# TIMES names it (a Unix time), else below MAX_SECONDS where the field takes floats (a duration) and
+# below MAX_COUNT where it takes ints only (a step, rank, count or size). A genuine writer never writes
+# NaN or an infinity (Event.to_json refuses them); a forged one would reach every sum and ratio.
+MAX_TIME = 1e11          # the year 5138
+MAX_SECONDS = 1e7        # 116 days: longer than any step, save, restore or recovery
+MAX_COUNT = 1 << 53      # exact as a float too
+TIMES = frozenset({"fault_time", "detected_at", "start", "end", "first_t", "last_t", "t_enter", "t_group"})
+SIGNED = frozenset({("step", "loss")})   # a user's loss may be below zero
+
+
 class SchemaError(ValueError):
     """An event does not match the schema (a bug in the emitter, never user input)."""
 
@@ -160,9 +172,18 @@ def check(kind: str, data: dict[str, Any]) -> None:
         if key not in data:
             raise SchemaError(f"{kind} event lacks {key!r}")
         _check_type(kind, key, data[key], types)
+        _check_range(kind, key, data[key], types)
     for key, types in OPTIONAL.get(kind, {}).items():
         if key in data:
             _check_type(kind, key, data[key], types)
+            _check_range(kind, key, data[key], types)
+    if kind == "job_end" and "restarts" in data and not all(
+            level in RESTART_LEVELS and type(n) is int and 0 <= n < MAX_COUNT
+            for level, n in data["restarts"].items()):
+        raise SchemaError("job_end.restarts is not restart level -> a count >= 0")
+    if kind == "rank_start" and "t_setup" in data and not all(
+            type(t) in (int, float) and 0 <= t < MAX_TIME for t in data["t_setup"].values()):
+        raise SchemaError("rank_start.t_setup is not phase -> a Unix time")
     if kind == "restart" or kind == "failure":
         if data["level"] not in RESTART_LEVELS:
             raise SchemaError(f"{kind}.level {data['level']!r} not in {RESTART_LEVELS}")
@@ -194,17 +215,48 @@ def _check_type(kind: str, key: str, value: Any, types: tuple[type, ...] | type)
         raise SchemaError(f"{kind}.{key} has type {type(value).__name__}")
 
 
-def decode(line: str) -> Event | None:
-    """Parse one line (a bare JSON event or a log line with :data:`LOG_PREFIX`); None if it is not one.
+def _check_range(kind: str, key: str, value: Any, types: tuple[type, ...] | type) -> None:
+    """A number of a known field within the range of what it measures (see :data:`MAX_TIME`)."""
+    if type(value) not in (int, float):
+        return
+    accepted = types if isinstance(types, tuple) else (types,)
+    if key in TIMES:
+        high, what = MAX_TIME, "a Unix time"
+    elif float in accepted:
+        high, what = MAX_SECONDS, f"seconds below {MAX_SECONDS:.0e}"
+    else:
+        high, what = MAX_COUNT, "a count below 2**53"
+    if (kind, key) in SIGNED:
+        ok = math.isfinite(value)
+    else:
+        ok = 0 <= value < high  # false for NaN; an infinity is out of range
+    if not ok:
+        signed = (kind, key) in SIGNED
+        raise SchemaError(f"{kind}.{key} is {str(value)[:24]}: not {'a finite number' if signed else what}"
+                          f"{'' if signed else ' (>= 0)'}")
+
+
+# how a pod log carries an event: the marker at the start of the line, after the timestamp Kubernetes
+# adds when asked (``timestamps=true``); the ranks print each event on a line of its own
+LOG_LINE = re.compile(r"(?:\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?(?:Z|[+-]\d\d:\d\d) )?"
+                      + re.escape(LOG_PREFIX))
+
+
+def decode(line: str, log: bool = False) -> Event | None:
+    """Parse one line (a bare JSON event of an events file, or a log line that starts with
+    :data:`LOG_PREFIX`, see :data:`LOG_LINE`); None if it is not one. ``log``: the line is a pod log's,
+    where only the marker makes an event (a user's program may print JSON, or the marker mid-line).
 
     Lines come from files and pod logs anyone in the job can write: an event of a known kind without
-    its fields (or with wrong types, whatever its version says), or with a time that is not a finite
-    number, is no event. Unknown kinds pass (newer emitters may add kinds)."""
-    line = line.strip()
-    if line.startswith(LOG_PREFIX):
-        line = line[len(LOG_PREFIX):]
-    elif LOG_PREFIX in line:  # a log line with a timestamp or pod prefix in front
-        line = line.split(LOG_PREFIX, 1)[1]
+    its fields (or with wrong types or numbers out of range, see :data:`MAX_TIME`, whatever its version
+    says), or with a time or rank out of range, is no event (:func:`check` says why). Unknown kinds pass
+    (newer emitters may add kinds)."""
+    line = line.rstrip()
+    marked = LOG_LINE.match(line)
+    if marked:
+        line = line[marked.end():]
+    elif log:
+        return None
     if not line.startswith("{"):
         return None
     try:
@@ -216,7 +268,8 @@ def decode(line: str) -> Event | None:
     v, kind, t = obj.pop("v", SCHEMA_VERSION), obj.pop("kind", None), obj.pop("t", None)
     job, rank = obj.pop("job", ""), obj.pop("rank", None)
     if type(v) is not int or v < 1 or not isinstance(kind, str) or not isinstance(job, str) \
-            or not (rank is None or type(rank) is int) or type(t) not in (int, float) or not math.isfinite(t):
+            or not (rank is None or (type(rank) is int and 0 <= rank < MAX_COUNT)) \
+            or type(t) not in (int, float) or not 0 <= t < MAX_TIME:
         return None
     try:
         check(kind, obj)

@@ -168,6 +168,27 @@ def test_a_card_that_ran_no_case_fails_in_every_form() -> None:
     assert "FAILED" in table(card) and "never committed" in table(card)
 
 
+def test_junit_holds_colour_codes_and_control_characters_as_xml_can() -> None:
+    """Issue 34: a failure text with a rank's ANSI colour codes or a NUL made --junit write XML that no
+    reader parses. Escape sequences are dropped, other characters XML 1.0 cannot hold are written as
+    their codes; the file parses and says the same."""
+    why = ["\x1b[1;31mRuntimeError\x1b[0m: loss \x00diverged\x0b at step 3\x1b]0;title\x07",
+           "rank 1 said \udcff\ufffe\x1b"]
+    row = {"case": "sigkill \x1b[32mrank 1\x1b[0m", "job": "t-\x01sigkill", "why": why, "level": "injob",
+           "downtime_s": 1.5, "lost": 2, "state_check": "match"}
+    card = {"job": "t\x1b[0m", "expect": [], "reference": {}, "rows": [row], "skipped": {}, "problem": "",
+            "passed": False}
+    xml = junit(card)
+    assert validate_junit(xml) == {"sigkill rank 1": ["RuntimeError: loss \\x00diverged\\x0b at step 3"]}
+    suite = ET.fromstring(xml.encode())   # the bytes a file holds, through the strict (expat) parser
+    [case] = suite
+    assert suite.get("name") == "resilience.t"
+    assert case.find("failure").text == ("RuntimeError: loss \\x00diverged\\x0b at step 3\n"
+                                         "rank 1 said \\udcff\\ufffe\\x1b")
+    out = case.find("system-out").text
+    assert out == "job t-\\x01sigkill: level injob, downtime 1.50s, lost 2, state match", out
+
+
 # ---- the front ends (nothing launches on bad input) ---------------------------------------------
 
 def test_bad_input_is_refused_before_any_job_runs(ip: object, tmp_path: Path) -> None:

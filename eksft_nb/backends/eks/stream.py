@@ -188,7 +188,7 @@ class Tracker:
         self.groups.lost(group, cause, when, detected, self.mon.last_step)
 
     def on_line(self, pod: str, text: str) -> None:
-        event = decode(text)
+        event = decode(text, log=True)
         if event is not None:
             lag = time.time() - event.t
             self.lag = lag if self.lag is None else min(self.lag, lag)

@@ -418,7 +418,7 @@ class CheckpointManager:
             verify_s, t1 = time.perf_counter() - t0, time.perf_counter()
             if not any(reasons):  # it verified everywhere: load it (files that verify may still not fit)
                 try:
-                    load(info.path, state, self.group)
+                    load(info.path, state, self.group, self._ticker())
                 except JobError as e:
                     reason, touched = e.problem, info
                 reasons = self._gather(reason)

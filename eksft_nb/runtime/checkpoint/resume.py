@@ -29,7 +29,7 @@ def verify_share(info: CheckpointInfo, rank: int, world_size: int, tick: Callabl
     reason = verify(info, mine, progress=tick)
     if reason is None and ".metadata" in mine:
         try:
-            read_metadata(info.path, info.files)
+            read_metadata(info.path, info.files, tick)
         except JobError as e:
             reason = e.problem
     return reason
