@@ -36,7 +36,8 @@ from test_ports import Listeners, is_loopback
 
 pytest.importorskip("torchft")
 
-STEPS = 150  # paced (2 s a step) until the last fault: room for five recoveries on a busy machine
+STEPS = 150  # paced (PACE_S a step) until the last fault: the job outlasts its five faults
+PACE_S = 1.0  # each lost group's race with its peer is held by the test (Holds), not left to the pace
 CKPT_EVERY = 5
 BATCH_TOKENS = JobSpec().batch * JobSpec().seq  # one group's batch of a step
 
@@ -123,7 +124,7 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, List
     holds = Holds(tmp_path_factory.mktemp("holds"))
     holds.add(step_point(0, 3), step_point(1, 3))
     with holds.env():
-        commands.launch(spec, [pace(0, step=1), FaultCommand("sigkill", rank=1, step=3)])
+        commands.launch(spec, [pace(0, step=1, delay=PACE_S), FaultCommand("sigkill", rank=1, step=3)])
     with watched(name) as listeners:
         try:
             wait_for("step 1", step_done(name, 1), timeout=300)
@@ -134,7 +135,7 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, List
             wait_for("group 1's new process", until(name, "rank_start", 1, kill.t), timeout=600)
             holds.release(step_point(0, 3), step_point(1, 1))   # both groups go: one quorum
             wait_for("group 1 to heal from group 0", until(name, "heal", 1), timeout=300)
-            commands.inject_command(name, pace(1))  # the restarted process has no pace: group 0 goes next
+            commands.inject_command(name, pace(1, delay=PACE_S))  # the new process has none: group 0 next
             at = -(-(of(name, "step")[-1]["step"] + 4) // CKPT_EVERY) * CKPT_EVERY  # a save's step, ahead
             commands.inject(name, "exception", rank=0, step=at)
             wait_for("group 0 to throw a step away", until(name, "step_discarded", 0), timeout=300)
@@ -148,7 +149,7 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, List
             wait_for("group 1 to commit a step alone", alone(name, 1, lost.t), timeout=300)
             holds.release(restart_point(0, 1))   # group 0's new process sets up, and heals
             wait_for("group 0 to heal from group 1", until(name, "heal", 0, again.t + 1e-6), timeout=600)
-            commands.inject_command(name, pace(0))  # group 1 goes next
+            commands.inject_command(name, pace(0, delay=PACE_S))  # group 1 goes next
             holds.add(restart_point(1, 2))   # its new process waits before it sets up: group 0 trains on
             hang = commands.inject(name, "hang", rank=1, wait=300)
             assert hang["fired"], hang
