@@ -95,6 +95,10 @@ class Holds:
         for point in points or [p.name for p in self.folder.iterdir()]:
             (self.folder / point).unlink(missing_ok=True)
 
+    def held(self) -> bool:
+        """Whether a point is still held."""
+        return any(self.folder.iterdir())
+
 
 def step_done(name: str, step: int) -> object:
     """A probe for wait_for: step ``step`` committed (by every group in its quorum), or the job's end."""
