@@ -19,6 +19,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from eksft_nb.engines.torchft.hold import HOLD_ENV
+
 VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 FIELD_REF = re.compile(r"^metadata\.(annotations|labels)\['([^']+)'\]$")
 
@@ -86,8 +88,8 @@ class LocalPod:
         """The image's environment (this venv first on PATH) plus the container's."""
         base = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                 "HOME": str(self.root), "LANG": os.environ.get("LANG", "C.UTF-8"),
-                # the eksft-nb under test
-                **{k: os.environ[k] for k in ("PYTHONPATH", "LD_LIBRARY_PATH") if k in os.environ}}
+                # the eksft-nb under test, and the test's holds on its ranks (engines/torchft/hold.py)
+                **{k: os.environ[k] for k in ("PYTHONPATH", "LD_LIBRARY_PATH", HOLD_ENV) if k in os.environ}}
         return {**base, **self.env(container)}
 
     def run(self, container: str, argv: list[str] | None = None,

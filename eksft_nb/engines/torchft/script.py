@@ -38,6 +38,7 @@ from ...errors import EksftError, JobError
 from ...runtime.quiet import quiet_process
 from ...runtime.script import ScriptProbe, when_imported
 from ...runtime.script import main as run_script
+from .hold import hold, restart_point
 from .startup import all_groups_up
 from .steps import StepReport, StepReports
 from .trainer import LAST_STEP_ENV, RESTART_ENV
@@ -54,6 +55,8 @@ def main() -> None:
     from ...runtime.session import session
 
     install()
+    if restart := int(os.environ.get(RESTART_ENV) or 0):
+        hold(restart_point(int(os.environ["RANK"]), restart))
     session()  # names the group (RANK) before the script's environment below replaces it
     env = os.environ
     # a replica group's store, as torchrun's agent hosts it (kept open while the script runs)

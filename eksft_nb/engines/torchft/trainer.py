@@ -36,6 +36,7 @@ from ...errors import JobError
 from ...runtime.quiet import quiet_process
 from ...runtime.zygote import WARM_ENV
 from .startup import all_groups_up
+from .hold import hold, restart_point, step_point
 from .hosts import group_host
 from .steps import StepReport, StepReports
 
@@ -52,6 +53,8 @@ def main() -> None:
     from .listen import install
 
     install()  # the group's store, manager and checkpoint servers on the group's address alone (hosts.py)
+    if restart := int(os.environ.get(RESTART_ENV) or 0):
+        hold(restart_point(int(os.environ["RANK"]), restart))
     setup = {"imports": time.time()}  # each set-up phase -> when it ended (rank_start's t_setup)
     # the group's ranks share one process group (its rank 0 leads it, see group.py): the
     # registry's kill-launcher, a whole replica group lost, kills that group, every rank of it
@@ -173,6 +176,7 @@ class GroupTrainer:
                      t_setup=self.setup)
         while True:  # after the last step, one more quorum (see the module's docstring)
             before = manager.current_step()
+            hold(step_point(s.rank, before + 1))
             armed: InjectedFault | None = None
             try:
                 if before < spec.steps:
