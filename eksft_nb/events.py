@@ -4,14 +4,16 @@ One event is one JSON object on one line::
 
     {"v": 1, "t": 1764403200.12, "kind": "step", "job": "demo", "rank": 0, "step": 12, ...}
 
-Ranks and the supervisor append events to ``<job>/events.jsonl`` (one ``write()`` per line, so
-concurrent writers never interleave) and, on Kubernetes, print them to stdout behind
-:data:`LOG_PREFIX` so the pod logs carry them. Readers accept unknown kinds and extra fields, so
-adding a field or a kind keeps the version; renaming or removing one bumps :data:`SCHEMA_VERSION`.
+Ranks and the supervisor append events to ``<job>/events.jsonl`` (one ``write()`` per line, under
+the file's lock, so concurrent writers never interleave and a full disk leaves no torn line) and,
+on Kubernetes, print them to stdout behind :data:`LOG_PREFIX` so the pod logs carry them. Readers
+accept unknown kinds and extra fields, so adding a field or a kind keeps the version; renaming or
+removing one bumps :data:`SCHEMA_VERSION`.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -282,11 +284,14 @@ class EventWriter:
             sys.stdout.flush()
 
     def _append(self, line: str) -> bool:
-        """Append one whole record: a short write is continued until all of it is written; one that
-        fails part-way leaves a torn line, which the next record ends first (so it is not swallowed)."""
+        """Append one whole record, or none of it: a short write is continued until all of it is
+        written, and one that fails part-way (a full disk) is cut off again, under the file's lock, which
+        every writer of the job takes to append. Where it cannot be cut off, the torn line is left and
+        the next record ends it first (so it is not swallowed; readers skip it)."""
         lead = b"\n" if self._torn else b""
         data = memoryview(lead + line.encode())
         written = 0
+        locked = _lock(self._fd)
         try:
             while written < len(data):
                 n = os.write(self._fd, data[written:])
@@ -297,8 +302,11 @@ class EventWriter:
             return True
         except OSError as e:
             self._last_error = e.strerror or type(e).__name__
-            if written:
-                self._torn = written > len(lead)
+            if written > len(lead):
+                self._torn = not (locked and _cut(self._fd, written - len(lead)))
+        finally:
+            if locked:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
         return False
 
     def _lost_record(self, now: float) -> str:
@@ -333,6 +341,29 @@ class EventWriter:
                 self._append(self._lost_record(time.time()))
             os.close(self._fd)
             self._fd = None
+
+
+def _lock(fd: int) -> bool:
+    """Take the events file's append lock (False where the file takes no lock, e.g. ``/dev/full``, or a
+    network filesystem without locking)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:
+        return False
+    return True
+
+
+def _cut(fd: int, torn: int) -> bool:
+    """Remove the last ``torn`` bytes of the file (a record this writer wrote part of), if they are
+    still its end; whether it was cut."""
+    try:
+        end = os.fstat(fd).st_size
+        if os.lseek(fd, 0, os.SEEK_CUR) != end:
+            return False
+        os.ftruncate(fd, end - torn)
+    except OSError:
+        return False
+    return True
 
 
 class EventTail:
