@@ -356,11 +356,17 @@ class CheckpointManager:
         self._prune(step)
 
     def _failed(self, step: int, errors: list[str | None]) -> None:
+        """A save failed on some rank (every rank learnt so together, once all were done writing it):
+        rank 0 removes its folder, which no one will commit (what a full disk left half-written frees
+        room), and the save is retried at the next step boundary."""
         self.retry = True
         self.plan_cache = None  # the retry plans anew (and hands the writer the whole plan)
-        if self.ahead is not None:  # its folder stays: the last save retries at the same step
+        if self.ahead is not None:  # the last save retries at the same step: cleared again before it
             self.ahead.add(step)
         if self.rank == 0:
+            path = step_dir(self.root, step)
+            if not path.is_symlink() and not (path / COMMIT).exists():
+                shutil.rmtree(path, ignore_errors=True)
             reasons = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
             self.emit("checkpoint", phase="failed", step=step, error=reasons, retry="next step")
 
