@@ -99,7 +99,8 @@ OPTIONAL: dict[str, dict[str, tuple[type, ...] | type]] = {
     # and, from storage, why not from memory and the seconds that check took
     "resume": {"source": str, "verify_s": _num, "memory": _opt_str, "memory_s": _num},
     "job_end": {"digest": _opt_str, "restarts": dict},
-    "rank_error": {"waiting": bool},
+    # fatal: no restart can help (the checkpoint the job starts from is gone): the line the job ends with
+    "rank_error": {"waiting": bool, "fatal": str},
     # when the incarnation began (process start, or re-entry after an in-process restart) and when its
     # process groups were formed; a torchft group's process: each set-up phase -> when it ended (imports,
     # session, model, manager, wiring; see eksft_nb.engines.torchft.trainer)

@@ -28,8 +28,8 @@ from .. import memcopy
 from . import storage_faults
 from .plan import PlanCache, layout, save_planner
 from .process import CheckpointProcess
+from .resume import NoStartPoint, resume_candidates, verify_share
 from .resume import job_uid as current_job_uid
-from .resume import resume_candidates, verify_share
 from .safe_load import load
 from .writer import Delivered, read_manifest, write_shard
 
@@ -442,8 +442,8 @@ class CheckpointManager:
                 where = (f"checkpoint step {resume.split(':')[1]} is not available in {self.root}"
                          if resume.startswith("step:") else f"no checkpoint in {resume} can be loaded")
                 why = f" (step {skipped[-1]['step']}: {skipped[-1]['reason']})" if skipped else ""
-                raise JobError(where + why,
-                               "list them with `python -m eksft_nb ckpts NAME` and pick a committed one")
+                raise NoStartPoint(where + why,
+                                   "list them with `python -m eksft_nb ckpts NAME` and pick a committed one")
             if touched is not None:  # not a fresh state any more: the restart that follows skips it
                 raise JobError(f"checkpoint {touched.path} verified but failed to load, and no "
                                "other checkpoint "
