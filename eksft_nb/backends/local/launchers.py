@@ -11,6 +11,7 @@ replica groups instead): it uses the supervisor's job folder, spec, mark, attemp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -33,6 +34,7 @@ from ...runtime.warm_shim import SOCKET_ENV as WARM_SOCKET
 from ...runtime.warm_shim import ZYGOTE_ENV as WARM_ZYGOTE
 from ...spec import JobSpec
 from ...states import JobState
+from .beat import Heart
 
 STANDBY_MODULE = "eksft_nb.backends.local.standby"   # a local job's ft_launcher (see its module)
 UNKNOWN_EXIT = -256    # an adopted launcher ended (not our child: its exit status is unknown)
@@ -81,6 +83,7 @@ class Launchers:
     t_launch: float
     ranks_started: dict[int, float]
     ranks_done: set[int]
+    heart: Heart                           # the supervisor's heartbeat (see .beat)
 
     def _launch(self) -> None:
         """Start this attempt: an ft_launcher per node and spare (handed to its standby where one waits),
@@ -144,7 +147,7 @@ class Launchers:
         if not self.spec.ft.warm_ranks:
             return None
         self.jd.warm.mkdir(mode=0o700, exist_ok=True)
-        name = str(self.jd.warm / f"{tag}.sock")
+        name = self._zygote_socket(tag)
         if tag in self.zygotes and self.zygotes[tag].poll() is None:
             return name
         # what the ranks' interpreter and torch read at start-up must match theirs (see zygote.FIXED_AT_START)
@@ -157,6 +160,9 @@ class Launchers:
                                                  cwd=self.jd.path,
                                                  start_new_session=True)
         return name
+
+    def _zygote_socket(self, tag: str) -> str:
+        return str(self.jd.warm / f"{tag}.sock")
 
     def _start_standby(self) -> None:
         """Start a warm ft_launcher per node for the next attempt (see :mod:`.standby`) once every
@@ -194,6 +200,7 @@ class Launchers:
                 procs.signal_marked(self.job_uid, signal.SIGTERM, node_tag=node.tag)
         deadline = time.time() + 10
         while time.time() < deadline and any(n.poll() is None for n in self.nodes):
+            self.heart.beat()
             time.sleep(0.1)
         nxt = f"{self.attempt + 1}."
         keep = [os.getppid()] + ([p.pid for p in self.standby.values()] +
@@ -205,6 +212,8 @@ class Launchers:
                 zygote.kill()
                 zygote.wait()
                 del self.zygotes[tag]
+                with contextlib.suppress(OSError):   # killed, it cannot remove its socket itself
+                    os.unlink(self._zygote_socket(tag))
         for node in self.nodes:
             if node.popen is not None:
                 node.popen.wait()
