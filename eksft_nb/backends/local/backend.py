@@ -208,7 +208,7 @@ class LocalBackend(FolderJobs, Backend):
                 mon = JobMonitor()
                 mon.update(read_all(jd.events_path))
                 ending.record(jd, JobState.STOPPED, "stopped by the user", final_step=mon.last_step)
-            ending.tidy(jd, jd.spec())
+            ending.tidy(jd)
         finally:
             if lock is not None:
                 os.close(lock)

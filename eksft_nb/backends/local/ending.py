@@ -20,9 +20,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ...checkpoint_folders import COMMIT, list_checkpoints
+from ...errors import EksftError
 from ...events import EventWriter
 from ...jobdir import TMP_SUFFIX, JobDir, atomic_write
-from ...spec import JobSpec
 from ...states import CheckpointState, JobState
 
 # what atomic_write leaves when it is cut short (.NAME.PID.tmp), and a progress beacon's temporary file
@@ -50,7 +50,7 @@ def record(jd: JobDir, state: JobState, reason: str, *, final_step: int, events:
     return True
 
 
-def tidy(jd: JobDir, spec: JobSpec) -> None:
+def tidy(jd: JobDir) -> None:
     """Once nothing of the job runs: remove its warm ranks' sockets, the temporary files of writes cut
     short (a full disk, a killed process), and, in its own checkpoint folder, the step folders of saves
     that were never committed (no restart of this job will finish them; a ``checkpoint.dir`` elsewhere
@@ -62,7 +62,10 @@ def tidy(jd: JobDir, spec: JobSpec) -> None:
             if _TEMPORARY.fullmatch(name):
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(folder, name))
-    root = jd.ckpt_dir(spec)
+    try:
+        root = jd.ckpt_dir(jd.spec())
+    except (OSError, ValueError, EksftError):   # a spec that no longer reads: its folder's default
+        root = jd.path / "ckpt"
     if root.resolve().parent != jd.path.resolve():
         return
     for info in list_checkpoints(root):

@@ -113,7 +113,7 @@ def keep(jd: JobDir) -> int:
     mon = JobMonitor()
     mon.update(EventTail(jd.events_path).read())
     ending.record(jd, JobState.FAILED, reason, final_step=mon.last_step)
-    ending.tidy(jd, jd.spec())
+    ending.tidy(jd)
     return 1
 
 

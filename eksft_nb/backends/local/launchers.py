@@ -29,6 +29,7 @@ from ... import loopback, nvrx, procs
 from ...events import EventWriter
 from ...jobdir import JobDir
 from ...launcher import ZYGOTE_MODULE, Ports, launcher_argv, rank_env
+from ...runtime.keepalive import keepalive
 from ...runtime.quiet import quiet_env
 from ...runtime.warm_shim import SOCKET_ENV as WARM_SOCKET
 from ...runtime.warm_shim import ZYGOTE_ENV as WARM_ZYGOTE
@@ -38,6 +39,7 @@ from .beat import Heart
 
 STANDBY_MODULE = "eksft_nb.backends.local.standby"   # a local job's ft_launcher (see its module)
 UNKNOWN_EXIT = -256    # an adopted launcher ended (not our child: its exit status is unknown)
+STORE_START_S = 120.0  # the most the rendezvous store's start (torch's import) is given to beat for
 
 
 @dataclass
@@ -94,7 +96,10 @@ class Launchers:
         self.t_launch = time.time()
         self.ranks_started, self.ranks_done = {}, set()
         # with hot spares the rendezvous store lives here: a launcher that hosted it could not be lost
-        self.store = _rendezvous_store(ports.rdzv) if self.spec.spare_nodes else None
+        self.store = None
+        if self.spec.spare_nodes:
+            with keepalive(self.heart.beat, budget=STORE_START_S):   # importing torch takes a while
+                self.store = _rendezvous_store(ports.rdzv)
         warm = []
         for node in range(self.spec.nnodes + self.spec.spare_nodes):   # spares wait in the rendezvous
             tag = f"{self.attempt}.{node}"

@@ -52,6 +52,7 @@ from ...jobdir import JobDir, atomic_write
 from ... import nvrx
 from ...incidents import Incidents
 from ...monitor import JobMonitor
+from ...runtime.keepalive import keepalive
 from ...runtime.memcopy import remove_copies
 from ...states import JobState, RestartLevel
 from ... import procs
@@ -67,6 +68,7 @@ UNRECORDED = 3         # the supervisor's exit status when the job ended but wri
 FULL = "the job folder's disk is full"
 FULL_BELOW = 1 << 20   # bytes free (to users) under which the job folder's disk counts as full
 FULL_FOR_S = 5.0       # ... for this long: the job ends (a moment's full disk, a big temporary file, not)
+LONG_WORK_S = 600.0    # the most a long piece of work is beaten for (runtime.keepalive): then it is hung
 
 
 @dataclass
@@ -153,7 +155,8 @@ class Supervisor(Launchers):
         recorded = ending.record(self.jd, state, reason, final_step=self.mon.last_step, events=self.events,
                                  say=self.say, state_record=self._state_record(state, reason),
                                  digest=self.mon.digest, restarts=self.mon.restarts_by_level())
-        ending.tidy(self.jd, self.spec)
+        with keepalive(self.heart.beat, budget=LONG_WORK_S):   # removing big folders takes a while
+            ending.tidy(self.jd)
         if not recorded:  # nothing of the job runs any more: the keeper starts no successor
             return UNRECORDED
         return 0 if state == JobState.SUCCEEDED else 1
@@ -205,12 +208,13 @@ class Supervisor(Launchers):
             if node.log.parent == self.jd.logs:
                 self.nodes.append(node)
         self.t_launch = _num(record.get("t_launch"), self.t_start)
-        backlog = self.tail.read()
-        self.replayed = {_incident_key(e.kind, e.data) for e in backlog if e.kind in ("failure", "restart")}
-        for event in backlog:
-            self.heart.beat()   # a long job's replay takes a while
-            self.mon.update([event])
-            self._on_event(event)
+        with keepalive(self.heart.beat, budget=LONG_WORK_S):   # a long job's events take a while
+            backlog = self.tail.read()
+            self.replayed = {_incident_key(e.kind, e.data) for e in backlog
+                             if e.kind in ("failure", "restart")}
+            for event in backlog:
+                self.mon.update([event])
+                self._on_event(event)
         self.replayed = None
         # a failure the launchers logged before the newest rank start restarted ranks the replay has seen
         self.seen_until = max((e.t for e in backlog if e.kind == "rank_start"), default=0.0)
