@@ -344,14 +344,24 @@ class EventWriter:
             self._fd = None
 
 
+LOCK_WAIT_S = 0.5   # an append waits this long at most for the lock (held a few microseconds per record)
+
+
 def _lock(fd: int) -> bool:
-    """Take the events file's append lock (False where the file takes no lock, e.g. ``/dev/full``, or a
-    network filesystem without locking)."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-    except OSError:
-        return False
-    return True
+    """Take the events file's append lock; False where it cannot be had (a file that takes no lock, e.g.
+    ``/dev/full``, or a network filesystem without locking) or is not given up in :data:`LOCK_WAIT_S`
+    (its holder stopped, SIGSTOP): the record is then appended without it, never waited on for good."""
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        except OSError:
+            return False
 
 
 def _cut(fd: int, torn: int) -> bool:

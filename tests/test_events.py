@@ -115,6 +115,34 @@ def test_a_short_write_leaves_no_half_line_that_swallows_the_next_record(tmp_pat
     assert events[1]["count"] == 1 and events[1]["kinds"] == {"step": 1}
 
 
+def test_an_append_never_waits_for_good_on_a_stopped_lock_holder(tmp_path: Path) -> None:
+    """A writer stopped (SIGSTOP) while it holds the events file's lock: the others append without it
+    after a moment instead of blocking behind it (a supervisor blocked there would stop beating)."""
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    path = tmp_path / "events.jsonl"
+    path.touch()
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, signal, sys\n"
+                               "fd = os.open(sys.argv[1], os.O_WRONLY)\n"
+                               "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+                               "os.kill(os.getpid(), signal.SIGSTOP)", str(path)])
+    try:
+        assert os.WIFSTOPPED(os.waitpid(holder.pid, os.WUNTRACED)[1])   # stopped, the lock held
+        writer = EventWriter(path, "j", rank=0)
+        append = threading.Thread(target=writer.emit, args=("step",),
+                                  kwargs={"step": 1, "loss": 1.0, "tokens": 8, "step_time": 0.1}, daemon=True)
+        append.start()
+        append.join(60)   # the holder never lets go: an append that waits for it never returns
+        assert not append.is_alive()
+        assert [e["step"] for e in EventTail(path).read()] == [1]
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_a_record_behind_a_torn_line_is_still_read(tmp_path: Path) -> None:
     """Another writer (a rank) appended its record right after a torn one: that record survives."""
     whole = make("step", "j", 1, step=4, loss=2.0, tokens=8, step_time=0.1).to_json()
