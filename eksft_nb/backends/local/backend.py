@@ -254,6 +254,7 @@ def _heads(record: dict, uid: str | None) -> list[psutil.Process | None]:
 
 
 def _kill_halted(heads: list[psutil.Process | None]) -> None:
+    """SIGKILL those of ``heads`` that are stopped (SIGSTOP): waiting for them would be waiting for good."""
     stopped = [p for p in heads if p is not None and procs.halted(p)]
     for p in stopped:
         try:
