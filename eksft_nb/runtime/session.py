@@ -179,11 +179,12 @@ class Session:
                   world_size=self.info.world_size, start_step=start_step,
                   t_enter=t_enter if t_enter is not None else _process_start(), **extra)
 
-    def rank_error(self, e: BaseException) -> None:
+    def rank_error(self, e: BaseException, fatal: bool = False) -> None:
         """Report the exception this rank is failing with (see :func:`error_text`), and whose it is (see
-        :func:`error_origin`)."""
+        :func:`error_origin`); ``fatal``: no restart can help, the supervisor ends the job with it."""
         self.emit("rank_error", error=error_text(e)[:500], step=self.step_entered or None,
-                  origin=error_origin(e), waiting=raised_in_collective(e))
+                  origin=error_origin(e), waiting=raised_in_collective(e),
+                  **({"fatal": str(e)[:500]} if fatal else {}))
 
     def heartbeat(self) -> None:
         if self.monitor is not None:

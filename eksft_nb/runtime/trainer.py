@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..timeouts import derive
 from .checkpoint import ModelState
+from .checkpoint.resume import NoStartPoint
 from .data import SyntheticCorpus
 from .keepalive import keepalive
 from .live import LiveSettings
@@ -219,12 +220,17 @@ def run(call_wrapper: Any = None) -> None:
     except BaseException as e:
         if call_wrapper is not None:
             shutdown_gloo()   # peers blocked on this rank fail now, not at the collective timeout
-        s.rank_error(e)
+        fatal = isinstance(e, NoStartPoint)
+        s.rank_error(e, fatal=fatal)
         if s.drain is not None:
             s.drain.left_loop()          # a SIGTERM from now on cannot be drained: die of it at once
             s.drain.die_if_requested()   # a SIGTERM it could not drain for (a peer is gone): die of it
         if trainer is not None and call_wrapper is None:
             trainer.close()
+        if fatal and call_wrapper is not None:  # every rank fails alike: no in-process restart, the job ends
+            from nvidia_resiliency_ext.inprocess.exception import RestartAbort
+
+            raise RestartAbort(str(e)) from e
         raise  # in-process restart: the Wrapper's abort tears the process group down
     trainer.close()
     s.t_wrapped_return = time.time()
