@@ -35,6 +35,6 @@ def prepare(spec: JobSpec, faults: Iterable[str | FaultCommand] = (),
     """The one validation of a launch (or, not ``launching``, a dry run), for every front end: the spec,
     what its engine and its backend refuse of it (:meth:`Backend.check`), then the scheduled faults."""
     spec = spec.validate()
-    torchft_checks.check(spec)   # what the torchft engine does not take (nothing, under NVRx)
+    torchft_checks.check(spec, launching=launching)   # what torchft does not take (nothing, under NVRx)
     spec = get_backend(spec.backend).check(spec, launching)
     return spec, faults_for(spec, faults)

@@ -94,7 +94,9 @@ class Runner:
         try:
             argv = lighthouse.argv(self.spec.slurm.port, hosts.resolve(self.first))
             with open(self.jd.logs / "lighthouse.log", "ab") as log:
-                lh = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                # in the job's folder: its gateway reads the job's secret there, and reports refused peers
+                lh = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      cwd=self.jd.path)
             self.procs.append(lh)
             groups = {g: self._start(g) for g in range(self.spec.nnodes)}
             while groups:

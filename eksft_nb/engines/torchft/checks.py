@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import subprocess
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 from ...errors import SpecError
 from ...spec import JobSpec
+from . import lighthouse, netns
+
+# the backends whose Lighthouse runs on a shared host (a local job's machine, a Slurm node): in a network
+# namespace of its own (an EKS pod's network is its own)
+PRIVATE_NETWORK = ("local", "slurm")
 
 # the faults a torchft job fires: a rank killed (its group restarts and heals from a peer), a whole
 # replica group lost (kill-launcher on node N: group N's process group), a hang (the supervisor finds it,
@@ -18,8 +26,9 @@ FAULTS = ("sigkill", "kill-launcher", "hang", "exception", "slow-rank")
 SCRIPT_FAULTS = ("sigkill", "exception", "slow-rank")
 
 
-def check(spec: JobSpec, faults: Sequence[Any] = ()) -> None:
-    """Raise :class:`SpecError` when ``spec`` (or a scheduled fault) does not apply to the torchft engine."""
+def check(spec: JobSpec, faults: Sequence[Any] = (), launching: bool = False) -> None:
+    """Raise :class:`SpecError` when ``spec`` (or a scheduled fault) does not apply to the torchft engine;
+    ``launching``: also when this machine cannot keep the job's Lighthouse private (see :func:`private`)."""
     if spec.engine != "torchft":
         return
     if importlib.util.find_spec("torchft") is None:
@@ -27,6 +36,9 @@ def check(spec: JobSpec, faults: Sequence[Any] = ()) -> None:
             "--engine torchft needs torchft, which is not installed here",
             "pip install 'torchft>=0.2.0,<0.3' (wheels for Linux x86_64), or use --engine nvrx",
         )
+    if launching and spec.backend in PRIVATE_NETWORK and (why := private()) is not None:
+        raise SpecError(f"--engine torchft on the {spec.backend} backend runs its Lighthouse on a network of "
+                        f"its own (torchft's accepts any peer that reaches it), and {why}", netns.FIX)
     if spec.script and spec.backend != "local":
         raise SpecError(
             f"--engine torchft runs a --script on the local backend so far, not {spec.backend}",
@@ -66,6 +78,18 @@ def check(spec: JobSpec, faults: Sequence[Any] = ()) -> None:
                 f"drop {flag}, or use --engine nvrx",
             )
     check_faults(spec, faults)
+
+
+@functools.lru_cache(maxsize=1)
+def private() -> str | None:
+    """Why this machine cannot make the Lighthouse's private network namespace (None: it can): asked of a
+    short-lived process (:mod:`.netns`), as the Lighthouse's own launcher does it."""
+    try:
+        done = subprocess.run([sys.executable, "-I", "-S", str(lighthouse.NETNS), "--probe"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"the probe for it failed ({e})"
+    return None if done.returncode == 0 else (done.stderr.strip().split(": ")[0] or "it cannot be made here")
 
 
 def fires(spec: JobSpec) -> tuple[str, ...] | None:

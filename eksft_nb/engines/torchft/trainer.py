@@ -49,15 +49,18 @@ def main() -> None:
     quiet_process()
     from ...runtime.session import session
     from ...runtime.trainer_main import exit_cleanly
+    from .alarm import Alarm
     from .listen import install
 
-    install()  # the group's store, manager and checkpoint servers on the group's address alone (hosts.py)
     setup = {"imports": time.time()}  # each set-up phase -> when it ended (rank_start's t_setup)
     # the group's ranks share one process group (its rank 0 leads it, see group.py): the
     # registry's kill-launcher, a whole replica group lost, kills that group, every rank of it
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     os.environ[LAST_STEP_ENV] = str(last_step(os.environ))   # before this process's beacon replaces it
     s = session()
+    # the group's store, manager and checkpoint servers on the group's address alone (hosts.py), answering
+    # only the job's processes (listen.py); the peers they refuse reported as intruder events
+    install(Alarm(s.emit))
     setup["session"] = time.time()
     try:
         GroupTrainer(s, setup).train()
