@@ -24,6 +24,12 @@ def check_fault(command: FaultCommand, spec: JobSpec, backend: Backend) -> Fault
     return command
 
 
+def check_settings(spec: JobSpec) -> None:
+    """The one check of a live settings change a front end sends (set, whatif --apply): what the job's
+    engine cannot take is refused before anything is queued."""
+    torchft_checks.check_settings(spec)
+
+
 def faults_for(spec: JobSpec, faults: Iterable[str | FaultCommand]) -> list[FaultCommand]:
     """Scheduled faults (``sigkill:1@30`` or commands), checked against the job they go to."""
     backend = get_backend(spec.backend)

@@ -26,13 +26,15 @@ from hypothesis import strategies as st
 
 pytest.importorskip("torchft")
 
-from eksft_nb import loopback  # noqa: E402
+from eksft_nb import commands, loopback  # noqa: E402
 from eksft_nb.engines.torchft import codec, listen, secret, wire  # noqa: E402
 from eksft_nb.engines.torchft.alarm import Alarm  # noqa: E402
 from eksft_nb.engines.torchft.coordination import QuorumRefused, compute, seal, strangers  # noqa: E402
 from eksft_nb.engines.torchft.gateway import Gateway  # noqa: E402
 from eksft_nb.engines.torchft.transport import SealedTransport  # noqa: E402
-from eksft_nb.errors import JobError  # noqa: E402
+from eksft_nb.errors import ControlError, JobError  # noqa: E402
+from eksft_nb.jobdir import JobDir  # noqa: E402
+from eksft_nb.spec import JobSpec  # noqa: E402
 
 KEY, OTHER = bytes(range(32)), bytes(32)
 T = datetime.timedelta(seconds=5)
@@ -271,6 +273,21 @@ def test_the_jobs_secret_is_made_once_private_and_refused_when_others_could_touc
         secret.load(fifo)
     with pytest.raises(JobError, match="cannot be read"):
         secret.load(tmp_path / "missing")
+
+
+# ---- live settings ---------------------------------------------------------------------------------------
+
+def test_live_settings_are_refused_for_a_torchft_job_in_one_line() -> None:
+    """Its replica groups read the checkpoint settings once: a change is refused, never answered "queued"
+    (CLI, REST and the dashboard go through the command layer; whatif --apply too, before its work)."""
+    spec = JobSpec(name="tft-live", engine="torchft", nnodes=2, steps=3)
+    JobDir.for_name(spec.name).create(spec)
+    for change in (lambda: commands.set_settings(spec.name, ["ckpt-every=5"]),
+                   lambda: commands.apply_whatif(spec.name)):
+        with pytest.raises(ControlError) as refused:
+            change()
+        assert "take no live settings" in str(refused.value) and "\n" not in str(refused.value)
+    assert not (JobDir.for_name(spec.name).path / "control" / "settings.json").exists()
 
 
 # ---- the parsers, fuzzed ---------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ...errors import SpecError
+from ...errors import ControlError, SpecError
 from ...spec import JobSpec
 from . import lighthouse, netns
 
@@ -90,6 +90,16 @@ def private() -> str | None:
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"the probe for it failed ({e})"
     return None if done.returncode == 0 else (done.stderr.strip().split(": ")[0] or "it cannot be made here")
+
+
+def check_settings(spec: JobSpec) -> None:
+    """Refuse live settings for a torchft job: its replica groups read the checkpoint settings once, when
+    they start (they agree on nothing else at a step, as NVRx's ranks do in their all-reduce)."""
+    if spec.engine == "torchft":
+        raise ControlError(
+            f"{spec.name} runs --engine torchft, whose replica groups take no live settings (they read "
+            "--ckpt-every and --keep-last once, when they start)",
+            "launch the job with the settings you want (run it again with --ckpt-every N --keep-last K)")
 
 
 def fires(spec: JobSpec) -> tuple[str, ...] | None:
