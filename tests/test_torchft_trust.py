@@ -31,9 +31,12 @@ from eksft_nb.engines.torchft import codec, listen, secret, wire  # noqa: E402
 from eksft_nb.engines.torchft.alarm import Alarm  # noqa: E402
 from eksft_nb.engines.torchft.coordination import QuorumRefused, compute, seal, strangers  # noqa: E402
 from eksft_nb.engines.torchft.gateway import Gateway  # noqa: E402
+from eksft_nb.engines.torchft.outcome import outcome  # noqa: E402
 from eksft_nb.engines.torchft.transport import SealedTransport  # noqa: E402
 from eksft_nb.errors import ControlError, JobError  # noqa: E402
 from eksft_nb.jobdir import JobDir  # noqa: E402
+from eksft_nb.monitor import JobMonitor  # noqa: E402
+from eksft_nb.events import make  # noqa: E402
 from eksft_nb.spec import JobSpec  # noqa: E402
 
 KEY, OTHER = bytes(range(32)), bytes(32)
@@ -288,6 +291,20 @@ def test_live_settings_are_refused_for_a_torchft_job_in_one_line() -> None:
             change()
         assert "take no live settings" in str(refused.value) and "\n" not in str(refused.value)
     assert not (JobDir.for_name(spec.name).path / "control" / "settings.json").exists()
+
+
+# ---- a job's end -----------------------------------------------------------------------------------------
+
+def test_a_job_whose_groups_all_raised_after_the_last_step_does_not_succeed() -> None:
+    spec = JobSpec(name="tft-end", engine="torchft", nnodes=2, steps=3)
+    mon = JobMonitor()
+    mon.update([make("step", "tft-end", 0, step=s, loss=1.0, tokens=1, step_time=0.1) for s in (1, 2, 3)])
+    mon.update([make("rank_error", "tft-end", r, error="RuntimeError: quorum failed", step=None,
+                     origin="exception") for r in (0, 1)])
+    state, reason = outcome(spec, mon)
+    assert state.value == "failed" and "no replica group reported its final weights" in reason, reason
+    mon.update([make("rank_end", "tft-end", 1, final_step=3, digest="abc")])
+    assert outcome(spec, mon)[0].value == "succeeded"
 
 
 # ---- the parsers, fuzzed ---------------------------------------------------------------------------------

@@ -183,7 +183,17 @@ class GroupTrainer:
             except InjectedFault as e:  # raised inside this step's backward instead (see _raise_in_backward)
                 armed = e
             t0 = time.perf_counter()
-            manager.start_quorum()  # synchronous: heals from a peer here when behind the quorum
+            try:
+                manager.start_quorum()  # synchronous: heals from a peer here when behind the quorum
+            except Exception as e:
+                if before < spec.steps:
+                    raise
+                # the quorum after the last step (which heals a group that threw that step away) failed:
+                # this group committed the last step itself, and its weights are the job's to report
+                if self.lead:
+                    s.warn("last-quorum", f"replica group {self.group}'s quorum after the last step failed "
+                           f"({str(e)[:200]}); it committed step {before} itself and reports its weights")
+                break
             self.optim.zero_grad(set_to_none=True)
             self._after_quorum(before, time.perf_counter() - t0)
             if manager.current_step() >= spec.steps:
