@@ -1,9 +1,9 @@
 """Who a torchft job's servers refused, said as ``intruder`` events, without letting a flood of refused
 connections flood the job's events.
 
-A refusal is reported once per place and peer host every :data:`REPEAT_S` seconds (the count of those held
-back goes with the next report), and at most :data:`MAX_REPORTS` times per process; each also goes to the
-process's log (stderr) on the same terms."""
+A refusal is reported once per place, peer host and kind (what the peer did, as the reason begins) every
+:data:`REPEAT_S` seconds (the count of those held back goes with the next report), and at most
+:data:`MAX_REPORTS` times per process; each also goes to the process's log (stderr) on the same terms."""
 
 from __future__ import annotations
 
@@ -17,14 +17,15 @@ from typing import Any
 
 REPEAT_S = 30.0
 MAX_REPORTS = 50
+KIND_CHARS = 60   # how much of a reason tells one kind of refusal from another (an HTTP request's line...)
 
 
 class Alarm:
     def __init__(self, emit: Callable[..., Any] | None) -> None:
         self.emit = emit
         self._lock = threading.Lock()
-        self._last: dict[tuple[str, str], float] = {}
-        self._held: dict[tuple[str, str], int] = {}
+        self._last: dict[tuple[str, str, str], float] = {}
+        self._held: dict[tuple[str, str, str], int] = {}
         self.reports = 0
 
     @classmethod
@@ -51,7 +52,7 @@ class Alarm:
         host = peer.rsplit(":", 1)[0]
         now = time.monotonic()
         with self._lock:
-            key = (where, host)
+            key = (where, host, reason[:KIND_CHARS])
             if self.reports >= MAX_REPORTS or now - self._last.get(key, -REPEAT_S) < REPEAT_S:
                 self._held[key] = self._held.get(key, 0) + 1
                 return

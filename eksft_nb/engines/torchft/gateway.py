@@ -1,5 +1,5 @@
 """torchft's Lighthouse behind a gateway that answers only the job's processes
-(``python -m eksft_nb.engines.torchft.gateway --bind HOST:PORT | --listen-fd N, options``).
+(``python -m eksft_nb.engines.torchft.gateway --bind HOST:PORT [--listen-fd N] options``).
 
 The Lighthouse (torchft's, in this process) listens on a loopback no one else reaches: a network namespace
 of its own that :mod:`.netns` made (a local job, a Slurm node), or its pod's (EKS). Its front, the
@@ -103,9 +103,8 @@ def job_dir() -> Path | None:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog=f"python -m {__name__}")
-    where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--bind", help="HOST:PORT to listen on")
-    where.add_argument("--listen-fd", type=int, help="a listening socket to serve (from netns.py)")
+    parser.add_argument("--bind", required=True, help="HOST:PORT to listen on")
+    parser.add_argument("--listen-fd", type=int, help="the socket listening there already (from netns.py)")
     for option in ("--min_replicas", "--join_timeout_ms", "--quorum_tick_ms", "--heartbeat_timeout_ms"):
         parser.add_argument(option, type=int, required=True)
     args = parser.parse_args(argv)

@@ -23,11 +23,8 @@ NETNS = Path(__file__).with_name("netns.py")   # run by its path (see netns.py)
 def argv(port: int, host: str = "127.0.0.1", min_replicas: int = 1, private: bool = True) -> list[str]:
     """The gateway listening on ``host:port`` only (the Lighthouse behind it); ``private``: in a network
     namespace of its own (False in an EKS pod, whose network is its own already)."""
-    gateway = [sys.executable, "-m", GATEWAY, *flags(min_replicas)]
-    bind = endpoint(host, port)
-    if not private:
-        return [*gateway, "--bind", bind]
-    return [sys.executable, "-I", "-S", str(NETNS), "--bind", bind, "--", *gateway]
+    gateway = [sys.executable, "-m", GATEWAY, "--bind", endpoint(host, port), *flags(min_replicas)]
+    return [sys.executable, "-I", "-S", str(NETNS), "--", *gateway] if private else gateway
 
 
 def flags(min_replicas: int = 1) -> list[str]:

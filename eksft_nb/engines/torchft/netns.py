@@ -1,12 +1,12 @@
-"""A network of the Lighthouse's own: ``python netns.py --bind HOST:PORT -- COMMAND...``.
+"""A network of the Lighthouse's own: ``python netns.py -- COMMAND... --bind HOST:PORT ...``.
 
 torchft's Lighthouse accepts any peer that reaches its port: joins to its quorum, its status page, its kill
 route. On a shared machine (a local job's loopback, a Slurm node) only a network namespace makes a port
-that no other user reaches. This launcher listens on ``HOST:PORT`` in the job's network (the gateway's
-front, which answers only the job's processes: :mod:`.gateway`), then moves itself into a new user and
-network namespace (unprivileged: the kernel maps this user to itself) whose loopback is up and reachable
-from nowhere else, and executes ``COMMAND --listen-fd N`` there, N the front's socket. The gateway then
-runs the Lighthouse on that private loopback.
+that no other user reaches. This launcher listens on the command's ``--bind HOST:PORT`` in the job's
+network (the gateway's front, which answers only the job's processes: :mod:`.gateway`), then moves itself
+into a new user and network namespace (unprivileged: the kernel maps this user to itself) whose loopback is
+up and reachable from nowhere else, and executes ``COMMAND... --listen-fd N`` there, N the front's socket.
+The gateway then runs the Lighthouse on that private loopback.
 
 Run by its path, not as a module: ``unshare`` must be called while the process has one thread, before
 the package's imports start any (numpy's thread pool does). ``--probe`` only says whether this machine
@@ -70,13 +70,14 @@ def main(argv: list[str]) -> int:
             print(f"{e.strerror}: {FIX}", file=sys.stderr)
             return 1
         return 0
-    if len(argv) < 4 or argv[0] != "--bind" or argv[2] != "--":
-        print("usage: python netns.py --bind HOST:PORT -- COMMAND...", file=sys.stderr)
+    binds = [argv[i + 1] for i in range(len(argv) - 1) if argv[i] == "--bind"]
+    if len(argv) < 2 or argv[0] != "--" or len(binds) != 1:
+        print("usage: python netns.py -- COMMAND... --bind HOST:PORT ...", file=sys.stderr)
         return 2
     try:
-        front = listen(argv[1])
+        front = listen(binds[0])
     except (OSError, ValueError) as e:
-        print(f"eksft: error: the Lighthouse's gateway cannot listen on {argv[1]} ({e}): pick another port",
+        print(f"eksft: error: the Lighthouse's gateway cannot listen on {binds[0]} ({e}): pick another port",
               file=sys.stderr)
         return 1
     try:
@@ -85,7 +86,7 @@ def main(argv: list[str]) -> int:
         print(f"eksft: error: {e.strerror}: {FIX}", file=sys.stderr)
         return 1
     os.set_inheritable(front.fileno(), True)
-    command = [*argv[3:], "--listen-fd", str(front.fileno())]
+    command = [*argv[1:], "--listen-fd", str(front.fileno())]
     os.execv(command[0], command)
     return 1   # not reached
 
