@@ -270,6 +270,13 @@ def test_the_jobs_secret_is_made_once_private_and_refused_when_others_could_touc
     where.write_text("not hex")
     with pytest.raises(JobError, match="64 hex digits"):
         secret.load(where)
+    where.write_text(KEY.hex())
+    where.chmod(0o440)   # a Secret's mount: its pod's group may read it, nothing more
+    assert secret.load(where, mounted=True) == KEY
+    for mode in (0o460, 0o444):
+        where.chmod(mode)
+        with pytest.raises(JobError, match="is shared with other users"):
+            secret.load(where, mounted=True)
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo, 0o600)
     with pytest.raises(JobError, match="not a regular file"):

@@ -302,6 +302,7 @@ class EksBackend(Backend):
         if spec.engine == "torchft":   # its Lighthouse (the NetworkPolicy goes with the job's, below)
             cluster.delete(DEPLOYMENT, torchft.lighthouse_name(name), propagation="Foreground")
             cluster.delete(SERVICE, torchft.lighthouse_name(name))
+            cluster.delete(names.KINDS["Secret"], torchft.secret_name(name))   # no process of it is left
         cluster.delete(PODMONITOR, name)   # False (a 404) also where the cluster has no PodMonitor API
         deadline = time.time() + timeout
         while (left := cluster.list(POD, names.selector(name))) and time.time() < deadline:
@@ -323,9 +324,10 @@ class EksBackend(Backend):
             raise JobError(f"job {name!r} is still {status.state}", "stop it first")
         cluster.delete(SERVICE, name)
         cluster.delete(NETPOL, name)
-        if spec.engine == "torchft":   # its Lighthouse's objects
+        if spec.engine == "torchft":   # its Lighthouse's objects, and its secret
             for kind in (DEPLOYMENT, SERVICE, NETPOL):
                 cluster.delete(kind, torchft.lighthouse_name(name))
+            cluster.delete(names.KINDS["Secret"], torchft.secret_name(name))
         for note in cluster.list(CONFIGMAP, f"{names.FAULT_OF}={name}"):
             cluster.delete(CONFIGMAP, note["metadata"]["name"])
         cluster.delete(CONFIGMAP, name)

@@ -112,7 +112,7 @@ def main(argv: list[str]) -> int:
     env = {**os.environ, **({"EKSFT_JOB_DIR": str(folder)} if folder else {})}
     alarm = Alarm.for_job(folder)
     try:
-        key = secret.ensure(secret.path(env))
+        key = secret.key(env)
         if args.listen_fd is not None:
             listener = socket.socket(fileno=args.listen_fd)
         else:

@@ -54,7 +54,7 @@ def install(alarm: Alarm | None = None, refuse: Callable[[EksftError], Any] | No
     if installed is not None:
         return installed
     env = os.environ
-    trust = Trust(key=secret.ensure(secret.path(env)), host=host, group=int(env.get("REPLICA_GROUP_ID") or 0),
+    trust = Trust(key=secret.key(env), host=host, group=int(env.get("REPLICA_GROUP_ID") or 0),
                   groups=int(env.get("NUM_REPLICA_GROUPS") or 1), alarm=alarm or Alarm(None))
 
     class Transport(SealedTransport[T]):

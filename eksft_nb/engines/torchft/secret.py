@@ -10,10 +10,10 @@ Where it lives (never on a command line, never in an environment variable's valu
 - ``eks``: a Kubernetes Secret of the job, mounted read-only into the Lighthouse's pod and the groups'
   (its path in :data:`ENV`).
 
-It is 32 random bytes, written as 64 hex digits. A file that is not a regular file, is owned by someone
-else (root aside: a Secret's mount, which the pod's group may read) or is shared with other users (any
-permission for the group or others on this user's file) is refused in one line: another user may have
-written or read it.
+It is 32 random bytes, written as 64 hex digits. A file that is not a regular file, or that others could
+have written or read, is refused in one line: the job folder's must be this user's with no permission for
+anyone else; a Secret's mount (root's or this user's) may be read by the pod's group (an ``fsGroup``, for an
+image whose user is not root), nothing more.
 """
 
 from __future__ import annotations
@@ -32,12 +32,13 @@ BYTES = 32
 _FIX = "run the job again (a new job makes a new secret); do not share the job folder with other users"
 
 
-def path(env: Mapping[str, str] | None = None) -> Path:
-    """Where this process finds its job's key: :data:`ENV`, else its job folder's."""
+def key(env: Mapping[str, str] | None = None) -> bytes:
+    """This process's job's key: the mounted file :data:`ENV` names, else its job folder's (made if it is
+    the first to need it)."""
     env = os.environ if env is None else env
     if env.get(ENV):
-        return Path(env[ENV])
-    return Path(env["EKSFT_JOB_DIR"]) / "torchft" / NAME
+        return load(Path(env[ENV]), mounted=True)
+    return ensure(Path(env["EKSFT_JOB_DIR"]) / "torchft" / NAME)
 
 
 def generate() -> str:
@@ -66,8 +67,9 @@ def ensure(where: Path) -> bytes:
     return load(where)
 
 
-def load(where: Path) -> bytes:
-    """The key at ``where``, checked (see the module's docstring); one line if it is missing or unsafe."""
+def load(where: Path, mounted: bool = False) -> bytes:
+    """The key at ``where``, checked (see the module's docstring; ``mounted``: a Secret's mount); one line if
+    it is missing or unsafe."""
     # a Secret's mount is a link into its ..data folder: the file it resolves to is what must be private
     real = Path(os.path.realpath(where))
     try:
@@ -78,9 +80,8 @@ def load(where: Path) -> bytes:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise JobError(f"the torchft job's secret {where} is not a regular file", _FIX)
-        # this user's file: for it alone; root's (a Secret's mount for a pod's user): its group may read it
-        shared = st.st_mode & (0o077 if st.st_uid == os.geteuid() else stat.S_IRWXO | stat.S_IWGRP)
-        if st.st_uid not in (os.geteuid(), 0) or shared:
+        shared = st.st_mode & (stat.S_IRWXO | stat.S_IWGRP | stat.S_IXGRP if mounted else 0o077)
+        if st.st_uid not in ((os.geteuid(), 0) if mounted else (os.geteuid(),)) or shared:
             raise JobError(f"the torchft job's secret {where} is shared with other users (owner "
                            f"{st.st_uid}, mode {stat.S_IMODE(st.st_mode):o})", _FIX)
         raw = os.read(fd, 2 * BYTES + 2)
