@@ -27,13 +27,13 @@ from hypothesis import strategies as st
 pytest.importorskip("torchft")
 
 from eksft_nb import commands, loopback  # noqa: E402
-from eksft_nb.engines.torchft import codec, listen, secret, wire  # noqa: E402
+from eksft_nb.engines.torchft import checks, codec, listen, secret, wire  # noqa: E402
 from eksft_nb.engines.torchft.alarm import Alarm  # noqa: E402
 from eksft_nb.engines.torchft.coordination import QuorumRefused, compute, seal, strangers  # noqa: E402
 from eksft_nb.engines.torchft.gateway import Gateway  # noqa: E402
 from eksft_nb.engines.torchft.outcome import outcome  # noqa: E402
 from eksft_nb.engines.torchft.transport import SealedTransport  # noqa: E402
-from eksft_nb.errors import ControlError, JobError  # noqa: E402
+from eksft_nb.errors import ControlError, JobError, SpecError  # noqa: E402
 from eksft_nb.jobdir import JobDir  # noqa: E402
 from eksft_nb.monitor import JobMonitor  # noqa: E402
 from eksft_nb.events import make  # noqa: E402
@@ -283,6 +283,21 @@ def test_the_jobs_secret_is_made_once_private_and_refused_when_others_could_touc
         secret.load(fifo)
     with pytest.raises(JobError, match="cannot be read"):
         secret.load(tmp_path / "missing")
+
+
+# ---- where the Lighthouse cannot be private -----------------------------------------------------------
+
+def test_a_local_torchft_job_is_refused_where_its_lighthouse_cannot_have_a_network_of_its_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert checks.private() is None   # this machine allows it: the probe's own answer
+    reason = "cannot make a private network namespace for torchft's Lighthouse (not permitted here)"
+    monkeypatch.setattr(checks, "private", lambda: reason)
+    spec = JobSpec(name="tft-netns", engine="torchft", nnodes=2, steps=3)
+    with pytest.raises(SpecError) as refused:
+        commands.prepare(spec)
+    said = str(refused.value)
+    assert reason in said and "unprivileged user namespaces" in said and "\n" not in said, said
+    commands.prepare(spec, launching=False)   # a dry run shows what would run
 
 
 # ---- live settings ---------------------------------------------------------------------------------------

@@ -13,9 +13,6 @@ from ...errors import ControlError, SpecError
 from ...spec import JobSpec
 from . import lighthouse, netns
 
-# the backends whose Lighthouse runs on a shared host (a local job's machine, a Slurm node): in a network
-# namespace of its own (an EKS pod's network is its own)
-PRIVATE_NETWORK = ("local", "slurm")
 
 # the faults a torchft job fires: a rank killed (its group restarts and heals from a peer), a whole
 # replica group lost (kill-launcher on node N: group N's process group), a hang (the supervisor finds it,
@@ -28,7 +25,8 @@ SCRIPT_FAULTS = ("sigkill", "exception", "slow-rank")
 
 def check(spec: JobSpec, faults: Sequence[Any] = (), launching: bool = False) -> None:
     """Raise :class:`SpecError` when ``spec`` (or a scheduled fault) does not apply to the torchft engine;
-    ``launching``: also when this machine cannot keep the job's Lighthouse private (see :func:`private`)."""
+    ``launching`` locally: also when this machine cannot keep the job's Lighthouse private (see
+    :func:`private`; a Slurm node's Lighthouse says so when it starts, and the job ends with that line)."""
     if spec.engine != "torchft":
         return
     if importlib.util.find_spec("torchft") is None:
@@ -36,7 +34,7 @@ def check(spec: JobSpec, faults: Sequence[Any] = (), launching: bool = False) ->
             "--engine torchft needs torchft, which is not installed here",
             "pip install 'torchft>=0.2.0,<0.3' (wheels for Linux x86_64), or use --engine nvrx",
         )
-    if launching and spec.backend in PRIVATE_NETWORK and (why := private()) is not None:
+    if launching and spec.backend == "local" and (why := private()) is not None:
         raise SpecError(f"--engine torchft on the {spec.backend} backend runs its Lighthouse on a network of "
                         f"its own (torchft's accepts any peer that reaches it), and {why}", netns.FIX)
     if spec.script and spec.backend != "local":
