@@ -138,11 +138,7 @@ class SealedTransport(CheckpointTransport[T], Generic[T]):
         tensor, into = codec.empty(spec)
         got = 0
         while got < len(into):
-            kind, body = channel.recv(limit=CHUNK)
-            if kind != DATA or got + len(body) > len(into):
-                raise wire.WireError(f"the peer at {channel.peer} sent a tensor's bytes out of order")
-            into[got:got + len(body)] = body
-            got += len(body)
+            got += channel.recv_into(DATA, into[got:got + CHUNK])
         return tensor
 
     def shutdown(self, wait: bool = True) -> None:

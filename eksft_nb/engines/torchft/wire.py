@@ -53,10 +53,15 @@ def _mac(key: bytes, *parts: bytes) -> bytes:
 def recv_exactly(sock: socket.socket, n: int) -> bytes:
     """``n`` bytes from ``sock`` (its timeout applies to each read); WireError if it closes first."""
     buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
+    _fill(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def _fill(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
         try:
-            k = sock.recv_into(view[got:], n - got)
+            k = sock.recv_into(view[got:], len(view) - got)
         except socket.timeout:
             raise WireError("the other end went silent") from None
         except OSError as e:
@@ -64,7 +69,6 @@ def recv_exactly(sock: socket.socket, n: int) -> bytes:
         if k == 0:
             raise WireError("the other end closed the connection")
         got += k
-    return bytes(buf)
 
 
 def shown(raw: bytes) -> str:
@@ -106,6 +110,23 @@ class Channel:
             raise WireError(f"a frame from {self.peer} failed its check")
         self._received += 1
         return kind, body
+
+    def recv_into(self, kind: int, into: memoryview) -> int:
+        """The next frame, of kind ``kind``, its body read straight into the front of ``into`` (a tensor's
+        bytes: no copy); its length. A frame longer than ``into``, of another kind, or that fails its
+        check ends the connection (what was written into ``into`` then is never used: the caller fails)."""
+        head = recv_exactly(self.sock, HEAD.size)
+        length, got = HEAD.unpack(head)
+        if got != kind or not 0 < length <= len(into):
+            raise WireError(f"{self.peer} sent a frame of kind {got} and {length} bytes where {len(into)} "
+                            f"bytes of kind {kind} were due")
+        _fill(self.sock, into[:length])
+        want = hmac.new(self.session, self._in + struct.pack(">Q", self._received) + head, hashlib.sha256)
+        want.update(into[:length])
+        if not hmac.compare_digest(recv_exactly(self.sock, TAG), want.digest()):
+            raise WireError(f"a frame from {self.peer} failed its check")
+        self._received += 1
+        return length
 
     def send_json(self, kind: int, message: dict[str, Any]) -> None:
         self.send(kind, json.dumps(message, separators=(",", ":")).encode())
