@@ -33,7 +33,7 @@ def main(mode: str, lighthouse: str, out: Path) -> None:
     from torch.distributed import TCPStore
     from torchft import Manager, ProcessGroupGloo
 
-    t = datetime.timedelta(seconds=10)
+    t, quick = datetime.timedelta(seconds=10), datetime.timedelta(seconds=4)   # quick: a quorum refused
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
     def state() -> dict:
@@ -46,10 +46,17 @@ def main(mode: str, lighthouse: str, out: Path) -> None:
         (out / "stolen").write_text(repr(sent)[:2000])
 
     replica = {"first": "0-first", "ahead": "group9", "behind": "zz-behind"}[mode]
-    manager = Manager(pg=ProcessGroupGloo(timeout=t), min_replica_size=1, load_state_dict=load,
-                      state_dict=state, use_async_quorum=False, replica_id=replica, rank=0, world_size=1,
-                      store_addr="127.0.0.1", store_port=store.port, lighthouse_addr=lighthouse, timeout=t,
-                      quorum_timeout=t, connect_timeout=t, hostname="127.0.0.1")
+    manager = None
+    while manager is None:
+        try:
+            manager = Manager(pg=ProcessGroupGloo(timeout=t), min_replica_size=1, load_state_dict=load,
+                              state_dict=state, use_async_quorum=False, replica_id=replica, rank=0,
+                              world_size=1, store_addr="127.0.0.1", store_port=store.port,
+                              lighthouse_addr=lighthouse, timeout=t, quorum_timeout=quick,
+                              connect_timeout=t, hostname="127.0.0.1")
+        except Exception as e:   # its Lighthouse would not have it
+            print(f"refused: {str(e)[:200]}", flush=True)
+            time.sleep(0.5)
     manager._step = 1000 if mode == "ahead" else 0
     while True:
         try:
