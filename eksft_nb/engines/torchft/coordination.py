@@ -292,7 +292,7 @@ class GroupServer:
                 else:
                     channel.send(wire.ERROR, b"unknown request")
             except (ValueError, KeyError, TypeError, RuntimeError, TimeoutError) as e:
-                channel.send(wire.ERROR, str(e)[:300].encode())
+                channel.send(wire.ERROR, str(e)[:wire.MAX_REASON].encode())
 
     def _quorum(self, request: dict[str, Any]) -> QuorumResult:
         rank, timeout = int(request["group_rank"]), float(request["timeout"])
@@ -305,7 +305,10 @@ class GroupServer:
                 self._joined.clear()
                 self._round += 1
         if last:
-            outcome = self._ask_lighthouse(request, timeout)
+            try:
+                outcome = self._ask_lighthouse(request, timeout)
+            except Exception as e:   # still an outcome: the group's other ranks wait on it
+                outcome = None, f"the group's quorum failed ({type(e).__name__}: {e})"
             with self._cond:
                 self._outcomes[mine] = outcome
                 for old in [r for r in self._outcomes if r <= mine - KEEP_ROUNDS]:

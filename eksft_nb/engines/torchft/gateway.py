@@ -89,7 +89,7 @@ class Gateway:
             except wire.WireError:
                 raise
             except Exception as e:   # torchft's client: a quorum timed out, the Lighthouse is gone
-                channel.send(wire.ERROR, str(e)[:300].encode())
+                channel.send(wire.ERROR, str(e)[:wire.MAX_REASON].encode())
 
 
 def job_dir() -> Path | None:

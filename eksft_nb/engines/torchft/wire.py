@@ -36,6 +36,7 @@ HEAD = struct.Struct(">IB")   # body length, kind
 MAX_CONTROL = 1 << 20          # a control message's body (JSON)
 MAX_CONNECTIONS = 64           # handshakes a server runs at once; more connections are closed unanswered
 ERROR = 255                    # a frame kind: the body is the reason (UTF-8), the call failed
+MAX_REASON = 800               # the characters of an ERROR frame's reason that are kept
 
 
 class WireError(ConnectionError):
@@ -135,7 +136,7 @@ class Channel:
         """The next frame, a JSON object of kind ``want`` (an ERROR frame raises its reason)."""
         kind, body = self.recv()
         if kind == ERROR:
-            raise WireError(body.decode("utf-8", "replace")[:300])
+            raise WireError(body.decode("utf-8", "replace")[:MAX_REASON])
         try:
             message = json.loads(body)
         except (ValueError, RecursionError):
