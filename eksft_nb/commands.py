@@ -24,9 +24,10 @@ from .job import Job, attach
 from .spec import JobSpec, spec_options
 from .spec_fields import parse_option_value
 from .states import JobState, RestartLevel
-from .validation import check_fault, faults_for, prepare
+from .validation import check_fault, check_settings, faults_for, prepare
 
-__all__ = ["check_fault", "faults_for", "prepare"]   # the one validation, here for every front end
+# the one validation, here for every front end
+__all__ = ["check_fault", "check_settings", "faults_for", "prepare"]
 
 
 class JobRow(TypedDict):
@@ -174,6 +175,7 @@ def set_settings(name: str, values: Sequence[str] | Mapping[str, Any], backend: 
     changes = (settings.check_values(values) if isinstance(values, Mapping)
                else settings.parse_assignments(values))
     job = attach(name, backend)
+    check_settings(job.spec)
     asked = job.backend.set_settings(job.name, changes)
     diff = {k: [asked["before"][k], v] for k, v in asked["values"].items() if asked["before"][k] != v}
     said = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in diff.items())
@@ -208,6 +210,7 @@ def settings_in_force(name: str, backend: str = "local") -> dict[str, Any]:
 
 def apply_whatif(name: str, backend: str = "local", wait: float = 0.0) -> SettingsResult:
     """Set the checkpoint interval the what-if recommends for ``name``, live."""
+    check_settings(attach(name, backend).spec)   # before the what-if's work
     rec = whatif(name, backend=backend)["recommendation"]
     if rec["every"] is None:
         raise ControlError(f"the what-if recommends no interval ({rec['text']})",

@@ -24,6 +24,12 @@ def check_fault(command: FaultCommand, spec: JobSpec, backend: Backend) -> Fault
     return command
 
 
+def check_settings(spec: JobSpec) -> None:
+    """The one check of a live settings change a front end sends (set, whatif --apply): what the job's
+    engine cannot take is refused before anything is queued."""
+    engine_of(spec).check_settings(spec)
+
+
 def faults_for(spec: JobSpec, faults: Iterable[str | FaultCommand]) -> list[FaultCommand]:
     """Scheduled faults (``sigkill:1@30`` or commands), checked against the job they go to."""
     backend = get_backend(spec.backend)
@@ -35,6 +41,6 @@ def prepare(spec: JobSpec, faults: Iterable[str | FaultCommand] = (),
     """The one validation of a launch (or, not ``launching``, a dry run), for every front end: the spec,
     what its engine and its backend refuse of it (:meth:`Backend.check`), then the scheduled faults."""
     spec = spec.validate()
-    engine_of(spec).check(spec)   # what the job's engine does not take
+    engine_of(spec).check(spec, launching)   # what the job's engine does not take
     spec = get_backend(spec.backend).check(spec, launching)
     return spec, faults_for(spec, faults)
