@@ -165,22 +165,26 @@ class Trainer:
                 self.call_wrapper.ping()
             self.step = step
             last = step == spec.steps or draining > 0   # a drain saves now, blocking, like the last step
-            saving = self.ckpt.due(step, last=last)
+            # a due save, or an async one's commit (which may wait on its writer)
+            saving = self.ckpt.due(step, last=last) or self.ckpt.pending is not None
             if saving and spec.ft.checkpoint_timeout is not None:
-                s.section("checkpoint", True)
+                s.section("checkpointing", True)
             t_save, deferred = time.perf_counter(), self.ckpt.deferred
             self.ckpt.maybe_save(step, self.state, last=last)
             self._check_save_pace(step, time.perf_counter() - t_save, deferred, time.perf_counter() - t_loop,
                                   step - first + 1)
             if saving:
                 if spec.ft.checkpoint_timeout is not None:
-                    s.section("checkpoint", False)
+                    s.section("checkpointing", False)
                 # a save that ended is progress: the next step's time is not added to the save's (the
                 # in-process soft timeout took a slow save followed by a slow step for a hang)
                 self._keepalive()
             if draining > 0 and step < spec.steps:
                 self._drained(step, int(draining), time.perf_counter() - t_save)
                 return
+        bounded = spec.ft.checkpoint_timeout is not None
+        if bounded:   # the last save's wait, the digest's gather of the full weights, the last barrier
+            s.section("checkpointing", True)
         self.ckpt.finish()
         loop_s = time.perf_counter() - t_loop
         digest = self.digest()
@@ -188,6 +192,8 @@ class Trainer:
             s.emit("rank_end", final_step=self.step, digest=digest, steps_run=self.step - first + 1,
                    loop_s=loop_s)
         dist.barrier()
+        if bounded:
+            s.section("checkpointing", False)
 
     def digest(self) -> str:
         """SHA-256 over the full parameters in name order (collective)."""
@@ -211,6 +217,7 @@ def run(call_wrapper: Any = None) -> None:
     if call_wrapper is not None and s.inprocess_iteration == 0 and s.t_wrapper_setup is not None:
         s.emit("inprocess_wrapper", phase="setup", seconds=max(0.0, time.time() - s.t_wrapper_setup))
     trainer = None
+    s.setup_begin()
     if s.drain is not None:
         s.drain.entered_loop()
     try:
@@ -240,8 +247,10 @@ def wrapper_kwargs(s: Session) -> dict[str, Any]:
         store_kwargs={"port": int(os.environ["EKSFT_WRAPPER_PORT"]), "timeout": td(seconds=300)},
         soft_timeout=td(seconds=ft.soft_timeout), hard_timeout=td(seconds=ft.hard_timeout),
         heartbeat_timeout=td(seconds=max(ft.hard_timeout + 2, 10)),
-        barrier_timeout=td(seconds=max(ft.hard_timeout * 4, 120)),
-        completion_timeout=td(seconds=max(ft.hard_timeout * 4, 120)),
+        # every rank reaches the restart barrier once interrupted, or is killed at the hard timeout: a
+        # minute past that is room enough (4 x hard made a GPU job wait 80 minutes on a rank that is gone)
+        barrier_timeout=td(seconds=max(ft.hard_timeout + 60, 120)),
+        completion_timeout=td(seconds=max(ft.hard_timeout + 60, 120)),
         monitor_process_logfile=str((logdir / "inprocess-monitor-{rank}.log").absolute()),
         abort=abort_chain(AbortTorchDistributed()),
         # how long the monitor threads wait, once a failure is recorded, for concurrent failures of
