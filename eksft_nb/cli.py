@@ -109,6 +109,9 @@ def follow(job: Job, as_json: bool = False) -> int:
             for f in mon.failures[seen_failures:]:
                 bar.write(f"  ~ {f['level']} failure: {f['cause']}")
             for r in mon.restarts[seen_restarts:]:
+                if r.get("recovered") is False:
+                    bar.write(f"  x {r['level']} restart failed before its first step (after: {r['cause']})")
+                    continue
                 bar.write(f"  + recovered ({r['level']}): resumed from step {r['resumed_step']}, "
                           f"downtime {r['downtime_s']:.1f}s, {r['rolled_back_steps']} steps rolled back"
                           + (f" ({phases_text(r['phases'])})" if r.get("phases") else ""))
@@ -151,7 +154,8 @@ def format_summary(s: dict[str, Any]) -> str:
         for r in s["restart_events"]:
             blamed = "-" if r["blame_rank"] is None else str(r["blame_rank"])
             lines.append(f"  {r['level']:<10}{r['cause'][:43]:<44}{blamed:>7}{r['detection_s']:>7.1f}s"
-                         f"{r['downtime_s']:>9.1f}s{r['rolled_back_steps']:>6}")
+                         f"{r['downtime_s']:>9.1f}s{r['rolled_back_steps']:>6}"
+                         + ("  failed before a step" if r.get("recovered") is False else ""))
             if r.get("phases"):
                 lines.append(f"    phases: {phases_text(r['phases'])}")
     for lost in s.get("events_lost", []):  # what the events file lacks: say so, never hide it

@@ -166,8 +166,8 @@ class Job:
             "restarts": mon.restarts_by_level(),
             "restart_events": [{k: r[k] for k in ("level", "cause", "blame_rank", "downtime_s", "detection_s",
                                                   "rolled_back_steps", "resumed_step")}
-                               | {"phases": r.get("phases"),
-                                  "restored_from": r.get("restored_from")} for r in mon.restarts],
+                               | {"phases": r.get("phases"), "restored_from": r.get("restored_from"),
+                                  "recovered": r.get("recovered", True)} for r in mon.restarts],
             "checkpoints_committed": sum(c.state == CheckpointState.COMMITTED
                                          for c in mon.checkpoints.values()),
             "checkpoints_rejected": [{"step": c.step, "reason": c.error} for c in mon.checkpoints.values()
