@@ -71,6 +71,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     row = commands.launch(spec, args.fault)
     print(f"launched {row['name']}: {engine_of(spec).describe(spec)}")
+    for warning in row["warnings"]:
+        print(f"warning: {warning}")
     if (spec.backend == "local" and spec.ft.inprocess and (here := nvrx.installed())
             and (note := here.inprocess_note())):
         print(f"note: {note}")  # on EKS the image's NVRx decides
@@ -306,6 +308,29 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    base = JobSpec.load(args.spec_file) if args.spec_file else None
+    report = commands.check(commands.spec_from_args(args, base, validate=False), args.from_job,
+                            args.from_backend)
+    show(report, args.json, lambda r: r["message"])
+    return 1 if any(f["refuse"] for f in report["findings"]) else 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    base = JobSpec.load(args.spec_file) if args.spec_file else None
+    report = commands.doctor(commands.spec_from_args(args, base, validate=False), on_node=args.on_node)
+    refused = [f for f in report["findings"] if f["refuse"]]
+    if args.on_node and not args.json:   # a gate in a pod's or batch job's log: one line, why it stops
+        env = report["environment"]
+        for f in refused:
+            print(f"eksft: error: {f['problem']} → {f['fix']}", file=sys.stderr)
+        if not refused:
+            print(f"doctor: NVRx {env['nvrx']}, torch {env['torch']}, {env['gpus']} GPU(s): nothing refused")
+    else:
+        show(report, args.json, lambda r: r["message"])
+    return 1 if refused else 0
+
+
 def cmd_metrics(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -323,4 +348,5 @@ COMMANDS = {"run": cmd_run, "watch": cmd_watch, "list": cmd_list, "status": cmd_
             "summary": cmd_summary,
             "ckpts": cmd_ckpts, "logs": cmd_logs, "inject": cmd_inject, "resume": cmd_resume,
             "stop": cmd_stop,
-            "rm": cmd_rm, "set": cmd_set, "metrics": cmd_metrics, "test": cmd_test, "whatif": cmd_whatif}
+            "rm": cmd_rm, "set": cmd_set, "metrics": cmd_metrics, "test": cmd_test, "whatif": cmd_whatif,
+            "check": cmd_check, "doctor": cmd_doctor}

@@ -54,10 +54,7 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
     :mod:`.loopback`), not on the address the host name resolves to.
     """
     ft = resolved(spec).ft   # the timeouts as the backend derives them where the spec leaves them unset
-    # SIGTERM to the launcher (a drain, a preemption) reaches the ranks, which save before they exit: on
-    # GPUs it waits the grace period for that before SIGKILL (a restart's stop has its own timeout)
-    grace = derive(spec)
-    term = grace.grace.seconds if grace.gpu else 5
+    term = term_timeout(spec)
     argv = [
         "ft_launcher",
         f"--nnodes={spec.nnodes}", f"--nproc-per-node={spec.nproc_per_node}", f"--node-rank={node_rank}",
@@ -85,6 +82,14 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
     else:
         argv += ["-m", TRAINER_MODULE]
     return argv
+
+
+def term_timeout(spec: JobSpec) -> float:
+    """ft_launcher's ``--term-timeout``. SIGTERM to the launcher (a drain, a preemption) reaches the ranks,
+    which save before they exit: on GPUs it waits the grace period for that before SIGKILL (a restart's
+    stop has its own timeout)."""
+    t = derive(spec)
+    return t.grace.seconds if t.gpu else 5.0
 
 
 def section_flags(spec: JobSpec) -> list[str]:

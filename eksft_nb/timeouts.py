@@ -90,6 +90,15 @@ class Timeouts:
                          if (t := getattr(self, name)) is not None]
 
 
+PROCESS_GROUP_S = 600.0   # the trainer's process group without in-process restart (torch's default)
+
+
+def wrapper_barrier(hard: float) -> float:
+    """The in-process Wrapper's barrier and completion timeouts: every rank reaches the restart barrier
+    once interrupted, or is killed at the hard timeout; a minute past that is room enough."""
+    return max(hard + 60, 120.0)
+
+
 def state_bytes(spec: JobSpec) -> int:
     """Bytes of one checkpoint of the built-in trainer's model: weights and optimizer state."""
     return spec.model.n_params() * BYTES_PER_PARAM

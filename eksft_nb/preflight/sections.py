@@ -1,9 +1,9 @@
 """Which NVRx sections a job's ranks open, and which of them ft_launcher has a timeout for.
 
 NVRx bounds a section only when its config names it. A section it was not given differs by release:
-0.4.1 and 0.5 fail the rank that opens it (``Unknown section: NAME``), 0.6 on skips it (its time
-counts as out-of-section), and a script that asks NVRx to compute a section's timeout from what it
-measured (NVRx's own example) fails with ``KeyError: 'NAME'``. Known beforehand, it is said before
+0.4.1 fails the rank that opens it (``Unknown section: NAME``), 0.5 on skips it (its time counts as
+out-of-section), and a script that asks NVRx to compute a section's timeout from what it measured
+(NVRx's own example) fails with ``KeyError: 'NAME'``. Known beforehand, it is said before
 the launch: from the sections the user passes (``--section-timeouts``, an NVRx config in
 ``--ft-cfg-path``) against the ones a script opens (read from its source).
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-MAX_SOURCE_BYTES = 4 << 20      # a training script is kilobytes: read no further
+MAX_SOURCE_BYTES = 4 << 20  # a training script is kilobytes: read no further
 MAX_CONFIG_BYTES = 1 << 20
 # RankMonitorClient.start_section("name") / .start_section('name'), however the client is named
 _OPENS = re.compile(r"""\.start_section\(\s*(?:section\s*=\s*)?["']([A-Za-z_][\w.-]*)["']\s*\)""")
@@ -30,7 +30,7 @@ class FtConfig:
     path: str
     sections: dict[str, float | None]
     out_of_section: float | None
-    error: str | None = None      # why it could not be read here
+    error: str | None = None  # why it could not be read here
 
 
 def script_sections(path: str | Path) -> list[str] | None:

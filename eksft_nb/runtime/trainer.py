@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..timeouts import derive
+from ..timeouts import PROCESS_GROUP_S, derive, wrapper_barrier
 from .checkpoint import ModelState
 from .data import SyntheticCorpus
 from .keepalive import keepalive
@@ -110,7 +110,7 @@ class Trainer:
 
     def _init_process_group(self, backend: str) -> None:
         if self.call_wrapper is None:
-            dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=PROCESS_GROUP_S))
             return
         env = os.environ
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
@@ -247,10 +247,9 @@ def wrapper_kwargs(s: Session) -> dict[str, Any]:
         store_kwargs={"port": int(os.environ["EKSFT_WRAPPER_PORT"]), "timeout": td(seconds=300)},
         soft_timeout=td(seconds=ft.soft_timeout), hard_timeout=td(seconds=ft.hard_timeout),
         heartbeat_timeout=td(seconds=max(ft.hard_timeout + 2, 10)),
-        # every rank reaches the restart barrier once interrupted, or is killed at the hard timeout: a
-        # minute past that is room enough (4 x hard made a GPU job wait 80 minutes on a rank that is gone)
-        barrier_timeout=td(seconds=max(ft.hard_timeout + 60, 120)),
-        completion_timeout=td(seconds=max(ft.hard_timeout + 60, 120)),
+        # (4 x the hard timeout made a GPU job wait 80 minutes on a rank that is gone)
+        barrier_timeout=td(seconds=wrapper_barrier(ft.hard_timeout)),
+        completion_timeout=td(seconds=wrapper_barrier(ft.hard_timeout)),
         monitor_process_logfile=str((logdir / "inprocess-monitor-{rank}.log").absolute()),
         abort=abort_chain(AbortTorchDistributed()),
         # how long the monitor threads wait, once a failure is recorded, for concurrent failures of
