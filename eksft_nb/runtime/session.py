@@ -432,6 +432,7 @@ class MonitorLink:
         self.own = False              # the client is this link's (else the script's, or none)
         self.script_beats = False     # the script sends heartbeats of its own
         self._sending = False
+        self.open: list[str] = []     # the sections this link opened and has not closed
         if os.environ.get("FT_RANK_MONITOR_IPC_SOCKET"):
             from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
 
@@ -452,11 +453,16 @@ class MonitorLink:
         if self.own:
             with self.lock:
                 (self.client.start_section if open_ else self.client.end_section)(name)
+                if open_:
+                    self.open.append(name)
+                elif name in self.open:
+                    self.open.remove(name)
 
     def end_all(self) -> None:
-        if self.own:
-            with self.lock:
-                self.client.end_all_sections()
+        """Close every section this link left open, one by one (NVRx 0.5+'s ``end_all_sections`` sends
+        nothing: the client skips a section named None)."""
+        for name in reversed(list(self.open)):
+            self.section(name, False)
 
     def yield_to_script(self) -> None:
         """Hand the connection to any rank-monitor client the script initialises (patches NVRx's client)."""

@@ -217,10 +217,10 @@ def run(call_wrapper: Any = None) -> None:
     if call_wrapper is not None and s.inprocess_iteration == 0 and s.t_wrapper_setup is not None:
         s.emit("inprocess_wrapper", phase="setup", seconds=max(0.0, time.time() - s.t_wrapper_setup))
     trainer = None
-    s.setup_begin()
     if s.drain is not None:
         s.drain.entered_loop()
     try:
+        s.setup_begin()
         trainer = Trainer(s, call_wrapper, t_enter)
         trainer.train()
     except BaseException as e:
