@@ -43,8 +43,8 @@ from eksft_nb.lab.manager import JobsManager
 from jobs import cli, events, stop_server, wait_for
 
 JOB = "lab-job"
-ROUTES = [("GET", "jobs"), ("POST", "jobs"), ("POST", "check"), ("GET", f"jobs/{JOB}"), ("POST", f"jobs/{JOB}/inject"),
-          ("GET", f"jobs/{JOB}/settings"), ("POST", f"jobs/{JOB}/settings"),
+ROUTES = [("GET", "jobs"), ("POST", "jobs"), ("POST", "check"), ("GET", f"jobs/{JOB}"),
+          ("POST", f"jobs/{JOB}/inject"), ("GET", f"jobs/{JOB}/settings"), ("POST", f"jobs/{JOB}/settings"),
           ("POST", f"jobs/{JOB}/stop"), ("POST", f"jobs/{JOB}/resume"), ("GET", f"jobs/{JOB}/checkpoints"),
           ("GET", f"jobs/{JOB}/summary"), ("GET", f"jobs/{JOB}/logs"), ("GET", f"jobs/{JOB}/figure"),
           ("GET", f"jobs/{JOB}/whatif"), ("GET", "stream")]

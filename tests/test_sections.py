@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import eksft_nb
+from eksft_nb import commands
 from eksft_nb.control import FaultCommand
 from eksft_nb.spec import JobSpec
 from jobs import cli, events, job_dir, story
@@ -32,10 +33,14 @@ def test_a_hang_in_a_step_is_found_by_its_section_while_a_longer_save_runs_on() 
             "ft.step_timeout": STEP_S,
             "ft.out_of_section_timeout": STEP_S,
             "ft.checkpoint_timeout": 60.0,
+            "ft.step_time": 0.9 * STEP_S,   # as a run measured it: the pre-flight warns, and launches
         }
     )
     slow = FaultCommand("slow-storage", rank=0, step=5, params={"delay": 2 * STEP_S, "duration": 1})
-    job = eksft_nb.launch(spec, [slow, FaultCommand("hang", rank=1, step=13)])
+    row = commands.launch(spec, [slow, FaultCommand("hang", rank=1, step=13)])
+    assert row["warnings"] == ["a step takes ~4.5 s (measured) but the step section is 5 s: less than a "
+                               "fifth to spare → raise --step-timeout above 9"]
+    job = eksft_nb.attach("sections")
     assert job.wait(400) == "succeeded", story("sections")
     saves = {e["step"]: e for e in events("sections", "checkpoint") if e["phase"] == "committed"}
     assert saves[5]["blocked_s"] >= 2 * STEP_S  # longer than the step and out-of-section timeouts: not killed
@@ -45,6 +50,10 @@ def test_a_hang_in_a_step_is_found_by_its_section_while_a_longer_save_runs_on() 
     assert restart["detection_s"] < HEARTBEAT_S / 3, restart  # the section's 5 s, polled every second
     logs = "\n".join(p.read_text() for p in (job_dir("sections") / "logs").glob("launcher-*.log"))
     assert "Section 'step' has been open for" in logs and "Did not get subsequent heartbeat" not in logs
+    # what the run measured sizes a check (and a resume) of the next one
+    rows = {r["name"]: r for r in commands.check(JobSpec(name="next"), from_job="sections")["rows"]}
+    assert 0 < rows["a step (measured)"]["seconds"] < STEP_S
+    assert rows["a save (measured)"]["seconds"] >= 2 * STEP_S
 
 
 def test_a_scripts_own_error_in_every_restart_is_named_and_every_restart_counted(tmp_path: Path) -> None:
