@@ -9,8 +9,10 @@ tier and the restart timeline have to follow; this module is the one place that 
   (``--ft-max-no-progress-cycles``); ``--ft-restart-policy`` a no-op;
 - 0.7 (Python >= 3.12 only): legacy rendezvous and ``--ft-restart-policy`` gone.
 
-Capabilities follow the version, except the in-process tier, which is looked up as a module: a
-release that drops ``nvidia_resiliency_ext.inprocess`` loses it whatever its number says.
+Every release takes the same section flags (``--ft-rank-section-timeouts``,
+``--ft-rank-out-of-section-timeout``); a section without a timeout fails its rank in 0.4.x and goes
+unbounded from 0.5. Capabilities follow the version, except the in-process tier, which is looked up
+as a module: a release that drops ``nvidia_resiliency_ext.inprocess`` loses it whatever its number says.
 """
 
 from __future__ import annotations
