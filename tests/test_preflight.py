@@ -190,7 +190,10 @@ def test_a_scripts_sections_without_a_timeout_by_release(tmp_path: Path) -> None
     )
     for release in (nvrx.NVRx("0.6.0"), nvrx.NVRx("0.7.0")):
         [(refused, line)] = lines(spec, release=release)
-        assert not refused and "0.5+ leaves them unbounded" in line
+        assert not refused and f"NVRx {release.version} leaves them unbounded" in line and "KeyError" in line
+    remote = check(spec.replace(backend="eks", **{"eks.image": "i:1", "eks.queue": "q"}), slurm_config=None)
+    assert any("NVRx 0.4.1 fails the rank that opens one; 0.5+ leaves them unbounded" in f.problem
+               for f in remote.findings)   # the image's release is not known here
     with_cfg = tmp_path / "ft.yaml"
     with_cfg.write_text(
         "trainer:\n  fault_tolerance:\n    rank_section_timeouts: {init: 20, step: null}\n"

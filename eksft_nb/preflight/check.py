@@ -350,12 +350,16 @@ def _section_findings(spec: JobSpec, t: Timeouts, release: NVRx | None, found: l
             )
         )
         return
+    which = (
+        f"NVRx {release.version} leaves them unbounded (their time counts as out-of-section)"
+        if release is not None
+        else "NVRx 0.4.1 fails the rank that opens one; 0.5+ leaves them unbounded"
+    )
     found.append(
         Finding(
             False,
-            f"the script opens NVRx section(s) {names}, which ft_launcher has no timeout "
-            "for: NVRx 0.4.1 fails the rank that opens one; 0.5+ leaves them unbounded, and a "
-            "script that computes their timeouts fails with KeyError",
+            f"the script opens NVRx section(s) {names}, which ft_launcher has no timeout for: {which}, "
+            "and a script that computes their timeouts fails with KeyError",
             fix,
         )
     )
