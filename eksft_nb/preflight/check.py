@@ -434,14 +434,15 @@ def _scheduler(spec: JobSpec, t: Timeouts, rows: list[RowDict], found: list[Find
 
 
 def measured(mon: Any) -> tuple[float | None, float | None]:
-    """What a job's events measured (a :class:`~eksft_nb.monitor.JobMonitor`): a step (the 95th percentile
-    of its step times, each incarnation's first step aside: it carries the start-up) and a save (the
-    longest from begin to commit); None where it has none."""
+    """What a job's events measured (a :class:`~eksft_nb.monitor.JobMonitor`): a step (the median of its step
+    times, each incarnation's first step aside: it carries the start-up; the median, so the steps an
+    injected slow-rank fault or a restart stretched do not make it) and a save (the longest from begin to
+    commit); None where it has none. The step section's timeout is a multiple of it (see timeouts)."""
     steps = mon.steps
     times = [
         t for i, t in enumerate(steps.step_time) if t > 0 and not (i and steps.step[i] <= steps.step[i - 1])
     ]  # a restart's first step aside
     times = sorted(times[1:])
-    step = round(times[min(len(times) - 1, int(0.95 * len(times)))], 3) if times else None
+    step = round(times[len(times) // 2], 3) if times else None
     saves = [c.t_done - c.t_begin for c in mon.saves if c.t_done is not None and c.t_begin is not None]
     return step, round(max(saves), 3) if saves else None
