@@ -242,7 +242,8 @@ def test_measured_times_come_from_a_jobs_events() -> None:
             make("checkpoint", "j", 0, t=t + 12, phase="committed", step=40),
         ]
     )
-    assert measured(mon) == (0.5, 12.0)  # neither the first step nor a restart's first; the median of the rest
+    # neither the first step nor a restart's first: the median of the rest
+    assert measured(mon) == (0.5, 12.0)
 
 
 # ---- sections in the timeouts and the launch line -------------------------------------------------------
