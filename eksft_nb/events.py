@@ -104,14 +104,17 @@ OPTIONAL: dict[str, dict[str, tuple[type, ...] | type]] = {
     # and, from storage, why not from memory and the seconds that check took
     "resume": {"source": str, "verify_s": _num, "memory": _opt_str, "memory_s": _num},
     "job_end": {"digest": _opt_str, "restarts": dict},
-    # fatal: no restart can help (the checkpoint the job starts from is gone): the line the job ends with
-    "rank_error": {"waiting": bool, "fatal": str},
+    # fatal: no restart can help (the checkpoint the job starts from is gone): the line the job ends with;
+    # where: the file and line the error was raised at (eksft_nb.rank_errors.raised_at)
+    "rank_error": {"waiting": bool, "fatal": str, "where": str},
     # when the incarnation began (process start, or re-entry after an in-process restart) and when its
     # process groups were formed; a torchft group's process: each set-up phase -> when it ended (imports,
     # session, model, manager, wiring; see eksft_nb.engines.torchft.trainer)
     "rank_start": {"t_enter": _num, "t_group": _num, "t_setup": dict},
     # phases: phase -> seconds (RESTART_PHASES), summing to downtime_s; restored_from: the resume's source
-    "restart": {"phases": dict, "restored_from": _opt_str},
+    # recovered: false for a restart that happened but failed before its first step (the next failure's
+    # incident follows it; absent: true)
+    "restart": {"phases": dict, "restored_from": _opt_str, "recovered": bool},
     "gpu_health": {"note": _opt_str, "interval_s": _num},
     "gpu_fault": {"xid": _opt_int, "count": _opt_int, "throttle": _opt_int},
     "intruder": {"claimed": _opt_str},   # the replica id it gave, if any

@@ -9,7 +9,8 @@ from collections.abc import Iterable
 from .backends import Backend, get_backend
 from .control import FaultCommand, parse_fault
 from .engines.registry import engine_of
-from .errors import ControlError
+from .errors import ControlError, SpecError
+from .preflight.check import check
 from .spec import JobSpec
 
 
@@ -39,8 +40,13 @@ def faults_for(spec: JobSpec, faults: Iterable[str | FaultCommand]) -> list[Faul
 def prepare(spec: JobSpec, faults: Iterable[str | FaultCommand] = (),
             launching: bool = True) -> tuple[JobSpec, list[FaultCommand]]:
     """The one validation of a launch (or, not ``launching``, a dry run), for every front end: the spec,
-    what its engine and its backend refuse of it (:meth:`Backend.check`), then the scheduled faults."""
+    what its engine and its backend refuse of it (:meth:`Backend.check`), a contradiction of its
+    timeouts that guarantees failure (the pre-flight's refusals, :mod:`.preflight.check`), then the
+    scheduled faults."""
     spec = spec.validate()
     engine_of(spec).check(spec, launching)   # what the job's engine does not take
+    refused = check(spec).refusals
+    if refused:
+        raise SpecError(refused[0].problem, refused[0].fix)
     spec = get_backend(spec.backend).check(spec, launching)
     return spec, faults_for(spec, faults)

@@ -62,6 +62,9 @@ def check(spec: JobSpec, launching: bool = False) -> None:
     for flag, value in (
         ("--step-timeout", ft.step_timeout),
         ("--section-timeouts", ft.section_timeouts),
+        ("--setup-timeout", ft.setup_timeout),
+        ("--out-of-section-timeout", ft.out_of_section_timeout),
+        ("--ft-cfg-path", ft.cfg_path),
         ("--soft-timeout", ft.soft_timeout),
         ("--hard-timeout", ft.hard_timeout),
     ):
