@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .loopback import loopback_address
 from .nvrx import NVRx
+from .preflight.sections import read_ft_config
 from .spec import JobSpec
 from .timeouts import derive, resolved
 
@@ -36,7 +37,7 @@ class Ports:
 def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports: Ports, rdzv_id: str,
                   log_dir: str | None = None, nvrx: NVRx | None = None, cycle_dir: str | None = None,
                   store_elsewhere: bool = False, warm_python: str | None = None,
-                  rdzv_conf: dict[str, str] | None = None, term_timeout: float | None = None) -> list[str]:
+                  rdzv_conf: dict[str, str] | None = None) -> list[str]:
     """``ft_launcher ...`` for one node (argv[0] is the bare command name).
 
     ``node_rank`` may be a Kubernetes reference such as ``"$(EKSFT_NODE_RANK)"``, which the kubelet
@@ -48,8 +49,6 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
     ``store_elsewhere``: no launcher hosts the rendezvous store (the local supervisor does, so that
     any node, the first included, can be lost while a hot spare takes its place).
     ``rdzv_conf``: more of the rendezvous' settings (``--rdzv-conf``), e.g. its ``join_timeout``.
-    ``term_timeout``: how long a SIGTERMed launcher waits for its ranks to save (default: the grace period
-    on GPUs, else 5 s); where SIGTERM only ever means a drain (an EKS pod), the grace period.
     ``warm_python``: each worker is :mod:`.runtime.warm_shim` run by that interpreter, which turns it
     into a rank forked from the node's zygote (:mod:`.runtime.zygote`) when there is one.
     A loopback ``rdzv_host`` means every node is this machine: it is then each node's address too, so
@@ -57,10 +56,7 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
     :mod:`.loopback`), not on the address the host name resolves to.
     """
     ft = resolved(spec).ft   # the timeouts as the backend derives them where the spec leaves them unset
-    # SIGTERM to the launcher (a drain, a preemption) reaches the ranks, which save before they exit: on
-    # GPUs it waits the grace period for that before SIGKILL (a restart's stop has its own timeout)
-    grace = derive(spec)
-    term = term_timeout if term_timeout is not None else grace.grace.seconds if grace.gpu else 5
+    term = term_timeout(spec)
     argv = [
         "ft_launcher",
         f"--nnodes={spec.nnodes}", f"--nproc-per-node={spec.nproc_per_node}", f"--node-rank={node_rank}",
@@ -72,9 +68,7 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
         f"--ft-rank-heartbeat-timeout={ft.heartbeat_timeout:g}",
         "--ft-workload-check-interval=1", "--ft-enable-nic-monitor=false",
     ]
-    sections = ft.sections()
-    if sections:
-        argv.append("--ft-rank-section-timeouts=" + ",".join(f"{k}:{v:g}" for k, v in sections.items()))
+    argv += section_flags(spec)
     conf = {**({"is_host": "false"} if store_elsewhere else {}), **(rdzv_conf or {})}
     if conf:
         argv.append("--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()))
@@ -91,6 +85,31 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
     else:
         argv += ["-m", TRAINER_MODULE]
     return argv
+
+
+def term_timeout(spec: JobSpec) -> float:
+    """ft_launcher's ``--term-timeout``. SIGTERM to the launcher (a drain, a preemption) reaches the ranks,
+    which save before they exit: on GPUs it waits the grace period for that before SIGKILL (a restart's
+    stop has its own timeout); so does an EKS pod's on CPUs, where SIGTERM only ever means a drain."""
+    t = derive(spec)
+    return t.grace.seconds if t.gpu or spec.backend == "eks" else 5.0
+
+
+def section_flags(spec: JobSpec) -> list[str]:
+    """ft_launcher's section flags (one name in NVRx 0.4.1 to 0.7): the built-in trainer's sections and a
+    script's own (see :mod:`.timeouts`), over those of the ``--ft-cfg-path`` file where it reads here (a
+    section list on the command line replaces the file's whole list); none unbounded."""
+    t = derive(spec)
+    flags = [f"--ft-cfg-path={spec.ft.cfg_path}"] if spec.ft.cfg_path else []
+    sections: dict[str, float | None] = dict(t.sections())
+    if sections and spec.ft.cfg_path:
+        sections = {**read_ft_config(spec.ft.cfg_path).sections, **sections}
+    if sections:
+        flags.append("--ft-rank-section-timeouts=" + ",".join(
+            f"{k}:{'none' if v is None else format(v, 'g')}" for k, v in sections.items()))
+    if t.out_of_section is not None:
+        flags.append(f"--ft-rank-out-of-section-timeout={t.out_of_section.seconds:g}")
+    return flags
 
 
 def warm_worker(python: str) -> list[str]:

@@ -201,7 +201,8 @@ def _efa_pod(tmp_path: Path) -> LocalPod:
 def test_prepare_refuses_an_efa_pod_without_the_provider_or_the_plugin(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The rendered `prepare` of a p4d pod, run with its environment on this machine (no EFA here):
-    one line and the configuration-error exit code, which the pod failure policy turns into a failed job."""
+    one line and the configuration-error exit code, which the pod failure policy turns into a failed job.
+    The EFA check comes before doctor's gate (it needs no torch): an image without EFA is said first."""
     pod = _efa_pod(tmp_path)
     assert pod.env("prepare")["FI_PROVIDER"] == "efa"
     done = pod.run("prepare", timeout=120)
@@ -225,9 +226,13 @@ def test_prepare_refuses_an_efa_pod_without_the_provider_or_the_plugin(
     assert done.returncode == CONFIG_ERROR and "aws-ofi-nccl (libnccl-net*.so" in done.stderr
     (lib_dir / "libnccl-net-ofi.so").write_bytes(b"")
     monkeypatch.setenv("LD_LIBRARY_PATH", str(lib_dir))
+    # EFA is ready: what stops this pod now is the next gate, doctor's (this machine has no GPU, as a p4d
+    # pod's image with a CPU build of torch would not), in its own one line and nothing about EFA
     done = pod.run("prepare", timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert "ready" in done.stdout
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == CONFIG_ERROR and len(lines) == 1, done.stderr
+    assert lines[0].startswith("eksft: error: the spec asks for GPUs but torch sees none here"), lines
+    assert "EFA" not in lines[0] and "ready" not in done.stdout
 
 
 def _plugin(folder: Path, name: str, symbol: str | None = "ncclNetPlugin_v8") -> None:

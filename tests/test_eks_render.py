@@ -64,8 +64,7 @@ def test_matrix_renders_valid_manifests(kind: str, nnodes: int, gpus: int, efa: 
     # launcher gives its ranks the grace period to save (a drain), on CPU pods too
     grace = derive(spec).grace.seconds
     line = launcher_argv(spec, node_rank=node_rank, rdzv_host=names.rank0_host(spec),
-                         ports=Ports.from_base(29500), rdzv_id="demo", rdzv_conf={"join_timeout": "1800"},
-                         term_timeout=grace)
+                         ports=Ports.from_base(29500), rdzv_id="demo", rdzv_conf={"join_timeout": "1800"})
     assert "--rdzv-conf=join_timeout=1800" in line and f"--term-timeout={grace:g}" in line
     # the in-pod entry runs that very line and ends the pod as its ranks did (a drain is no success); with
     # warm ranks (the default) it starts the pod's zygote first and makes the image's shim the launcher's

@@ -5,7 +5,8 @@
 - ``prepare``: the init container. Creates the job folder on the shared volume (as a local job's
   folder) and queues the faults scheduled at launch; refuses a folder left by a different job of
   the same name, so checkpoints never mix, and, on an EFA pod, an image without the EFA provider or
-  aws-ofi-nccl (see :mod:`.efa`). A refusal exits with ``failures.CONFIG_ERROR``, which fails the job.
+  aws-ofi-nccl (see :mod:`.efa`), and an image whose NVRx, torch or GPUs cannot run the spec
+  (:mod:`eksft_nb.preflight.doctor`). A refusal exits with ``failures.CONFIG_ERROR``, which fails the job.
 - ``inject JSON``: queue a fault command (the control plane execs this).
 - ``ckpts``: the job's checkpoints, as JSON.
 - ``signal RANK SIGNAL``: signal a rank, if it runs in this pod (exit 3 if it does not).
@@ -30,6 +31,7 @@ from ...control import FaultCommand, submit
 from ...errors import ControlError, EksftError
 from ...jobdir import JobDir, atomic_write
 from ...spec import JobSpec
+from ...preflight.doctor import refusal
 from ...procs import start_ticks
 from . import efa, names, pod_entry
 from .failures import CONFIG_ERROR
@@ -70,6 +72,8 @@ def prepare() -> int:
     if os.environ.get("FI_PROVIDER") == "efa" and (missing := efa.problem()):
         return refuse(f"this pod asks for EFA, but {missing}: use an image with the EFA installer and "
                       "aws-ofi-nccl (see the README), or --efa-per-node 0")
+    if (refused := refusal(spec)) is not None:   # this image's NVRx, torch, GPUs cannot run the spec
+        return refuse(refused)
     try:
         other = jd.spec_path.exists() and \
             JobSpec.from_json(jd.spec_path.read_text()).digest() != spec.digest()
