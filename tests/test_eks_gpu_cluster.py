@@ -192,7 +192,11 @@ def test_a_scripts_shm_follows_the_pod_memory(tmp_path: Path) -> None:
 
 
 def _efa_pod(tmp_path: Path) -> LocalPod:
-    m = EksBackend().manifests(gpu_spec("p4d.24xlarge", efa=4, nnodes=1))
+    return _pod(tmp_path, gpu_spec("p4d.24xlarge", efa=4, nnodes=1))
+
+
+def _pod(tmp_path: Path, spec: JobSpec) -> LocalPod:
+    m = EksBackend().manifests(spec)
     config = m.job[0]["data"]
     return LocalPod(pod_of(m.workload()), "llm-0", tmp_path, config, {names.COMPLETION_INDEX: "0",
                                                                       names.INDEX_FAILURES: "0"})
@@ -306,12 +310,13 @@ def test_newer_instance_types_the_pods_root_choice_and_the_release_label() -> No
 def test_prepare_refuses_a_job_folder_it_cannot_write_in_one_line(tmp_path: Path) -> None:
     """A shared volume the pods' user cannot write (root squash, a root-only volume root, a folder an earlier
     job left): one line with the owner, the mode and the fix, as the termination message, not a traceback.
-    (Tests run as root, whom permissions do not stop: a file where the folder goes fails the same way.)"""
-    pod = _efa_pod(tmp_path)
+    (Tests run as root, whom permissions do not stop: a file where the folder goes fails the same way.)
+    A CPU pod: a GPU pod on this GPU-less machine stops at doctor's gate first (see the EFA test)."""
+    pod = _pod(tmp_path, JobSpec(name="llm", backend="eks", nnodes=1, nproc_per_node=2).replace(
+        **{"eks.image": IMAGE, "eks.gpus_per_node": 0}))
     volume = pod.mounts["/checkpoints"]
     (volume / "llm").write_text("not a folder")
-    env = {**pod.process_env("prepare"), "FI_PROVIDER": ""}   # the EFA check is another test's
-    done = subprocess.run(pod._argv("prepare", None), env=env, capture_output=True, text=True, timeout=120)
+    done = pod.run("prepare", timeout=120)
     assert done.returncode == CONFIG_ERROR and "Traceback" not in done.stderr, done.stderr
     message = pod.termination_log("prepare").read_text()
     assert message.startswith(f"this pod (uid {os.getuid()} gid {os.getgid()}) cannot write the job folder "
