@@ -11,35 +11,46 @@ import signal
 import pytest
 
 from eksft_nb.checkpoint_folders import list_checkpoints, verify
+from eksft_nb.engines.torchft.hold import HOLD_ENV, step_point
 from jobs import BASE, cli, events, job_dir, story, wait_for
 
 pytestmark = pytest.mark.slow
 
 
 # warm ranks fork their checkpoint writer (it keeps the drain's handler); a cold rank's writer is spawned
-# and dies of the SIGTERM to the rank's process group, so that drain saves without it
-@pytest.mark.parametrize("extra", [(), ("--no-warm-ranks",)], ids=["warm", "cold"])
-def test_sigterm_to_every_rank_saves_commits_and_stops_then_resumes_bit_identical(reference_digest: str,
-                                                                                   extra: tuple) -> None:
+# and dies of the SIGTERM to the rank's process group, so that drain saves without it. Both ranks are held
+# before step 14 (engines/torchft/hold.py) while the signals land: the step that agrees counts exactly the
+# ranks signalled (both: a node drained; rank 0 alone: a peer's node drained, this one's ranks follow)
+@pytest.mark.parametrize("extra, signalled", [((), (0, 1)), (("--no-warm-ranks",), (0,))],
+                         ids=["warm-both", "cold-one"])
+def test_a_drain_saves_commits_and_stops_then_resumes_bit_identical(
+        reference_digest: str, extra: tuple, signalled: tuple, tmp_path, monkeypatch) -> None:
     name = "drained" + "-cold" * bool(extra)
+    holds = tmp_path / "holds"
+    holds.mkdir()
+    for rank in (0, 1):
+        (holds / step_point(rank, 14)).touch()
+    monkeypatch.setenv(HOLD_ENV, str(holds))
     proc = cli("run", "--name", name, *BASE, *extra, "--detach")
     assert proc.returncode == 0, proc.stderr
-    # mid checkpoint interval: after the save of step 10 is committed, a few steps into the next interval
+    # mid checkpoint interval: after the save of step 10 is committed, a few steps into the next interval;
+    # rank 0's step 13 is reported after the step's all-reduce, so neither rank has a say in step 14's yet
     wait_for("step 13", lambda: any(e["step"] >= 13 for e in events(name, "step")), timeout=300)
     ranks = {e.rank: e["pid"] for e in events(name, "rank_start")}
     assert sorted(ranks) == [0, 1]
     # to each rank's process group, as ft_launcher (and a warm rank's shim) sends it
-    for pid in ranks.values():
-        os.killpg(os.getpgid(pid), signal.SIGTERM)
+    for rank in signalled:
+        os.killpg(os.getpgid(ranks[rank]), signal.SIGTERM)
+    for rank in (0, 1):
+        (holds / step_point(rank, 14)).unlink()
     status = wait_for("the job to end",
                       lambda: (s := json.loads(cli("status", name, "--json").stdout))["state"]
                       not in ("starting", "running", "recovering") and s, timeout=300)
     assert status["state"] == "stopped", story(name)
     [drain] = events(name, "drain")
     step = drain["step"]
-    # the signals go to the two ranks one after the other: rank 1 may already have added its share to
-    # the step's all-reduce when its SIGTERM lands, so the step that agrees counts one or both
-    assert drain["committed"] and drain["ranks_asked"] in (1, 2) and 13 <= step < 80, drain
+    assert drain["committed"] and step == 14, drain
+    assert drain["ranks_asked"] == len(signalled), drain
     # the step it drained at is committed on disk, intact, and nothing after it was trained
     committed = {i.step: i for i in list_checkpoints(job_dir(name) / "ckpt") if i.state == "committed"}
     assert step in committed and verify(committed[step]) is None, committed
