@@ -171,3 +171,47 @@ def test_the_pods_exit_code_says_a_drain(tmp_path, monkeypatch, code: int, drain
     monkeypatch.setenv("EKSFT_JOB_ATTEMPT", "1")
     assert attempt(Drains(str(tmp_path / "job"), "uid1")) == 1 + (exit_code == DRAIN_EXIT)
     assert attempt(Drains(str(tmp_path / "job"), "another-launch")) == 1
+
+
+STUCK_LAUNCHER = """
+import signal, subprocess, sys, time
+if sys.argv[1] == "ignores":   # as ft_launcher in its exit barrier: the store's wait outlasts the signal
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+monitor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])   # its rank monitor
+print(monitor.pid, flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("on_sigterm, code", [("ignores", -signal.SIGKILL), ("ends", -signal.SIGTERM)])
+def test_a_launcher_left_waiting_after_its_ranks_drained_is_ended(tmp_path, monkeypatch, on_sigterm: str,
+                                                                  code: int) -> None:
+    """A pod whose peer was drained: its ranks drained too, but its ft_launcher waits in torchelastic's exit
+    barrier for the peer that left (300 s), and SIGTERM does not end that wait. The pod's entry sends it
+    SIGTERM, then SIGKILL (to the processes under it as well), and the pod ends as a drain."""
+    import contextlib
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from eksft_nb.backends.eks import pod_entry
+
+    monkeypatch.setattr(pod_entry, "EXIT_GRACE_S", 0.5)
+    monkeypatch.setattr(pod_entry, "KILL_GRACE_S", 1.0)
+    launcher = subprocess.Popen([sys.executable, "-c", STUCK_LAUNCHER, on_sigterm],
+                                stdout=subprocess.PIPE, text=True)
+    monitor = psutil.Process(int(launcher.stdout.readline()))
+    try:
+        t0 = time.monotonic()
+        (tmp_path / "rank-0.json").write_text(json.dumps({"rank": 0, "step": 12, "committed": True}))
+        assert pod_entry._wait(launcher, str(tmp_path), 1, []) == code
+        assert time.monotonic() - t0 < 60
+        if code == -signal.SIGKILL:   # nothing of the pod outlives its launcher
+            gone, alive = psutil.wait_procs([monitor], timeout=10)
+            assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
+    finally:
+        launcher.kill()
+        with contextlib.suppress(psutil.Error):
+            monitor.kill()

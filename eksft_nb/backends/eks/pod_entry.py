@@ -8,8 +8,12 @@ the spec keeps warm ranks (:mod:`eksft_nb.runtime.zygote`), then ft_launcher, an
   its ranks: they agree on a step, save, commit and exit 0 (:mod:`eksft_nb.runtime.drain`), and so does
   ft_launcher ("All ranks exited gracefully").
 - Each rank that drained leaves a mark in a folder this process gives it. Once every rank of the pod has,
-  ft_launcher gets :data:`EXIT_GRACE_S` to exit on its own, then SIGTERM: a launcher whose peer left on
-  SIGTERM would otherwise wait in torchelastic's exit barrier for it (300 s), holding the node.
+  ft_launcher gets :data:`EXIT_GRACE_S` to exit on its own, then SIGTERM, then :data:`KILL_GRACE_S`, then
+  SIGKILL (its own processes with it). A launcher whose peer left on SIGTERM waits in torchelastic's exit
+  barrier for it (300 s), holding the node, and SIGTERM cannot end that wait: the store client restarts
+  its poll after the signal, and Python's handler would run only once the wait returned. Nothing is lost
+  by the kill: every rank of the job has saved, committed and exited by then (a mark is written after the
+  drain's barrier).
 - The exit code: :data:`~eksft_nb.runtime.drain.DRAIN_EXIT` when every rank of the pod drained, or when
   the pod was sent SIGTERM and ft_launcher then ended (the cluster stopped it: a preemption, not the
   job's failure; the built-in trainer's ranks that finished their last step exit 0 still); else
@@ -25,6 +29,7 @@ the spec keeps warm ranks (:mod:`eksft_nb.runtime.zygote`), then ft_launcher, an
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -36,6 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from ...jobdir import atomic_write
 from ...launcher import ZYGOTE_MODULE, warm_worker, worker_index
 from ...procs import JOB_UID_ENV
@@ -46,6 +53,7 @@ from . import efa
 from .failures import CONFIG_ERROR
 
 EXIT_GRACE_S = 5.0        # after every rank of the pod drained, ft_launcher's time to exit on its own
+KILL_GRACE_S = 5.0        # ... and then after SIGTERM, before SIGKILL (its exit barrier cannot hear SIGTERM)
 POLL_S = 0.2
 IGNORED_ENV = "EKSFT_IGNORED_FAILURES"   # its index's failures the Job did not count (drains, disruptions)
 TERMINATION_ENV = "EKSFT_TERMINATION_LOG"   # where the kubelet reads the message (set only where it moved)
@@ -175,18 +183,38 @@ def launch(argv: list[str]) -> int:
 
 def _wait(launcher: subprocess.Popen[bytes], folder: str, ranks: int, stopping: list[float]) -> int:
     """ft_launcher's exit code. The kubelet's SIGTERM is passed on to it once; so is one of our own once
-    every rank here drained and it has not exited within :data:`EXIT_GRACE_S` (it waits in the exit
-    barrier for a peer that left)."""
+    every rank here drained and it has not exited within :data:`EXIT_GRACE_S`, and SIGKILL (to it and its
+    processes) :data:`KILL_GRACE_S` later: it waits in the exit barrier for a peer that left, and no SIGTERM
+    ends that wait."""
     drained_at, signalled = None, False
     while (code := launcher.poll()) is None:
         if drained_at is None and ranks and len(marks(folder)) >= ranks:
             drained_at = time.monotonic()
-        late = drained_at is not None and time.monotonic() - drained_at > EXIT_GRACE_S
-        if not signalled and (stopping or late):
+        since = -1.0 if drained_at is None else time.monotonic() - drained_at
+        if not signalled and (stopping or since > EXIT_GRACE_S):
             launcher.send_signal(signal.SIGTERM)
             signalled = True
+        if since > EXIT_GRACE_S + KILL_GRACE_S:
+            _kill_tree(launcher)
+            print(f"eksft: ft_launcher had not exited {since:.0f} s after every rank of this pod drained (it "
+                  "waits in its exit barrier for a peer that left): ended it with SIGKILL", file=sys.stderr,
+                  flush=True)
+            return launcher.wait()
         time.sleep(POLL_S)
     return code
+
+
+def _kill_tree(launcher: subprocess.Popen[bytes]) -> None:
+    """SIGKILL to ft_launcher and every process under it (its rank monitors would outlive it)."""
+    try:
+        under = psutil.Process(launcher.pid).children(recursive=True)
+    except psutil.Error:
+        under = []
+    launcher.kill()
+    for proc in under:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    launcher.wait()
 
 
 def _outcome(code: int, drained: list[dict[str, Any]], ranks: int, sigterm: bool, script: bool,
