@@ -114,6 +114,31 @@ def test_a_hang_without_inprocess_is_an_injob_restart_blamed_on_the_hung_rank(re
     assert summary["digest"] == reference_digest
 
 
+@pytest.mark.parametrize("how", ["absent", "broken"])
+def test_without_nvrx_s_wrapper_an_exception_restarts_in_job_and_the_job_says_so(
+        reference_digest: str, how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process restart is deprecated since NVRx 0.6: where a release has no Wrapper (absent: the
+    supervisor finds out; broken: found, but the ranks cannot import it, as in a pod whose NVRx the render
+    could not know), the job asked for it trains without it, says so once, and an exception restarts the
+    group in-job; nothing is lost. NVRx's module is hidden by tests/data/no_inprocess/sitecustomize.py."""
+    monkeypatch.setenv("EKSFT_TEST_NO_INPROCESS", how)
+    name = f"no-wrapper-{how}"
+    summary = run_job(name, "--fault", "exception:0@15", nvrx=Path(__file__).parent / "data" / "no_inprocess")
+    assert summary["state"] == "succeeded", summary
+    [restart] = summary["restart_events"]
+    assert (restart["level"], restart["blame_rank"]) == ("injob", 0), restart
+    assert summary["digest"] == reference_digest
+    [said] = [w for w in summary["warnings"] if "in-process" in w]
+    if how == "absent":
+        assert ("has no in-process restart (inprocess.Wrapper): exceptions and hangs restart the worker "
+                "group in-job instead") in said, said
+    else:
+        assert said.startswith("in-process restart is off: this NVRx has no inprocess.Wrapper that imports "
+                               "(ImportError: nvidia_resiliency_ext.inprocess is broken here"), said
+        assert said.endswith("restart the worker group in-job instead"), said
+    assert not events(name, "inprocess_wrapper")   # no rank ran under the Wrapper
+
+
 def test_resume_skips_a_corrupt_checkpoint_and_says_why(reference_digest: str) -> None:
     # sync saves: checkpoint 20 is committed when step 20 ends, so it is the one corrupted at step 25
     summary = run_job("corrupt", "--ckpt-mode", "sync", "--fault", "corrupt-checkpoint@25", "--fault",

@@ -106,12 +106,15 @@ class Supervisor(Launchers):
                 what = f"script {self.spec.script}" if self.spec.script else f"{self.spec.steps} steps"
                 self.say(f"supervising job {self.spec.name} ({self.spec.world_size} ranks, {what}) "
                          f"with {self.nvrx.describe() if self.nvrx else 'no NVRx installed'}")
-                if self.nvrx and self.spec.ft.inprocess and (note := self.nvrx.inprocess_note()):
+                note = self.nvrx.inprocess_note() if self.nvrx and self.spec.ft.inprocess else None
+                if note:
                     self.say(note)
                 self.events.emit("job_start", spec_digest=self.spec.digest(), world_size=self.spec.world_size,
                                  steps=None if self.spec.script else self.spec.steps, backend="local",
                                  host=socket.gethostname(), pid=os.getpid(),
                                  nvrx=self.nvrx.version if self.nvrx else None)
+                if note and self.nvrx.inprocess == "missing":   # the job runs without the tier it asked for
+                    self.events.emit("warning", what="inprocess_missing", message=note)
                 self._launch()
                 outcome = self._watch()
             while outcome is None:
