@@ -183,11 +183,15 @@ class JobMonitor:
 
     def _on_restart(self, e: Event) -> None:
         restart = {"t": e.t, **e.data}
-        # NVRx 0.6+: the worker-group cycle this restart began
+        # NVRx 0.6+: the worker-group cycle this restart began, and the nodes NVRx's record names for it
         if restart["level"] in (RestartLevel.INJOB, RestartLevel.JOB):
             began = [k for k, c in self.nvrx_cycles.items() if restart["fault_time"] <= c["start"] <= e.t]
             if began:
-                restart["nvrx_cycle"] = max(began, key=lambda k: self.nvrx_cycles[k]["start"])[1]
+                key = max(began, key=lambda k: self.nvrx_cycles[k]["start"])
+                restart["nvrx_cycle"] = key[1]
+                cycle = self.nvrx_cycles[key]
+                restart["nvrx_nodes"] = {k: cycle[k] for k in ("active_nodes", "standby_nodes",
+                                                                "active_ranks") if cycle.get(k)}
         self.restarts.append(restart)
 
     def _on_nvrx_cycle(self, e: Event) -> None:
