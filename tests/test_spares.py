@@ -1,5 +1,6 @@
-"""Hot spares (``--spare-nodes``): the extra launchers and pods a job gets, as rendered. The spare
-taking a lost node's place in a real job is tested in test_engine.py."""
+"""Hot spares (``--spare-nodes``): the extra launchers and pods a job gets, as rendered, and which NVRx
+release can run them where. The spare taking a lost node's place in a real job is tested in
+test_engine.py (locally) and test_slurm.py."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from eksft_nb.backends.eks import EksBackend, schemas
 from eksft_nb.backends.local import LocalBackend
 from eksft_nb.errors import SpecError
 from eksft_nb.spec import JobSpec
-from jobs import cli
-from test_engine import NVRX_06
+from eksft_nb import nvrx
+from eksft_nb.errors import JobError
+from eksft_nb.launcher import Ports, launcher_argv
 
 
 @pytest.mark.parametrize("kind", ["job", "jobset"])
@@ -26,7 +28,7 @@ def test_eks_workloads_get_the_spare_pods_and_the_rendezvous_keeps_its_size(kind
     job = workload["spec"] if kind == "job" else workload["spec"]["replicatedJobs"][0]["template"]["spec"]
     assert job["completions"] == job["parallelism"] == 3
     args = job["template"]["spec"]["containers"][0]["args"]
-    assert "--nnodes=2" in args   # the third pod waits in the rendezvous's redundancy list
+    assert "--nnodes=2:3" in args   # NVRx's standby nodes: 2 train, the third waits for a lost one's place
 
 
 def test_pytorchjobs_refuse_spares_in_one_line() -> None:
@@ -36,27 +38,60 @@ def test_pytorchjobs_refuse_spares_in_one_line() -> None:
     assert "\n" not in str(err.value) and "use --kind job (or jobset) for hot spares" in str(err.value)
 
 
-def test_local_jobs_start_a_launcher_per_spare_and_refuse_a_negative_count() -> None:
-    text = LocalBackend().render(JobSpec(name="spares", nnodes=2, nproc_per_node=1, spare_nodes=1))
-    assert text.count("ft_launcher ") == 3 and text.count("--nnodes=2 ") == 3
+def test_local_jobs_start_a_launcher_per_spare_and_refuse_a_negative_count(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = JobSpec(name="spares", nnodes=2, nproc_per_node=1, spare_nodes=1)
+    monkeypatch.setattr(nvrx, "installed", lambda: nvrx.NVRx("0.4.1"))
+    text = LocalBackend().render(spec)   # the legacy rendezvous: spares in its redundancy list
+    assert text.count("ft_launcher ") == 3 and text.count("--nnodes=2 ") == 3 and "nvrx-control" not in text
+    monkeypatch.setattr(nvrx, "installed", lambda: nvrx.NVRx("0.7.0"))
+    text = LocalBackend().render(spec)   # NVRx's own standby nodes, its store host outside the launchers
+    assert text.count("ft_launcher ") == 3 and text.count("nvrx-control ") == 1
+    assert text.count("--nnodes=2:3 ") == 4 and text.count("--rdzv-conf=is_host=false") == 3
     with pytest.raises(SpecError, match="spare_nodes"):
         JobSpec(name="spares", spare_nodes=-1).validate()
 
 
-def test_a_local_job_with_spares_is_refused_in_one_line_where_nvrx_has_the_barrier_rendezvous() -> None:
-    """NVRx 0.6's barrier rendezvous counts a spare against --nnodes and closes the job when it joins (the
-    job then fails after its restarts): refused before anything starts, with what to do instead."""
-    if not (NVRX_06 / "nvidia_resiliency_ext").is_dir():
-        pytest.skip(f"NVRx 0.6.0 is not installed in {NVRX_06} (`make setup` installs it)")
-    proc = cli("run", "--name", "spare-barrier", "--nnodes", "2", "--nproc-per-node", "1", "--spare-nodes",
-               "1",
-               nvrx=NVRX_06)
-    assert proc.returncode != 0
-    [line] = proc.stderr.strip().splitlines()
-    assert ("--spare-nodes 1: NVRx 0.6.0's barrier rendezvous counts a hot spare against --nnodes"
-            in line), line
-    assert "use --spare-nodes 0" in line, line
-    assert "spare-barrier" not in cli("list").stdout   # nothing was started or saved
+@pytest.mark.parametrize("version, local, cluster", [
+    ("0.4.1", None, "takes --nnodes 2:3 as an elastic range and would train on every spare"),
+    ("0.5.0", "barrier rendezvous counts a hot spare against --nnodes", "counts a hot spare against"),
+    ("0.6.0", None, None), ("0.7.0", None, None), ("0.7.0rc1", None, None)])
+def test_each_release_runs_spares_where_it_can_and_a_spec_it_cannot_is_refused_in_one_line(
+        version: str, local: str | None, cluster: str | None) -> None:
+    """NVRx 0.4's spares work locally through the supervisor's handover; 0.6+ has its own standby nodes
+    everywhere; 0.5's barrier rendezvous closes the job when a spare joins. The check a pod or a Slurm node
+    runs (doctor) asks the same."""
+    found = nvrx.NVRx(version)
+    assert nvrx.supports_own_spares(version) == (nvrx.parse_version(version) >= (0, 6, 0))
+    for backend, want in (("local", local), ("eks", cluster), ("slurm", cluster)):
+        spec = JobSpec(name="s", backend=backend, nnodes=2, spare_nodes=1)
+        refused = found.cannot_run(spec)
+        assert (refused is None) == (want is None), (backend, refused)
+        if refused is not None:
+            line = str(refused)
+            assert "\n" not in line and f"--spare-nodes 1: NVRx {version}" in line and want in line, line
+            assert line.endswith("or --spare-nodes 0 (a lost node is then a job restart)"), line
+            assert "nvidia-resiliency-ext>=0.6" in refused.fix
+        assert found.cannot_run(spec.replace(spare_nodes=0)) is None
+
+
+def test_a_local_job_with_spares_is_refused_before_anything_starts_where_nvrx_cannot_run_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nvrx, "installed", lambda: nvrx.NVRx("0.5.0"))
+    spec = JobSpec(name="spare-barrier", nnodes=2, nproc_per_node=1, spare_nodes=1).validate()
+    with pytest.raises(JobError, match=r"^--spare-nodes 1: NVRx 0.5.0's barrier rendezvous") as e:
+        LocalBackend().check(spec)
+    assert "use NVRx >= 0.6" in e.value.fix
+    assert not LocalBackend().jobs() or "spare-barrier" not in {j.name for j in LocalBackend().jobs()}
+
+
+def test_the_launch_line_gives_spares_to_nvrx_s_standby_nodes_where_the_release_has_them() -> None:
+    spec = JobSpec(name="j", nnodes=2, spare_nodes=2).validate()
+    args = dict(node_rank=0, rdzv_host="h", ports=Ports.from_base(29500), rdzv_id="r")
+    assert "--nnodes=2:4" in launcher_argv(spec, **args)   # a cluster's: checked where it runs
+    assert "--nnodes=2:4" in launcher_argv(spec, **args, nvrx=nvrx.NVRx("0.7.0"))
+    assert "--nnodes=2" in launcher_argv(spec, **args, nvrx=nvrx.NVRx("0.4.1"))
+    assert "--nnodes=2" in launcher_argv(spec.replace(spare_nodes=0), **args)
 
 
 def _rendezvous(store, rdzv_id: str, state) -> None:

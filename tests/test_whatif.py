@@ -199,15 +199,16 @@ def test_young_daly_from_the_measured_costs() -> None:
     assert rec["text"] == f"every 6 steps: {rec['gain_points']:+.1f} points ETTR (now every 5)"
 
 
-@pytest.mark.parametrize("version, pays", [("0.4.1", True), ("0.6.0", False)])
+@pytest.mark.parametrize("version, pays", [("0.4.1", True), ("0.5.0", False), ("0.7.0", True)])
 def test_spares_get_no_figure_where_the_jobs_nvrx_cannot_hand_a_node_over(version: str, pays: bool) -> None:
-    """NVRx 0.5+'s barrier rendezvous closes the job when a spare joins: a row with spares says so and has
-    no ETTR, whether the job ran with a spare or not; the recommendation never carries one."""
+    """NVRx 0.5's barrier rendezvous closes the job when a spare joins (0.4 hands a node over through
+    eksft's supervisor, 0.6+ through its own standby nodes): a row with spares says so and has no ETTR,
+    whether the job ran with a spare or not; the recommendation never carries one."""
     for as_run in (0, 1):
         report = replay(stream(nvrx=version), spec(spares=as_run), Settings((5, 10), spares=1)).to_dict()
         for row in report["rows"]:
             assert (row["ettr"] is not None) == pays, row
-            assert ("hot spares do not pay off with this job's NVRx: NVRx 0.6.0" in row["why"]) == (
+            assert ("hot spares do not pay off with this job's NVRx: NVRx 0.5.0" in row["why"]) == (
                 not pays), row
         assert "spare" not in report["recommendation"]["text"]
     if not pays:

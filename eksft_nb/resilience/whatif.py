@@ -29,7 +29,7 @@ The model, term by term (``N`` useful steps, ``t`` clean step time, ``k`` the in
 
 A setting whose effect needs a recovery or a save this job never showed gets no figure, and the
 reason instead; so does one that cannot pay off with the job's NVRx (hot spares where its barrier
-rendezvous closes the job when a spare joins, see :attr:`eksft_nb.nvrx.NVRx.spares_refused`). The
+rendezvous closes the job when a spare joins, NVRx 0.5: see :attr:`eksft_nb.nvrx.NVRx.spares_refused`). The
 recommended interval is Young/Daly's, tau = sqrt(2 C (M + R)) - C (C: the cost of a save, M: the mean time
 between failures, R: a recovery's downtime), never shorter than the detection latency.
 
