@@ -17,6 +17,8 @@ import pytest
 from jobs import wait_for
 from slurm_cluster import SlurmCluster, free_base, slurm_cluster
 
+import nvrx_releases as releases
+
 from eksft_nb import commands
 from eksft_nb.backends.eks.render import nccl_env as eks_nccl_env
 from eksft_nb.backends.slurm.backend import SlurmBackend
@@ -90,6 +92,11 @@ def test_a_slurm_spec_needs_a_shared_folder_and_plain_sbatch_values() -> None:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     with slurm_cluster(tmp_path_factory.mktemp("slurm")) as c:
+        # the Slurm matrix runs on the newest NVRx (nvrx_releases): the jobs' environment (sbatch passes the
+        # submitter's on) imports it; two "nodes" on one machine share an address, which NVRx 0.7 allows only
+        # when told it is a simulation
+        c.env.update(releases.env(releases.NEWEST, {"PYTHONPATH": c.env.get("PYTHONPATH", "")}))
+        c.env["NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE"] = "1"
         yield c
 
 
@@ -161,8 +168,9 @@ def test_a_job_runs_on_two_slurm_nodes_and_reads_as_a_local_one(cluster: SlurmCl
 
 
 def _kernel_sees(cluster: SlurmCluster, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernel (this process) talks to the test's cluster: its slurm.conf and commands."""
-    for key in ("SLURM_CONF", "PATH"):
+    """The kernel (this process) talks to the test's cluster: its slurm.conf and commands; the jobs it
+    submits run on the cluster's NVRx."""
+    for key in ("SLURM_CONF", "PATH", "PYTHONPATH", "NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE"):
         monkeypatch.setenv(key, cluster.env[key])
 
 

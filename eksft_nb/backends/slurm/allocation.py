@@ -24,17 +24,21 @@ from pathlib import Path
 from typing import Any
 
 from ... import nvrx
+from ...errors import JobError
 from ...events import EventTail, EventWriter
-from ...incidents import Incidents
+from ...incidents import NODE_FAULT_WINDOW_S, Incidents
 from ...jobdir import JobDir
+from ...launcher import Ports, control_argv, worker_index
 from ...monitor import JobMonitor
-from ...states import JobState
+from ...nvrx_cycles import CycleRecord, read_cycle_records
+from ...states import JobState, RestartLevel
 from ...timeouts import resolved
 from ..launcher_log import LauncherLine, parse_launcher_line
 from . import cluster, engine_parts
 from .render import REQUEUE_EXIT, STOP_MARK
 
 POLL_S = 0.2
+CONTROL_MODULE = "nvidia_resiliency_ext.fault_tolerance.control_plane"   # nvrx-control (NVRx 0.6+)
 _LOG = re.compile(r"launcher-(\d+)-(\d+)\.log$")
 
 
@@ -53,6 +57,10 @@ class Watcher:
         self.ranks_started: dict[int, float] = {}
         self.t_launch = time.time()
         self.signalled = False
+        self.nvrx = nvrx.installed()   # the nodes' (one environment for the allocation's nodes)
+        self.control: subprocess.Popen | None = None   # nvrx-control, the store host of NVRx's standby spares
+        self.cycle_dir = jd.logs / "nvrx" / f"attempt-{self.attempt}"   # NVRx 0.6+'s cycle records
+        self.cycles_seen: dict[int, CycleRecord] = {}
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
@@ -70,6 +78,15 @@ class Watcher:
                              host=socket.gethostname(), pid=os.getpid(), nvrx=here.version if here else None)
         elif self.attempt > 0 and self.incidents.incident is None:
             self._unrecorded_end(backlog[-1].t)
+        if (refused := self._nvrx_refuses()) is not None:
+            print(f"eksft: error: {refused}", file=sys.stderr)
+            self.events.emit("job_end", state=JobState.FAILED, reason=str(refused),
+                             final_step=self.mon.last_step,
+                             digest=None, restarts=self.mon.restarts_by_level())
+            return 1
+        self.srun = self._with_release_flags(self.srun)
+        if self.spec.spare_nodes:
+            self._start_control()
         step = subprocess.Popen(self.srun, stdin=subprocess.DEVNULL)
         while step.poll() is None and not self.incidents.give_up:
             self._pump()
@@ -77,6 +94,7 @@ class Watcher:
         if step.poll() is None:   # gave up: end the step (Slurm ends its processes on every node)
             step.terminate()
         code = step.wait()
+        self._end_control()
         self._pump()
         state, reason = self._outcome(code)
         if state is None:
@@ -84,6 +102,58 @@ class Watcher:
         self.events.emit("job_end", state=state, reason=reason, final_step=self.mon.last_step,
                          digest=self.mon.digest, restarts=self.mon.restarts_by_level())
         return 0 if state == JobState.SUCCEEDED else 1
+
+    def _nvrx_refuses(self) -> JobError | None:
+        """Why this node's NVRx cannot run the job as rendered (hot spares need 0.6+'s standby nodes)."""
+        if self.nvrx is None:
+            return JobError("NVRx (nvidia-resiliency-ext) is not installed on the job's nodes",
+                            "pip install 'nvidia-resiliency-ext>=0.4.1' into the environment the nodes run")
+        return self.nvrx.cannot_run(self.spec)
+
+    def _with_release_flags(self, srun: list[str]) -> list[str]:
+        """The step's command with the flags only this NVRx takes (the nodes' and the batch host's are one
+        environment), which a render for any node cannot know: the cycle records' folder, progress cut-off."""
+        at = worker_index(srun)
+        flags = self.nvrx.launcher_flags(str(self.cycle_dir)) if self.nvrx is not None else []
+        return srun if at is None else [*srun[:at], *flags, *srun[at:]]
+
+    def _start_control(self) -> None:
+        """NVRx's nvrx-control on this node (the allocation's first): the store host of the rendezvous the
+        launchers join (their line says ``is_host=false``), at the endpoint and id their line names, writing
+        the cycle records. Its own session: Slurm's signals to the step do not reach it; it ends with the
+        rendezvous (or :meth:`_end_control`)."""
+        given = dict(a[2:].split("=", 1) for a in self.srun
+                     if a.startswith(("--rdzv-endpoint=", "--rdzv-id=")))
+        host, _, port = given.get("rdzv-endpoint", "").rpartition(":")
+        if not host or not port.isdigit() or "rdzv-id" not in given:
+            return
+        argv = control_argv(self.spec, rdzv_host=host, ports=Ports.from_base(int(port)),
+                            rdzv_id=given["rdzv-id"], cycle_dir=str(self.cycle_dir),
+                            cycle_job=os.environ.get("SLURM_JOB_ID") or self.spec.name)
+        with open(self.jd.logs / f"nvrx-control-{self.attempt}.log", "ab") as out:
+            self.control = subprocess.Popen([sys.executable, "-m", CONTROL_MODULE, *argv[1:]], stdout=out,
+                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            start_new_session=True)
+
+    def _end_control(self) -> None:
+        if self.control is None:
+            return
+        self.control.terminate()   # it saves nothing: the rendezvous ends with the step
+        try:
+            self.control.wait(10)
+        except subprocess.TimeoutExpired:
+            self.control.kill()
+            self.control.wait()
+
+    def _read_cycle_records(self) -> None:
+        """NVRx's record of each worker-group cycle (0.6+) as ``nvrx_cycle`` events, as the local supervisor
+        folds them: written by the store host into the shared job folder."""
+        if self.nvrx is None or not self.nvrx.cycle_records:
+            return
+        for record in read_cycle_records(self.cycle_dir):
+            if self.cycles_seen.get(record.cycle) != record:
+                self.cycles_seen[record.cycle] = record
+                self.events.emit("nvrx_cycle", attempt=self.attempt, **record.fields())
 
     def _unrecorded_end(self, last_seen: float) -> None:
         """A requeued run whose previous run recorded no failure: the watcher died with the allocation's
@@ -113,6 +183,10 @@ class Watcher:
             return None, cause
         if self.incidents.give_up:
             return JobState.FAILED, self.incidents.give_up
+        if code != 0 and self.spec.spare_nodes and (self.mon.digest is not None
+                                                    or self.mon.last_step >= self.spec.steps):
+            # a node's launcher was lost (the step's exit status is its), and a hot spare finished its work
+            return JobState.SUCCEEDED, f"all {self.spec.steps} steps done"
         if code == 0:
             if self.spec.script:
                 return JobState.SUCCEEDED, "the script exited 0 on every rank"
@@ -137,7 +211,8 @@ class Watcher:
 
     def _pump(self) -> None:
         """The ranks' new events and the launchers' new log lines, folded in by time (as the supervisor
-        does)."""
+        does), and NVRx's cycle records."""
+        self._read_cycle_records()
         events = self.tail.read()
         lines = sorted(((seen.at, node, seen) for node, seen in self._launcher_lines()), key=lambda x: x[0])
         for e in events:
@@ -183,6 +258,11 @@ class Watcher:
             return
         if seen.kind == "hang":
             self.incidents.hang(seen.at, self.spec.ft.heartbeat_timeout)
+        elif self.spec.spare_nodes and any(f.get("node") is not None and 0 <= seen.at - f["t"]
+                                           < NODE_FAULT_WINDOW_S for f in self.mon.faults):
+            # the survivors of a node lost on purpose restart in-job, and NVRx's standby node joins them
+            self.incidents.node_failed("its ft_launcher was lost; a hot spare took its place", seen.at,
+                                       level=RestartLevel.INJOB)
         else:
             rank = next((r for r, p in self.mon.rank_pids.items() if p == seen.pid),
                         node * self.spec.nproc_per_node + seen.local_rank)

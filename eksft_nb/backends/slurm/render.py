@@ -33,7 +33,7 @@ def job_dir(spec: JobSpec) -> JobDir:
 
 def directives(spec: JobSpec) -> list[str]:
     s, jd = spec.slurm, job_dir(spec)
-    lines = [f"--job-name={spec.name}", f"--nodes={spec.nnodes}", "--ntasks-per-node=1",
+    lines = [f"--job-name={spec.name}", f"--nodes={spec.nnodes + spec.spare_nodes}", "--ntasks-per-node=1",
              f"--output={jd.logs}/slurm-%j.out", "--open-mode=append",
              "--requeue" if spec.ft.max_job_restarts else "--no-requeue"]
     for flag in ("partition", "account", "qos", "time", "gres", "constraint"):
@@ -41,6 +41,8 @@ def directives(spec: JobSpec) -> list[str]:
             lines.append(f"--{flag}={getattr(s, flag)}")
     if s.exclusive:
         lines.append("--exclusive")
+    if spec.spare_nodes:   # a failed node leaves the allocation (and the step) running: a spare replaces it
+        lines.append("--no-kill")
     return [f"#SBATCH {line}" for line in lines]
 
 
@@ -71,8 +73,11 @@ def environment(spec: JobSpec) -> dict[str, str]:
 
 def node_line(spec: JobSpec) -> list[str]:
     """One node's command: ft_launcher, its node rank from srun's ``$SLURM_NODEID``."""
+    # with hot spares the watcher runs NVRx's nvrx-control as the rendezvous's store host (see allocation):
+    # any node's launcher, the first's included, can then be lost while a standby node takes its place
     argv = launcher_argv(spec, node_rank="NODE", rdzv_host=RDZV_HOST, ports=Ports.from_base(spec.slurm.port),
-                         rdzv_id=f"{spec.name}-$SLURM_JOB_ID-$EKSFT_JOB_ATTEMPT")
+                         rdzv_id=f"{spec.name}-$SLURM_JOB_ID-$EKSFT_JOB_ATTEMPT",
+                         store_elsewhere=bool(spec.spare_nodes))
     argv = [a for a in argv if not a.startswith("--node-rank=")]
     warm = "python -m " + WARM_ENTRY + " launch " if spec.ft.warm_ranks else ""
     head = f'exec {warm}"$0" --node-rank="$SLURM_NODEID" "$@"'
@@ -82,7 +87,9 @@ def node_line(spec: JobSpec) -> list[str]:
 def render(spec: JobSpec, job_uid: str | None = None) -> str:
     """The sbatch script; ``job_uid`` is the launch's (a new one when not given)."""
     jd = job_dir(spec)
-    srun = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+    # a lost node's launcher ends the step, unless a hot spare is to take its place
+    srun = ["srun", "--ntasks-per-node=1", *(["--kill-on-bad-exit=0", "--no-kill"] if spec.spare_nodes
+                                             else ["--kill-on-bad-exit=1"]),
             f"--output={jd.logs}/launcher-$EKSFT_JOB_ATTEMPT-%t.log"]
     node = node_line(spec)
     # one line for srun, one for the per-node shell that adds the node rank, one per launcher flag
