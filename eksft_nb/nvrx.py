@@ -99,8 +99,16 @@ class NVRx:
         else None. A cluster's launch line gives spares NVRx's own standby nodes (``--nnodes N:N+S``),
         which only 0.6+ reads so (0.4 would train on every spare); locally 0.4's spares work through the
         supervisor's handover, 0.5's nowhere."""
-        if not spec.spare_nodes or self.spares == "standby" or (spec.backend == "local" and self.spares):
+        if not spec.spare_nodes or (spec.backend == "local" and self.spares == "handover"):
             return None
+        if self.spares == "standby":
+            if spec.nnodes > 1:
+                return None
+            # a lost node's survivors open the rendezvous's next round, which a standby node joins
+            return JobError(f"--spare-nodes {spec.spare_nodes} with --nnodes 1: NVRx {self.version}'s "
+                            "standby nodes take a lost node's place when the nodes that survived it restart, "
+                            "and one node leaves none", "use --nnodes 2 or more, or --spare-nodes 0 (a lost "
+                            "node is then a job restart)")
         why = (f"NVRx {self.version} takes --nnodes {spec.nnodes}:{spec.nnodes + spec.spare_nodes} as an "
                "elastic range and would train on every spare" if self.spares == "handover"
                else self.spares_refused)

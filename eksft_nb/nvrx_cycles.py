@@ -142,3 +142,29 @@ def read_cycle_records(folder: Path, job_id: str | None = None) -> list[CycleRec
 def _order(name: str) -> tuple[int, int, str]:
     m = _NAME.fullmatch(name)
     return (int(m.group(2)), int(m.group(3)), name) if m else (-1, -1, name)
+
+
+def current_records(link: str | None) -> list[CycleRecord]:
+    """The record of the cycle a worker runs in and of the one before it (with its end), from the path
+    NVRx 0.6+ gives its workers (``NVRX_CURRENT_CYCLE_INFO``: a link, ``cycle_info.<job>.current``, to
+    the current cycle's file beside it): how a rank relays NVRx's account where nothing else of eksft reads
+    the folder (an EKS pod). The link is read, never followed: its target must be a record's name in the
+    same folder."""
+    if not link:
+        return []
+    try:
+        target = os.readlink(link)
+    except (OSError, ValueError):
+        return []
+    m = _NAME.fullmatch(target)
+    if m is None or "/" in target:
+        return []
+    folder, (job, attempt, cycle) = Path(link).parent, (m.group(1), int(m.group(2)), int(m.group(3)))
+    found = []
+    for number in (cycle - 1, cycle):
+        name = f"cycle_info.{job}.{attempt}.{number}"
+        text = _read(folder / name) if number >= 0 else None
+        record = parse_cycle_record(text) if text is not None else None
+        if record is not None and (record.job_id, record.attempt, record.cycle) == (job, attempt, number):
+            found.append(record)
+    return found

@@ -24,7 +24,7 @@ from eksft_nb.errors import JobError
 from eksft_nb.events import Event, make
 from eksft_nb.launcher import Ports, control_argv, launcher_argv, rank_env
 from eksft_nb.monitor import JobMonitor
-from eksft_nb.nvrx_cycles import MAX_TEXT, parse_cycle_record, read_cycle_records
+from eksft_nb.nvrx_cycles import MAX_TEXT, current_records, parse_cycle_record, read_cycle_records
 from eksft_nb.spec import JobSpec
 
 
@@ -273,6 +273,21 @@ def test_nvrx_control_s_records_name_the_standby_nodes_and_a_shared_folder_is_re
     assert odd.standby_nodes.startswith("a?[2Jb") and len(odd.standby_nodes) == MAX_TEXT + 3
 
 
+def test_a_rank_reads_its_cycle_and_the_one_before_through_the_link_nvrx_gives_it(tmp_path: Path) -> None:
+    """NVRX_CURRENT_CYCLE_INFO names ``cycle_info.<job>.current``: read, never followed, so a link set to
+    anything but a record beside it (another file, another folder) gives nothing."""
+    for cycle in (0, 1):
+        (tmp_path / f"cycle_info.sp1.0.{cycle}").write_text(json.dumps({**RECORD_07, "cycle_number": cycle}))
+    link = tmp_path / "cycle_info.sp1.current"
+    link.symlink_to("cycle_info.sp1.0.1")
+    assert [r.cycle for r in current_records(str(link))] == [0, 1]
+    for elsewhere in ("/etc/hostname", "../cycle_info.sp1.0.1", "cycle_info.other.0.1", "spec.json"):
+        link.unlink()
+        link.symlink_to(elsewhere)
+        assert current_records(str(link)) == [], elsewhere
+    assert current_records(None) == [] and current_records(str(tmp_path / "absent")) == []
+
+
 _JSONISH = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=30),
                         lambda kids: st.lists(kids,
@@ -332,8 +347,9 @@ def test_the_restart_timeline_names_the_cycle_nvrx_began() -> None:
     mon.update([cycle(0, 0, 100.0), restart("inprocess", 110.0, 114.0), cycle(0, 0, 100.0, 121.0),
                 cycle(0, 1, 121.0, active_nodes="n[1,3]", standby_nodes="<b>n2</b>", active_ranks=""),
                 restart("injob", 120.0, 130.0), cycle(1, 0, 141.0),
-                restart("job", 140.0, 150.0)])
-    assert [r.get("nvrx_cycle") for r in mon.restarts] == [None, 1, 0]
+                restart("job", 140.0, 150.0),
+                restart("injob", 160.0, 170.0), cycle(1, 1, 165.0)])   # its record read after it (a pod's)
+    assert [r.get("nvrx_cycle") for r in mon.restarts] == [None, 1, 0, 1]
     assert "NVRx cycle 1" in restart_hover(mon.restarts[1]) and "NVRx" not in restart_hover(mon.restarts[0])
     # the nodes NVRx's record names (a spare that waited through the cycle), as text, never markup
     assert mon.restarts[1]["nvrx_nodes"] == {"active_nodes": "n[1,3]", "standby_nodes": "<b>n2</b>"}

@@ -1,21 +1,25 @@
 """Hot spares (``--spare-nodes``): the extra launchers and pods a job gets, as rendered, and which NVRx
 release can run them where. The spare taking a lost node's place in a real job is tested in
-test_engine.py (locally) and test_slurm.py."""
+test_engine.py (locally) and test_slurm_spares.py."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
+from eks_pods import LocalPod
+from test_eks_gpu_cluster import pod_of
 from test_eks_render import eks_spec
 
-from eksft_nb import commands
-from eksft_nb.backends.eks import EksBackend, schemas
+import nvrx_releases as releases
+from eksft_nb import commands, nvrx
+from eksft_nb.backends.eks import EksBackend, names, schemas
+from eksft_nb.backends.eks.failures import CONFIG_ERROR
 from eksft_nb.backends.local import LocalBackend
-from eksft_nb.errors import SpecError
-from eksft_nb.spec import JobSpec
-from eksft_nb import nvrx
-from eksft_nb.errors import JobError
+from eksft_nb.errors import JobError, SpecError
 from eksft_nb.launcher import Ports, launcher_argv
+from eksft_nb.spec import JobSpec
 
 
 @pytest.mark.parametrize("kind", ["job", "jobset"])
@@ -29,6 +33,28 @@ def test_eks_workloads_get_the_spare_pods_and_the_rendezvous_keeps_its_size(kind
     assert job["completions"] == job["parallelism"] == 3
     args = job["template"]["spec"]["containers"][0]["args"]
     assert "--nnodes=2:3" in args   # NVRx's standby nodes: 2 train, the third waits for a lost one's place
+
+
+@pytest.mark.parametrize("release", ["installed", releases.NEWEST])
+def test_an_eks_pod_whose_nvrx_cannot_run_the_spares_stops_before_training(
+        release: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The render cannot know the image's NVRx: the pod's init container (`prepare`, run here with the
+    pod's environment) refuses spares its NVRx cannot run, in one line with the configuration-error exit
+    that fails the job; with NVRx 0.6+ it goes on."""
+    releases.use(release, monkeypatch)
+    m = EksBackend().manifests(eks_spec(name="sparepod", nnodes=2, spare_nodes=1))
+    pod = LocalPod(pod_of(m.workload()), "sparepod-0", tmp_path, m.job[0]["data"],
+                   {names.COMPLETION_INDEX: "0", names.INDEX_FAILURES: "0"})
+    done = pod.run("prepare", timeout=120)
+    if nvrx.supports_own_spares(releases.version(release)):
+        assert done.returncode == 0, done.stderr
+        return
+    assert done.returncode == CONFIG_ERROR, done.stderr
+    [line] = done.stderr.strip().splitlines()
+    version = releases.version(release)
+    assert line.startswith(f"eksft: error: --spare-nodes 1: NVRx {version} takes --nnodes 2:3 as an elastic "
+                           "range and would train on every spare (the NVRx in this image): use NVRx >= 0.6"
+                           ), line
 
 
 def test_pytorchjobs_refuse_spares_in_one_line() -> None:
@@ -73,6 +99,10 @@ def test_each_release_runs_spares_where_it_can_and_a_spec_it_cannot_is_refused_i
             assert line.endswith("or --spare-nodes 0 (a lost node is then a job restart)"), line
             assert "nvidia-resiliency-ext>=0.6" in refused.fix
         assert found.cannot_run(spec.replace(spare_nodes=0)) is None
+    if found.spares == "standby":   # the survivors of a lost node let the spare in: one node has none
+        line = str(found.cannot_run(JobSpec(name="s", nnodes=1, spare_nodes=1)))
+        assert line.startswith(f"--spare-nodes 1 with --nnodes 1: NVRx {version}'s standby nodes"), line
+        assert line.endswith("use --nnodes 2 or more, or --spare-nodes 0 (a lost node is then a job restart)")
 
 
 def test_a_local_job_with_spares_is_refused_before_anything_starts_where_nvrx_cannot_run_them(
