@@ -430,3 +430,25 @@ def test_the_plot_leaves_out_what_cannot_be_estimated() -> None:
     report = replay(stream(level="inprocess"), spec(), Settings((5, 10), inprocess=False)).to_dict()
     fig = whatif_figure(report)
     assert list(fig.data[0].x) == [] and "2 setting(s) cannot be estimated" in fig.layout.title.text
+
+
+@pytest.mark.parametrize("version", ["0.4.1", "0.7.0", None])
+def test_in_process_restart_on_an_nvrx_that_deprecates_it_is_priced_as_in_job(version: str | None) -> None:
+    """NVRx 0.6+ deprecates in-process restart: a job that used it gets one line on what in-job restart,
+    NVRx's way forward, would have cost it (its measured in-job recovery); on 0.4.1 or an unknown NVRx,
+    nothing."""
+    mon = stream(level="inprocess", downtime=0.5, wrapper=(1.5, 0.6, 1.2), nvrx=version)
+    mon.update([make("restart", "j", t=mon.t_end - 1, level="injob", cause="x", blame_rank=0,
+                     fault_time=mon.t_end - 5, detection_s=1.0, downtime_s=4.0, rolled_back_steps=2,
+                     resumed_step=15)])
+    report = replay(mon, spec(), Settings((5,))).to_dict()
+    text = format_report(report)
+    off = report["measured"].get("without_inprocess")
+    if version != "0.7.0":
+        assert off is None and "deprecates in-process" not in text
+        return
+    assert off["setting"]["inprocess"] is False and off["ettr"] is not None and off["nvrx"] == "0.7.0"
+    assert off["terms"]["restart_downtime"] == pytest.approx(4.0 + 4.0)   # both recoveries at in-job's cost
+    points = 100 * (off["ettr"] - report["measured"]["predicted_as_run"]["ettr"])
+    assert (f"NVRx 0.7.0 deprecates in-process restart; in-job restart instead (--no-inprocess): "
+            f"{100 * off['ettr']:.1f}% ETTR ({points:+.1f} points)") in text.splitlines()

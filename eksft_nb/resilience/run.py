@@ -56,7 +56,7 @@ def run_test(launch: Callable[..., object], spec: JobSpec, kinds: Sequence[Fault
                          "choose another --name, or remove them with `python -m eksft_nb rm NAME`")
     folders = _work_folders(spec, backend.name, names)
     card: cards.Card = {"job": spec.name, "expect": [c.text for c in checks], "reference": {}, "rows": [],
-                        "skipped": {}, "problem": "", "passed": False}
+                        "skipped": {}, "problem": "", "passed": False, "note": ""}
     ref_name = names[0]
     most = len([k for k in kinds or FaultKind
                 if k.value not in backend.refused_faults and not engine_refuses(k, spec)])
@@ -96,6 +96,9 @@ def run_test(launch: Callable[..., object], spec: JobSpec, kinds: Sequence[Fault
         say(f"  {'pass' if r['passed'] else 'FAIL'}: {healed}{why}")
         on_row(card)
     card["passed"] = bool(card["rows"]) and all(r["passed"] for r in card["rows"])
+    card["note"] = cards.inprocess_note(ref.nvrx, spec.ft.inprocess, card["rows"])
+    if card["note"]:
+        say(card["note"])
     return card
 
 
