@@ -13,7 +13,7 @@ from typing import Any
 
 from .common import REPO, machine, private_home
 
-PARTS = ("ckpt", "recovery", "goodput", "overhead", "dashboard", "scale", "whatif", "compare")
+PARTS = ("ckpt", "recovery", "goodput", "overhead", "dashboard", "scale", "whatif", "compare", "spares")
 
 
 def main(argv: list[str] | None = None) -> int:
