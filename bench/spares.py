@@ -24,22 +24,26 @@ from typing import Any
 from eksft_nb import nvrx
 from eksft_nb.events import read_all
 
-from .common import REPO, fmt, load_avg, med, stat, table
+from .common import FULL, REPO, SMOKE, fmt, load_avg, med, stat, table
 from .recovery import SPARE_SPEC, eksft_job
 
 SLURM_ARGS = ["--model", "tiny", "--steps", "80", "--ckpt-every", "10", "--seed", "0", "--nnodes", "2",
               "--nproc-per-node", "1", "--no-inprocess", "--fault", "kill-launcher:1@40"]
 
 
-def run(quick: bool) -> dict[str, Any]:
-    repeats = 1 if quick else 2
+def run(size: str) -> dict[str, Any]:
+    """Two pairs per backend (``--quick``: one; ``--smoke``: one local pair, no Slurm)."""
+    repeats = 2 if size == FULL else 1
     found = nvrx.installed()
     out: dict[str, Any] = {"nvrx": found.version if found else None, "load_before": load_avg(),
                            "local": _pairs(repeats, _local), "slurm": None}
-    try:
-        out["slurm"] = _slurm(repeats)
-    except _NoSlurm as e:
-        out["slurm_skipped"] = str(e)
+    if size == SMOKE:
+        out["slurm_skipped"] = "--smoke runs the local pair only"
+    else:
+        try:
+            out["slurm"] = _slurm(repeats)
+        except _NoSlurm as e:
+            out["slurm_skipped"] = str(e)
     out["load_after"] = load_avg()
     return out
 

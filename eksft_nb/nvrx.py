@@ -12,11 +12,13 @@ tier, hot spares and the restart timeline have to follow; this module is the one
 - 0.7 (wheels for Python 3.12 and 3.14 only; its sources run on 3.11): legacy rendezvous and
   ``--ft-restart-policy`` gone.
 
-Capabilities follow the version, except the in-process tier, which is looked up as a module: a
-release that drops ``nvidia_resiliency_ext.inprocess`` loses it whatever its number says.
+Every release takes the same section flags (``--ft-rank-section-timeouts``,
+``--ft-rank-out-of-section-timeout``); a section without a timeout fails its rank in 0.4.x and goes
+unbounded from 0.5. Capabilities follow the version, except the in-process tier, which is looked up
+as a module: a release that drops ``nvidia_resiliency_ext.inprocess`` loses it whatever its number says.
 
-For a check that runs where a job runs (a pod's or a Slurm node's, ``doctor``): :func:`supports_own_spares`
-and :meth:`NVRx.cannot_run`, the one line that refuses a spec this release cannot run.
+What a release cannot run of a spec is decided here, once (:meth:`NVRx.cannot_run`): a local launch asks
+it, and so does ``doctor``, the gate of an EKS pod's prepare step and of a Slurm allocation's batch shell.
 """
 
 from __future__ import annotations
@@ -116,6 +118,26 @@ class NVRx:
                         "use NVRx >= 0.6 (pip install 'nvidia-resiliency-ext>=0.6'; Python 3.12 resolves "
                         "0.7), or --spare-nodes 0 (a lost node is then a job restart)")
 
+    @property
+    def unknown_section_fails(self) -> bool:
+        """A rank that opens a section the config has no timeout for fails (``Unknown section: NAME``,
+        0.4.x); from 0.5 the client skips such a section, leaving its time to the out-of-section timeout.
+        Every release takes the section flags eksft gives (``--ft-rank-section-timeouts``,
+        ``--ft-rank-out-of-section-timeout``: one name from 0.4.1 to 0.7)."""
+        return self.release < (0, 5, 0)
+
+    def nccl_problem(self, nccl: tuple[int, int, int] | None, inprocess: bool) -> str | None:
+        """What NVRx's release notes say of this NCCL with in-process restart; None where nothing."""
+        if nccl is None or not inprocess or self.inprocess == "missing":
+            return None
+        if (2, 28, 3) <= nccl <= (2, 28, 8):
+            return (f"NCCL {'.'.join(map(str, nccl))} crashes NVRx's in-process restart (a segfault: NVRx "
+                    "asks for NCCL < 2.28.3 or >= 2.28.9)")
+        if nccl < (2, 24, 1):
+            return (f"NCCL {'.'.join(map(str, nccl))} initialises its net plugin twice under NVRx's "
+                    "in-process restart: NVRx asks for NCCL_NET_PLUGIN=none below 2.24.1")
+        return None
+
     def launcher_flags(self, cycle_dir: str | None = None) -> list[str]:
         """Flags only this release's ft_launcher takes. eksft's supervisor judges progress itself
         (``ft.progress_patience``), so NVRx's own no-progress cut-off is turned off."""
@@ -158,12 +180,16 @@ def supports_own_spares(version: str) -> bool:
 
 def require() -> NVRx:
     """The installed NVRx, if eksft supports it; else a JobError saying how to get one."""
+    from .preflight import platforms
+
     here = installed()
     if here is None or here.release < OLDEST:
         found = (f"NVRx {here.version} is older than" if here
                  else "NVRx (nvidia-resiliency-ext) is not installed; need")
-        raise JobError(f"{found} {'.'.join(map(str, OLDEST))}",
-                       "pip install 'nvidia-resiliency-ext>=0.4.1' into the environment that runs eksft")
+        python, libc = platforms.here()
+        fix = ("pip install 'nvidia-resiliency-ext>=0.4.1,<0.8' into the environment that runs eksft"
+               if platforms.resolves(python, libc) else platforms.said(python, libc))
+        raise JobError(f"{found} {'.'.join(map(str, OLDEST))}", fix)
     return here
 
 

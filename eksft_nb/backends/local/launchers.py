@@ -11,6 +11,7 @@ replica groups instead): it uses the supervisor's job folder, spec, mark, attemp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -28,17 +29,20 @@ from ... import loopback, nvrx, procs
 from ...events import EventWriter
 from ...jobdir import JobDir
 from ...launcher import ZYGOTE_MODULE, Ports, control_argv, launcher_argv, rank_env
+from ...runtime.keepalive import keepalive
 from ...runtime.quiet import quiet_env
 from ...runtime.warm_shim import SOCKET_ENV as WARM_SOCKET
 from ...runtime.warm_shim import ZYGOTE_ENV as WARM_ZYGOTE
 from ...spec import JobSpec
 from ...states import JobState
+from .beat import Heart
 
 STANDBY_MODULE = "eksft_nb.backends.local.standby"   # a local job's ft_launcher (see its module)
 UNKNOWN_EXIT = -256    # an adopted launcher ended (not our child: its exit status is unknown)
 # a local job's nodes are launchers on one machine: NVRx 0.7's rendezvous host otherwise takes two
 # participants with one address for a misconfiguration and closes the rendezvous (its documented switch)
 ONE_MACHINE = {"NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE": "1"}
+STORE_START_S = 120.0  # the most the rendezvous store's start (torch's import) is given to beat for
 
 
 @dataclass
@@ -85,6 +89,7 @@ class Launchers:
     t_launch: float
     ranks_started: dict[int, float]
     ranks_done: set[int]
+    heart: Heart                           # the supervisor's heartbeat (see .beat)
 
     def _launch(self) -> None:
         """Start this attempt: an ft_launcher per node and spare (handed to its standby where one waits),
@@ -97,8 +102,11 @@ class Launchers:
         # with hot spares the rendezvous store lives outside the launchers (a launcher that hosted it could
         # not be lost): here for NVRx 0.4's handover, in NVRx's own nvrx-control (0.6+) for its standby nodes
         spares = self.spec.spare_nodes and self.nvrx is not None and self.nvrx.spares
-        self.store = _rendezvous_store(ports.rdzv) if spares == "handover" else None
-        if spares == "standby":
+        self.store = None
+        if spares == "handover":
+            with keepalive(self.heart.beat, budget=STORE_START_S):   # importing torch takes a while
+                self.store = _rendezvous_store(ports.rdzv)
+        elif spares == "standby":
             self._start_control(ports, rdzv_id)
         warm = []
         for node in range(self.spec.nnodes + self.spec.spare_nodes):   # spares wait in the rendezvous
@@ -165,7 +173,7 @@ class Launchers:
         if not self.spec.ft.warm_ranks:
             return None
         self.jd.warm.mkdir(mode=0o700, exist_ok=True)
-        name = str(self.jd.warm / f"{tag}.sock")
+        name = self._zygote_socket(tag)
         if tag in self.zygotes and self.zygotes[tag].poll() is None:
             return name
         # what the ranks' interpreter and torch read at start-up must match theirs (see zygote.FIXED_AT_START)
@@ -178,6 +186,9 @@ class Launchers:
                                                  cwd=self.jd.path,
                                                  start_new_session=True)
         return name
+
+    def _zygote_socket(self, tag: str) -> str:
+        return str(self.jd.warm / f"{tag}.sock")
 
     def _start_standby(self) -> None:
         """Start a warm ft_launcher per node for the next attempt (see :mod:`.standby`) once every
@@ -215,6 +226,7 @@ class Launchers:
                 procs.signal_marked(self.job_uid, signal.SIGTERM, node_tag=node.tag)
         deadline = time.time() + 10
         while time.time() < deadline and any(n.poll() is None for n in self.nodes):
+            self.heart.beat()
             time.sleep(0.1)
         nxt = f"{self.attempt + 1}."
         keep = [os.getppid()] + ([p.pid for p in self.standby.values()] +
@@ -226,6 +238,8 @@ class Launchers:
                 zygote.kill()
                 zygote.wait()
                 del self.zygotes[tag]
+                with contextlib.suppress(OSError):   # killed, it cannot remove its socket itself
+                    os.unlink(self._zygote_socket(tag))
         for node in self.nodes:
             if node.popen is not None:
                 node.popen.wait()

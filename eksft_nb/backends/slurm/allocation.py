@@ -13,6 +13,7 @@ It never starts or kills ranks itself: Slurm owns the processes (``scancel`` sig
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -24,9 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from ... import nvrx
-from ...errors import JobError
 from ...events import EventTail, EventWriter
-from ...incidents import NODE_FAULT_WINDOW_S, Incidents
+from ...incidents import ANY_NODE, NODE_FAULT_WINDOW_S, Incidents
 from ...jobdir import JobDir
 from ...launcher import Ports, control_argv, worker_index
 from ...monitor import JobMonitor
@@ -78,12 +78,9 @@ class Watcher:
                              host=socket.gethostname(), pid=os.getpid(), nvrx=here.version if here else None)
         elif self.attempt > 0 and self.incidents.incident is None:
             self._unrecorded_end(backlog[-1].t)
-        if (refused := self._nvrx_refuses()) is not None:
-            print(f"eksft: error: {refused}", file=sys.stderr)
-            self.events.emit("job_end", state=JobState.FAILED, reason=str(refused),
-                             final_step=self.mon.last_step,
-                             digest=None, restarts=self.mon.restarts_by_level())
-            return 1
+        if self.attempt > 0:   # this run is the open incident's job restart
+            self.incidents.group_restarted(ANY_NODE, self.t_launch)
+        # the batch shell's doctor gate has refused what this NVRx cannot run (NVRx.cannot_run)
         self.srun = self._with_release_flags(self.srun)
         if self.spec.spare_nodes:
             self._start_control()
@@ -99,16 +96,12 @@ class Watcher:
         state, reason = self._outcome(code)
         if state is None:
             return 0 if self.signalled else REQUEUE_EXIT   # Slurm's requeue, or ours
+        self.incidents.end(time.time())
+        if state == JobState.FAILED:
+            reason = self.incidents.named(reason)
         self.events.emit("job_end", state=state, reason=reason, final_step=self.mon.last_step,
                          digest=self.mon.digest, restarts=self.mon.restarts_by_level())
         return 0 if state == JobState.SUCCEEDED else 1
-
-    def _nvrx_refuses(self) -> JobError | None:
-        """Why this node's NVRx cannot run the job as rendered (hot spares need 0.6+'s standby nodes)."""
-        if self.nvrx is None:
-            return JobError("NVRx (nvidia-resiliency-ext) is not installed on the job's nodes",
-                            "pip install 'nvidia-resiliency-ext>=0.4.1' into the environment the nodes run")
-        return self.nvrx.cannot_run(self.spec)
 
     def _with_release_flags(self, srun: list[str]) -> list[str]:
         """The step's command with the flags only this NVRx takes (the nodes' and the batch host's are one
@@ -248,7 +241,10 @@ class Watcher:
         return out
 
     def _on_line(self, node: int, seen: LauncherLine) -> None:
-        if seen.kind == "restarting" or self.incidents.incident is not None or self.signalled:
+        if seen.kind in ("restarting", "error"):
+            self.incidents.launcher_line(node, seen)
+            return
+        if self.signalled:
             return
         if len(self.ranks_started) == self.spec.world_size and min(self.ranks_started.values()) > seen.at:
             return   # every rank started again since: an incident already accounted for
@@ -256,17 +252,20 @@ class Watcher:
                 and not any(f["fault"] == "sigterm" for f in self.incidents.recent_faults)):
             # Slurm ending the step (a lost node's peers, scancel) terminates the ranks: not an in-job failure
             return
-        if seen.kind == "hang":
-            self.incidents.hang(seen.at, self.spec.ft.heartbeat_timeout)
-        elif self.spec.spare_nodes and any(f.get("node") is not None and 0 <= seen.at - f["t"]
-                                           < NODE_FAULT_WINDOW_S for f in self.mon.faults):
+        node_lost = any(f.get("node") is not None and 0 <= seen.at - f["t"] < NODE_FAULT_WINDOW_S
+                        for f in self.mon.faults)
+        if seen.kind == "worker_failed" and self.spec.spare_nodes and node_lost:
             # the survivors of a node lost on purpose restart in-job, and NVRx's standby node joins them
-            self.incidents.node_failed("its ft_launcher was lost; a hot spare took its place", seen.at,
-                                       level=RestartLevel.INJOB)
-        else:
-            rank = next((r for r, p in self.mon.rank_pids.items() if p == seen.pid),
-                        node * self.spec.nproc_per_node + seen.local_rank)
-            self.incidents.worker_failed(rank, seen.exitcode, seen.at)
+            # (their ranks' exits are that one incident's)
+            if self.incidents.incident is None:
+                self.incidents.node_failed("its ft_launcher was lost; a hot spare took its place", seen.at,
+                                           level=RestartLevel.INJOB)
+            return
+        rank = next((r for r, p in self.mon.rank_pids.items() if p == seen.pid),
+                    node * self.spec.nproc_per_node + seen.local_rank)
+        if seen.kind == "hang" and seen.timeout_s is None:
+            seen = dataclasses.replace(seen, timeout_s=self.spec.ft.heartbeat_timeout)
+        self.incidents.launcher_line(node, seen, rank)
 
 
 def main(argv: list[str]) -> int:
