@@ -1,6 +1,8 @@
-"""Run a resilience test: the job's fault-free reference run, then one real job per case of the
-plan, each in its own folder, launched through the command layer and followed through its events;
-the outcome is a :class:`~eksft_nb.resilience.card.Card`."""
+"""Run a resilience test: the job's fault-free reference run, then one real job per trial of the plan
+(``repeat`` per fault kind), each in its own folder, launched through the command layer and followed
+through its events; the outcome is a :class:`~eksft_nb.resilience.card.Card`, scored per kind, priced
+(:mod:`eksft_nb.cost`), and kept as a campaign manifest (:mod:`.manifest`) when asked. A re-check
+(``recheck``: a manifest read back) runs the manifest's trials again and names what moved."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from .. import cost as costs
 from ..backends import get_backend
 from ..engines.registry import engine_of
 from ..errors import EksftError
@@ -20,7 +23,9 @@ from ..states import FaultKind, JobState
 from ..timeouts import resolved
 from . import card as cards
 from . import expect as expectations
-from .plan import Case, build, engine_refuses
+from . import manifest as manifests
+from . import scoring
+from .plan import Case, build, engine_refuses, job_name
 
 POLL_S = 0.5
 REFERENCE_TIMEOUT_S = 3600.0
@@ -28,14 +33,20 @@ REFERENCE_TIMEOUT_S = 3600.0
 
 def run_test(launch: Callable[..., object], spec: JobSpec, kinds: Sequence[FaultKind] | None = None,
              expect: str | None = None, *, at_step: int | None = None,
-             tolerance: float = cards.LOSS_TOLERANCE,
+             tolerance: float = cards.LOSS_TOLERANCE, repeat: int = 1, seed: int = 0,
+             pricing: costs.Pricing | None = None, manifest: Path | None = None,
+             recheck: manifests.Manifest | None = None,
              say: Callable[[str], object] = lambda text: None,
              on_row: Callable[[cards.Card], object] = lambda card: None) -> cards.Card:
-    """Test ``spec`` (its name is the test's: the jobs are NAME-ref and NAME-KIND), each job started
-    with ``launch(spec, faults)`` (the command layer's). ``say`` narrates; ``on_row`` gets the card
-    after each case (a live view)."""
+    """Test ``spec`` (its name is the test's: the jobs are NAME-ref and NAME-KIND, or NAME-KIND-N for
+    ``repeat`` trials a kind), each job started with ``launch(spec, faults)`` (the command layer's).
+    ``manifest``: write the campaign's manifest there (after each trial); ``recheck``: run its plan again.
+    ``say`` narrates; ``on_row`` gets the card after each trial (a live view)."""
     checks = expectations.parse(expect)
     spec = spec.validate()
+    pricing = pricing or costs.Pricing()
+    if recheck is not None:
+        kinds, repeat, seed = [FaultKind(k) for k in recheck.kinds], recheck.repeat, recheck.seed
     if spec.checkpoint.dir:
         raise EksftError("a resilience test gives each case its own checkpoints, but --ckpt-dir names "
                          "one folder for all", "leave --ckpt-dir unset")
@@ -48,20 +59,28 @@ def run_test(launch: Callable[..., object], spec: JobSpec, kinds: Sequence[Fault
     if unfired:   # known before any job runs too (the case's launch would refuse it after the reference)
         raise EksftError(f"--faults names kinds the {spec.engine} engine cannot fire: {', '.join(unfired)}",
                          f"leave them out of --faults (it fires {', '.join(engine_of(spec).fires(spec))})")
-    names = [f"{spec.name}-ref",
-             *(f"{spec.name}-{k.value}"[:63].rstrip("-") for k in (kinds or list(FaultKind)))]
+    trial_numbers = [None] if repeat == 1 else list(range(1, repeat + 1))
+    names = [f"{spec.name}-ref", *(job_name(spec.name, k, n) for k in (kinds or list(FaultKind))
+                                   for n in trial_numbers)]
+    if recheck is not None:
+        names += [c.job for c in manifests.cases(recheck, spec.name) if c.job not in names]
     taken = sorted({j.name for j in backend.jobs()} & set(names))
     if taken:
-        raise EksftError(f"jobs {', '.join(taken)} already exist",
+        shown_ = ", ".join(taken[:5]) + (f" and {len(taken) - 5} more" if len(taken) > 5 else "")
+        raise EksftError(f"jobs {shown_} already exist",
                          "choose another --name, or remove them with `python -m eksft_nb rm NAME`")
     folders = _work_folders(spec, backend.name, names)
     card: cards.Card = {"job": spec.name, "expect": [c.text for c in checks], "reference": {}, "rows": [],
-                        "skipped": {}, "problem": "", "passed": False}
+                        "skipped": {}, "problem": "", "passed": False, "kinds": [],
+                        "plan": {"seed": seed, "repeat": repeat, "window": None, "plan_id": None,
+                                 "recheck": recheck.plan_id if recheck is not None else None,
+                                 "manifest": str(manifest) if manifest else None},
+                        "cost": {"gpus": spec.world_size, "pricing": pricing.to_dict()}}
     ref_name = names[0]
     most = len([k for k in kinds or FaultKind
-                if k.value not in backend.refused_faults and not engine_refuses(k, spec)])
-    say(f"running the fault-free reference {ref_name} first: up to {most} case(s) follow, each about as long "
-        "as it plus a recovery (its checkpoints set the step the faults fire at)")
+                if k.value not in backend.refused_faults and not engine_refuses(k, spec)]) * repeat
+    say(f"running the fault-free reference {ref_name} first: up to {most} trial job(s) follow, each about as "
+        "long as it plus a recovery (its checkpoints set the steps the faults fire at)")
     if folders:
         say(f"each job runs the script in its own working folder under {folders[ref_name].parent}, so what "
             "it saves beside itself (its own checkpoints) never carries over from one job to the next")
@@ -74,28 +93,61 @@ def run_test(launch: Callable[..., object], spec: JobSpec, kinds: Sequence[Fault
         ended = f"it ended {ref_state.value}" + (f" ({ref.reason})" if ref.reason else "")
         card["problem"] = f"the reference run {ref_name} did not succeed: {end or ended}"
         return card
-    plan = build(spec, ref, spec.name, kinds, refused=backend.refused_faults, at_step=at_step)
+    ref_cost = scoring.reference_costs(ref, spec.world_size, pricing)
+    card["cost"].update(checkpoints=ref_cost["checkpoints"], ckpt_share=ref_cost["ckpt_share"],
+                        step_s=ref_cost["step_s"])
+    plan = build(spec, ref, spec.name, kinds, refused=backend.refused_faults, at_step=at_step, repeat=repeat,
+                 seed=seed)
+    if recheck is not None and not plan.problem:
+        plan.cases, plan.window = manifests.cases(recheck, spec.name), recheck.window
     card["skipped"], card["problem"] = plan.skipped, plan.problem
+    card["plan"]["window"] = list(plan.window) if plan.window else None
+    expected = {c.kind.value: c.expected for c in plan.cases}
+    expected_then = {(t.kind, t.trial): t.observed for t in recheck.trials} if recheck is not None else {}
+
+    def scored() -> None:
+        card["kinds"] = scoring.score(card["rows"], plan.kinds, repeat, expected, plan.problem, pricing,
+                                      spec.world_size)
+        card["passed"] = bool(card["rows"]) and not plan.problem and all(k["ok"] for k in card["kinds"])
+        card["cost"]["projection"] = scoring.projection(card["cost"], card["kinds"], card["rows"], pricing,
+                                                        spec.world_size, spec.nnodes)
+        if manifest is not None:
+            m = manifests.build(card, spec, plan.cases, seed, repeat, plan.window, plan.kinds, tolerance)
+            card["plan"]["plan_id"] = m["plan_id"]
+            manifests.write(manifest, m)
+
     if plan.problem:
         say(f"no case can run: {plan.problem}")
+        scored()
         return card
-    expected = plan.expected_s(wall, spec)
-    kinds_text = ", ".join(c.kind.value for c in plan.cases)
-    say(f"plan: {len(plan.cases)} case(s) ({kinds_text}), each fault at step "
-        f"{plan.fault_step}; the reference took {wall:.0f}s, so expect about {_minutes(expected)} in all")
+    expected_s = plan.expected_s(wall, spec)
+    kinds_text = ", ".join(dict.fromkeys(c.kind.value for c in plan.cases))
+    where = f"each fault at step {plan.fault_step}" if repeat == 1 and recheck is None else \
+        f"{repeat} trial(s) a kind at steps {plan.window[0]}-{plan.window[1]} (seed {seed})" if plan.window \
+        else "the manifest's steps"
+    say(f"plan: {len(plan.cases)} trial(s) ({kinds_text}), {where}; the reference took {wall:.0f}s, so "
+        f"expect about {_minutes(expected_s)} in all")
     for case in plan.cases:
-        say(f"case {case.kind.value}: {case.job}, {case.kind.value} on {case.target} at step {case.step}"
+        label = case.kind.value if repeat == 1 else f"{case.kind.value} #{case.trial}"
+        say(f"case {label}: {case.job}, {case.kind.value} on {case.target} at step {case.step}"
             + (f" ({case.note})" if case.note else ""))
         case_spec = _in(spec, folders, case.job)
-        card["rows"].append(_run_case(launch, case_spec, case, ref, checks, wall, tolerance))
-        r = card["rows"][-1]
+        r = _run_case(launch, case_spec, case, ref, checks, wall, tolerance)
+        scoring.price_trial(r, ref_cost["step_s"], spec.world_size, pricing)   # type: ignore[arg-type]
+        if recheck is not None:
+            then = expected_then.get((case.kind.value, case.trial))
+            r["why"] += manifests.differences(then, r)   # type: ignore[arg-type]
+            r["note"] = "; ".join(n for n in (r["note"], *manifests.changes(then, r)) if n)  # type: ignore
+            r["passed"] = not r["why"]
+        card["rows"].append(r)
         healed = "absorbed without a restart" if r["level"] == "none" else \
             f"healed at level {r['level'] or '-'}"
         healed += f", restored from {r['restored_from']}" if r["restored_from"] else ""
         why = f"; {'; '.join(r['why'])}" if r["why"] else ""
-        say(f"  {'pass' if r['passed'] else 'FAIL'}: {healed}{why}")
+        say(f"  {'pass' if r['passed'] else 'FAIL'}: {healed}, cost {costs.text(r['cost'])}{why}")
+        scored()
         on_row(card)
-    card["passed"] = bool(card["rows"]) and all(r["passed"] for r in card["rows"])
+    scored()
     return card
 
 
