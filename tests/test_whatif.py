@@ -106,7 +106,8 @@ def test_the_inputs_are_what_the_events_measured() -> None:
     inp = measure(stream(), spec())
     # 20 steps of 1 s; saves at 5, 10, 15, 20 blocking 0.5 s; the fault at step 13's start lost 11 and 12
     assert (inp.steps, inp.step_s, inp.saves, inp.stall_per_save_s) == (20, 1.0, 4, 0.5)
-    assert inp.failures == [{"step": 12, "level": "injob", "downtime_s": 4.0, "detection_s": 1.0, "lost": 2,
+    assert inp.failures == [{"step": 12, "level": "injob", "cause": "injected sigkill on rank 1",
+                             "downtime_s": 4.0, "detection_s": 1.0, "lost": 2,
                              "node_loss": False, "phases": {}, "wrapper_s": None, "committed": 10}]
     assert inp.wall_s == pytest.approx(2 + 22 + 2.0 + 4.0)   # startup + steps run + stall + downtime
     assert (inp.mtbf_s, inp.recovery_s, inp.detection_s) == (pytest.approx(30.0), 4.0, 1.0)
