@@ -106,3 +106,16 @@ def test_any_duration_text_is_a_duration_or_one_line(text: str) -> None:
         assert "\n" not in str(e)
     else:
         assert 0 < seconds <= cost.MAX_RUN_S
+
+
+def test_the_goodput_bar_says_what_the_faults_and_checkpoints_cost() -> None:
+    from eksft_nb.dashboard.parts import GoodputBar
+
+    seconds = {"productive": 80.0, "checkpoint_stall": 4.0, "checkpoint_interference": 2.0,
+               "restart_downtime": 6.0, "recomputed": 3.0, "skipped": 0.0, "startup": 3.0, "other": 2.0}
+    bar = GoodputBar(seconds=seconds, gpus=4)
+    assert "(faults 0.01 GPU-h, checkpoints 0.00667 GPU-h)" in bar.value and "GPU-hours only" in bar.value
+    p = cost.pricing(SPEC, "p5.48xlarge")
+    bar.usd_per_gpu_hour, bar.price = p.usd_per_gpu_hour, p.said
+    assert "faults 0.01 GPU-h ($0.07)" in bar.value and "lost 0.0222 GPU-h ($0.15)" in bar.value
+    assert "restart downtime: 6.0s (6.0%), 0.00667 GPU-h ($0.05)" in bar.value   # each term's tooltip

@@ -414,6 +414,46 @@ def faulted_job() -> str:
     return "whatif-real"
 
 
+def test_every_setting_and_the_summary_carry_gpu_hours_and_dollars(faulted_job: str) -> None:
+    """The real job's what-if and summary priced at p5.48xlarge and scaled to 30 days on 16 nodes."""
+    from eksft_nb import cost
+    from eksft_nb.goodput import compute
+    from eksft_nb.job import attach
+    from eksft_nb.resilience.whatif_cost import text
+
+    scale = {"price": "p5.48xlarge", "run_for": "30d", "nodes": 16, "failures_per_day": 2.0}
+    report = commands.whatif(faulted_job, ckpt_every="5,10", **scale)
+    m = report["measured"]
+    lost_s = sum(v for k, v in m["terms"].items() if k != "productive")
+    assert m["cost"]["lost"]["gpu_h"] == pytest.approx(lost_s * 2 / 3600, abs=1e-5)
+    assert m["cost"]["lost"]["usd"] == pytest.approx(m["cost"]["lost"]["gpu_h"] * 6.88, abs=1e-3)
+    for row in [m["predicted_as_run"], *report["rows"]]:
+        assert row["cost"]["lost"]["gpu_h"] > 0 and row["cost"]["lost"]["usd"] > 0, row
+        proj = row["projection"]
+        assert proj["gpus"] == 128 and proj["failures_expected"] == 60.0 and proj["lost"]["usd"] > 0
+        assert "2 failures a day (given)" in proj["assumes"]
+    [five, ten] = report["rows"]
+    assert five["vs_as_run"]["gpu_h"] == pytest.approx(0.0, abs=1e-6)   # the job's own interval
+    assert ten["vs_as_run"]["gpu_h"] == pytest.approx(ten["projection"]["lost"]["gpu_h"]
+                                                     - five["projection"]["lost"]["gpu_h"], abs=1e-3)
+    saving = report["cost"]["saving"]
+    assert "over 30d at 16 x p5.48xlarge (a model" in saving, saving
+    assert "every 10 steps instead of 5 saves ~$" in saving or "own settings" in saving, saving
+    shown = text(report)
+    assert "at scale: " in shown and "assumes:" in shown and "$" in shown
+    summary = commands.summary(faulted_job, **scale)
+    gp = compute(attach(faulted_job).refresh())
+    a = summary["cost"]
+    assert a["faults"]["gpu_h"] == pytest.approx((gp.restart_downtime_s + gp.recomputed_s) * 2 / 3600, abs=1e-5)
+    assert a["checkpoints"]["usd"] == pytest.approx(
+        (gp.checkpoint_stall_s + gp.checkpoint_interference_s) * 2 / 3600 * 6.88, abs=1e-3)
+    assert a["projection"]["failures_expected"] == 60.0 and cost.PRICES_AS_OF in a["pricing"]["price"]
+    # its saves against their floor: the ranks measured their copies while staging
+    f = summary["checkpoint_floor"]
+    assert f["saves"] >= 5 and f["copy_bps"] > 0 and 0 < f["stall_floor_s"] <= f["stall_s"], f
+    assert 0 < f["write_floor_s"] <= f["write_s"], f
+
+
 def test_the_magic_shows_the_table_and_the_plot(faulted_job: str, ip: object,
                                                 capsys: pytest.CaptureFixture) -> None:
     ip.run_line_magic("ftrain", f"whatif {faulted_job} --ckpt-every 5,10 --no-inprocess")
