@@ -444,7 +444,8 @@ def test_every_setting_and_the_summary_carry_gpu_hours_and_dollars(faulted_job: 
     summary = commands.summary(faulted_job, **scale)
     gp = compute(attach(faulted_job).refresh())
     a = summary["cost"]
-    assert a["faults"]["gpu_h"] == pytest.approx((gp.restart_downtime_s + gp.recomputed_s) * 2 / 3600, abs=1e-5)
+    faults_s = gp.restart_downtime_s + gp.recomputed_s
+    assert a["faults"]["gpu_h"] == pytest.approx(faults_s * 2 / 3600, abs=1e-5)
     assert a["checkpoints"]["usd"] == pytest.approx(
         (gp.checkpoint_stall_s + gp.checkpoint_interference_s) * 2 / 3600 * 6.88, abs=1e-3)
     assert a["projection"]["failures_expected"] == 60.0 and cost.PRICES_AS_OF in a["pricing"]["price"]
