@@ -265,44 +265,28 @@ def resilience_test(spec: JobSpec, faults: str | None = None, expect: str | None
                     **cost_options: Any) -> dict[str, Any]:
     """Run ``spec`` fault-free, then ``repeat`` times per fault kind that applies (``faults``:
     "sigkill,hang"), and check each trial against ``expect``; the report card (see :mod:`.resilience.card`).
-    ``manifest``: write the campaign manifest to this file; ``recheck``: a manifest (:func:`read_manifest`)
+    ``manifest``: write the campaign manifest to this file; ``recheck``: a manifest (:func:`test_base`)
     whose plan runs again; ``cost_options``: price, run_for, nodes, failures_per_day."""
-    from pathlib import Path
-
     from .resilience import card, plan, run
 
     tolerance = card.LOSS_TOLERANCE if loss_tolerance is None else loss_tolerance
     if not (isinstance(tolerance, (int, float)) and 0 < tolerance < 1):
         raise EksftError(f"--loss-tol {shown(loss_tolerance)} is not a fraction",
                          "use e.g. --loss-tol 0.02 (2 %)")
-    if isinstance(repeat, bool) or not isinstance(repeat, int) or not 1 <= repeat <= plan.MAX_REPEAT:
-        raise EksftError(f"--repeat {shown(repeat)} is not a number of trials from 1 to {plan.MAX_REPEAT}",
-                         "write e.g. --repeat 3")
-    if isinstance(plan_seed, bool) or not isinstance(plan_seed, int) or abs(plan_seed) >= 2**63:
-        raise EksftError(f"--plan-seed {shown(plan_seed)} is not a whole number", "write e.g. --plan-seed 7")
-    path = Path(manifest).expanduser() if manifest else None
-    if path is not None and not path.parent.is_dir():   # found out now, not after the test's jobs
-        raise EksftError(f"--manifest {shown(manifest)}: folder {path.parent} does not exist",
-                         "create it first")
-    if recheck is not None and (faults is not None or repeat != 1):
-        raise EksftError("--recheck runs the manifest's own plan", "leave out --faults and --repeat")
+    replanned = recheck is not None and (faults, repeat) != (None, 1)
+    path = run.check_campaign(repeat, plan_seed, manifest, replanned)
     p = cost.pricing(spec, **cost_options)
     return dict(run.run_test(launch, spec, plan.parse_kinds(faults), expect, at_step=at_step, say=say,
                              on_row=on_row, tolerance=tolerance, repeat=repeat, seed=plan_seed, pricing=p,
                              manifest=path, recheck=recheck))
 
 
-def read_manifest(path: str) -> Any:
-    """A campaign manifest read back and checked (see :mod:`.resilience.manifest`): ``test --recheck``."""
+def test_base(args: argparse.Namespace) -> tuple[JobSpec | None, Any]:
+    """What a test's spec options apply to (a ``--spec`` file, else a ``--recheck`` manifest's spec, read
+    back and checked: :mod:`.resilience.manifest`), and the manifest (None without ``--recheck``)."""
     from .resilience import manifest
 
-    return manifest.read(path)
-
-
-def test_base(args: argparse.Namespace) -> tuple[JobSpec | None, Any]:
-    """What a test's spec options apply to (a ``--spec`` file, else a ``--recheck`` manifest's spec), and
-    the manifest (None without ``--recheck``)."""
-    m = read_manifest(args.recheck) if getattr(args, "recheck", None) else None
+    m = manifest.read(args.recheck) if getattr(args, "recheck", None) else None
     return (JobSpec.load(args.spec_file) if args.spec_file else m.spec if m is not None else None), m
 
 

@@ -204,6 +204,14 @@ def test_bad_input_is_refused_before_any_job_runs(ip: object, tmp_path: Path) ->
     assert proc.returncode == 2 and "the torchft engine cannot fire: segfault" in proc.stderr, proc.stderr
     proc = cli("test", "--name", "bad", "--junit", str(tmp_path / "no" / "card.xml"))
     assert proc.returncode == 2 and "does not exist" in proc.stderr, proc.stderr
+    proc = cli("test", "--name", "bad", "--repeat", "0", "--manifest", str(tmp_path / "m.json"))
+    assert proc.returncode == 2 and "--repeat 0 is not a number of trials" in proc.stderr, proc.stderr
+    proc = cli("test", "--name", "bad", "--price", "p9.huge")
+    assert proc.returncode == 2 and "neither a price nor an instance type" in proc.stderr, proc.stderr
+    (tmp_path / "bad.json").write_text('{"format": "eksft-campaign", "version": 7}')
+    proc = cli("test", "--name", "bad", "--recheck", str(tmp_path / "bad.json"))
+    assert proc.returncode == 2 and "bad.json: not a version-1 eksft-campaign" in proc.stderr, proc.stderr
+    assert not (tmp_path / "m.json").exists()
     with pytest.raises(UsageError, match="unknown expectation"):
         ip.run_line_magic("ftrain", 'test --name bad --expect "lvl<3"')
     with pytest.raises(UsageError, match="--script names a script too"):

@@ -14,7 +14,7 @@ from pathlib import Path
 from .. import cost as costs
 from ..backends import get_backend
 from ..engines.registry import engine_of
-from ..errors import EksftError
+from ..errors import EksftError, shown
 from ..goodput import compute
 from ..job import Job
 from ..monitor import JobMonitor
@@ -25,7 +25,7 @@ from . import card as cards
 from . import expect as expectations
 from . import manifest as manifests
 from . import scoring
-from .plan import Case, build, engine_refuses, job_name
+from .plan import MAX_REPEAT, Case, build, engine_refuses, job_name
 
 POLL_S = 0.5
 REFERENCE_TIMEOUT_S = 3600.0
@@ -63,7 +63,17 @@ def run_test(launch: Callable[..., object], spec: JobSpec, kinds: Sequence[Fault
     names = [f"{spec.name}-ref", *(job_name(spec.name, k, n) for k in (kinds or list(FaultKind))
                                    for n in trial_numbers)]
     if recheck is not None:
-        names += [c.job for c in manifests.cases(recheck, spec.name) if c.job not in names]
+        again = manifests.cases(recheck, spec.name)
+        shape = f"{recheck.spec.nnodes} node(s) x {recheck.spec.nproc_per_node}"
+        for case in again:   # its injections must fit this version of the job, said up front
+            for f in case.faults:
+                try:
+                    f.validate(spec.world_size, spec.nnodes)
+                except EksftError as e:
+                    raise EksftError(f"the manifest's trial {case.kind.value} #{case.trial} does not fit "
+                                     f"this job: {e.problem}",
+                                     f"re-check a job of its shape ({shape})") from None
+        names += [c.job for c in again if c.job not in names]
     taken = sorted({j.name for j in backend.jobs()} & set(names))
     if taken:
         shown_ = ", ".join(taken[:5]) + (f" and {len(taken) - 5} more" if len(taken) > 5 else "")
@@ -149,6 +159,24 @@ def run_test(launch: Callable[..., object], spec: JobSpec, kinds: Sequence[Fault
         on_row(card)
     scored()
     return card
+
+
+def check_campaign(repeat: int, seed: int, manifest: str | None, replanned: bool = False) -> Path | None:
+    """The command layer's check of a campaign's options: the trials a kind, the seed, the manifest's folder
+    (found out now, not after the test's jobs), no plan of its own beside a re-check's; the manifest's
+    path."""
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or not 1 <= repeat <= MAX_REPEAT:
+        raise EksftError(f"--repeat {shown(repeat)} is not a number of trials from 1 to {MAX_REPEAT}",
+                         "write e.g. --repeat 3")
+    if isinstance(seed, bool) or not isinstance(seed, int) or abs(seed) >= 2**63:
+        raise EksftError(f"--plan-seed {shown(seed)} is not a whole number", "write e.g. --plan-seed 7")
+    path = Path(manifest).expanduser() if manifest else None
+    if path is not None and not path.parent.is_dir():
+        raise EksftError(f"--manifest {shown(manifest)}: folder {path.parent} does not exist",
+                         "create it first")
+    if replanned:   # a re-check with --faults or --repeat
+        raise EksftError("--recheck runs the manifest's own plan", "leave out --faults and --repeat")
+    return path
 
 
 def _run_case(launch: Callable[..., object], spec: JobSpec, case: Case, ref: JobMonitor,
