@@ -549,6 +549,10 @@ def test_a_seeded_plan_draws_each_kinds_trials_at_distinct_steps_and_ranks() -> 
     drawn = [c for s in range(40)
              for c in plan.build(spec, ref, "t", [FaultKind.SIGKILL], repeat=3, seed=s).cases if c.trial > 1]
     assert {c.faults[0].rank for c in drawn} == {0, 1, 2, 3} and {11, 28} <= {c.step for c in drawn}
+    # a fault that lasts steps ends before the job does (a full disk 10 steps, a straggler 20, of 30)
+    lasting = plan.build(spec, ref, "t", [FaultKind.DISK_FULL, FaultKind.SLOW_RANK], repeat=3, seed=7)
+    assert all(10 <= c.step <= 20 for c in lasting.cases if c.kind == FaultKind.DISK_FULL)
+    assert {c.step for c in lasting.cases if c.kind == FaultKind.SLOW_RANK} == {10}
     # one run a kind is the card as it always was; a long name keeps its trial's suffix
     assert [c.job for c in plan.build(spec, ref, "t", KINDS).cases] == ["t-sigkill", "t-exception"]
     assert plan.job_name("x" * 70, FaultKind.CORRUPT_CHECKPOINT, 12).endswith("x-corrupt-checkpoint-12")

@@ -3,10 +3,11 @@ each kind's trials fire, and how long the whole test should take.
 
 A kind runs ``repeat`` times (``test --repeat N``): its first trial at the first step after the reference
 run's first committed checkpoint, on the engine's target rank (the one case a single run has always had);
-the others at distinct steps of the window from there to two steps before the end, on ranks and nodes drawn
-with the plan's seed. The draw is a function of the seed, the kinds, the window and the job's shape alone,
-so a seed gives the same plan whenever the reference gives the same window (a campaign manifest keeps the
-plan itself: :mod:`.manifest`).
+the others at distinct steps of the window from there to two steps before the end (a fault that lasts
+``duration`` steps: early enough to end before the job does), on ranks and nodes drawn with the plan's
+seed. The draw is a function of the seed, the kind, the window and the job's shape alone, so a seed gives
+the same plan whenever the reference gives the same window (a campaign manifest keeps the plan itself:
+:mod:`.manifest`).
 
 The kinds and their scopes come from :class:`~eksft_nb.states.FaultKind` (the one registry), and what
 the job's engine fires from the engine (:meth:`~eksft_nb.engines.base.Engine.fires`); this module only
@@ -158,6 +159,11 @@ def draw(spec: JobSpec, base: str, kinds: Sequence[FaultKind], window: tuple[int
     for kind in kinds:
         rng = random.Random(f"{seed}:{kind.value}")   # a kind's draw does not move with the kinds asked
         lo, hi = window
+        # a fault that lasts steps (a straggler, a full disk) ends before the job does: its trial tests the
+        # recovery, not the job's end
+        lasts = REGISTRY[kind].params.get("duration")
+        if lasts is not None:
+            hi = max(lo, min(hi, hi + TAIL_STEPS - lasts.default))
         later = list(range(lo + 1, hi + 1))
         steps = [lo, *rng.sample(later, min(len(later), repeat - 1))]
         steps += [rng.randint(lo, hi) for _ in range(repeat - len(steps))]   # a narrow window repeats steps
