@@ -283,7 +283,8 @@ def account(seconds: Mapping[str, float], restarts: int, gpus: int, nodes: int, 
         steady = seconds.get("productive", 0.0) + ckpt_s + seconds.get("other", 0.0)
         per = faults_s / restarts if restarts else None
         out["projection"] = project(Losses(ckpt_s / steady if steady else 0.0, per, restarts, wall, nodes,
-                                           f"this job's {restarts} recoveries" if restarts else ""), p)
+                                           f"this job's {restarts} recover{'y' if restarts == 1 else 'ies'}"
+                                           if restarts else ""), p)
     return out
 
 

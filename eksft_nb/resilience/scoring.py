@@ -129,7 +129,7 @@ def kinds_text(card: Mapping[str, Any]) -> list[str]:
     mean cost per fault (and at the named scale)."""
     if not card.get("kinds"):
         return []
-    lines = [f"  {'kind':<20}{'passed':>7}  {'healed at':<16}{'detect':<20}{'downtime':<22}{'lost':<12}"
+    lines = [f"  {'kind':<20}{'passed':>7}  {'healed at':<18}{'detect':<20}{'downtime':<22}{'lost':<12}"
              "cost per fault"]
     for k in card["kinds"]:
         levels = ", ".join(f"{lv}" if n == k["trials"] else f"{lv} x{n}"
@@ -137,7 +137,7 @@ def kinds_text(card: Mapping[str, Any]) -> list[str]:
         price = costs.text(k["cost"])
         if k.get("cost_at_scale"):
             price += f"; {costs.text(k['cost_at_scale'])} at the named scale"
-        lines.append(f"  {k['kind']:<20}{k['passed']:>3}/{k['trials']:<3}  {levels:<16}"
+        lines.append(f"  {k['kind']:<20}{k['passed']:>3}/{k['trials']:<3}  {levels:<17} "
                      f"{_s(k['detection_s']):<20}"
                      f"{_s(k['downtime_s']):<22}{_s(k['lost'], ''):<12}{price}"
                      + ("" if k["ok"] else "  FAIL"))
