@@ -182,6 +182,11 @@ def pricing(spec: Any, price: str | None = None, run_for: str | None = None, nod
     return Pricing(chosen.usd / node_gpus, said, node_gpus, run)
 
 
+def options_of(args: Any) -> dict[str, Any]:
+    """The cost options of a parsed command line (``commands.COST``), for the operations that price."""
+    return {k: getattr(args, k, None) for k in ("price", "run_for", "nodes", "failures_per_day")}
+
+
 def text(cost: Mapping[str, float | None]) -> str:
     """``1.23 GPU-h ($6.77)``; ``-`` where nothing was measured."""
     if cost.get("gpu_h") is None:

@@ -4,14 +4,16 @@ One event is one JSON object on one line::
 
     {"v": 1, "t": 1764403200.12, "kind": "step", "job": "demo", "rank": 0, "step": 12, ...}
 
-Ranks and the supervisor append events to ``<job>/events.jsonl`` (one ``write()`` per line, so
-concurrent writers never interleave) and, on Kubernetes, print them to stdout behind
-:data:`LOG_PREFIX` so the pod logs carry them. Readers accept unknown kinds and extra fields, so
-adding a field or a kind keeps the version; renaming or removing one bumps :data:`SCHEMA_VERSION`.
+Ranks and the supervisor append events to ``<job>/events.jsonl`` (one ``write()`` per line, under
+the file's lock, so concurrent writers never interleave and a full disk leaves no torn line) and,
+on Kubernetes, print them to stdout behind :data:`LOG_PREFIX` so the pod logs carry them. Readers
+accept unknown kinds and extra fields, so adding a field or a kind keeps the version; renaming or
+removing one bumps :data:`SCHEMA_VERSION`.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -78,6 +80,10 @@ KINDS: dict[str, dict[str, tuple[type, ...] | type]] = {
     "quorum": {"quorum_id": int, "participants": int, "step": int},
     "heal": {"from_step": int, "step": int, "skipped_batches": int, "heal_s": _num},
     "step_discarded": {"step": int, "reason": str},
+    # torchft: a peer one of the job's servers refused, because it did not prove it holds the job's secret,
+    # or a quorum member that is not one of the job's groups (where: the lighthouse's gateway, a group's
+    # manager server or checkpoint transport, a quorum; peer: host:port; reason: what it did)
+    "intruder": {"where": str, "peer": str, "reason": str},
     # any writer, once it can write again after failing to (a full disk): what the events file lacks
     "events_lost": {"count": int, "first_t": _num, "last_t": _num, "error": str},
     # every rank under NVRx's in-process Wrapper: the seconds it added to the rank's process (phase in
@@ -99,15 +105,20 @@ OPTIONAL: dict[str, dict[str, tuple[type, ...] | type]] = {
     # and, from storage, why not from memory and the seconds that check took
     "resume": {"source": str, "verify_s": _num, "memory": _opt_str, "memory_s": _num},
     "job_end": {"digest": _opt_str, "restarts": dict},
-    "rank_error": {"waiting": bool},
+    # fatal: no restart can help (the checkpoint the job starts from is gone): the line the job ends with;
+    # where: the file and line the error was raised at (eksft_nb.rank_errors.raised_at)
+    "rank_error": {"waiting": bool, "fatal": str, "where": str},
     # when the incarnation began (process start, or re-entry after an in-process restart) and when its
     # process groups were formed; a torchft group's process: each set-up phase -> when it ended (imports,
     # session, model, manager, wiring; see eksft_nb.engines.torchft.trainer)
     "rank_start": {"t_enter": _num, "t_group": _num, "t_setup": dict},
     # phases: phase -> seconds (RESTART_PHASES), summing to downtime_s; restored_from: the resume's source
-    "restart": {"phases": dict, "restored_from": _opt_str},
+    # recovered: false for a restart that happened but failed before its first step (the next failure's
+    # incident follows it; absent: true)
+    "restart": {"phases": dict, "restored_from": _opt_str, "recovered": bool},
     "gpu_health": {"note": _opt_str, "interval_s": _num},
     "gpu_fault": {"xid": _opt_int, "count": _opt_int, "throttle": _opt_int},
+    "intruder": {"claimed": _opt_str},   # the replica id it gave, if any
 }
 
 RESTART_LEVELS = tuple(level.value for level in RestartLevel)
@@ -119,6 +130,9 @@ WRAPPER_PHASES = ("setup", "exit")
 CHECKPOINT_PHASES = ("begin", "staged", "committed", "failed", "rejected")
 JOB_STATES = tuple(s.value for s in JobState if s in RECORDED_ENDS)   # what a job_end event may say
 GPU_FAULTS = ("xid", "ecc", "throttle")
+# where a torchft job refused an intruder: its Lighthouse's gateway, a group's manager server or checkpoint
+# transport, a quorum a group would not take part in
+INTRUDER_PLACES = ("lighthouse", "manager", "transport", "quorum")
 
 
 # what a number of a known field may be: finite, and >= 0 unless SIGNED names it; below MAX_TIME if
@@ -198,6 +212,8 @@ def check(kind: str, data: dict[str, Any]) -> None:
                           f"{WRAPPER_PHASES} with seconds >= 0")
     if kind == "gpu_fault" and data["fault"] not in GPU_FAULTS:
         raise SchemaError(f"gpu_fault.fault {data['fault']!r} not in {GPU_FAULTS}")
+    if kind == "intruder" and data["where"] not in INTRUDER_PLACES:
+        raise SchemaError(f"intruder.where {str(data['where'])[:40]!r} not in {INTRUDER_PLACES}")
     if kind == "job_end" and data["state"] not in JOB_STATES:
         raise SchemaError(f"job_end.state {data['state']!r} not in {JOB_STATES}")
 
@@ -336,11 +352,14 @@ class EventWriter:
             sys.stdout.flush()
 
     def _append(self, line: str) -> bool:
-        """Append one whole record: a short write is continued until all of it is written; one that
-        fails part-way leaves a torn line, which the next record ends first (so it is not swallowed)."""
+        """Append one whole record, or none of it: a short write is continued until all of it is
+        written, and one that fails part-way (a full disk) is cut off again, under the file's lock, which
+        every writer of the job takes to append. Where it cannot be cut off, the torn line is left and
+        the next record ends it first (so it is not swallowed; readers skip it)."""
         lead = b"\n" if self._torn else b""
         data = memoryview(lead + line.encode())
         written = 0
+        locked = _lock(self._fd)
         try:
             while written < len(data):
                 n = os.write(self._fd, data[written:])
@@ -351,8 +370,11 @@ class EventWriter:
             return True
         except OSError as e:
             self._last_error = e.strerror or type(e).__name__
-            if written:
-                self._torn = written > len(lead)
+            if written > len(lead):
+                self._torn = not (locked and _cut(self._fd, written - len(lead)))
+        finally:
+            if locked:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
         return False
 
     def _lost_record(self, now: float) -> str:
@@ -387,6 +409,39 @@ class EventWriter:
                 self._append(self._lost_record(time.time()))
             os.close(self._fd)
             self._fd = None
+
+
+LOCK_WAIT_S = 0.5   # an append waits this long at most for the lock (held a few microseconds per record)
+
+
+def _lock(fd: int) -> bool:
+    """Take the events file's append lock; False where it cannot be had (a file that takes no lock, e.g.
+    ``/dev/full``, or a network filesystem without locking) or is not given up in :data:`LOCK_WAIT_S`
+    (its holder stopped, SIGSTOP): the record is then appended without it, never waited on for good."""
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        except OSError:
+            return False
+
+
+def _cut(fd: int, torn: int) -> bool:
+    """Remove the last ``torn`` bytes of the file (a record this writer wrote part of), if they are
+    still its end; whether it was cut."""
+    try:
+        end = os.fstat(fd).st_size
+        if os.lseek(fd, 0, os.SEEK_CUR) != end:
+            return False
+        os.ftruncate(fd, end - torn)
+    except OSError:
+        return False
+    return True
 
 
 class EventTail:

@@ -20,7 +20,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import MagicArgumentParser
 from IPython.display import display
 
-from . import cli, commands
+from . import cli, commands, cost
 from .commands import ARGS, MAGIC
 from .control import FaultCommand
 from .dashboard import Dashboard
@@ -47,6 +47,8 @@ LINE_USAGE = """\
 %ftrain whatif [NAME] [--ckpt-every 5,10,20] [--no-inprocess] [--ckpt-mode sync] [--spares N] [--apply]
                                       the job's failures replayed under other settings (--apply: set
                                       the recommended interval live; --price, --for: in dollars)
+%ftrain check [spec options] [--from JOB]   every timeout acting on a job, and what contradicts
+%ftrain doctor [spec options]         versions here, what each supports, what a spec would be refused
 %%ftrain test [options] + code        resilience test of the cell's code
 NAME defaults to the job this notebook launched, attached or resumed last; --backend eks (any command)
 reaches jobs on the cluster of the kubeconfig's current context."""
@@ -115,6 +117,8 @@ class FtrainMagics(Magics):
             print(commands.dry_run(spec, faults=args.fault))
             return
         row = commands.launch(spec, args.fault)
+        for warning in row["warnings"]:
+            print(f"warning: {warning}")
         self._show(attach(row["name"], spec.backend))
 
     # ---- %ftrain -----------------------------------------------------------------------------
@@ -129,6 +133,14 @@ class FtrainMagics(Magics):
         cmd = args.command
         if cmd == "test":   # its --backend is the job spec's
             self._test(args, "")
+            return
+        if cmd == "check":
+            report = commands.check(_cell_spec(args, "", "check"), args.from_job, args.from_backend)
+            cli.show(report, args.json, lambda r: r["message"])
+            return
+        if cmd == "doctor":
+            report = commands.doctor(_cell_spec(args, "", "doctor"), on_node=args.on_node)
+            cli.show(report, args.json, lambda r: r["message"])
             return
         backend = args.backend or "local"
         if cmd == "list":
@@ -170,14 +182,14 @@ class FtrainMagics(Magics):
 
             report = commands.whatif(name, ckpt_every=args.ckpt_every, inprocess=args.inprocess,
                                      ckpt_mode=args.ckpt_mode, spares=args.spares, backend=backend,
-                                     **commands.cost_options(args))
+                                     **cost.options_of(args))
             cli.show(report, args.json, text)
             if not args.json:
                 display(whatif_figure(report))
             if args.apply:
                 print(commands.apply_whatif(name, backend=backend, wait=30.0)["message"])
         elif cmd == "summary":
-            cli.show(commands.summary(name, backend, **commands.cost_options(args)), args.json,
+            cli.show(commands.summary(name, backend, **cost.options_of(args)), args.json,
                      cli.format_summary)
         else:
             cli.show(commands.checkpoints(name, backend), args.json, cli.format_checkpoints)
@@ -186,6 +198,7 @@ class FtrainMagics(Magics):
         """``%ftrain test`` (the job its options describe) or ``%%ftrain test`` (the cell's code): the
         narration as it runs, then the report card (and its JUnit XML with --junit)."""
         from .dashboard.figure import FigureWidget
+        from .resilience import manifest as manifests
         from .resilience.card import junit, table
         from .resilience.figures import card_figure
 
@@ -193,7 +206,7 @@ class FtrainMagics(Magics):
         if junit_path is not None and not junit_path.parent.is_dir():
             raise UsageError(f"--junit {args.junit}: folder {junit_path.parent} does not exist\n"
                              "  → create it first")
-        base, manifest = commands.test_base(args)
+        base, manifest = manifests.test_base(args)
         spec = _cell_spec(args, cell, "test", base).validate()
         live = FigureWidget()   # the card's figure, redrawn after each case (its JavaScript by reference)
         display(live)
@@ -201,7 +214,7 @@ class FtrainMagics(Magics):
                                         loss_tolerance=args.loss_tol, repeat=args.repeat,
                                         plan_seed=args.plan_seed, manifest=args.manifest, recheck=manifest,
                                         say=print, on_row=lambda c: card_figure(c, live),
-                                        **commands.cost_options(args))
+                                        **cost.options_of(args))
         card_figure(card, live)
         live.settle()   # a notebook saved now redraws the whole card, not the empty figure first shown
         if junit_path is not None:

@@ -97,8 +97,9 @@ w.close()
 
 
 def test_a_short_write_leaves_no_half_line_that_swallows_the_next_record(tmp_path: Path) -> None:
-    """A write the file system cuts short (a full disk, a size limit) loses that record only: the
-    next ones (the record of what was lost, then the next step) are read whole."""
+    """A write the file system cuts short (a full disk, a size limit) loses that record only, and
+    leaves none of it: the writer cuts off what got through, and the next records (the record of what
+    was lost, then the next step) are read whole."""
     import subprocess
     import sys
 
@@ -107,10 +108,39 @@ def test_a_short_write_leaves_no_half_line_that_swallows_the_next_record(tmp_pat
     done = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
-    assert path.read_bytes().count(b"\n") == 4   # the torn line ended, three whole records
+    lines = path.read_bytes().splitlines(keepends=True)
+    assert len(lines) == 3 and all(line.endswith(b"\n") and decode(line.decode()) for line in lines), lines
     events = EventTail(path).read()
     assert [(e.kind, e.get("step")) for e in events] == [("step", 1), ("events_lost", None), ("step", 3)]
     assert events[1]["count"] == 1 and events[1]["kinds"] == {"step": 1}
+
+
+def test_an_append_never_waits_for_good_on_a_stopped_lock_holder(tmp_path: Path) -> None:
+    """A writer stopped (SIGSTOP) while it holds the events file's lock: the others append without it
+    after a moment instead of blocking behind it (a supervisor blocked there would stop beating)."""
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    path = tmp_path / "events.jsonl"
+    path.touch()
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, signal, sys\n"
+                               "fd = os.open(sys.argv[1], os.O_WRONLY)\n"
+                               "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+                               "os.kill(os.getpid(), signal.SIGSTOP)", str(path)])
+    try:
+        assert os.WIFSTOPPED(os.waitpid(holder.pid, os.WUNTRACED)[1])   # stopped, the lock held
+        writer = EventWriter(path, "j", rank=0)
+        append = threading.Thread(target=writer.emit, args=("step",),
+                                  kwargs={"step": 1, "loss": 1.0, "tokens": 8, "step_time": 0.1}, daemon=True)
+        append.start()
+        append.join(60)   # the holder never lets go: an append that waits for it never returns
+        assert not append.is_alive()
+        assert [e["step"] for e in EventTail(path).read()] == [1]
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_a_record_behind_a_torn_line_is_still_read(tmp_path: Path) -> None:

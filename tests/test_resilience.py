@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from eksft_nb.engines.torchft.checks import FAULTS as TORCHFT_FAULTS
+from eksft_nb.engines.torchft.hold import restart_point
 from eksft_nb.errors import EksftError
 from eksft_nb.events import make
 from eksft_nb.goodput import missing_batches
@@ -23,7 +25,7 @@ from eksft_nb.resilience import expect, plan
 from eksft_nb.resilience.card import Row, junit, state_check, table
 from eksft_nb.spec import JobSpec
 from eksft_nb.states import FaultKind
-from jobs import cli, events, job_dir
+from jobs import cli, events, job_dir, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -476,13 +478,35 @@ def test_a_torchft_row_reads_the_groups_recovery_and_fails_where_they_diverged()
     assert "restored from peer; 3 batches skipped" in text and "consistent" in text, text
 
 
+def alone_steps(name: str) -> list:
+    """The steps job ``name`` committed with one replica group's batch (none before it exists)."""
+    try:
+        return [e for e in events(name, "step") if e["batches"] == 1]
+    except OSError:
+        return []
+
+
 @pytest.mark.slow
 def test_torchft_groups_heal_each_fault_and_the_card_reads_how(tmp_path: Path) -> None:
     pytest.importorskip("torchft")
-    rc, card, narration, failures = run_test(
-        "rtft", "--engine", "torchft", "--nnodes", "2", "--nproc-per-node", "1", "--steps",
-        str(TORCHFT_STEPS), "--ckpt-every", "5", "--at-step", "30", "--faults", "sigkill,exception",
-        "--expect", "level<=job, lost<=0, state=reference", tmp=tmp_path)
+    from test_torchft import Holds
+
+    # the sigkill case's killed group (group 1) is held before it sets up again until its peer committed a
+    # step alone: the card's row then reads a heal with batches skipped, whichever process starts faster
+    holds = Holds(tmp_path / "holds")
+    holds.add(restart_point(1, 1))
+    release = threading.Thread(target=lambda: (wait_for("the sigkill case's peer to train alone", lambda: (
+        alone_steps("rtft-sigkill") or not holds.held()), timeout=1500), holds.release()), daemon=True)
+    release.start()
+    try:
+        with holds.env():
+            rc, card, narration, failures = run_test(
+                "rtft", "--engine", "torchft", "--nnodes", "2", "--nproc-per-node", "1", "--steps",
+                str(TORCHFT_STEPS), "--ckpt-every", "5", "--at-step", "30", "--faults", "sigkill,exception",
+                "--expect", "level<=job, lost<=0, state=reference", tmp=tmp_path)
+    finally:
+        holds.release()
+        release.join(30)
     rows = {r["case"]: r for r in card["rows"]}
     assert list(rows) == ["sigkill", "exception"] and card["skipped"] == {}, narration[-3000:]
     ref_digest = card["reference"]["digest"]

@@ -15,6 +15,7 @@ valid for its spec, at most :data:`MAX_BYTES` long.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import math
@@ -114,6 +115,13 @@ def write(path: Path, manifest: Mapping[str, Any]) -> None:
         atomic_write(path, json.dumps(manifest, indent=1, sort_keys=True, allow_nan=False))
     except OSError as e:
         raise EksftError(f"cannot write the manifest {path} ({e.strerror})", "pick a writable file") from None
+
+
+def test_base(args: argparse.Namespace) -> tuple[JobSpec | None, Manifest | None]:
+    """What a test's spec options apply to (a ``--spec`` file, else a ``--recheck`` manifest's spec, read
+    back and checked), and the manifest (None without ``--recheck``)."""
+    m = read(args.recheck) if getattr(args, "recheck", None) else None
+    return (JobSpec.load(args.spec_file) if args.spec_file else m.spec if m is not None else None), m
 
 
 def read(path: str | os.PathLike[str]) -> Manifest:

@@ -10,6 +10,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from .. import cost as costs
 from ..backends import get_backend
@@ -25,7 +26,7 @@ from . import card as cards
 from . import expect as expectations
 from . import manifest as manifests
 from . import scoring
-from .plan import MAX_REPEAT, Case, build, engine_refuses, job_name
+from .plan import MAX_REPEAT, Case, build, engine_refuses, job_name, parse_kinds
 
 POLL_S = 0.5
 REFERENCE_TIMEOUT_S = 3600.0
@@ -159,6 +160,27 @@ def run_test(launch: Callable[..., object], spec: JobSpec, kinds: Sequence[Fault
         on_row(card)
     scored()
     return card
+
+
+def campaign(launch: Callable[..., object], spec: JobSpec, faults: str | None = None,
+             expect: str | None = None, *, at_step: int | None = None,
+             loss_tolerance: float | None = None, repeat: int = 1, plan_seed: int = 0,
+             manifest: str | None = None, recheck: manifests.Manifest | None = None,
+             say: Callable[[str], object] = lambda text: None,
+             on_row: Callable[[cards.Card], object] = lambda card: None, **cost_options: Any) -> cards.Card:
+    """The command layer's test: its options checked (``faults``: "sigkill,hang"; ``manifest``: where to
+    write the campaign manifest; ``recheck``: a manifest (:func:`.manifest.test_base`) whose plan runs again;
+    ``cost_options``: price, run_for, nodes, failures_per_day), then :func:`run_test`."""
+    tolerance = cards.LOSS_TOLERANCE if loss_tolerance is None else loss_tolerance
+    if not (isinstance(tolerance, (int, float)) and 0 < tolerance < 1):
+        raise EksftError(f"--loss-tol {shown(loss_tolerance)} is not a fraction",
+                         "use e.g. --loss-tol 0.02 (2 %)")
+    replanned = recheck is not None and (faults, repeat) != (None, 1)
+    path = check_campaign(repeat, plan_seed, manifest, replanned)
+    pricing = costs.pricing(spec, **cost_options)
+    return run_test(launch, spec, parse_kinds(faults), expect, at_step=at_step, say=say, on_row=on_row,
+                    tolerance=tolerance, repeat=repeat, seed=plan_seed, pricing=pricing, manifest=path,
+                    recheck=recheck)
 
 
 def check_campaign(repeat: int, seed: int, manifest: str | None, replanned: bool = False) -> Path | None:
