@@ -265,9 +265,9 @@ def _int(v: Any, what: str, low: int, high: int) -> int:
 
 
 def _kind(v: Any, what: str) -> str:
-    if v not in {k.value for k in FaultKind}:
+    if not isinstance(v, str) or v not in {k.value for k in FaultKind}:   # a list or a dict is no kind
         raise _Bad(f"{what} {shown(v)} is not a fault kind")
-    return str(v)
+    return v
 
 
 # ---- a re-check: the same plan again --------------------------------------------------------------
