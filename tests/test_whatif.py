@@ -455,6 +455,24 @@ def test_every_setting_and_the_summary_carry_gpu_hours_and_dollars(faulted_job: 
     assert 0 < f["write_floor_s"] <= f["write_s"], f
 
 
+def test_the_dashboard_prices_the_goodput_bar_and_shows_the_saves_floor(faulted_job: str) -> None:
+    """The widget dashboard on the same real job (no run of its own): the goodput bar's cost line at the
+    price asked for, and the checkpoint table's line of the stall against its floor."""
+    from eksft_nb.dashboard import Dashboard
+    from eksft_nb.job import attach
+
+    dash = Dashboard(attach(faulted_job), live=False, price="p5.48xlarge")
+    try:
+        dash.update()
+        bar = dash.goodput.value
+        assert "on 2 GPU(s): lost " in bar and "(faults " in bar and "$" in bar, bar
+        assert "p5.48xlarge" in bar and "GPU-hours only" not in bar, bar
+        floor = dash.checkpoints.floor
+        assert floor.startswith("checkpoint stall ") and "x its floor" in floor and "GB/s" in floor, floor
+    finally:
+        dash.close()
+
+
 def test_the_magic_shows_the_table_and_the_plot(faulted_job: str, ip: object,
                                                 capsys: pytest.CaptureFixture) -> None:
     ip.run_line_magic("ftrain", f"whatif {faulted_job} --ckpt-every 5,10 --no-inprocess")
