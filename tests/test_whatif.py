@@ -483,6 +483,35 @@ def test_the_magic_shows_the_table_and_the_plot(faulted_job: str, ip: object,
     assert list(line.x) == [5, 10] and all(0 < y < 100 for y in line.y)   # ETTR in percent, per interval
 
 
+def test_an_exception_healed_in_process_is_charged_as_the_jobs_own_in_job_restarts_of_its_cause() -> None:
+    """In-process restart off: an exception healed in-process becomes an in-job restart; its downtime is
+    learned from the job's in-job restarts caused by exceptions, else charged as those of other causes and
+    the term said to be estimated (an exception's rank ends its process first, which a kill skips)."""
+    from dataclasses import replace
+
+    from eksft_nb.resilience.whatif import cause_kind
+
+    s = spec()
+    inp = measure(stream(level="inprocess", downtime=0.5), s)
+    healed = {**inp.failures[0], "cause": "injected exception on rank 0"}
+    injob = {**healed, "level": "injob", "step": 17, "wrapper_s": None}
+    off = Setting(5, False, "sync", 0)
+    killed = predict(replace(inp, failures=[healed, {**injob, "cause": "injected sigkill on rank 1",
+                                                     "downtime_s": 3.0}]), as_run(s), off)
+    assert killed.estimated == ["restart_downtime"] and killed.terms["restart_downtime"] == pytest.approx(6.0)
+    said = "estimated: the inprocess recovery at step 12 becomes injob"
+    assert any(n.startswith(said) for n in killed.notes), killed.notes
+    kill = {**injob, "cause": "injected sigkill on rank 1", "downtime_s": 3.0}
+    raised = predict(replace(inp, failures=[healed, {**injob, "downtime_s": 5.0}, kill]), as_run(s), off)
+    assert raised.estimated == [] and raised.terms["restart_downtime"] == pytest.approx(5.0 + 5.0 + 3.0)
+    assert any("the mean of the job's 1 exception-caused injob ones" in n for n in raised.notes), raised.notes
+    assert raised.to_dict()["estimated"] == [] and killed.to_dict()["estimated"] == ["restart_downtime"]
+    causes = ("injected exception on rank 0", "injected hang on rank 1", "injected segfault on rank 0",
+              "rank 1 failed: ValueError: x", "hang: no heartbeat from rank 0 for 30s",
+              "rank 0 killed by SIGKILL")
+    assert [cause_kind(c) for c in causes] == ["exception", "hang", "loss", "exception", "hang", "loss"]
+
+
 def test_the_plot_leaves_out_what_cannot_be_estimated() -> None:
     from eksft_nb.resilience.figures import whatif_figure
 
