@@ -131,7 +131,7 @@ def _row(rows: list[RowDict], name: str, value: Timeout | float | None, acts: st
     rows.append(
         {
             "name": name,
-            "seconds": None if value is None else round(float(value), 1),
+            "seconds": None if value is None else _seconds(float(value)),
             "source": source,
             "acts": acts,
         }
@@ -443,6 +443,11 @@ def measured(mon: Any) -> tuple[float | None, float | None]:
         t for i, t in enumerate(steps.step_time) if t > 0 and not (i and steps.step[i] <= steps.step[i - 1])
     ]  # a restart's first step aside
     times = sorted(times[1:])
-    step = round(times[len(times) // 2], 3) if times else None
     saves = [c.t_done - c.t_begin for c in mon.saves if c.t_done is not None and c.t_begin is not None]
-    return step, round(max(saves), 3) if saves else None
+    return _seconds(times[len(times) // 2]) if times else None, _seconds(max(saves)) if saves else None
+
+
+def _seconds(value: float) -> float:
+    """Tenths of a second, and three significant figures below one: a tiny model's step (a few
+    milliseconds) is small, never zero."""
+    return round(value, 1) if value >= 1 else float(f"{value:.3g}")
