@@ -297,6 +297,8 @@ def test_a_job_that_never_checkpoints_fails_the_card_with_the_reason(tmp_path: P
     rc, card, _, failures = run_test("nockpt", "--steps", "12", "--ckpt-every", "0", tmp=tmp_path)
     assert rc == 1 and not card["passed"] and card["rows"] == []
     assert "never committed a checkpoint" in card["problem"], card
+    # no manifest asked for, yet the card names its plan (what a --manifest run of it would record)
+    assert len(card["plan"]["plan_id"]) == 16 and int(card["plan"]["plan_id"], 16) >= 0, card["plan"]
     assert list(failures) == ["plan"] and "never committed a checkpoint" in failures["plan"][0]
     assert job_dir("nockpt-ref").is_dir() and not job_dir("nockpt-sigkill").exists()   # no case ran
     # every kind that applies fails its row with the reason (the storage kinds too: it saved its last step)
@@ -644,6 +646,8 @@ def test_trials_are_scored_per_kind_with_their_spread_and_what_they_cost() -> No
     text = table(card)
     assert "sigkill               1/3" in text and "5.00s [4.00s-9.00s]" in text and "injob x2, job" in text
     assert "sigkill #2" in text
+    recheck = table({**card, "plan": {**card["plan"], "recheck": "m1"}})
+    assert "FAILED (3 trials per kind, seed 2, plan x, a re-check of plan m1)" in recheck, recheck
     assert validate_junit(junit(card))["sigkill #3"] == ["lost 6 steps, expected lost<=4"]
 
 

@@ -251,7 +251,8 @@ def table(card: Card) -> str:
     plan = card.get("plan") or {}
     repeat = plan.get("repeat", 1)
     lines = [f"resilience test of {card['job']}: " + ("PASSED" if card["passed"] else "FAILED")
-             + (f" ({repeat} trials per kind, seed {plan.get('seed', 0)}, plan {plan.get('plan_id')})"
+             + (f" ({repeat} trials per kind, seed {plan.get('seed', 0)}, plan {plan.get('plan_id')}"
+                + (f", a re-check of plan {plan['recheck']})" if plan.get("recheck") else ")")
                 if repeat > 1 or plan.get("recheck") else ""),
              f"expect: {', '.join(card['expect'])}"]
     if card["problem"]:

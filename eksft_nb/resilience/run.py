@@ -122,9 +122,9 @@ def run_test(launch: Callable[..., object], spec: JobSpec, kinds: Sequence[Fault
         card["passed"] = bool(card["rows"]) and not plan.problem and all(k["ok"] for k in card["kinds"])
         card["cost"]["projection"] = scoring.projection(card["cost"], card["kinds"], card["rows"], pricing,
                                                         spec.world_size, spec.nnodes)
+        m = manifests.build(card, spec, plan.cases, seed, repeat, plan.window, plan.kinds, tolerance)
+        card["plan"]["plan_id"] = m["plan_id"]   # with or without a manifest written: the card names its plan
         if manifest is not None:
-            m = manifests.build(card, spec, plan.cases, seed, repeat, plan.window, plan.kinds, tolerance)
-            card["plan"]["plan_id"] = m["plan_id"]
             manifests.write(manifest, m)
 
     if plan.problem:
