@@ -35,7 +35,8 @@ class Ports:
 
 def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports: Ports, rdzv_id: str,
                   log_dir: str | None = None, nvrx: NVRx | None = None, cycle_dir: str | None = None,
-                  store_elsewhere: bool = False, warm_python: str | None = None) -> list[str]:
+                  store_elsewhere: bool = False, warm_python: str | None = None,
+                  gpu: bool | None = None) -> list[str]:
     """``ft_launcher ...`` for one node (argv[0] is the bare command name).
 
     ``node_rank`` may be a Kubernetes reference such as ``"$(EKSFT_NODE_RANK)"``, which the kubelet
@@ -48,14 +49,16 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
     any node, the first included, can be lost while a hot spare takes its place).
     ``warm_python``: each worker is :mod:`.runtime.warm_shim` run by that interpreter, which turns it
     into a rank forked from the node's zygote (:mod:`.runtime.zygote`) when there is one.
+    ``gpu``: the timeouts for GPU (or CPU) nodes whatever the spec says (a Slurm job without ``--gres``
+    renders both lines and picks one where it runs); None: as the spec's backend derives them.
     A loopback ``rdzv_host`` means every node is this machine: it is then each node's address too, so
     the ranks' ``MASTER_ADDR`` is loopback and the stores rank 0 hosts listen there alone (see
     :mod:`.loopback`), not on the address the host name resolves to.
     """
-    ft = resolved(spec).ft   # the timeouts as the backend derives them where the spec leaves them unset
+    ft = resolved(spec, gpu).ft   # the timeouts as the backend derives them where the spec leaves them unset
     # SIGTERM to the launcher (a drain, a preemption) reaches the ranks, which save before they exit: on
     # GPUs it waits the grace period for that before SIGKILL (a restart's stop has its own timeout)
-    grace = derive(spec)
+    grace = derive(spec, gpu)
     term = grace.grace.seconds if grace.gpu else 5
     argv = [
         "ft_launcher",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,9 @@ GPU_FLOORS = {"soft": 300.0, "hard": 600.0, "heartbeat": 900.0, "initial": 1200.
 # what the CPU demo and the tests run with (the local backend without CUDA)
 CPU_VALUES = {"soft": 4.0, "hard": 8.0, "heartbeat": 15.0, "initial": 120.0, "collective": 3.0,
               "checkpoint_group": 600.0, "grace": 60.0}
+# a Slurm job without ``--gres gpu:N``: the GPUs its batch shell counted on the node (see
+# eksft_nb.backends.slurm.gpus), for the watcher and every rank there
+NODE_GPUS_ENV = "EKSFT_NODE_GPUS"
 # spec field (in spec.ft) -> name here
 SPEC_FIELDS = {"soft_timeout": "soft", "hard_timeout": "hard", "heartbeat_timeout": "heartbeat",
                "initial_heartbeat_timeout": "initial", "collective_timeout": "collective"}
@@ -69,12 +73,14 @@ def state_bytes(spec: JobSpec) -> int:
 
 
 def on_gpu(spec: JobSpec) -> bool:
-    """Whether the job's ranks run on GPUs: EKS pods or Slurm nodes (``--gres gpu:N``) that request them,
-    or a local job on CUDA (a cheap probe of the driver, so the command line need not import torch)."""
+    """Whether the job's ranks run on GPUs: EKS pods or Slurm nodes (``--gres gpu:N``, or without it the
+    GPUs counted on the node, :data:`NODE_GPUS_ENV`) that request them, or a local job on CUDA (a cheap
+    probe of the driver, so the command line need not import torch)."""
     if spec.backend == "eks":
         return spec.eks.gpus_per_node > 0
     if spec.backend == "slurm":
-        return spec.slurm.gpus_per_node > 0
+        counted = os.environ.get(NODE_GPUS_ENV, "")
+        return spec.slurm.gpus_per_node > 0 or (counted.isdigit() and int(counted) > 0)
     if spec.device != "auto":
         return spec.device == "cuda"
     gpus = Path("/proc/driver/nvidia/gpus")
