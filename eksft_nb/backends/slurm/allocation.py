@@ -152,7 +152,7 @@ class Watcher:
             return self._end(*outcome)
         if not self.job_id:
             return self._end(JobState.FAILED, f"{outcome} (and no $SLURM_JOB_ID to requeue: sbatch runs it)")
-        job = cluster.show_job(self.job_id)
+        job = self._job()
         try:
             cluster.requeue(self.job_id)
         except EksftError as e:
@@ -205,7 +205,7 @@ class Watcher:
             return JobState.FAILED, self.net_failure
         finished = self.mon.digest is not None or (not self.spec.script
                                                    and self.mon.last_step >= self.spec.steps)
-        job = cluster.show_job(self.job_id) if (self.signalled or self.drained) and self.job_id else None
+        job = self._job() if self.signalled or self.drained else None
         if self.drained is not None and not finished:
             if job is not None and job.slurm_state == "CANCELLED":   # scancel: the ranks saved in KillWait
                 d = self.drained
@@ -262,8 +262,12 @@ class Watcher:
         node = self.lost_node
         if node is None or job is None or self.drained is not None:
             return
-        excluded = sorted({*cluster.hostnames(job.excluded), node}) if job.excluded else [node]
-        total = cluster.partition(job.partition).get("TotalNodes", "")
+        try:
+            excluded = sorted({*cluster.hostnames(job.excluded), node}) if job.excluded else [node]
+            total = cluster.partition(job.partition).get("TotalNodes", "")
+        except EksftError as e:
+            print(f"eksft: node {node} failed; not kept off the requeued run: {e}", file=sys.stderr)
+            return
         if not total.isdigit() or int(total) - len(excluded) < self.spec.nnodes:
             print(f"eksft: node {node} failed; not kept off the requeued run: partition {job.partition} has "
                   f"no {self.spec.nnodes} nodes without it", file=sys.stderr)
@@ -274,6 +278,14 @@ class Watcher:
                   file=sys.stderr)
         except EksftError as e:
             print(f"eksft: node {node} failed; could not keep the requeued run off it: {e}", file=sys.stderr)
+
+    def _job(self) -> cluster.SlurmJob | None:
+        """Slurm's record of this job; None where it has none or does not answer."""
+        try:
+            return cluster.show_job(self.job_id) if self.job_id else None
+        except EksftError as e:
+            print(f"eksft: {e}", file=sys.stderr)
+            return None
 
     # ---- the start ---------------------------------------------------------------------------------
     def _gpu_run(self) -> bool:
