@@ -4,7 +4,7 @@
 #   make test   set up (venv, NVRx 0.6.0 beside it, Chromium for the browser test, Prometheus for the
 #               dashboard test) and run the test suite
 #   make demo   set up and run the headless demo only
-#   make bench  set up and run the benchmarks (make bench-quick: the short version)
+#   make bench  set up and run the benchmarks, each run's JSON kept in bench/results/ (bench-quick: short)
 #   make docs   set up and build the docs site (docs/, Sphinx + MyST) into build/docs/html
 
 PYTHON ?= python3

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .common import PY, REPO, fmt, load_avg, med, rank_env, ratio, stat, table
+from .common import FULL, PY, QUICK, REPO, SMOKE, fmt, load_avg, med, rank_env, ratio, stat, table
 
 BASELINES = ("torch.save", "dcp.save", "dcp.async_save")
 EKSFT, FLOOR = "eksft async", "memcpy floor"
@@ -24,14 +24,18 @@ TARGET_FLOOR_X, TARGET_DCP_X = 1.5, 0.1
 # peak memory of a run per byte of state: the state and its gradients, and one copy each for the
 # memcpy floor, eksft's staging buffers and dcp.async_save's staging, with some margin
 MEMORY_PER_STATE_BYTE = 5.0
-STATE_BYTES = {"100MB": 102 * 2**20, "1GB": 961 * 2**20, "4GB": 3840 * 2**20}
+STATE_BYTES = {"2MB": 2 * 2**20, "100MB": 102 * 2**20, "1GB": 961 * 2**20, "4GB": 3840 * 2**20}
 
 
-def run(quick: bool, sizes: tuple[str, ...] | None = None) -> dict[str, Any]:
-    """``sizes``: the state sizes to measure (default: 100 MB with ``quick``, else 100 MB, 1 GB and
-    4 GB; a size this machine has not the memory for is reported as skipped)."""
-    sizes = sizes or (("100MB",) if quick else ("100MB", "1GB", "4GB"))
-    saves = 3 if quick else 5
+# size -> (state sizes, measured saves per method)
+RUNS = {FULL: (("100MB", "1GB", "4GB"), 5), QUICK: (("100MB",), 3), SMOKE: (("2MB",), 2)}
+
+
+def run(size: str, sizes: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """``sizes``: the state sizes to measure instead of ``size``'s (a size this machine has not the memory
+    for is reported as skipped)."""
+    default, saves = RUNS[size]
+    sizes = sizes or default
     return {"saves_per_method": saves, "targets": {"eksft_blocked_vs_floor_max": TARGET_FLOOR_X,
                                                    "eksft_blocked_vs_dcp_save_max": TARGET_DCP_X},
             "sizes": {size: _skip(size) or measure(size, saves) for size in sizes}}

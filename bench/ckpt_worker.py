@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# (vocab, d_model, n_layers, n_heads): model + AdamW state of about 100 MB, 1 GB and 4 GB
-SIZES = {"100MB": (8192, 256, 6, 4), "1GB": (16384, 1024, 4, 16), "4GB": (32768, 2048, 4, 16)}
+# (vocab, d_model, n_layers, n_heads): model + AdamW state of about 2 MB (the tests' smallest input), 100 MB,
+# 1 GB and 4 GB
+SIZES = {"2MB": (512, 64, 2, 4), "100MB": (8192, 256, 6, 4), "1GB": (16384, 1024, 4, 16),
+         "4GB": (32768, 2048, 4, 16)}
 BATCH, SEQ = 2, 32
 CLEAN_STEPS = 3          # steps before each save: the unloaded step time
 MAX_OVERLAP_STEPS = 400  # a save that is not committed after this many steps is reported as such

@@ -18,6 +18,12 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
+RESULTS = REPO / "bench" / "results"   # every run's raw JSON, kept: README.md's figures come from there
+
+# How much each part runs: ``full`` (the figures), ``quick`` (a few minutes: each part's short version) and
+# ``smoke`` (the smallest input: proves each part runs and computes, in seconds; the tests run it)
+FULL, QUICK, SMOKE = "full", "quick", "smoke"
+SIZES = (FULL, QUICK, SMOKE)
 
 
 @dataclass(frozen=True)

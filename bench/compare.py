@@ -13,24 +13,30 @@ from __future__ import annotations
 from typing import Any
 
 from eksft_nb.errors import EksftError
-from eksft_nb.resilience.compare import compare, plan, text
+from eksft_nb.resilience.compare import FaultPlan, compare, plan, text
 from eksft_nb.spec import JobSpec
+
+from .common import FULL, QUICK, SMOKE
 
 SEED = 7
 EVERY = 20
-# (model, steps, faults). Two faults: a second sigkill while torchft's first killed group still restarts (27 s
-# under load) could take the other group too, and every group lost is a failed job until the torchft engine
-# checkpoints. --quick is the tests' (CI time): it proves the part runs, one fault (the sigkill, at step 87)
-# on 300 steps, the 213 after it room for the killed torchft group to come back (the test requires it)
-# however fast the steps; notebooks/07_engines.ipynb (its test checks every fault's level) runs both kinds
-FULL, QUICK = ("tiny", 600, 2), ("tiny", 300, 1)
+# size -> (model, steps, faults). Two faults: a second sigkill while torchft's first killed group still
+# restarts (27 s under load) could take the other group too, and every group lost is a failed job until the
+# torchft engine checkpoints. --quick and --smoke run notebooks/07_engines.ipynb's plan (the sigkill at 64,
+# the exception at 124, on 300 steps: the rest is room for the killed torchft group to come back however fast
+# the steps): the tests run it once, in the notebook, and check both the notebook's and this part's figures
+# on that one run
+RUNS = {FULL: ("tiny", 600, 2), QUICK: ("tiny", 300, 2), SMOKE: ("tiny", 300, 2)}
 
 
-def run(quick: bool) -> dict[str, Any]:
-    model, steps, n = QUICK if quick else FULL
-    fault_plan = plan(SEED, steps, n, EVERY)
-    result = compare(fault_plan, JobSpec().replace(**{"model.preset": model, "seed": 0}), name="cmp",
-                     say=lambda line: print(f"   {line}", flush=True))
+def fault_plan(size: str) -> FaultPlan:
+    _, steps, n = RUNS[size]
+    return plan(SEED, steps, n, EVERY)
+
+
+def run(size: str) -> dict[str, Any]:
+    result = compare(fault_plan(size), JobSpec().replace(**{"model.preset": RUNS[size][0], "seed": 0}),
+                     name="cmp", say=lambda line: print(f"   {line}", flush=True))
     ended = [f"{e['label']} {e['state']} ({e['reason']})" for e in result["engines"].values()
              if e["state"] != "succeeded"]
     if ended:

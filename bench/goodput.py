@@ -17,7 +17,7 @@ from eksft_nb.job import launch
 from eksft_nb.monitor import JobMonitor
 from eksft_nb.spec import JobSpec
 
-from .common import fmt, load_avg, table
+from .common import FULL, QUICK, SMOKE, fmt, load_avg, table
 
 CONFIGS = {
     "async ckpt, in-process on": {"checkpoint.mode": "async", "ft.inprocess": True},
@@ -25,26 +25,31 @@ CONFIGS = {
     "async ckpt, in-process off": {"checkpoint.mode": "async", "ft.inprocess": False},
     "sync ckpt, in-process off": {"checkpoint.mode": "sync", "ft.inprocess": False},
 }
-# --quick (the tests, CI time) runs two of them: each checkpoint mode and each in-process setting once
-QUICK_CONFIGS = ("async ckpt, in-process on", "sync ckpt, in-process off")
+# size -> (window seconds, fault period, the configurations, the fault-free references' checkpoint modes):
+# --quick runs each checkpoint mode and each in-process setting once, against the async reference; --smoke
+# (the tests) one configuration with one fault, and its reference, on the tiny model
+RUNS = {FULL: (600.0, 120.0, tuple(CONFIGS), ("async", "sync")),
+        QUICK: (12.0, 6.0, ("async ckpt, in-process on", "sync ckpt, in-process off"), ("async",)),
+        SMOKE: (4.0, 2.0, ("sync ckpt, in-process off",), ("async",))}
 FAULTS = (("exception", 0), ("sigkill", 1), ("hang", 0), ("kill-launcher", None))
 # the demo's job (small model, a save every 10 steps), made to run until stopped
 SPEC = {"model.preset": "small", "steps": 1_000_000, "checkpoint.every": 10, "ft.max_injob_restarts": 20,
         "ft.max_job_restarts": 20}
 
 
-def run(quick: bool, window_s: tuple[float, float] | None = None) -> dict[str, Any]:
-    """``window_s``: (duration, fault period) instead of the defaults (a shortened run)."""
-    duration, period = window_s or ((12.0, 6.0) if quick else (600.0, 120.0))  # quick: the tests, CI time
-    # --quick (the tests) runs one reference, the async one, for every configuration
-    references = {mode: window(f"goodput-ref-{mode}", {"checkpoint.mode": mode}, duration, None)
-                  for mode in (("async",) if quick else ("async", "sync"))}
+def run(size: str, window_s: tuple[float, float] | None = None) -> dict[str, Any]:
+    """``window_s``: (duration, fault period) instead of the size's (a shortened run)."""
+    duration, period, chosen, modes = RUNS[size]
+    duration, period = window_s or (duration, period)
+    model = {"model.preset": "tiny"} if size == SMOKE else {}
+    references = {mode: window(f"goodput-ref-{mode}", {**model, "checkpoint.mode": mode}, duration, None)
+                  for mode in modes}
     configs = {}
     for i, (label, changes) in enumerate(CONFIGS.items()):
-        if quick and label not in QUICK_CONFIGS:
+        if label not in chosen:
             continue
         mode = changes["checkpoint.mode"] if changes["checkpoint.mode"] in references else "async"
-        configs[label] = {**window(f"goodput-{i}", changes, duration, period,
+        configs[label] = {**window(f"goodput-{i}", {**model, **changes}, duration, period,
                                    references[mode]["steps_per_s"]),
                           "reference": mode}
     return {"duration_s": duration, "fault_period_s": period, "faults": [f for f, _ in FAULTS],
@@ -61,7 +66,7 @@ def window(name: str, changes: dict[str, Any], duration: float, period: float | 
     step is in the window too (goodput counts it as lost), but does not eat into it: on a busy machine
     a short window counted from launch could end before any step ran."""
     before = load_avg()
-    job = launch(JobSpec().replace(name=name, **SPEC, **changes).validate())
+    job = launch(JobSpec().replace(name=name, **{**SPEC, **changes}).validate())
     deadline = time.time() + FIRST_STEP_WITHIN_S
     while job.refresh().max_step < 1 and not job.state.ended:
         if time.time() > deadline:

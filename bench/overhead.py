@@ -17,7 +17,7 @@ from eksft_nb.jobdir import JobDir
 from eksft_nb.job import launch
 from eksft_nb.spec import JobSpec
 
-from .common import REPO, fmt, load_avg, med, stat, table
+from .common import FULL, QUICK, REPO, SMOKE, fmt, load_avg, med, stat, table
 from .protocol_probe import per_call_us
 
 TARGET = 0.99
@@ -26,16 +26,21 @@ MICRO_N = 20_000
 PROBE = REPO / "bench" / "protocol_probe.py"
 
 
-def run(quick: bool) -> dict[str, Any]:
-    pairs, steps = (1, 40) if quick else (4, 250)
+# size -> (alternating pairs, steps per job, calls per microbenchmark, spec changes)
+RUNS = {FULL: (4, 250, MICRO_N, {}), QUICK: (1, 40, MICRO_N, {}),
+        SMOKE: (1, 10, 1_000, {"model.preset": "tiny"})}
+
+
+def run(size: str) -> dict[str, Any]:
+    pairs, steps, n, changes = RUNS[size]
     before = load_avg()
     on: list[float] = []
     off: list[float] = []
     for i in range(pairs):  # on, off, on, off...: drift hits both arms alike
-        on.append(steps_per_s(f"ovh-on-{i}", steps, instrument=True))
-        off.append(steps_per_s(f"ovh-off-{i}", steps, instrument=False))
+        on.append(steps_per_s(f"ovh-on-{i}", steps, instrument=True, changes=changes))
+        off.append(steps_per_s(f"ovh-off-{i}", steps, instrument=False, changes=changes))
     ratios = [a / b for a, b in zip(on, off)]
-    micro = {**microbench(), **in_situ("ovh-in-situ")}
+    micro = {**microbench(n), **in_situ("ovh-in-situ", n)}
     step_s = 1.0 / med(stat(on))
     per_step_us = micro["step_protocol_in_situ_us"]["median"] - micro["step_protocol_off_us"]["median"]
     return {"pairs": pairs, "steps": steps, "steps_per_s_on": stat(on), "steps_per_s_off": stat(off),
@@ -59,10 +64,10 @@ def environ(**changes: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def steps_per_s(name: str, steps: int, instrument: bool) -> float:
+def steps_per_s(name: str, steps: int, instrument: bool, changes: dict[str, Any] | None = None) -> float:
     """Training-loop steps per second of one job (from its ``rank_end``: steps run / loop time)."""
     with environ(EKSFT_INSTRUMENT="1" if instrument else "0"):  # inherited by the supervisor and the ranks
-        job = launch(JobSpec().replace(name=name, steps=steps, **SPEC).validate())
+        job = launch(JobSpec().replace(name=name, steps=steps, **{**SPEC, **(changes or {})}).validate())
     state = job.wait(timeout=900)
     events = read_all(JobDir.for_name(name).events_path)
     restarts = [e for e in events if e.kind == "restart"]
@@ -73,13 +78,12 @@ def steps_per_s(name: str, steps: int, instrument: bool) -> float:
     return end["steps_run"] / end["loop_s"]
 
 
-def in_situ(name: str) -> dict[str, Any]:
+def in_situ(name: str, n: int = MICRO_N) -> dict[str, Any]:
     """Per-call cost of an NVRx heartbeat and of the whole step protocol, timed inside a job's ranks
-    (``bench/protocol_probe.py`` as the job's script, under ft_launcher)."""
+    (``bench/protocol_probe.py`` as the job's script, under ft_launcher), ``n`` calls of each."""
     with tempfile.TemporaryDirectory(prefix="eksft-bench-ovh-") as tmp:
         out = Path(tmp) / "probe.json"
-        spec = JobSpec().replace(name=name, steps=MICRO_N, script=str(PROBE),
-                                 script_args=[str(out), str(MICRO_N)])
+        spec = JobSpec().replace(name=name, steps=n, script=str(PROBE), script_args=[str(out), str(n)])
         state = launch(spec.validate()).wait(timeout=600)
         if state != "succeeded" or not out.exists():
             raise RuntimeError(f"in-situ protocol probe {name}: {state}")
@@ -88,14 +92,15 @@ def in_situ(name: str) -> dict[str, Any]:
             "step_protocol_in_situ_us": stat(raw["step_protocol_us"])}
 
 
-def microbench() -> dict[str, Any]:
+def microbench(n: int = MICRO_N) -> dict[str, Any]:
     """Microseconds per event emit, and per step_begin+step_end of a rank session (instrumented or not;
-    no NVRx heartbeat here: that needs ft_launcher, the end-to-end pairs include it)."""
+    no NVRx heartbeat here: that needs ft_launcher, the end-to-end pairs include it), ``n`` calls each."""
     from eksft_nb.runtime.session import RankInfo, Session
 
     with tempfile.TemporaryDirectory(prefix="eksft-bench-ovh-") as tmp:
         writer = EventWriter(Path(tmp) / "events.jsonl", "bench", 0)
-        emit = _per_call_us(lambda i: writer.emit("step", step=i, loss=2.5, tokens=1024, step_time=0.15))
+        emit = stat(per_call_us(lambda i: writer.emit("step", step=i, loss=2.5, tokens=1024, step_time=0.15),
+                                n))
         writer.close()
         jd = JobDir(Path(tmp) / "job")
         jd.create(JobSpec(name="job"))
@@ -108,13 +113,9 @@ def microbench() -> dict[str, Any]:
                 s.step_begin(i)
                 s.step_end(i, 2.5, 1024, 0.15)
 
-            protocol[arm] = _per_call_us(one_step)
+            protocol[arm] = stat(per_call_us(one_step, n))
             s.close()
     return {"emit_us": emit, "step_protocol_on_us": protocol["on"], "step_protocol_off_us": protocol["off"]}
-
-
-def _per_call_us(fn: Any) -> dict[str, Any]:
-    return stat(per_call_us(fn, MICRO_N))
 
 
 def report(result: dict[str, Any]) -> str:

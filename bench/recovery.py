@@ -38,7 +38,7 @@ from eksft_nb.launcher import ZYGOTE_MODULE
 from eksft_nb.resilience.torchrun import PlainTorchrunJob
 from eksft_nb.spec import JobSpec
 
-from .common import fmt, load_avg, med, ratio, stat, table
+from .common import FULL, QUICK, SMOKE, fmt, load_avg, med, ratio, stat, table
 
 PHASES = RESTART_PHASES
 # fault type -> seconds, fault to the next completed step (issue 9; a hang is found by the soft
@@ -71,16 +71,32 @@ class Recovery:
     source: str | None = None  # where the checkpoint was loaded from: memory (the ranks' copies) or storage
 
 
-def run(quick: bool) -> dict[str, Any]:
-    """Every fault type ``repeats`` times, interleaved, in one eksft job; then the same under the baseline."""
-    repeats = 1 if quick else 3
-    kinds = ["exception", "sigkill", "kill-launcher"] if quick else list(FAULT_TYPES)
-    baseline_kinds = ["sigkill"] if quick else [k for k in FAULT_TYPES if k not in BASELINE_SKIPPED]
+QUICK_KINDS = ["exception", "sigkill", "kill-launcher"]   # one fault of each level
+
+
+def run(size: str) -> dict[str, Any]:
+    """Every fault type ``repeats`` times, interleaved, in one eksft job; then the same under the baseline,
+    and a lost node with a hot spare against one without. ``smoke`` runs the eksft job alone, on the tiny
+    model: the baseline's and the spare's arithmetic is the tests' (on recorded events), their jobs are
+    the quick run's."""
+    repeats = 3 if size == FULL else 1
+    kinds = list(FAULT_TYPES) if size == FULL else QUICK_KINDS
+    baseline_kinds = {FULL: [k for k in FAULT_TYPES if k not in BASELINE_SKIPPED], QUICK: ["sigkill"],
+                      SMOKE: []}[size]
+    changes = {"model.preset": "tiny"} if size == SMOKE else {}
     before = load_avg()
     warm: list[dict[str, Any]] = []
-    eksft = eksft_job("rec-eksft", kinds * repeats, warm)
-    base = baseline_job("rec-baseline", baseline_kinds * repeats)
-    spare = spare_vs_job(repeats)
+    eksft = eksft_job("rec-eksft", kinds * repeats, warm, changes)
+    base = baseline_job("rec-baseline", baseline_kinds * repeats) if baseline_kinds else []
+    spare = None if size == SMOKE else spare_vs_job(repeats)
+    return summary(kinds, repeats, eksft, base, spare, warm,
+                   {"load_avg_before": before, "load_avg_after": load_avg()})
+
+
+def summary(kinds: Sequence[str], repeats: int, eksft: list[Recovery], base: list[Recovery],
+            spare: dict[str, Any] | None, warm: list[dict[str, Any]],
+            extra: dict[str, Any]) -> dict[str, Any]:
+    """The part's result from its recoveries: per fault type, eksft's and the baseline's, side by side."""
     by_type = {}
     for kind in kinds:
         mine, theirs = [r for r in eksft if r.fault == kind], [r for r in base if r.fault == kind]
@@ -90,8 +106,7 @@ def run(quick: bool) -> dict[str, Any]:
         entry["vs_baseline"] = ratio(med(entry["eksft"]["total_s"]), med(entry["baseline"]["total_s"]))
         by_type[kind] = entry
     return {"repeats": repeats, "phases": list(PHASES), "targets_s": TARGETS_S, "by_fault": by_type,
-            "targets_met": targets_met(by_type), "load_avg_before": before, "load_avg_after": load_avg(),
-            "warm_processes": warm, "spare": spare,
+            "targets_met": targets_met(by_type), **extra, "warm_processes": warm, "spare": spare,
             "raw": {"eksft": [asdict(r) for r in eksft], "baseline": [asdict(r) for r in base]}}
 
 
@@ -103,6 +118,11 @@ def spare_vs_job(repeats: int) -> dict[str, Any]:
         runs["job"] += eksft_job(f"rec-nospare-{i}", ["kill-launcher"], None, SPARE_SPEC)
         runs["spare"] += eksft_job(f"rec-spare-{i}", ["kill-launcher"], None,
                                    {**SPARE_SPEC, "spare_nodes": 1})
+    return spare_summary(runs)
+
+
+def spare_summary(runs: dict[str, list[Recovery]]) -> dict[str, Any]:
+    """The spare's recoveries and the job restart's, and whether the spare's median is at or under."""
     out = {who: summarise(recs) for who, recs in runs.items()}
     spare, job = med(out["spare"]["total_s"]), med(out["job"]["total_s"])
     out["spare_at_or_under_job"] = None if spare is None or job is None else spare <= job
@@ -131,7 +151,12 @@ def eksft_job(name: str, kinds: Sequence[str], warm: list[dict[str, Any]] | None
         Injector(JobDir.for_name(name).events_path, fire, lambda: job.state).run(kinds)
     finally:
         job.stop()
-    events = read_all(JobDir.for_name(name).events_path)
+    return restarts(read_all(JobDir.for_name(name).events_path))
+
+
+def restarts(events: list[Event]) -> list[Recovery]:
+    """One :class:`Recovery` per restart of an eksft job that has its fault and a step after it: the
+    product's phases, with the first step counted to its completion."""
     out = []
     for restart in (e for e in events if e.kind == "restart"):
         fault = next((e for e in events if e.kind == "fault" and e.t == restart["fault_time"]), None)

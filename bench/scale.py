@@ -38,11 +38,13 @@ from eksft_nb.metrics import JobsCollector
 from eksft_nb.monitor import JobMonitor
 from eksft_nb.spec import JobSpec
 
+from . import common
 from .common import fmt, load_avg, table
 from .dashboard import recording_comms
 
 FULL = {"nodes": 32, "ranks_per_node": 32, "seconds": 3600, "fault_every": 300}   # an hour, 11 faults
 QUICK = {"nodes": 32, "ranks_per_node": 32, "seconds": 80, "fault_every": 20}
+SMOKE = {"nodes": 2, "ranks_per_node": 4, "seconds": 80, "fault_every": 20}   # the tests': the same faults
 TARGET_X = 10.0            # each component at 10x real time or better
 GPUS_PER_NODE = 8
 GPU_EVERY_S, SCRAPE_EVERY_S, CKPT_EVERY = 10, 15, 100
@@ -260,9 +262,8 @@ class Fed:
         return self.mon
 
 
-def run(quick: bool) -> dict[str, Any]:
-    size = QUICK if quick else FULL
-    return replay(**size)
+def run(size: str) -> dict[str, Any]:
+    return replay(**{common.FULL: FULL, common.QUICK: QUICK, common.SMOKE: SMOKE}[size])
 
 
 def replay(nodes: int, ranks_per_node: int, seconds: int, fault_every: int) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from eksft_nb.events import Event, read_all
 from eksft_nb.jobdir import JobDir
 from eksft_nb.spec import JobSpec, ModelConfig
 
-from .common import fmt, load_avg, machine, private_home, save, table
+from .common import RESULTS, fmt, load_avg, machine, private_home, save, table
 
 FAULTS = ("sigkill", "kill-launcher", "hang", "exception", "every-group")
 STEPS = 100_000  # stopped once the last fault recovered
@@ -124,7 +124,7 @@ def report(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.torchft_faults", description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", type=Path, default=Path("bench") / "results")
+    p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     with private_home():
         result = {"machine": machine(), **run(args.repeats)}

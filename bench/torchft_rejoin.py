@@ -31,8 +31,8 @@ from eksft_nb.job import launch
 from eksft_nb.resilience.compare import engine_specs, plan
 from eksft_nb.spec import JobSpec
 
-from .common import fmt, load_avg, machine, private_home, save, table
-from .compare import EVERY, QUICK, SEED
+from .common import QUICK, RESULTS, fmt, load_avg, machine, private_home, save, table
+from .compare import EVERY, RUNS, SEED
 
 SETUP = ("imports", "session", "model", "manager", "wiring")
 PHASES = ("detection", "relaunch", *SETUP, "quorum_heal")
@@ -40,7 +40,7 @@ TIMEOUT_S = 900
 
 
 def one_run(i: int, burners: int, keep: Path) -> dict[str, Any]:
-    model, steps, n = QUICK
+    model, steps, n = RUNS[QUICK]
     fault_plan = plan(SEED, steps, n, EVERY)
     spec = engine_specs(f"rejoin{i}", JobSpec().replace(**{"model.preset": model, "seed": 0, "steps": steps,
                                                             "checkpoint.every": EVERY}))["torchft"]
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.torchft_rejoin", description=__doc__.split("\n")[0])
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--burners", type=int, default=4, help="CPU burners beside each run (nice 0)")
-    p.add_argument("--out", type=Path, default=Path("bench") / "results")
+    p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--keep", type=Path, help="where each run's events and logs go (default: beside --out's)")
     args = p.parse_args(argv)
     stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -30,6 +30,7 @@ from eksft_nb.resilience.whatif import TERMS
 from eksft_nb.spec import JobSpec
 from eksft_nb.states import JobState
 
+from . import common
 from .common import fmt, load_avg, table
 
 EVERY = 10
@@ -60,21 +61,24 @@ SETTINGS = {  # label: (spec changes, what-if arguments)
     "interval x2": ({"checkpoint.every": 2 * EVERY}, {"ckpt_every": str(2 * EVERY)}),
     "in-process off": ({"ft.inprocess": False}, {"ckpt_every": str(EVERY), "inprocess": False}),
 }
-# --quick (the tests, CI time): one interval change and in-process off (each setting's code path once)
-QUICK_SETTINGS = ("interval x2", "in-process off")
+# size -> (steps, faults, the settings, the model, the noise floor run): --quick runs one interval change and
+# in-process off (each setting's code path once); --smoke (the tests) in-process off alone
+RUNS = {common.FULL: (*FULL, tuple(SETTINGS), "small", True),
+        common.QUICK: (*QUICK, ("interval x2", "in-process off"), "tiny", False),
+        common.SMOKE: (*QUICK, ("in-process off",), "tiny", False)}
 
 
 ORDERS = ("side-by-side", "sequential")
 
 
-def run(quick: bool, order: str = "side-by-side") -> dict[str, Any]:
-    steps, n = QUICK if quick else FULL
+def run(size: str, order: str = "side-by-side") -> dict[str, Any]:
+    steps, n, chosen, model, noise_floor = RUNS[size]
     faults = schedule(SEED, steps, n)
-    base = {"model.preset": "tiny" if quick else "small", "steps": steps, "checkpoint.every": EVERY,
+    base = {"model.preset": model, "steps": steps, "checkpoint.every": EVERY,
             "checkpoint.mode": "async", "ft.inprocess": True, "seed": 0}
     runs: dict[str, Any] = {}
     for i, (label, (changes, ask)) in enumerate(SETTINGS.items()):
-        if quick and label not in QUICK_SETTINGS:
+        if label not in chosen:
             continue
         a, b = pair(f"whatif-a{i}", base, f"whatif-b{i}", {**base, **changes}, faults, order)
         report = commands.whatif(a["name"], **ask)   # from A's events alone
@@ -85,7 +89,7 @@ def run(quick: bool, order: str = "side-by-side") -> dict[str, Any]:
                        "predicted": {"ettr": row["ettr"], "terms": row["terms"], "saves": row["saves"],
                                      "lost_steps": row["lost_steps"], "notes": row["notes"]}}
     noise = None
-    if not quick:  # --quick (the tests) leaves out the noise floor: CI time
+    if noise_floor:
         a, again = pair("whatif-a", base, "whatif-a-again", base, faults, order)
         noise = {"a": a, "b": again, "points": round(100 * (again["ettr"] - a["ettr"]), 2)}
     errors = [abs(r["error_points"]) for r in runs.values()]

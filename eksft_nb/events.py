@@ -4,17 +4,20 @@ One event is one JSON object on one line::
 
     {"v": 1, "t": 1764403200.12, "kind": "step", "job": "demo", "rank": 0, "step": 12, ...}
 
-Ranks and the supervisor append events to ``<job>/events.jsonl`` (one ``write()`` per line, so
-concurrent writers never interleave) and, on Kubernetes, print them to stdout behind
-:data:`LOG_PREFIX` so the pod logs carry them. Readers accept unknown kinds and extra fields, so
-adding a field or a kind keeps the version; renaming or removing one bumps :data:`SCHEMA_VERSION`.
+Ranks and the supervisor append events to ``<job>/events.jsonl`` (one ``write()`` per line, under
+the file's lock, so concurrent writers never interleave and a full disk leaves no torn line) and,
+on Kubernetes, print them to stdout behind :data:`LOG_PREFIX` so the pod logs carry them. Readers
+accept unknown kinds and extra fields, so adding a field or a kind keeps the version; renaming or
+removing one bumps :data:`SCHEMA_VERSION`.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
+import re
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -77,6 +80,10 @@ KINDS: dict[str, dict[str, tuple[type, ...] | type]] = {
     "quorum": {"quorum_id": int, "participants": int, "step": int},
     "heal": {"from_step": int, "step": int, "skipped_batches": int, "heal_s": _num},
     "step_discarded": {"step": int, "reason": str},
+    # torchft: a peer one of the job's servers refused, because it did not prove it holds the job's secret,
+    # or a quorum member that is not one of the job's groups (where: the lighthouse's gateway, a group's
+    # manager server or checkpoint transport, a quorum; peer: host:port; reason: what it did)
+    "intruder": {"where": str, "peer": str, "reason": str},
     # any writer, once it can write again after failing to (a full disk): what the events file lacks
     "events_lost": {"count": int, "first_t": _num, "last_t": _num, "error": str},
     # every rank under NVRx's in-process Wrapper: the seconds it added to the rank's process (phase in
@@ -97,15 +104,20 @@ OPTIONAL: dict[str, dict[str, tuple[type, ...] | type]] = {
     # and, from storage, why not from memory and the seconds that check took
     "resume": {"source": str, "verify_s": _num, "memory": _opt_str, "memory_s": _num},
     "job_end": {"digest": _opt_str, "restarts": dict},
-    "rank_error": {"waiting": bool},
+    # fatal: no restart can help (the checkpoint the job starts from is gone): the line the job ends with;
+    # where: the file and line the error was raised at (eksft_nb.rank_errors.raised_at)
+    "rank_error": {"waiting": bool, "fatal": str, "where": str},
     # when the incarnation began (process start, or re-entry after an in-process restart) and when its
     # process groups were formed; a torchft group's process: each set-up phase -> when it ended (imports,
     # session, model, manager, wiring; see eksft_nb.engines.torchft.trainer)
     "rank_start": {"t_enter": _num, "t_group": _num, "t_setup": dict},
     # phases: phase -> seconds (RESTART_PHASES), summing to downtime_s; restored_from: the resume's source
-    "restart": {"phases": dict, "restored_from": _opt_str},
+    # recovered: false for a restart that happened but failed before its first step (the next failure's
+    # incident follows it; absent: true)
+    "restart": {"phases": dict, "restored_from": _opt_str, "recovered": bool},
     "gpu_health": {"note": _opt_str, "interval_s": _num},
     "gpu_fault": {"xid": _opt_int, "count": _opt_int, "throttle": _opt_int},
+    "intruder": {"claimed": _opt_str},   # the replica id it gave, if any
 }
 
 RESTART_LEVELS = tuple(level.value for level in RestartLevel)
@@ -117,6 +129,20 @@ WRAPPER_PHASES = ("setup", "exit")
 CHECKPOINT_PHASES = ("begin", "staged", "committed", "failed", "rejected")
 JOB_STATES = tuple(s.value for s in JobState if s in RECORDED_ENDS)   # what a job_end event may say
 GPU_FAULTS = ("xid", "ecc", "throttle")
+# where a torchft job refused an intruder: its Lighthouse's gateway, a group's manager server or checkpoint
+# transport, a quorum a group would not take part in
+INTRUDER_PLACES = ("lighthouse", "manager", "transport", "quorum")
+
+
+# what a number of a known field may be: finite, and >= 0 unless SIGNED names it; below MAX_TIME if
+# TIMES names it (a Unix time), else below MAX_SECONDS where the field takes floats (a duration) and
+# below MAX_COUNT where it takes ints only (a step, rank, count or size). A genuine writer never writes
+# NaN or an infinity (Event.to_json refuses them); a forged one would reach every sum and ratio.
+MAX_TIME = 1e11          # the year 5138
+MAX_SECONDS = 1e7        # 116 days: longer than any step, save, restore or recovery
+MAX_COUNT = 1 << 53      # exact as a float too
+TIMES = frozenset({"fault_time", "detected_at", "start", "end", "first_t", "last_t", "t_enter", "t_group"})
+SIGNED = frozenset({("step", "loss")})   # a user's loss may be below zero
 
 
 class SchemaError(ValueError):
@@ -160,9 +186,18 @@ def check(kind: str, data: dict[str, Any]) -> None:
         if key not in data:
             raise SchemaError(f"{kind} event lacks {key!r}")
         _check_type(kind, key, data[key], types)
+        _check_range(kind, key, data[key], types)
     for key, types in OPTIONAL.get(kind, {}).items():
         if key in data:
             _check_type(kind, key, data[key], types)
+            _check_range(kind, key, data[key], types)
+    if kind == "job_end" and "restarts" in data and not all(
+            level in RESTART_LEVELS and type(n) is int and 0 <= n < MAX_COUNT
+            for level, n in data["restarts"].items()):
+        raise SchemaError("job_end.restarts is not restart level -> a count >= 0")
+    if kind == "rank_start" and "t_setup" in data and not all(
+            type(t) in (int, float) and 0 <= t < MAX_TIME for t in data["t_setup"].values()):
+        raise SchemaError("rank_start.t_setup is not phase -> a Unix time")
     if kind == "restart" or kind == "failure":
         if data["level"] not in RESTART_LEVELS:
             raise SchemaError(f"{kind}.level {data['level']!r} not in {RESTART_LEVELS}")
@@ -176,6 +211,8 @@ def check(kind: str, data: dict[str, Any]) -> None:
                           f"{WRAPPER_PHASES} with seconds >= 0")
     if kind == "gpu_fault" and data["fault"] not in GPU_FAULTS:
         raise SchemaError(f"gpu_fault.fault {data['fault']!r} not in {GPU_FAULTS}")
+    if kind == "intruder" and data["where"] not in INTRUDER_PLACES:
+        raise SchemaError(f"intruder.where {str(data['where'])[:40]!r} not in {INTRUDER_PLACES}")
     if kind == "job_end" and data["state"] not in JOB_STATES:
         raise SchemaError(f"job_end.state {data['state']!r} not in {JOB_STATES}")
 
@@ -194,17 +231,48 @@ def _check_type(kind: str, key: str, value: Any, types: tuple[type, ...] | type)
         raise SchemaError(f"{kind}.{key} has type {type(value).__name__}")
 
 
-def decode(line: str) -> Event | None:
-    """Parse one line (a bare JSON event or a log line with :data:`LOG_PREFIX`); None if it is not one.
+def _check_range(kind: str, key: str, value: Any, types: tuple[type, ...] | type) -> None:
+    """A number of a known field within the range of what it measures (see :data:`MAX_TIME`)."""
+    if type(value) not in (int, float):
+        return
+    accepted = types if isinstance(types, tuple) else (types,)
+    if key in TIMES:
+        high, what = MAX_TIME, "a Unix time"
+    elif float in accepted:
+        high, what = MAX_SECONDS, f"seconds below {MAX_SECONDS:.0e}"
+    else:
+        high, what = MAX_COUNT, "a count below 2**53"
+    if (kind, key) in SIGNED:
+        ok = math.isfinite(value)
+    else:
+        ok = 0 <= value < high  # false for NaN; an infinity is out of range
+    if not ok:
+        signed = (kind, key) in SIGNED
+        raise SchemaError(f"{kind}.{key} is {str(value)[:24]}: not {'a finite number' if signed else what}"
+                          f"{'' if signed else ' (>= 0)'}")
+
+
+# how a pod log carries an event: the marker at the start of the line, after the timestamp Kubernetes
+# adds when asked (``timestamps=true``); the ranks print each event on a line of its own
+LOG_LINE = re.compile(r"(?:\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d+)?(?:Z|[+-]\d\d:\d\d) )?"
+                      + re.escape(LOG_PREFIX))
+
+
+def decode(line: str, log: bool = False) -> Event | None:
+    """Parse one line (a bare JSON event of an events file, or a log line that starts with
+    :data:`LOG_PREFIX`, see :data:`LOG_LINE`); None if it is not one. ``log``: the line is a pod log's,
+    where only the marker makes an event (a user's program may print JSON, or the marker mid-line).
 
     Lines come from files and pod logs anyone in the job can write: an event of a known kind without
-    its fields (or with wrong types, whatever its version says), or with a time that is not a finite
-    number, is no event. Unknown kinds pass (newer emitters may add kinds)."""
-    line = line.strip()
-    if line.startswith(LOG_PREFIX):
-        line = line[len(LOG_PREFIX):]
-    elif LOG_PREFIX in line:  # a log line with a timestamp or pod prefix in front
-        line = line.split(LOG_PREFIX, 1)[1]
+    its fields (or with wrong types or numbers out of range, see :data:`MAX_TIME`, whatever its version
+    says), or with a time or rank out of range, is no event (:func:`check` says why). Unknown kinds pass
+    (newer emitters may add kinds)."""
+    line = line.rstrip()
+    marked = LOG_LINE.match(line)
+    if marked:
+        line = line[marked.end():]
+    elif log:
+        return None
     if not line.startswith("{"):
         return None
     try:
@@ -216,7 +284,8 @@ def decode(line: str) -> Event | None:
     v, kind, t = obj.pop("v", SCHEMA_VERSION), obj.pop("kind", None), obj.pop("t", None)
     job, rank = obj.pop("job", ""), obj.pop("rank", None)
     if type(v) is not int or v < 1 or not isinstance(kind, str) or not isinstance(job, str) \
-            or not (rank is None or type(rank) is int) or type(t) not in (int, float) or not math.isfinite(t):
+            or not (rank is None or (type(rank) is int and 0 <= rank < MAX_COUNT)) \
+            or type(t) not in (int, float) or not 0 <= t < MAX_TIME:
         return None
     try:
         check(kind, obj)
@@ -282,11 +351,14 @@ class EventWriter:
             sys.stdout.flush()
 
     def _append(self, line: str) -> bool:
-        """Append one whole record: a short write is continued until all of it is written; one that
-        fails part-way leaves a torn line, which the next record ends first (so it is not swallowed)."""
+        """Append one whole record, or none of it: a short write is continued until all of it is
+        written, and one that fails part-way (a full disk) is cut off again, under the file's lock, which
+        every writer of the job takes to append. Where it cannot be cut off, the torn line is left and
+        the next record ends it first (so it is not swallowed; readers skip it)."""
         lead = b"\n" if self._torn else b""
         data = memoryview(lead + line.encode())
         written = 0
+        locked = _lock(self._fd)
         try:
             while written < len(data):
                 n = os.write(self._fd, data[written:])
@@ -297,8 +369,11 @@ class EventWriter:
             return True
         except OSError as e:
             self._last_error = e.strerror or type(e).__name__
-            if written:
-                self._torn = written > len(lead)
+            if written > len(lead):
+                self._torn = not (locked and _cut(self._fd, written - len(lead)))
+        finally:
+            if locked:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
         return False
 
     def _lost_record(self, now: float) -> str:
@@ -333,6 +408,39 @@ class EventWriter:
                 self._append(self._lost_record(time.time()))
             os.close(self._fd)
             self._fd = None
+
+
+LOCK_WAIT_S = 0.5   # an append waits this long at most for the lock (held a few microseconds per record)
+
+
+def _lock(fd: int) -> bool:
+    """Take the events file's append lock; False where it cannot be had (a file that takes no lock, e.g.
+    ``/dev/full``, or a network filesystem without locking) or is not given up in :data:`LOCK_WAIT_S`
+    (its holder stopped, SIGSTOP): the record is then appended without it, never waited on for good."""
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+        except OSError:
+            return False
+
+
+def _cut(fd: int, torn: int) -> bool:
+    """Remove the last ``torn`` bytes of the file (a record this writer wrote part of), if they are
+    still its end; whether it was cut."""
+    try:
+        end = os.fstat(fd).st_size
+        if os.lseek(fd, 0, os.SEEK_CUR) != end:
+            return False
+        os.ftruncate(fd, end - torn)
+    except OSError:
+        return False
+    return True
 
 
 class EventTail:

@@ -68,7 +68,9 @@ def compute(mon: JobMonitor, now: float | None = None) -> Goodput:
     end, wall = _window(mon, now)
     s = mon.steps
     last_execution = {step: i for i, step in enumerate(s.step)}
-    took = np.asarray(s.step_time, dtype=np.float64)
+    # a step ended at its event's time and began after the job did: a longer step time is forged
+    took = np.minimum(np.asarray(s.step_time, dtype=np.float64),
+                      np.maximum(0.0, np.asarray(s.t, dtype=np.float64) - mon.t_start))
     if len(last_execution) == len(s):  # no step ran twice
         idx = np.arange(len(s))
         recomputed = 0.0

@@ -126,6 +126,14 @@ def running(p: psutil.Process) -> bool:
         return False
 
 
+def halted(p: psutil.Process) -> bool:
+    """Whether ``p`` is stopped (SIGSTOP, a debugger): it runs, but does nothing until continued."""
+    try:
+        return p.status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+    except psutil.Error:
+        return False
+
+
 def group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)

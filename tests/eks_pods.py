@@ -4,8 +4,9 @@ A :class:`LocalPod` takes a pod (template) exactly as rendered and starts its co
 and args with their environment, resolved as kubelet resolves it (``valueFrom.fieldRef`` from the
 pod's metadata, ``configMapKeyRef`` from its ConfigMap, ``$(VAR)`` references in args), on this machine. A
 process here cannot have the pod's mount namespace, so each volume's mount path is replaced by a local folder
-wherever it appears (args, env, the ConfigMap's files; the FSx volume is one folder shared by all pods), and
-each DNS name in ``hosts`` by the address it resolves to.
+wherever it appears (args, env, the ConfigMap's files; the FSx volume is one folder shared by all pods; a
+Secret's keys are written as files with its volume's mode), and each DNS name in ``hosts`` by the address it
+resolves to.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
+
+from eksft_nb.engines.torchft.hold import HOLD_ENV
 
 VAR_REF = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 FIELD_REF = re.compile(r"^metadata\.(annotations|labels)\['([^']+)'\]$")
@@ -32,6 +35,7 @@ class LocalPod:
     annotations: dict[str, str] = field(default_factory=dict)   # what controllers add (completion index...)
     hosts: dict[str, str] = field(default_factory=dict)         # DNS name -> address
     ip: str = "127.0.0.1"                                       # the pod's IP (status.podIP): this machine
+    secrets: dict[str, dict[str, str]] = field(default_factory=dict)   # a Secret's name -> its stringData
 
     @cached_property
     def mounts(self) -> dict[str, Path]:
@@ -51,6 +55,12 @@ class LocalPod:
                 elif "configMap" in v:
                     out[m["mountPath"]] = self.root / "pods" / self.name / m["name"]
                     config_folders.append(out[m["mountPath"]])
+                elif "secret" in v:   # as the kubelet writes it: each key a file of the volume's mode
+                    folder = out[m["mountPath"]] = self.root / "pods" / self.name / m["name"]
+                    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+                    for key, value in self.secrets[v["secret"]["secretName"]].items():
+                        (folder / key).write_text(value)
+                        (folder / key).chmod(v["secret"].get("defaultMode", 0o644))
         for folder in out.values():
             folder.mkdir(parents=True, exist_ok=True)
         for folder in config_folders:
@@ -86,8 +96,8 @@ class LocalPod:
         """The image's environment (this venv first on PATH) plus the container's."""
         base = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                 "HOME": str(self.root), "LANG": os.environ.get("LANG", "C.UTF-8"),
-                # the eksft-nb under test
-                **{k: os.environ[k] for k in ("PYTHONPATH", "LD_LIBRARY_PATH") if k in os.environ}}
+                # the eksft-nb under test, and the test's holds on its ranks (engines/torchft/hold.py)
+                **{k: os.environ[k] for k in ("PYTHONPATH", "LD_LIBRARY_PATH", HOLD_ENV) if k in os.environ}}
         return {**base, **self.env(container)}
 
     def run(self, container: str, argv: list[str] | None = None,

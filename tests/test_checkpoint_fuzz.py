@@ -1,6 +1,7 @@
-"""The loader fuzzer (issue 18): checkpoint folders and ``.metadata`` pickles derived from a genuine
-save (opcode-level mutations, BUILD/SETITEM(S)/REDUCE/NEWOBJ/APPEND gadgets on allowed classes,
-records of the wrong type or length, symlinks, FIFOs, compressed archive entries), each with its
+"""The loader fuzzer (issues 18 and 34): checkpoint folders and ``.metadata`` pickles derived from a
+genuine save (opcode-level mutations, BUILD/SETITEM(S)/REDUCE/NEWOBJ/APPEND gadgets on allowed classes,
+records of the wrong type or length or sharing bytes, symlinks, FIFOs, compressed archive entries) or
+made to work an unpickler without bound (hash collisions, huge counts, deep nesting), each with its
 checksums recomputed as an attacker would. Every case is refused with one line or loads the saved
 state bit for bit; none hangs (a hard deadline), none raises the process's peak memory by more than
 twice the checkpoint's size (plus a fixed allowance for the interpreter's own arenas), and none
@@ -28,7 +29,8 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from ckpt_craft import deflated, fingerprint, inflating, name, relay, rewrite, tensor_archive, text
+from ckpt_craft import (FLOODS, deflated, fingerprint, flood, inflating, name, relay, rewrite, tensor_archive,
+                        text)
 from eksft_nb.checkpoint_folders import list_checkpoints, step_dir, verify
 from eksft_nb.errors import JobError
 from eksft_nb.runtime.checkpoint import CheckpointManager, load
@@ -246,7 +248,7 @@ def _mutate_record(md: Any, target: str, value: Any, which: int) -> None:
 
 
 FOLDER_CHANGES = ["link-listed", "link-unlisted", "fifo-metadata", "fifo-data", "unlist-metadata", "deflate",
-                  "bomb", "bigger-storage", "other-tensor", "bytes-as-tensor", "metadata-dir"]
+                  "bomb", "bigger-storage", "other-tensor", "bytes-as-tensor", "metadata-dir", "shared-bytes"]
 
 
 def _mutate_folder(folder: Path, outside: Path, kind: str) -> None:
@@ -271,6 +273,11 @@ def _mutate_folder(folder: Path, outside: Path, kind: str) -> None:
         os.mkfifo(folder / ".metadata")
     elif kind == "unlist-metadata":
         rewrite(folder, ".metadata", None, listed=False)
+    elif kind == "shared-bytes":  # the "name" entry's record points at the bytes of "lr" (loaded as the name)
+        md = pickle.loads((folder / ".metadata").read_bytes())
+        records = {index.fqn: record for index, record in md.storage_data.items()}
+        records["name"].offset, records["name"].length = records["lr"].offset, records["lr"].length
+        rewrite(folder, ".metadata", pickle.dumps(md))
     elif kind == "metadata-dir":
         rewrite(folder, ".metadata", None, listed=False)
         (folder / ".metadata").unlink()
@@ -371,5 +378,23 @@ def test_no_crafted_folder_hangs_grows_or_changes_the_process(genuine: Any, chan
     try:
         _mutate_folder(step_dir(root, 10), outside, change)
         assert _check_case(genuine, root, note=lambda _: None) != "loads"  # each is a tampering to refuse
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(shape=st.sampled_from(FLOODS), n=st.sampled_from([1, 2, 8, 9, 33, 1000, 4097, 30_000, 100_000]))
+def test_no_flooded_metadata_hangs_grows_or_changes_the_process(genuine: Any, shape: str, n: int) -> None:
+    """Issue 34: keys of one hash (ints, DCP's MetadataIndex, a repeated string), chunks whose offsets
+    collide, a list reached n times, n-deep marks and lists, n empty dicts (the most memory an opcode
+    holds), n-long sizes and paths, in place of step 10's .metadata: each is refused in one line (by the
+    size cap, the budget of opcodes or its own rule), within the deadline and the memory bound, and
+    the restore falls back to step 5."""
+    base, root, _ = _fresh(genuine[1])
+    try:
+        rewrite(step_dir(root, 10), ".metadata", flood(shape, n))
+        event(f"flood: {shape}")
+        assert _check_case(genuine, root) == "load refuses"
     finally:
         shutil.rmtree(base, ignore_errors=True)

@@ -1,6 +1,6 @@
-"""What a checkpoint loader trusts (issue 18, findings 2-4): a crafted folder is refused with one line
-and the next older checkpoint is tried; it never changes the process, reads outside the folder,
-waits on a FIFO or inflates a compressed entry."""
+"""What a checkpoint loader trusts (issue 18, findings 2-4; issue 34, item 3): a crafted folder is
+refused with one line and the next older checkpoint is tried; it never changes the process, reads
+outside the folder, waits on a FIFO, inflates a compressed entry or works more than linearly."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import os
 import pathlib
 import pickle
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +18,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ckpt_craft import build_on_class, deflated, fingerprint, inflating, relay, rewrite, tensor_archive
+from ckpt_craft import (build_on_class, deflated, fingerprint, flood, flooded_metadata, inflating, relay,
+                        rewrite, tensor_archive)
 from eksft_nb.checkpoint_folders import REJECTED, list_checkpoints, step_dir
 from eksft_nb.errors import JobError
-from eksft_nb.runtime.checkpoint import CheckpointManager, load
+from eksft_nb.runtime.checkpoint import CheckpointManager, load, read_metadata
+from eksft_nb.runtime.checkpoint.unpickle import MetadataUnpickler, byte_cap, records_room
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +188,80 @@ def test_a_relaid_genuine_checkpoint_still_loads(tmp_path: Path, group: Any) -> 
     load(newest, target, group)
     assert int(target["progress"]["step"]) == 10
     assert [i.state for i in list_checkpoints(tmp_path)] == ["committed", "committed"]
+
+
+PADDING = 8 << 20  # a listed data file an attacker adds, so that the size cap lets a big .metadata through
+
+
+@pytest.mark.parametrize("keys", ["int", "index"])
+def test_a_flooded_metadata_is_refused_before_its_quadratic_work(tmp_path: Path, group: Any, keys: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 34, item 3: one dict of 100,000 keys in one hash bucket (1.3 MB of int keys took 111 s to
+    refuse, the cost growing with the square of the size; DCP's own MetadataIndex keys collide too,
+    through their offsets). With the folder padded so that the size cap lets it through, the unpickler
+    refuses it within the first batch of keys, having compared no two keys, and a restart falls back to
+    step 5 (in far less than the generous minute allowed here: bench/ holds the speed target)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    at_5 = _two_saves(tmp_path, group)
+    newest = step_dir(tmp_path, 10)
+    data = flooded_metadata(100_000, keys)
+    rewrite(newest, "padding.distcp", bytes(PADDING))
+    rewrite(newest, ".metadata", data)
+    assert len(data) <= byte_cap(records_room(PADDING))
+    compared = []
+    with monkeypatch.context() as patch:  # dict inserts compare colliding keys with __eq__
+        eq = MetadataIndex.__eq__
+        patch.setattr(MetadataIndex, "__eq__", lambda a, b: compared.append(1) or eq(a, b))
+        unpickler = MetadataUnpickler(data, records_room(PADDING))
+        why = "a dict key of type int" if keys == "int" else "two keys of one hash"
+        with pytest.raises(pickle.UnpicklingError, match=why):
+            unpickler.load()
+    # each key takes 2 opcodes or more: refused within the first thousand keys, before any comparison
+    assert unpickler.ops < 20_000 and not compared, (unpickler.ops, len(compared))
+    t0 = time.monotonic()
+    _restores_step_5(tmp_path, group, at_5, why)
+    assert time.monotonic() - t0 < 60
+
+
+def test_a_metadata_heavier_than_its_records_is_refused_before_it_is_read(tmp_path: Path, group: Any) -> None:
+    """The size cap: the issue's 1.3 MB .metadata beside a few KB of data (where a DCP save writes well
+    under 2 KiB of metadata per KiB of data) is refused by its size, before a byte of it is unpickled."""
+    at_5 = _two_saves(tmp_path, group)
+    newest = step_dir(tmp_path, 10)
+    rewrite(newest, ".metadata", flooded_metadata(100_000, "int"))
+    _restores_step_5(tmp_path, group, at_5, "it weighs 1,299,308 bytes, more than DCP's metadata for the")
+
+
+def test_a_metadata_past_its_budget_of_opcodes_is_refused(tmp_path: Path, group: Any) -> None:
+    """The budget: 10,000 empty dicts (the most memory an opcode can hold) within the size cap take
+    more opcodes than DCP's metadata for the records a few KB of data can hold."""
+    at_5 = _two_saves(tmp_path, group)
+    newest = step_dir(tmp_path, 10)
+    rewrite(newest, ".metadata", flood("many-dicts", 10_000))
+    _restores_step_5(tmp_path, group, at_5, "unpickling steps, more than DCP's metadata for the")
+
+
+@pytest.mark.parametrize("shape,n,why", [
+    ("repeated-keys", 100_000, "two keys of one hash"),
+    ("chunk-offsets", 10_000, "two chunks of 'model.weight' share a hash"),
+    ("shared-list", 100_000, "one list twice"),
+    ("deep-marks", 100_000, "marks nested more than 32 deep"),
+    ("deep-lists", 100_000, "more than 4096 items at once"),
+    ("long-size", 1_000, "a size of more than 64 dimensions"),
+    ("long-path", 100, "a path of more than 4096 characters")])
+def test_each_shape_of_unbounded_work_is_refused_with_its_reason(tmp_path: Path, group: Any, shape: str,
+                                                                 n: int, why: str) -> None:
+    """Repeated keys, chunks whose offsets collide (a walk of the records would look them up), a list
+    reached many times (each walk would walk it again), deep nesting, long sizes and paths: each refused
+    with one line that names it, in a folder padded so that neither cap refuses it first."""
+    _two_saves(tmp_path, group)
+    newest = step_dir(tmp_path, 10)
+    rewrite(newest, "padding.distcp", bytes(PADDING))
+    rewrite(newest, ".metadata", flood(shape, n))
+    ticks: list[int] = []
+    with pytest.raises(JobError) as refused:
+        read_metadata(newest, progress=lambda: ticks.append(1))
+    assert why in str(refused.value) and "\n" not in str(refused.value), refused.value
+    if shape == "chunk-offsets":  # 230,000 opcodes: the rank's keepalive went on meanwhile
+        assert len(ticks) >= 3, ticks

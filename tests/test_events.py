@@ -97,8 +97,9 @@ w.close()
 
 
 def test_a_short_write_leaves_no_half_line_that_swallows_the_next_record(tmp_path: Path) -> None:
-    """A write the file system cuts short (a full disk, a size limit) loses that record only: the
-    next ones (the record of what was lost, then the next step) are read whole."""
+    """A write the file system cuts short (a full disk, a size limit) loses that record only, and
+    leaves none of it: the writer cuts off what got through, and the next records (the record of what
+    was lost, then the next step) are read whole."""
     import subprocess
     import sys
 
@@ -107,10 +108,39 @@ def test_a_short_write_leaves_no_half_line_that_swallows_the_next_record(tmp_pat
     done = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
-    assert path.read_bytes().count(b"\n") == 4   # the torn line ended, three whole records
+    lines = path.read_bytes().splitlines(keepends=True)
+    assert len(lines) == 3 and all(line.endswith(b"\n") and decode(line.decode()) for line in lines), lines
     events = EventTail(path).read()
     assert [(e.kind, e.get("step")) for e in events] == [("step", 1), ("events_lost", None), ("step", 3)]
     assert events[1]["count"] == 1 and events[1]["kinds"] == {"step": 1}
+
+
+def test_an_append_never_waits_for_good_on_a_stopped_lock_holder(tmp_path: Path) -> None:
+    """A writer stopped (SIGSTOP) while it holds the events file's lock: the others append without it
+    after a moment instead of blocking behind it (a supervisor blocked there would stop beating)."""
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    path = tmp_path / "events.jsonl"
+    path.touch()
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, signal, sys\n"
+                               "fd = os.open(sys.argv[1], os.O_WRONLY)\n"
+                               "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+                               "os.kill(os.getpid(), signal.SIGSTOP)", str(path)])
+    try:
+        assert os.WIFSTOPPED(os.waitpid(holder.pid, os.WUNTRACED)[1])   # stopped, the lock held
+        writer = EventWriter(path, "j", rank=0)
+        append = threading.Thread(target=writer.emit, args=("step",),
+                                  kwargs={"step": 1, "loss": 1.0, "tokens": 8, "step_time": 0.1}, daemon=True)
+        append.start()
+        append.join(60)   # the holder never lets go: an append that waits for it never returns
+        assert not append.is_alive()
+        assert [e["step"] for e in EventTail(path).read()] == [1]
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_a_record_behind_a_torn_line_is_still_read(tmp_path: Path) -> None:
@@ -198,3 +228,94 @@ def test_an_inprocess_restart_says_where_its_checkpoint_came_from() -> None:
         incidents.observe(e)
     assert [(d["level"], d.get("restored_from")) for kind,
             d in emitted if kind == "restart"] == [("inprocess", "memory")]
+
+
+# ---- numbers out of range (issue 34) --------------------------------------------------------------
+
+STEP = {"step": 3, "loss": 1.0, "tokens": 8, "step_time": 0.5}
+FAILURE = {"level": "injob", "cause": "x", "blame_rank": 1, "fault_time": 1.8e9, "detected_at": 1.8e9}
+OUT_OF_RANGE = [  # kind, fields, the field the reason names
+    ("step", {**STEP, "step_time": math.nan}, "step.step_time"),
+    ("step", {**STEP, "step_time": -1e9}, "step.step_time"),
+    ("step", {**STEP, "step_time": math.inf}, "step.step_time"),
+    ("step", {**STEP, "step_time": 1e300}, "step.step_time"),
+    ("step", {**STEP, "loss": math.nan}, "step.loss"),
+    ("step", {**STEP, "loss": -math.inf}, "step.loss"),
+    ("step", {**STEP, "tokens": -5}, "step.tokens"),
+    ("step", {**STEP, "step": -1}, "step.step"),
+    ("step", {**STEP, "step": 1 << 60}, "step.step"),
+    ("failure", {**FAILURE, "fault_time": -1e12}, "failure.fault_time"),
+    ("failure", {**FAILURE, "detected_at": math.nan}, "failure.detected_at"),
+    ("failure", {**FAILURE, "detected_at": 1e300}, "failure.detected_at"),
+    ("restart", {**RESTART, "downtime_s": -1e9}, "restart.downtime_s"),
+    ("restart", {**RESTART, "rolled_back_steps": -3}, "restart.rolled_back_steps"),
+    ("checkpoint", {"phase": "committed", "step": 4, "blocked_s": math.nan}, "checkpoint.blocked_s"),
+    ("checkpoint", {"phase": "committed", "step": 4, "bytes": -1}, "checkpoint.bytes"),
+    ("heal", {"from_step": 1, "step": 5, "skipped_batches": -4, "heal_s": 1.0}, "heal.skipped_batches"),
+    ("job_end", {"state": "succeeded", "reason": "", "final_step": 5, "restarts": {"injob": -1}},
+     "job_end.restarts"),
+    ("rank_start", {"pid": 1, "host": "h", "job_attempt": 0, "injob_restart": 0, "inprocess_iteration": 0,
+                    "world_size": 2, "start_step": 0, "t_setup": {"model": math.nan}}, "rank_start.t_setup"),
+]
+
+
+@pytest.mark.parametrize("kind,fields,named", OUT_OF_RANGE)
+def test_a_number_out_of_range_is_refused_per_event_with_its_reason(kind: str, fields: dict,
+                                                                   named: str) -> None:
+    """A forged events file (or pod log) with NaN, an infinity, a negative or an absurd number: that
+    event is no event (the rest of the stream reads), and an emitter is told which field, in one line."""
+    with pytest.raises(SchemaError) as refused:
+        make(kind, "j", 0, t=1.8e9, **fields)
+    assert named in str(refused.value) and "\n" not in str(refused.value), refused.value
+    line = json.dumps({"v": 1, "t": 1.8e9, "kind": kind, "job": "j", "rank": 0, **fields}, allow_nan=True)
+    assert decode(line) is None and decode(LOG_PREFIX + line, log=True) is None
+
+
+def test_numbers_in_range_still_read() -> None:
+    """A negative loss (a user's), zeros and long but possible durations are events."""
+    for kind, fields in (("step", {**STEP, "loss": -3.5, "step_time": 0}),
+                         ("step", {**STEP, "step_time": 9e6}),
+                         ("restart", {**RESTART, "downtime_s": 86400.0}), ("failure", FAILURE)):
+        line = json.dumps({"v": 1, "t": 1.8e9, "kind": kind, "job": "j", "rank": 0, **fields})
+        assert decode(line) is not None, line
+    for t, rank in ((-1.0, 0), (1e300, 0), (1.8e9, -1)):
+        assert decode(json.dumps({"v": 1, "t": t, "kind": "step", "job": "j", "rank": rank, **STEP})) is None
+
+
+def test_a_pod_log_line_is_an_event_only_where_the_marker_starts_it() -> None:
+    """How a pod prints an event: the marker at the start of its own line, or after the timestamp
+    Kubernetes adds; a user's line that holds the marker elsewhere, or bare JSON, is the user's."""
+    body = make("step", "j", 0, t=1.8e9, **STEP).to_json()
+    for line in (LOG_PREFIX + body, f"2026-11-29T10:00:00Z {LOG_PREFIX}{body}",
+                 f"2026-11-29T10:00:00.123456789+01:00 {LOG_PREFIX}{body}\r\n"):
+        assert decode(line, log=True) is not None, line
+    for line in (f"[rank0]: echo {LOG_PREFIX}{body}", f"user says {LOG_PREFIX}{body}",
+                 f"  {LOG_PREFIX}{body}", f"2026-11-29T10:00:00Z user {LOG_PREFIX}{body}", body):
+        assert decode(line, log=True) is None, line
+    assert decode(body) is not None   # an events file's lines are bare JSON
+
+
+def test_a_forged_events_file_changes_neither_summary_nor_whatif(finished_job: str) -> None:
+    """Issue 34: NaN, negative, infinite and absurd numbers appended to a finished job's events (a
+    copy of it) made `whatif` end in a traceback and `summary` print nan and 3,922,859 %: each forged
+    event is refused, and both answer as for the job itself."""
+    import shutil
+
+    from jobs import cli, job_dir
+
+    forged = job_dir(finished_job).parent / "forged-events"
+    shutil.copytree(job_dir(finished_job), forged, ignore=shutil.ignore_patterns("ckpt", "warm"))
+    spec = json.loads((forged / "spec.json").read_text())
+    (forged / "spec.json").write_text(json.dumps({**spec, "name": "forged-events"}))
+    lines = (forged / "events.jsonl").read_text().splitlines()
+    t = json.loads(lines[-2])["t"]
+    bad = [json.dumps({"v": 1, "t": t, "kind": kind, "job": finished_job, "rank": 0, **fields},
+                      allow_nan=True) for kind, fields, _ in OUT_OF_RANGE]
+    (forged / "events.jsonl").write_text("\n".join(lines[:-1] + bad + lines[-1:]) + "\n")
+    for command in (["summary", "--json"], ["whatif", "--json"]):
+        mine, theirs = cli(*command, "forged-events"), cli(*command, finished_job)
+        assert mine.returncode == 0 and "Traceback" not in mine.stderr, mine.stderr[-2000:]
+        assert mine.stdout.replace("forged-events", finished_job) == theirs.stdout, command
+    said = cli("summary", "forged-events").stdout
+    assert "nan" not in said.replace("forged", "") and "inf" not in said, said
+    assert all(0 <= float(w[:-1]) <= 100 for w in said.split() if w.endswith("%")), said

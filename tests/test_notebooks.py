@@ -3,50 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
 
 import eksft_nb
-from conftest import REPO
-
-NOTEBOOKS = sorted((REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-_RUNS: dict[str, tuple[Any, Path]] = {}
+from notebook_runs import NOTEBOOKS, executed, saved
 
 pytestmark = pytest.mark.slow
-
-
-def executed(path: Path, tmp_root: Path) -> tuple[Any, Path]:
-    """Run a notebook once per session (its jobs land in the session's EKSFT_HOME) and save it."""
-    if path.stem not in _RUNS:
-        nb = nbformat.read(path, as_version=4)
-        with kernel_env(path, tmp_root) as env:
-            NotebookClient(nb, timeout=900, kernel_name="python3",
-                           resources={"metadata": {"path": str(tmp_root)}}).execute(env=env)
-        out = tmp_root / path.name
-        nbformat.write(nb, out)
-        _RUNS[path.stem] = (nb, out)
-    return _RUNS[path.stem]
-
-
-@contextmanager
-def kernel_env(path: Path, tmp_root: Path) -> Iterator[dict[str, str]]:
-    """The kernel's environment: 06_slurm's has a real two-node Slurm (skipped where slurm-wlm is absent),
-    its shared folder and a free rendezvous port; the cluster stops when the notebook has run."""
-    if path.stem != "06_slurm":
-        yield dict(os.environ)
-        return
-    from slurm_cluster import free_base, slurm_cluster
-
-    with slurm_cluster(tmp_root / "slurm") as cluster:
-        yield {**cluster.env, "EKSFT_SHARED_DIR": str(cluster.shared), "EKSFT_SLURM_PORT": str(free_base())}
 
 
 def text(nb: Any) -> str:
@@ -126,8 +94,7 @@ def check_slurm(nb: Any) -> None:
     """Both faults healed at their levels on the two Slurm nodes, and the resumed job went on from step 60."""
     from eksft_nb.events import read_all
 
-    (_, saved) = _RUNS["06_slurm"]
-    shared = saved.parent / "slurm" / "shared"
+    shared = saved("06_slurm").parent / "slurm" / "shared"
     out = text(nb)
     assert "#SBATCH --nodes=2" in out and "job slurm-demo: succeeded (all 60 steps done)" in out
     events = read_all(shared / "slurm-demo" / "events.jsonl")
@@ -143,7 +110,7 @@ def check_engines(nb: Any) -> None:
     from eksft_nb.events import read_all
     from eksft_nb.jobdir import JobDir, jobs_root
 
-    result = json.loads((_RUNS["07_engines"][1].parent / "engines.json").read_text())
+    result = json.loads((saved("07_engines").parent / "engines.json").read_text())
     kinds = [f.split("@")[0].split(":")[0] for f in result["plan"]["faults"]]
     engines = result["engines"]
     assert list(engines) == ["nvrx", "torchft", "torchrun"] and "sigkill" in kinds
@@ -208,8 +175,8 @@ def dashboard_state(state: dict[str, Any], model_id: str) -> int:
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_saved_with_widget_state_after_a_full_run_is_at_most_2_mb(
         path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
-    nb, saved = executed(path, tmp_path_factory.mktemp("notebooks"))
-    size = saved.stat().st_size
+    nb, out = executed(path, tmp_path_factory.mktemp("notebooks"))
+    size = out.stat().st_size
     assert size <= 2 * 2**20, f"{path.name} saved with its widget state: {size / 2**20:.1f} MB"
     if not dashboards(nb):
         return

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 from IPython.core.error import UsageError
 
 from eksft_nb.engines.torchft.checks import FAULTS as TORCHFT_FAULTS
+from eksft_nb.engines.torchft.hold import restart_point
 from eksft_nb.errors import EksftError
 from eksft_nb.events import make
 from eksft_nb.goodput import missing_batches
@@ -21,7 +23,7 @@ from eksft_nb.resilience import expect, plan
 from eksft_nb.resilience.card import Row, junit, state_check, table
 from eksft_nb.spec import JobSpec
 from eksft_nb.states import FaultKind
-from jobs import cli, events, job_dir
+from jobs import cli, events, job_dir, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -166,6 +168,27 @@ def test_a_card_that_ran_no_case_fails_in_every_form() -> None:
             "problem": "the job never committed a checkpoint", "passed": False}
     assert validate_junit(junit(card)) == {"plan": ["the job never committed a checkpoint"]}
     assert "FAILED" in table(card) and "never committed" in table(card)
+
+
+def test_junit_holds_colour_codes_and_control_characters_as_xml_can() -> None:
+    """Issue 34: a failure text with a rank's ANSI colour codes or a NUL made --junit write XML that no
+    reader parses. Escape sequences are dropped, other characters XML 1.0 cannot hold are written as
+    their codes; the file parses and says the same."""
+    why = ["\x1b[1;31mRuntimeError\x1b[0m: loss \x00diverged\x0b at step 3\x1b]0;title\x07",
+           "rank 1 said \udcff\ufffe\x1b"]
+    row = {"case": "sigkill \x1b[32mrank 1\x1b[0m", "job": "t-\x01sigkill", "why": why, "level": "injob",
+           "downtime_s": 1.5, "lost": 2, "state_check": "match"}
+    card = {"job": "t\x1b[0m", "expect": [], "reference": {}, "rows": [row], "skipped": {}, "problem": "",
+            "passed": False}
+    xml = junit(card)
+    assert validate_junit(xml) == {"sigkill rank 1": ["RuntimeError: loss \\x00diverged\\x0b at step 3"]}
+    suite = ET.fromstring(xml.encode())   # the bytes a file holds, through the strict (expat) parser
+    [case] = suite
+    assert suite.get("name") == "resilience.t"
+    assert case.find("failure").text == ("RuntimeError: loss \\x00diverged\\x0b at step 3\n"
+                                         "rank 1 said \\udcff\\ufffe\\x1b")
+    out = case.find("system-out").text
+    assert out == "job t-\\x01sigkill: level injob, downtime 1.50s, lost 2, state match", out
 
 
 # ---- the front ends (nothing launches on bad input) ---------------------------------------------
@@ -408,13 +431,35 @@ def test_a_torchft_row_reads_the_groups_recovery_and_fails_where_they_diverged()
     assert "restored from peer; 3 batches skipped" in text and "consistent" in text, text
 
 
+def alone_steps(name: str) -> list:
+    """The steps job ``name`` committed with one replica group's batch (none before it exists)."""
+    try:
+        return [e for e in events(name, "step") if e["batches"] == 1]
+    except OSError:
+        return []
+
+
 @pytest.mark.slow
 def test_torchft_groups_heal_each_fault_and_the_card_reads_how(tmp_path: Path) -> None:
     pytest.importorskip("torchft")
-    rc, card, narration, failures = run_test(
-        "rtft", "--engine", "torchft", "--nnodes", "2", "--nproc-per-node", "1", "--steps",
-        str(TORCHFT_STEPS), "--ckpt-every", "5", "--at-step", "30", "--faults", "sigkill,exception",
-        "--expect", "level<=job, lost<=0, state=reference", tmp=tmp_path)
+    from test_torchft import Holds
+
+    # the sigkill case's killed group (group 1) is held before it sets up again until its peer committed a
+    # step alone: the card's row then reads a heal with batches skipped, whichever process starts faster
+    holds = Holds(tmp_path / "holds")
+    holds.add(restart_point(1, 1))
+    release = threading.Thread(target=lambda: (wait_for("the sigkill case's peer to train alone", lambda: (
+        alone_steps("rtft-sigkill") or not holds.held()), timeout=1500), holds.release()), daemon=True)
+    release.start()
+    try:
+        with holds.env():
+            rc, card, narration, failures = run_test(
+                "rtft", "--engine", "torchft", "--nnodes", "2", "--nproc-per-node", "1", "--steps",
+                str(TORCHFT_STEPS), "--ckpt-every", "5", "--at-step", "30", "--faults", "sigkill,exception",
+                "--expect", "level<=job, lost<=0, state=reference", tmp=tmp_path)
+    finally:
+        holds.release()
+        release.join(30)
     rows = {r["case"]: r for r in card["rows"]}
     assert list(rows) == ["sigkill", "exception"] and card["skipped"] == {}, narration[-3000:]
     ref_digest = card["reference"]["digest"]

@@ -500,12 +500,13 @@ def test_without_gres_a_dry_runs_script_submitted_by_hand_counts_the_nodes_gpus_
         cluster: SlurmCluster, tmp_path: Path) -> None:
     """A node with two (fake) GPUs in its gres.conf, a job without --gres: the batch shell counts them there
     and takes the GPU values (timeouts, NCCL environment); the dry run's script runs as submitted by hand
-    (after the one command it says to run first). Ranks that outnumber the node's GPUs are refused there,
-    in one line, within seconds."""
+    (after the one command it says to run first), doctor's gate included (``--device cpu``: torch sees none
+    of the fake GPUs). Ranks that outnumber the node's GPUs are refused there, in one line, within
+    seconds; so is a job that would use them (``--device auto``) where torch sees none (the gate)."""
     env = {**cluster.env, "EKSFT_SHARED_DIR": str(cluster.shared)}
     dry = cli(cluster, "run", "--dry-run", "--backend", "slurm", "--shared-dir", str(cluster.shared),
               "--name", "by-hand", *BASE, "--nnodes", "1", "--partition", GPU_PARTITION, "--slurm-port",
-              str(free_base()), "--fault", "slow-rank:0@2")
+              str(free_base()), "--fault", "slow-rank:0@2", "--device", "cpu")   # the GPUs are fake
     assert dry.returncode == 0, dry.stderr
     script = dry.stdout[dry.stdout.index("#!/bin/bash"):]
     (tmp_path / "by-hand.sbatch").write_text(script)
@@ -530,11 +531,17 @@ def test_without_gres_a_dry_runs_script_submitted_by_hand_counts_the_nodes_gpus_
     # more ranks than the node has GPUs; a shared node is granted none, and Slurm's record of it counts
     run(cluster, "too-many", "--nnodes", "1", "--nproc-per-node", "3", "--partition", GPU_PARTITION,
         "--no-exclusive", "--cpus-per-task", "2", detach=True)
+    # GPUs on the node that torch does not see, and a job that would use them: doctor's gate stops it
+    run(cluster, "no-cuda", "--nnodes", "1", "--partition", GPU_PARTITION, detach=True)
     row = wait_for("the refusal", lambda: (r := status(cluster, "too-many"))["ended"] and r, timeout=120)
     assert row["state"] == "failed" and row["detail"].startswith(
         f"3 ranks per node but the node has 2 GPUs (Slurm's record of node {GPU_NODE} (Gres=gpu:2"), row
     assert "use --nproc-per-node 2" in row["detail"] and not slurm_events(cluster.shared / "too-many",
                                                                           "rank_start")
+    row = wait_for("the gate", lambda: (r := status(cluster, "no-cuda"))["ended"] and r, timeout=120)
+    assert row["state"] == "failed" and row["detail"].startswith(
+        f"doctor on {GPU_NODE}: the spec asks for GPUs but torch sees none here"), row
+    assert "--device cpu" in row["detail"] and not slurm_events(cluster.shared / "no-cuda", "rank_start")
 
 
 @pytest.mark.slow

@@ -223,7 +223,8 @@ def test_nccl_on_sockets_fails_a_job_that_asked_for_efa_and_warns_one_that_did_n
                                                                                     efa: bool) -> None:
     """The watcher (a real process) with a stand-in for its srun step that writes what NCCL logs on a node
     where aws-ofi-nccl did not load, then would run on."""
-    spec = slurm_spec(**{"slurm.shared_dir": str(tmp_path), "slurm.efa": efa}).validate()
+    # --device cpu: the GPUs are said (EKSFT_NODE_GPUS below), not there: doctor's gate lets it through
+    spec = slurm_spec(**{"slurm.shared_dir": str(tmp_path), "slurm.efa": efa, "device": "cpu"}).validate()
     jd = JobDir(tmp_path / spec.name)
     jd.create(spec)
     log = jd.logs / "launcher-0-0.log"

@@ -130,3 +130,34 @@ def test_the_handover_refuses_a_state_that_sets_a_class_s_attributes() -> None:
     with pytest.raises(HandoverError, match="a class's attributes or slot state"):
         _load(base64.b64encode(payload))
     assert not hasattr(_NodeDesc, "marker")
+
+
+@pytest.mark.parametrize("made_by", ["REDUCE", "NEWOBJ"])
+@pytest.mark.parametrize("attr", ["_value_", "marker"])
+def test_the_handover_cannot_change_an_nvrx_enum_member(made_by: str, attr: str) -> None:
+    """Issue 34: the handover refused BUILD on a class but not on a shared object. A stored state that
+    names NVRx's WorkerState.HEALTHY (by value, or through the enum's __new__) and BUILDs it would set the
+    member's value or attributes in the supervisor: only objects made by the load itself are BUILT."""
+    import base64
+
+    from ckpt_craft import name, text
+    from eksft_nb.backends.local.handover import WORKER_STATE, HandoverError, _load
+    from eksft_nb.nvrx import installed
+
+    if installed().rendezvous != "legacy":
+        pytest.skip("the handover is for NVRx 0.4's legacy rendezvous")
+    from nvidia_resiliency_ext.fault_tolerance._torch_elastic_compat.agent.server.api import WorkerState
+
+    call = b"R" if made_by == "REDUCE" else b"\x81"   # WorkerState("HEALTHY"), WorkerState.__new__(...)
+    member = name(WORKER_STATE, "WorkerState") + text("HEALTHY") + b"\x85" + call
+    payload = b"\x80\x04" + member + b"}" + text(attr) + text("FAILED") + b"sb."   # BUILD {attr: "FAILED"}
+    before = dict(vars(WorkerState.HEALTHY))
+    try:
+        with pytest.raises(HandoverError) as refused:
+            _load(base64.b64encode(payload))
+        assert "\n" not in str(refused.value)
+        assert vars(WorkerState.HEALTHY) == before and WorkerState("HEALTHY") is WorkerState.HEALTHY
+        assert WorkerState.HEALTHY.value == "HEALTHY" and not hasattr(WorkerState.HEALTHY, "marker")
+    finally:  # on a handover that let it through: undo it, so that the other tests run in a sound process
+        vars(WorkerState.HEALTHY).clear()
+        vars(WorkerState.HEALTHY).update(before)

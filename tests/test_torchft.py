@@ -13,14 +13,17 @@ whole and heals rank by rank from its peer's shards."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
 from eksft_nb import commands
 from eksft_nb.checkpoint_folders import list_checkpoints
 from eksft_nb.control import FaultCommand
+from eksft_nb.engines.torchft.hold import HOLD_ENV, restart_point, step_point
 from eksft_nb.errors import EksftError
 from eksft_nb.goodput import compute, missing_batches
 from eksft_nb.jobdir import JobDir
@@ -33,7 +36,8 @@ from test_ports import Listeners, is_loopback
 
 pytest.importorskip("torchft")
 
-STEPS = 150  # paced (2 s a step) until the last fault: room for five recoveries on a busy machine
+STEPS = 150  # paced (PACE_S a step) until the last fault: the job outlasts its five faults
+PACE_S = 1.0  # each lost group's race with its peer is held by the test (Holds), not left to the pace
 CKPT_EVERY = 5
 BATCH_TOKENS = JobSpec().batch * JobSpec().seq  # one group's batch of a step
 
@@ -59,32 +63,107 @@ def fault(name: str, kind: str) -> list:
     return [e for e in events(name, "fault") if e["fault"] == kind]
 
 
+class Holds:
+    """The test's holds on a job's ranks (``eksft_nb/engines/torchft/hold.py``): a file per point, in a folder
+    the job's processes were launched with (:meth:`env`); removing it lets the rank go. A lost group's race
+    with its peer is paced with them, so each outcome is produced in a case of its own and asserted exactly:
+    its new process waits before it sets up (the peer commits steps alone), or the peer waits before its
+    next step until the new process is up (the group is back before its peer committed a step alone)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+
+    @contextmanager
+    def env(self) -> Iterator[None]:
+        """Jobs launched inside wait at these holds (every process of theirs inherits the variable)."""
+        old = os.environ.get(HOLD_ENV)
+        os.environ[HOLD_ENV] = str(self.folder)
+        try:
+            yield
+        finally:
+            if old is None:
+                os.environ.pop(HOLD_ENV, None)
+            else:
+                os.environ[HOLD_ENV] = old
+
+    def add(self, *points: str) -> None:
+        for point in points:
+            (self.folder / point).touch()
+
+    def release(self, *points: str) -> None:
+        for point in points or [p.name for p in self.folder.iterdir()]:
+            (self.folder / point).unlink(missing_ok=True)
+
+    def held(self) -> bool:
+        """Whether a point is still held."""
+        return any(self.folder.iterdir())
+
+
+def step_done(name: str, step: int) -> object:
+    """A probe for wait_for: step ``step`` committed (by every group in its quorum), or the job's end."""
+    return lambda: [e for e in of(name, "step") if e["step"] >= step] or of(name, "job_end")
+
+
+def alone(name: str, rank: int, after: float) -> object:
+    """A probe for wait_for: a step that ``rank``'s group committed alone (one group's batch) after
+    ``after``, or the job's end."""
+    return lambda: [e for e in of(name, "step", rank, after) if e["batches"] == 1] or of(name, "job_end")
+
+
 @pytest.fixture(scope="module")
-def matrix() -> Iterator[tuple[str, Listeners]]:
+def matrix(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Listeners]]:
     """A 2-group job through the fault matrix, each fault once the last one healed: group 1's rank killed
-    at step 3; an exception inside group 0's backward at a save's step (group 0 is first in the quorum, and
-    saves the steps it reports); group 0 lost whole
-    (kill-launcher); group 1 hung; then both groups lost at one step, two steps or more after a save
-    (committed by then), and the job resumes from its newest checkpoint. Its listeners sampled
-    throughout. The groups are stragglers (the registry's slow-rank) until the last fault: the job runs long
-    enough for a lost group to come back however slowly this machine starts a process, and no longer."""
+    entering step 3, back before group 0 committed a step alone (group 0 held before step 3 until group 1's
+    new process is up); an exception inside group 0's backward at a save's step (group 0 is first in the
+    quorum, and saves the steps it reports); group 0 lost whole (kill-launcher), group 1 training alone
+    meanwhile (group 0's new process held before it sets up until group 1 committed a step alone); group 1
+    hung, group 0 training on alone likewise; then both groups lost at one step, two steps or more after a
+    save (committed by then), and the job resumes from its newest checkpoint. Each loss comes after the
+    step before it was reported, so no step of both groups is committed after the fault. Its listeners
+    sampled throughout. The groups are stragglers (the registry's slow-rank) until the last fault: the job
+    runs long enough for a lost group to come back however slowly this machine starts a process."""
     name = "tft-matrix"
     spec = torchft_spec(name, **{"checkpoint.every": CKPT_EVERY, "ft.max_job_restarts": 3})
-    commands.launch(spec, [pace(0, step=1), FaultCommand("sigkill", rank=1, step=3)])
+    holds = Holds(tmp_path_factory.mktemp("holds"))
+    holds.add(step_point(0, 3), step_point(1, 3))
+    with holds.env():
+        commands.launch(spec, [pace(0, step=1, delay=PACE_S), FaultCommand("sigkill", rank=1, step=3)])
     with watched(name) as listeners:
-        wait_for("group 1 to heal from group 0", until(name, "heal", 1), timeout=600)
-        commands.inject_command(name, pace(1))  # the restarted process has no pace: group 0 goes next
-        at = -(-(of(name, "step")[-1]["step"] + 4) // CKPT_EVERY) * CKPT_EVERY  # a save's step, ahead of both
-        commands.inject(name, "exception", rank=0, step=at)
-        wait_for("group 0 to throw a step away", until(name, "step_discarded", 0), timeout=300)
-        again = wait_for("group 0 to heal the thrown-away step", until(name, "heal", 0), timeout=300)[0]
-        commands.inject(name, "kill-launcher", node=0)
-        wait_for("group 0 to heal from group 1", until(name, "heal", 0, again.t + 1e-6), timeout=600)
-        commands.inject_command(name, pace(0))  # group 1 goes next
-        hang = commands.inject(name, "hang", rank=1, wait=300)
-        assert hang["fired"], hang
-        t_hang = wait_for("the hang's event", lambda: fault(name, "hang"), timeout=60)[0].t
-        wait_for("the hung group 1 to heal", until(name, "heal", 1, t_hang), timeout=600)
+        try:
+            wait_for("step 1", step_done(name, 1), timeout=300)
+            holds.add(step_point(1, 1))   # group 1's next process waits before its first step
+            wait_for("step 2", step_done(name, 2), timeout=300)
+            holds.release(step_point(1, 3))   # group 1 goes on, and is killed entering step 3
+            kill = wait_for("the sigkill", lambda: fault(name, "sigkill"), timeout=120)[0]
+            wait_for("group 1's new process", until(name, "rank_start", 1, kill.t), timeout=600)
+            holds.release(step_point(0, 3), step_point(1, 1))   # both groups go: one quorum
+            wait_for("group 1 to heal from group 0", until(name, "heal", 1), timeout=300)
+            commands.inject_command(name, pace(1, delay=PACE_S))  # the new process has none: group 0 next
+            at = -(-(of(name, "step")[-1]["step"] + 4) // CKPT_EVERY) * CKPT_EVERY  # a save's step, ahead
+            commands.inject(name, "exception", rank=0, step=at)
+            wait_for("group 0 to throw a step away", until(name, "step_discarded", 0), timeout=300)
+            again = wait_for("group 0 to heal the thrown-away step", until(name, "heal", 0), timeout=300)[0]
+            at = of(name, "step")[-1]["step"] + 3   # group 0 lost entering it, after the step before it
+            holds.add(step_point(0, at), step_point(1, at), restart_point(0, 1))
+            commands.inject(name, "kill-launcher", node=0, step=at)
+            wait_for(f"step {at - 1}", step_done(name, at - 1), timeout=300)
+            holds.release(step_point(0, at), step_point(1, at))
+            lost = wait_for("group 0's loss", lambda: fault(name, "kill-launcher"), timeout=120)[0]
+            wait_for("group 1 to commit a step alone", alone(name, 1, lost.t), timeout=300)
+            holds.release(restart_point(0, 1))   # group 0's new process sets up, and heals
+            wait_for("group 0 to heal from group 1", until(name, "heal", 0, again.t + 1e-6), timeout=600)
+            commands.inject_command(name, pace(0, delay=PACE_S))  # group 1 goes next
+            holds.add(restart_point(1, 2))   # its new process waits before it sets up: group 0 trains on
+            hang = commands.inject(name, "hang", rank=1, wait=300)
+            assert hang["fired"], hang
+            t_hang = wait_for("the hang's event", lambda: fault(name, "hang"), timeout=60)[0].t
+            found = wait_for("the hang found", until(name, "failure", None, t_hang), timeout=300)[0]
+            wait_for("group 0 to train on alone", alone(name, 0, found.t), timeout=300)
+            holds.release(restart_point(1, 2))
+            wait_for("the hung group 1 to heal", until(name, "heal", 1, t_hang), timeout=600)
+        finally:
+            holds.release()
         at = of(name, "step")[-1]["step"] + 4  # both groups lost at the start of one step ahead of both,
         while any((at - k) % CKPT_EVERY == 0 for k in range(3)):  # which no save can be in flight at
             at += 1
@@ -142,29 +221,27 @@ def test_the_events_tell_the_quorum_changes_the_heal_and_the_skipped_batches(mat
     kill = fault(name, "sigkill")[0]
     sizes = {g: [e["participants"] for e in of(name, "quorum", rank=g)] for g in (0, 1)}
     assert all(s[0] == 2 and s[-1] == 2 for s in sizes.values()), sizes  # both at the start and at the end
-    # a step committed with one group's batch came from a quorum of one (how many there are depends on how
-    # fast a lost group is back: forked warm, it may rejoin before its peer's next quorum)
+    # the steps committed with one group's batch (while group 0, then group 1, was away) came from quorums
+    # of one
     alone_steps = [e["step"] for e in of(name, "step") if e["batches"] == 1]
-    assert not alone_steps or 1 in sizes[0] + sizes[1], (sizes, alone_steps)
+    assert alone_steps and 1 in sizes[0] and 1 in sizes[1], (sizes, alone_steps)
+    # group 1, killed entering step 3, was back before group 0 committed a step alone: it healed at step 2,
+    # the last step both committed, and skipped nothing
     heal = of(name, "heal", rank=1)[0]
-    assert (
-        heal["step"] >= heal["from_step"] >= 2 and heal["skipped_batches"] == heal["step"] - heal["from_step"]
-    )
-    # the steps group 1 missed were committed with group 0's batch alone: the one count of skipped batches
-    alone = [e["batches"] for e in of(name, "step") if heal["from_step"] < e["step"] <= heal["step"]]
-    assert alone == [1] * heal["skipped_batches"], alone
+    assert (heal["from_step"], heal["step"], heal["skipped_batches"]) == (2, 2, 0), heal.data
+    assert all(e["participants"] == 2 for e in of(name, "quorum") if e.t < heal.t), sizes   # no quorum of one
     mon = JobMonitor()
     mon.update(events(name))
     gp, led = compute(mon), ledger(events(name), 2, JobSpec().batch)
-    assert led["skipped_batches"] == missing_batches(mon) >= heal["skipped_batches"], led
-    assert led["terms"]["skipped"] == round(gp.skipped_s, 4) and led["ettr"] == round(gp.goodput, 5)
-    assert (led["terms"]["skipped"] > 0) == bool(alone_steps), led
+    assert led["skipped_batches"] == missing_batches(mon) > 0, led
+    assert led["terms"]["skipped"] == round(gp.skipped_s, 4) > 0 and led["ettr"] == round(gp.goodput, 5)
     restart = of(name, "restart")[0]
     assert restart["level"] == "job" and restart["blame_rank"] == 1 and restart["restored_from"] == "peer"
     assert restart["fault_time"] == kill.t and restart["rolled_back_steps"] == 0
-    assert restart["resumed_step"] == heal["step"] and restart["skipped_batches"] == heal["skipped_batches"]
-    # the survivors' stall: until their first step after the fault, or (none before it) until the heal
-    assert 0 < restart["downtime_s"] <= restart["group_downtime_s"], restart
+    assert restart["resumed_step"] == 2 and restart["skipped_batches"] == 0
+    # the survivors' stall: no step was committed between the fault and the heal, so it lasted until it
+    assert restart["group_downtime_s"] > 0, restart.data
+    assert restart["downtime_s"] == pytest.approx(restart["group_downtime_s"]), restart.data
     row = commands.status(name)
     assert row["restarts"]["job"] == 4 and row["step"] == STEPS, row
     # the four losses, in order: group 1, group 0, group 1 hung, every group (no one group to blame)
@@ -202,9 +279,14 @@ def test_a_whole_group_lost_heals_from_its_peer_which_reports_the_steps_meanwhil
     back = of(name, "heal", rank=0, after=lost.t)[0]
     restart = next(e for e in of(name, "restart") if e["fault_time"] == lost.t)
     assert restart["restored_from"] == "peer" and restart["resumed_step"] == back["step"], restart.data
-    # group 1, first in the quorum while group 0 was lost, reported the steps committed meanwhile (none if
-    # group 0, forked warm, was back before group 1's next quorum)
-    assert {e.rank for e in of(name, "step") if lost.t < e.t < back.t} <= {1}
+    # group 1, first in the quorum while group 0 was lost, reported the steps it committed alone meanwhile
+    # (group 0's new process was held until it had): the batches group 0 skipped
+    meanwhile = [e for e in of(name, "step") if lost.t < e.t < back.t]
+    assert meanwhile and {e.rank for e in meanwhile} == {1} and {e["batches"] for e in meanwhile} == {1}
+    assert back["step"] - back["from_step"] == back["skipped_batches"] == len(meanwhile), back.data
+    assert restart["skipped_batches"] == len(meanwhile)
+    # the survivors' stall: until their first step after the fault, before the heal
+    assert 0 < restart["downtime_s"] < restart["group_downtime_s"], restart.data
 
 
 @pytest.mark.slow
@@ -262,7 +344,7 @@ def test_the_loss_of_every_group_resumes_from_the_newest_checkpoint_in_memory(ma
 def test_every_process_of_a_torchft_job_listens_on_loopback_only(matrix) -> None:
     name, listeners = matrix
     who = " ".join(listeners.seen.values())
-    assert "torchft_lighthouse" in who and "eksft_nb.engines.torchft.trainer" in who, listeners.seen
+    assert "torchft.gateway --bind" in who and "eksft_nb.engines.torchft.trainer" in who, listeners.seen
     wide = {f"{ip}:{port}": w for (ip, port), w in listeners.seen.items() if not is_loopback(ip)}
     assert not wide, f"listening beyond loopback: {wide}"
 
@@ -304,7 +386,8 @@ def test_a_fault_the_torchft_engine_cannot_fire_is_refused_before_launch() -> No
 
 def test_a_dry_run_shows_the_lighthouse_on_loopback_and_one_process_per_group() -> None:
     shown = commands.dry_run(torchft_spec("tft-dry", nnodes=3))
-    assert "torchft_lighthouse" in shown and "--bind 127.0.0.1:" in shown, shown
+    # the Lighthouse's gateway on loopback, the Lighthouse itself on a network of its own behind it
+    assert "netns.py -- " in shown and "-m eksft_nb.engines.torchft.gateway --bind 127.0.0.1:" in shown, shown
     assert shown.count("-m eksft_nb.engines.torchft.trainer") == 3 and "NUM_REPLICA_GROUPS=3" in shown, shown
     hsdp = commands.dry_run(torchft_spec("tft-dry", nnodes=2, nproc_per_node=2))
     assert hsdp.count("-m eksft_nb.engines.torchft.trainer") == 4 and "RANK=3\n" in hsdp, hsdp
@@ -314,17 +397,31 @@ HSDP_STEPS = 60
 
 
 @pytest.fixture(scope="module")
-def hsdp() -> Iterator[tuple[str, Listeners]]:
-    """2 groups of 2 ranks (HSDP): group 1's rank 1 (rank 3) killed at step 3, while group 0 is paced
-    (5 s a step: room for a restart of its peer however slow) until group 1 healed, then goes at full
-    speed to the end. Its listeners sampled."""
+def hsdp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Listeners]]:
+    """2 groups of 2 ranks (HSDP): group 1's rank 1 (rank 3) killed entering step 3, once step 2 is
+    reported; group 0's ranks wait before step 3, and group 1's new ranks before their first step, until
+    group 1's new process is up: both go together, and group 1 is back before group 0 committed a step
+    alone (test_torchft's matrix has the other outcome). Its listeners sampled."""
     name = "tft-hsdp"
     spec = torchft_spec(name, nproc_per_node=2, steps=HSDP_STEPS, **{"checkpoint.every": CKPT_EVERY})
-    commands.launch(spec, [pace(0, step=1, delay=5.0), FaultCommand("sigkill", rank=3, step=3)])
+    holds = Holds(tmp_path_factory.mktemp("holds"))
+    holds.add(*(step_point(rank, 3) for rank in range(4)))
+    with holds.env():
+        commands.launch(spec, [FaultCommand("sigkill", rank=3, step=3)])
     with watched(name) as listeners:
-        wait_for("group 1 to heal from group 0", until(name, "heal", 2), timeout=600)
-        commands.inject_command(name, pace(0, delay=0.01, duration=1))
-        wait_for("the job to end", lambda: of(name, "job_end"), timeout=600)
+        try:
+            wait_for("step 1", step_done(name, 1), timeout=300)
+            holds.add(step_point(2, 1), step_point(3, 1))   # group 1's next ranks: before their first step
+            wait_for("step 2", step_done(name, 2), timeout=300)
+            holds.release(step_point(3, 3))   # rank 3 goes on, and is killed entering step 3
+            kill = wait_for("the sigkill", lambda: fault(name, "sigkill"), timeout=120)[0]
+            wait_for("group 1's new ranks", lambda: {e.rank for e in of(name, "rank_start", after=kill.t)}
+                     >= {2, 3} or of(name, "job_end"), timeout=600)
+            holds.release()   # every rank goes: one quorum
+            wait_for("group 1 to heal from group 0", until(name, "heal", 2), timeout=300)
+            wait_for("the job to end", lambda: of(name, "job_end"), timeout=600)
+        finally:
+            holds.release()
     yield name, listeners
 
 
@@ -340,10 +437,13 @@ def test_hsdp_a_ranks_sigkill_restarts_its_group_which_heals_and_the_job_ends_id
     assert failure["blame_rank"] == 1 and "rank 3 was killed (SIGKILL)" in failure["cause"], failure.data
     restart = of(name, "restart")[0]
     heal = of(name, "heal", 2)[0]
-    # rank 3 was killed entering step 3: step 2 is the last both groups committed; group 0 may have
-    # committed more alone, or none if group 1 was back before its next quorum formed
-    assert restart["restored_from"] == "peer" and restart["resumed_step"] == heal["step"] >= 2, restart.data
-    assert restart["fault_time"] == fault(name, "sigkill")[0].t
+    # rank 3 was killed entering step 3, and its group was back before group 0 committed a step alone: it
+    # healed, rank by rank, at step 2, the last both groups committed, and skipped nothing
+    assert (heal["from_step"], heal["step"], heal["skipped_batches"]) == (2, 2, 0), heal.data
+    assert restart["restored_from"] == "peer" and restart["resumed_step"] == 2, restart.data
+    assert restart["fault_time"] == fault(name, "sigkill")[0].t and restart["skipped_batches"] == 0
+    assert restart["group_downtime_s"] > 0, restart.data
+    assert restart["downtime_s"] == pytest.approx(restart["group_downtime_s"]), restart.data
     # the final state, gathered within each group: all four ranks report the same weights
     digests = {(e["replica_group"], e.rank): e["digest"] for e in of(name, "rank_end")}
     assert set(digests) == {(0, 0), (0, 1), (1, 2), (1, 3)} and len(set(digests.values())) == 1, digests

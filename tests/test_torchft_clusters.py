@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -24,13 +25,15 @@ from eks_pods import LocalPod
 from jobs import free_port, wait_for
 from slurm_cluster import SlurmCluster, free_base, slurm_cluster
 from test_eks_replay import free_port_base
-from test_torchft import pace
+from test_torchft import Holds, pace
 
 from eksft_nb import commands
 from eksft_nb.backends.eks import EksBackend, names
 from eksft_nb.backends.eks.torchft import LIGHTHOUSE_LABEL, lighthouse_name
 from eksft_nb.backends.slurm import SlurmBackend
 from eksft_nb.engines.torchft import lighthouse as lh
+from eksft_nb.engines.torchft import secret
+from eksft_nb.engines.torchft.hold import HOLD_ENV, restart_point, step_point
 from eksft_nb.engines.torchft.hosts import HOST_ENV, endpoint
 from eksft_nb.errors import EksftError
 from eksft_nb.control import FaultCommand
@@ -94,9 +97,25 @@ def test_an_eks_torchft_job_is_a_lighthouse_deployment_and_a_jobset_of_replica_g
     order = [v["name"] for v in trainer["env"]]
     assert order.index("POD_IP") < order.index(HOST_ENV)   # the kubelet expands only what comes before
     assert "0.0.0.0" not in json.dumps([lighthouse, trainer])
+    # the job's secret: a Secret of the job made before any pod, mounted read-only into the Lighthouse's pod
+    # and every group's, its path (never its value) in their environment; a dry run does not show it
+    [secret] = [o for o in m.job if o["kind"] == "Secret"]
+    assert kinds.index(("Secret", "tft-torchft")) < kinds.index(("NetworkPolicy", "tft-lighthouse"))
+    key = secret["stringData"]["secret"]
+    assert len(bytes.fromhex(key)) == 32 and secret["metadata"]["labels"][names.JOB_LABEL] == "tft"
+    for pod_spec, container in ((pod["spec"], lighthouse), (child["template"]["spec"], trainer)):
+        [volume] = [v for v in pod_spec["volumes"] if v.get("secret")]
+        assert volume["secret"] == {"secretName": "tft-torchft", "defaultMode": 0o440}
+        mount = next(v for v in container["volumeMounts"] if v["name"] == volume["name"])
+        path = env_of(container)["EKSFT_TORCHFT_SECRET"]
+        assert mount["readOnly"] and path == f"{mount['mountPath']}/secret"
+        assert key not in json.dumps(container)
+    shown = EksBackend().render(spec)
+    assert "secret: <32 random bytes, hex, made at launch>" in shown and not re.search(r"[0-9a-f]{64}", shown)
     rules = next(o for o in m.admin if o["kind"] == "Role")["rules"]
     assert {"apiGroups": ["apps"], "resources": ["deployments"],
             "verbs": ["get", "create", "delete"]} in rules
+    assert {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "delete"]} in rules
 
 
 def test_the_eks_lighthouse_binds_an_ipv6_pod_ip_alone(tmp_path: Path) -> None:
@@ -104,8 +123,9 @@ def test_the_eks_lighthouse_binds_an_ipv6_pod_ip_alone(tmp_path: Path) -> None:
     listens on it alone: its entry put the address in the brackets ``--bind`` needs."""
     port = free_port()
     spec, _ = commands.prepare(eks_spec("tft6", **{"eks.port": port}), launching=False)
-    deployment = next(o for o in EksBackend().manifests(spec).job if o["kind"] == "Deployment")
-    pod = LocalPod(deployment["spec"]["template"], "tft6-lighthouse", tmp_path, {}, ip="::1")
+    objects = {o["kind"]: o for o in EksBackend().manifests(spec).job}
+    pod = LocalPod(objects["Deployment"]["spec"]["template"], "tft6-lighthouse", tmp_path, {}, ip="::1",
+                   secrets={objects["Secret"]["metadata"]["name"]: objects["Secret"]["stringData"]})
     proc = pod.start("lighthouse", tmp_path / "lighthouse.log")
     try:
         bound = wait_for("the Lighthouse to listen", lambda: {
@@ -151,9 +171,11 @@ def listening(pid: int) -> set[str]:
     return out
 
 
-def losses(mon: JobMonitor, heals: list) -> tuple[dict, dict, dict]:
-    """A job whose group 1 was lost once and healed: the failure, the restart and the heal its events
-    say, checked as the local supervisor's are (test_torchft.py)."""
+def losses(mon: JobMonitor, heals: list, alone: bool) -> tuple[dict, dict, dict]:
+    """A job whose group 1 was lost once (killed entering step 3, once step 2 was reported) and healed: the
+    failure, the restart and the heal its events say, checked as the local supervisor's are
+    (test_torchft.py). ``alone``: group 1's new process was held until group 0 committed a step alone;
+    else group 0 was held before step 3 until group 1 was back."""
     assert len(mon.failures) == len(mon.restarts) == 1, (mon.failures, mon.restarts)
     [failure], [restart], [heal] = mon.failures, mon.restarts, [e for e in heals if e.rank == 1]
     kill = next(f for f in mon.faults if f["fault"] == "sigkill")
@@ -161,28 +183,37 @@ def losses(mon: JobMonitor, heals: list) -> tuple[dict, dict, dict]:
     assert "replica group 1" in failure["cause"] and failure["detected_at"] >= kill["t"], failure
     assert (restart["level"], restart["blame_rank"], restart["replica_group"], restart["restored_from"]) == (
         "job", 1, 1, "peer") and restart["fault_time"] == kill["t"], restart
-    # group 0 may have committed steps alone (the batches group 1 skipped), or none if group 1 was back
-    # before it did (its heal then skips nothing)
-    assert heal["step"] >= heal["from_step"] >= 1, heal
     assert heal["skipped_batches"] == heal["step"] - heal["from_step"], heal
     assert restart["resumed_step"] == heal["step"] and restart["skipped_batches"] == heal["skipped_batches"]
     # the steps committed while group 1 was away lacked its batch: the one count of skipped batches agrees
     # with the heal's (a replaced EKS pod reads its step from a beacon written once a second: one more)
     assert 0 <= heal["skipped_batches"] - missing_batches(mon) <= 1, (heal, missing_batches(mon))
-    # the survivors' stall: until their first step after the fault, or (none before it) until the heal
-    assert 0 < restart["downtime_s"] <= restart["group_downtime_s"], restart
+    if alone:   # group 0 committed steps alone (the batches group 1 skipped), its first one stalled
+        assert heal["step"] > heal["from_step"] >= 1 and missing_batches(mon) > 0, heal
+        assert 0 < restart["downtime_s"] < restart["group_downtime_s"], restart
+    else:   # group 1 healed at step 2, the last both committed, and skipped nothing; no step came between
+        assert (heal["from_step"], heal["step"], heal["skipped_batches"]) == (2, 2, 0), heal
+        assert missing_batches(mon) == 0
+        assert restart["downtime_s"] == pytest.approx(restart["group_downtime_s"]), restart
+        assert restart["downtime_s"] > 0, restart
     return failure, restart, heal
 
 
 @pytest.mark.slow
-def test_a_rendered_torchft_job_trains_against_its_lighthouse_and_a_lost_group_heals(cluster) -> None:
+def test_a_rendered_torchft_job_trains_against_its_lighthouse_and_a_lost_group_heals(
+        cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Group 1's process is killed at step 3 (the registry's sigkill): its pod fails, its child Job replaces
-    it, the new pod heals from group 0, and the job's events say so as a local job's do. Group 0 is a
-    straggler (slow-rank) until then, so the job outlasts the replacement however slowly it starts."""
+    it, the new pod heals from group 0, and the job's events say so as a local job's do. Both groups wait
+    before step 3 until step 2 is reported, group 1 goes first (and is killed), and its new pod waits before
+    it sets up until group 0 committed a step alone (the Slurm job below has the other outcome). Group 0 is
+    a straggler (slow-rank) until then, so the job outlasts the replacement however slowly it starts."""
     kube, backend, ctl = cluster
     spec = eks_spec("tftreplay", nnodes=2, steps=STEPS).replace(**{
         "eks.namespace": "default", "eks.gpus_per_node": 0, "eks.port": free_port_base(),
         "model.preset": "tiny"})
+    holds = Holds(tmp_path / "holds")
+    holds.add(step_point(0, 3), step_point(1, 3), restart_point(1, 1))
+    monkeypatch.setenv(HOLD_ENV, str(holds.folder))   # the pods, started and replaced below, wait at them
     backend.launch(spec, faults=[pace(0, step=1), FaultCommand("sigkill", rank=1, step=3)])
     hosts = {f"{lighthouse_name('tftreplay')}.default.svc.{names.CLUSTER_DOMAIN}": "127.0.0.1"}
     lighthouse = ctl.start_deployment(lighthouse_name("tftreplay"), hosts)
@@ -190,9 +221,23 @@ def test_a_rendered_torchft_job_trains_against_its_lighthouse_and_a_lost_group_h
     job = Job("tftreplay", backend)
     seen: set[str] = set()
     deadline = time.time() + 600
-    while not job.refresh().restarts and not job.monitor.finished and time.time() < deadline:
-        seen |= {ip for p in ctl.procs for ip in listening(p.pid)}
-        time.sleep(0.5)
+
+    def until(what: str, done: Callable[[], object]) -> None:
+        while not (job.refresh() and done()) and not job.monitor.finished and time.time() < deadline:
+            seen.update(ip for p in ctl.procs for ip in listening(p.pid))
+            time.sleep(0.5)
+        assert done(), f"{what}: {backend.logs('tftreplay', debug=True)[-3000:]}"
+
+    try:
+        until("step 2", lambda: (job.monitor.last_step or 0) >= 2)
+        holds.release(step_point(1, 3))   # group 1 goes on, and is killed entering step 3
+        until("the sigkill", lambda: job.monitor.faults)
+        holds.release(step_point(0, 3))
+        until("group 0 to commit a step alone", lambda: 1 in job.monitor.steps.batches)
+        holds.release(restart_point(1, 1))   # group 1's new pod sets up, and heals
+        until("group 1 to heal", lambda: job.monitor.restarts)
+    finally:
+        holds.release()
     if job.monitor.restarts:
         job.inject("slow-rank", rank=0, delay=0.01, duration=1)   # healed: group 0 at full speed again
     while not (state := job.state).ended and time.time() < deadline:
@@ -209,7 +254,7 @@ def test_a_rendered_torchft_job_trains_against_its_lighthouse_and_a_lost_group_h
     assert sorted(e["replica_group"] for e in ends) == [0, 1] and {e["final_step"] for e in ends} == {STEPS}
     assert len({e["digest"] for e in ends}) == 1, ends
     assert len(pods) == 3   # group 1's pod was replaced once
-    failure, _, heal = losses(job.monitor, [e for e in events if e.kind == "heal"])
+    failure, _, heal = losses(job.monitor, [e for e in events if e.kind == "heal"], alone=True)
     assert "pod tftreplay-1-" in failure["cause"] and "trainer" in failure["cause"], failure
     assert job.monitor.restarts_by_level()["job"] == 1
     # the pods' servers (the Lighthouse's, the groups' stores, managers and checkpoint servers) listened on
@@ -239,22 +284,41 @@ def test_a_slurm_torchft_script_starts_the_lighthouse_on_the_first_node_and_a_st
 
 @pytest.mark.slow
 def test_a_torchft_job_on_slurm_runs_every_group_as_a_step_and_a_lost_group_heals(
-        slurm: SlurmCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+        slurm: SlurmCluster, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Group 1's process is killed at step 3 (the registry's sigkill): its job step ends, the runner starts
-    it again alone, it heals from group 0, and the job's events say so as a local job's do. Paced as the
-    EKS job above."""
+    it again alone, it heals from group 0, and the job's events say so as a local job's do. Both groups wait
+    before step 3 until step 2 is reported, group 1 goes first (and is killed), and group 0, and group 1's
+    new process before its first step, wait until that process is up: group 1 is back before group 0
+    committed a step alone (the EKS job above has the other outcome)."""
     for key in ("SLURM_CONF", "PATH"):
         monkeypatch.setenv(key, slurm.env[key])
     spec = JobSpec(name="tft-slurm", backend="slurm", engine="torchft", nnodes=2, nproc_per_node=1,
                    steps=STEPS).replace(**{"slurm.shared_dir": str(slurm.shared), "slurm.port": free_base(),
                                            "model.preset": "tiny"})
-    commands.launch(spec, [pace(0, step=1), FaultCommand("sigkill", rank=1, step=3)])
+    holds = Holds(tmp_path / "holds")
+    holds.add(step_point(0, 3), step_point(1, 3))
+    with holds.env():   # sbatch hands the job the submitting environment
+        commands.launch(spec, [FaultCommand("sigkill", rank=1, step=3)])
     job = Job("tft-slurm", SlurmBackend(shared_dir=slurm.shared))
-    wait_for("group 1 to heal", lambda: job.refresh().restarts or job.monitor.finished, timeout=600)
-    if job.monitor.restarts:
-        job.inject("slow-rank", rank=0, delay=0.01, duration=1)   # healed: group 0 at full speed again
-    state = job.wait(timeout=600)
     folder = slurm.shared / "tft-slurm"
+
+    def of(kind: str, rank: int, after: float = 0.0) -> list:
+        return [e for e in read_all(folder / "events.jsonl")
+                if e.kind == kind and e.rank == rank and e.t > after]
+
+    def until(probe: Callable[[], object]) -> Callable[[], object]:
+        return lambda: probe() or job.refresh().finished
+
+    try:
+        wait_for("step 1", until(lambda: (job.refresh().last_step or 0) >= 1), timeout=600)
+        holds.add(step_point(1, 1))   # group 1's next process waits before its first step
+        wait_for("step 2", until(lambda: (job.refresh().last_step or 0) >= 2), timeout=300)
+        holds.release(step_point(1, 3))   # group 1 goes on, and is killed entering step 3
+        kill = wait_for("the sigkill", until(lambda: of("fault", 1)), timeout=120)[0]
+        wait_for("group 1's new process", until(lambda: of("rank_start", 1, kill.t)), timeout=600)
+    finally:
+        holds.release()   # both groups go: one quorum
+    state = job.wait(timeout=600)
     logs = "\n".join(f"== {p.name}\n{p.read_text()[-2000:]}" for p in sorted((folder / "logs").glob("*")))
     assert state == "succeeded" and job.monitor.last_step == STEPS, logs
     events = read_all(folder / "events.jsonl")
@@ -262,7 +326,7 @@ def test_a_torchft_job_on_slurm_runs_every_group_as_a_step_and_a_lost_group_heal
     assert sorted(e["replica_group"] for e in ends) == [0, 1] and len({e["digest"] for e in ends}) == 1
     job_events = [e.kind for e in events if e.rank is None]
     assert (job_events[0], job_events[-1]) == ("job_start", "job_end"), job_events
-    losses(job.monitor, [e for e in events if e.kind == "heal"])
+    losses(job.monitor, [e for e in events if e.kind == "heal"], alone=False)
     assert job.monitor.restarts_by_level()["job"] == 1
     # the Lighthouse ran on the first node, each group in a job step of its own, group 1's twice
     assert sorted(p.name for p in (folder / "logs").glob("group-*.log")) == [
@@ -278,7 +342,7 @@ GROUP = """
 import datetime, json, os, sys, psutil
 from eksft_nb.engines.torchft.listen import install
 from eksft_nb.engines.torchft.hosts import group_host
-install()   # as the trainer does: the store, manager and checkpoint servers on EKSFT_TORCHFT_HOST
+install()   # as the trainer does: the store, manager and checkpoint servers on EKSFT_TORCHFT_HOST, the secret
 from torch.distributed import TCPStore
 from torchft import Manager, ProcessGroupGloo
 host, t = group_host(), datetime.timedelta(seconds=30)
@@ -336,15 +400,19 @@ def reach_from(peer: str, address: str, ports: list[int]) -> list[bool]:
 @pytest.mark.slow
 @pytest.mark.parametrize("host", ["127.0.0.1", HOST_SIDE, HOST_SIDE6],
                          ids=["local", "cluster", "cluster-ipv6"])
-def test_a_groups_servers_are_reached_only_at_the_address_the_rule_gives(peer: str, host: str) -> None:
-    """A local group's store, manager and checkpoint servers (and its Lighthouse) cannot be reached from
-    another host; a cluster group's, bound to the address its peers use (an IPv6 one too), can, there and
-    nowhere else."""
+def test_a_groups_servers_are_reached_only_at_the_address_the_rule_gives(peer: str, host: str,
+                                                                         tmp_path: Path) -> None:
+    """A local group's store, manager and checkpoint servers (and its Lighthouse's gateway) cannot be reached
+    from another host; a cluster group's, bound to the address its peers use (an IPv6 one too), can, there
+    and nowhere else."""
     port = free_port()
-    lighthouse = subprocess.Popen(lh.argv(port, host), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    secret.ensure(tmp_path / "secret")   # the job's, which the gateway and the group's servers require
+    env = {**os.environ, secret.ENV: str(tmp_path / "secret")}
+    lighthouse = subprocess.Popen(lh.argv(port, host), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  env=env)
     group = subprocess.Popen([sys.executable, "-c", GROUP], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, HOST_ENV: host,
+                             env={**env, HOST_ENV: host,
                                   "TORCHFT_LIGHTHOUSE": f"http://{endpoint(host, port)}"})
     try:
         line = group.stdout.readline()

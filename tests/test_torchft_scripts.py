@@ -14,9 +14,10 @@ import pytest
 from eksft_nb import commands, magics
 from eksft_nb.control import FaultCommand
 from eksft_nb.spec import JobSpec
+from eksft_nb.engines.torchft.hold import restart_point
 from jobs import events, story, wait_for
 from test_ports import Listeners, is_loopback
-from test_torchft import of, pace, until, watched
+from test_torchft import Holds, alone, fault, of, pace, until, watched
 
 pytest.importorskip("torchft")
 
@@ -25,16 +26,25 @@ STEPS = 60
 
 
 @pytest.fixture(scope="module")
-def healed() -> Iterator[tuple[str, Listeners]]:
-    """The example with 2 groups: group 1 killed at step 3; once it healed, an exception injected into it;
-    then the job runs to its end. Group 0 is a straggler (the registry's slow-rank) until then, so that
-    group 1 comes back before group 0 ends however slowly a process starts here. Its listeners sampled
-    throughout."""
+def healed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Listeners]]:
+    """The example with 2 groups: group 1 killed at step 3, its new process held before it sets up until
+    group 0 committed a step alone (test_torchft's matrix has a group back before that); once it healed,
+    an exception injected into it; then the job runs to its end. Group 0 is a straggler (the registry's
+    slow-rank) until then, so that group 1 comes back before group 0 ends however slowly a process starts
+    here. Its listeners sampled throughout."""
     name = "tft-script"
     spec = JobSpec(name=name, engine="torchft", nnodes=2, nproc_per_node=1, script=str(EXAMPLE),
                    script_args=["--steps", str(STEPS)])
-    commands.launch(spec, [pace(0, step=1), FaultCommand("sigkill", rank=1, step=3)])
+    holds = Holds(tmp_path_factory.mktemp("holds"))
+    holds.add(restart_point(1, 1))
+    with holds.env():
+        commands.launch(spec, [pace(0, step=1), FaultCommand("sigkill", rank=1, step=3)])
     with watched(name) as listeners:
+        try:
+            kill = wait_for("the sigkill", lambda: fault(name, "sigkill"), timeout=300)[0]
+            wait_for("group 0 to commit a step alone", alone(name, 0, kill.t), timeout=300)
+        finally:
+            holds.release()
         heal = wait_for("group 1 to heal from group 0", until(name, "heal", 1), timeout=600)[0]
         commands.inject(name, "exception", rank=1)
         wait_for("group 1 to throw a step away", until(name, "step_discarded", 1, heal.t), timeout=300)
@@ -60,9 +70,11 @@ def test_a_users_torchft_script_heals_a_killed_group_throws_a_failed_step_away_a
     assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, sizes  # both, group 0 alone, both again
     heal = of(name, "heal", rank=1)[0]
     # group 1 was killed entering step 3 (from_step: the job's last step when its loss was seen); group 0
-    # may have committed steps alone (batches group 1 skipped), or none if group 1 was back before it did
-    assert heal["step"] >= heal["from_step"] >= 2, heal
+    # committed steps alone before it was back: the batches group 1 skipped
+    assert heal["step"] > heal["from_step"] >= 2, heal
     assert heal["skipped_batches"] == heal["step"] - heal["from_step"], heal
+    alone_steps = [e for e in events(name, "step") if heal["from_step"] < e["step"] <= heal["step"]]
+    assert {(e.rank, e["batches"]) for e in alone_steps} == {(0, 1)}, alone_steps
     restart = of(name, "restart")[0]
     assert restart["blame_rank"] == 1 and restart["restored_from"] == "peer", restart
     assert restart["fault_time"] == kill.t, restart
@@ -75,7 +87,7 @@ def test_a_users_torchft_script_heals_a_killed_group_throws_a_failed_step_away_a
     assert not of(name, "rank_error", rank=1, after=fault.t)  # thrown away, not a crash: nothing restarted
     assert [e["blame_rank"] for e in of(name, "failure")] == [1], story(name)
     who = " ".join(listeners.seen.values())
-    assert "torchft_lighthouse" in who and "eksft_nb.engines.torchft.script" in who, listeners.seen
+    assert "torchft.gateway --bind" in who and "eksft_nb.engines.torchft.script" in who, listeners.seen
     wide = {f"{ip}:{port}": w for (ip, port), w in listeners.seen.items() if not is_loopback(ip)}
     assert not wide, f"listening beyond loopback: {wide}"
 

@@ -31,18 +31,21 @@ def steps_after(name: str, t: float) -> list[Any]:
 STEPS = 150
 
 
-def break_twice(name: str, script: str, args: str, *extra: str) -> dict:
-    """Launch ``script`` unmodified, kill rank 1 at an optimizer step through the dashboard's inject,
-    hang rank 0 from the CLI once it has recovered, and follow the job to its end."""
-    launched = cli("run", "--name", name, "--script", str(SCRIPTS / script), "--script-args", args, *FAST,
-                   *extra,
-                   "--detach")
-    assert launched.returncode == 0, launched.stderr
-    assert "its own loop" in launched.stdout and "100 steps" not in launched.stdout and "checkpoints" not in \
-        launched.stdout
-    job = eksft_nb.attach(name)
+def launched(name: str, script: str, args: str, *extra: str) -> Any:
+    """Launch ``script`` unmodified from the CLI; the job, once it has taken its first steps."""
+    proc = cli("run", "--name", name, "--script", str(SCRIPTS / script), "--script-args", args, *FAST, *extra,
+               "--detach")
+    assert proc.returncode == 0, proc.stderr
+    said = proc.stdout
+    assert "its own loop" in said and "100 steps" not in said and "checkpoints" not in said, said
+    return eksft_nb.attach(name)
+
+
+def break_twice(name: str, job: Any, dash: Dashboard | None = None) -> dict:
+    """Kill rank 1 of a script's job at an optimizer step through the dashboard's inject (``dash``, or one
+    made here), hang rank 0 from the CLI once it has recovered, and follow the job to its end."""
     wait_for("the first steps", lambda: events(name, "step")[2:])
-    dash = Dashboard(job, live=False)
+    dash = dash or Dashboard(job, live=False)
     at = events(name, "step")[-1]["step"] + 10
     dash.inject("sigkill", rank=1, step=at)
     assert dash.message.value and f"queued sigkill for rank 1 of {name} (at step {at})" in dash.message.value
@@ -66,11 +69,11 @@ def break_twice(name: str, script: str, args: str, *extra: str) -> dict:
 
 
 def test_plain_ddp_steps_and_faults_without_a_line_of_eksft() -> None:
-    break_twice("ddp", "ddp.py", f"--steps {STEPS} --sleep 0.1")
+    break_twice("ddp", launched("ddp", "ddp.py", f"--steps {STEPS} --sleep 0.1"))
 
 
 def test_nvrx_heartbeats_script_with_a_module_beside_it_keeps_its_own_connection(tmp_path: Path) -> None:
-    break_twice("hb", "heartbeats.py", f"--steps {STEPS} --sleep 0.1 --ckpt {tmp_path}")
+    break_twice("hb", launched("hb", "heartbeats.py", f"--steps {STEPS} --sleep 0.1 --ckpt {tmp_path}"))
     starts = [e for e in events("hb", "rank_start")]
     assert {e["injob_restart"] for e in starts} == {0, 1, 2}
     state = __import__("torch").load(tmp_path / "state.pt", weights_only=False)
@@ -80,12 +83,21 @@ def test_nvrx_heartbeats_script_with_a_module_beside_it_keeps_its_own_connection
     assert "starting at step 0" in logs and any(f"starting at step {n}" in logs for n in range(10, STEPS, 10))
 
 
-def test_nvrx_sections_script_gets_its_sections_and_heartbeats_from_its_optimizer() -> None:
-    break_twice("sections", "sections.py", f"--steps {STEPS} --sleep 0.1", "--section-timeouts",
-                "init:60,step:20")
-    argv = (job_dir("sections") / "logs").glob("launcher-*.log")
-    assert argv  # ft_launcher ran; its section timeouts came from the spec
-    spec = eksft_nb.attach("sections").spec
+def test_nvrx_sections_script_as_a_notebook_cell_gets_its_sections_and_takes_the_dashboards_faults(
+        ip: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sections script as a notebook cell (its code the cell's, importing a module beside the notebook),
+    broken from the cell's own live dashboard: its steps are the optimizer's, its sections the spec's."""
+    monkeypatch.chdir(SCRIPTS)  # the notebook's folder: a cell imports the modules beside it
+    ip.run_cell(f"%%ftrain --name sections {' '.join(FAST)} --script-args '--steps {STEPS} --sleep 0.1' "
+                f"--section-timeouts init:60,step:20\n{(SCRIPTS / 'sections.py').read_text()}")
+    dash = ip.shown[-1]
+    assert dash.header.total is None and "(optimizer steps)" in dash.header._step.value
+    break_twice("sections", dash.job, dash)
+    dash._thread.join(30)
+    plotted = [s for t in dash.figure.widget.data if t.name == "tokens/s" for s in t.customdata]
+    assert plotted and dash.figure.widget.layout.annotations[0].text == "throughput (steps/s)"
+    assert list((job_dir("sections") / "logs").glob("launcher-*.log"))  # ft_launcher ran, with the spec's
+    spec = eksft_nb.attach("sections").spec                               # section timeouts
     assert spec.ft.sections() == {"init": 60.0, "step": 20.0}
 
 
@@ -113,28 +125,6 @@ def test_a_users_own_inprocess_wrapper_restarts_in_place_and_is_recorded() -> No
     assert job.wait(400) == "succeeded"
     levels = [(r["level"], r["blame_rank"]) for r in job.refresh().restarts]
     assert levels == [("inprocess", 1), ("injob", 1), ("injob", 0)], story("wrapped")
-
-
-def test_nvrx_scripts_as_notebook_cells_show_their_steps_and_take_the_dashboards_faults(
-        ip: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.chdir(SCRIPTS)  # the notebook's folder: a cell imports the modules beside it
-    for name, script, line in (("cell-hb", "heartbeats.py",
-                                f"--script-args '--steps {STEPS} --sleep 0.1 --ckpt {tmp_path}'"),
-                               ("cell-sections", "sections.py",
-                                f"--script-args '--steps {STEPS} --sleep 0.1' "
-                                                                "--section-timeouts init:60,step:20")):
-        ip.run_cell(f"%%ftrain --name {name} {' '.join(FAST)} {line}\n{(SCRIPTS / script).read_text()}")
-        dash = ip.shown[-1]
-        assert dash.header.total is None and "(optimizer steps)" in dash.header._step.value
-        wait_for("steps on the dashboard", lambda d=dash: d.job.refresh().last_step >= 3)
-        dash.inject("sigkill", rank=1, step=dash.job.monitor.last_step + 10)
-        assert dash.job.wait(300) == "succeeded"
-        dash._thread.join(30)
-        assert [e["fault"] for e in events(name, "fault")] == ["sigkill"], story(name)
-        assert [(r["level"],
-                 r["blame_rank"]) for r in dash.job.monitor.restarts] == [("injob", 1)], story(name)
-        plotted = [s for t in dash.figure.widget.data if t.name == "tokens/s" for s in t.customdata]
-        assert plotted and dash.figure.widget.layout.annotations[0].text == "throughput (steps/s)"
 
 
 def test_fsdp2_script_runs_where_it_was_launched_from_with_its_args(
@@ -202,7 +192,7 @@ def test_nvrx_own_examples_run_unmodified_and_recover(script: str, args: str, ex
     (tmp_path / "out").mkdir()
     monkeypatch.chdir(tmp_path)
     name = "nvrx-" + Path(script).stem.replace("_", "-")
-    break_twice(name, str(Path(NVRX_EXAMPLES) / script), args, *extra)
+    break_twice(name, launched(name, str(Path(NVRX_EXAMPLES) / script), args, *extra))
 
 
 def test_a_script_that_finished_while_its_supervisor_was_replaced_is_not_run_again() -> None:

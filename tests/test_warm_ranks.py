@@ -354,6 +354,7 @@ def test_restarted_ranks_are_forked_warm_at_every_level_and_lose_nothing() -> No
     while procs.marked(uid) and time.time() < deadline:
         time.sleep(0.2)
     assert not procs.marked(uid)  # no zygote, standby or rank outlives the job
+    assert not (job_dir("warm-faults") / "warm").exists()  # nor a zygote's socket, of any attempt
 
 
 def test_the_hung_ranks_death_read_after_its_warm_recovery_is_no_second_incident() -> None:

@@ -84,6 +84,16 @@ class JobsHandler(Base):
         await self.reply(commands.launch, spec, faults)
 
 
+class CheckHandler(Base):
+    @web.authenticated
+    @refusing
+    async def post(self) -> None:
+        """The pre-flight of a spec (commands.check): the timeouts acting on it, each contradiction. A
+        launch (POST jobs) refuses what it refuses and answers its warnings with the new job's row."""
+        spec, from_job, backend = requests.check_args(requests.body(self.request.body, requests.CHECK))
+        await self.reply(commands.check, spec, from_job, backend)
+
+
 class JobHandler(Base):
     @web.authenticated
     @refusing
@@ -237,6 +247,7 @@ class BundleHandler(AuthenticatedFileHandler):
 
 ROUTES: list[tuple[str, type[Base]]] = [
     ("jobs", JobsHandler),
+    ("check", CheckHandler),
     ("jobs/([^/]+)", JobHandler),
     ("jobs/([^/]+)/inject", InjectHandler),
     ("jobs/([^/]+)/settings", SettingsHandler),

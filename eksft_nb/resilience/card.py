@@ -4,6 +4,7 @@ reference run's, shown as a table, JSON, and JUnit XML (a CI gates on its failur
 from __future__ import annotations
 
 import math
+import re
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from typing import Any, TypedDict
@@ -264,21 +265,37 @@ def _n(v: int | None) -> str:
     return "-" if v is None else str(v)
 
 
+# a terminal's escape sequences (colours, titles, cursor moves), which a failure text may carry from a
+# rank's output: CSI ... final byte, OSC ... BEL or ST, or ESC and one byte
+ANSI = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)|[@-Z\\-_])")
+# what XML 1.0 cannot hold: C0 controls but tab, newline and return, surrogates, U+FFFE and U+FFFF
+NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
+
+
+def xml_text(text: str) -> str:
+    """``text`` as XML 1.0 can hold it: escape sequences dropped, any other character it cannot hold
+    written as its code (``\\x00``), so that every JUnit reader parses the file."""
+    return NOT_XML.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
+                       else f"\\u{ord(m.group()):04x}", ANSI.sub("", text))
+
+
 def junit(card: Card) -> str:
     """JUnit XML: one testsuite, one testcase per case (a failed case carries a failure element);
-    a card that could run no case has one failed testcase saying why."""
+    a card that could run no case has one failed testcase saying why. Every text goes through
+    :func:`xml_text` (a failure's text may hold a rank's colour codes or a NUL)."""
     rows = card["rows"]
     cases: list[tuple[str, str, list[str], str]] = [
         (r["case"], r["job"], r["why"], f"level {r['level'] or '-'}, downtime {_s(r['downtime_s'])}, "
                                           f"lost {_n(r['lost'])}, state {r['state_check']}") for r in rows]
     if card["problem"]:
         cases.append(("plan", card["job"], [card["problem"]], ""))
-    suite = ET.Element("testsuite", name=f"resilience.{card['job']}", tests=str(len(cases)),
+    suite_name = xml_text(f"resilience.{card['job']}")
+    suite = ET.Element("testsuite", name=suite_name, tests=str(len(cases)),
                        failures=str(sum(bool(why) for _, _, why, _ in cases)), errors="0", skipped="0")
     for name, job, why, out in cases:
-        tc = ET.SubElement(suite, "testcase", classname=f"resilience.{card['job']}", name=name)
+        tc = ET.SubElement(suite, "testcase", classname=suite_name, name=xml_text(name))
         if why:
-            failure = ET.SubElement(tc, "failure", message=why[0][:500], type="ResilienceFailure")
-            failure.text = "\n".join(why)
-        ET.SubElement(tc, "system-out").text = f"job {job}: {out}" if out else f"job {job}"
+            failure = ET.SubElement(tc, "failure", message=xml_text(why[0])[:500], type="ResilienceFailure")
+            failure.text = xml_text("\n".join(why))
+        ET.SubElement(tc, "system-out").text = xml_text(f"job {job}: {out}" if out else f"job {job}")
     return ET.tostring(suite, encoding="unicode", xml_declaration=True)

@@ -102,6 +102,25 @@ def serve(name: str) -> int:
         print(f"eksft zygote {name}: cannot listen ({e.strerror or e}): its ranks start cold",
               file=sys.stderr)
         return 1
+    bound = os.stat(name)
+    try:
+        return _serve(name, listener)
+    finally:   # a zygote that ends removes its socket (one killed cannot: its supervisor does)
+        _remove(name, (bound.st_dev, bound.st_ino))
+        listener.close()
+
+
+def _remove(name: str, bound: tuple[int, int]) -> None:
+    """Remove the socket at ``name`` if it is still the one this zygote bound (not a successor's)."""
+    try:
+        now = os.stat(name)
+        if (now.st_dev, now.st_ino) == bound:
+            os.unlink(name)
+    except OSError:
+        pass
+
+
+def _serve(name: str, listener: socket.socket) -> int:
     missing = preload()
     # torch's BLAS may park a thread at import; it holds no lock while parked, and a fork copies only this one
     print(f"eksft zygote {name}: ready (pid {os.getpid()}, {threads()} thread(s)"
@@ -140,6 +159,7 @@ def serve(name: str) -> int:
                 children[pid] = None
                 _kill_group(pid)
                 _reap(children, sel)
+    return 0
 
 
 def _reap(children: dict, sel: selectors.BaseSelector) -> None:

@@ -4,10 +4,11 @@ no heartbeats (usage: --steps N --sleep S)."""
 import argparse
 import time
 
-import torch
 import torch.distributed as dist
 from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
 from torch.nn.parallel import DistributedDataParallel
+
+import toyjob   # a module beside it (run as a notebook cell: beside the notebook)
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=60)
@@ -18,13 +19,12 @@ ft = RankMonitorClient()
 ft.init_workload_monitoring()
 ft.start_section("init")
 dist.init_process_group("gloo")
-torch.manual_seed(5)
-model = DistributedDataParallel(torch.nn.Linear(4, 4))
-optim = torch.optim.SGD(model.parameters(), lr=0.1)
+model, optim = toyjob.model_and_optimizer()
+model = DistributedDataParallel(model)
 ft.end_section("init")
-for _ in range(args.steps):
+for i in range(args.steps):
     ft.start_section("step")
-    loss = model(torch.randn(4, 4)).abs().mean()
+    loss = model(toyjob.batch(i, dist.get_rank())).abs().mean()
     optim.zero_grad()
     loss.backward()
     optim.step()

@@ -1,4 +1,5 @@
-"""A helper module beside heartbeats.py: a script that imports its neighbours needs its folder on sys.path."""
+"""A helper module beside heartbeats.py and sections.py: a script that imports its neighbours needs its folder
+on sys.path (a notebook cell, the notebook's)."""
 
 import os
 

@@ -8,7 +8,6 @@ by identity (see :mod:`eksft_nb.procs`), so no query or stop ever signals a proc
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -24,8 +23,10 @@ import psutil
 from ... import nvrx
 from ...checkpoint_folders import STEP_DIR, list_checkpoints, verify
 from ...control import FaultCommand, submit
-from ...errors import JobError
-from ...jobdir import JobDir, atomic_write, jobs_root
+from ...errors import EksftError, JobError
+from ...events import read_all
+from ...jobdir import JobDir, jobs_root
+from ...monitor import JobMonitor
 from ...runtime.memcopy import remove_copies, remove_stale_copies
 from ...runtime.quiet import quiet_env
 from ...spec import JobSpec
@@ -36,7 +37,7 @@ from ... import procs
 from ..base import Backend, JobSummary, readable
 from ..folder import FolderJobs
 from ..inbox import queue_fault, queue_settings, settings_in_force
-from . import engine_parts
+from . import ending, engine_parts
 
 class LocalBackend(FolderJobs, Backend):
     name = "local"
@@ -116,7 +117,8 @@ class LocalBackend(FolderJobs, Backend):
         uid = _job_uid(sup)
         if state not in ACTIVE or uid is None:
             return JobSummary(name, self.name, state, str(sup.get("reason", "")))
-        if procs.recorded(sup.get("supervisor"), uid) or procs.recorded(sup.get("keeper"), uid):
+        # a stopped head (SIGSTOP) does nothing: with no other head running, the job is orphaned
+        if any(p is not None and not procs.halted(p) for p in _heads(sup, uid)):
             return JobSummary(name, self.name, state, "")
         if not procs.marked(uid):
             return JobSummary(name, self.name, JobState.LOST,
@@ -132,6 +134,7 @@ class LocalBackend(FolderJobs, Backend):
         uid = _job_uid(jd.supervisor())
         if uid is None:
             return ""
+        _kill_halted(_heads(jd.supervisor(), uid))   # their successors take over (a keeper holds the lock)
         try:
             self._start_supervisor(jd, uid)
         except JobError:
@@ -176,19 +179,21 @@ class LocalBackend(FolderJobs, Backend):
 
     def stop(self, name: str, timeout: float = 60.0) -> None:
         """Ask the supervisor (and its keeper) to end the job, then end whatever still carries the
-        job's mark. Only processes whose recorded identity or mark matches are signalled."""
+        job's mark. Only processes whose recorded identity or mark matches are signalled; a head that
+        is stopped (SIGSTOP) cannot end anything, so it is killed at once instead of waited on."""
         jd = self._jd(name)
         sup = jd.supervisor()
         uid = _job_uid(sup)
-        heads = [p for p in (procs.recorded(sup.get("supervisor"), uid),
-                             procs.recorded(sup.get("keeper"), uid))
-                 if uid and p is not None]
+        heads = [p for p in _heads(sup, uid) if p is not None]
         for p in heads:
             try:
                 p.terminate()
             except psutil.Error:
                 pass
-        procs.wait_gone(heads, timeout)
+        deadline = time.time() + timeout
+        while (left := [p for p in heads if procs.running(p)]) and time.time() < deadline:
+            _kill_halted(left)
+            time.sleep(0.1)
         lock = jd.keeper_lock()  # no keeper may start (to adopt the job) while it is being ended
         try:
             left = []
@@ -200,8 +205,10 @@ class LocalBackend(FolderJobs, Backend):
                 raise JobError(f"processes {[p.pid for p in left]} of job {name!r} did not exit",
                                "kill them with `kill -9`")
             if jd.supervisor().get("state") in ACTIVE:  # the supervisor could not record it
-                atomic_write(jd.supervisor_path, json.dumps({**jd.supervisor(), "state": JobState.STOPPED,
-                                                             "reason": "stopped by the user"}))
+                mon = JobMonitor()
+                mon.update(read_all(jd.events_path))
+                ending.record(jd, JobState.STOPPED, "stopped by the user", final_step=mon.last_step)
+            ending.tidy(jd)
         finally:
             if lock is not None:
                 os.close(lock)
@@ -216,8 +223,45 @@ class LocalBackend(FolderJobs, Backend):
         if running:
             raise JobError(f"processes {[p.pid for p in running]} of job {name!r} still run",
                            f"stop it first: `python -m eksft_nb stop {name}`")
+        self._refuse_if_resumed_from(name)
         remove_copies(uid)
         shutil.rmtree(self._jd(name).path)
+
+    def _refuse_if_resumed_from(self, name: str) -> None:
+        """A running job that resumes from this job's folder (``resume``, ``--resume``) loads from it
+        again at every restart until it ends: the folder must outlive it."""
+        folder = self._jd(name).path.resolve()
+        for other in self.jobs():
+            if other.name == name or other.state not in ACTIVE:
+                continue
+            try:
+                resume = JobDir.existing(other.name, self.root).spec().resume
+            except (OSError, ValueError, EksftError):
+                continue
+            source = Path(resume).expanduser()   # latest, none, step:N name no folder
+            if not source.is_absolute():
+                continue
+            source = source.resolve()
+            if source == folder or folder in source.parents:
+                raise JobError(f"job {other.name!r} ({other.state}) resumes from {source}, in job {name!r}'s "
+                               "folder: its restarts load from there",
+                               f"wait until it has ended, or stop it: `python -m eksft_nb stop {other.name}`")
+
+
+def _heads(record: dict, uid: str | None) -> list[psutil.Process | None]:
+    """The job's supervisor and keeper, where each still runs (named by identity and the job's mark)."""
+    return [procs.recorded(record.get(head), uid) if uid else None for head in ("supervisor", "keeper")]
+
+
+def _kill_halted(heads: list[psutil.Process | None]) -> None:
+    """SIGKILL those of ``heads`` that are stopped (SIGSTOP): waiting for them would be waiting for good."""
+    stopped = [p for p in heads if p is not None and procs.halted(p)]
+    for p in stopped:
+        try:
+            p.kill()   # psutil checks that the pid still names the process it found
+        except psutil.Error:
+            pass
+    psutil.wait_procs(stopped, timeout=5)
 
 
 def _job_uid(record: dict) -> str | None:

@@ -11,6 +11,7 @@ replica groups instead): it uses the supervisor's job folder, spec, mark, attemp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -28,14 +29,17 @@ from ... import loopback, nvrx, procs
 from ...events import EventWriter
 from ...jobdir import JobDir
 from ...launcher import ZYGOTE_MODULE, Ports, launcher_argv, rank_env
+from ...runtime.keepalive import keepalive
 from ...runtime.quiet import quiet_env
 from ...runtime.warm_shim import SOCKET_ENV as WARM_SOCKET
 from ...runtime.warm_shim import ZYGOTE_ENV as WARM_ZYGOTE
 from ...spec import JobSpec
 from ...states import JobState
+from .beat import Heart
 
 STANDBY_MODULE = "eksft_nb.backends.local.standby"   # a local job's ft_launcher (see its module)
 UNKNOWN_EXIT = -256    # an adopted launcher ended (not our child: its exit status is unknown)
+STORE_START_S = 120.0  # the most the rendezvous store's start (torch's import) is given to beat for
 
 
 @dataclass
@@ -81,6 +85,7 @@ class Launchers:
     t_launch: float
     ranks_started: dict[int, float]
     ranks_done: set[int]
+    heart: Heart                           # the supervisor's heartbeat (see .beat)
 
     def _launch(self) -> None:
         """Start this attempt: an ft_launcher per node and spare (handed to its standby where one waits),
@@ -91,7 +96,10 @@ class Launchers:
         self.t_launch = time.time()
         self.ranks_started, self.ranks_done = {}, set()
         # with hot spares the rendezvous store lives here: a launcher that hosted it could not be lost
-        self.store = _rendezvous_store(ports.rdzv) if self.spec.spare_nodes else None
+        self.store = None
+        if self.spec.spare_nodes:
+            with keepalive(self.heart.beat, budget=STORE_START_S):   # importing torch takes a while
+                self.store = _rendezvous_store(ports.rdzv)
         warm = []
         for node in range(self.spec.nnodes + self.spec.spare_nodes):   # spares wait in the rendezvous
             tag = f"{self.attempt}.{node}"
@@ -144,7 +152,7 @@ class Launchers:
         if not self.spec.ft.warm_ranks:
             return None
         self.jd.warm.mkdir(mode=0o700, exist_ok=True)
-        name = str(self.jd.warm / f"{tag}.sock")
+        name = self._zygote_socket(tag)
         if tag in self.zygotes and self.zygotes[tag].poll() is None:
             return name
         # what the ranks' interpreter and torch read at start-up must match theirs (see zygote.FIXED_AT_START)
@@ -157,6 +165,9 @@ class Launchers:
                                                  cwd=self.jd.path,
                                                  start_new_session=True)
         return name
+
+    def _zygote_socket(self, tag: str) -> str:
+        return str(self.jd.warm / f"{tag}.sock")
 
     def _start_standby(self) -> None:
         """Start a warm ft_launcher per node for the next attempt (see :mod:`.standby`) once every
@@ -194,6 +205,7 @@ class Launchers:
                 procs.signal_marked(self.job_uid, signal.SIGTERM, node_tag=node.tag)
         deadline = time.time() + 10
         while time.time() < deadline and any(n.poll() is None for n in self.nodes):
+            self.heart.beat()
             time.sleep(0.1)
         nxt = f"{self.attempt + 1}."
         keep = [os.getppid()] + ([p.pid for p in self.standby.values()] +
@@ -205,6 +217,8 @@ class Launchers:
                 zygote.kill()
                 zygote.wait()
                 del self.zygotes[tag]
+                with contextlib.suppress(OSError):   # killed, it cannot remove its socket itself
+                    os.unlink(self._zygote_socket(tag))
         for node in self.nodes:
             if node.popen is not None:
                 node.popen.wait()

@@ -12,10 +12,16 @@ When the supervisor dies. The supervisor runs as the child of a small *keeper* p
 the launchers again by identity (pid and start time, and the job's mark, from ``supervisor.json``),
 rebuilds what its predecessor knew by replaying the job's events (publishing only the failure/restart
 events its predecessor did not, such as an in-job restart while nobody watched), reads the launcher
-logs on from the saved offsets, and carries on. After :data:`.keeper.MAX_SUPERVISORS` deaths the
-keeper ends every process of the job and records why. If the keeper is gone too, any client that finds
-the job's processes running without a supervisor (``LocalBackend.state``) starts a new keeper. An
-``OSError`` in the supervisor (a full disk) ends the job with that reason, its launchers stopped.
+logs on from the saved offsets, and carries on. A supervisor that stops beating (stopped, or stuck in
+a write that never returns) counts as dead: its keeper kills it by identity (see :mod:`.beat`). After
+:data:`.keeper.MAX_SUPERVISORS` deaths the keeper ends every process of the job and records why. If the
+keeper is gone too, any client that finds the job's processes running without a supervisor
+(``LocalBackend.state``) starts a new keeper.
+
+When the disk is full. The job folder's disk full for :data:`FULL_FOR_S` (or any ``OSError`` of the
+supervisor's own writes) ends the job with that reason, its launchers stopped: its saves and records
+cannot be written. The end is recorded in space reserved for it (see :mod:`.ending`), so the
+supervisor ends on purpose, and its keeper starts no successor.
 
 One idea: the supervisor's loop and the state its watch, spare hand-over and adoption share; the ideas
 of their own are modules beside it: the processes it starts and ends (:mod:`.launchers`), :mod:`.keeper`,
@@ -27,6 +33,7 @@ mark ``EKSFT_JOB_UID`` in the environment.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -35,7 +42,7 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,18 +50,25 @@ from typing import Any
 from ...events import EventTail, EventWriter
 from ...jobdir import JobDir, atomic_write
 from ... import nvrx
-from ...incidents import Incidents
+from ...incidents import ANY_NODE, Incidents
 from ...monitor import JobMonitor
+from ...runtime.keepalive import keepalive
 from ...runtime.memcopy import remove_copies
 from ...states import JobState, RestartLevel
 from ... import procs
 from ..launcher_log import LauncherLine, parse_launcher_line
 from . import engine_parts
+from . import ending
+from .beat import Heart
 from .handover import HandoverError, expire
 from .launchers import UNKNOWN_EXIT, Launchers, Node
 
 POLL_S = 0.2
 UNRECORDED = 3         # the supervisor's exit status when the job ended but writing that down failed
+FULL = "the job folder's disk is full"
+FULL_BELOW = 1 << 20   # bytes free (to users) under which the job folder's disk counts as full
+FULL_FOR_S = 5.0       # ... for this long: the job ends (a moment's full disk, a big temporary file, not)
+LONG_WORK_S = 600.0    # the most a long piece of work is beaten for (runtime.keepalive): then it is hung
 
 
 @dataclass
@@ -93,11 +107,16 @@ class Supervisor(Launchers):
         self.folder_inode = os.stat(self.jd.path).st_ino
         self.nvrx = nvrx.installed()
         self.cycles_seen: dict[tuple[int, int], nvrx.CycleRecord] = {}  # (attempt, cycle) -> as last emitted
+        self.heart = Heart()
+        self.full_since: float | None = None   # since when the job folder's disk is full
+        self.room_since: float | None = None   # ... and since when it has room again
+        self.fatal: str | None = None   # a rank's error that no restart can help (see the rank_error event)
 
     # ---- lifecycle ----------------------------------------------------------------------
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        self.heart.beat()
         try:
             if self.adopt:
                 outcome = self._adopt()  # None: relaunch
@@ -119,20 +138,60 @@ class Supervisor(Launchers):
                 outcome = self._watch()
             state, reason = outcome
             self._pump()
+            self.incidents.end(time.time())
+            if state == JobState.FAILED:
+                reason = self.incidents.named(reason)
         # a full disk, a folder gone read-only: end cleanly rather than orphan the launchers
         except OSError as e:
-            state, reason = JobState.FAILED, f"the supervisor could not go on: {e}"
-        self._kill_everything()
-        remove_copies(self.job_uid)  # the ranks' in-memory checkpoint copies end with the job
+            state, reason = JobState.FAILED, self._cannot_write(e)
+        return self._end(state, reason)
+
+    def _end(self, state: JobState, reason: str) -> int:
+        """End every process of the job, record the end (where a full disk cannot stop it, see
+        :mod:`.ending`) and clear what the job leaves. Never raises: the keeper must not take an
+        end on purpose for a crash and start a successor."""
         try:
-            self.events.emit("job_end", state=state, reason=reason, final_step=self.mon.last_step,
-                             digest=self.mon.digest, restarts=self.mon.restarts_by_level())
-            self.say(f"job {state}: {reason}")
-            self._write_state(state, reason)
-        except OSError as e:  # the keeper must not start a successor: nothing of the job runs any more
-            print(f"job {state}: {reason}; recording it failed: {e}", file=sys.stderr)
+            self._kill_everything()
+        except OSError:
+            procs.kill_marked(self.job_uid, keep=[os.getppid()])
+        remove_copies(self.job_uid)  # the ranks' in-memory checkpoint copies end with the job
+        recorded = ending.record(self.jd, state, reason, final_step=self.mon.last_step, events=self.events,
+                                 say=self.say, state_record=self._state_record(state, reason),
+                                 digest=self.mon.digest, restarts=self.mon.restarts_by_level())
+        with keepalive(self.heart.beat, budget=LONG_WORK_S):   # removing big folders takes a while
+            ending.tidy(self.jd)
+        if not recorded:  # nothing of the job runs any more: the keeper starts no successor
             return UNRECORDED
         return 0 if state == JobState.SUCCEEDED else 1
+
+    def _cannot_write(self, e: OSError) -> str:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return (f"{FULL}: the supervisor could not write {e.filename or 'there'} ({e.strerror}); "
+                    f"{self._fix_room()}")
+        return f"the supervisor could not go on: {e}"
+
+    def _fix_room(self) -> str:
+        return (f"free space in {self.jd.path.parent}, then resume the job from its last committed "
+                f"checkpoint: `python -m eksft_nb resume {self.spec.name}`")
+
+    def _disk_full(self) -> str | None:
+        """Why the job ends, once the job folder's disk has been full for :data:`FULL_FOR_S`. Full until
+        it has had room for as long: each failed save gives back what it wrote, which the next fills."""
+        try:
+            st = os.statvfs(self.jd.path)
+        except OSError:
+            return None
+        free, now = st.f_bavail * st.f_frsize, time.monotonic()
+        if free < FULL_BELOW:
+            self.full_since, self.room_since = self.full_since or now, None
+        elif self.full_since is not None:
+            self.room_since = self.room_since or now
+            if now - self.room_since >= FULL_FOR_S:
+                self.full_since = self.room_since = None
+        if self.full_since is None or now - self.full_since < FULL_FOR_S:
+            return None
+        return (f"{FULL} ({free // 1024} KiB free for {now - self.full_since:.0f}s): its checkpoints and "
+                f"records cannot be written; {self._fix_room()}")
 
     def _adopt(self) -> tuple[JobState, str] | None:
         """Take over from a supervisor that died: find its launchers again by identity, rebuild what it
@@ -152,11 +211,13 @@ class Supervisor(Launchers):
             if node.log.parent == self.jd.logs:
                 self.nodes.append(node)
         self.t_launch = _num(record.get("t_launch"), self.t_start)
-        backlog = self.tail.read()
-        self.replayed = {_incident_key(e.kind, e.data) for e in backlog if e.kind in ("failure", "restart")}
-        for event in backlog:
-            self.mon.update([event])
-            self._on_event(event)
+        with keepalive(self.heart.beat, budget=LONG_WORK_S):   # a long job's events take a while
+            backlog = self.tail.read()
+            self.replayed = {_incident_key(e.kind, e.data) for e in backlog
+                             if e.kind in ("failure", "restart")}
+            for event in backlog:
+                self.mon.update([event])
+                self._on_event(event)
         self.replayed = None
         # a failure the launchers logged before the newest rank start restarted ranks the replay has seen
         self.seen_until = max((e.t for e in backlog if e.kind == "rank_start"), default=0.0)
@@ -194,6 +255,10 @@ class Supervisor(Launchers):
         if not self._folder_is_mine():
             self._kill_everything()
             sys.exit(1)  # the job folder was deleted or replaced: nobody to report to
+        if self.fatal is not None:
+            return JobState.FAILED, self.fatal
+        if (full := self._disk_full()) is not None:
+            return JobState.FAILED, full
         return None
 
     def _watch(self) -> tuple[JobState, str] | None:
@@ -297,10 +362,12 @@ class Supervisor(Launchers):
                                      f"(max_job_restarts={self.spec.ft.max_job_restarts})")
         self.attempt += 1
         self.say(f"relaunching (job restart {self.attempt} of {self.spec.ft.max_job_restarts})")
+        self.incidents.group_restarted(ANY_NODE, time.time())
         return None
 
     # ---- one poll ---------------------------------------------------------------------------
     def _pump(self) -> None:
+        self.heart.beat()
         self._read_events()
         self._read_cycle_records()
 
@@ -347,6 +414,8 @@ class Supervisor(Launchers):
             self.ranks_done.discard(e.rank)
         elif e.kind == "rank_end" and e.t >= self.t_launch and e.get("exit_code", 0) == 0:
             self.ranks_done.add(e.rank)
+        elif e.kind == "rank_error" and e.get("fatal") and self.fatal is None:
+            self.fatal = f"rank {e.rank} cannot go on, and no restart can help: {e['fatal']}"
         elif e.kind in ("failure", "restart") and self.replayed is not None:
             self.incidents.restore(e)
         elif e.kind == "resume":
@@ -377,14 +446,15 @@ class Supervisor(Launchers):
         if seen.kind == "restarting":
             self.say(f"ft_launcher restarts the worker group ({seen.left[0]}/{seen.left[1]} in-job "
                      "restarts left)")
-        elif (self.incidents.incident is None and not self.stop_requested and seen.at > self.seen_until
-              and not self._restarted_since(seen.at)):
-            if seen.kind == "hang":
-                self.incidents.hang(seen.at, self.spec.ft.heartbeat_timeout, self._stuck_rank())
-            else:
-                rank = next((r for r, p in self.mon.rank_pids.items() if p == seen.pid),
-                            node.index * self.spec.nproc_per_node + seen.local_rank)
-                self.incidents.worker_failed(rank, seen.exitcode, seen.at)
+        if seen.kind in ("restarting", "error"):
+            self.incidents.launcher_line(node.index, seen)
+        elif not self.stop_requested and seen.at > self.seen_until and not self._restarted_since(seen.at):
+            if seen.kind == "hang" and seen.timeout_s is None:
+                seen = replace(seen, timeout_s=self.spec.ft.heartbeat_timeout)
+            rank = next((r for r, p in self.mon.rank_pids.items() if p == seen.pid),
+                        node.index * self.spec.nproc_per_node + seen.local_rank)
+            self.incidents.launcher_line(node.index, seen, rank,
+                                         self._stuck_rank() if seen.kind == "hang" else None)
 
     def _restarted_since(self, at: float) -> bool:
         """Whether every rank has started again since ``at``: a failure ft_launcher logged then was of
@@ -407,14 +477,16 @@ class Supervisor(Launchers):
         return min(pool, key=lambda b: (b.get("step_done", 0), b.get("t_done", 0)))["rank"]
 
     def _write_state(self, state: JobState, reason: str = "") -> None:
-        record = {"pid": os.getpid(), "supervisor": procs.identity(os.getpid()), "keeper": self.keeper,
-                  "job_uid": self.job_uid, "state": state, "reason": reason, "attempt": self.attempt,
-                  "adoptions": self.adoptions, "started": self.t_start, "t_launch": self.t_launch,
-                  "updated": time.time(),
-                  "launchers": [{"node": n.index, **n.identity, "pgid": n.pid, "tag": n.tag,
-                                 "log": str(n.log),
-                                 "offset": n.offset} for n in self.nodes]}
-        atomic_write(self.jd.supervisor_path, json.dumps(record, indent=1))
+        atomic_write(self.jd.supervisor_path, json.dumps(self._state_record(state, reason), indent=1))
+
+    def _state_record(self, state: JobState, reason: str = "") -> dict[str, Any]:
+        return {"pid": os.getpid(), "supervisor": procs.identity(os.getpid()), "keeper": self.keeper,
+                "job_uid": self.job_uid, "state": state, "reason": reason, "attempt": self.attempt,
+                "adoptions": self.adoptions, "started": self.t_start, "t_launch": self.t_launch,
+                "updated": time.time(),
+                "launchers": [{"node": n.index, **n.identity, "pgid": n.pid, "tag": n.tag,
+                               "log": str(n.log),
+                               "offset": n.offset} for n in self.nodes]}
 
     def say(self, message: str) -> None:
         if self.replayed is None:  # while adopting, what the predecessor already narrated is not repeated

@@ -20,6 +20,7 @@ processes (``scancel`` signals them all).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -34,9 +35,10 @@ from typing import Any
 from ... import nvrx
 from ...errors import EksftError
 from ...events import EventTail, EventWriter
-from ...incidents import Incidents
+from ...incidents import ANY_NODE, Incidents
 from ...jobdir import JobDir
 from ...monitor import JobMonitor
+from ...preflight.doctor import refusal
 from ...spec import MAX_SPEC_BYTES, JobSpec
 from ...states import ACTIVE, JobState, RestartLevel
 from ...timeouts import NODE_GPUS_ENV, derive, resolved
@@ -119,9 +121,17 @@ class Watcher:
                   f"{'GPU' if self._gpu_run() else 'CPU'} timeouts and environment", file=sys.stderr)
             if (refused := self._gpu_refusal(found)) is not None:
                 return self._end(JobState.FAILED, refused)
+        # doctor's gate (the node's NVRx, torch, torchft, GPUs), in the watcher: a script submitted by hand
+        # has its spec only once the watcher made the job folder, and the reason becomes the job's
+        if (refused := refusal(self.spec)) is not None:
+            node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+            print(f"eksft: error: {refused}", file=sys.stderr)
+            return self._end(JobState.FAILED, f"doctor on {node}: {refused}")
         if self.waiting is not None and (why := self.waiting.start()) is not None:
             self._warn("rendezvous", f"the launchers wait for the rendezvous at {self.waiting.endpoint}, but "
                                      f"{why}: they give up after their join timeout")
+        if self.attempt > 0:   # this run is the open incident's job restart
+            self.incidents.group_restarted(ANY_NODE, self.t_launch)
         return self._supervise()
 
     def _supervise(self) -> int:
@@ -164,6 +174,9 @@ class Watcher:
         return REQUEUE_EXIT
 
     def _end(self, state: JobState, reason: str) -> int:
+        self.incidents.end(time.time())
+        if state == JobState.FAILED:
+            reason = self.incidents.named(reason)
         self.events.emit("job_end", state=state, reason=reason, final_step=self.mon.last_step,
                          digest=self.mon.digest, restarts=self.mon.restarts_by_level())
         if self.waiting is not None:
@@ -395,8 +408,10 @@ class Watcher:
                 self._warn("nccl-socket", why)
 
     def _on_line(self, node: int, seen: LauncherLine) -> None:
-        if (seen.kind == "restarting" or self.incidents.incident is not None or self.signalled
-                or self.warned_at is not None or self.drained is not None):
+        if seen.kind in ("restarting", "error"):
+            self.incidents.launcher_line(node, seen)
+            return
+        if self.signalled or self.warned_at is not None or self.drained is not None:
             return
         if len(self.ranks_started) == self.spec.world_size and min(self.ranks_started.values()) > seen.at:
             return   # every rank started again since: an incident already accounted for
@@ -404,12 +419,11 @@ class Watcher:
                 and not any(f["fault"] == "sigterm" for f in self.incidents.recent_faults)):
             # Slurm ending the step (a lost node's peers, scancel) terminates the ranks: not an in-job failure
             return
-        if seen.kind == "hang":
-            self.incidents.hang(seen.at, self.spec.ft.heartbeat_timeout)
-        else:
-            rank = next((r for r, p in self.mon.rank_pids.items() if p == seen.pid),
-                        node * self.spec.nproc_per_node + seen.local_rank)
-            self.incidents.worker_failed(rank, seen.exitcode, seen.at)
+        rank = next((r for r, p in self.mon.rank_pids.items() if p == seen.pid),
+                    node * self.spec.nproc_per_node + seen.local_rank)
+        if seen.kind == "hang" and seen.timeout_s is None:
+            seen = dataclasses.replace(seen, timeout_s=self.spec.ft.heartbeat_timeout)
+        self.incidents.launcher_line(node, seen, rank)
 
 
 def main(argv: list[str]) -> int:

@@ -194,8 +194,9 @@ def render(spec: JobSpec, job_uid: str | None = None) -> str:
                   "else",
                   f"    LAUNCH=({' '.join(launch_words(spec, False))})",
                   "fi"]
-    lines += ["# the watcher records the job's start, restarts and end in its folder; it requeues the job",
-              "# (a job-level restart) when a node's launcher is lost, and drains it before the time limit",
+    lines += ["# the watcher runs doctor's gate first (the node's NVRx, torch, GPUs); it records the job's",
+              "# start, restarts and end in its folder; it requeues the job (a job-level restart) when a",
+              "# node's launcher is lost, and drains it before the time limit",
               f"exec python -m {WATCHER} {word(str(jd.path))} -- {' '.join(srun_words(spec))} \\",
               f"    bash -c {word(node_shell(spec))} \"${{LAUNCH[@]}}\" <<'{SPEC_END}'",
               spec.to_json(),

@@ -38,6 +38,7 @@ from ...errors import EksftError, JobError
 from ...runtime.quiet import quiet_process
 from ...runtime.script import ScriptProbe, when_imported
 from ...runtime.script import main as run_script
+from .hold import hold, restart_point
 from .startup import all_groups_up
 from .steps import StepReport, StepReports
 from .trainer import LAST_STEP_ENV, RESTART_ENV
@@ -54,6 +55,8 @@ def main() -> None:
     from ...runtime.session import session
 
     install()
+    if restart := int(os.environ.get(RESTART_ENV) or 0):
+        hold(restart_point(int(os.environ["RANK"]), restart))
     session()  # names the group (RANK) before the script's environment below replaces it
     env = os.environ
     # a replica group's store, as torchrun's agent hosts it (kept open while the script runs)
@@ -151,9 +154,12 @@ class TorchftProbe(ScriptProbe):
     # ---- torchft's Manager -------------------------------------------------------------------------
     def _hook_manager(self, module: ModuleType) -> None:
         """Watch the first Manager the script creates: its quorums, heals and commit decisions."""
+        from .alarm import Alarm
         from .listen import install
 
-        install()  # before the Manager starts its servers
+        # before the Manager starts its servers: they answer only the job's processes; a transport of the
+        # script's own that would load what a peer sends ends the group with one line
+        install(Alarm(self.s.emit), refuse=lambda error: refuse(self.s, error))
         manager_type, probe = module.Manager, self
         init, quorum, commit = manager_type.__init__, manager_type._async_quorum, manager_type.should_commit
 

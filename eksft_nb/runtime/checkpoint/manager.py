@@ -28,8 +28,8 @@ from .. import memcopy
 from . import storage_faults
 from .plan import PlanCache, layout, save_planner
 from .process import CheckpointProcess
+from .resume import NoStartPoint, resume_candidates, verify_share
 from .resume import job_uid as current_job_uid
-from .resume import resume_candidates, verify_share
 from .safe_load import load
 from .writer import Delivered, read_manifest, write_shard
 
@@ -356,11 +356,17 @@ class CheckpointManager:
         self._prune(step)
 
     def _failed(self, step: int, errors: list[str | None]) -> None:
+        """A save failed on some rank (every rank learnt so together, once all were done writing it):
+        rank 0 removes its folder, which no one will commit (what a full disk left half-written frees
+        room), and the save is retried at the next step boundary."""
         self.retry = True
         self.plan_cache = None  # the retry plans anew (and hands the writer the whole plan)
-        if self.ahead is not None:  # its folder stays: the last save retries at the same step
+        if self.ahead is not None:  # the last save retries at the same step: cleared again before it
             self.ahead.add(step)
         if self.rank == 0:
+            path = step_dir(self.root, step)
+            if not path.is_symlink() and not (path / COMMIT).exists():
+                shutil.rmtree(path, ignore_errors=True)
             reasons = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
             self.emit("checkpoint", phase="failed", step=step, error=reasons, retry="next step")
 
@@ -418,7 +424,7 @@ class CheckpointManager:
             verify_s, t1 = time.perf_counter() - t0, time.perf_counter()
             if not any(reasons):  # it verified everywhere: load it (files that verify may still not fit)
                 try:
-                    load(info.path, state, self.group)
+                    load(info.path, state, self.group, self._ticker())
                 except JobError as e:
                     reason, touched = e.problem, info
                 reasons = self._gather(reason)
@@ -436,8 +442,8 @@ class CheckpointManager:
                 where = (f"checkpoint step {resume.split(':')[1]} is not available in {self.root}"
                          if resume.startswith("step:") else f"no checkpoint in {resume} can be loaded")
                 why = f" (step {skipped[-1]['step']}: {skipped[-1]['reason']})" if skipped else ""
-                raise JobError(where + why,
-                               "list them with `python -m eksft_nb ckpts NAME` and pick a committed one")
+                raise NoStartPoint(where + why,
+                                   "list them with `python -m eksft_nb ckpts NAME` and pick a committed one")
             if touched is not None:  # not a fresh state any more: the restart that follows skips it
                 raise JobError(f"checkpoint {touched.path} verified but failed to load, and no "
                                "other checkpoint "

@@ -14,6 +14,12 @@ from ...states import CheckpointState
 from .safe_load import read_metadata
 
 
+class NoStartPoint(JobError):
+    """The checkpoint a job was told to start from (step:N, a folder) cannot be loaded, gone or refused,
+    and the job has none of its own: no restart can change that, so the job ends with this reason
+    instead of restarting into the same failure."""
+
+
 def job_uid() -> str:
     """Who commits: the job's id (the same across its restarts at every level, new for every job).
     A restart resumes only from its own job's checkpoints or from where the job started, never from
@@ -29,7 +35,7 @@ def verify_share(info: CheckpointInfo, rank: int, world_size: int, tick: Callabl
     reason = verify(info, mine, progress=tick)
     if reason is None and ".metadata" in mine:
         try:
-            read_metadata(info.path, info.files)
+            read_metadata(info.path, info.files, tick)
         except JobError as e:
             reason = e.problem
     return reason

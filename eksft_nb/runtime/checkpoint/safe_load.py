@@ -6,13 +6,13 @@ What the loader trusts, and nothing more (README, Security):
   ``.metadata`` included, with ``O_NOFOLLOW | O_NONBLOCK``, and reads one only if the open
   descriptor is a regular file of the recorded size (a symlink, FIFO or device is refused, never
   waited on); ``.metadata``'s bytes must also match the recorded checksum;
-- ``.metadata`` is unpickled by an unpickler that cannot change anything: it names only DCP's
-  metadata classes, torch sizes, dtypes and layouts, paths and ``OrderedDict`` (no function), builds
-  only fresh instances of those classes with their own fields (no slot state, never a class or a
-  shared object), fills only dicts and lists it made, and takes only plain keys;
+- ``.metadata`` weighs no more than DCP's metadata for the records the data files can hold, and is
+  unpickled by :class:`~.unpickle.MetadataUnpickler`, which cannot change anything and whose work is
+  linear in the file (a budget of opcodes, no hash collisions, nothing reached twice);
 - every record is then type-checked, and every storage record must name a listed data file, lie
-  within its recorded size, and for a tensor be as long as the tensor's bytes plus a bounded
-  serialization overhead; no transform (compression extension) is accepted;
+  within its recorded size apart from every other record, and for a tensor be as long as the
+  tensor's bytes plus a bounded serialization overhead; a chunk must lie within its tensor; no
+  transform (compression extension) is accepted;
 - a tensor or bytes entry is a ``torch.save`` archive read with ``weights_only=True`` and only if
   every entry in it is stored (a compressed entry could inflate to any size).
 
@@ -21,7 +21,6 @@ Any failure is one line (:class:`JobError`); the restore records it and tries th
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -32,7 +31,7 @@ import pathlib
 import pickle
 import stat
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,196 +40,12 @@ import torch.distributed as dist
 
 from ...checkpoint_folders import COMMIT, CheckpointInfo, parse_commit, plain_name, verify
 from ...errors import JobError
+from .unpickle import MetadataUnpickler, byte_cap, plain_key, records_room
 
 METADATA = ".metadata"
 # what torch.save adds to a tensor's bytes (its archive's records, names and alignment), with room to spare
 ARCHIVE_OVERHEAD = 1 << 16
 _FIX = "the folder was not written by a DCP save (or was tampered with): resume from another checkpoint"
-
-
-def _layouts() -> dict[str, torch.layout]:
-    return {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
-
-
-def _get_layout(name: Any) -> torch.layout:
-    """What ``torch.serialization._get_layout`` answers, for the layouts torch has and nothing else."""
-    layout = _layouts().get(name) if type(name) is str else None
-    if layout is None:
-        raise pickle.UnpicklingError("it names an unknown tensor layout")
-    return layout
-
-
-def _classes() -> dict[tuple[str, str], Any]:
-    """(module, name) -> the object a ``.metadata`` may name: DCP's metadata dataclasses and enum,
-    the file-system storage record, torch sizes, dtypes and layouts, paths and OrderedDict. Measured
-    on torch 2.13 with FSDP2 model and optimizer state, bytes and plain values."""
-    from torch.distributed.checkpoint import filesystem, metadata
-
-    meta = "torch.distributed.checkpoint.metadata"
-    out: dict[tuple[str, str], Any] = {
-        (meta, c.__name__): c for c in (metadata.Metadata, metadata.TensorStorageMetadata,
-                                        metadata.BytesStorageMetadata, metadata.ChunkStorageMetadata,
-                                        metadata.TensorProperties, metadata.MetadataIndex,
-                                        metadata.StorageMeta, metadata._MEM_FORMAT_ENCODING)}
-    out |= {("torch.distributed.checkpoint.filesystem", "_StorageInfo"): filesystem._StorageInfo,
-            ("torch", "Size"): torch.Size, ("torch.serialization", "_get_layout"): _get_layout,
-            ("collections", "OrderedDict"): collections.OrderedDict,
-            ("pathlib", "PosixPath"): pathlib.PosixPath, ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
-            ("pathlib._local", "PosixPath"): pathlib.PosixPath}
-    out |= {("torch", name): value for name, value in vars(torch).items() if isinstance(value, torch.dtype)}
-    return out
-
-
-def _plain_key(key: Any) -> bool:
-    """A dict key whose hash runs no code and cannot recurse: a string, an int or a DCP index of those."""
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
-    if type(key) in (str, int):
-        return True
-    return (type(key) is MetadataIndex and type(key.fqn) is str and type(key.index) in (int, type(None))
-            and (key.offset is None or (type(key.offset) is torch.Size)))
-
-
-def _refusing(what: str) -> Any:
-    def op(self: _MetadataUnpickler) -> None:
-        self._refuse(what)
-    return op
-
-
-class _MetadataUnpickler(pickle._Unpickler):  # the Python unpickler: its opcodes can be replaced one by one
-    """Unpickles DCP metadata and cannot change anything in the process.
-
-    Names resolve only by exact (module, name) pair, as one attribute (pickle's own lookup would
-    follow a dotted name from an allowed module to anywhere). A class is called only by REDUCE with
-    plain arguments (sizes, paths, the enum, OrderedDict) or created empty by NEWOBJ (the dataclasses);
-    BUILD sets only the fields of an instance this unpickler made (never a class's attributes, never
-    slot state); SETITEM(S)/APPEND(S) fill only dicts and lists; PERSID, EXT, INST, OBJ and sets are
-    refused."""
-
-    dispatch = dict(pickle._Unpickler.dispatch)
-
-    def __init__(self, data: bytes) -> None:
-        super().__init__(io.BytesIO(data))
-        from torch.distributed.checkpoint import metadata
-
-        self._allowed = _classes()
-        self._dataclasses = {c for c in self._allowed.values()
-                             if isinstance(c, type) and dataclasses.is_dataclass(c)}
-        self._enum = metadata._MEM_FORMAT_ENCODING
-        self._made: dict[int, Any] = {}  # id -> instance made by NEWOBJ here (kept: no id is reused)
-
-    def find_class(self, module: str, name: str) -> Any:
-        found = self._allowed.get((module, name))  # a dotted name is never a key
-        if found is None:
-            raise pickle.UnpicklingError(f"it names {module}.{name}, which is not a DCP metadata class")
-        return found
-
-    def _refuse(self, what: str) -> None:
-        raise pickle.UnpicklingError(f"it uses {what}, which DCP metadata never does")
-
-    def load_reduce(self) -> None:
-        args = self.stack.pop()
-        func = self.stack[-1]
-        if type(args) is not tuple:
-            self._refuse("a call without an argument tuple")
-        if func is torch.Size:
-            ok = len(args) == 1 and type(args[0]) is tuple and all(type(x) is int for x in args[0])
-        elif func in (pathlib.PosixPath, pathlib.PurePosixPath):
-            ok = all(type(a) is str for a in args)
-        elif func is self._enum or func is _get_layout:
-            ok = len(args) == 1 and type(args[0]) in (int, str)
-        elif func is collections.OrderedDict:
-            ok = args == ()
-        else:
-            ok = False
-        if not ok:
-            self._refuse(f"a call of {getattr(func, '__name__', type(func).__name__)} with other arguments")
-        self.stack[-1] = func(*args)
-
-    def load_newobj(self) -> None:
-        args = self.stack.pop()
-        cls = self.stack.pop()
-        self._new(cls, args, {})
-
-    def load_newobj_ex(self) -> None:
-        kwargs = self.stack.pop()
-        args = self.stack.pop()
-        cls = self.stack.pop()
-        self._new(cls, args, kwargs)
-
-    def _new(self, cls: Any, args: Any, kwargs: Any) -> None:
-        if cls not in self._dataclasses or args != () or kwargs != {}:
-            self._refuse(f"a new {getattr(cls, '__name__', type(cls).__name__)} with arguments")
-        obj = cls.__new__(cls)
-        self._made[id(obj)] = obj
-        self.append(obj)
-
-    def load_build(self) -> None:
-        from torch.distributed.checkpoint.metadata import TensorProperties
-
-        state = self.stack.pop()
-        inst = self.stack[-1]
-        if self._made.get(id(inst)) is not inst:
-            self._refuse(f"BUILD on a {type(inst).__name__} it did not make")
-        if type(inst) is TensorProperties:  # pickled through its own __getstate__: a tuple of five
-            if not (type(state) is tuple and len(state) == 5 and type(state[0]) is torch.dtype
-                    and type(state[1]) is torch.layout and type(state[2]) is bool
-                    and type(state[3]) is self._enum and type(state[4]) is bool):
-                self._refuse("BUILD of tensor properties with other state")
-            inst.__setstate__(state)
-            return
-        fields = {f.name for f in dataclasses.fields(inst)}
-        if type(state) is not dict or not all(type(k) is str and k in fields for k in state):
-            self._refuse(f"BUILD of a {type(inst).__name__} with state other than its fields")
-        inst.__dict__.update(state)
-
-    def load_setitem(self) -> None:
-        value = self.stack.pop()
-        key = self.stack.pop()
-        self._setitems(self.stack[-1], [key, value])
-
-    def load_setitems(self) -> None:
-        items = self.pop_mark()
-        self._setitems(self.stack[-1], items)
-
-    def load_dict(self) -> None:
-        items = self.pop_mark()
-        d: dict[Any, Any] = {}
-        self._setitems(d, items)
-        self.append(d)
-
-    def _setitems(self, target: Any, items: list[Any]) -> None:
-        if type(target) not in (dict, collections.OrderedDict):
-            self._refuse(f"SETITEM on a {type(target).__name__}")
-        for i in range(0, len(items) - 1, 2):
-            if not _plain_key(items[i]):
-                self._refuse(f"a {type(items[i]).__name__} as a dict key")
-            target[items[i]] = items[i + 1]
-
-    def load_append(self) -> None:
-        value = self.stack.pop()
-        self._extend(self.stack[-1], [value])
-
-    def load_appends(self) -> None:
-        items = self.pop_mark()
-        self._extend(self.stack[-1], items)
-
-    def _extend(self, target: Any, items: list[Any]) -> None:
-        if type(target) is not list:
-            self._refuse(f"APPEND on a {type(target).__name__}")
-        target.extend(items)
-
-    for _op, _what in ((pickle.PERSID, "a persistent id"), (pickle.BINPERSID, "a persistent id"),
-                       (pickle.EXT1, "the extension registry"), (pickle.EXT2, "the extension registry"),
-                       (pickle.EXT4, "the extension registry"), (pickle.INST, "INST"), (pickle.OBJ, "OBJ"),
-                       (pickle.EMPTY_SET, "a set"), (pickle.ADDITEMS, "a set"), (pickle.FROZENSET, "a set")):
-        dispatch[_op[0]] = _refusing(_what)
-    for _op, _fn in ((pickle.REDUCE, load_reduce), (pickle.NEWOBJ, load_newobj),
-                     (pickle.NEWOBJ_EX, load_newobj_ex), (pickle.BUILD, load_build),
-                     (pickle.SETITEM, load_setitem), (pickle.SETITEMS, load_setitems),
-                     (pickle.DICT, load_dict), (pickle.APPEND, load_append), (pickle.APPENDS, load_appends)):
-        dispatch[_op[0]] = _fn
-    del _op, _what, _fn
 
 
 # ---- opening only what commit.json lists ----------------------------------------------------
@@ -284,22 +99,27 @@ def refusal(info: CheckpointInfo) -> str | None:
 
 # ---- the metadata ---------------------------------------------------------------------------
 
-def read_metadata(path: Path, files: dict[str, dict[str, Any]] | None = None) -> Any:
+def read_metadata(path: Path, files: dict[str, dict[str, Any]] | None = None,
+                  progress: Callable[[], Any] | None = None) -> Any:
     """The DCP ``.metadata`` of the checkpoint folder ``path``, read as the module docstring says and
-    checked record by record. ``files``: what commit.json lists (read from the folder if not given).
-    Raises :class:`JobError` with one line otherwise."""
+    checked record by record. ``files``: what commit.json lists (read from the folder if not given);
+    ``progress``: called as it goes. Raises :class:`JobError` with one line otherwise."""
     path = Path(path)
     f = path / METADATA
     try:
         files = listed_files(path) if files is None else files
         if METADATA not in files:
             raise ValueError(f"{COMMIT} does not list {METADATA}")
-        with open_listed(path, METADATA, files) as fh:
-            data = fh.read(files[METADATA]["size"] + 1)
         listed = files[METADATA]
+        records = records_room(_data_bytes(path, files))
+        if listed["size"] > byte_cap(records):
+            raise ValueError(f"it weighs {listed['size']:,} bytes, more than DCP's metadata for the "
+                             f"{records:,} records its data files can hold (at most {byte_cap(records):,})")
+        with open_listed(path, METADATA, files) as fh:
+            data = fh.read(listed["size"] + 1)
         if len(data) != listed["size"] or hashlib.sha256(data).hexdigest() != listed["sha256"]:
             raise ValueError(f"{METADATA} changed since it was verified")
-        metadata = _MetadataUnpickler(data).load()
+        metadata = MetadataUnpickler(data, records, progress).load()
         _check(metadata, files)
     except JobError:
         raise
@@ -308,6 +128,22 @@ def read_metadata(path: Path, files: dict[str, dict[str, Any]] | None = None) ->
         why = str(e) if plain else f"{type(e).__name__}: {e}"
         raise JobError(f"refusing to load {f}: {' '.join(why.split())}"[:400], _FIX) from None
     return metadata
+
+
+def _data_bytes(path: Path, files: dict[str, dict[str, Any]]) -> int:
+    """The bytes of the data files commit.json lists that are there as regular files of that size
+    (what the records of ``.metadata`` may take; a listed file that is not there holds none)."""
+    total = 0
+    for name, meta in files.items():
+        if name == METADATA or not plain_name(name):
+            continue
+        try:
+            st = os.lstat(path / name)
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_size == meta["size"]:
+            total += st.st_size
+    return total
 
 
 def _is_count(v: Any) -> bool:
@@ -320,7 +156,9 @@ def _is_size(v: Any) -> bool:
 
 def _check(md: Any, files: dict[str, dict[str, Any]]) -> None:
     """Every record of ``md`` has the type DCP gives it; every storage record names a listed data file
-    and lies within it, and a tensor chunk's record is as long as the chunk (plus the archive's overhead)."""
+    and lies within it apart from every other record (so a load reads no byte twice), and a tensor
+    chunk's record is as long as the chunk (plus the archive's overhead). The chunks are looked up
+    through their hashes, which must differ (offsets crafted to collide would make it quadratic)."""
     from torch.distributed.checkpoint import filesystem as fs
     from torch.distributed.checkpoint import metadata as m
 
@@ -335,6 +173,8 @@ def _check(md: Any, files: dict[str, dict[str, Any]]) -> None:
     if type(md.state_dict_metadata) is not dict or type(md.storage_data) is not dict:
         raise bad("state dict or storage record")
     chunks: dict[tuple[str, tuple[int, ...]], int] = {}
+    hashes: set[int] = set()
+    taken: dict[str, list[tuple[int, int]]] = {}  # file -> the (offset, length) of its records
     for fqn, entry in md.state_dict_metadata.items():
         if type(fqn) is not str:
             raise bad("state dict key")
@@ -355,9 +195,14 @@ def _check(md: Any, files: dict[str, dict[str, Any]]) -> None:
             n = itemsize
             for s in c.sizes:
                 n *= s
-            chunks[(fqn, tuple(c.offsets))] = n
+            key = (fqn, tuple(c.offsets))
+            if hash(key) in hashes:
+                raise ValueError(f"two chunks of {fqn[:80]!r} share a hash (a repeated chunk, or offsets "
+                                 "crafted to collide)")
+            hashes.add(hash(key))
+            chunks[key] = n
     for index, record in md.storage_data.items():
-        if type(index) is not m.MetadataIndex or not _plain_key(index) or type(record) is not fs._StorageInfo:
+        if type(index) is not m.MetadataIndex or not plain_key(index) or type(record) is not fs._StorageInfo:
             raise bad("storage record")
         name = getattr(record, "relative_path", None)
         if not plain_name(name) or name == METADATA or name not in files:
@@ -366,6 +211,7 @@ def _check(md: Any, files: dict[str, dict[str, Any]]) -> None:
         offset, length = getattr(record, "offset", None), getattr(record, "length", None)
         if not _is_count(offset) or not _is_count(length) or offset + length > files[name]["size"]:
             raise ValueError(f"a storage record of {index.fqn[:80]!r} lies outside {name}")
+        taken.setdefault(name, []).append((offset, length))
         if getattr(record, "transform_descriptors", None):
             raise ValueError(f"a storage record of {index.fqn[:80]!r} asks for a transform (compression)")
         entry = md.state_dict_metadata.get(index.fqn)
@@ -376,6 +222,10 @@ def _check(md: Any, files: dict[str, dict[str, Any]]) -> None:
                                  f"{want if want is not None else 'no matching chunk'}")
         elif entry is None:
             raise bad(f"storage record for {index.fqn[:80]!r}")
+    for name, spans in taken.items():
+        spans.sort()
+        if any(o + n > next_o for (o, n), (next_o, _) in zip(spans, spans[1:])):
+            raise ValueError(f"two storage records share bytes of {name} (a DCP save writes each item once)")
     sm = md.storage_meta
     ids = (getattr(sm, "checkpoint_id", None), getattr(sm, "save_id", None), getattr(sm, "load_id", None))
     if sm is not None and (type(sm) is not m.StorageMeta
@@ -471,15 +321,17 @@ def _reader_and_planner(path: Path, files: dict[str, dict[str, Any]], metadata: 
     return reader, SafePlanner()
 
 
-def load(path: Path, state: dict[str, Any], group: dist.ProcessGroup | None) -> None:
+def load(path: Path, state: dict[str, Any], group: dist.ProcessGroup | None,
+         progress: Callable[[], Any] | None = None) -> None:
     """Load the DCP checkpoint in ``path`` into ``state`` in place (tensors are filled, plain values
-    replaced), trusting only what the module docstring says. Raises :class:`JobError` with one line."""
+    replaced), trusting only what the module docstring says; ``progress`` is called while the metadata
+    is read. Raises :class:`JobError` with one line."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     path = Path(path)
     files = listed_files(path)
-    metadata = read_metadata(path, files)  # fail with the reason, before any collective
+    metadata = read_metadata(path, files, progress)  # fail with the reason, before any collective
     reader, planner = _reader_and_planner(path, files, metadata)
     try:
         dcp.load(state, storage_reader=reader, planner=planner, process_group=group)
