@@ -110,7 +110,7 @@ def diagnose(
     spec = spec or JobSpec()
     here = on_node or spec.backend == "local"
     if env is None:  # a gate on a CPU pod or node skips torch's import (seconds): what it tells needs GPUs
-        env = probe(import_torch=not on_node or on_gpu(spec))
+        env = probe(import_torch=not on_node or (on_gpu(spec) and spec.device != "cpu"))
     found: list[Finding] = []
     if here:
         found += _refusals(spec, env)
