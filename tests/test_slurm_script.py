@@ -64,6 +64,16 @@ def test_without_gres_the_script_counts_the_gpus_on_the_node_and_picks_the_gpu_o
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
 
 
+def test_check_reads_the_signal_lead_and_the_gpu_values_a_node_without_gres_takes() -> None:
+    """check's table is the script's: its --signal (the drain before the time limit); a gpt-8b without
+    --gres is checked at the GPU values its GPU nodes take (at the CPU ones its restore is refused)."""
+    spec = slurm_spec(nproc_per_node=8, **{"model.preset": "gpt-8b"})
+    report = commands.check(spec)
+    [lead] = [r for r in report["rows"] if r["name"] == "Slurm --signal lead"]
+    assert report["gpu"] and lead["seconds"] == grace_s(spec), report
+    assert not any(f["refuse"] for f in report["findings"]), report["findings"]
+
+
 @pytest.mark.parametrize("changes, refused", [
     ({"slurm.gres": "gpu:4", "nproc_per_node": 8}, "8 ranks per node but --gres gpu:4 gives 4 GPUs per node"),
     ({"slurm.instance_type": "p5.48xlarge", "nproc_per_node": 16}, "a p5.48xlarge gives 8 GPUs per node"),

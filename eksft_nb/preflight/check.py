@@ -398,11 +398,12 @@ def _scheduler(spec: JobSpec, t: Timeouts, rows: list[RowDict], found: list[Find
                 )
             )
     elif spec.backend == "slurm":
-        from ..backends.slurm.render import directives
+        from ..backends.slurm import engine_parts
 
         config = facts.slurm_config() if config == "read" else config
         kill = facts.kill_wait(config)
-        lead = facts.signal_lead(directives(spec))
+        script = engine_parts.of(spec).render(spec)   # its engine's own script: the --signal it asks for
+        lead = facts.signal_lead([line for line in script.splitlines() if line.startswith("#SBATCH")])
         _row(
             rows,
             "Slurm KillWait",
