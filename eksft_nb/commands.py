@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
 
+from . import ckpt_floor, cost
 from .backends import JobSummary, get_backend
 from .control import FAULTS, FaultCommand
 from .errors import ControlError, EksftError, SpecError, closest, shown
@@ -269,9 +270,16 @@ def resume(name: str, *, step: int | None = None, new_name: str | None = None, s
     return {**job_row(new), "message": f"launched {new.name}, {new.note}"}
 
 
-def summary(name: str, backend: str = "local") -> dict[str, Any]:
-    """Steps, restarts (each with cause and downtime), checkpoints, goodput, final digest."""
-    return attach(name, backend).summary()
+def summary(name: str, backend: str = "local", **cost_options: Any) -> dict[str, Any]:
+    """Steps, restarts (each with cause and downtime), checkpoints, goodput, final digest, and what its time
+    cost (``cost_options``: price, run_for, nodes, failures_per_day; see :mod:`.cost`)."""
+    job = attach(name, backend)
+    out = job.summary()
+    p = cost.pricing(job.spec, **cost_options)
+    seconds = {k[:-2]: v for k, v in out["goodput"].items() if k.endswith("_s") and k != "wall_s"}
+    out["cost"] = cost.account(seconds, len(out["restart_events"]), job.spec.world_size, job.spec.nnodes, p)
+    out["checkpoint_floor"] = ckpt_floor.floor(job.monitor, job.spec.world_size)
+    return out
 
 
 def logs(name: str, lines: int = 200, debug: bool = False, backend: str = "local") -> str:
@@ -283,31 +291,29 @@ def remove(name: str, backend: str = "local") -> None:
     get_backend(backend).remove(name)
 
 
-def resilience_test(spec: JobSpec, faults: str | None = None, expect: str | None = None, *,
-                    at_step: int | None = None, loss_tolerance: float | None = None,
-                    say: Callable[[str], object] = lambda text: None,
-                    on_row: Callable[[Any], object] = lambda card: None) -> dict[str, Any]:
-    """Run ``spec`` fault-free, then once per fault kind that applies (``faults``: "sigkill,hang"),
-    and check each case against ``expect``; the report card (see :mod:`.resilience.card`)."""
-    from .resilience import card, plan, run
+def resilience_test(spec: JobSpec, faults: str | None = None, expect: str | None = None,
+                    **options: Any) -> dict[str, Any]:
+    """Run ``spec`` fault-free, then ``repeat`` times per fault kind that applies (``faults``:
+    "sigkill,hang"), and check each trial against ``expect``; the report card (see :mod:`.resilience.card`).
+    ``options``: those of :func:`.resilience.run.campaign` (repeat, manifest, recheck, price...)."""
+    from .resilience import run
 
-    tolerance = card.LOSS_TOLERANCE if loss_tolerance is None else loss_tolerance
-    if not (isinstance(tolerance, (int, float)) and 0 < tolerance < 1):
-        raise EksftError(f"--loss-tol {shown(loss_tolerance)} is not a fraction",
-                         "use e.g. --loss-tol 0.02 (2 %)")
-    return dict(run.run_test(launch, spec, plan.parse_kinds(faults), expect, at_step=at_step, say=say,
-                             on_row=on_row, tolerance=tolerance))
+    return dict(run.campaign(launch, spec, faults, expect, **options))
 
 
 def whatif(name: str, *, ckpt_every: str | Sequence[int] | None = None, inprocess: bool | None = None,
-           ckpt_mode: str | None = None, spares: int | None = None, backend: str = "local") -> dict[str, Any]:
+           ckpt_mode: str | None = None, spares: int | None = None, backend: str = "local",
+           **cost_options: Any) -> dict[str, Any]:
     """The ETTR and time breakdown a job would have had under other settings, replayed from its
-    events, with a recommended checkpoint interval (see :mod:`.resilience.whatif`)."""
+    events, with a recommended checkpoint interval (see :mod:`.resilience.whatif`), each setting priced
+    (``cost_options``: price, run_for, nodes, failures_per_day; see :mod:`.cost`)."""
     from .resilience import whatif as model
+    from .resilience import whatif_cost
 
     job = attach(name, backend)
     settings = model.parse_settings(ckpt_every, inprocess, ckpt_mode, spares)
-    return model.replay(job.refresh(), job.spec, settings).to_dict()
+    p = cost.pricing(job.spec, **cost_options)
+    return whatif_cost.priced(model.replay(job.refresh(), job.spec, settings), job.spec, p)
 
 
 def spec_from_options(values: Mapping[str, Any], base: JobSpec | None = None,
@@ -381,6 +387,15 @@ BACKEND = arg("--backend", choices=("local", "eks", "slurm"), default="local",
                    "under $EKSFT_SHARED_DIR)",
               magic={"default": None, "help": "where the job runs (default: local, or the current job's)"})
 JSON = arg("--json", action="store_true", help="print JSON instead of text")
+COST = (arg("--price", metavar="PRICE", help="price the GPU time: an instance type (p5.48xlarge, "
+            "p5en.48xlarge, p4d.24xlarge, p4de.24xlarge, g5/g6/g6e.48xlarge, p6-b200.48xlarge: us-east-1 "
+            "on-demand), USD per instance-hour (55.04/h) or per GPU-hour (6.88/gpu-h) (default: an EKS "
+            "job's --instance-type; else GPU-hours only)"),
+        arg("--for", dest="run_for", metavar="DURATION", help="scale the losses to a run this long, e.g. 30d "
+            "(a model: it says what it assumes)"),
+        arg("--nodes", type=int, metavar="N", help="with --for: the run's nodes (default: the job's)"),
+        arg("--failures-per-day", type=float, metavar="RATE", help="with --for: the run's failures a day "
+            "(default: the job's own rate)"))
 FAULT_KINDS = ", ".join(FAULTS)
 
 ARGS: dict[str, Verb] = {v.name: v for v in (
@@ -402,7 +417,8 @@ ARGS: dict[str, Verb] = {v.name: v for v in (
     Verb("watch",
          "follow a job: the CLI its progress, the notebook its dashboard (its whole history, then live)",
          (NAME, BACKEND), magic_name="attach"),
-    Verb("summary", "steps, restarts, goodput, digest", (NAME, BACKEND, JSON)),
+    Verb("summary", "steps, restarts, goodput, digest, and what the faults and checkpoints cost",
+         (NAME, BACKEND, JSON, *COST)),
     Verb("ckpts", "checkpoints of a job: committed, incomplete, rejected", (NAME, BACKEND, JSON)),
     Verb("logs", "the job's log (library noise filtered unless --debug)", (
         NAME, BACKEND,
@@ -450,7 +466,15 @@ ARGS: dict[str, Verb] = {v.name: v for v in (
         arg("--loss-tol", type=float, metavar="FRACTION", help="a job without a final digest: each step's "
             "loss within this fraction of the reference's (default 0.02)"),
         arg("--junit", metavar="FILE", help="also write the card as JUnit XML to FILE"),
-        JSON)),
+        arg("--repeat", type=int, default=1, metavar="N", help="run each fault kind N times, at different "
+            "steps and ranks drawn with --plan-seed; the card reports n/N per kind with the spread"),
+        arg("--plan-seed", type=int, default=0, metavar="SEED",
+            help="the seed of the trials' steps and ranks (default 0)"),
+        arg("--manifest", metavar="FILE", help="write the campaign manifest (JSON: each injection's ground "
+            "truth beside what was observed) to FILE"),
+        arg("--recheck", metavar="MANIFEST", help="run a manifest's plan again (on this or a new version of "
+            "the job: its spec, with the options given over it) and name what differs"),
+        JSON, *COST)),
     Verb("whatif", "replay a job's failures under other settings: ETTR and time breakdown per setting, and a "
          "recommended checkpoint interval", (
         NAME, BACKEND,
@@ -462,7 +486,7 @@ ARGS: dict[str, Verb] = {v.name: v for v in (
         arg("--spares", type=int, metavar="N", help="hot spare nodes (default: as the job ran)"),
         arg("--apply", action="store_true", help="set the recommended checkpoint interval on the running "
             "job, live (as `set NAME ckpt-every=N`)"),
-        JSON)),
+        JSON, *COST)),
     Verb("check", "pre-flight of a job's fault-tolerance settings: every timeout acting on it and each "
          "contradiction between them (exit code 1 when run would refuse the spec)", (
         arg("--spec", dest="spec_file", help="a YAML or JSON job spec; the spec options override it"),

@@ -15,7 +15,7 @@ from typing import Any
 
 import ipywidgets as w
 
-from .. import commands, settings
+from .. import ckpt_floor, commands, cost, settings
 from ..checkpoint_folders import CheckpointInfo, resume_origin
 from ..errors import EksftError
 from ..goodput import compute
@@ -34,11 +34,13 @@ class Dashboard(w.VBox):
     ``interval``: seconds between refreshes (the throttle); ``slow_interval``: seconds between the
     costlier refreshes (goodput, checkpoint listing, log); ``tail``/``budget``: points per series
     kept in full / at most before older history is thinned; ``live=False``: no thread (call
-    :meth:`update` yourself).
+    :meth:`update` yourself); ``price``: what the goodput bar prices GPU time at (``--price``'s words;
+    default: an EKS job's instance type, else GPU-hours only).
     """
 
     def __init__(self, job: Job, *, interval: float = 0.5, slow_interval: float = 2.0, tail: int = 500,
-                 budget: int = 3000, log_lines: int = 40, live: bool = True) -> None:
+                 budget: int = 3000, log_lines: int = 40, live: bool = True,
+                 price: str | None = None) -> None:
         self.job = Job(job.name, job.backend)   # a handle of our own: its monitor is fed by our thread only
         self.slow_interval = slow_interval
         self._options = {"interval": interval, "slow_interval": slow_interval, "tail": tail, "budget": budget,
@@ -56,7 +58,9 @@ class Dashboard(w.VBox):
                              origin=_origin(spec.resume, None))
         self._resume = spec.resume
         self.figure = TrainingFigure(tail=tail, budget=budget)
-        self.goodput = GoodputBar()
+        pricing = cost.pricing(spec, price)
+        self.goodput = GoodputBar(gpus=spec.world_size, usd_per_gpu_hour=pricing.usd_per_gpu_hour,
+                                  price=pricing.said)
         self.controls = FaultControls(world_size=spec.world_size, nnodes=spec.nnodes)
         self.settings = SettingsControls(values=settings.of_spec(spec))
         self.settings.layout.display = "none" if spec.script else None   # a script's own loop saves
@@ -171,6 +175,8 @@ class Dashboard(w.VBox):
                          "background": rec.background_s if timed else None,
                          "note": info.reason})
         self.checkpoints.rows = rows
+        floor = ckpt_floor.floor(self.job.monitor, self._spec.world_size)
+        self.checkpoints.floor = "; ".join(x.strip() for x in ckpt_floor.floor_text(floor)) if floor else ""
 
     def _refresh_whatif(self) -> None:
         if self.tabs.selected_index == 1:
