@@ -71,6 +71,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     row = commands.launch(spec, args.fault)
     print(f"launched {row['name']}: {engine_of(spec).describe(spec)}")
+    for warning in row["warnings"]:
+        print(f"warning: {warning}")
     if (spec.backend == "local" and spec.ft.inprocess and (here := nvrx.installed())
             and (note := here.inprocess_note())):
         print(f"note: {note}")  # on EKS the image's NVRx decides
@@ -109,6 +111,9 @@ def follow(job: Job, as_json: bool = False) -> int:
             for f in mon.failures[seen_failures:]:
                 bar.write(f"  ~ {f['level']} failure: {f['cause']}")
             for r in mon.restarts[seen_restarts:]:
+                if r.get("recovered") is False:
+                    bar.write(f"  x {r['level']} restart failed before its first step (after: {r['cause']})")
+                    continue
                 bar.write(f"  + recovered ({r['level']}): resumed from step {r['resumed_step']}, "
                           f"downtime {r['downtime_s']:.1f}s, {r['rolled_back_steps']} steps rolled back"
                           + (f" ({phases_text(r['phases'])})" if r.get("phases") else ""))
@@ -151,7 +156,8 @@ def format_summary(s: dict[str, Any]) -> str:
         for r in s["restart_events"]:
             blamed = "-" if r["blame_rank"] is None else str(r["blame_rank"])
             lines.append(f"  {r['level']:<10}{r['cause'][:43]:<44}{blamed:>7}{r['detection_s']:>7.1f}s"
-                         f"{r['downtime_s']:>9.1f}s{r['rolled_back_steps']:>6}")
+                         f"{r['downtime_s']:>9.1f}s{r['rolled_back_steps']:>6}"
+                         + ("  failed before a step" if r.get("recovered") is False else ""))
             if r.get("phases"):
                 lines.append(f"    phases: {phases_text(r['phases'])}")
     for lost in s.get("events_lost", []):  # what the events file lacks: say so, never hide it
@@ -318,6 +324,29 @@ def cmd_whatif(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    base = JobSpec.load(args.spec_file) if args.spec_file else None
+    report = commands.check(commands.spec_from_args(args, base, validate=False), args.from_job,
+                            args.from_backend)
+    show(report, args.json, lambda r: r["message"])
+    return 1 if any(f["refuse"] for f in report["findings"]) else 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    base = JobSpec.load(args.spec_file) if args.spec_file else None
+    report = commands.doctor(commands.spec_from_args(args, base, validate=False), on_node=args.on_node)
+    refused = [f for f in report["findings"] if f["refuse"]]
+    if args.on_node and not args.json:   # a gate in a pod's or batch job's log: one line, why it stops
+        env = report["environment"]
+        for f in refused:
+            print(f"eksft: error: {f['problem']} → {f['fix']}", file=sys.stderr)
+        if not refused:
+            print(f"doctor: NVRx {env['nvrx']}, torch {env['torch']}, {env['gpus']} GPU(s): nothing refused")
+    else:
+        show(report, args.json, lambda r: r["message"])
+    return 1 if refused else 0
+
+
 def cmd_metrics(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -335,4 +364,5 @@ COMMANDS = {"run": cmd_run, "watch": cmd_watch, "list": cmd_list, "status": cmd_
             "summary": cmd_summary,
             "ckpts": cmd_ckpts, "logs": cmd_logs, "inject": cmd_inject, "resume": cmd_resume,
             "stop": cmd_stop,
-            "rm": cmd_rm, "set": cmd_set, "metrics": cmd_metrics, "test": cmd_test, "whatif": cmd_whatif}
+            "rm": cmd_rm, "set": cmd_set, "metrics": cmd_metrics, "test": cmd_test, "whatif": cmd_whatif,
+            "check": cmd_check, "doctor": cmd_doctor}

@@ -14,7 +14,7 @@ import argparse
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from . import row_cache
 from .backends import JobSummary, get_backend
@@ -22,13 +22,19 @@ from .backends.folder import FolderJobs
 from .control import FAULTS, FaultCommand
 from .errors import ControlError, EksftError, SpecError, closest, shown
 from .goodput import compute
+from .engines.registry import engine_of
 from .job import Job, Standing, attach
+from .preflight import check as preflight
+from .preflight.check import CheckResult
 from .spec import JobSpec, spec_options
+if TYPE_CHECKING:
+    from .preflight.doctor import DoctorResult
 from .spec_fields import parse_option_value
 from .states import JobState, RestartLevel
-from .validation import check_fault, faults_for, prepare
+from .validation import check_fault, check_settings, faults_for, prepare
 
-__all__ = ["check_fault", "faults_for", "prepare"]   # the one validation, here for every front end
+# the one validation, here for every front end
+__all__ = ["check_fault", "check_settings", "faults_for", "prepare"]
 
 
 class JobRow(TypedDict):
@@ -88,6 +94,10 @@ class StopResult(JobRow):
     message: str     # the line the CLI prints
 
 
+class LaunchResult(JobRow):
+    warnings: list[str]   # the pre-flight's warnings (``check``): said, and launched
+
+
 # ---- the operations ---------------------------------------------------------------------------
 
 def job_row(job: Job, status: Standing | tuple[JobState, str] | None = None,
@@ -137,12 +147,34 @@ def status(name: str, backend: str = "local") -> JobRow:
     return job_row(attach(name, backend))
 
 
-def launch(spec: JobSpec, faults: Sequence[str | FaultCommand] = ()) -> JobRow:
-    """Validate the spec and the faults, start the job detached, return its first row."""
+def launch(spec: JobSpec, faults: Sequence[str | FaultCommand] = ()) -> LaunchResult:
+    """Validate the spec and the faults (a contradiction of its timeouts that guarantees failure is
+    refused), start the job detached, return its first row and the pre-flight's warnings."""
     spec, commands = prepare(spec, faults)
     b = get_backend(spec.backend)
     b.launch(spec, commands)
-    return job_row(Job(spec.name, b))
+    return {**job_row(Job(spec.name, b)), "warnings": preflight.check(spec).warnings}
+
+
+def check(spec: JobSpec, from_job: str | None = None, backend: str = "local") -> CheckResult:
+    """The pre-flight of ``spec``: every timeout acting on it, and each contradiction (see
+    :mod:`.preflight.check`). ``from_job``: a job whose events measured a step and a save."""
+    spec = spec.validate()
+    engine_of(spec).check(spec)
+    step = save = None
+    if from_job:
+        step, save = preflight.measured(attach(from_job, backend).refresh())
+    if save and not spec.ft.save_time:
+        spec = spec.replace(**{"ft.save_time": save})
+    return preflight.check(spec, step_time=step).to_dict()
+
+
+def doctor(spec: JobSpec | None = None, on_node: bool = False) -> DoctorResult:
+    """The versions this environment has, what each supports, and what it would refuse of ``spec``
+    (see :mod:`.preflight.doctor`)."""
+    from .preflight.doctor import diagnose
+
+    return diagnose(spec.validate() if spec else None, on_node=on_node).to_dict()
 
 
 def dry_run(spec: JobSpec, queue_objects: bool = False, faults: Sequence[str | FaultCommand] = ()) -> str:
@@ -193,6 +225,7 @@ def set_settings(name: str, values: Sequence[str] | Mapping[str, Any], backend: 
     changes = (settings.check_values(values) if isinstance(values, Mapping)
                else settings.parse_assignments(values))
     job = attach(name, backend)
+    check_settings(job.spec)
     asked = job.backend.set_settings(job.name, changes)
     diff = {k: [asked["before"][k], v] for k, v in asked["values"].items() if asked["before"][k] != v}
     said = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in diff.items())
@@ -227,6 +260,7 @@ def settings_in_force(name: str, backend: str = "local") -> dict[str, Any]:
 
 def apply_whatif(name: str, backend: str = "local", wait: float = 0.0) -> SettingsResult:
     """Set the checkpoint interval the what-if recommends for ``name``, live."""
+    check_settings(attach(name, backend).spec)   # before the what-if's work
     rec = whatif(name, backend=backend)["recommendation"]
     if rec["every"] is None:
         raise ControlError(f"the what-if recommends no interval ({rec['text']})",
@@ -261,11 +295,6 @@ def summary(name: str, backend: str = "local") -> dict[str, Any]:
 
 def logs(name: str, lines: int = 200, debug: bool = False, backend: str = "local") -> str:
     return attach(name, backend).logs(lines, debug)
-
-
-def remove(name: str, backend: str = "local") -> None:
-    """Delete an ended job (its folder or workload, checkpoints included)."""
-    get_backend(backend).remove(name)
 
 
 def finished_jobs(backend: str = "local") -> list[str]:
@@ -467,6 +496,20 @@ ARGS: dict[str, Verb] = {v.name: v for v in (
         arg("--apply", action="store_true", help="set the recommended checkpoint interval on the running "
             "job, live (as `set NAME ckpt-every=N`)"),
         JSON)),
+    Verb("check", "pre-flight of a job's fault-tolerance settings: every timeout acting on it and each "
+         "contradiction between them (exit code 1 when run would refuse the spec)", (
+        arg("--spec", dest="spec_file", help="a YAML or JSON job spec; the spec options override it"),
+        arg("--from", dest="from_job", metavar="JOB", help="size the step and save times from this job's "
+            "events (what it measured)"),
+        arg("--from-backend", dest="from_backend", choices=("local", "eks", "slurm"), default="local",
+            help="where --from's job ran (default: local)"),
+        JSON)),
+    Verb("doctor", "the versions found here (Python, torch, CUDA, NCCL, NVRx, torchft, EFA), what each "
+         "supports, and what a spec would be refused (exit code 1 when something is)", (
+        arg("--spec", dest="spec_file", help="a YAML or JSON job spec; the spec options override it"),
+        arg("--on-node", action="store_true",
+            help="the ranks run here (an EKS pod, a Slurm node): refuse what this node cannot run"),
+        JSON)),
     Verb("metrics", "serve Prometheus metrics of jobs (all, or the ones named)", (
         arg("names", nargs="*", metavar="NAME", help="the jobs (default: all)"),
         arg("--port", type=int, default=9400),
@@ -476,7 +519,7 @@ ARGS: dict[str, Verb] = {v.name: v for v in (
 )}
 
 # the verbs that take every spec field as an option
-SPEC_VERBS = frozenset({"run", "test"})
+SPEC_VERBS = frozenset({"run", "test", "check", "doctor"})
 
 # the sections of the spec options, as their help groups them
 SPEC_GROUPS = {"": "job", "model.": "model", "checkpoint.": "checkpoints", "ft.": "fault tolerance",

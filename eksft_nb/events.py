@@ -80,6 +80,10 @@ KINDS: dict[str, dict[str, tuple[type, ...] | type]] = {
     "quorum": {"quorum_id": int, "participants": int, "step": int},
     "heal": {"from_step": int, "step": int, "skipped_batches": int, "heal_s": _num},
     "step_discarded": {"step": int, "reason": str},
+    # torchft: a peer one of the job's servers refused, because it did not prove it holds the job's secret,
+    # or a quorum member that is not one of the job's groups (where: the lighthouse's gateway, a group's
+    # manager server or checkpoint transport, a quorum; peer: host:port; reason: what it did)
+    "intruder": {"where": str, "peer": str, "reason": str},
     # any writer, once it can write again after failing to (a full disk): what the events file lacks
     "events_lost": {"count": int, "first_t": _num, "last_t": _num, "error": str},
     # every rank under NVRx's in-process Wrapper: the seconds it added to the rank's process (phase in
@@ -100,16 +104,20 @@ OPTIONAL: dict[str, dict[str, tuple[type, ...] | type]] = {
     # and, from storage, why not from memory and the seconds that check took
     "resume": {"source": str, "verify_s": _num, "memory": _opt_str, "memory_s": _num},
     "job_end": {"digest": _opt_str, "restarts": dict},
-    # fatal: no restart can help (the checkpoint the job starts from is gone): the line the job ends with
-    "rank_error": {"waiting": bool, "fatal": str},
+    # fatal: no restart can help (the checkpoint the job starts from is gone): the line the job ends with;
+    # where: the file and line the error was raised at (eksft_nb.rank_errors.raised_at)
+    "rank_error": {"waiting": bool, "fatal": str, "where": str},
     # when the incarnation began (process start, or re-entry after an in-process restart) and when its
     # process groups were formed; a torchft group's process: each set-up phase -> when it ended (imports,
     # session, model, manager, wiring; see eksft_nb.engines.torchft.trainer)
     "rank_start": {"t_enter": _num, "t_group": _num, "t_setup": dict},
     # phases: phase -> seconds (RESTART_PHASES), summing to downtime_s; restored_from: the resume's source
-    "restart": {"phases": dict, "restored_from": _opt_str},
+    # recovered: false for a restart that happened but failed before its first step (the next failure's
+    # incident follows it; absent: true)
+    "restart": {"phases": dict, "restored_from": _opt_str, "recovered": bool},
     "gpu_health": {"note": _opt_str, "interval_s": _num},
     "gpu_fault": {"xid": _opt_int, "count": _opt_int, "throttle": _opt_int},
+    "intruder": {"claimed": _opt_str},   # the replica id it gave, if any
 }
 
 RESTART_LEVELS = tuple(level.value for level in RestartLevel)
@@ -121,6 +129,9 @@ WRAPPER_PHASES = ("setup", "exit")
 CHECKPOINT_PHASES = ("begin", "staged", "committed", "failed", "rejected")
 JOB_STATES = tuple(s.value for s in JobState if s in RECORDED_ENDS)   # what a job_end event may say
 GPU_FAULTS = ("xid", "ecc", "throttle")
+# where a torchft job refused an intruder: its Lighthouse's gateway, a group's manager server or checkpoint
+# transport, a quorum a group would not take part in
+INTRUDER_PLACES = ("lighthouse", "manager", "transport", "quorum")
 
 
 # what a number of a known field may be: finite, and >= 0 unless SIGNED names it; below MAX_TIME if
@@ -200,6 +211,8 @@ def check(kind: str, data: dict[str, Any]) -> None:
                           f"{WRAPPER_PHASES} with seconds >= 0")
     if kind == "gpu_fault" and data["fault"] not in GPU_FAULTS:
         raise SchemaError(f"gpu_fault.fault {data['fault']!r} not in {GPU_FAULTS}")
+    if kind == "intruder" and data["where"] not in INTRUDER_PLACES:
+        raise SchemaError(f"intruder.where {str(data['where'])[:40]!r} not in {INTRUDER_PLACES}")
     if kind == "job_end" and data["state"] not in JOB_STATES:
         raise SchemaError(f"job_end.state {data['state']!r} not in {JOB_STATES}")
 

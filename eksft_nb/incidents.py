@@ -11,18 +11,26 @@ interrupted while *not* waiting for its peers (a hang); the rank whose process d
 caller (the local supervisor's progress beacons). A GPU fault (an XID or a double-bit ECC error
 reported by :mod:`.gpuhealth`) shortly before or during an incident without an injected fault is
 named as its cause, and its time as the fault's.
+
+Every restart that happened is counted: one whose new incarnation fails again before its first step
+ends as a ``restart`` with ``recovered: false``, and the new failure opens the next incident with its
+own cause (the script's error, not the fault that began the chain). A job that fails names the ranks'
+last error in its reason (:meth:`Incidents.named`, see :mod:`.rank_errors`).
 """
 
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
 from typing import Any
 
 from .events import RESTART_PHASES, Event
 from .monitor import JobMonitor
+from .rank_errors import KEEP, RankError, fix_for
 from .states import RestartLevel
+
+ANY_NODE = "*"   # a relaunch of the whole job (every node's launcher is new)
 
 NODE_FAULT_WINDOW_S = 60.0
 
@@ -42,6 +50,13 @@ class Incident:
     entered: float | None = None
     grouped: float | None = None
     restored: float | None = None
+    # node (a launcher) -> when it restarted its worker group for this incident (ANY_NODE: a relaunch)
+    restarted: dict[Hashable, float] = field(default_factory=dict)
+
+    def retried_before(self, node: Hashable, at: float) -> bool:
+        """Whether a failure at ``at`` on ``node`` is of an incarnation this incident's restart started."""
+        began = self.restarted.get(node, self.restarted.get(ANY_NODE))
+        return began is not None and at > began
 
     def phases(self, end: float) -> dict[str, float]:
         """The downtime up to ``end`` (the first step's start) split at the marks known (see
@@ -84,6 +99,7 @@ class Incidents:
         self.last_alive = t_start
         self.stuck_at: list[Any] = []   # per incident: newest committed checkpoint (or a script's step count)
         self.give_up: str | None = None
+        self.errors: list[RankError] = []   # the ranks' latest errors (events and launcher logs), newest last
 
     # ---- inputs --------------------------------------------------------------------------------
     def observe(self, e: Event) -> None:
@@ -96,6 +112,9 @@ class Incidents:
         elif e.kind == "rank_error":
             self.recent_errors.append({"t": e.t, "rank": e.rank, "origin": e["origin"], "error": e["error"],
                                        "waiting": e.get("waiting", False)})
+            if e["origin"] in ("fault", "exception"):
+                where = e.get("where")
+                self._remember(RankError(e.t, e.rank, e["error"], where if isinstance(where, str) else ""))
         elif e.kind == "rank_start" and e.rank is not None:
             self.last_alive = max(self.last_alive, e.t)
             now = (e["job_attempt"], e["injob_restart"], e["inprocess_iteration"])
@@ -140,8 +159,32 @@ class Incidents:
             self.recent_errors = [x for x in self.recent_errors if x["t"] >= started]
             self.recent_gpu = [x for x in self.recent_gpu if x["t"] >= started]
 
-    def worker_failed(self, rank: int | None, code: int, at: float) -> None:
+    def launcher_line(self, node: Hashable, seen: Any, rank: int | None = None,
+                      hint: int | None = None) -> None:
+        """One line of ft_launcher's log that matters (a ``backends.launcher_log.LauncherLine``) from the
+        launcher of ``node``: a group restart, a rank's traceback, a timeout, a rank's exit (``rank``:
+        whose process it was, where the caller knows). The caller has dropped what it accounts for
+        otherwise (a stop it asked for, a failure of ranks that have all started again since)."""
+        if seen.kind == "restarting":
+            self.group_restarted(node, seen.at)
+        elif seen.kind == "error":
+            self._remember(RankError(seen.at, None, seen.detail))
+        elif seen.kind == "hang":
+            self.hang(seen.at, seen.timeout_s, hint, node=node, which=seen.detail)
+        else:
+            self.worker_failed(rank, seen.exitcode, seen.at, node=node)
+
+    def group_restarted(self, node: Hashable, at: float) -> None:
+        """The launcher of ``node`` restarts its worker group (an in-job restart), or the whole job is
+        relaunched (``node`` ANY_NODE), for the open incident."""
+        i = self.incident
+        if i is not None and node not in i.restarted and at >= i.detected_at - 1.0:
+            i.restarted[node] = at
+
+    def worker_failed(self, rank: int | None, code: int, at: float, node: Hashable = None) -> None:
         """ft_launcher saw a rank's process exit with ``code`` (negative: a signal)."""
+        if not self._new_failure(node, at):
+            return
         own = [x for x in self.recent_errors if x["origin"] in ("fault", "exception")]
         if own and not self.recent_faults:  # ft_launcher may notice a peer's consequent failure first
             rank = own[0]["rank"]
@@ -149,20 +192,60 @@ class Incidents:
                            self.fault_time(), at,
                            self.mon.last_step))
 
-    def hang(self, at: float, timeout_s: float | None = None, hint: int | None = None) -> None:
-        """ft_launcher's heartbeat or section timeout fired; ``hint``: who looked stuck to the caller."""
+    def hang(self, at: float, timeout_s: float | None = None, hint: int | None = None, node: Hashable = None,
+             which: str = "") -> None:
+        """ft_launcher's heartbeat or section timeout fired (``which``: "step section", "subsequent
+        heartbeat", "out-of-section"); ``hint``: who looked stuck to the caller."""
+        if not self._new_failure(node, at):
+            return
         blame = self.blame(hint)
+        over = f" for over {timeout_s:g}s" if timeout_s else ""
         if blame is None:
-            cause = "hang detected by ft_launcher's heartbeat timeout"
+            cause = f"hang detected by ft_launcher's {which or 'heartbeat'} timeout"
+        elif which.endswith(" section"):
+            cause = f"hang: rank {blame} stayed in its {which}{over} (ft_launcher's section timeout)"
+        elif which == "out-of-section":
+            cause = f"hang: rank {blame} ran outside any section{over} (ft_launcher's out-of-section timeout)"
         else:
             waited = f" for {timeout_s:g}s" if timeout_s else ""
             cause = f"hang: no heartbeat from rank {blame}{waited} (ft_launcher timeout)"
         self.open(Incident(RestartLevel.INJOB, cause, blame, self.fault_time(), at, self.mon.last_step))
 
+    def _new_failure(self, node: Hashable, at: float) -> bool:
+        """Whether a failure seen at ``at`` opens an incident: none is open, or the open one's restart
+        already began on that node, so this is its new incarnation failing (that restart ends as one
+        that failed, and counts); a failure of the incarnation the open incident is about is part of it."""
+        i = self.incident
+        if i is None:
+            return True
+        if not i.retried_before(node, at):
+            return False
+        self._restart_failed(at, min(i.restarted.values()))
+        return True
+
+    def _restart_failed(self, at: float, began: float) -> None:
+        """The open incident's restart (begun at ``began``) failed before its first step, at ``at``."""
+        i, self.incident = self.incident, None
+        end = max(at, i.detected_at)
+        self.emit("restart", level=i.level, cause=i.cause, blame_rank=i.blame_rank, fault_time=i.fault_time,
+                  detection_s=max(0.0, i.detected_at - i.fault_time), downtime_s=max(0.0, end - i.fault_time),
+                  rolled_back_steps=0, resumed_step=i.resumed_step or 0, phases=i.phases(end),
+                  recovered=False, **({"restored_from": i.restored_from} if i.restored_from else {}))
+        self.say(f"the {i.level} restart after \"{i.cause[:120]}\" failed before its first step")
+        # what happened before that restart is its incident's: the next one's cause is the new failure
+        self.recent_faults = [f for f in self.recent_faults if f["t"] >= began]
+        self.recent_errors = [x for x in self.recent_errors if x["t"] >= began]
+        self.recent_gpu = [x for x in self.recent_gpu if x["t"] >= began]
+        self.last_alive = max(self.last_alive, began)
+
     def node_failed(self, cause: str, detected: float, ended_at: float | None = None,
                     level: RestartLevel = RestartLevel.JOB) -> None:
         """A node (a launcher, a pod) is gone: the job-level tier recovers by relaunching it, or (level
-        ``injob``) the rendezvous replaces it with a hot spare."""
+        ``injob``) the rendezvous replaces it with a hot spare. An open incident whose restart had begun
+        ends as a restart that failed; one whose restart never began (the launcher gave up) is this one's."""
+        i = self.incident
+        if i is not None and i.restarted:
+            self._restart_failed(detected, min(i.restarted.values()))
         node_fault = next((f for f in reversed(self.mon.faults)
                            if f.get("node") is not None and detected - f["t"] < NODE_FAULT_WINDOW_S), None)
         if node_fault:
@@ -227,6 +310,35 @@ class Incidents:
         source = f" (loaded from {i.restored_from})" if i.restored_from else ""
         self.say(f"recovered ({i.level}): resumed from step {resumed}{source}, {downtime:.1f}s "
                  "after the fault")
+
+    def end(self, at: float) -> None:
+        """The job ends: a restart still under way (it began, no step yet) counts, as one that failed."""
+        i = self.incident
+        if i is not None and i.restarted:
+            self._restart_failed(at, min(i.restarted.values()))
+
+    # ---- the ranks' errors -----------------------------------------------------------------------
+    def _remember(self, error: RankError) -> None:
+        self.errors = [*self.errors[-(KEEP - 1):], error]
+
+    def last_error(self) -> RankError | None:
+        """The ranks' newest error since the job last took a step (an older one is not why it fails now)."""
+        since = self.mon.steps.t[-1] if len(self.mon.steps) else float("-inf")
+        recent = [x for x in self.errors if x.t >= since]
+        # a rank's own report says more than its traceback's last line, or an exit status
+        reported = [x for x in recent if x.rank is not None and not x.text.startswith("exit code")]
+        return (reported or recent or [None])[-1]
+
+    def named(self, reason: str) -> str:
+        """A failed job's reason, with the ranks' last error (and its fix, where known) when the reason
+        does not already say it."""
+        error = self.last_error()
+        if error is None:
+            return reason
+        if error.text[:60] not in reason:
+            return f"{reason}; the ranks' last error: {error.said()}"
+        fix = fix_for(error.text, error.where)
+        return f"{reason}; {fix}" if fix and fix not in reason else reason
 
     # ---- attribution ---------------------------------------------------------------------------
     def _gpu_cause(self) -> None:

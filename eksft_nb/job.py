@@ -145,7 +145,7 @@ class Job:
             live, unread = {}, f" (the live settings record was refused, {e}: the spec's settings hold)"
         spec = self.spec.replace(**{"name": name or _next_name(self.backend, self.name, f"-from-{info.step}"),
                                     "resume": resume, "checkpoint.dir": None, **settings.spec_changes(live),
-                                    **changes})
+                                    **self._measured(), **changes})
         spec, _ = prepare(spec)
         self.backend.launch(spec)
         new = Job(spec.name, self.backend)
@@ -154,6 +154,15 @@ class Job:
             new.note += " with the live settings in force: " + " ".join(f"{k}={v}" for k, v in live.items())
         new.note += unread
         return new
+
+    def _measured(self) -> dict[str, float]:
+        """The step time this job measured, where its spec gives none: the resumed job's step section is sized
+        from it (see :mod:`.timeouts`). Its saves are not taken: the state size at the storage throughput
+        says what a save takes, and a measured one may carry an injected storage fault."""
+        from .preflight.check import measured
+
+        step, _ = measured(self.refresh())
+        return {"ft.step_time": step} if step and self.spec.ft.step_time is None else {}
 
     def _live_settings(self) -> dict[str, int]:
         """The live settings changed while the job ran (``set``), which a job resumed from it keeps."""
@@ -188,8 +197,8 @@ class Job:
             "restarts": mon.restarts_by_level(),
             "restart_events": [{k: r[k] for k in ("level", "cause", "blame_rank", "downtime_s", "detection_s",
                                                   "rolled_back_steps", "resumed_step")}
-                               | {"phases": r.get("phases"),
-                                  "restored_from": r.get("restored_from")} for r in mon.restarts],
+                               | {"phases": r.get("phases"), "restored_from": r.get("restored_from"),
+                                  "recovered": r.get("recovered", True)} for r in mon.restarts],
             "checkpoints_committed": sum(c.state == CheckpointState.COMMITTED
                                          for c in mon.checkpoints.values()),
             "checkpoints_rejected": [{"step": c.step, "reason": c.error} for c in mon.checkpoints.values()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .loopback import loopback_address
 from .nvrx import NVRx
+from .preflight.sections import read_ft_config
 from .spec import JobSpec
 from .timeouts import derive, resolved
 
@@ -53,10 +54,7 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
     :mod:`.loopback`), not on the address the host name resolves to.
     """
     ft = resolved(spec).ft   # the timeouts as the backend derives them where the spec leaves them unset
-    # SIGTERM to the launcher (a drain, a preemption) reaches the ranks, which save before they exit: on
-    # GPUs it waits the grace period for that before SIGKILL (a restart's stop has its own timeout)
-    grace = derive(spec)
-    term = grace.grace.seconds if grace.gpu else 5
+    term = term_timeout(spec)
     argv = [
         "ft_launcher",
         f"--nnodes={spec.nnodes}", f"--nproc-per-node={spec.nproc_per_node}", f"--node-rank={node_rank}",
@@ -68,9 +66,7 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
         f"--ft-rank-heartbeat-timeout={ft.heartbeat_timeout:g}",
         "--ft-workload-check-interval=1", "--ft-enable-nic-monitor=false",
     ]
-    sections = ft.sections()
-    if sections:
-        argv.append("--ft-rank-section-timeouts=" + ",".join(f"{k}:{v:g}" for k, v in sections.items()))
+    argv += section_flags(spec)
     if store_elsewhere:
         argv.append("--rdzv-conf=is_host=false")
     if loopback_address(rdzv_host):
@@ -86,6 +82,31 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
     else:
         argv += ["-m", TRAINER_MODULE]
     return argv
+
+
+def term_timeout(spec: JobSpec) -> float:
+    """ft_launcher's ``--term-timeout``. SIGTERM to the launcher (a drain, a preemption) reaches the ranks,
+    which save before they exit: on GPUs it waits the grace period for that before SIGKILL (a restart's
+    stop has its own timeout)."""
+    t = derive(spec)
+    return t.grace.seconds if t.gpu else 5.0
+
+
+def section_flags(spec: JobSpec) -> list[str]:
+    """ft_launcher's section flags (one name in NVRx 0.4.1 to 0.7): the built-in trainer's sections and a
+    script's own (see :mod:`.timeouts`), over those of the ``--ft-cfg-path`` file where it reads here (a
+    section list on the command line replaces the file's whole list); none unbounded."""
+    t = derive(spec)
+    flags = [f"--ft-cfg-path={spec.ft.cfg_path}"] if spec.ft.cfg_path else []
+    sections: dict[str, float | None] = dict(t.sections())
+    if sections and spec.ft.cfg_path:
+        sections = {**read_ft_config(spec.ft.cfg_path).sections, **sections}
+    if sections:
+        flags.append("--ft-rank-section-timeouts=" + ",".join(
+            f"{k}:{'none' if v is None else format(v, 'g')}" for k, v in sections.items()))
+    if t.out_of_section is not None:
+        flags.append(f"--ft-rank-out-of-section-timeout={t.out_of_section.seconds:g}")
+    return flags
 
 
 def warm_worker(python: str) -> list[str]:

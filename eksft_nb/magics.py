@@ -45,6 +45,8 @@ LINE_USAGE = """\
 %ftrain whatif [NAME] [--ckpt-every 5,10,20] [--no-inprocess] [--ckpt-mode sync] [--spares N] [--apply]
                                       the job's failures replayed under other settings (--apply: set
                                       the recommended interval live)
+%ftrain check [spec options] [--from JOB]   every timeout acting on a job, and what contradicts
+%ftrain doctor [spec options]         versions here, what each supports, what a spec would be refused
 %%ftrain test [options] + code        resilience test of the cell's code
 NAME defaults to the job this notebook launched, attached or resumed last; --backend eks (any command)
 reaches jobs on the cluster of the kubeconfig's current context."""
@@ -113,6 +115,8 @@ class FtrainMagics(Magics):
             print(commands.dry_run(spec, faults=args.fault))
             return
         row = commands.launch(spec, args.fault)
+        for warning in row["warnings"]:
+            print(f"warning: {warning}")
         self._show(attach(row["name"], spec.backend))
 
     # ---- %ftrain -----------------------------------------------------------------------------
@@ -127,6 +131,14 @@ class FtrainMagics(Magics):
         cmd = args.command
         if cmd == "test":   # its --backend is the job spec's
             self._test(args, "")
+            return
+        if cmd == "check":
+            report = commands.check(_cell_spec(args, "", "check"), args.from_job, args.from_backend)
+            cli.show(report, args.json, lambda r: r["message"])
+            return
+        if cmd == "doctor":
+            report = commands.doctor(_cell_spec(args, "", "doctor"), on_node=args.on_node)
+            cli.show(report, args.json, lambda r: r["message"])
             return
         backend = args.backend or "local"
         if cmd == "list":

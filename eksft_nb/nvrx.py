@@ -9,8 +9,10 @@ tier and the restart timeline have to follow; this module is the one place that 
   (``--ft-max-no-progress-cycles``); ``--ft-restart-policy`` a no-op;
 - 0.7 (Python >= 3.12 only): legacy rendezvous and ``--ft-restart-policy`` gone.
 
-Capabilities follow the version, except the in-process tier, which is looked up as a module: a
-release that drops ``nvidia_resiliency_ext.inprocess`` loses it whatever its number says.
+Every release takes the same section flags (``--ft-rank-section-timeouts``,
+``--ft-rank-out-of-section-timeout``); a section without a timeout fails its rank in 0.4.x and goes
+unbounded from 0.5. Capabilities follow the version, except the in-process tier, which is looked up
+as a module: a release that drops ``nvidia_resiliency_ext.inprocess`` loses it whatever its number says.
 """
 
 from __future__ import annotations
@@ -78,6 +80,26 @@ class NVRx:
         return (f"NVRx {self.version}'s {self.rendezvous} rendezvous counts a hot spare against --nnodes and "
                 "closes the job when it joins, so a spare never takes a lost node's place")
 
+    @property
+    def unknown_section_fails(self) -> bool:
+        """A rank that opens a section the config has no timeout for fails (``Unknown section: NAME``,
+        0.4.x); from 0.5 the client skips such a section, leaving its time to the out-of-section timeout.
+        Every release takes the section flags eksft gives (``--ft-rank-section-timeouts``,
+        ``--ft-rank-out-of-section-timeout``: one name from 0.4.1 to 0.7)."""
+        return self.release < (0, 5, 0)
+
+    def nccl_problem(self, nccl: tuple[int, int, int] | None, inprocess: bool) -> str | None:
+        """What NVRx's release notes say of this NCCL with in-process restart; None where nothing."""
+        if nccl is None or not inprocess or self.inprocess == "missing":
+            return None
+        if (2, 28, 3) <= nccl <= (2, 28, 8):
+            return (f"NCCL {'.'.join(map(str, nccl))} crashes NVRx's in-process restart (a segfault: NVRx "
+                    "asks for NCCL < 2.28.3 or >= 2.28.9)")
+        if nccl < (2, 24, 1):
+            return (f"NCCL {'.'.join(map(str, nccl))} initialises its net plugin twice under NVRx's "
+                    "in-process restart: NVRx asks for NCCL_NET_PLUGIN=none below 2.24.1")
+        return None
+
     def launcher_flags(self, cycle_dir: str | None = None) -> list[str]:
         """Flags only this release's ft_launcher takes. eksft's supervisor judges progress itself
         (``ft.progress_patience``), so NVRx's own no-progress cut-off is turned off."""
@@ -114,12 +136,16 @@ def parse_version(text: str) -> tuple[int, int, int]:
 
 def require() -> NVRx:
     """The installed NVRx, if eksft supports it; else a JobError saying how to get one."""
+    from .preflight import platforms
+
     here = installed()
     if here is None or here.release < OLDEST:
         found = (f"NVRx {here.version} is older than" if here
                  else "NVRx (nvidia-resiliency-ext) is not installed; need")
-        raise JobError(f"{found} {'.'.join(map(str, OLDEST))}",
-                       "pip install 'nvidia-resiliency-ext>=0.4.1' into the environment that runs eksft")
+        python, libc = platforms.here()
+        fix = ("pip install 'nvidia-resiliency-ext>=0.4.1,<0.8' into the environment that runs eksft"
+               if platforms.resolves(python, libc) else platforms.said(python, libc))
+        raise JobError(f"{found} {'.'.join(map(str, OLDEST))}", fix)
     return here
 
 

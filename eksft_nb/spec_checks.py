@@ -74,7 +74,8 @@ def validate(spec: Any) -> None:
         raise SpecError(f"checkpoint.storage_mbps must be a positive number, got {shown(c.storage_mbps)}",
                         "set --storage-mbps to your storage's throughput, e.g. 300")
     for fname in ("heartbeat_timeout", "initial_heartbeat_timeout", "soft_timeout", "hard_timeout",
-                  "collective_timeout", "step_timeout", "checkpoint_timeout"):
+                  "collective_timeout", "step_timeout", "checkpoint_timeout", "setup_timeout",
+                  "out_of_section_timeout", "step_time", "save_time"):
         v = getattr(f, fname)
         if v is None:  # a section without a timeout, or a timeout derived for the backend (timeouts.py)
             continue

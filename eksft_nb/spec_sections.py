@@ -74,9 +74,31 @@ class FaultToleranceConfig:
                                                   "seconds allowed for start-up before the first heartbeat "
                                                   "(default: 120 on CPU; derived on GPUs)")
     step_timeout: float | None = opt(None, "--step-timeout",
-                                     "section timeout for one training step, seconds (none: heartbeats only)")
+                                     "NVRx section timeout for one training step, seconds: a hang inside a "
+                                     "step is found this fast (default: none on CPU; on GPUs 60, or 5 x "
+                                     "--step-time)")
     checkpoint_timeout: float | None = opt(None, "--checkpoint-timeout",
-                                           "section timeout for a checkpoint save, seconds")
+                                           "NVRx section timeout for a checkpoint save ('checkpointing'), "
+                                           "seconds (default on GPUs: 2 x a save at --storage-mbps + 60, "
+                                           "at least 300)")
+    setup_timeout: float | None = opt(None, "--setup-timeout",
+                                      "NVRx section timeout for start-up, restore and the first step "
+                                      "('setup'), seconds (default: the initial heartbeat timeout)")
+    out_of_section_timeout: float | None = opt(None, "--out-of-section-timeout",
+                                               "NVRx timeout for code outside any section, seconds "
+                                               "(default: none on CPU; 90 on GPUs for the built-in trainer)")
+    step_time: float | None = opt(None, "--step-time",
+                                  "seconds one training step takes, as measured by an earlier run (`check "
+                                  "--from JOB` prints it; a resume takes it from its job): sizes the step "
+                                  "section's timeout")
+    save_time: float | None = opt(None, "--save-time",
+                                  "seconds one checkpoint save takes (blocking and background), as measured "
+                                  "by an earlier run: the checkpointing section's timeout covers the slower "
+                                  "of it and the state size at --storage-mbps")
+    cfg_path: str | None = opt(None, "--ft-cfg-path",
+                               "an NVRx fault-tolerance config (YAML with a fault_tolerance section) for "
+                               "ft_launcher, e.g. a script's own section timeouts; the spec's timeouts win "
+                               "where both set one")
     section_timeouts: str | None = opt(None, "--section-timeouts",
                                        "timeouts of a script's own NVRx sections, e.g. "
                                        "init:60,eval:30 (seconds; NVRx refuses sections it has no "
@@ -97,9 +119,11 @@ class FaultToleranceConfig:
                                  "same checkpoint")
 
     def sections(self) -> dict[str, float]:
-        """NVRx section name -> timeout in seconds: --step-timeout, --checkpoint-timeout,
-        --section-timeouts."""
-        found = {"step": self.step_timeout, "checkpoint": self.checkpoint_timeout}
+        """NVRx section name -> timeout in seconds: --setup-timeout, --step-timeout, --checkpoint-timeout
+        (the built-in trainer's sections, named as NVRx's own deployment and Megatron name them),
+        --section-timeouts (a script's own)."""
+        found = {"setup": self.setup_timeout, "step": self.step_timeout,
+                 "checkpointing": self.checkpoint_timeout}
         found = {k: v for k, v in found.items() if v is not None}
         text = self.section_timeouts or ""
         if not isinstance(text, str):

@@ -5,6 +5,13 @@ AdamW's two moments) at FSx's ~300 MB/s. Timeouts tuned for the CPU demo (a 15 s
 kill every restore. On a GPU backend each timeout the user leaves unset is derived from the state
 size and ``--storage-mbps``, never below AWS's NVRx-on-EKS figures; one the user sets wins, and the
 derived ones are fitted around it. Every value carries the reason it has, for ``--dry-run``.
+
+One heartbeat timeout must outlast the slowest save and restore, so alone it finds a hang in a step
+only after many minutes. NVRx's sections bound each phase apart, as its own Slurm deployment does
+(``setup:900,step:60,checkpointing:300``, out-of-section 90): on GPUs the built-in trainer gets them,
+the step's from its measured time (``--step-time``) where known, the save's from the state size at
+the storage throughput, start-up and restore as long as the initial heartbeat; a hang in a step is
+then found in about a minute while a long save or restore runs on.
 """
 
 from __future__ import annotations
@@ -25,9 +32,15 @@ GPU_FLOORS = {"soft": 300.0, "hard": 600.0, "heartbeat": 900.0, "initial": 1200.
 # what the CPU demo and the tests run with (the local backend without CUDA)
 CPU_VALUES = {"soft": 4.0, "hard": 8.0, "heartbeat": 15.0, "initial": 120.0, "collective": 3.0,
               "checkpoint_group": 600.0, "grace": 60.0}
+# NVRx's own Slurm deployment (examples/fault_tolerance/deployment/slurm): each phase bounded apart
+SECTION_FLOORS = {"setup": 900.0, "step": 60.0, "checkpointing": 300.0, "out_of_section": 90.0}
+STEP_FACTOR = 5.0   # a step's bound: this many times its measured time (NVRx's own safety factor)
 # spec field (in spec.ft) -> name here
 SPEC_FIELDS = {"soft_timeout": "soft", "hard_timeout": "hard", "heartbeat_timeout": "heartbeat",
                "initial_heartbeat_timeout": "initial", "collective_timeout": "collective"}
+# the built-in trainer's NVRx sections (and the time outside them): spec field -> name here
+SECTION_FIELDS = {"setup_timeout": "setup", "step_timeout": "step", "checkpoint_timeout": "checkpointing",
+                  "out_of_section_timeout": "out_of_section"}
 
 
 @dataclass(frozen=True)
@@ -52,15 +65,38 @@ class Timeouts:
     # the gloo group of the checkpoint collectives (ranks wait there for peers' I/O)
     checkpoint_group: Timeout
     grace: Timeout       # SIGTERM to exit: finish the save in flight, then save and commit once more
+    # NVRx sections of the built-in trainer (None: off): start-up, restore and the first step; one step;
+    # a save; and the time outside any section
+    setup: Timeout | None = None
+    step: Timeout | None = None
+    checkpointing: Timeout | None = None
+    out_of_section: Timeout | None = None
+    own_sections: tuple[tuple[str, float], ...] = ()   # the user's (--section-timeouts, --step-timeout...)
+
+    def sections(self) -> dict[str, float]:
+        """What ft_launcher's ``--ft-rank-section-timeouts`` gets: section name -> seconds."""
+        built_in = {name: t.seconds for name in ("setup", "step", "checkpointing")
+                    if (t := getattr(self, name)) is not None}
+        return {**built_in, **dict(self.own_sections)}
 
     def lines(self) -> list[str]:
         """One line per timeout with its reason (``--dry-run`` prints them)."""
         where = "GPU" if self.gpu else "CPU"
         head = (f"timeouts ({where}; state {self.state_bytes / 1e9:.3g} GB: a save ~{self.save_s:.0f} s, "
                 f"a restore ~{self.restore_s:.0f} s):")
-        return [head] + [f"  {name} {getattr(self, name).seconds:g} s: {getattr(self, name).reason}"
-                         for name in ("initial", "heartbeat", "soft", "hard", "collective",
-                                      "checkpoint_group", "grace")]
+        names = ("initial", "heartbeat", "setup", "step", "checkpointing", "out_of_section", "soft", "hard",
+                 "collective", "checkpoint_group", "grace")
+        return [head] + [f"  {name} {t.seconds:g} s: {t.reason}" for name in names
+                         if (t := getattr(self, name)) is not None]
+
+
+PROCESS_GROUP_S = 600.0   # the trainer's process group without in-process restart (torch's default)
+
+
+def wrapper_barrier(hard: float) -> float:
+    """The in-process Wrapper's barrier and completion timeouts: every rank reaches the restart barrier
+    once interrupted, or is killed at the hard timeout; a minute past that is room enough."""
+    return max(hard + 60, 120.0)
 
 
 def state_bytes(spec: JobSpec) -> int:
@@ -136,15 +172,54 @@ def derive(spec: JobSpec, gpu: bool | None = None) -> Timeouts:
          *((hard / 2, "half the hard timeout (set by the user)") if coll >= hard else (coll, why)))
     for name in ("checkpoint_group", "grace"):
         out[name] = Timeout(*base[name])
-    return Timeouts(gpu, size, save_s, restore_s, **out)
+    sections = _sections(spec, gpu, out["initial"], max(save_s, ft.save_time or 0.0))
+    own = tuple(ft.sections().items())   # the user's, by any name (a script's step too)
+    return Timeouts(gpu, size, save_s, restore_s, **out, **sections, own_sections=own)
+
+
+def _sections(spec: JobSpec, gpu: bool, initial: Timeout, save_s: float) -> dict[str, Timeout | None]:
+    """The built-in trainer's sections: off on CPU unless the user sets one, on by default on GPUs. Once
+    one is on, all three are (NVRx 0.4.1 fails a rank that opens a section it has no timeout for), each
+    the user's or derived; the out-of-section timeout only where the user or a GPU asks for it. A user's
+    script opens its own sections (``--section-timeouts``): it gets only the ones the user sets."""
+    ft = spec.ft
+    mine = {name: getattr(ft, field) for field, name in SECTION_FIELDS.items()}
+    if spec.script:
+        return {name: Timeout(float(v), "set by the user") if v is not None else None
+                for name, v in mine.items()}
+    if not gpu and all(v is None for v in mine.values()):
+        return dict.fromkeys(SECTION_FIELDS.values())
+    floors = SECTION_FLOORS
+    step_time = ft.step_time
+    derived = {
+        "setup": (initial.seconds, "start-up, restore and the first step: as long as the initial heartbeat"),
+        "step": ((max(floors["step"], STEP_FACTOR * step_time),
+                  f"{STEP_FACTOR:g} x the measured step ({step_time:g} s), at least 60 s (NVRx's deployment)")
+                 if step_time else (floors["step"], "NVRx's deployment (no step time measured: --step-time)")
+                 ),
+        "checkpointing": (max(floors["checkpointing"], 2 * save_s + 60),
+                          f"2 x a save ({save_s:.0f} s) + 60 s, at least 300 s (NVRx's deployment)"),
+        "out_of_section": (floors["out_of_section"], "NVRx's deployment"),
+    }
+    if not gpu:   # the user asked for sections on CPU: the others bound nothing they did not ask for
+        derived["step"] = (None, "")
+        derived["out_of_section"] = (None, "")
+        derived["checkpointing"] = (2 * save_s + 60, f"2 x a save ({save_s:.0f} s) + 60 s")
+    out: dict[str, Timeout | None] = {}
+    for name, (value, why) in derived.items():
+        given = mine[name]
+        out[name] = (Timeout(float(given), "set by the user") if given is not None
+                     else Timeout(float(math.ceil(value)), why) if value is not None else None)
+    return out
 
 
 def resolved(spec: JobSpec, gpu: bool | None = None) -> JobSpec:
     """The spec with every timeout filled in (what the ranks and launchers read)."""
     t = derive(spec, gpu)
-    ft = dataclasses.replace(spec.ft,
-                             **{field: getattr(t, name).seconds for field, name in SPEC_FIELDS.items()})
-    return dataclasses.replace(spec, ft=ft)
+    values = {field: getattr(t, name).seconds for field, name in SPEC_FIELDS.items()}
+    values.update({field: t_.seconds if (t_ := getattr(t, name)) is not None else None
+                   for field, name in SECTION_FIELDS.items()})
+    return dataclasses.replace(spec, ft=dataclasses.replace(spec.ft, **values))
 
 
 def fsx_table(specs: dict[str, JobSpec], mbps: tuple[float, ...] = (125, 300, 1000)) -> str:

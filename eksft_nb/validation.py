@@ -9,7 +9,8 @@ from collections.abc import Iterable
 from .backends import Backend, get_backend
 from .control import FaultCommand, parse_fault
 from .engines.registry import engine_of
-from .errors import ControlError
+from .errors import ControlError, SpecError
+from .preflight.check import check
 from .spec import JobSpec
 
 
@@ -24,6 +25,12 @@ def check_fault(command: FaultCommand, spec: JobSpec, backend: Backend) -> Fault
     return command
 
 
+def check_settings(spec: JobSpec) -> None:
+    """The one check of a live settings change a front end sends (set, whatif --apply): what the job's
+    engine cannot take is refused before anything is queued."""
+    engine_of(spec).check_settings(spec)
+
+
 def faults_for(spec: JobSpec, faults: Iterable[str | FaultCommand]) -> list[FaultCommand]:
     """Scheduled faults (``sigkill:1@30`` or commands), checked against the job they go to."""
     backend = get_backend(spec.backend)
@@ -33,8 +40,13 @@ def faults_for(spec: JobSpec, faults: Iterable[str | FaultCommand]) -> list[Faul
 def prepare(spec: JobSpec, faults: Iterable[str | FaultCommand] = (),
             launching: bool = True) -> tuple[JobSpec, list[FaultCommand]]:
     """The one validation of a launch (or, not ``launching``, a dry run), for every front end: the spec,
-    what its engine and its backend refuse of it (:meth:`Backend.check`), then the scheduled faults."""
+    what its engine and its backend refuse of it (:meth:`Backend.check`), a contradiction of its
+    timeouts that guarantees failure (the pre-flight's refusals, :mod:`.preflight.check`), then the
+    scheduled faults."""
     spec = spec.validate()
-    engine_of(spec).check(spec)   # what the job's engine does not take
+    engine_of(spec).check(spec, launching)   # what the job's engine does not take
+    refused = check(spec).refusals
+    if refused:
+        raise SpecError(refused[0].problem, refused[0].fix)
     spec = get_backend(spec.backend).check(spec, launching)
     return spec, faults_for(spec, faults)

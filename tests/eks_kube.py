@@ -13,6 +13,7 @@ client needs it, plus the parts of the job controller and kubelet that the EKS b
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import datetime
 import itertools
@@ -286,6 +287,7 @@ class Controllers:
         child = replicated["template"]["spec"]
         template, count = child["template"], child["completions"]
         config = self.core.read_namespaced_config_map(job, self.ns).data
+        secrets = self.secrets()
         names = []
         # a JobSet's child Jobs, numbered (torchft: one per replica group), each of ``count`` indexed pods
         made = itertools.product(range(replicated["replicas"]), range(count))
@@ -303,7 +305,8 @@ class Controllers:
                    "spec": {**template["spec"], "hostname": f"{job}-{index}"},
                    "status": {"phase": "Pending"}}
             self.core.create_namespaced_pod(self.ns, pod)
-            self.pods[name] = LocalPod(template, name, self.root, config, annotations, hosts or {})
+            self.pods[name] = LocalPod(template, name, self.root, config, annotations, hosts or {},
+                                       secrets=secrets)
             names.append(name)
         return names
 
@@ -332,12 +335,20 @@ class Controllers:
                                                           {"status": {
             "conditions": [{"type": condition, "status": "True", "reason": reason, "message": message}]}})
 
+    def secrets(self) -> dict[str, dict[str, str]]:
+        """The namespace's Secrets as the kubelet would mount them: name -> key -> value."""
+        out = {}
+        for s in self.core.list_namespaced_secret(self.ns).items:
+            data = {k: base64.b64decode(v).decode() for k, v in (s.data or {}).items()}
+            out[s.metadata.name] = {**data, **(s.string_data or {})}
+        return out
+
     def start_deployment(self, name: str, hosts: dict[str, str]) -> subprocess.Popen[bytes]:
         """Run a Deployment's one pod (a torchft job's Lighthouse) as a local process, until close()."""
         deployment = self.custom.get_namespaced_custom_object("apps", "v1", self.ns, "deployments", name)
         assert deployment["spec"]["replicas"] == 1
         template = deployment["spec"]["template"]
-        pod = LocalPod(template, f"{name}-pod", self.root, {}, hosts=hosts)
+        pod = LocalPod(template, f"{name}-pod", self.root, {}, hosts=hosts, secrets=self.secrets())
         [container] = template["spec"]["containers"]
         self.root.mkdir(parents=True, exist_ok=True)
         proc = pod.start(container["name"], self.root / f"{name}.log")

@@ -4,8 +4,9 @@ A :class:`LocalPod` takes a pod (template) exactly as rendered and starts its co
 and args with their environment, resolved as kubelet resolves it (``valueFrom.fieldRef`` from the
 pod's metadata, ``configMapKeyRef`` from its ConfigMap, ``$(VAR)`` references in args), on this machine. A
 process here cannot have the pod's mount namespace, so each volume's mount path is replaced by a local folder
-wherever it appears (args, env, the ConfigMap's files; the FSx volume is one folder shared by all pods), and
-each DNS name in ``hosts`` by the address it resolves to.
+wherever it appears (args, env, the ConfigMap's files; the FSx volume is one folder shared by all pods; a
+Secret's keys are written as files with its volume's mode), and each DNS name in ``hosts`` by the address it
+resolves to.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class LocalPod:
     annotations: dict[str, str] = field(default_factory=dict)   # what controllers add (completion index...)
     hosts: dict[str, str] = field(default_factory=dict)         # DNS name -> address
     ip: str = "127.0.0.1"                                       # the pod's IP (status.podIP): this machine
+    secrets: dict[str, dict[str, str]] = field(default_factory=dict)   # a Secret's name -> its stringData
 
     @cached_property
     def mounts(self) -> dict[str, Path]:
@@ -53,6 +55,12 @@ class LocalPod:
                 elif "configMap" in v:
                     out[m["mountPath"]] = self.root / "pods" / self.name / m["name"]
                     config_folders.append(out[m["mountPath"]])
+                elif "secret" in v:   # as the kubelet writes it: each key a file of the volume's mode
+                    folder = out[m["mountPath"]] = self.root / "pods" / self.name / m["name"]
+                    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+                    for key, value in self.secrets[v["secret"]["secretName"]].items():
+                        (folder / key).write_text(value)
+                        (folder / key).chmod(v["secret"].get("defaultMode", 0o644))
         for folder in out.values():
             folder.mkdir(parents=True, exist_ok=True)
         for folder in config_folders:

@@ -71,7 +71,7 @@ def test_an_eks_job_deletes_exactly_what_its_engine_created_beside_the_workload(
         parts = eks_parts.PARTS[name]
         created = [(KINDS[o["kind"]], o["metadata"]["name"]) for o in parts.objects(spec)]
         assert parts.beside("demo") == created[::-1], name
-        assert len(created) == (3 if name is EngineName.TORCHFT else 0)   # the Lighthouse's
+        assert len(created) == (4 if name is EngineName.TORCHFT else 0)   # the Lighthouse's three, the secret
 
 
 def test_no_module_compares_an_engine_with_its_name() -> None:

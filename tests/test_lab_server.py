@@ -43,9 +43,8 @@ from eksft_nb.lab.manager import JobsManager
 from jobs import cli, events, stop_server, wait_for
 
 JOB = "lab-job"
-ROUTES = [("GET", "jobs"), ("POST", "jobs"), ("POST", "rm"), ("GET", f"jobs/{JOB}"),
-          ("POST", f"jobs/{JOB}/inject"),
-          ("GET", f"jobs/{JOB}/settings"), ("POST", f"jobs/{JOB}/settings"),
+ROUTES = [("GET", "jobs"), ("POST", "jobs"), ("POST", "rm"), ("POST", "check"), ("GET", f"jobs/{JOB}"),
+          ("POST", f"jobs/{JOB}/inject"), ("GET", f"jobs/{JOB}/settings"), ("POST", f"jobs/{JOB}/settings"),
           ("POST", f"jobs/{JOB}/stop"), ("POST", f"jobs/{JOB}/resume"), ("GET", f"jobs/{JOB}/checkpoints"),
           ("GET", f"jobs/{JOB}/summary"), ("GET", f"jobs/{JOB}/logs"), ("GET", f"jobs/{JOB}/figure"),
           ("GET", f"jobs/{JOB}/whatif"), ("GET", "stream")]
@@ -335,6 +334,21 @@ def test_a_cookie_post_needs_xsrf(server: Server) -> None:
     status, body = server.request("POST", "jobs/no-such-job/stop", {}, token=None, opener=opener,
                                   headers={"X-XSRFToken": xsrf})
     assert status == 404 and body["problem"].startswith("no job named 'no-such-job'")
+
+
+def test_the_launch_forms_spec_is_pre_flighted_and_a_contradiction_refused(server: Server) -> None:
+    """POST check: every timeout acting on the spec and each contradiction; POST jobs refuses one that
+    guarantees failure with the same line, and launches nothing."""
+    spec = {"name": "pf-lab", "device": "cpu", "model.preset": "gpt-1b", "checkpoint.storage_mbps": "75"}
+    status, body = server.request("POST", "check", {"spec": spec})
+    assert status == 200 and body["job"] == "pf-lab" and any(r["name"] == "heartbeat" for r in body["rows"])
+    [refusal] = [f for f in body["findings"] if f["refuse"]]
+    assert refusal["problem"].startswith("a restore takes ~324 s at 75 MB/s")
+    status, body = server.request("POST", "jobs", {"spec": spec})
+    assert status == 400 and body["problem"] == refusal["problem"] and body["fix"] == refusal["fix"]
+    assert not (jobs_root() / "pf-lab").exists()
+    status, body = server.request("POST", "check", {"spec": spec, "from": 3})
+    assert status == 400 and body["problem"].startswith("request field from is 3")
 
 
 def test_a_failing_cluster_never_fails_the_local_list(server: Server) -> None:

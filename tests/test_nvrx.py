@@ -175,7 +175,8 @@ def test_other_lines_are_not_events(line: str) -> None:
 @given(st.text(max_size=300))
 def test_no_line_breaks_the_reader(line: str) -> None:
     seen = parse_launcher_line(line)
-    assert seen is None or seen.kind in ("hang", "worker_failed", "restarting")
+    assert seen is None or seen.kind in ("hang", "worker_failed", "restarting", "error")
+    assert seen is None or len(seen.detail) <= 300
 
 
 def test_library_noise_of_both_releases_is_hidden_but_the_users_lines_are_not() -> None:

@@ -344,7 +344,7 @@ def test_the_loss_of_every_group_resumes_from_the_newest_checkpoint_in_memory(ma
 def test_every_process_of_a_torchft_job_listens_on_loopback_only(matrix) -> None:
     name, listeners = matrix
     who = " ".join(listeners.seen.values())
-    assert "torchft_lighthouse" in who and "eksft_nb.engines.torchft.trainer" in who, listeners.seen
+    assert "torchft.gateway --bind" in who and "eksft_nb.engines.torchft.trainer" in who, listeners.seen
     wide = {f"{ip}:{port}": w for (ip, port), w in listeners.seen.items() if not is_loopback(ip)}
     assert not wide, f"listening beyond loopback: {wide}"
 
@@ -386,7 +386,8 @@ def test_a_fault_the_torchft_engine_cannot_fire_is_refused_before_launch() -> No
 
 def test_a_dry_run_shows_the_lighthouse_on_loopback_and_one_process_per_group() -> None:
     shown = commands.dry_run(torchft_spec("tft-dry", nnodes=3))
-    assert "torchft_lighthouse" in shown and "--bind 127.0.0.1:" in shown, shown
+    # the Lighthouse's gateway on loopback, the Lighthouse itself on a network of its own behind it
+    assert "netns.py -- " in shown and "-m eksft_nb.engines.torchft.gateway --bind 127.0.0.1:" in shown, shown
     assert shown.count("-m eksft_nb.engines.torchft.trainer") == 3 and "NUM_REPLICA_GROUPS=3" in shown, shown
     hsdp = commands.dry_run(torchft_spec("tft-dry", nnodes=2, nproc_per_node=2))
     assert hsdp.count("-m eksft_nb.engines.torchft.trainer") == 4 and "RANK=3\n" in hsdp, hsdp

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from eksft_nb.backends.eks import EksBackend, names
 from eksft_nb.backends.eks.torchft import LIGHTHOUSE_LABEL, lighthouse_name
 from eksft_nb.backends.slurm import SlurmBackend
 from eksft_nb.engines.torchft import lighthouse as lh
+from eksft_nb.engines.torchft import secret
 from eksft_nb.engines.torchft.hold import HOLD_ENV, restart_point, step_point
 from eksft_nb.engines.torchft.hosts import HOST_ENV, endpoint
 from eksft_nb.errors import EksftError
@@ -95,9 +97,25 @@ def test_an_eks_torchft_job_is_a_lighthouse_deployment_and_a_jobset_of_replica_g
     order = [v["name"] for v in trainer["env"]]
     assert order.index("POD_IP") < order.index(HOST_ENV)   # the kubelet expands only what comes before
     assert "0.0.0.0" not in json.dumps([lighthouse, trainer])
+    # the job's secret: a Secret of the job made before any pod, mounted read-only into the Lighthouse's pod
+    # and every group's, its path (never its value) in their environment; a dry run does not show it
+    [secret] = [o for o in m.job if o["kind"] == "Secret"]
+    assert kinds.index(("Secret", "tft-torchft")) < kinds.index(("NetworkPolicy", "tft-lighthouse"))
+    key = secret["stringData"]["secret"]
+    assert len(bytes.fromhex(key)) == 32 and secret["metadata"]["labels"][names.JOB_LABEL] == "tft"
+    for pod_spec, container in ((pod["spec"], lighthouse), (child["template"]["spec"], trainer)):
+        [volume] = [v for v in pod_spec["volumes"] if v.get("secret")]
+        assert volume["secret"] == {"secretName": "tft-torchft", "defaultMode": 0o440}
+        mount = next(v for v in container["volumeMounts"] if v["name"] == volume["name"])
+        path = env_of(container)["EKSFT_TORCHFT_SECRET"]
+        assert mount["readOnly"] and path == f"{mount['mountPath']}/secret"
+        assert key not in json.dumps(container)
+    shown = EksBackend().render(spec)
+    assert "secret: <32 random bytes, hex, made at launch>" in shown and not re.search(r"[0-9a-f]{64}", shown)
     rules = next(o for o in m.admin if o["kind"] == "Role")["rules"]
     assert {"apiGroups": ["apps"], "resources": ["deployments"],
             "verbs": ["get", "create", "delete"]} in rules
+    assert {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create", "delete"]} in rules
 
 
 def test_the_eks_lighthouse_binds_an_ipv6_pod_ip_alone(tmp_path: Path) -> None:
@@ -105,8 +123,9 @@ def test_the_eks_lighthouse_binds_an_ipv6_pod_ip_alone(tmp_path: Path) -> None:
     listens on it alone: its entry put the address in the brackets ``--bind`` needs."""
     port = free_port()
     spec, _ = commands.prepare(eks_spec("tft6", **{"eks.port": port}), launching=False)
-    deployment = next(o for o in EksBackend().manifests(spec).job if o["kind"] == "Deployment")
-    pod = LocalPod(deployment["spec"]["template"], "tft6-lighthouse", tmp_path, {}, ip="::1")
+    objects = {o["kind"]: o for o in EksBackend().manifests(spec).job}
+    pod = LocalPod(objects["Deployment"]["spec"]["template"], "tft6-lighthouse", tmp_path, {}, ip="::1",
+                   secrets={objects["Secret"]["metadata"]["name"]: objects["Secret"]["stringData"]})
     proc = pod.start("lighthouse", tmp_path / "lighthouse.log")
     try:
         bound = wait_for("the Lighthouse to listen", lambda: {
@@ -323,7 +342,7 @@ GROUP = """
 import datetime, json, os, sys, psutil
 from eksft_nb.engines.torchft.listen import install
 from eksft_nb.engines.torchft.hosts import group_host
-install()   # as the trainer does: the store, manager and checkpoint servers on EKSFT_TORCHFT_HOST
+install()   # as the trainer does: the store, manager and checkpoint servers on EKSFT_TORCHFT_HOST, the secret
 from torch.distributed import TCPStore
 from torchft import Manager, ProcessGroupGloo
 host, t = group_host(), datetime.timedelta(seconds=30)
@@ -381,15 +400,19 @@ def reach_from(peer: str, address: str, ports: list[int]) -> list[bool]:
 @pytest.mark.slow
 @pytest.mark.parametrize("host", ["127.0.0.1", HOST_SIDE, HOST_SIDE6],
                          ids=["local", "cluster", "cluster-ipv6"])
-def test_a_groups_servers_are_reached_only_at_the_address_the_rule_gives(peer: str, host: str) -> None:
-    """A local group's store, manager and checkpoint servers (and its Lighthouse) cannot be reached from
-    another host; a cluster group's, bound to the address its peers use (an IPv6 one too), can, there and
-    nowhere else."""
+def test_a_groups_servers_are_reached_only_at_the_address_the_rule_gives(peer: str, host: str,
+                                                                         tmp_path: Path) -> None:
+    """A local group's store, manager and checkpoint servers (and its Lighthouse's gateway) cannot be reached
+    from another host; a cluster group's, bound to the address its peers use (an IPv6 one too), can, there
+    and nowhere else."""
     port = free_port()
-    lighthouse = subprocess.Popen(lh.argv(port, host), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    secret.ensure(tmp_path / "secret")   # the job's, which the gateway and the group's servers require
+    env = {**os.environ, secret.ENV: str(tmp_path / "secret")}
+    lighthouse = subprocess.Popen(lh.argv(port, host), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  env=env)
     group = subprocess.Popen([sys.executable, "-c", GROUP], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, HOST_ENV: host,
+                             env={**env, HOST_ENV: host,
                                   "TORCHFT_LIGHTHOUSE": f"http://{endpoint(host, port)}"})
     try:
         line = group.stdout.readline()

@@ -87,7 +87,7 @@ def test_a_users_torchft_script_heals_a_killed_group_throws_a_failed_step_away_a
     assert not of(name, "rank_error", rank=1, after=fault.t)  # thrown away, not a crash: nothing restarted
     assert [e["blame_rank"] for e in of(name, "failure")] == [1], story(name)
     who = " ".join(listeners.seen.values())
-    assert "torchft_lighthouse" in who and "eksft_nb.engines.torchft.script" in who, listeners.seen
+    assert "torchft.gateway --bind" in who and "eksft_nb.engines.torchft.script" in who, listeners.seen
     wide = {f"{ip}:{port}": w for (ip, port), w in listeners.seen.items() if not is_loopback(ip)}
     assert not wide, f"listening beyond loopback: {wide}"
 

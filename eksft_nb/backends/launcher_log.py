@@ -14,6 +14,14 @@ _WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(p
 # a rank monitor's timeout (0.4.1 adds "FT timeout elapsed." after each, 0.6 logs only these)
 _FT_TIMEOUT = re.compile(r"FT timeout elapsed|Did not get (initial|subsequent) heartbeat|"
                          r"Section '[^']*' has been open for|Was out of section for")
+# which timeout fired, and its length: "Section 'step' has been open for 61.02 seconds. Timeout is 60.00
+# seconds." / "Did not get subsequent heartbeat. Waited 900.00 seconds." / "Was out of section for ..."
+_WHICH = re.compile(r"Section '([^']{1,64})' has been open|Did not get (initial|subsequent) heartbeat|"
+                    r"(Was out of section)")
+_LENGTH = re.compile(r"(?:Timeout is|Waited) (\d+(?:\.\d+)?) seconds")
+# the last line of a rank's traceback, as the launcher's log carries the workers' stderr:
+# "KeyError: 'init'", "torch.distributed.DistBackendError: ...", "pkg.mod.RankMonitorClientError: ..."
+_ERROR = re.compile(r"^((?:[A-Za-z_]\w*\.){0,8}[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit))(?:: (.*))?$")
 _ATTEMPTS = re.compile(r"Worker group (\w+)\. (\d+)/(\d+) attempts left")
 _LOGGED_AT = re.compile(r"^\[?(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})\]? ")
 _GLOG_AT = re.compile(r"^[IWEF](\d{4}) (\d\d:\d\d:\d\d)\.(\d{1,9}) ")
@@ -23,12 +31,16 @@ _GLOG_AT = re.compile(r"^[IWEF](\d{4}) (\d\d:\d\d:\d\d)\.(\d{1,9}) ")
 class LauncherLine:
     """What the supervisor acts on in one line of ft_launcher's log."""
 
-    kind: str                 # hang (a rank monitor timed out) | worker_failed | restarting (the group)
+    kind: str                 # hang (a rank monitor timed out) | worker_failed | restarting (the group) |
+    #                           error (a rank's traceback ended with this exception)
     at: float                 # when it was logged, epoch seconds
     exitcode: int = 0         # worker_failed: the rank's exit code (negative: killed by that signal)
     local_rank: int = 0
     pid: int = 0
     left: tuple[int, int] = (0, 0)  # restarting: in-job restarts left, of how many
+    # hang: which timeout ("step section", "subsequent heartbeat", "out-of-section"); error: the exception
+    detail: str = ""
+    timeout_s: float | None = None  # hang: that timeout's length, where the line says it
 
 
 def parse_launcher_line(line: str, now: float | None = None) -> LauncherLine | None:
@@ -37,9 +49,18 @@ def parse_launcher_line(line: str, now: float | None = None) -> LauncherLine | N
         return LauncherLine("worker_failed", _logged_at(line, now), exitcode=int(m.group(1)),
                             local_rank=int(m.group(2)), pid=int(m.group(3)))
     if _FT_TIMEOUT.search(line):
-        return LauncherLine("hang", _logged_at(line, now))
+        which, length = _WHICH.search(line), _LENGTH.search(line)
+        detail = ("" if which is None else f"{which.group(1)} section" if which.group(1)
+                  else f"{which.group(2)} heartbeat" if which.group(2) else "out-of-section")
+        return LauncherLine("hang", _logged_at(line, now), detail=detail,
+                            timeout_s=float(length.group(1)) if length else None)
     if m := _ATTEMPTS.search(line):
         return LauncherLine("restarting", _logged_at(line, now), left=(int(m.group(2)), int(m.group(3))))
+    m = _ERROR.match(line.rstrip()) if len(line) < 2000 else None
+    if m and not m.group(1).endswith("ChildFailedError"):   # torchelastic's: only says a worker failed
+        name = m.group(1).rsplit(".", 1)[-1]
+        text = f"{name}: {m.group(2)}" if m.group(2) else name
+        return LauncherLine("error", time.time() if now is None else now, detail=text[:300])
     return None
 
 

@@ -41,9 +41,14 @@ class Engine(abc.ABC):
     faults: tuple[str, ...]    # the fault kinds its built-in trainer fires
 
     @abc.abstractmethod
-    def check(self, spec: JobSpec) -> None:
+    def check(self, spec: JobSpec, launching: bool = False) -> None:
         """Raise :class:`SpecError` for what ``spec`` asks that this engine does not take (the command layer
-        asks once, after ``spec.validate()``)."""
+        asks once, after ``spec.validate()``); ``launching``: also what this machine cannot run for it."""
+
+    def check_settings(self, spec: JobSpec) -> None:
+        """Raise :class:`ControlError` where a running job of this engine cannot take live settings (the
+        command layer asks before anything is queued); by default it takes them."""
+        return None
 
     def fires(self, spec: JobSpec) -> tuple[str, ...]:
         """The fault kinds ``spec``'s job fires (a user's script may fire fewer)."""

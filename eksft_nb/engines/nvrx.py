@@ -16,7 +16,7 @@ class NvrxEngine(Engine):
     heals_alone = False
     faults = tuple(k.value for k in FaultKind)   # every kind of the fault registry
 
-    def check(self, spec: JobSpec) -> None:
+    def check(self, spec: JobSpec, launching: bool = False) -> None:
         """Nothing: the spec's options are NVRx's (what a backend cannot run, the backend refuses)."""
 
     def describe(self, spec: JobSpec) -> str:

@@ -87,6 +87,16 @@ class RemoveHandler(Base):
         self.finish(json.dumps(wire.removals_reply(results)))
 
 
+class CheckHandler(Base):
+    @web.authenticated
+    @refusing
+    async def post(self) -> None:
+        """The pre-flight of a spec (commands.check): the timeouts acting on it, each contradiction. A
+        launch (POST jobs) refuses what it refuses and answers its warnings with the new job's row."""
+        spec, from_job, backend = requests.check_args(requests.body(self.request.body, requests.CHECK))
+        await self.reply(commands.check, spec, from_job, backend)
+
+
 class JobHandler(Base):
     @web.authenticated
     @refusing
@@ -241,6 +251,7 @@ class BundleHandler(AuthenticatedFileHandler):
 ROUTES: list[tuple[str, type[Base]]] = [
     ("jobs", JobsHandler),
     ("rm", RemoveHandler),
+    ("check", CheckHandler),
     ("jobs/([^/]+)", JobHandler),
     ("jobs/([^/]+)/inject", InjectHandler),
     ("jobs/([^/]+)/settings", SettingsHandler),

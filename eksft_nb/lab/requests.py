@@ -58,6 +58,13 @@ LAUNCH: dict[str, Check] = {
                f'a list of at most {MAX_FAULTS} faults like "sigkill:1@30"')}
 
 
+# POST /eksft/check: the launch form's spec, pre-flighted before it is launched
+CHECK: dict[str, Check] = {"spec": LAUNCH["spec"],
+                           "from": (_optional(lambda v: isinstance(v, str)),
+                                    "the name of a job whose measured step and save times to use, or null"),
+                           "backend": _BACKEND}
+
+
 def body(raw: bytes, shape: Mapping[str, Check]) -> dict[str, Any]:
     """The request body as a dict holding only fields of ``shape``, each passing its check."""
     example = "{" + ", ".join(f'"{k}": ...' for k in list(shape)[:2]) + "}"
@@ -105,6 +112,12 @@ def remove_args(data: dict[str, Any]) -> list[tuple[str, str]]:
         raise ControlError("the request lacks its jobs",
                            'send e.g. {"jobs": [{"name": "a", "backend": "local"}]}')
     return list(dict.fromkeys((j["name"], j.get("backend", "local")) for j in data["jobs"]))
+
+
+def check_args(data: dict[str, Any]) -> tuple[JobSpec, str | None, str]:
+    """The spec (as :func:`launch_args` reads it), the job to take measured times from, and its backend."""
+    return (commands.spec_from_options(data.get("spec", {}), validate=False), data.get("from"),
+            data.get("backend", "local"))
 
 
 def query_int(raw: str | None, name: str, default: int, low: int, high: int) -> int:

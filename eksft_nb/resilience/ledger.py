@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from statistics import median
 from typing import Any
 
-from ..events import Event
+from ..events import RESTART_LEVELS, Event
 from ..goodput import CATEGORIES, compute, missing_batches
 from ..incidents import Incident
 from ..monitor import JobMonitor
@@ -67,6 +67,8 @@ def recovery(fault: dict[str, Any], mon: JobMonitor, events: Sequence[Event]) ->
            "restored_from": None, "detection_s": None, "stall_s": None, "recovery_s": None, "phases": {},
            "steps_lost": 0, "skipped_batches": 0, "away_s": None}
     restart = next((r for r in mon.restarts if abs(r["fault_time"] - fault["t"]) < 1e-6), None)
+    if restart is not None and restart.get("recovered") is False:
+        restart = _through_failed(restart, mon.restarts)   # None: no restart after it recovered
     if restart is None and any(abs(f["fault_time"] - fault["t"]) < 1e-6 for f in mon.failures):
         return {**row, "away_s": round((mon.last_event_t or fault["t"]) - fault["t"], 4)}
     if restart is not None:
@@ -86,6 +88,22 @@ def recovery(fault: dict[str, Any], mon: JobMonitor, events: Sequence[Event]) ->
     return {**row, "level": "none", "restored_from": "peer", "detection_s": round(thrown.t - t, 4),
             "stall_s": 0.0, "recovery_s": round(sum(phases.values()), 4), "phases": phases,
             "skipped_batches": heal["skipped_batches"]}
+
+
+def _through_failed(first: dict[str, Any], restarts: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A fault's recovery whose first restarts failed before a step: from its restart through the first one
+    that recovered, as one (the highest level, the downtimes, phases and steps lost summed); None when
+    none recovered."""
+    chain = restarts[restarts.index(first):]
+    last = next((i for i, r in enumerate(chain) if r.get("recovered", True)), None)
+    if last is None:
+        return None
+    chain = chain[:last + 1]
+    phases = {p: round(sum((r.get("phases") or {}).get(p, 0.0) for r in chain), 4)
+              for p in chain[-1].get("phases") or {}}
+    return {**chain[-1], "level": max((r["level"] for r in chain), key=RESTART_LEVELS.index),
+            "detection_s": first["detection_s"], "downtime_s": sum(r["downtime_s"] for r in chain),
+            "rolled_back_steps": sum(r["rolled_back_steps"] for r in chain), "phases": phases}
 
 
 def _group_phases(restart: dict[str, Any], events: Sequence[Event]) -> dict[str, float]:

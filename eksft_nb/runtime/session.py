@@ -33,6 +33,7 @@ from ..errors import ControlError, JobError
 from ..events import EventWriter
 from ..gpuhealth.sampler import start as start_gpu_health
 from ..jobdir import JobDir
+from ..rank_errors import raised_at
 from ..spec import JobSpec
 from ..timeouts import derive, resolved
 from .faults import fire_due
@@ -81,6 +82,7 @@ class Session:
         self.inbox = CommandInbox(self.job_dir.pending, self.job_dir.fired) if live else None
         self.monitor = MonitorLink() if self.instrumented else None
         self.sections = spec.ft.step_timeout is not None
+        self.in_setup = False    # the "setup" section is open (see setup_begin)
         self.reports_steps = False    # the step protocol below is in use (else a script runner counts steps)
         self.step_entered = 0
         self.step_done = 0
@@ -183,7 +185,7 @@ class Session:
         """Report the exception this rank is failing with (see :func:`error_text`), and whose it is (see
         :func:`error_origin`); ``fatal``: no restart can help, the supervisor ends the job with it."""
         self.emit("rank_error", error=error_text(e)[:500], step=self.step_entered or None,
-                  origin=error_origin(e), waiting=raised_in_collective(e),
+                  origin=error_origin(e), waiting=raised_in_collective(e), where=raised_at(e),
                   **({"fatal": str(e)[:500]} if fatal else {}))
 
     def heartbeat(self) -> None:
@@ -194,20 +196,33 @@ class Session:
         if self.monitor is not None:
             self.monitor.section(name, open_)
 
+    def setup_begin(self) -> None:
+        """The built-in trainer (re-)enters: close what an interrupted incarnation left open and open
+        "setup", which covers start-up, the restore and the first step (NCCL forms its communicators
+        in the first collective: minutes at scale), when the spec bounds it."""
+        if self.spec.ft.setup_timeout is None or self.monitor is None:
+            return
+        self.monitor.end_all()
+        self.section("setup", True)
+        self.in_setup = True
+
     # -- the step protocol --
     def step_begin(self, step: int) -> None:
         self.reports_steps = True
         self.step_entered = step
+        if self.sections and not self.in_setup:   # first: a fault fired now is inside the step
+            self.section("step", True)
         fire_due(self, step)
         self.lingering_faults(step)
-        if self.sections:
-            self.section("step", True)
 
     def step_end(self, step: int, loss: float, tokens: int, step_time: float,
                  report: bool | None = None) -> None:
         """``report``: whether this rank emits the ``step`` event (default: rank 0; a torchft group reports
         its steps itself, see ``eksft_nb.engines.torchft.steps``)."""
-        if self.sections:
+        if self.in_setup:
+            self.section("setup", False)
+            self.in_setup = False
+        elif self.sections:
             self.section("step", False)
         self.heartbeat()
         self.step_done, self.t_done = step, time.time()
@@ -418,6 +433,7 @@ class MonitorLink:
         self.own = False              # the client is this link's (else the script's, or none)
         self.script_beats = False     # the script sends heartbeats of its own
         self._sending = False
+        self.open: list[str] = []     # the sections this link opened and has not closed
         if os.environ.get("FT_RANK_MONITOR_IPC_SOCKET"):
             from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
 
@@ -438,6 +454,16 @@ class MonitorLink:
         if self.own:
             with self.lock:
                 (self.client.start_section if open_ else self.client.end_section)(name)
+                if open_:
+                    self.open.append(name)
+                elif name in self.open:
+                    self.open.remove(name)
+
+    def end_all(self) -> None:
+        """Close every section this link left open, one by one (NVRx 0.5+'s ``end_all_sections`` sends
+        nothing: the client skips a section named None)."""
+        for name in reversed(list(self.open)):
+            self.section(name, False)
 
     def yield_to_script(self) -> None:
         """Hand the connection to any rank-monitor client the script initialises (patches NVRx's client)."""

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..timeouts import derive
+from ..timeouts import PROCESS_GROUP_S, derive, wrapper_barrier
 from .checkpoint import ModelState
 from .checkpoint.resume import NoStartPoint
 from .data import SyntheticCorpus
@@ -111,7 +111,7 @@ class Trainer:
 
     def _init_process_group(self, backend: str) -> None:
         if self.call_wrapper is None:
-            dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=PROCESS_GROUP_S))
             return
         env = os.environ
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
@@ -166,22 +166,26 @@ class Trainer:
                 self.call_wrapper.ping()
             self.step = step
             last = step == spec.steps or draining > 0   # a drain saves now, blocking, like the last step
-            saving = self.ckpt.due(step, last=last)
+            # a due save, or an async one's commit (which may wait on its writer)
+            saving = self.ckpt.due(step, last=last) or self.ckpt.pending is not None
             if saving and spec.ft.checkpoint_timeout is not None:
-                s.section("checkpoint", True)
+                s.section("checkpointing", True)
             t_save, deferred = time.perf_counter(), self.ckpt.deferred
             self.ckpt.maybe_save(step, self.state, last=last)
             self._check_save_pace(step, time.perf_counter() - t_save, deferred, time.perf_counter() - t_loop,
                                   step - first + 1)
             if saving:
                 if spec.ft.checkpoint_timeout is not None:
-                    s.section("checkpoint", False)
+                    s.section("checkpointing", False)
                 # a save that ended is progress: the next step's time is not added to the save's (the
                 # in-process soft timeout took a slow save followed by a slow step for a hang)
                 self._keepalive()
             if draining > 0 and step < spec.steps:
                 self._drained(step, int(draining), time.perf_counter() - t_save)
                 return
+        bounded = spec.ft.checkpoint_timeout is not None
+        if bounded:   # the last save's wait, the digest's gather of the full weights, the last barrier
+            s.section("checkpointing", True)
         self.ckpt.finish()
         loop_s = time.perf_counter() - t_loop
         digest = self.digest()
@@ -189,6 +193,8 @@ class Trainer:
             s.emit("rank_end", final_step=self.step, digest=digest, steps_run=self.step - first + 1,
                    loop_s=loop_s)
         dist.barrier()
+        if bounded:
+            s.section("checkpointing", False)
 
     def digest(self) -> str:
         """SHA-256 over the full parameters in name order (collective)."""
@@ -215,6 +221,7 @@ def run(call_wrapper: Any = None) -> None:
     if s.drain is not None:
         s.drain.entered_loop()
     try:
+        s.setup_begin()
         trainer = Trainer(s, call_wrapper, t_enter)
         trainer.train()
     except BaseException as e:
@@ -246,8 +253,9 @@ def wrapper_kwargs(s: Session) -> dict[str, Any]:
         store_kwargs={"port": int(os.environ["EKSFT_WRAPPER_PORT"]), "timeout": td(seconds=300)},
         soft_timeout=td(seconds=ft.soft_timeout), hard_timeout=td(seconds=ft.hard_timeout),
         heartbeat_timeout=td(seconds=max(ft.hard_timeout + 2, 10)),
-        barrier_timeout=td(seconds=max(ft.hard_timeout * 4, 120)),
-        completion_timeout=td(seconds=max(ft.hard_timeout * 4, 120)),
+        # (4 x the hard timeout made a GPU job wait 80 minutes on a rank that is gone)
+        barrier_timeout=td(seconds=wrapper_barrier(ft.hard_timeout)),
+        completion_timeout=td(seconds=wrapper_barrier(ft.hard_timeout)),
         monitor_process_logfile=str((logdir / "inprocess-monitor-{rank}.log").absolute()),
         abort=abort_chain(AbortTorchDistributed()),
         # how long the monitor threads wait, once a failure is recorded, for concurrent failures of

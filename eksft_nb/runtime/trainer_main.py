@@ -5,8 +5,8 @@ ft_launcher runs this module on every rank (``python -m eksft_nb.runtime.trainer
 - ``inprocess.Wrapper`` (when ``ft.inprocess``) turns exceptions and hangs into in-process
   restarts: the process group is rebuilt on a fresh store prefix, the model is rebuilt and the last
   committed checkpoint is loaded, all inside the same process;
-- ft_launcher's heartbeats (and optional step/checkpoint sections) turn dead or hung ranks into
-  in-job restarts of the whole worker group;
+- ft_launcher's heartbeats and NVRx sections (setup, step, checkpointing: on GPUs by default, see
+  :mod:`eksft_nb.timeouts`) turn dead or hung ranks into in-job restarts of the whole worker group;
 - the job supervisor relaunches ft_launcher when a whole node (launcher) dies.
 
 This module stays light (torch is imported by ``main``): the checkpoint writer's helper processes
@@ -33,6 +33,7 @@ def main() -> None:
 
     install()   # the stores rank 0 hosts (the trainer's, the Wrapper's) listen on loopback in a local job
     s = session()
+    s.setup_begin()   # from here the start-up is bounded by the "setup" section (where the spec has one)
     s.drain = Drain().install()   # SIGTERM: save, commit and stop at the next step boundary
     try:
         if s.spec.checkpoint.mode == "async":

@@ -5,7 +5,8 @@
 - ``prepare``: the init container. Creates the job folder on the shared volume (as a local job's
   folder) and queues the faults scheduled at launch; refuses a folder left by a different job of
   the same name, so checkpoints never mix, and, on an EFA pod, an image without the EFA provider or
-  aws-ofi-nccl (see :mod:`.efa`). A refusal exits with ``failures.CONFIG_ERROR``, which fails the job.
+  aws-ofi-nccl (see :mod:`.efa`), and an image whose NVRx, torch or GPUs cannot run the spec
+  (:mod:`eksft_nb.preflight.doctor`). A refusal exits with ``failures.CONFIG_ERROR``, which fails the job.
 - ``inject JSON``: queue a fault command (the control plane execs this).
 - ``ckpts``: the job's checkpoints, as JSON.
 - ``signal RANK SIGNAL``: signal a rank, if it runs in this pod (exit 3 if it does not).
@@ -34,6 +35,7 @@ from ...jobdir import JobDir, atomic_write
 from ...launcher import ZYGOTE_MODULE, warm_worker, worker_index
 from ...runtime.warm_shim import SOCKET_ENV, ZYGOTE_ENV
 from ...spec import JobSpec
+from ...preflight.doctor import refusal
 from ...procs import start_ticks
 from . import efa, names
 from .failures import CONFIG_ERROR
@@ -51,6 +53,9 @@ def prepare() -> int:
     if os.environ.get("FI_PROVIDER") == "efa" and (missing := efa.problem()):
         print(f"eksft: error: this pod asks for EFA, but {missing}: use an image with the EFA installer and "
               "aws-ofi-nccl (see the README), or --efa-per-node 0", file=sys.stderr)
+        return CONFIG_ERROR
+    if (refused := refusal(spec)) is not None:   # this image's NVRx, torch, GPUs cannot run the spec
+        print(f"eksft: error: {refused}", file=sys.stderr)
         return CONFIG_ERROR
     if jd.spec_path.exists() and JobSpec.from_json(jd.spec_path.read_text()).digest() != spec.digest():
         print(f"eksft: error: {jd.path} holds a different job named {spec.name}: remove that folder from "

@@ -55,6 +55,7 @@ class Kind:
 
 KINDS: dict[str, Kind] = {k.kind: k for k in (
     Kind("v1", "ConfigMap", "configmaps"),
+    Kind("v1", "Secret", "secrets"),
     Kind("v1", "Service", "services"),
     Kind("v1", "ServiceAccount", "serviceaccounts"),
     Kind("v1", "PersistentVolumeClaim", "persistentvolumeclaims"),

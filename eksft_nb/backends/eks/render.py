@@ -67,12 +67,13 @@ class Manifests:
         return self.admin + self.job
 
     def to_yaml(self) -> str:
-        """One YAML stream, ``kubectl apply -f`` ready, with a comment heading each group."""
+        """One YAML stream, ``kubectl apply -f`` ready, with a comment heading each group; a Secret's values
+        are not shown (a launch makes its own)."""
         admin = "RBAC for the eksft control plane" + (
             " and the FSx StorageClass" if any(m["kind"] == "StorageClass" for m in self.admin) else "")
         heads = {0: f"# applied once per namespace by an admin: {admin}\n",
                  len(self.admin): "# submitted by `run --backend eks`, in this order\n"}
-        return "---\n".join(heads.get(i, "") + _dump(m) for i, m in enumerate(self.all()))
+        return "---\n".join(heads.get(i, "") + _dump(_unsaid(m)) for i, m in enumerate(self.all()))
 
     def workload(self) -> dict[str, Any]:
         return self.job[-1]
@@ -88,6 +89,14 @@ class _Dumper(yaml.SafeDumper):
 
 _Dumper.add_representer(str, lambda d,
                         s: d.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None))
+
+
+def _unsaid(obj: dict[str, Any]) -> dict[str, Any]:
+    """A Secret with its values replaced by what a launch puts there."""
+    if obj.get("kind") != "Secret":
+        return obj
+    return {**obj, "stringData": {k: f"<{len(v) // 2} random bytes, hex, made at launch>"
+                                  for k, v in obj.get("stringData", {}).items()}}
 
 
 def _dump(obj: dict[str, Any]) -> str:

@@ -15,9 +15,9 @@ Background threads only fetch (a pod watch, one log follower per container, a wo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import queue
-import re
 import threading
 import time
 from typing import Any
@@ -30,6 +30,7 @@ from ...engines.registry import engine_of
 from ...engines.torchft.losses import fault_time
 from ...events import Event, decode, make
 from ...incidents import Incidents
+from ..launcher_log import parse_launcher_line
 from ...monitor import JobMonitor
 from ...spec import JobSpec
 from ...states import JobState
@@ -39,8 +40,6 @@ from .pods import PodState, pod_state
 
 CONFIGMAP = names.KINDS["ConfigMap"]
 
-WORKER_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")  # ft_launcher
-FT_TIMEOUT = re.compile(r"FT timeout elapsed")
 LOG_DRAIN_S = 15.0      # once the workload has ended, how long to wait for the last log lines
 FOLLOW_IDLE_S = 300.0   # a log stream with nothing new for this long is reopened
 
@@ -195,11 +194,10 @@ class Tracker:
             self._fold(event)
             self._on_rank_event(event, pod)
             return
-        if m := WORKER_FAILED.search(text):
-            code, pid = int(m.group(1)), int(m.group(3))
-            self.incidents.worker_failed(self.rank_of.get((pod, pid)), code, self.pod_now())
-        elif FT_TIMEOUT.search(text):
-            self.incidents.hang(self.pod_now())
+        seen = parse_launcher_line(text)   # the one reader of ft_launcher's lines (NVRx 0.4.1 to 0.7)
+        if seen is not None:
+            seen = dataclasses.replace(seen, at=self.pod_now())
+            self.incidents.launcher_line(pod, seen, self.rank_of.get((pod, seen.pid)))
 
     def finish(self, now: float) -> None:
         """``job_end`` once the workload has ended and its pods' logs are read (or stopped coming); a lost
@@ -215,6 +213,9 @@ class Tracker:
             return
         self.ended = True
         state, reason = self.outcome
+        self.incidents.end(now)
+        if state == JobState.FAILED:
+            reason = self.incidents.named(reason)
         self._emit("job_end", state=state, reason=reason, final_step=self.mon.last_step,
                    digest=self.mon.digest,
                    restarts=self.mon.restarts_by_level())

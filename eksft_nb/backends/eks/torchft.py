@@ -12,17 +12,22 @@ other groups train on, and heals from a peer; a group out of retries fails the J
 restarted as a whole (the surviving groups hold the job's state, a restarted set would lose it).
 
 Ports (see :mod:`eksft_nb.engines.torchft.hosts`): every server binds the pod's IP, not every interface.
-The Lighthouse listens on ``--rdzv-port`` and accepts connections only from the job's pods (a
-NetworkPolicy of its own); a group's store, manager and checkpoint servers on ephemeral ports, which
-reach the peers through the Lighthouse (the job's NetworkPolicy lets only the job's pods reach them).
-The Lighthouse's objects carry the job's label, its pod does not: the job's pods are its replica groups.
+The Lighthouse's gateway listens on ``--rdzv-port`` and accepts connections only from the job's pods (a
+NetworkPolicy of its own), the Lighthouse itself on its pod's loopback behind it; a group's store, manager
+and checkpoint servers on ephemeral ports, which reach the peers through the Lighthouse (the job's
+NetworkPolicy lets only the job's pods reach them). The Lighthouse's objects carry the job's label, its pod
+does not: the job's pods are its replica groups.
+
+The job's secret (:mod:`eksft_nb.engines.torchft.secret`), which the gateway and the groups' servers
+require of every peer, is a Secret of the job, made at launch (a dry run shows no value), mounted read-only
+into the Lighthouse's pod and the groups' (never in an environment value or a command line).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ...engines.torchft import hosts, lighthouse
+from ...engines.torchft import hosts, lighthouse, secret
 from ...engines.torchft.plan import TRAINER_MODULE, job_env
 from ...engines.torchft.trainer import RESTART_ENV
 from ...errors import SpecError
@@ -33,8 +38,12 @@ from . import failures, names
 from .pod_values import field_env, literal, pod_view
 
 LIGHTHOUSE_LABEL = "eksft.io/lighthouse-of"   # the Lighthouse's pod: the job it serves
-# what the control Role grants beside the common rules (API group, resource, verbs): the Lighthouse's
-RULES = (("apps", "deployments", ["get", "create", "delete"]),)
+SECRET_MOUNT = "/var/run/eksft/torchft"   # the job's secret, in the Lighthouse's pod and the groups'
+SECRET_VOLUME = "torchft-secret"
+SECRET_MODE = 0o440   # its file: root's, read by the pod's group (an fsGroup, for an image that is not root)
+# what the control Role grants beside the common rules (API group, resource, verbs): the Lighthouse's, and
+# the job's secret (never read back: no list)
+RULES = (("apps", "deployments", ["get", "create", "delete"]), ("", "secrets", ["get", "create", "delete"]))
 
 
 def check(spec: JobSpec) -> None:
@@ -55,8 +64,32 @@ def lighthouse_name(job: str) -> str:
 
 def lighthouse_kinds(job: str) -> list[tuple[names.Kind, str]]:
     """The Lighthouse's objects (:func:`lighthouse_objects`) by kind and name, in the order they are deleted:
-    its Deployment, Service and NetworkPolicy."""
-    return [(names.KINDS[kind], lighthouse_name(job)) for kind in ("Deployment", "Service", "NetworkPolicy")]
+    its Deployment, Service and NetworkPolicy, then the job's secret (no process of the job is left)."""
+    kinds = ("Deployment", "Service", "NetworkPolicy")
+    return [*((names.KINDS[k], lighthouse_name(job)) for k in kinds),
+            (names.KINDS["Secret"], secret_name(job))]
+
+
+def secret_name(job: str) -> str:
+    return f"{job}-torchft"
+
+
+def secret_object(spec: JobSpec) -> dict[str, Any]:
+    """The job's secret: a new one for each rendering (a launch submits the one it rendered)."""
+    meta = {"name": secret_name(spec.name), "namespace": spec.eks.namespace, "labels": names.labels(spec),
+            "annotations": {names.DIGEST: spec.digest()}}
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "type": "Opaque",
+            "stringData": {secret.NAME: secret.generate()}}
+
+
+def with_secret(pod: dict[str, Any], container: dict[str, Any], job: str) -> None:
+    """Mount the job's secret into ``container`` of ``pod`` (a pod spec), its path in the container's env."""
+    pod["volumes"] = [*pod.get("volumes", []), {"name": SECRET_VOLUME, "secret": {
+        "secretName": secret_name(job), "defaultMode": SECRET_MODE}}]
+    container["volumeMounts"] = [*container.get("volumeMounts", []),
+                                 {"name": SECRET_VOLUME, "mountPath": SECRET_MOUNT, "readOnly": True}]
+    container["env"] = [*container.get("env", []),
+                        {"name": secret.ENV, "value": f"{SECRET_MOUNT}/{secret.NAME}"}]
 
 
 def lighthouse_url(spec: JobSpec) -> str:
@@ -66,7 +99,8 @@ def lighthouse_url(spec: JobSpec) -> str:
 
 
 def lighthouse_objects(spec: JobSpec) -> list[dict[str, Any]]:
-    """The Lighthouse's NetworkPolicy (before its pod exists), Service and Deployment."""
+    """The job's secret and the Lighthouse's NetworkPolicy (both before any pod exists), Service and
+    Deployment."""
     name, port, e = lighthouse_name(spec.name), spec.eks.port, spec.eks
     meta = {"name": name, "namespace": e.namespace, "annotations": {names.DIGEST: spec.digest()},
             "labels": {**names.labels(spec), LIGHTHOUSE_LABEL: spec.name}}
@@ -87,10 +121,11 @@ def lighthouse_objects(spec: JobSpec) -> list[dict[str, Any]]:
                  "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}}}
     pod = {"automountServiceAccountToken": False, "enableServiceLinks": False, "containers": [container],
            "tolerations": failures.tolerations(spec)[-2:]}   # a lost node's: evicted as fast as the groups
+    with_secret(pod, container, spec.name)
     deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
                   "spec": {"replicas": 1, "selector": {"matchLabels": selector},
                            "template": {"metadata": {"labels": pod_labels}, "spec": pod}}}
-    return [policy, service, deployment]
+    return [secret_object(spec), policy, service, deployment]
 
 
 def jobset(spec: JobSpec, template: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
@@ -99,8 +134,9 @@ def jobset(spec: JobSpec, template: dict[str, Any], meta: dict[str, Any]) -> dic
     template = {**template, "spec": {**template["spec"]}}
     [trainer] = template["spec"]["containers"]
     trainer = {k: v for k, v in trainer.items() if k != "ports"}   # a group's are ephemeral (hosts.py)
-    template["spec"]["containers"] = [{
-        **trainer, "command": ["python", "-m", TRAINER_MODULE], "args": [], "env": group_env(spec)}]
+    trainer = {**trainer, "command": ["python", "-m", TRAINER_MODULE], "args": [], "env": group_env(spec)}
+    with_secret(template["spec"], trainer, spec.name)
+    template["spec"]["containers"] = [trainer]
     child = {"completionMode": "Indexed", "completions": 1, "parallelism": 1, **failures.job_retries(spec),
              **failures.pod_failure_policy(spec), "template": template}
     return {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": meta,

@@ -42,7 +42,7 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,7 @@ from typing import Any
 from ...events import EventTail, EventWriter
 from ...jobdir import JobDir, atomic_write
 from ... import nvrx
-from ...incidents import Incidents
+from ...incidents import ANY_NODE, Incidents
 from ...monitor import JobMonitor
 from ...runtime.keepalive import keepalive
 from ...runtime.memcopy import remove_copies
@@ -138,6 +138,9 @@ class Supervisor(Launchers):
                 outcome = self._watch()
             state, reason = outcome
             self._pump()
+            self.incidents.end(time.time())
+            if state == JobState.FAILED:
+                reason = self.incidents.named(reason)
         # a full disk, a folder gone read-only: end cleanly rather than orphan the launchers
         except OSError as e:
             state, reason = JobState.FAILED, self._cannot_write(e)
@@ -359,6 +362,7 @@ class Supervisor(Launchers):
                                      f"(max_job_restarts={self.spec.ft.max_job_restarts})")
         self.attempt += 1
         self.say(f"relaunching (job restart {self.attempt} of {self.spec.ft.max_job_restarts})")
+        self.incidents.group_restarted(ANY_NODE, time.time())
         return None
 
     # ---- one poll ---------------------------------------------------------------------------
@@ -442,14 +446,15 @@ class Supervisor(Launchers):
         if seen.kind == "restarting":
             self.say(f"ft_launcher restarts the worker group ({seen.left[0]}/{seen.left[1]} in-job "
                      "restarts left)")
-        elif (self.incidents.incident is None and not self.stop_requested and seen.at > self.seen_until
-              and not self._restarted_since(seen.at)):
-            if seen.kind == "hang":
-                self.incidents.hang(seen.at, self.spec.ft.heartbeat_timeout, self._stuck_rank())
-            else:
-                rank = next((r for r, p in self.mon.rank_pids.items() if p == seen.pid),
-                            node.index * self.spec.nproc_per_node + seen.local_rank)
-                self.incidents.worker_failed(rank, seen.exitcode, seen.at)
+        if seen.kind in ("restarting", "error"):
+            self.incidents.launcher_line(node.index, seen)
+        elif not self.stop_requested and seen.at > self.seen_until and not self._restarted_since(seen.at):
+            if seen.kind == "hang" and seen.timeout_s is None:
+                seen = replace(seen, timeout_s=self.spec.ft.heartbeat_timeout)
+            rank = next((r for r, p in self.mon.rank_pids.items() if p == seen.pid),
+                        node.index * self.spec.nproc_per_node + seen.local_rank)
+            self.incidents.launcher_line(node.index, seen, rank,
+                                         self._stuck_rank() if seen.kind == "hang" else None)
 
     def _restarted_since(self, at: float) -> bool:
         """Whether every rank has started again since ``at``: a failure ft_launcher logged then was of

@@ -37,6 +37,7 @@ import psutil
 from ... import loopback, procs
 from ...engines.torchft import lighthouse
 from ...engines.torchft.losses import LostGroups, fault_time
+from ...engines.torchft.outcome import outcome
 from ...engines.torchft.plan import group_argv, group_env
 from ...engines.torchft.script import REFUSED_EXIT, refusal
 from ...incidents import Incident
@@ -175,14 +176,7 @@ class TorchftSupervisor(Supervisor):
                 codes = [n.poll() for n in self.nodes]
             if all(c is not None for c in codes) and (done or all(c == 0 for c in codes)):
                 self._pump()
-                if self.spec.script:
-                    return JobState.SUCCEEDED, "the script exited 0 in every replica group"
-                if self.mon.last_step >= self.spec.steps:
-                    return JobState.SUCCEEDED, f"all {self.spec.steps} steps done"
-                return (
-                    JobState.FAILED,
-                    "the replica groups exited before training finished (see `logs --debug`)",
-                )
+                return outcome(self.spec, self.mon)
             if not done and any(c not in (None, 0) for c in codes):
                 time.sleep(SETTLE_S)  # one fault may end several groups: see them all before acting
                 codes = [n.poll() for n in self.nodes]

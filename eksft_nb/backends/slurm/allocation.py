@@ -13,6 +13,7 @@ It never starts or kills ranks itself: Slurm owns the processes (``scancel`` sig
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import signal
@@ -25,7 +26,7 @@ from typing import Any
 
 from ... import nvrx
 from ...events import EventTail, EventWriter
-from ...incidents import Incidents
+from ...incidents import ANY_NODE, Incidents
 from ...jobdir import JobDir
 from ...monitor import JobMonitor
 from ...states import JobState
@@ -70,6 +71,8 @@ class Watcher:
                              host=socket.gethostname(), pid=os.getpid(), nvrx=here.version if here else None)
         elif self.attempt > 0 and self.incidents.incident is None:
             self._unrecorded_end(backlog[-1].t)
+        if self.attempt > 0:   # this run is the open incident's job restart
+            self.incidents.group_restarted(ANY_NODE, self.t_launch)
         step = subprocess.Popen(self.srun, stdin=subprocess.DEVNULL)
         while step.poll() is None and not self.incidents.give_up:
             self._pump()
@@ -81,6 +84,9 @@ class Watcher:
         state, reason = self._outcome(code)
         if state is None:
             return 0 if self.signalled else REQUEUE_EXIT   # Slurm's requeue, or ours
+        self.incidents.end(time.time())
+        if state == JobState.FAILED:
+            reason = self.incidents.named(reason)
         self.events.emit("job_end", state=state, reason=reason, final_step=self.mon.last_step,
                          digest=self.mon.digest, restarts=self.mon.restarts_by_level())
         return 0 if state == JobState.SUCCEEDED else 1
@@ -173,7 +179,10 @@ class Watcher:
         return out
 
     def _on_line(self, node: int, seen: LauncherLine) -> None:
-        if seen.kind == "restarting" or self.incidents.incident is not None or self.signalled:
+        if seen.kind in ("restarting", "error"):
+            self.incidents.launcher_line(node, seen)
+            return
+        if self.signalled:
             return
         if len(self.ranks_started) == self.spec.world_size and min(self.ranks_started.values()) > seen.at:
             return   # every rank started again since: an incident already accounted for
@@ -181,12 +190,11 @@ class Watcher:
                 and not any(f["fault"] == "sigterm" for f in self.incidents.recent_faults)):
             # Slurm ending the step (a lost node's peers, scancel) terminates the ranks: not an in-job failure
             return
-        if seen.kind == "hang":
-            self.incidents.hang(seen.at, self.spec.ft.heartbeat_timeout)
-        else:
-            rank = next((r for r, p in self.mon.rank_pids.items() if p == seen.pid),
-                        node * self.spec.nproc_per_node + seen.local_rank)
-            self.incidents.worker_failed(rank, seen.exitcode, seen.at)
+        rank = next((r for r, p in self.mon.rank_pids.items() if p == seen.pid),
+                    node * self.spec.nproc_per_node + seen.local_rank)
+        if seen.kind == "hang" and seen.timeout_s is None:
+            seen = dataclasses.replace(seen, timeout_s=self.spec.ft.heartbeat_timeout)
+        self.incidents.launcher_line(node, seen, rank)
 
 
 def main(argv: list[str]) -> int:

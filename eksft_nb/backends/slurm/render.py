@@ -97,6 +97,7 @@ def render(spec: JobSpec, job_uid: str | None = None) -> str:
              "# the rendezvous is at the allocation's first node (this script runs there), ports "
              f"{spec.slurm.port}-{spec.slurm.port + 2}",
              'RDZV_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
+             f"python -m eksft_nb doctor --on-node --spec {shlex.quote(str(jd.spec_path))} || exit 1",
              "# the watcher records the job's start, restarts and end in its folder; it requeues the job",
              "# (a job-level restart) when a node's launcher is lost",
              f"python -m {WATCHER} {shlex.quote(str(jd.path))} -- \\",

@@ -101,14 +101,16 @@ class Runner:
         try:
             argv = lighthouse.argv(self.spec.slurm.port, hosts.resolve(self.first))
             with open(self.jd.logs / "lighthouse.log", "ab") as log:
-                lh = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                # in the job's folder: its gateway reads the job's secret there, and reports refused peers
+                lh = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      cwd=self.jd.path)
             self.procs.append(lh)
             groups = {g: self._start(g) for g in range(self.spec.nnodes)}
             while groups:
                 self._pump()
-                if lh.poll() is not None:
-                    print(f"eksft: torchft's Lighthouse ended (exit {lh.returncode}; see "
-                          "logs/lighthouse.log)", file=sys.stderr)
+                if lh.poll() is not None:   # its last line says why (one that cannot be private here)
+                    print(f"eksft: torchft's Lighthouse ended (exit {lh.returncode}: "
+                          f"{last_line(self.jd.logs / 'lighthouse.log')})", file=sys.stderr)
                     return 1
                 for g, step in list(groups.items()):
                     code = step.poll()
@@ -161,6 +163,17 @@ class Runner:
         step = subprocess.Popen(group_step(self.spec, group, restart, log), env=env, stdin=subprocess.DEVNULL)
         self.procs.append(step)
         return step
+
+
+def last_line(log: Path) -> str:
+    """A log's last line (of its last 4 KiB), or where to look."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            lines = f.read().decode(errors="replace").strip().splitlines()
+    except OSError:
+        lines = []
+    return lines[-1][:300] if lines else "see logs/lighthouse.log"
 
 
 def main(argv: list[str]) -> int:

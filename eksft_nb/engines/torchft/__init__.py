@@ -3,10 +3,15 @@ torchft's Lighthouse forms, and a group that was lost heals from a peer's live s
 restarting from a checkpoint.
 
 - :mod:`.checks`: which specs and faults the engine takes (the command layer asks it once);
-- :mod:`.lighthouse`: the Lighthouse's command line;
+- :mod:`.lighthouse`: the Lighthouse's command line: torchft's Lighthouse behind its :mod:`.gateway`, which
+  answers only the job's processes, on a network of its own (:mod:`.netns`);
+- the job's trust: its secret (:mod:`.secret`), the channel every server speaks (:mod:`.wire`), a group's
+  coordination service in place of torchft's manager server (:mod:`.coordination`: a quorum with a stranger
+  in it is refused), the checkpoint transport a group heals through (:mod:`.transport`, the state as data:
+  :mod:`.codec`), all put in place in a group's process by :mod:`.listen`, refusals said by :mod:`.alarm`;
 - :mod:`.losses`: a group lost, then healed, as ``failure`` and ``restart`` events (every backend's);
 - :mod:`.hosts`: where a job's servers listen, per backend (loopback locally, the pod's or node's address
-  on a cluster); :mod:`.listen` puts a group's servers, torchft's own included, there alone;
+  on a cluster); :mod:`.listen` puts a group's servers there alone;
 - each backend runs its own: :mod:`eksft_nb.backends.local.torchft` (the local supervisor's torchft
   variant: the Lighthouse, and each group's processes, one per rank), :mod:`eksft_nb.backends.eks.torchft`,
   :mod:`eksft_nb.backends.slurm.torchft` (what the clusters render);

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import subprocess
+import sys
 
-from ...errors import SpecError
+from ...errors import ControlError, SpecError
 from ...spec import JobSpec
+from . import lighthouse, netns
 
 # the faults a torchft job fires: a rank killed (its group restarts and heals from a peer), a whole
 # replica group lost (kill-launcher on node N: group N's process group), a hang (the supervisor finds it,
@@ -16,14 +20,19 @@ FAULTS = ("sigkill", "kill-launcher", "hang", "exception", "slow-rank")
 SCRIPT_FAULTS = ("sigkill", "exception", "slow-rank")
 
 
-def check(spec: JobSpec) -> None:
+def check(spec: JobSpec, launching: bool = False) -> None:
     """Raise :class:`SpecError` when ``spec`` does not apply to the torchft engine (the faults it fires:
-    :class:`.engine.TorchftEngine`)."""
+    :class:`.engine.TorchftEngine`); ``launching`` locally: also when this machine cannot keep the job's
+    Lighthouse private (see :func:`private`; a Slurm node's Lighthouse says so when it starts, and the job
+    ends with that line)."""
     if importlib.util.find_spec("torchft") is None:
         raise SpecError(
             "--engine torchft needs torchft, which is not installed here",
             "pip install 'torchft>=0.2.0,<0.3' (wheels for Linux x86_64), or use --engine nvrx",
         )
+    if launching and spec.backend == "local" and (why := private()) is not None:
+        raise SpecError(f"--engine torchft on the {spec.backend} backend runs its Lighthouse on a network of "
+                        f"its own (torchft's accepts any peer that reaches it), and {why}", netns.FIX)
     if spec.script and spec.backend != "local":
         raise SpecError(
             f"--engine torchft runs a --script on the local backend so far, not {spec.backend}",
@@ -53,6 +62,9 @@ def check(spec: JobSpec) -> None:
     for flag, value in (
         ("--step-timeout", ft.step_timeout),
         ("--section-timeouts", ft.section_timeouts),
+        ("--setup-timeout", ft.setup_timeout),
+        ("--out-of-section-timeout", ft.out_of_section_timeout),
+        ("--ft-cfg-path", ft.cfg_path),
         ("--soft-timeout", ft.soft_timeout),
         ("--hard-timeout", ft.hard_timeout),
     ):
@@ -62,3 +74,24 @@ def check(spec: JobSpec) -> None:
                 "torchft does not use it",
                 f"drop {flag}, or use --engine nvrx",
             )
+
+
+@functools.lru_cache(maxsize=1)
+def private() -> str | None:
+    """Why this machine cannot make the Lighthouse's private network namespace (None: it can): asked of a
+    short-lived process (:mod:`.netns`), as the Lighthouse's own launcher does it."""
+    try:
+        done = subprocess.run([sys.executable, "-I", "-S", str(lighthouse.NETNS), "--probe"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"the probe for it failed ({e})"
+    return None if done.returncode == 0 else (done.stderr.strip().split(": ")[0] or "it cannot be made here")
+
+
+def check_settings(spec: JobSpec) -> None:
+    """Refuse live settings: the replica groups read the checkpoint settings once, when they start (they
+    agree on nothing else at a step, as NVRx's ranks do in their all-reduce)."""
+    raise ControlError(
+        f"{spec.name} runs --engine torchft, whose replica groups take no live settings (they read "
+        "--ckpt-every and --keep-last once, when they start)",
+        "launch the job with the settings you want (run it again with --ckpt-every N --keep-last K)")

@@ -19,8 +19,11 @@ class TorchftEngine(Engine):
     heals_alone = True
     faults = checks.FAULTS
 
-    def check(self, spec: JobSpec) -> None:
-        checks.check(spec)
+    def check(self, spec: JobSpec, launching: bool = False) -> None:
+        checks.check(spec, launching)
+
+    def check_settings(self, spec: JobSpec) -> None:
+        checks.check_settings(spec)
 
     def fires(self, spec: JobSpec) -> tuple[str, ...]:
         return checks.SCRIPT_FAULTS if spec.script else checks.FAULTS

@@ -1,6 +1,8 @@
-"""torchft's Lighthouse, which forms each step's quorum of replica groups: its command line, and a cluster
-pod's entry (``python -m eksft_nb.engines.torchft.lighthouse PORT``), which binds the pod's IP: the kubelet
-fills ``$(POD_IP)`` in, but cannot put an IPv6 address in the brackets ``--bind`` needs."""
+"""torchft's Lighthouse, which forms each step's quorum of replica groups, as a job runs it: behind its
+gateway (:mod:`.gateway`), which answers only the job's processes, on a loopback of its own (:mod:`.netns`,
+where the machine is shared: a local job, a Slurm node; an EKS pod's is its own). Its command line, and
+a cluster pod's entry (``python -m eksft_nb.engines.torchft.lighthouse PORT``), which binds the pod's IP:
+the kubelet fills ``$(POD_IP)`` in, but cannot put an IPv6 address in the brackets a bind needs."""
 
 from __future__ import annotations
 
@@ -13,20 +15,20 @@ from .hosts import endpoint, group_host
 HEARTBEAT_TIMEOUT_MS = 1000  # a group silent this long is out of the quorum: the healthy ones stall as long
 JOIN_TIMEOUT_MS = 10000  # how long a quorum waits for a group that heartbeats but has not asked to join
 QUORUM_TICK_MS = 100
-COMMAND = "torchft_lighthouse"   # torchft's console script
 MODULE = "eksft_nb.engines.torchft.lighthouse"
+GATEWAY = "eksft_nb.engines.torchft.gateway"
+NETNS = Path(__file__).with_name("netns.py")   # run by its path (see netns.py)
 
 
-def argv(port: int, host: str = "127.0.0.1", min_replicas: int = 1) -> list[str]:
-    """The Lighthouse listening on ``host:port`` only (gRPC and its HTTP status page share the port)."""
-    # torchft's own console script: its Rust command line reads the process's arguments after the
-    # interpreter's, so `python -c` or `-m` would be taken for the program and its first argument
-    script = Path(sys.executable).with_name(COMMAND)
-    return [sys.executable, str(script), *flags(endpoint(host, port), min_replicas)]
+def argv(port: int, host: str = "127.0.0.1", min_replicas: int = 1, private: bool = True) -> list[str]:
+    """The gateway listening on ``host:port`` only (the Lighthouse behind it); ``private``: in a network
+    namespace of its own (False in an EKS pod, whose network is its own already)."""
+    gateway = [sys.executable, "-m", GATEWAY, "--bind", endpoint(host, port), *flags(min_replicas)]
+    return [sys.executable, "-I", "-S", str(NETNS), "--", *gateway] if private else gateway
 
 
-def flags(bind: str, min_replicas: int = 1) -> list[str]:
-    """Its options, listening on ``bind`` (``host:port``) only: a cluster's pod runs ``COMMAND`` with them."""
+def flags(min_replicas: int = 1) -> list[str]:
+    """The Lighthouse's options (torchft's names)."""
     return [
         "--min_replicas",
         str(min_replicas),
@@ -36,16 +38,14 @@ def flags(bind: str, min_replicas: int = 1) -> list[str]:
         str(JOIN_TIMEOUT_MS),
         "--heartbeat_timeout_ms",
         str(HEARTBEAT_TIMEOUT_MS),
-        "--bind",
-        bind,
     ]
 
 
 def main(args: list[str]) -> None:
-    """Become the Lighthouse on ``PORT`` at this host's address (:func:`.hosts.group_host`)."""
+    """An EKS pod: become the gateway on ``PORT`` at this pod's address (:func:`.hosts.group_host`)."""
     if len(args) != 1 or not args[0].isdigit():
         sys.exit(f"usage: python -m {MODULE} PORT")
-    command = argv(int(args[0]), group_host())
+    command = argv(int(args[0]), group_host(), private=False)
     os.execv(command[0], command)
 
 

@@ -69,8 +69,8 @@ def render(spec: JobSpec, job_dir: str) -> str:
     """``--dry-run``: the Lighthouse's command line and each group's environment and command."""
     lines = [
         f"# job folder: {job_dir}",
-        "# torchft: the Lighthouse, then each replica group's processes, one per rank (ports are picked "
-        "free at launch)",
+        "# torchft: the Lighthouse (on a network of its own, behind a gateway that answers only the job's "
+        "processes), then each replica group's processes, one per rank (ports are picked free at launch)",
         " ".join(lighthouse.argv(29510)),
     ]
     argv = " ".join(group_argv(spec))

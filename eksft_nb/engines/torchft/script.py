@@ -154,9 +154,12 @@ class TorchftProbe(ScriptProbe):
     # ---- torchft's Manager -------------------------------------------------------------------------
     def _hook_manager(self, module: ModuleType) -> None:
         """Watch the first Manager the script creates: its quorums, heals and commit decisions."""
+        from .alarm import Alarm
         from .listen import install
 
-        install()  # before the Manager starts its servers
+        # before the Manager starts its servers: they answer only the job's processes; a transport of the
+        # script's own that would load what a peer sends ends the group with one line
+        install(Alarm(self.s.emit), refuse=lambda error: refuse(self.s, error))
         manager_type, probe = module.Manager, self
         init, quorum, commit = manager_type.__init__, manager_type._async_quorum, manager_type.should_commit
 

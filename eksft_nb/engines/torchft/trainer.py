@@ -50,9 +50,9 @@ def main() -> None:
     quiet_process()
     from ...runtime.session import session
     from ...runtime.trainer_main import exit_cleanly
+    from .alarm import Alarm
     from .listen import install
 
-    install()  # the group's store, manager and checkpoint servers on the group's address alone (hosts.py)
     if restart := int(os.environ.get(RESTART_ENV) or 0):
         hold(restart_point(int(os.environ["RANK"]), restart))
     setup = {"imports": time.time()}  # each set-up phase -> when it ended (rank_start's t_setup)
@@ -61,6 +61,9 @@ def main() -> None:
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     os.environ[LAST_STEP_ENV] = str(last_step(os.environ))   # before this process's beacon replaces it
     s = session()
+    # the group's store, manager and checkpoint servers on the group's address alone (hosts.py), answering
+    # only the job's processes (listen.py); the peers they refuse reported as intruder events
+    install(Alarm(s.emit))
     setup["session"] = time.time()
     try:
         GroupTrainer(s, setup).train()
@@ -184,7 +187,17 @@ class GroupTrainer:
             except InjectedFault as e:  # raised inside this step's backward instead (see _raise_in_backward)
                 armed = e
             t0 = time.perf_counter()
-            manager.start_quorum()  # synchronous: heals from a peer here when behind the quorum
+            try:
+                manager.start_quorum()  # synchronous: heals from a peer here when behind the quorum
+            except Exception as e:
+                if before < spec.steps:
+                    raise
+                # the quorum after the last step (which heals a group that threw that step away) failed:
+                # this group committed the last step itself, and its weights are the job's to report
+                if self.lead:
+                    s.warn("last-quorum", f"replica group {self.group}'s quorum after the last step failed "
+                           f"({str(e)[:200]}); it committed step {before} itself and reports its weights")
+                break
             self.optim.zero_grad(set_to_none=True)
             self._after_quorum(before, time.perf_counter() - t0)
             if manager.current_step() >= spec.steps:
