@@ -10,6 +10,7 @@ import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from eksft_nb.events import EventWriter, make
 from eksft_nb.jobdir import JobDir, atomic_write
@@ -83,3 +84,20 @@ def _write(root: Path, job: Ended, steps: int) -> None:
     writer.close()
     jd.write_end(job.state, job.reason)
     atomic_write(jd.supervisor_path, json.dumps({"state": job.state, "reason": job.reason}))
+
+
+def done_and_live(home: Path, monkeypatch: Any) -> tuple[Any, Any, list[str]]:
+    """In ``home``: "done" (5 steps, ended) and "live" (3 steps, running), and the list that from now on
+    gets the name of each job whose events are read (EventTail.read): what a listing folded."""
+    from eksft_nb.events import EventTail
+    from test_dashboard import FakeJob
+
+    monkeypatch.setenv("EKSFT_HOME", str(home))
+    done, live = FakeJob("done", steps=5), FakeJob("live")
+    done.steps(1, 5)
+    done.end()
+    live.steps(1, 3)
+    folded: list[str] = []
+    read = EventTail.read
+    monkeypatch.setattr(EventTail, "read", lambda tail: folded.append(tail.path.parent.name) or read(tail))
+    return done, live, folded

@@ -22,7 +22,6 @@ from eksft_nb import procs, row_cache
 from eksft_nb.commands import ARGS, BOTH, CLI, MAGIC
 from eksft_nb.control import FAULTS
 from eksft_nb.errors import ControlError, JobError, SpecError
-from eksft_nb.events import EventTail
 from eksft_nb.fault_registry import REGISTRY
 from eksft_nb.jobdir import JobDir, atomic_write, jobs_root
 from eksft_nb.spec import JobSpec, spec_options
@@ -223,16 +222,10 @@ def supervised(name: str, **record: Any) -> Iterator[None]:
 
 def test_a_listing_folds_an_ended_job_once_then_reads_the_row_its_folder_keeps(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from test_dashboard import T0, FakeJob
+    from job_history import done_and_live
+    from test_dashboard import T0
 
-    monkeypatch.setenv("EKSFT_HOME", str(tmp_path))
-    done, live = FakeJob("done", steps=5), FakeJob("live")
-    done.steps(1, 5)
-    done.end()
-    live.steps(1, 3)
-    folded: list[str] = []
-    read = EventTail.read
-    monkeypatch.setattr(EventTail, "read", lambda tail: folded.append(tail.path.parent.name) or read(tail))
+    done, _, folded = done_and_live(tmp_path, monkeypatch)
     first = {r["name"]: r for r in commands.list_jobs()}
     assert set(folded) == {"done", "live"} and set(first["done"]) == ROW_KEYS
     assert (first["done"]["state"], first["done"]["step"], first["done"]["ended"]) == ("succeeded", 5, True)

@@ -155,18 +155,10 @@ def test_a_restarted_server_lists_ended_jobs_from_the_rows_their_folders_keep(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """GET /eksft/jobs is the manager's folds after a tick: an ended job is folded by the first server
     that lists it, and by no later one (its row is kept in its folder), a running one incrementally."""
-    from eksft_nb.events import EventTail
-    from test_dashboard import FakeJob
+    from job_history import done_and_live
 
-    monkeypatch.setenv("EKSFT_HOME", str(tmp_path))
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "none"))
-    done, live = FakeJob("done", steps=5), FakeJob("live")
-    done.steps(1, 5)
-    done.end()
-    live.steps(1, 3)
-    folded: list[str] = []
-    read = EventTail.read
-    monkeypatch.setattr(EventTail, "read", lambda tail: folded.append(tail.path.parent.name) or read(tail))
+    _, live, folded = done_and_live(tmp_path, monkeypatch)
     first = JobsManager()
     listed = asyncio.run(first.listing())
     assert [(r["name"], r["state"], r["step"]) for r in listed["jobs"]] == [("done", "succeeded", 5),
