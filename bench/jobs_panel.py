@@ -136,6 +136,7 @@ def page(jobs: int) -> dict[str, Any]:
         page.goto(f"{lab['url']}/lab?token={lab['token']}")
         page.wait_for_function("() => window.jupyterapp && window.jupyterapp.commands.hasCommand("
                                "'eksft:show-jobs')", timeout=120_000, polling=100)
+        page.evaluate("() => window.jupyterapp.restored")   # else the restored layout hides the panel again
         app_s = time.perf_counter() - t0
         page.evaluate("() => window.jupyterapp.commands.execute('eksft:show-jobs')")
         page.locator(f".eksft-panel[data-live=true][data-shown='{jobs}']").wait_for(timeout=120_000)
@@ -150,7 +151,7 @@ def report(r: dict[str, Any]) -> str:
             ["list, first (folds every history)", f"{r['list_first_s']:.2f} s", "-"],
             ["list, rows kept (median)", f"{r['list_kept_s']['median']:.3f} s",
              f"<= {TARGETS['list_kept_s']} s"],
-            ["GET /eksft/jobs, a restarted server", f"{r['listing_first_s']:.3f} s", ""],
+            ["GET /eksft/jobs, a restarted server's first (*)", f"{r['listing_first_s']:.3f} s", ""],
             ["GET /eksft/jobs (max)", f"{r['listing_s']['max']:.3f} s", f"<= {TARGETS['listing_s']} s"],
             ["a tick while jobs run (median)", f"{r['tick_ms']['median']:.1f} ms",
              f"<= {TARGETS['tick_ms']} ms"],
@@ -168,7 +169,9 @@ def report(r: dict[str, Any]) -> str:
     title = (f"jobs panel: {r['ended_jobs']} ended jobs of {r['steps_each']} steps "
              f"({r['events_bytes'] / 1e6:.1f} MB of events), {r['running_jobs']} running; load "
              f"{r['load_avg_before']} -> {r['load_avg_after']}")
-    return table(title, ["measure", "figure", "target"], rows) + f"targets met: {r['targets_met']}"
+    return (table(title, ["measure", "figure", "target"], rows)
+            + "(*) with the once-a-process look for an EKS set-up (its client's import: about 1.5 s here)\n"
+            + f"targets met: {r['targets_met']}")
 
 
 def main(argv: list[str] | None = None) -> int:
