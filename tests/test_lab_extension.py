@@ -230,6 +230,10 @@ def drive(page: Any, lab: dict[str, Any], shots: Path, ended: list[Any]) -> None
     page.locator(f'.eksft-job[data-job="{child}"] .eksft-toggle').click()
     page.locator(f'.eksft-job[data-job="{child}"] .eksft-stop').click()
     page.locator(f'.eksft-job[data-job="{child}"][data-state="stopped"]').wait_for(timeout=120_000)
+    # the state comes from the stream as soon as the supervisor records it; stop's reply, once its keeper
+    # and every marked process are gone
+    said = page.locator(f'.eksft-job[data-job="{child}"] .eksft-message')
+    wait_for("stop's reply", lambda: said.inner_text() == f"stopped {child}; nothing of it keeps running", 60)
     assert procs.marked(JobDir.for_name(child).supervisor()["job_uid"]) == []
 
 
