@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from . import commands, cost, nvrx
+from . import commands, cost, nvrx, reasons
 from .ckpt_floor import floor_text
 from .commands import CLI
 from .engines.registry import engine_of
@@ -193,10 +193,11 @@ def format_list(rows: list[commands.JobRow]) -> str:
 
 def format_status(r: commands.JobRow) -> str:
     goodput = "-" if r["goodput"] is None else f"{100 * r['goodput']:.1f}%"
+    said = reasons.line(r) or r["detail"]   # why it failed, what it waits for and since when
     return (f"{r['name']}: {r['state']}  step {r['step']}/{r['total_steps'] or '-'}  restarts "
             f"{r['restarts']}  "
             f"last checkpoint {r['last_checkpoint']}  goodput {goodput}"
-            + (f"  ({r['detail']})" if r["detail"] else ""))
+            + (f"  ({said})" if said else ""))
 
 
 def format_checkpoints(infos: list[dict[str, Any]]) -> str:
@@ -272,9 +273,24 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    commands.remove(args.name, args.backend)
-    print(f"removed {args.name}")
-    return 0
+    """Each job removed or refused on its own: 0 when every one went, 2 when one was refused."""
+    results = removals(args.names, args.finished, args.backend)
+    if not results:
+        print(f"no ended job to remove on {args.backend}")
+    for r in results:
+        print(r["message"] if r["removed"] else f"eksft: error: {r['message']}",
+              file=sys.stdout if r["removed"] else sys.stderr)
+    return 0 if all(r["removed"] for r in results) else 2
+
+
+def removals(names: list[str], finished: bool, backend: str) -> list[commands.Removal]:
+    """``rm NAME...`` or ``rm --finished``, as the CLI and the magic take them."""
+    if bool(names) == finished:
+        raise EksftError("rm takes the NAME of each job to delete, or --finished (not both)",
+                         "e.g. rm my-job other-job, or rm --finished")
+    if finished and not (names := commands.finished_jobs(backend)):
+        return []
+    return commands.remove_jobs([(n, backend) for n in names])
 
 
 def cmd_test(args: argparse.Namespace) -> int:

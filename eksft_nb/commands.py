@@ -16,13 +16,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
 
-from . import ckpt_floor, cost
+from . import ckpt_floor, cost, row_cache
 from .backends import JobSummary, get_backend
+from .backends.folder import FolderJobs
 from .control import FAULTS, FaultCommand
 from .errors import ControlError, EksftError, SpecError, closest, shown
 from .goodput import compute
 from .engines.registry import engine_of
-from .job import Job, attach
+from .job import Job, Standing, attach
 from .preflight import check as preflight
 from .preflight.check import CheckResult
 from .spec import JobSpec, spec_options
@@ -50,6 +51,18 @@ class JobRow(TypedDict):
     script: str | None
     ended: bool
     detail: str                 # the backend's reason (why it failed, what a pod waits for) or ""
+    started_at: float | None    # when it started (its first record); None before
+    ended_at: float | None      # when it ended (its end record, else its last event); None while it runs
+    waiting_since: float | None  # since when it waits for what ``detail`` names (see job.Standing), or None
+
+
+class Removal(TypedDict):
+    """One job of an ``rm`` of many: removed, or refused with the line that says what to do first."""
+
+    name: str
+    backend: str
+    removed: bool
+    message: str
 
 
 class InjectResult(TypedDict):
@@ -87,20 +100,24 @@ class LaunchResult(JobRow):
 
 # ---- the operations ---------------------------------------------------------------------------
 
-def job_row(job: Job, status: tuple[JobState, str] | None = None, spec: JobSpec | None = None) -> JobRow:
+def job_row(job: Job, status: Standing | tuple[JobState, str] | None = None,
+            spec: JobSpec | None = None) -> JobRow:
     """The row of a job whose events this process can read (any local job, an EKS job by name): what the
-    list, the status line, the side panel and the dashboard's header show. ``status``: the state and
-    detail of a job whose events the caller has just folded in (the dashboard: its thread alone feeds
-    its monitor); ``spec``: the job's, where the caller holds it (on EKS reading it is an API call)."""
+    list, the status line, the side panel and the dashboard's header show. ``status``: the standing of a
+    job whose events the caller has just folded in (the dashboard: its thread alone feeds its monitor);
+    ``spec``: the job's, where the caller holds it (on EKS reading it is an API call)."""
     mon = job.refresh() if status is None else job.monitor
-    state, detail = job.status() if status is None else status
+    status = job.standing() if status is None else status
+    state, detail, since = status[0], status[1], status[2] if len(status) > 2 else None
     spec = spec or job.spec
     committed = mon.last_committed
+    ended_at = (mon.t_end or mon.last_event_t) if state.ended else None
     return {"name": job.name, "backend": job.backend.name, "state": state.value, "step": mon.last_step,
             "total_steps": None if spec.script else (mon.total_steps or spec.steps),
             "restarts": mon.restarts_by_level(), "goodput": compute(mon).goodput if mon.t_start else None,
             "last_checkpoint": committed.step if committed else None, "script": spec.script,
-            "ended": state.ended, "detail": detail}
+            "ended": state.ended, "detail": detail, "started_at": mon.t_start, "ended_at": ended_at,
+            "waiting_since": since}
 
 
 def list_jobs(backend: str = "local") -> list[JobRow]:
@@ -110,7 +127,7 @@ def list_jobs(backend: str = "local") -> list[JobRow]:
     rows: list[JobRow] = []
     for j in b.jobs():
         try:
-            rows.append(job_row(Job(j.name, b)) if backend in ("local", "slurm")
+            rows.append(row_cache.row_of(Job(j.name, b), job_row, JobRow) if isinstance(b, FolderJobs)
                         else summary_row(j, j.detail))
         except EksftError as e:   # one unreadable job folder hides no other job
             rows.append(summary_row(j, str(e)))
@@ -122,7 +139,8 @@ def summary_row(j: JobSummary, detail: str) -> JobRow:
     state = JobState(j.state) if j.state in set(JobState) else JobState.FAILED
     return {"name": j.name, "backend": j.backend, "state": state.value, "step": 0, "total_steps": None,
             "restarts": {level.value: 0 for level in RestartLevel}, "goodput": None, "last_checkpoint": None,
-            "script": None, "ended": state.ended, "detail": detail}
+            "script": None, "ended": state.ended, "detail": detail, "started_at": None, "ended_at": None,
+            "waiting_since": j.since}
 
 
 def status(name: str, backend: str = "local") -> JobRow:
@@ -286,9 +304,21 @@ def logs(name: str, lines: int = 200, debug: bool = False, backend: str = "local
     return attach(name, backend).logs(lines, debug)
 
 
-def remove(name: str, backend: str = "local") -> None:
-    """Delete an ended job (its folder or workload, checkpoints included)."""
-    get_backend(backend).remove(name)
+def finished_jobs(backend: str = "local") -> list[str]:
+    """The names of the backend's ended jobs (what ``rm --finished`` removes)."""
+    return [r["name"] for r in list_jobs(backend) if r["ended"]]
+
+
+def remove_jobs(jobs: Sequence[tuple[str, str]]) -> list[Removal]:
+    """``rm`` of many (name, backend) pairs: each removed or refused on its own (a job still running, one
+    a running resume loads from), a refusal stopping none of the others."""
+    said: dict[tuple[str, str], EksftError | None] = {}
+    jobs = list(dict.fromkeys(jobs))   # a job named twice is removed once
+    for backend in dict.fromkeys(b for _, b in jobs):
+        names = [n for n, b in jobs if b == backend]
+        said.update(zip(((n, backend) for n in names), get_backend(backend).remove_many(names)))
+    return [{"name": n, "backend": b, "removed": said[n, b] is None,
+             "message": f"removed {n}" if said[n, b] is None else str(said[n, b])} for n, b in jobs]
 
 
 def resilience_test(spec: JobSpec, faults: str | None = None, expect: str | None = None,
@@ -452,7 +482,9 @@ ARGS: dict[str, Verb] = {v.name: v for v in (
             help="wait this long for every rank to take it (default 30; 0: return once queued)"),
         JSON)),
     Verb("stop", "stop a job; nothing of it keeps running", (NAME, BACKEND)),
-    Verb("rm", "delete an ended job (its folder or workload; checkpoints included)", (NAME, BACKEND)),
+    Verb("rm", "delete ended jobs (their folders or workloads; checkpoints included); each refusal is said",
+         (arg("names", nargs="*", metavar="NAME", help="the jobs"), BACKEND,
+          arg("--finished", action="store_true", help="every ended job of the backend"))),
     Verb("test", "prove a job survives each fault: a fault-free reference run, then one job per fault kind, "
          "checked against expectations; a report card (exit code 1 when a case fails)", (
         arg("--spec", dest="spec_file", help="a YAML or JSON job spec; the spec options override it"),

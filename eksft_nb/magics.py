@@ -41,7 +41,7 @@ LINE_USAGE = """\
                                       restarts, goodput, digest, and what faults and checkpoints cost
 %ftrain set [NAME] ckpt-every=25 keep-last=5   change live settings; every rank takes them at one step
 %ftrain stop [NAME]                   stop a job; nothing of it keeps running
-%ftrain rm NAME                       delete an ended job (its checkpoints too)
+%ftrain rm NAME... | --finished      delete ended jobs (their checkpoints too); each refusal is said
 %ftrain test [--faults K,K] [--expect "level<=injob, lost<=10"] [--repeat N] [--manifest F | --recheck F]
              [spec options]           a resilience report card (n/N per kind with --repeat)
 %ftrain whatif [NAME] [--ckpt-every 5,10,20] [--no-inprocess] [--ckpt-mode sync] [--spares N] [--apply]
@@ -146,11 +146,13 @@ class FtrainMagics(Magics):
         if cmd == "list":
             cli.show(commands.list_jobs(backend), args.json, cli.format_list)
             return
-        if cmd == "rm":
-            if not args.name:   # never the notebook's job unless named
-                raise UsageError("rm takes the NAME of the job to delete\n  → e.g. %ftrain rm my-job")
-            commands.remove(args.name, backend)
-            print(f"removed {args.name}")
+        if cmd == "rm":   # never the notebook's job unless named
+            results = cli.removals(args.names, args.finished, backend)
+            removed = [r["message"] for r in results if r["removed"]]
+            print("\n".join(removed) or f"no ended job removed on {backend}")
+            refused = [r["message"] for r in results if not r["removed"]]
+            if refused:
+                raise UsageError("\n".join(refused))
             return
         if cmd == "set" and args.name and "=" in args.name:   # no NAME: the first word is a setting
             args.assignments, args.name = [args.name, *args.assignments], None

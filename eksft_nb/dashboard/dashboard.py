@@ -15,12 +15,12 @@ from typing import Any
 
 import ipywidgets as w
 
-from .. import ckpt_floor, commands, cost, settings
+from .. import ckpt_floor, commands, cost, reasons, settings
 from ..checkpoint_folders import CheckpointInfo, resume_origin
 from ..errors import EksftError
 from ..goodput import compute
-from ..job import Job, attach
-from ..states import FAILED_ENDS, CheckpointState, JobState
+from ..job import Job, Standing, attach
+from ..states import FAILED_ENDS, CheckpointState
 from .figure import TrainingFigure
 from .parts import CheckpointTable, FaultControls, GoodputBar, Header, LogTail, SettingsControls
 from .series import Throttle
@@ -112,9 +112,9 @@ class Dashboard(w.VBox):
                 self._say(f"dashboard update failed: {type(e).__name__}: {e}", error=True)
                 self._halt.wait(self.slow_interval)
 
-    def _fold(self) -> tuple[JobState, str]:
+    def _fold(self) -> Standing:
         mon = self.job.refresh()
-        status = self.job.status()
+        status = self.job.standing()
         self.figure.ingest(mon)
         return status
 
@@ -122,14 +122,15 @@ class Dashboard(w.VBox):
         """Fold in the new events and refresh what changed; True once the job has ended."""
         with self._lock:
             self.updates += 1
-            state, detail = self._fold()
+            standing = self._fold()
+            state, detail = standing.state, standing.detail
             mon = self.job.monitor
             ended = state.ended
             self.figure.push()
             h = self.header
-            row = commands.job_row(self.job, (state, detail), self._spec)   # the CLI's and the panel's row
+            row = commands.job_row(self.job, standing, self._spec)   # the CLI's and the panel's row
             h.state, h.step, h.total = row["state"], row["step"], row["total_steps"]
-            h.detail = row["detail"] if state == JobState.STARTING else ""
+            h.detail, h.detail_kind = reasons.line(row), reasons.kind(row)
             h.restarts, h.last_checkpoint, h.goodput = row["restarts"], row["last_checkpoint"], row["goodput"]
             if len(mon.warnings) > self.warnings_said:   # the newest warning, in one line
                 self.warnings_said = len(mon.warnings)

@@ -12,7 +12,7 @@ from typing import Any
 import ipywidgets as w
 from traitlets import Dict, Float, Int, List, Unicode, observe
 
-from .. import cost
+from .. import cost, reasons
 from ..control import FAULTS, WHEN_FIX, parse_when
 from ..errors import ControlError
 from ..goodput import CATEGORIES
@@ -35,8 +35,10 @@ class Header(w.VBox):
     backend = Unicode()
     origin = Unicode()                       # "resumed from <job> step N", or ""
     state = Unicode("pending")
-    # the backend's word on a starting job ("queued: ...", "admitted")
+    # the line beside the job (eksft_nb.reasons): why it failed, what it waits for and since when ("queued:
+    # ...", "admitted"), the backend's note on a running job
     detail = Unicode("")
+    detail_kind = Unicode("")                # reasons.ERROR, WAITING, NOTE
     step = Int(0)
     total = Int(1, allow_none=True)          # None: a user script's own loop (no known end)
     restarts = Dict()
@@ -54,13 +56,15 @@ class Header(w.VBox):
         self.add_class("eksft-header")
         self._render()
 
-    @observe("job", "backend", "origin", "state", "detail", "step", "total", "restarts", "last_checkpoint",
-             "goodput")
+    @observe("job", "backend", "origin", "state", "detail", "detail_kind", "step", "total", "restarts",
+             "last_checkpoint", "goodput")
     def _render(self, _change: Any = None) -> None:
         color = STATE_COLORS.get(self.state, "#7f7f7f")
         origin = f" · <i>{html.escape(self.origin)}</i>" if self.origin else ""
         if self.detail:
-            origin += f" · <span class='eksft-detail'>{html.escape(self.detail)}</span>"
+            red = " style='color:#d62728'" if self.detail_kind == reasons.ERROR else ""
+            origin += (f" · <span class='eksft-detail' data-kind='{html.escape(self.detail_kind)}'{red}>"
+                       f"{html.escape(self.detail)}</span>")
         self._title.value = (f"<b style='font-size:15px'>{html.escape(self.job)}</b> · "
                              f"{html.escape(self.backend)}"
                              " · <span class='eksft-state' "
