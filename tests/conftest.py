@@ -29,6 +29,20 @@ settings.register_profile("ci", derandomize=True, database=None)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
+# `make test` runs the tests on two workers (pytest-xdist, --dist loadgroup). These files share what one
+# worker holds: a real Slurm (two at once would run jobs of the same ids on the same node names, and a test
+# that ends a node's processes by job id could end the other cluster's), and the notebooks' runs, which
+# bench part 8 reads (tests/notebook_runs.py): the group runs whole on one worker, the rest on either.
+ONE_WORKER = {"test_slurm.py": "cluster", "test_torchft_clusters.py": "cluster",
+              "test_notebooks.py": "cluster", "test_bench.py": "cluster"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        group = ONE_WORKER.get(item.path.name)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+
 
 @pytest.fixture(scope="session", autouse=True)
 def eksft_home() -> Path:
