@@ -9,7 +9,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from . import commands, nvrx
+from . import commands, cost, nvrx, reasons
+from .ckpt_floor import floor_text
 from .commands import CLI
 from .engines.registry import engine_of
 from .errors import EksftError, closest
@@ -169,7 +170,10 @@ def format_summary(s: dict[str, Any]) -> str:
     for key in CATEGORIES:
         sec = g[f"{key}_s"]
         pct = 100 * sec / g["wall_s"] if g["wall_s"] else 0.0
-        lines.append(f"  {key.replace('_', ' '):<24}{sec:8.1f}s {pct:6.1f}%")
+        lines.append(f"  {key.replace('_', ' '):<24}{sec:8.1f}s {pct:6.1f}%"
+                     + (f"  {cost.text(s['cost']['terms'][key])}" if s.get("cost") else ""))
+    lines += cost.account_text(s["cost"]) if s.get("cost") else []
+    lines += floor_text(s["checkpoint_floor"]) if s.get("checkpoint_floor") else []
     return "\n".join(lines)
 
 
@@ -189,10 +193,11 @@ def format_list(rows: list[commands.JobRow]) -> str:
 
 def format_status(r: commands.JobRow) -> str:
     goodput = "-" if r["goodput"] is None else f"{100 * r['goodput']:.1f}%"
+    said = reasons.line(r) or r["detail"]   # why it failed, what it waits for and since when
     return (f"{r['name']}: {r['state']}  step {r['step']}/{r['total_steps'] or '-'}  restarts "
             f"{r['restarts']}  "
             f"last checkpoint {r['last_checkpoint']}  goodput {goodput}"
-            + (f"  ({r['detail']})" if r["detail"] else ""))
+            + (f"  ({said})" if said else ""))
 
 
 def format_checkpoints(infos: list[dict[str, Any]]) -> str:
@@ -222,7 +227,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_summary(args: argparse.Namespace) -> int:
-    show(commands.summary(args.name, args.backend), args.json, format_summary)
+    show(commands.summary(args.name, args.backend, **cost.options_of(args)), args.json, format_summary)
     return 0
 
 
@@ -268,25 +273,44 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
-    commands.remove(args.name, args.backend)
-    print(f"removed {args.name}")
-    return 0
+    """Each job removed or refused on its own: 0 when every one went, 2 when one was refused."""
+    results = removals(args.names, args.finished, args.backend)
+    if not results:
+        print(f"no ended job to remove on {args.backend}")
+    for r in results:
+        print(r["message"] if r["removed"] else f"eksft: error: {r['message']}",
+              file=sys.stdout if r["removed"] else sys.stderr)
+    return 0 if all(r["removed"] for r in results) else 2
+
+
+def removals(names: list[str], finished: bool, backend: str) -> list[commands.Removal]:
+    """``rm NAME...`` or ``rm --finished``, as the CLI and the magic take them."""
+    if bool(names) == finished:
+        raise EksftError("rm takes the NAME of each job to delete, or --finished (not both)",
+                         "e.g. rm my-job other-job, or rm --finished")
+    if finished and not (names := commands.finished_jobs(backend)):
+        return []
+    return commands.remove_jobs([(n, backend) for n in names])
 
 
 def cmd_test(args: argparse.Namespace) -> int:
-    from .resilience.card import junit, table
-
     from pathlib import Path
+
+    from .resilience import manifest as manifests
+    from .resilience.card import junit, table
 
     junit_path = Path(args.junit).expanduser() if args.junit else None
     if junit_path is not None and not junit_path.parent.is_dir():   # found out now, not after the test's jobs
         raise EksftError(f"--junit {args.junit}: folder {junit_path.parent} does not exist",
                          "create it first")
-    base = JobSpec.load(args.spec_file) if args.spec_file else None
+    base, manifest = manifests.test_base(args)
     spec = commands.spec_from_args(args, base)
     say = (lambda text: print(text, file=sys.stderr, flush=True)) if args.json else print
     card = commands.resilience_test(spec, args.faults, args.expect, at_step=args.at_step,
-                                    loss_tolerance=args.loss_tol, say=say)
+                                    loss_tolerance=args.loss_tol, repeat=args.repeat,
+                                    plan_seed=args.plan_seed,
+                                    manifest=args.manifest, recheck=manifest, say=say,
+                                    **cost.options_of(args))
     if junit_path is not None:
         try:
             junit_path.write_text(junit(card))   # type: ignore[arg-type]
@@ -298,11 +322,12 @@ def cmd_test(args: argparse.Namespace) -> int:
 
 
 def cmd_whatif(args: argparse.Namespace) -> int:
-    from .resilience.whatif import format_report
+    from .resilience.whatif_cost import text
 
     report = commands.whatif(args.name, ckpt_every=args.ckpt_every, inprocess=args.inprocess,
-                             ckpt_mode=args.ckpt_mode, spares=args.spares, backend=args.backend)
-    show(report, args.json, format_report)
+                             ckpt_mode=args.ckpt_mode, spares=args.spares, backend=args.backend,
+                             **cost.options_of(args))
+    show(report, args.json, text)
     if args.apply:
         print(commands.apply_whatif(args.name, backend=args.backend, wait=30.0)["message"])
     return 0

@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
 
+from . import ckpt_floor, cost, row_cache
 from .backends import JobSummary, get_backend
+from .backends.folder import FolderJobs
 from .control import FAULTS, FaultCommand
 from .errors import ControlError, EksftError, SpecError, closest, shown
 from .goodput import compute
 from .engines.registry import engine_of
-from .job import Job, attach
+from .job import Job, Standing, attach
 from .preflight import check as preflight
 from .preflight.check import CheckResult
 from .spec import JobSpec, spec_options
@@ -49,6 +51,18 @@ class JobRow(TypedDict):
     script: str | None
     ended: bool
     detail: str                 # the backend's reason (why it failed, what a pod waits for) or ""
+    started_at: float | None    # when it started (its first record); None before
+    ended_at: float | None      # when it ended (its end record, else its last event); None while it runs
+    waiting_since: float | None  # since when it waits for what ``detail`` names (see job.Standing), or None
+
+
+class Removal(TypedDict):
+    """One job of an ``rm`` of many: removed, or refused with the line that says what to do first."""
+
+    name: str
+    backend: str
+    removed: bool
+    message: str
 
 
 class InjectResult(TypedDict):
@@ -86,20 +100,24 @@ class LaunchResult(JobRow):
 
 # ---- the operations ---------------------------------------------------------------------------
 
-def job_row(job: Job, status: tuple[JobState, str] | None = None, spec: JobSpec | None = None) -> JobRow:
+def job_row(job: Job, status: Standing | tuple[JobState, str] | None = None,
+            spec: JobSpec | None = None) -> JobRow:
     """The row of a job whose events this process can read (any local job, an EKS job by name): what the
-    list, the status line, the side panel and the dashboard's header show. ``status``: the state and
-    detail of a job whose events the caller has just folded in (the dashboard: its thread alone feeds
-    its monitor); ``spec``: the job's, where the caller holds it (on EKS reading it is an API call)."""
+    list, the status line, the side panel and the dashboard's header show. ``status``: the standing of a
+    job whose events the caller has just folded in (the dashboard: its thread alone feeds its monitor);
+    ``spec``: the job's, where the caller holds it (on EKS reading it is an API call)."""
     mon = job.refresh() if status is None else job.monitor
-    state, detail = job.status() if status is None else status
+    status = job.standing() if status is None else status
+    state, detail, since = status[0], status[1], status[2] if len(status) > 2 else None
     spec = spec or job.spec
     committed = mon.last_committed
+    ended_at = (mon.t_end or mon.last_event_t) if state.ended else None
     return {"name": job.name, "backend": job.backend.name, "state": state.value, "step": mon.last_step,
             "total_steps": None if spec.script else (mon.total_steps or spec.steps),
             "restarts": mon.restarts_by_level(), "goodput": compute(mon).goodput if mon.t_start else None,
             "last_checkpoint": committed.step if committed else None, "script": spec.script,
-            "ended": state.ended, "detail": detail}
+            "ended": state.ended, "detail": detail, "started_at": mon.t_start, "ended_at": ended_at,
+            "waiting_since": since}
 
 
 def list_jobs(backend: str = "local") -> list[JobRow]:
@@ -109,7 +127,7 @@ def list_jobs(backend: str = "local") -> list[JobRow]:
     rows: list[JobRow] = []
     for j in b.jobs():
         try:
-            rows.append(job_row(Job(j.name, b)) if backend in ("local", "slurm")
+            rows.append(row_cache.row_of(Job(j.name, b), job_row, JobRow) if isinstance(b, FolderJobs)
                         else summary_row(j, j.detail))
         except EksftError as e:   # one unreadable job folder hides no other job
             rows.append(summary_row(j, str(e)))
@@ -121,7 +139,8 @@ def summary_row(j: JobSummary, detail: str) -> JobRow:
     state = JobState(j.state) if j.state in set(JobState) else JobState.FAILED
     return {"name": j.name, "backend": j.backend, "state": state.value, "step": 0, "total_steps": None,
             "restarts": {level.value: 0 for level in RestartLevel}, "goodput": None, "last_checkpoint": None,
-            "script": None, "ended": state.ended, "detail": detail}
+            "script": None, "ended": state.ended, "detail": detail, "started_at": None, "ended_at": None,
+            "waiting_since": j.since}
 
 
 def status(name: str, backend: str = "local") -> JobRow:
@@ -269,45 +288,62 @@ def resume(name: str, *, step: int | None = None, new_name: str | None = None, s
     return {**job_row(new), "message": f"launched {new.name}, {new.note}"}
 
 
-def summary(name: str, backend: str = "local") -> dict[str, Any]:
-    """Steps, restarts (each with cause and downtime), checkpoints, goodput, final digest."""
-    return attach(name, backend).summary()
+def summary(name: str, backend: str = "local", **cost_options: Any) -> dict[str, Any]:
+    """Steps, restarts (each with cause and downtime), checkpoints, goodput, final digest, and what its time
+    cost (``cost_options``: price, run_for, nodes, failures_per_day; see :mod:`.cost`)."""
+    job = attach(name, backend)
+    out = job.summary()
+    p = cost.pricing(job.spec, **cost_options)
+    seconds = {k[:-2]: v for k, v in out["goodput"].items() if k.endswith("_s") and k != "wall_s"}
+    out["cost"] = cost.account(seconds, len(out["restart_events"]), job.spec.world_size, job.spec.nnodes, p)
+    out["checkpoint_floor"] = ckpt_floor.floor(job.monitor, job.spec.world_size)
+    return out
 
 
 def logs(name: str, lines: int = 200, debug: bool = False, backend: str = "local") -> str:
     return attach(name, backend).logs(lines, debug)
 
 
-def remove(name: str, backend: str = "local") -> None:
-    """Delete an ended job (its folder or workload, checkpoints included)."""
-    get_backend(backend).remove(name)
+def finished_jobs(backend: str = "local") -> list[str]:
+    """The names of the backend's ended jobs (what ``rm --finished`` removes)."""
+    return [r["name"] for r in list_jobs(backend) if r["ended"]]
 
 
-def resilience_test(spec: JobSpec, faults: str | None = None, expect: str | None = None, *,
-                    at_step: int | None = None, loss_tolerance: float | None = None,
-                    say: Callable[[str], object] = lambda text: None,
-                    on_row: Callable[[Any], object] = lambda card: None) -> dict[str, Any]:
-    """Run ``spec`` fault-free, then once per fault kind that applies (``faults``: "sigkill,hang"),
-    and check each case against ``expect``; the report card (see :mod:`.resilience.card`)."""
-    from .resilience import card, plan, run
+def remove_jobs(jobs: Sequence[tuple[str, str]]) -> list[Removal]:
+    """``rm`` of many (name, backend) pairs: each removed or refused on its own (a job still running, one
+    a running resume loads from), a refusal stopping none of the others."""
+    said: dict[tuple[str, str], EksftError | None] = {}
+    jobs = list(dict.fromkeys(jobs))   # a job named twice is removed once
+    for backend in dict.fromkeys(b for _, b in jobs):
+        names = [n for n, b in jobs if b == backend]
+        said.update(zip(((n, backend) for n in names), get_backend(backend).remove_many(names)))
+    return [{"name": n, "backend": b, "removed": said[n, b] is None,
+             "message": f"removed {n}" if said[n, b] is None else str(said[n, b])} for n, b in jobs]
 
-    tolerance = card.LOSS_TOLERANCE if loss_tolerance is None else loss_tolerance
-    if not (isinstance(tolerance, (int, float)) and 0 < tolerance < 1):
-        raise EksftError(f"--loss-tol {shown(loss_tolerance)} is not a fraction",
-                         "use e.g. --loss-tol 0.02 (2 %)")
-    return dict(run.run_test(launch, spec, plan.parse_kinds(faults), expect, at_step=at_step, say=say,
-                             on_row=on_row, tolerance=tolerance))
+
+def resilience_test(spec: JobSpec, faults: str | None = None, expect: str | None = None,
+                    **options: Any) -> dict[str, Any]:
+    """Run ``spec`` fault-free, then ``repeat`` times per fault kind that applies (``faults``:
+    "sigkill,hang"), and check each trial against ``expect``; the report card (see :mod:`.resilience.card`).
+    ``options``: those of :func:`.resilience.run.campaign` (repeat, manifest, recheck, price...)."""
+    from .resilience import run
+
+    return dict(run.campaign(launch, spec, faults, expect, **options))
 
 
 def whatif(name: str, *, ckpt_every: str | Sequence[int] | None = None, inprocess: bool | None = None,
-           ckpt_mode: str | None = None, spares: int | None = None, backend: str = "local") -> dict[str, Any]:
+           ckpt_mode: str | None = None, spares: int | None = None, backend: str = "local",
+           **cost_options: Any) -> dict[str, Any]:
     """The ETTR and time breakdown a job would have had under other settings, replayed from its
-    events, with a recommended checkpoint interval (see :mod:`.resilience.whatif`)."""
+    events, with a recommended checkpoint interval (see :mod:`.resilience.whatif`), each setting priced
+    (``cost_options``: price, run_for, nodes, failures_per_day; see :mod:`.cost`)."""
     from .resilience import whatif as model
+    from .resilience import whatif_cost
 
     job = attach(name, backend)
     settings = model.parse_settings(ckpt_every, inprocess, ckpt_mode, spares)
-    return model.replay(job.refresh(), job.spec, settings).to_dict()
+    p = cost.pricing(job.spec, **cost_options)
+    return whatif_cost.priced(model.replay(job.refresh(), job.spec, settings), job.spec, p)
 
 
 def spec_from_options(values: Mapping[str, Any], base: JobSpec | None = None,
@@ -381,6 +417,15 @@ BACKEND = arg("--backend", choices=("local", "eks", "slurm"), default="local",
                    "under $EKSFT_SHARED_DIR)",
               magic={"default": None, "help": "where the job runs (default: local, or the current job's)"})
 JSON = arg("--json", action="store_true", help="print JSON instead of text")
+COST = (arg("--price", metavar="PRICE", help="price the GPU time: an instance type (p5.48xlarge, "
+            "p5en.48xlarge, p4d.24xlarge, p4de.24xlarge, g5/g6/g6e.48xlarge, p6-b200.48xlarge: us-east-1 "
+            "on-demand), USD per instance-hour (55.04/h) or per GPU-hour (6.88/gpu-h) (default: an EKS "
+            "job's --instance-type; else GPU-hours only)"),
+        arg("--for", dest="run_for", metavar="DURATION", help="scale the losses to a run this long, e.g. 30d "
+            "(a model: it says what it assumes)"),
+        arg("--nodes", type=int, metavar="N", help="with --for: the run's nodes (default: the job's)"),
+        arg("--failures-per-day", type=float, metavar="RATE", help="with --for: the run's failures a day "
+            "(default: the job's own rate)"))
 FAULT_KINDS = ", ".join(FAULTS)
 
 ARGS: dict[str, Verb] = {v.name: v for v in (
@@ -402,7 +447,8 @@ ARGS: dict[str, Verb] = {v.name: v for v in (
     Verb("watch",
          "follow a job: the CLI its progress, the notebook its dashboard (its whole history, then live)",
          (NAME, BACKEND), magic_name="attach"),
-    Verb("summary", "steps, restarts, goodput, digest", (NAME, BACKEND, JSON)),
+    Verb("summary", "steps, restarts, goodput, digest, and what the faults and checkpoints cost",
+         (NAME, BACKEND, JSON, *COST)),
     Verb("ckpts", "checkpoints of a job: committed, incomplete, rejected", (NAME, BACKEND, JSON)),
     Verb("logs", "the job's log (library noise filtered unless --debug)", (
         NAME, BACKEND,
@@ -436,7 +482,9 @@ ARGS: dict[str, Verb] = {v.name: v for v in (
             help="wait this long for every rank to take it (default 30; 0: return once queued)"),
         JSON)),
     Verb("stop", "stop a job; nothing of it keeps running", (NAME, BACKEND)),
-    Verb("rm", "delete an ended job (its folder or workload; checkpoints included)", (NAME, BACKEND)),
+    Verb("rm", "delete ended jobs (their folders or workloads; checkpoints included); each refusal is said",
+         (arg("names", nargs="*", metavar="NAME", help="the jobs"), BACKEND,
+          arg("--finished", action="store_true", help="every ended job of the backend"))),
     Verb("test", "prove a job survives each fault: a fault-free reference run, then one job per fault kind, "
          "checked against expectations; a report card (exit code 1 when a case fails)", (
         arg("--spec", dest="spec_file", help="a YAML or JSON job spec; the spec options override it"),
@@ -450,7 +498,15 @@ ARGS: dict[str, Verb] = {v.name: v for v in (
         arg("--loss-tol", type=float, metavar="FRACTION", help="a job without a final digest: each step's "
             "loss within this fraction of the reference's (default 0.02)"),
         arg("--junit", metavar="FILE", help="also write the card as JUnit XML to FILE"),
-        JSON)),
+        arg("--repeat", type=int, default=1, metavar="N", help="run each fault kind N times, at different "
+            "steps and ranks drawn with --plan-seed; the card reports n/N per kind with the spread"),
+        arg("--plan-seed", type=int, default=0, metavar="SEED",
+            help="the seed of the trials' steps and ranks (default 0)"),
+        arg("--manifest", metavar="FILE", help="write the campaign manifest (JSON: each injection's ground "
+            "truth beside what was observed) to FILE"),
+        arg("--recheck", metavar="MANIFEST", help="run a manifest's plan again (on this or a new version of "
+            "the job: its spec, with the options given over it) and name what differs"),
+        JSON, *COST)),
     Verb("whatif", "replay a job's failures under other settings: ETTR and time breakdown per setting, and a "
          "recommended checkpoint interval", (
         NAME, BACKEND,
@@ -462,7 +518,7 @@ ARGS: dict[str, Verb] = {v.name: v for v in (
         arg("--spares", type=int, metavar="N", help="hot spare nodes (default: as the job ran)"),
         arg("--apply", action="store_true", help="set the recommended checkpoint interval on the running "
             "job, live (as `set NAME ckpt-every=N`)"),
-        JSON)),
+        JSON, *COST)),
     Verb("check", "pre-flight of a job's fault-tolerance settings: every timeout acting on it and each "
          "contradiction between them (exit code 1 when run would refuse the spec)", (
         arg("--spec", dest="spec_file", help="a YAML or JSON job spec; the spec options override it"),

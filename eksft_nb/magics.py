@@ -20,7 +20,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import MagicArgumentParser
 from IPython.display import display
 
-from . import cli, commands
+from . import cli, commands, cost
 from .commands import ARGS, MAGIC
 from .control import FaultCommand
 from .dashboard import Dashboard
@@ -37,14 +37,16 @@ LINE_USAGE = """\
 %ftrain ckpts [NAME] [--json]         checkpoints: committed, incomplete, rejected
 %ftrain resume [NAME] [--step S] [--as NEW] [--steps N]   a new job from a checkpoint, with its dashboard
 %ftrain logs [NAME] [-n LINES] [--debug]
-%ftrain summary [NAME] [--json]       restarts, goodput, final digest
+%ftrain summary [NAME] [--json] [--price p5.48xlarge] [--for 30d --nodes 16]
+                                      restarts, goodput, digest, and what faults and checkpoints cost
 %ftrain set [NAME] ckpt-every=25 keep-last=5   change live settings; every rank takes them at one step
 %ftrain stop [NAME]                   stop a job; nothing of it keeps running
-%ftrain rm NAME                       delete an ended job (its checkpoints too)
-%ftrain test [--faults K,K] [--expect "level<=injob, lost<=10"] [spec options]   a resilience report card
+%ftrain rm NAME... | --finished      delete ended jobs (their checkpoints too); each refusal is said
+%ftrain test [--faults K,K] [--expect "level<=injob, lost<=10"] [--repeat N] [--manifest F | --recheck F]
+             [spec options]           a resilience report card (n/N per kind with --repeat)
 %ftrain whatif [NAME] [--ckpt-every 5,10,20] [--no-inprocess] [--ckpt-mode sync] [--spares N] [--apply]
                                       the job's failures replayed under other settings (--apply: set
-                                      the recommended interval live)
+                                      the recommended interval live; --price, --for: in dollars)
 %ftrain check [spec options] [--from JOB]   every timeout acting on a job, and what contradicts
 %ftrain doctor [spec options]         versions here, what each supports, what a spec would be refused
 %%ftrain test [options] + code        resilience test of the cell's code
@@ -144,11 +146,13 @@ class FtrainMagics(Magics):
         if cmd == "list":
             cli.show(commands.list_jobs(backend), args.json, cli.format_list)
             return
-        if cmd == "rm":
-            if not args.name:   # never the notebook's job unless named
-                raise UsageError("rm takes the NAME of the job to delete\n  → e.g. %ftrain rm my-job")
-            commands.remove(args.name, backend)
-            print(f"removed {args.name}")
+        if cmd == "rm":   # never the notebook's job unless named
+            results = cli.removals(args.names, args.finished, backend)
+            removed = [r["message"] for r in results if r["removed"]]
+            print("\n".join(removed) or f"no ended job removed on {backend}")
+            refused = [r["message"] for r in results if not r["removed"]]
+            if refused:
+                raise UsageError("\n".join(refused))
             return
         if cmd == "set" and args.name and "=" in args.name:   # no NAME: the first word is a setting
             args.assignments, args.name = [args.name, *args.assignments], None
@@ -176,17 +180,19 @@ class FtrainMagics(Magics):
             cli.show(commands.status(name, backend), args.json, cli.format_status)
         elif cmd == "whatif":
             from .resilience.figures import whatif_figure
-            from .resilience.whatif import format_report
+            from .resilience.whatif_cost import text
 
             report = commands.whatif(name, ckpt_every=args.ckpt_every, inprocess=args.inprocess,
-                                     ckpt_mode=args.ckpt_mode, spares=args.spares, backend=backend)
-            cli.show(report, args.json, format_report)
+                                     ckpt_mode=args.ckpt_mode, spares=args.spares, backend=backend,
+                                     **cost.options_of(args))
+            cli.show(report, args.json, text)
             if not args.json:
                 display(whatif_figure(report))
             if args.apply:
                 print(commands.apply_whatif(name, backend=backend, wait=30.0)["message"])
         elif cmd == "summary":
-            cli.show(commands.summary(name, backend), args.json, cli.format_summary)
+            cli.show(commands.summary(name, backend, **cost.options_of(args)), args.json,
+                     cli.format_summary)
         else:
             cli.show(commands.checkpoints(name, backend), args.json, cli.format_checkpoints)
 
@@ -194,6 +200,7 @@ class FtrainMagics(Magics):
         """``%ftrain test`` (the job its options describe) or ``%%ftrain test`` (the cell's code): the
         narration as it runs, then the report card (and its JUnit XML with --junit)."""
         from .dashboard.figure import FigureWidget
+        from .resilience import manifest as manifests
         from .resilience.card import junit, table
         from .resilience.figures import card_figure
 
@@ -201,12 +208,15 @@ class FtrainMagics(Magics):
         if junit_path is not None and not junit_path.parent.is_dir():
             raise UsageError(f"--junit {args.junit}: folder {junit_path.parent} does not exist\n"
                              "  → create it first")
-        spec = _cell_spec(args, cell, "test").validate()
+        base, manifest = manifests.test_base(args)
+        spec = _cell_spec(args, cell, "test", base).validate()
         live = FigureWidget()   # the card's figure, redrawn after each case (its JavaScript by reference)
         display(live)
         card = commands.resilience_test(spec, args.faults, args.expect, at_step=args.at_step,
-                                        loss_tolerance=args.loss_tol, say=print,
-                                        on_row=lambda c: card_figure(c, live))
+                                        loss_tolerance=args.loss_tol, repeat=args.repeat,
+                                        plan_seed=args.plan_seed, manifest=args.manifest, recheck=manifest,
+                                        say=print, on_row=lambda c: card_figure(c, live),
+                                        **cost.options_of(args))
         card_figure(card, live)
         live.settle()   # a notebook saved now redraws the whole card, not the empty figure first shown
         if junit_path is not None:
@@ -239,9 +249,10 @@ def parse_cell(line: str, cell: str, parser: MagicArgumentParser | None = None
     return spec, commands.faults_for(spec, args.fault), args.dry_run
 
 
-def _cell_spec(args: argparse.Namespace, cell: str, verb: str) -> JobSpec:
-    """The spec a cell's options describe, not yet validated; code in the cell becomes the job's script."""
-    base = JobSpec.load(args.spec_file) if args.spec_file else None
+def _cell_spec(args: argparse.Namespace, cell: str, verb: str, base: JobSpec | None = None) -> JobSpec:
+    """The spec a cell's options describe (over ``base``: a test's --spec file or --recheck manifest's
+    spec), not yet validated; code in the cell becomes the job's script."""
+    base = base or (JobSpec.load(args.spec_file) if args.spec_file else None)
     spec = commands.spec_from_args(args, base, validate=False)
     if cell.strip():
         if spec.script:

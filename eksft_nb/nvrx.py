@@ -18,7 +18,7 @@ unbounded from 0.5. Capabilities follow the version, except the in-process tier,
 as a module: a release that drops ``nvidia_resiliency_ext.inprocess`` loses it whatever its number says.
 
 What a release cannot run of a spec is decided here, once (:meth:`NVRx.cannot_run`): a local launch asks
-it, and so does ``doctor``, the gate of an EKS pod's prepare step and of a Slurm allocation's batch shell.
+it, and so does ``doctor``, the gate of an EKS pod's prepare step and of a Slurm allocation's watcher.
 """
 
 from __future__ import annotations

@@ -197,8 +197,43 @@ def fsx_table() -> str:
     return table_of(fsx_specs())
 
 
+# ---- what GPU time costs, and what heals each fault ----------------------------------------------------
+
+def prices() -> str:
+    from eksft_nb import cost
+
+    rows = [(code(name), i.gpu, str(i.gpus), f"${i.usd_per_hour:,.4f}", f"${i.usd_per_hour / i.gpus:,.4f}")
+            for name, i in cost.PRICES.items()]
+    return (f"On-demand, Linux, {cost.PRICES_REGION}, as of {cost.PRICES_AS_OF}:\n\n"
+            + table(("--price", "GPU", "GPUs", "USD per instance-hour", "USD per GPU-hour"), rows))
+
+
+def expected_levels() -> str:
+    from eksft_nb.engines.registry import ENGINES
+    from eksft_nb.spec import JobSpec
+    from eksft_nb.states import EngineName, FaultKind
+
+    off = JobSpec().replace(**{"ft.inprocess": False})
+    columns = [(EngineName.NVRX, "NVRx, in-process on", JobSpec()),
+               (EngineName.NVRX, "NVRx, in-process off", off),
+               (EngineName.NVRX, "NVRx, a script", JobSpec(script="train.py")),
+               (EngineName.TORCHFT, "torchft", JobSpec(engine="torchft", nnodes=2, nproc_per_node=1)),
+               (EngineName.TORCHFT, "torchft, a script",
+                JobSpec(engine="torchft", nnodes=2, nproc_per_node=1, script="train.py"))]
+    rows = []
+    for kind in FaultKind:
+        cells = []
+        for engine, _, spec in columns:
+            level = ENGINES[engine].expected_level(kind.value, spec)
+            fired = kind.value in ENGINES[engine].fires(spec)
+            cells.append("(not fired)" if not fired else code(level) if level else "not said")
+        rows.append((code(kind.value), *cells))
+    return table(("fault", *(label for _, label, _ in columns)), rows)
+
+
 GENERATORS: dict[str, Callable[[], str]] = {"cli": cli, "spec-options": spec_options, "faults": faults,
-                                            "expect-keys": expect_keys, "fsx-table": fsx_table}
+                                            "expect-keys": expect_keys, "fsx-table": fsx_table,
+                                            "prices": prices, "expected-levels": expected_levels}
 
 
 # ---- Sphinx --------------------------------------------------------------------------------------

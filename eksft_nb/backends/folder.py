@@ -18,6 +18,10 @@ class FolderJobs:
     def _jd(self, name: str) -> JobDir:
         """The folder of job ``name``; an unknown name is an :class:`~eksft_nb.errors.UnknownJobError`."""
 
+    def folder(self, name: str) -> JobDir:
+        """The folder of job ``name`` (an unknown name is an :class:`~eksft_nb.errors.UnknownJobError`)."""
+        return self._jd(name)
+
     def spec(self, name: str) -> JobSpec:
         return self._jd(name).spec()
 

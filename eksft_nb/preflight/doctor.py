@@ -110,7 +110,7 @@ def diagnose(
     spec = spec or JobSpec()
     here = on_node or spec.backend == "local"
     if env is None:  # a gate on a CPU pod or node skips torch's import (seconds): what it tells needs GPUs
-        env = probe(import_torch=not on_node or on_gpu(spec))
+        env = probe(import_torch=not on_node or (on_gpu(spec) and spec.device != "cpu"))
     found: list[Finding] = []
     if here:
         found += _refusals(spec, env)
@@ -121,7 +121,7 @@ def diagnose(
                 False,
                 f"the {spec.backend} job's ranks run the NVRx of their "
                 f"{'image' if spec.backend == 'eks' else 'nodes'}, not this machine's",
-                "its prepare step (EKS) or batch shell (Slurm) runs doctor there and stops the job "
+                "its prepare step (EKS) or Slurm watcher runs doctor there and stops the job "
                 "if it cannot run; `check` says what its settings contradict",
             )
         )
@@ -171,7 +171,7 @@ def _refusals(spec: JobSpec, env: Environment) -> list[Finding]:
         found.append(Finding(True, refused.problem, refused.fix))
     if spec.ft.inprocess and x.inprocess == "missing":
         found.append(Finding(False, x.inprocess_note() or "", "--no-inprocess says so in the spec"))
-    if on_gpu(spec) and env.gpus == 0 and env.torch is not None:
+    if on_gpu(spec) and spec.device != "cpu" and env.gpus == 0 and env.torch is not None:
         found.append(
             Finding(
                 True,
@@ -186,6 +186,6 @@ def _refusals(spec: JobSpec, env: Environment) -> list[Finding]:
 
 def refusal(spec: JobSpec) -> str | None:
     """The first thing this node cannot run of ``spec``, in one line with its fix (the gate of an EKS pod's
-    prepare step and a Slurm batch shell); None when it can."""
+    prepare step and of a Slurm allocation's watcher); None when it can."""
     found = diagnose(spec, on_node=True).refusals
     return f"{found[0].problem} → {found[0].fix}" if found else None
