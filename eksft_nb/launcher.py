@@ -46,8 +46,9 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
     Without ``nvrx`` the line uses only flags every supported NVRx (0.4.1 on) takes: a pod's image
     may carry another release than the machine that renders it. With it, that release's own flags
     are added (see :meth:`NVRx.launcher_flags`; ``cycle_dir`` receives its per-cycle records).
-    ``store_elsewhere``: no launcher hosts the rendezvous store (the local supervisor does, so that
-    any node, the first included, can be lost while a hot spare takes its place).
+    ``store_elsewhere``: no launcher hosts the rendezvous store (the local supervisor, or the
+    ``nvrx-control`` it starts, does, so that any node, the first included, can be lost while a hot
+    spare takes its place).
     ``warm_python``: each worker is :mod:`.runtime.warm_shim` run by that interpreter, which turns it
     into a rank forked from the node's zygote (:mod:`.runtime.zygote`) when there is one.
     ``gpu``: the timeouts for GPU (or CPU) nodes whatever the spec says (a Slurm job without ``--gres``
@@ -60,7 +61,7 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
     term = term_timeout(spec, gpu)
     argv = [
         "ft_launcher",
-        f"--nnodes={spec.nnodes}", f"--nproc-per-node={spec.nproc_per_node}", f"--node-rank={node_rank}",
+        nnodes_flag(spec, nvrx), f"--nproc-per-node={spec.nproc_per_node}", f"--node-rank={node_rank}",
         "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_host}:{ports.rdzv}", f"--rdzv-id={rdzv_id}",
         # how often the launcher polls its workers: a dead rank is noticed within it (NVRx 0.6's default)
         f"--max-restarts={ft.max_injob_restarts}", "--monitor-interval=0.3",
@@ -84,6 +85,32 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
         argv += ["-m", SCRIPT_MODULE, *(a.replace("$", "$$") for a in (spec.script, *spec.script_args))]
     else:
         argv += ["-m", TRAINER_MODULE]
+    return argv
+
+
+def nnodes_flag(spec: JobSpec, nvrx: NVRx | None = None) -> str:
+    """``--nnodes``: the job's nodes, or ``N:N+S`` where hot spares are NVRx's own standby nodes (0.6+: the
+    first N to join train, the others wait for a lost node's place). Without ``nvrx`` (a cluster's launch
+    line: the NVRx there is checked where it runs, see :meth:`NVRx.cannot_run`) spares are standby
+    nodes; NVRx 0.4's are in its legacy rendezvous's redundancy list, with ``--nnodes=N``."""
+    if spec.spare_nodes and (nvrx is None or nvrx.spares == "standby"):
+        return f"--nnodes={spec.nnodes}:{spec.nnodes + spec.spare_nodes}"
+    return f"--nnodes={spec.nnodes}"
+
+
+def control_argv(spec: JobSpec, *, rdzv_host: str, ports: Ports, rdzv_id: str, cycle_dir: str | None = None,
+                 cycle_job: str = "") -> list[str]:
+    """``nvrx-control ...`` (NVRx 0.6+): the rendezvous's store host outside the launchers, for a job with
+    hot spares, so that any node can be lost while a spare takes its place. It closes every rendezvous
+    round (choosing the active nodes) and writes the cycle records into ``cycle_dir`` as
+    ``cycle_info.<cycle_job>.0.<cycle>``; the launchers then run with ``store_elsewhere``."""
+    argv = ["nvrx-control", f"--nnodes={spec.nnodes}:{spec.nnodes + spec.spare_nodes}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={rdzv_host}:{ports.rdzv}", f"--rdzv-id={rdzv_id}",
+            "--ft-enable-log-server=false"]
+    if loopback_address(rdzv_host):
+        argv.append(f"--local-addr={rdzv_host}")
+    if cycle_dir:
+        argv += [f"--ft-cycle-info-dir={cycle_dir}", f"--ft-cycle-info-job-id={cycle_job or rdzv_id}"]
     return argv
 
 

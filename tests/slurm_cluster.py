@@ -23,15 +23,15 @@ from pathlib import Path
 import psutil
 
 
-def node_names() -> tuple[str, str] | None:
+def node_names(count: int = 2) -> tuple[str, ...] | None:
     """The nodes' names: the first node of an allocation is reached by its name, so the first is this
-    host's name (containers and CI runners resolve it to loopback), the second sorts after it."""
+    host's name (containers and CI runners resolve it to loopback), the others sort after it."""
     host = socket.gethostname()
     try:
         ok = host != "localhost" and socket.gethostbyname(host).startswith("127.")
     except OSError:
         ok = False
-    return (host, f"{host}-2") if ok else None
+    return (host, *(f"{host}-{i}" for i in range(2, count + 1))) if ok else None
 
 
 @dataclass
@@ -94,7 +94,7 @@ GPU_PARTITION = "gpus"
 SECOND_PARTITION = "second"   # the second node alone: its name need not resolve (an allocation's first node)
 
 
-def config(d: Path, ports: list[int], names: tuple[str, str]) -> str:
+def config(d: Path, ports: list[int], names: tuple[str, ...]) -> str:
     """A requeued job may start ``cred_expire`` s after its requeue (Slurm's rule), and only the main
     scheduler's periodic pass starts it then (the backfill's skips a pass when no job or node changed): that
     pass runs every second, not every 60 s (which added up to a minute to each requeue of the tests).
@@ -146,22 +146,22 @@ def gres(d: Path) -> str:
 
 
 @contextmanager
-def slurm_cluster(base: Path) -> Iterator[SlurmCluster]:
-    """Start slurmctld and two slurmd in ``base``; on exit cancel every job, wait for them to end and
+def slurm_cluster(base: Path, nodes: int = 2) -> Iterator[SlurmCluster]:
+    """Start slurmctld and ``nodes`` slurmd in ``base``; on exit cancel every job, wait for them to end and
     stop the daemons by pid."""
     import pytest
 
     if shutil.which("slurmctld") is None or os.geteuid() != 0:
         pytest.skip("needs Debian's slurm-wlm (`make slurm`) and root (the daemons run as root, "
                     "without munge)")
-    names = node_names()
+    names = node_names(nodes)
     if names is None:
         pytest.skip("needs a host name that resolves to loopback (the second node's name; see /etc/hosts)")
     d = base / "slurm"
     for sub in ("state", "log"):
         (d / sub).mkdir(parents=True)
     conf = d / "slurm.conf"
-    conf.write_text(config(d, _free_ports(5), names))
+    conf.write_text(config(d, _free_ports(3 + len(names)), names))   # slurmctld, slurmd, GPU node, nodes
     (d / "gres.conf").write_text(gres(d))
     shared = base / "shared"
     shared.mkdir()

@@ -18,6 +18,8 @@ import psutil
 import pytest
 from eks_kube import Controllers, Kube, replay_cluster
 
+import nvrx_releases as releases
+
 from eksft_nb import commands
 from eksft_nb.backends.eks import EksBackend, names
 from eksft_nb.control import parse_fault
@@ -57,6 +59,8 @@ def pods_processes(root: Path, job: str) -> list[str]:
 @pytest.fixture
 def cluster(tmp_path: Path,
             monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Kube, EksBackend, Controllers]]:
+    releases.use(releases.NEWEST, monkeypatch)   # the pods' image has the newest NVRx (nvrx_releases)
+    monkeypatch.setenv("NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE", "1")
     with replay_cluster(tmp_path, monkeypatch, mount_checkpoints=True) as made:
         yield made
 
@@ -91,6 +95,9 @@ def test_rendered_pods_train_survive_a_sigkill_and_resume(
     assert (restart["level"], restart["cause"], restart["blame_rank"], restart["resumed_step"]) == (
         "injob", "injected sigkill on rank 1", 1, 8)
     assert mon.resumes[-1]["path"] == "/checkpoints/replay/ckpt/step_00000008"   # as the pods see it
+    # the pods' NVRx wrote its cycle records into the job folder (the flags their image's NVRx takes, added
+    # in the pod), and rank 0 relayed them through its log: the restart names the cycle NVRx began
+    assert sorted(mon.nvrx_cycles) == [(0, 0), (0, 1)] and restart["nvrx_cycle"] == 1, mon.nvrx_cycles
     # warm ranks: each pod's entry started its zygote, and every rank it ran, the in-job restart's
     # included, was forked by that pod's zygote (pods are told apart by their log files)
     for pod in sorted(ctl.root.glob("replay-[0-9]-*.log")):

@@ -22,9 +22,10 @@ from eksft_nb.events import make
 from eksft_nb.goodput import missing_batches
 from eksft_nb.monitor import JobMonitor
 from eksft_nb.resilience import expect, plan
-from eksft_nb.resilience.card import Row, junit, state_check, table
+from eksft_nb.resilience.card import Row, inprocess_note, junit, state_check, table
 from eksft_nb.spec import JobSpec
 from eksft_nb.states import FaultKind
+import nvrx_releases as releases
 from jobs import cli, events, job_dir, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -237,10 +238,11 @@ def run_test(name: str, *args: str, tmp: Path,
 
 
 def test_the_built_in_trainer_heals_every_trial_of_each_fault_and_the_card_scores_them(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The one real campaign of the suite (CI time): 2 kinds x 2 seeded trials, a manifest and a price."""
     from eksft_nb.resilience import manifest
 
+    releases.use(releases.NEWEST, monkeypatch)   # the card's jobs run on the newest NVRx (nvrx_releases)
     kept = tmp_path / "campaign.json"
     rc, card, narration, failures = run_test(
         "rt", "--steps", "40", "--ckpt-every", "5", "--faults", "sigkill,exception", "--repeat", "2",
@@ -291,6 +293,12 @@ def test_the_built_in_trainer_heals_every_trial_of_each_fault_and_the_card_score
     redrawn = plan.draw(m.spec, "rt", [FaultKind(k) for k in m.kinds], m.window, m.repeat, m.seed)
     assert [(c.kind.value, c.step, c.faults[0].rank) for c in redrawn] == \
         [(t.kind, t.injections[0].step, t.injections[0].rank) for t in m.trials]
+    # in-process restart on an NVRx that deprecates it: what in-job restart, its way forward, cost here
+    mean = {k: sum(trials[(k, n)]["downtime_s"] for n in (1, 2)) / 2 for k in ("sigkill", "exception")}
+    assert card["note"] == (f"NVRx {releases.NEWEST} deprecates in-process restart (inprocess.Wrapper): an "
+                            f"in-job restart took {mean['sigkill']:.2f}s here, an in-process one "
+                            f"{mean['exception']:.2f}s (--no-inprocess: every recovery in-job)")
+    assert card["note"] in narration
 
 
 def test_a_job_that_never_checkpoints_fails_the_card_with_the_reason(tmp_path: Path) -> None:
@@ -334,10 +342,11 @@ NVRX_EXAMPLES = os.environ.get("EKSFT_NVRX_EXAMPLES")
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)   # nine real jobs, each about a minute on 2 busy cores
-@pytest.mark.skipif(not NVRX_EXAMPLES, reason="set EKSFT_NVRX_EXAMPLES to the examples/ folder of the "
-                    "installed NVRx release (not shipped here; see README)")
+@pytest.mark.skipif(not NVRX_EXAMPLES, reason="set EKSFT_NVRX_EXAMPLES to the examples/ folder of NVRx "
+                    "0.7.0's repository (not in its wheel, not shipped here; see docs/nvrx-versions.md)")
 def test_nvrx_heartbeats_example_unmodified_passes_every_applicable_fault(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    releases.use(releases.NEWEST, monkeypatch)
     # NVRx's own example, as its release ships it: it saves checkpoint.pt into --output_dir at each epoch's
     # end (100 steps of 2 ranks x batch 8) and resumes from it, and reports neither loss nor digest
     script = Path(str(NVRX_EXAMPLES)) / "fault_tolerance" / "train_ddp_heartbeats_api.py"
@@ -364,6 +373,23 @@ def test_nvrx_heartbeats_example_unmodified_passes_every_applicable_fault(
     assert rc == 0 and card["passed"] and card["problem"] == ""
     assert failures == {k: [] for k in applicable}   # the JUnit XML: every case a testcase, none failed
     assert (tmp_path / "nvhb-ref" / "out" / "checkpoint.pt").is_file()
+
+
+def test_the_card_says_what_in_job_restart_costs_where_nvrx_deprecates_in_process() -> None:
+    def row(case: str, level: str, downtime: float) -> dict:
+        return {"case": case, "level": level, "downtime_s": downtime}
+
+    both = [row("exception", "inprocess", 1.0), row("sigkill", "injob", 6.0), row("hang", "injob", 8.0)]
+    assert inprocess_note("0.4.1", True, both) == "" and inprocess_note(None, True, both) == ""
+    assert inprocess_note("0.7.0", False, both) == ""   # in-process restart was off: nothing to say
+    assert inprocess_note("0.6.0", True, both) == (
+        "NVRx 0.6.0 deprecates in-process restart (inprocess.Wrapper): an in-job restart took 7.00s here, an "
+        "in-process one 1.00s (--no-inprocess: every recovery in-job)")
+    assert inprocess_note("0.7.0", True, both[:1]).endswith(
+        "what an in-job restart costs instead was not measured here (a sigkill case measures it)")
+    card = {"job": "j", "expect": [], "reference": {}, "rows": [], "skipped": {}, "problem": "",
+            "passed": False, "note": inprocess_note("0.7.0", True, both)}
+    assert table(card).splitlines()[-1] == f"  note: {card['note']}"
 
 
 def test_the_cards_figure_stacks_each_cases_downtime_by_phase() -> None:

@@ -20,6 +20,8 @@ from jobs import wait_for
 from slurm_cluster import (GPU_NODE, GPU_PARTITION, SECOND_PARTITION, SlurmCluster, free_base,
                            slurm_cluster)
 
+import nvrx_releases as releases
+
 from eksft_nb import commands
 from pathlib import Path
 
@@ -98,6 +100,11 @@ def test_a_slurm_spec_needs_a_shared_folder_and_plain_sbatch_values() -> None:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     with slurm_cluster(tmp_path_factory.mktemp("slurm")) as c:
+        # the Slurm matrix runs on the newest NVRx (nvrx_releases): the jobs' environment (sbatch passes the
+        # submitter's on) imports it; two "nodes" on one machine share an address, which NVRx 0.7 allows only
+        # when told it is a simulation
+        c.env.update(releases.env(releases.NEWEST, {"PYTHONPATH": c.env.get("PYTHONPATH", "")}))
+        c.env["NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE"] = "1"
         yield c
 
 
@@ -151,7 +158,10 @@ def test_a_job_runs_on_two_slurm_nodes_and_reads_as_a_local_one(cluster: SlurmCl
     events = read_all(folder / "events.jsonl")
     starts = [e for e in events if e.kind == "rank_start"]
     assert sorted(e.rank for e in starts) == [0, 1]
-    assert [e.kind for e in events if e.rank is None and e.kind != "warning"] == ["job_start", "job_end"]
+    # the watcher's own events: the job's start and end, and NVRx's record of its one worker-group cycle
+    assert [e.kind for e in events if e.rank is None and e.kind not in ("warning", "nvrx_cycle")] == \
+        ["job_start", "job_end"]
+    assert {e["cycle"] for e in events if e.kind == "nvrx_cycle"} == {0}
     # the one warning: the test cluster's KillWait (5 s) is shorter than a drain's save may take
     assert [e["what"] for e in events if e.kind == "warning"] == ["slurm-killwait"]
     row = status(cluster, "reference")
@@ -171,8 +181,9 @@ def test_a_job_runs_on_two_slurm_nodes_and_reads_as_a_local_one(cluster: SlurmCl
 
 
 def _kernel_sees(cluster: SlurmCluster, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernel (this process) talks to the test's cluster: its slurm.conf and commands."""
-    for key in ("SLURM_CONF", "PATH"):
+    """The kernel (this process) talks to the test's cluster: its slurm.conf and commands; the jobs it
+    submits run on the cluster's NVRx."""
+    for key in ("SLURM_CONF", "PATH", "PYTHONPATH", "NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE"):
         monkeypatch.setenv(key, cluster.env[key])
 
 

@@ -200,15 +200,16 @@ def test_young_daly_from_the_measured_costs() -> None:
     assert rec["text"] == f"every 6 steps: {rec['gain_points']:+.1f} points ETTR (now every 5)"
 
 
-@pytest.mark.parametrize("version, pays", [("0.4.1", True), ("0.6.0", False)])
+@pytest.mark.parametrize("version, pays", [("0.4.1", True), ("0.5.0", False), ("0.7.0", True)])
 def test_spares_get_no_figure_where_the_jobs_nvrx_cannot_hand_a_node_over(version: str, pays: bool) -> None:
-    """NVRx 0.5+'s barrier rendezvous closes the job when a spare joins: a row with spares says so and has
-    no ETTR, whether the job ran with a spare or not; the recommendation never carries one."""
+    """NVRx 0.5's barrier rendezvous closes the job when a spare joins (0.4 hands a node over through
+    eksft's supervisor, 0.6+ through its own standby nodes): a row with spares says so and has no ETTR,
+    whether the job ran with a spare or not; the recommendation never carries one."""
     for as_run in (0, 1):
         report = replay(stream(nvrx=version), spec(spares=as_run), Settings((5, 10), spares=1)).to_dict()
         for row in report["rows"]:
             assert (row["ettr"] is not None) == pays, row
-            assert ("hot spares do not pay off with this job's NVRx: NVRx 0.6.0" in row["why"]) == (
+            assert ("hot spares do not pay off with this job's NVRx: NVRx 0.5.0" in row["why"]) == (
                 not pays), row
         assert "spare" not in report["recommendation"]["text"]
     if not pays:
@@ -518,3 +519,25 @@ def test_the_plot_leaves_out_what_cannot_be_estimated() -> None:
     report = replay(stream(level="inprocess"), spec(), Settings((5, 10), inprocess=False)).to_dict()
     fig = whatif_figure(report)
     assert list(fig.data[0].x) == [] and "2 setting(s) cannot be estimated" in fig.layout.title.text
+
+
+@pytest.mark.parametrize("version", ["0.4.1", "0.7.0", None])
+def test_in_process_restart_on_an_nvrx_that_deprecates_it_is_priced_as_in_job(version: str | None) -> None:
+    """NVRx 0.6+ deprecates in-process restart: a job that used it gets one line on what in-job restart,
+    NVRx's way forward, would have cost it (its measured in-job recovery); on 0.4.1 or an unknown NVRx,
+    nothing."""
+    mon = stream(level="inprocess", downtime=0.5, wrapper=(1.5, 0.6, 1.2), nvrx=version)
+    mon.update([make("restart", "j", t=mon.t_end - 1, level="injob", cause="x", blame_rank=0,
+                     fault_time=mon.t_end - 5, detection_s=1.0, downtime_s=4.0, rolled_back_steps=2,
+                     resumed_step=15)])
+    report = replay(mon, spec(), Settings((5,))).to_dict()
+    text = format_report(report)
+    off = report["measured"].get("without_inprocess")
+    if version != "0.7.0":
+        assert off is None and "deprecates in-process" not in text
+        return
+    assert off["setting"]["inprocess"] is False and off["ettr"] is not None and off["nvrx"] == "0.7.0"
+    assert off["terms"]["restart_downtime"] == pytest.approx(4.0 + 4.0)   # both recoveries at in-job's cost
+    points = 100 * (off["ettr"] - report["measured"]["predicted_as_run"]["ettr"])
+    assert (f"NVRx 0.7.0 deprecates in-process restart; in-job restart instead (--no-inprocess): "
+            f"{100 * off['ettr']:.1f}% ETTR ({points:+.1f} points)") in text.splitlines()

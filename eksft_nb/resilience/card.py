@@ -15,6 +15,7 @@ from ..events import RESTART_PHASES, Event
 from ..goodput import missing_batches
 from ..incidents import phases_text
 from ..monitor import JobMonitor
+from ..nvrx import NVRx
 from ..states import JobState
 from .expect import LEVELS, Expectation
 from .ledger import final_loss, recovery
@@ -62,6 +63,26 @@ class Card(TypedDict, total=False):
     kinds: list[Any]           # scoring.KindRow per kind that applies
     plan: dict[str, Any]       # seed, repeat, window, plan_id, manifest
     cost: dict[str, Any]       # the pricing, the reference's checkpoints, the scaled model
+    note: str   # about the whole card: what in-job restart costs where NVRx deprecates in-process ("": none)
+
+
+def inprocess_note(nvrx_version: str | None, inprocess: bool, rows: Sequence[Row]) -> str:
+    """Where the job used in-process restart on an NVRx that deprecates it (0.6+): what in-job restart,
+    NVRx's way forward, costs instead, as this card measured it (its cases healed in-job)."""
+    if not inprocess or not nvrx_version or NVRx(nvrx_version).inprocess != "deprecated":
+        return ""
+
+    def mean(level: str) -> float | None:
+        took = [r["downtime_s"] for r in rows if r["level"] == level and r["downtime_s"] is not None]
+        return sum(took) / len(took) if took else None
+
+    injob, inprocess_s = mean("injob"), mean("inprocess")
+    said = f"NVRx {nvrx_version} deprecates in-process restart (inprocess.Wrapper): "
+    if injob is None:
+        return said + ("what an in-job restart costs instead was not measured here (a sigkill case "
+                       "measures it)")
+    also = f", an in-process one {inprocess_s:.2f}s" if inprocess_s is not None else ""
+    return said + f"an in-job restart took {injob:.2f}s here{also} (--no-inprocess: every recovery in-job)"
 
 
 def state_check(case: JobMonitor, reference: JobMonitor,
@@ -281,6 +302,8 @@ def table(card: Card) -> str:
         lines += [f"      why: {w}" for w in r["why"]]
     lines += [f"  skipped {k}: {why}" for k, why in card["skipped"].items()]
     lines += cost_lines(card)
+    if card.get("note"):
+        lines.append(f"  note: {card['note']}")
     return "\n".join(lines)
 
 

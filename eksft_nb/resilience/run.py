@@ -82,7 +82,7 @@ def run_test(launch: Callable[..., object], spec: JobSpec, kinds: Sequence[Fault
                          "choose another --name, or remove them with `python -m eksft_nb rm NAME`")
     folders = _work_folders(spec, backend.name, names)
     card: cards.Card = {"job": spec.name, "expect": [c.text for c in checks], "reference": {}, "rows": [],
-                        "skipped": {}, "problem": "", "passed": False, "kinds": [],
+                        "skipped": {}, "problem": "", "passed": False, "note": "", "kinds": [],
                         "plan": {"seed": seed, "repeat": repeat, "window": None, "plan_id": None,
                                  "recheck": recheck.plan_id if recheck is not None else None,
                                  "manifest": str(manifest) if manifest else None},
@@ -159,6 +159,9 @@ def run_test(launch: Callable[..., object], spec: JobSpec, kinds: Sequence[Fault
         scored()
         on_row(card)
     scored()
+    card["note"] = cards.inprocess_note(ref.nvrx, spec.ft.inprocess, card["rows"])
+    if card["note"]:
+        say(card["note"])
     return card
 
 

@@ -29,7 +29,7 @@ The model, term by term (``N`` useful steps, ``t`` clean step time, ``k`` the in
 
 A setting whose effect needs a recovery or a save this job never showed gets no figure, and the
 reason instead; so does one that cannot pay off with the job's NVRx (hot spares where its barrier
-rendezvous closes the job when a spare joins, see :attr:`eksft_nb.nvrx.NVRx.spares_refused`). The
+rendezvous closes the job when a spare joins, NVRx 0.5: see :attr:`eksft_nb.nvrx.NVRx.spares_refused`). The
 recommended interval is Young/Daly's, tau = sqrt(2 C (M + R)) - C (C: the cost of a save, M: the mean time
 between failures, R: a recovery's downtime), never shorter than the detection latency.
 
@@ -525,6 +525,10 @@ def replay(mon: JobMonitor, spec: JobSpec, settings: Settings = Settings(),
     measured = {"ettr": round(gp.goodput, 5),
                 "terms": {c: round(v, 4) for c, v in gp.seconds().items() if c in TERMS},
                 "wall_s": round(gp.wall_s, 3), "predicted_as_run": base.to_dict()}
+    if as_run.inprocess and inp.nvrx and NVRx(inp.nvrx).inprocess == "deprecated":
+        # in-process restart on an NVRx that deprecates it: what in-job restart, its way forward, costs
+        measured["without_inprocess"] = {"nvrx": inp.nvrx,
+                                         **predict(inp, as_run, replace(as_run, inprocess=False)).to_dict()}
     return Report(mon.name or spec.name, as_run, measured, inp, rows, rec)
 
 
@@ -551,6 +555,12 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(_row_line(r["label"], r["ettr"], r["wall_s"], r["terms"])
                          + f"   ({r['saves']} saves, {r['lost_steps']} steps lost)")
         lines += [f"      {n}" for n in r["notes"]]
+    if off := m.get("without_inprocess"):
+        known = off["ettr"] is not None and as_run["ettr"] is not None
+        cost = (f"{100 * off['ettr']:.1f}% ETTR ({100 * (off['ettr'] - as_run['ettr']):+.1f} points)" if known
+                else f"cannot estimate: {off['why']}")
+        lines.append(f"NVRx {off['nvrx']} deprecates in-process restart; in-job restart instead "
+                     f"(--no-inprocess): {cost}")
     rec = report["recommendation"]
     lines.append(f"recommended: {rec['text']}")
     if rec.get("formula"):

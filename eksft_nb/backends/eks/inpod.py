@@ -5,15 +5,17 @@
 - ``prepare``: the init container. Creates the job folder on the shared volume (as a local job's
   folder) and queues the faults scheduled at launch; refuses a folder left by a different job of
   the same name, so checkpoints never mix, and, on an EFA pod, an image without the EFA provider or
-  aws-ofi-nccl (see :mod:`.efa`), and an image whose NVRx, torch or GPUs cannot run the spec
-  (:mod:`eksft_nb.preflight.doctor`). A refusal exits with ``failures.CONFIG_ERROR``, which fails the job.
+  aws-ofi-nccl (see :mod:`.efa`), and an image whose NVRx, torch or GPUs cannot run the spec as rendered
+  (:mod:`eksft_nb.preflight.doctor`; hot spares are NVRx 0.6+'s standby nodes: ``NVRx.cannot_run``). A
+  refusal exits with ``failures.CONFIG_ERROR``, which fails the job.
 - ``inject JSON``: queue a fault command (the control plane execs this).
 - ``ckpts``: the job's checkpoints, as JSON.
 - ``signal RANK SIGNAL``: signal a rank, if it runs in this pod (exit 3 if it does not).
 - ``set JSON``: queue a live settings change for the ranks (``settings``: print the ones in force).
 - ``launch ft_launcher ARGS...``: the trainer container's command when the spec keeps warm ranks
   (``ft.warm_ranks``): starts the pod's zygote (:mod:`eksft_nb.runtime.zygote`), then becomes
-  ``ft_launcher ARGS...`` with the warm shim, as installed in this image, as its worker.
+  ``ft_launcher ARGS...`` with the warm shim, as installed in this image, as its worker, and the flags
+  only this image's NVRx takes (its cycle records into the job folder).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ... import nvrx
 from ...checkpoint_folders import list_checkpoints
 from ...control import FaultCommand, submit
 from ... import settings
@@ -188,11 +191,22 @@ def launch(argv: list[str]) -> int:
     _wait_listening(name, zygote)
     os.environ[SOCKET_ENV], os.environ[ZYGOTE_ENV] = name, str(zygote.pid)
     try:
-        os.execvp(argv[0], [*argv[:at], *warm_worker(sys.executable), *argv[at:]])
+        os.execvp(argv[0], [*argv[:at], *_release_flags(argv), *warm_worker(sys.executable), *argv[at:]])
     except OSError as e:   # the zygote dies with this process
         print(f"eksft: error: cannot run {argv[0]} ({e.strerror}): the image needs it on PATH",
               file=sys.stderr)
     return CONFIG_ERROR
+
+
+def _release_flags(argv: list[str]) -> list[str]:
+    """The flags only this image's NVRx takes (see ``NVRx.launcher_flags``: its cycle records go into the
+    job folder, read back by rank 0, see ``Session.rank_start``), unless the launch line has them (a
+    Slurm node's: its watcher added them)."""
+    found = nvrx.installed()
+    if found is None or any(a.startswith(("--ft-cycle-info-dir", "--ft-max-no-progress-cycles"))
+                            for a in argv):
+        return []
+    return found.launcher_flags(str(Path(os.environ["EKSFT_JOB_DIR"]) / "logs" / "nvrx"))
 
 
 def _wait_listening(name: str, zygote: subprocess.Popen, timeout: float = 30.0) -> None:

@@ -56,9 +56,8 @@ class LocalBackend(FolderJobs, Backend):
         if not launching:
             return spec
         found = nvrx.require()  # the supervisor, launchers and ranks import the NVRx this process finds
-        if spec.spare_nodes and (why := found.spares_refused):
-            raise JobError(f"--spare-nodes {spec.spare_nodes}: {why}",
-                           "use --spare-nodes 0 (a lost node is then a job restart), or NVRx 0.4.1")
+        if (refused := found.cannot_run(spec)) is not None:
+            raise refused
         if not spec.script:
             return spec
         if not Path(spec.script).is_file():

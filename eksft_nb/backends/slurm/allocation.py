@@ -35,9 +35,11 @@ from typing import Any
 from ... import nvrx
 from ...errors import EksftError
 from ...events import EventTail, EventWriter
-from ...incidents import ANY_NODE, Incidents
+from ...incidents import ANY_NODE, NODE_FAULT_WINDOW_S, Incidents
 from ...jobdir import JobDir
+from ...launcher import Ports, control_argv, worker_index
 from ...monitor import JobMonitor
+from ...nvrx_cycles import CycleRecord, read_cycle_records
 from ...preflight.doctor import refusal
 from ...spec import MAX_SPEC_BYTES, JobSpec
 from ...states import ACTIVE, JobState, RestartLevel
@@ -49,6 +51,7 @@ from .notices import WAITING, Networks, Waiting, grace_warnings
 from .render import DRAIN_SIGNAL, REQUEUE_EXIT, STOP_MARK, efa_on, grace_s
 
 POLL_S = 0.2
+CONTROL_MODULE = "nvidia_resiliency_ext.fault_tolerance.control_plane"   # nvrx-control (NVRx 0.6+)
 _LOG = re.compile(r"launcher-(\d+)-(\d+)\.log$")
 # srun's word on a task that did not exit on its own (the node failed, or its launcher was killed)
 _NODE_LOST = re.compile(r"srun: error: (?:Node failure on ([\w.-]+)|([\w.-]+): task \d+: (?!Exited)\w)")
@@ -79,6 +82,10 @@ class Watcher:
         self.net_failure: str | None = None
         endpoint = next((a.split("=", 1)[1] for a in srun if a.startswith("--rdzv-endpoint=")), "")
         self.waiting = Waiting(jd.path / WAITING, self.attempt, endpoint) if endpoint else None
+        self.nvrx = nvrx.installed()   # the nodes' (one environment for the allocation's nodes)
+        self.control: subprocess.Popen | None = None   # nvrx-control, the store host of NVRx's standby spares
+        self.cycle_dir = jd.logs / "nvrx" / f"attempt-{self.attempt}"   # NVRx 0.6+'s cycle records
+        self.cycles_seen: dict[int, CycleRecord] = {}
 
     # ---- the run ---------------------------------------------------------------------------------
     def run(self) -> int:
@@ -135,6 +142,9 @@ class Watcher:
         return self._supervise()
 
     def _supervise(self) -> int:
+        self.srun = self._with_release_flags(self.srun)
+        if self.spec.spare_nodes:
+            self._start_control()
         step = subprocess.Popen(self.srun, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                 errors="replace")
         reader = threading.Thread(target=self._srun_errors, args=(step,), daemon=True)
@@ -147,6 +157,7 @@ class Watcher:
         if step.poll() is None:   # gave up: end the step (Slurm ends its processes on every node)
             step.terminate()
         code = step.wait()
+        self._end_control()
         reader.join(timeout=5)
         self._pump()
         if self.waiting is not None:
@@ -182,6 +193,51 @@ class Watcher:
         if self.waiting is not None:
             self.waiting.end()
         return 0 if state == JobState.SUCCEEDED else 1
+
+    def _with_release_flags(self, srun: list[str]) -> list[str]:
+        """The step's command with the flags only this NVRx takes (the nodes' and the batch host's are one
+        environment), which a render for any node cannot know: the cycle records' folder, progress cut-off."""
+        at = worker_index(srun)
+        flags = self.nvrx.launcher_flags(str(self.cycle_dir)) if self.nvrx is not None else []
+        return srun if at is None else [*srun[:at], *flags, *srun[at:]]
+
+    def _start_control(self) -> None:
+        """NVRx's nvrx-control on this node (the allocation's first): the store host of the rendezvous the
+        launchers join (their line says ``is_host=false``), at the endpoint and id their line names, writing
+        the cycle records. Its own session: Slurm's signals to the step do not reach it; it ends with the
+        rendezvous (or :meth:`_end_control`)."""
+        given = dict(a[2:].split("=", 1) for a in self.srun
+                     if a.startswith(("--rdzv-endpoint=", "--rdzv-id=")))
+        host, _, port = given.get("rdzv-endpoint", "").rpartition(":")
+        if not host or not port.isdigit() or "rdzv-id" not in given:
+            return
+        argv = control_argv(self.spec, rdzv_host=host, ports=Ports.from_base(int(port)),
+                            rdzv_id=given["rdzv-id"], cycle_dir=str(self.cycle_dir),
+                            cycle_job=os.environ.get("SLURM_JOB_ID") or self.spec.name)
+        with open(self.jd.logs / f"nvrx-control-{self.attempt}.log", "ab") as out:
+            self.control = subprocess.Popen([sys.executable, "-m", CONTROL_MODULE, *argv[1:]], stdout=out,
+                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            start_new_session=True)
+
+    def _end_control(self) -> None:
+        if self.control is None:
+            return
+        self.control.terminate()   # it saves nothing: the rendezvous ends with the step
+        try:
+            self.control.wait(10)
+        except subprocess.TimeoutExpired:
+            self.control.kill()
+            self.control.wait()
+
+    def _read_cycle_records(self) -> None:
+        """NVRx's record of each worker-group cycle (0.6+) as ``nvrx_cycle`` events, as the local supervisor
+        folds them: written by the store host into the shared job folder."""
+        if self.nvrx is None or not self.nvrx.cycle_records:
+            return
+        for record in read_cycle_records(self.cycle_dir):
+            if self.cycles_seen.get(record.cycle) != record:
+                self.cycles_seen[record.cycle] = record
+                self.events.emit("nvrx_cycle", attempt=self.attempt, **record.fields())
 
     # ---- drains ----------------------------------------------------------------------------------
     def _drain(self) -> None:
@@ -249,7 +305,8 @@ class Watcher:
             return None
         if self.incidents.give_up:
             return JobState.FAILED, self.incidents.give_up
-        if code == 0 and finished:
+        if finished and (code == 0 or self.spec.spare_nodes):
+            # with hot spares a lost node's launcher sets the step's exit status; a spare finished its work
             return JobState.SUCCEEDED, ("the script exited 0 on every rank" if self.spec.script
                                         else f"all {self.spec.steps} steps done")
         if code == 0:
@@ -353,7 +410,8 @@ class Watcher:
 
     def _pump(self) -> None:
         """The ranks' new events and the launchers' new log lines, folded in by time (as the supervisor
-        does)."""
+        does), and NVRx's cycle records."""
+        self._read_cycle_records()
         events = self.tail.read()
         lines = sorted(((seen.at, node, seen) for node, seen in self._launcher_lines()), key=lambda x: x[0])
         for e in events:
@@ -418,6 +476,15 @@ class Watcher:
         if (seen.kind == "worker_failed" and seen.exitcode == -signal.SIGTERM
                 and not any(f["fault"] == "sigterm" for f in self.incidents.recent_faults)):
             # Slurm ending the step (a lost node's peers, scancel) terminates the ranks: not an in-job failure
+            return
+        node_lost = any(f.get("node") is not None and 0 <= seen.at - f["t"] < NODE_FAULT_WINDOW_S
+                        for f in self.mon.faults)
+        if seen.kind == "worker_failed" and self.spec.spare_nodes and node_lost:
+            # the survivors of a node lost on purpose restart in-job, and NVRx's standby node joins them
+            # (their ranks' exits are that one incident's)
+            if self.incidents.incident is None:
+                self.incidents.node_failed("its ft_launcher was lost; a hot spare took its place", seen.at,
+                                           level=RestartLevel.INJOB)
             return
         rank = next((r for r, p in self.mon.rank_pids.items() if p == seen.pid),
                     node * self.spec.nproc_per_node + seen.local_rank)

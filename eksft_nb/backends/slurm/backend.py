@@ -69,14 +69,12 @@ class SlurmBackend(FolderJobs, Backend):
 
     # ---- launch -------------------------------------------------------------------------------
     def check(self, spec: JobSpec, launching: bool = True) -> JobSpec:
-        """No script or spares yet, GPUs and ranks that fit (:mod:`.checks`), and (``launching``) the shared
-        folder mounted here."""
+        """No script yet, GPUs and ranks that fit (:mod:`.checks`), and (``launching``) the shared folder
+        mounted here. Hot spares are NVRx's standby nodes: the NVRx on the nodes is checked where it runs (the
+        watcher's doctor gate, see ``allocation``)."""
         if spec.script:
             raise JobError("--script is not supported on Slurm yet",
                            "run the built-in trainer, or use --backend local")
-        if spec.spare_nodes:
-            raise JobError("--spare-nodes is not supported on Slurm yet (a lost node is a requeue there)",
-                           "use --spare-nodes 0, or --backend local")
         checks.check(spec, launching)
         shared = Path(str(spec.slurm.shared_dir))
         if launching and not shared.is_dir():
@@ -90,7 +88,7 @@ class SlurmBackend(FolderJobs, Backend):
         return engine_parts.of(spec).render(spec)
 
     def launch(self, spec: JobSpec, faults: list[FaultCommand] | None = None) -> None:
-        assert spec.backend == self.name and not spec.script and not spec.spare_nodes
+        assert spec.backend == self.name and not spec.script
         jd = job_dir(spec)
         job_uid = new_job_uid()
         script = engine_parts.of(spec).render(spec, job_uid)

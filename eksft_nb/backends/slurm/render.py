@@ -56,7 +56,7 @@ def job_dir(spec: JobSpec) -> JobDir:
 def directives(spec: JobSpec) -> list[str]:
     """The ``#SBATCH`` lines every engine's script has."""
     s, jd = spec.slurm, job_dir(spec)
-    lines = [directive("--job-name", spec.name), directive("--nodes", str(spec.nnodes)),
+    lines = [directive("--job-name", spec.name), directive("--nodes", str(spec.nnodes + spec.spare_nodes)),
              directive("--ntasks-per-node", "1"),
              directive("--output", filename(str(jd.logs)) + "/slurm-%j.out"),
              directive("--open-mode", "append"),
@@ -67,6 +67,8 @@ def directives(spec: JobSpec) -> list[str]:
             lines.append(directive(f"--{flag}", getattr(s, flag)))
     if s.exclusive:
         lines.append(directive("--exclusive"))
+    if spec.spare_nodes:   # a failed node leaves the allocation (and the step) running: a spare replaces it
+        lines.append(directive("--no-kill"))
     cpus = s.cpus_per_task or (None if s.exclusive else spec.nproc_per_node * spec.threads_per_rank + 1)
     if cpus:
         lines.append(directive("--cpus-per-task", str(cpus)))
@@ -124,8 +126,11 @@ def gpu_environment(spec: JobSpec) -> dict[str, str]:
 def launch_words(spec: JobSpec, gpu: bool | None) -> list[str]:
     """One node's ``ft_launcher`` command (its node rank from srun's ``$SLURM_NODEID``, added by the
     node's shell), as the words of the batch shell's ``LAUNCH`` array."""
+    # with hot spares the watcher runs NVRx's nvrx-control as the rendezvous's store host (see allocation):
+    # any node's launcher, the first's included, can then be lost while a standby node takes its place
     argv = launcher_argv(spec, node_rank="NODE", rdzv_host=RDZV_HOST, ports=Ports.from_base(spec.slurm.port),
-                         rdzv_id=f"{spec.name}-$SLURM_JOB_ID-$EKSFT_JOB_ATTEMPT", gpu=gpu)
+                         rdzv_id=f"{spec.name}-$SLURM_JOB_ID-$EKSFT_JOB_ATTEMPT", gpu=gpu,
+                         store_elsewhere=bool(spec.spare_nodes))
     argv = [a for a in argv if not a.startswith("--node-rank=")]
     return [expanding(a, _EXPANDED) if a.startswith(("--rdzv-endpoint=", "--rdzv-id=")) else word(a)
             for a in argv]
@@ -142,7 +147,9 @@ def node_shell(spec: JobSpec) -> str:
 def srun_words(spec: JobSpec) -> list[str]:
     s, jd = spec.slurm, job_dir(spec)
     cpus = str(s.cpus_per_task) if s.cpus_per_task else '"$SLURM_CPUS_ON_NODE"'
-    words = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1", f"--cpus-per-task={cpus}",
+    # a lost node's launcher ends the step, unless a hot spare is to take its place
+    kill = ["--kill-on-bad-exit=0", "--no-kill"] if spec.spare_nodes else ["--kill-on-bad-exit=1"]
+    words = ["srun", "--ntasks-per-node=1", *kill, f"--cpus-per-task={cpus}",
              *(["--mem=0"] if s.mem or s.exclusive else []),
              expanding(f"--output={filename(str(jd.logs))}/launcher-$EKSFT_JOB_ATTEMPT-%t.log",
                        ["EKSFT_JOB_ATTEMPT"])]
