@@ -29,19 +29,21 @@ settings.register_profile("ci", derandomize=True, database=None)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
-# `make test` runs the tests on two workers (pytest-xdist, --dist loadgroup). These files share what one
-# worker holds: a real Slurm (two at once would run jobs of the same ids on the same node names, and a test
-# that ends a node's processes by job id could end the other cluster's), and the notebooks' runs, which
-# bench part 8 reads (tests/notebook_runs.py): the group runs whole on one worker, the rest on either.
-ONE_WORKER = {"test_slurm.py": "cluster", "test_torchft_clusters.py": "cluster",
-              "test_notebooks.py": "cluster", "test_bench.py": "cluster"}
+# `make test` runs the tests on two workers (pytest-xdist, --dist loadgroup). The files that use a real Slurm
+# (two at once would run jobs of the same ids on the same node names, and a test that ends a node's
+# processes by job id could end the other cluster's) or the notebooks' runs (bench part 8 reads notebook
+# 07's, tests/notebook_runs.py) run on one worker; the rest on either.
+ONE_WORKER = ("slurm_cluster", "notebook_runs")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    shares: dict[Path, bool] = {}
     for item in items:
-        group = ONE_WORKER.get(item.path.name)
-        if group:
-            item.add_marker(pytest.mark.xdist_group(group))
+        if item.path not in shares:
+            text = item.path.read_text()
+            shares[item.path] = any(f"from {m} import" in text or f"import {m}" in text for m in ONE_WORKER)
+        if shares[item.path]:
+            item.add_marker(pytest.mark.xdist_group("one-worker"))
 
 
 @pytest.fixture(scope="session", autouse=True)
