@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
 
-from .backends import JobSummary, get_backend
+from .backends import JobSummary, get_backend, whereabouts
 from .control import FAULTS, FaultCommand
 from .errors import ControlError, EksftError, SpecError, closest, shown
 from .goodput import compute
@@ -124,7 +124,7 @@ def summary_row(j: JobSummary, detail: str) -> JobRow:
             "script": None, "ended": state.ended, "detail": detail}
 
 
-def status(name: str, backend: str = "local") -> JobRow:
+def status(name: str, backend: str | None = None) -> JobRow:
     return job_row(attach(name, backend))
 
 
@@ -133,11 +133,11 @@ def launch(spec: JobSpec, faults: Sequence[str | FaultCommand] = ()) -> LaunchRe
     refused), start the job detached, return its first row and the pre-flight's warnings."""
     spec, commands = prepare(spec, faults)
     b = get_backend(spec.backend)
-    b.launch(spec, commands)
+    whereabouts.launch(b, spec, commands)
     return {**job_row(Job(spec.name, b)), "warnings": preflight.check(spec).warnings}
 
 
-def check(spec: JobSpec, from_job: str | None = None, backend: str = "local") -> CheckResult:
+def check(spec: JobSpec, from_job: str | None = None, backend: str | None = None) -> CheckResult:
     """The pre-flight of ``spec``: every timeout acting on it, and each contradiction (see
     :mod:`.preflight.check`). ``from_job``: a job whose events measured a step and a save."""
     spec = spec.validate()
@@ -171,14 +171,14 @@ def dry_run(spec: JobSpec, queue_objects: bool = False, faults: Sequence[str | F
 
 def inject(name: str, fault: str, *, rank: int | None = None, step: int | None = None,
            after: float | None = None,
-           node: int = 0, params: dict[str, Any] | None = None, backend: str = "local",
+           node: int = 0, params: dict[str, Any] | None = None, backend: str | None = None,
            wait: float = 0.0) -> InjectResult:
     """Queue a fault into a running job; wait up to ``wait`` seconds for a rank to fire it."""
     command = FaultCommand(fault, rank=rank, step=step, after=after, node=node, params=dict(params or {}))
     return inject_command(name, command, backend=backend, wait=wait)
 
 
-def inject_command(name: str, command: FaultCommand, *, backend: str = "local",
+def inject_command(name: str, command: FaultCommand, *, backend: str | None = None,
                    wait: float = 0.0) -> InjectResult:
     """:func:`inject` of a command already built (the server reads one from a request body)."""
     job = attach(name, backend)
@@ -197,7 +197,7 @@ def inject_command(name: str, command: FaultCommand, *, backend: str = "local",
             "message": f"{message}; id {cmd.id}"}
 
 
-def set_settings(name: str, values: Sequence[str] | Mapping[str, Any], backend: str = "local",
+def set_settings(name: str, values: Sequence[str] | Mapping[str, Any], backend: str | None = None,
                  wait: float = 0.0) -> SettingsResult:
     """Change live settings of a running job (``["ckpt-every=25"]`` or ``{"ckpt-every": 25}``): every
     rank takes them at the same step; wait up to ``wait`` seconds for that step (see :mod:`.settings`)."""
@@ -229,19 +229,21 @@ def set_settings(name: str, values: Sequence[str] | Mapping[str, Any], backend: 
         time.sleep(0.2)
 
 
-def settings_in_force(name: str, backend: str = "local") -> dict[str, Any]:
+def settings_in_force(name: str, backend: str | None = None) -> dict[str, Any]:
     """The live settings a job runs with: seq, values, and the step they took effect at (None: the spec's)."""
     job = attach(name, backend)
     record = job.backend.settings(job.name)
     if record is None:
-        raise ControlError(f"the {backend} backend keeps no live settings",
+        raise ControlError(f"the {job.backend.name} backend keeps no live settings",
                            "read the job's spec (status, summary)")
     return {"job": job.name, **record}
 
 
-def apply_whatif(name: str, backend: str = "local", wait: float = 0.0) -> SettingsResult:
+def apply_whatif(name: str, backend: str | None = None, wait: float = 0.0) -> SettingsResult:
     """Set the checkpoint interval the what-if recommends for ``name``, live."""
-    check_settings(attach(name, backend).spec)   # before the what-if's work
+    job = attach(name, backend)
+    check_settings(job.spec)   # before the what-if's work
+    backend = job.backend.name
     rec = whatif(name, backend=backend)["recommendation"]
     if rec["every"] is None:
         raise ControlError(f"the what-if recommends no interval ({rec['text']})",
@@ -249,19 +251,19 @@ def apply_whatif(name: str, backend: str = "local", wait: float = 0.0) -> Settin
     return set_settings(name, {"ckpt-every": rec["every"]}, backend=backend, wait=wait)
 
 
-def stop(name: str, backend: str = "local") -> StopResult:
+def stop(name: str, backend: str | None = None) -> StopResult:
     """End the job; when this returns nothing of it runs."""
     job = attach(name, backend)
     job.stop()
     return {**job_row(job), "message": f"stopped {job.name}; nothing of it keeps running"}
 
 
-def checkpoints(name: str, backend: str = "local") -> list[dict[str, Any]]:
+def checkpoints(name: str, backend: str | None = None) -> list[dict[str, Any]]:
     return [i.to_dict() for i in attach(name, backend).checkpoints()]
 
 
 def resume(name: str, *, step: int | None = None, new_name: str | None = None, steps: int | None = None,
-           backend: str = "local") -> ResumeResult:
+           backend: str | None = None) -> ResumeResult:
     """Start a new job from a committed checkpoint of ``name`` (``step``, or the newest the loader
     accepts, each newer one refused said in ``message``); the new job's row."""
     changes = {"steps": steps} if steps else {}
@@ -269,18 +271,20 @@ def resume(name: str, *, step: int | None = None, new_name: str | None = None, s
     return {**job_row(new), "message": f"launched {new.name}, {new.note}"}
 
 
-def summary(name: str, backend: str = "local") -> dict[str, Any]:
+def summary(name: str, backend: str | None = None) -> dict[str, Any]:
     """Steps, restarts (each with cause and downtime), checkpoints, goodput, final digest."""
     return attach(name, backend).summary()
 
 
-def logs(name: str, lines: int = 200, debug: bool = False, backend: str = "local") -> str:
+def logs(name: str, lines: int = 200, debug: bool = False, backend: str | None = None) -> str:
     return attach(name, backend).logs(lines, debug)
 
 
-def remove(name: str, backend: str = "local") -> None:
+def remove(name: str, backend: str | None = None) -> None:
     """Delete an ended job (its folder or workload, checkpoints included)."""
-    get_backend(backend).remove(name)
+    b = whereabouts.find(name, backend)
+    b.remove(name)
+    whereabouts.forget(b.name, name)
 
 
 def resilience_test(spec: JobSpec, faults: str | None = None, expect: str | None = None, *,
@@ -300,7 +304,8 @@ def resilience_test(spec: JobSpec, faults: str | None = None, expect: str | None
 
 
 def whatif(name: str, *, ckpt_every: str | Sequence[int] | None = None, inprocess: bool | None = None,
-           ckpt_mode: str | None = None, spares: int | None = None, backend: str = "local") -> dict[str, Any]:
+           ckpt_mode: str | None = None, spares: int | None = None,
+           backend: str | None = None) -> dict[str, Any]:
     """The ETTR and time breakdown a job would have had under other settings, replayed from its
     events, with a recommended checkpoint interval (see :mod:`.resilience.whatif`)."""
     from .resilience import whatif as model
@@ -376,10 +381,15 @@ class Verb:
 
 NAME = arg("name", help="the job",
            magic={"nargs": "?", "help": "the job (default: this notebook's current job)"})
-BACKEND = arg("--backend", choices=("local", "eks", "slurm"), default="local",
-              help="where the job runs (eks: the kubeconfig's current context and namespace; slurm: the jobs "
-                   "under $EKSFT_SHARED_DIR)",
-              magic={"default": None, "help": "where the job runs (default: local, or the current job's)"})
+BACKEND = arg("--backend", choices=("local", "eks", "slurm"),
+              help="where the job runs (default: whichever backend holds a job of that name, as it was "
+                   "launched from here; else eks: the kubeconfig's current context and namespace, slurm: the "
+                   "jobs under $EKSFT_SHARED_DIR)",
+              magic={"help": "where the job runs (default: the current job's, or whichever backend holds a "
+                             "job of that name)"})
+LIST_BACKEND = arg("--backend", choices=("local", "eks", "slurm"), default="local",
+                   help="whose jobs (eks: the kubeconfig's current context and namespace; slurm: the jobs "
+                        "under $EKSFT_SHARED_DIR and those launched from here)")
 JSON = arg("--json", action="store_true", help="print JSON instead of text")
 FAULT_KINDS = ", ".join(FAULTS)
 
@@ -397,7 +407,7 @@ ARGS: dict[str, Verb] = {v.name: v for v in (
             "ClusterQueue and ResourceFlavors (p5/p4d) for it, for an admin to adapt and apply"),
         arg("--json", action="store_true", fronts=frozenset({CLI}), help="print the final summary as JSON"),
     )),
-    Verb("list", "jobs and their state", (BACKEND, JSON)),
+    Verb("list", "jobs and their state", (LIST_BACKEND, JSON)),
     Verb("status", "state and progress of a job", (NAME, BACKEND, JSON)),
     Verb("watch",
          "follow a job: the CLI its progress, the notebook its dashboard (its whole history, then live)",
@@ -468,8 +478,8 @@ ARGS: dict[str, Verb] = {v.name: v for v in (
         arg("--spec", dest="spec_file", help="a YAML or JSON job spec; the spec options override it"),
         arg("--from", dest="from_job", metavar="JOB", help="size the step and save times from this job's "
             "events (what it measured)"),
-        arg("--from-backend", dest="from_backend", choices=("local", "eks", "slurm"), default="local",
-            help="where --from's job ran (default: local)"),
+        arg("--from-backend", dest="from_backend", choices=("local", "eks", "slurm"),
+            help="where --from's job ran (default: whichever backend holds a job of that name)"),
         JSON)),
     Verb("doctor", "the versions found here (Python, torch, CUDA, NCCL, NVRx, torchft, EFA), what each "
          "supports, and what a spec would be refused (exit code 1 when something is)", (

@@ -40,6 +40,7 @@ class SlurmBackend(FolderJobs, Backend):
     names its own folder (``--shared-dir``)."""
 
     name = "slurm"
+    locator_keys = ("shared_dir",)
 
     def __init__(self, shared_dir: str | Path | None = None) -> None:
         root = shared_dir or os.environ.get(SHARED_DIR_ENV)
@@ -57,6 +58,13 @@ class SlurmBackend(FolderJobs, Backend):
                               + (f" nor is one under {self.root}" if self.root else ""),
                               f"check the name, or set {SHARED_DIR_ENV} to the --shared-dir it was "
                               "launched with")
+
+    def locator(self, spec: JobSpec) -> dict[str, str]:
+        return {"shared_dir": str(spec.slurm.shared_dir)}
+
+    def configured(self) -> bool:
+        """A shared folder named, or jobs launched from here."""
+        return self.root is not None or self.links.is_dir()
 
     def _record(self, jd: JobDir) -> dict:
         try:
