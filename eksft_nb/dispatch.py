@@ -73,22 +73,13 @@ def _list(args: argparse.Namespace, front: Front) -> int:
     return 0
 
 
-def _status(args: argparse.Namespace, front: Front) -> int:
-    job = front.job(args)
-    show(commands.status(job.name, job.backend.name), args.json, format_status)
-    return 0
-
-
-def _summary(args: argparse.Namespace, front: Front) -> int:
-    job = front.job(args)
-    show(commands.summary(job.name, job.backend.name), args.json, format_summary)
-    return 0
-
-
-def _ckpts(args: argparse.Namespace, front: Front) -> int:
-    job = front.job(args)
-    show(commands.checkpoints(job.name, job.backend.name), args.json, format_checkpoints)
-    return 0
+def _shown(call: Callable[[str, str], Any], text: Callable[[Any], str]) -> Callable[..., int]:
+    """The handler of a verb that shows what ``call`` answers of the job (as JSON with --json)."""
+    def handler(args: argparse.Namespace, front: Front) -> int:
+        job = front.job(args)
+        show(call(job.name, job.backend.name), args.json, text)
+        return 0
+    return handler
 
 
 def _logs(args: argparse.Namespace, front: Front) -> int:
@@ -219,6 +210,8 @@ def _metrics(args: argparse.Namespace, front: Front) -> int:
 
 # one handler per verb of the argument table (tests/test_commands.py holds them to it)
 HANDLERS: dict[str, Callable[[argparse.Namespace, Front], int]] = {
-    "run": _run, "list": _list, "status": _status, "watch": _watch, "summary": _summary, "ckpts": _ckpts,
+    "run": _run, "list": _list, "watch": _watch, "status": _shown(commands.status, format_status),
+    "summary": _shown(commands.summary, format_summary),
+    "ckpts": _shown(commands.checkpoints, format_checkpoints),
     "logs": _logs, "inject": _inject, "resume": _resume, "set": _set, "stop": _stop, "rm": _rm,
     "test": _test, "whatif": _whatif, "check": _check, "doctor": _doctor, "metrics": _metrics}
