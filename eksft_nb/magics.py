@@ -33,7 +33,7 @@ from .spec import JobSpec
 
 LINE_USAGE = """\
 %ftrain list [--json]                 jobs and their state
-%ftrain attach NAME [--backend eks]   show the dashboard of a job (its whole history, then live)
+%ftrain attach NAME [--backend B]     show the dashboard of a job (its whole history, then live)
 %ftrain status [NAME] [--json]        state, step, restarts, newest checkpoint, goodput
 %ftrain inject [NAME] FAULT [--rank R] [--step S | --after SECONDS] [--node N] [--delay D] [--duration N]
 %ftrain ckpts [NAME] [--json]         checkpoints: committed, incomplete, rejected
@@ -50,8 +50,8 @@ LINE_USAGE = """\
 %ftrain check [spec options] [--from JOB]   every timeout acting on a job, and what contradicts
 %ftrain doctor [spec options]         versions here, what each supports, what a spec would be refused
 %%ftrain test [options] + code        resilience test of the cell's code
-NAME defaults to the job this notebook launched, attached or resumed last; --backend eks (any command)
-reaches jobs on the cluster of the kubeconfig's current context."""
+NAME defaults to the job this notebook launched, attached or resumed last; a NAME finds its job on
+whichever backend holds it (local, Slurm, EKS where a kubeconfig is set); --backend picks one."""
 
 CELL_DOC = """Launch a fault-tolerant training job and show its live dashboard (the cell returns at once).
 
