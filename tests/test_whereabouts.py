@@ -4,6 +4,7 @@ flag that picks one (issues 33 and 35). kmock's Kubernetes and job folders: no j
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -90,7 +91,8 @@ def test_one_name_on_two_backends_is_named_both_with_the_flag(kube: Kube, tmp_pa
         JobDir.for_name("twice").path.rename(tmp_path / "local-twice")   # the session's jobs folder
 
 
-def test_a_record_eksft_did_not_write_is_refused_in_one_line(kube: Kube) -> None:
+def test_a_record_eksft_did_not_write_is_refused_and_a_silent_cluster_is_said(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     record = eksft_home() / "whereabouts" / "eks" / "forged.json"
     record.parent.mkdir(parents=True, exist_ok=True)
     for text in ('{"namespace": "../../api"}', '{"shared_dir": "/x"}', "[", '{"namespace": 3}'):
@@ -99,4 +101,13 @@ def test_a_record_eksft_did_not_write_is_refused_in_one_line(kube: Kube) -> None
             whereabouts.find("forged", "eks")
         assert str(refused.value) == (f"the record of where eks job 'forged' runs ({record}) is not one "
                                       "eksft wrote: delete it (the eks backend's defaults are then used)")
+    record.write_text('{"namespace": "other"}')
+    with running() as gone:   # a cluster that no longer answers
+        monkeypatch.setenv("KUBECONFIG", str(gone.kubeconfig(tmp_path / "kubeconfig")))
+    with pytest.raises(UnknownJobError) as missing:
+        commands.status("forged")
+    assert str(missing.value).startswith("no job named 'forged' under ")
+    # the Slurm links folder exists once any test launched on Slurm
+    assert re.search(r", nor on eks( or slurm)?; eks did not answer \(cannot connect to the Kubernetes "
+                     r"API at http://127\.0\.0\.1:\d+ ", str(missing.value)), str(missing.value)
     record.unlink()
