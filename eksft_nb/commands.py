@@ -132,7 +132,7 @@ def launch(spec: JobSpec, faults: Sequence[str | FaultCommand] = ()) -> LaunchRe
     """Validate the spec and the faults (a contradiction of its timeouts that guarantees failure is
     refused), start the job detached, return its first row and the pre-flight's warnings."""
     spec, commands = prepare(spec, faults)
-    b = get_backend(spec.backend)
+    b = whereabouts.of_spec(spec)
     whereabouts.launch(b, spec, commands)
     return {**job_row(Job(spec.name, b)), "warnings": preflight.check(spec).warnings}
 

@@ -7,7 +7,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .backends import Backend, get_backend, whereabouts
+from .backends import Backend, whereabouts
 from .checkpoint_folders import CheckpointInfo, resume_origin
 from . import settings
 from .control import FaultCommand
@@ -193,7 +193,7 @@ def launch(spec: JobSpec | None = None, faults: list[FaultCommand | str] | None 
     """Launch a job from a spec (or from spec fields, dotted for nested ones) and return its handle."""
     spec = (spec or JobSpec()).replace(**fields) if fields else (spec or JobSpec())
     spec, commands = prepare(spec, faults or [])
-    backend = get_backend(spec.backend)
+    backend = whereabouts.of_spec(spec)
     whereabouts.launch(backend, spec, commands)
     return Job(spec.name, backend)
 

@@ -39,6 +39,11 @@ def _path(backend: str, name: str) -> Path:
     return eksft_home() / RECORDS / backend / f"{name}.json"
 
 
+def of_spec(spec: JobSpec) -> Backend:
+    """The backend that launches ``spec`` and finds its job: built with the spec's settings."""
+    return get_backend(spec.backend, **get_backend(spec.backend).locator(spec))
+
+
 def launch(backend: Backend, spec: JobSpec, faults: Sequence[FaultCommand] = ()) -> None:
     """Start the job (a spec the command layer checked) on ``backend``, then record where it lives."""
     backend.launch(spec, list(faults))
