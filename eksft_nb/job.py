@@ -169,8 +169,11 @@ class Job:
     def summary(self) -> dict[str, Any]:
         mon = self.refresh()
         gp = compute(mon)
+        state, detail = self.status()
         return {
-            "name": self.name, "backend": self.backend.name, "state": self.state, "reason": mon.reason,
+            "name": self.name, "backend": self.backend.name, "state": state,
+            # an end the events never recorded (a Slurm batch shell that could not start eksft): the backend's
+            "reason": mon.reason or (detail if state.ended else ""),
             "steps_done": mon.max_step, "total_steps": mon.total_steps,
             "restarts": mon.restarts_by_level(),
             "restart_events": [{k: r[k] for k in ("level", "cause", "blame_rank", "downtime_s", "detection_s",

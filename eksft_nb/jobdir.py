@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import JobError, UnknownJobError, shown
+from .errors import JobError, UnknownJobError, closest, shown
 from .spec import JobSpec
 from .spec_checks import valid_name
 
@@ -78,11 +78,9 @@ class JobDir:
     def existing(cls, name: str, root: Path | None = None) -> JobDir:
         jd = cls.for_name(name, root) if valid_name(name) else None
         if jd is None or not jd.spec_path.is_file():
-            known = ", ".join(sorted(p.name
-                                     for p in (root or jobs_root()).glob("*") if (p / "spec.json").is_file()))
-            raise UnknownJobError(f"no job named {shown(name)} under {root or jobs_root()}",
-                                  f"pick one of: {known}" if known
-                                  else "launch one first with `python -m eksft_nb run`")
+            where = root or jobs_root()
+            known = sorted(p.name for p in where.glob("*") if (p / "spec.json").is_file())
+            raise UnknownJobError(f"no job named {shown(name)} under {where}", _pick(name, known))
         return jd
 
     @property
@@ -225,3 +223,16 @@ class JobDir:
             os.close(fd)
             return None
         return fd
+
+
+def _pick(name: str, known: list[str]) -> str:
+    """The fix for an unknown name: the jobs there are while they fit in a line, else the closest and where
+    to see the rest (a folder of hundreds of jobs must not make a one-line error a page)."""
+    if not known:
+        return "launch one first with `python -m eksft_nb run`"
+    if len(known) <= _LISTED:
+        return f"pick one of: {', '.join(known)}"
+    return f"did you mean {closest(name, known)!r}? ({len(known)} jobs: `python -m eksft_nb list` names them)"
+
+
+_LISTED = 8

@@ -36,7 +36,8 @@ class Ports:
 
 def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports: Ports, rdzv_id: str,
                   log_dir: str | None = None, nvrx: NVRx | None = None, cycle_dir: str | None = None,
-                  store_elsewhere: bool = False, warm_python: str | None = None) -> list[str]:
+                  store_elsewhere: bool = False, warm_python: str | None = None,
+                  gpu: bool | None = None) -> list[str]:
     """``ft_launcher ...`` for one node (argv[0] is the bare command name).
 
     ``node_rank`` may be a Kubernetes reference such as ``"$(EKSFT_NODE_RANK)"``, which the kubelet
@@ -49,12 +50,14 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
     any node, the first included, can be lost while a hot spare takes its place).
     ``warm_python``: each worker is :mod:`.runtime.warm_shim` run by that interpreter, which turns it
     into a rank forked from the node's zygote (:mod:`.runtime.zygote`) when there is one.
+    ``gpu``: the timeouts for GPU (or CPU) nodes whatever the spec says (a Slurm job without ``--gres``
+    renders both lines and picks one where it runs); None: as the spec's backend derives them.
     A loopback ``rdzv_host`` means every node is this machine: it is then each node's address too, so
     the ranks' ``MASTER_ADDR`` is loopback and the stores rank 0 hosts listen there alone (see
     :mod:`.loopback`), not on the address the host name resolves to.
     """
-    ft = resolved(spec).ft   # the timeouts as the backend derives them where the spec leaves them unset
-    term = term_timeout(spec)
+    ft = resolved(spec, gpu).ft   # the timeouts as the backend derives them where the spec leaves them unset
+    term = term_timeout(spec, gpu)
     argv = [
         "ft_launcher",
         f"--nnodes={spec.nnodes}", f"--nproc-per-node={spec.nproc_per_node}", f"--node-rank={node_rank}",
@@ -66,7 +69,7 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
         f"--ft-rank-heartbeat-timeout={ft.heartbeat_timeout:g}",
         "--ft-workload-check-interval=1", "--ft-enable-nic-monitor=false",
     ]
-    argv += section_flags(spec)
+    argv += section_flags(spec, gpu)
     if store_elsewhere:
         argv.append("--rdzv-conf=is_host=false")
     if loopback_address(rdzv_host):
@@ -84,19 +87,20 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
     return argv
 
 
-def term_timeout(spec: JobSpec) -> float:
+def term_timeout(spec: JobSpec, gpu: bool | None = None) -> float:
     """ft_launcher's ``--term-timeout``. SIGTERM to the launcher (a drain, a preemption) reaches the ranks,
     which save before they exit: on GPUs it waits the grace period for that before SIGKILL (a restart's
-    stop has its own timeout)."""
-    t = derive(spec)
+    stop has its own timeout). ``gpu`` as in :func:`launcher_argv`."""
+    t = derive(spec, gpu)
     return t.grace.seconds if t.gpu else 5.0
 
 
-def section_flags(spec: JobSpec) -> list[str]:
+def section_flags(spec: JobSpec, gpu: bool | None = None) -> list[str]:
     """ft_launcher's section flags (one name in NVRx 0.4.1 to 0.7): the built-in trainer's sections and a
     script's own (see :mod:`.timeouts`), over those of the ``--ft-cfg-path`` file where it reads here (a
-    section list on the command line replaces the file's whole list); none unbounded."""
-    t = derive(spec)
+    section list on the command line replaces the file's whole list); none unbounded. ``gpu`` as in
+    :func:`launcher_argv`."""
+    t = derive(spec, gpu)
     flags = [f"--ft-cfg-path={spec.ft.cfg_path}"] if spec.ft.cfg_path else []
     sections: dict[str, float | None] = dict(t.sections())
     if sections and spec.ft.cfg_path:

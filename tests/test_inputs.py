@@ -205,6 +205,25 @@ def test_job_names_that_are_paths_name_no_job(name: str) -> None:
         attach(name)
 
 
+def test_an_unknown_name_among_hundreds_of_jobs_is_one_short_line_with_the_closest(tmp_path: Path) -> None:
+    """A few jobs are listed; hundreds are not (the closest is named, and where the rest are)."""
+    from eksft_nb.jobdir import JobDir, atomic_write
+
+    for count in (3, 300):
+        root = tmp_path / str(count)
+        for i in range(count):
+            (root / f"train-{i:03d}").mkdir(parents=True)
+            atomic_write(root / f"train-{i:03d}" / "spec.json", JobSpec(name=f"train-{i:03d}").to_json())
+        with pytest.raises(EksftError) as err:
+            JobDir.existing("train-2999", root)
+        message = str(err.value)
+        assert "\n" not in message and len(message) < 300, message
+        if count == 3:
+            assert message.endswith("pick one of: train-000, train-001, train-002"), message
+        else:
+            assert "did you mean 'train-299'? (300 jobs: `python -m eksft_nb list` names them)" in message
+
+
 def test_a_checkpoint_folder_that_cannot_be_made_is_refused_in_one_line_leaving_no_job_behind() -> None:
     """``run --ckpt-dir /etc/passwd/x`` (a path under a file): one line, and no half-made job folder
     that neither ``run`` (it exists) nor ``rm`` (no such job) could clear."""

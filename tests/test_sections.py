@@ -22,7 +22,7 @@ STEP_S = 5.0
 
 
 def test_a_hang_in_a_step_is_found_by_its_section_while_a_longer_save_runs_on() -> None:
-    spec = JobSpec(name="sections").replace(
+    spec = JobSpec(name="step-section").replace(
         **{
             "model.preset": "tiny",
             "steps": 24,
@@ -40,18 +40,18 @@ def test_a_hang_in_a_step_is_found_by_its_section_while_a_longer_save_runs_on() 
     row = commands.launch(spec, [slow, FaultCommand("hang", rank=1, step=13)])
     assert row["warnings"] == ["a step takes ~4.5 s (measured) but the step section is 5 s: less than a "
                                "fifth to spare → raise --step-timeout above 9"]
-    job = eksft_nb.attach("sections")
-    assert job.wait(400) == "succeeded", story("sections")
-    saves = {e["step"]: e for e in events("sections", "checkpoint") if e["phase"] == "committed"}
+    job = eksft_nb.attach("step-section")
+    assert job.wait(400) == "succeeded", story("step-section")
+    saves = {e["step"]: e for e in events("step-section", "checkpoint") if e["phase"] == "committed"}
     assert saves[5]["blocked_s"] >= 2 * STEP_S  # longer than the step and out-of-section timeouts: not killed
     [restart] = job.summary()["restart_events"]
     assert restart["cause"].startswith("hang: rank 1 stayed in its step section"), restart
     assert restart["blame_rank"] == 1 and restart["resumed_step"] == 10
     assert restart["detection_s"] < HEARTBEAT_S / 3, restart  # the section's 5 s, polled every second
-    logs = "\n".join(p.read_text() for p in (job_dir("sections") / "logs").glob("launcher-*.log"))
+    logs = "\n".join(p.read_text() for p in (job_dir("step-section") / "logs").glob("launcher-*.log"))
     assert "Section 'step' has been open for" in logs and "Did not get subsequent heartbeat" not in logs
     # what the run measured sizes a check (and a resume) of the next one
-    rows = {r["name"]: r for r in commands.check(JobSpec(name="next"), from_job="sections")["rows"]}
+    rows = {r["name"]: r for r in commands.check(JobSpec(name="next"), from_job="step-section")["rows"]}
     assert 0 < rows["a step (measured)"]["seconds"] < STEP_S
     assert rows["a save (measured)"]["seconds"] >= 2 * STEP_S
 

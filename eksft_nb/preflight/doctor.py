@@ -110,7 +110,7 @@ def diagnose(
     spec = spec or JobSpec()
     here = on_node or spec.backend == "local"
     if env is None:  # a gate on a CPU pod or node skips torch's import (seconds): what it tells needs GPUs
-        env = probe(import_torch=not on_node or on_gpu(spec))
+        env = probe(import_torch=not on_node or (on_gpu(spec) and spec.device != "cpu"))
     found: list[Finding] = []
     if here:
         found += _refusals(spec, env)
@@ -177,7 +177,7 @@ def _refusals(spec: JobSpec, env: Environment) -> list[Finding]:
         )
     if spec.ft.inprocess and x.inprocess == "missing":
         found.append(Finding(False, x.inprocess_note() or "", "--no-inprocess says so in the spec"))
-    if on_gpu(spec) and env.gpus == 0 and env.torch is not None:
+    if on_gpu(spec) and spec.device != "cpu" and env.gpus == 0 and env.torch is not None:
         found.append(
             Finding(
                 True,

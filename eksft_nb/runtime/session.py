@@ -190,11 +190,21 @@ class Session:
 
     def heartbeat(self) -> None:
         if self.monitor is not None:
-            self.monitor.beat()
+            self._to_monitor(self.monitor.beat)
 
     def section(self, name: str, open_: bool) -> None:
         if self.monitor is not None:
-            self.monitor.section(name, open_)
+            self._to_monitor(lambda: self.monitor.section(name, open_))
+
+    def _to_monitor(self, send: Any) -> None:
+        """Tell ft_launcher's rank monitor; once a drain is asked for, a monitor that is gone is no error:
+        a scheduler that signals every process of the job (Slurm's ``scancel --signal``, a preemption's
+        grace period) ends the monitor with the same SIGTERM, and the rank still saves and stops."""
+        try:
+            send()
+        except Exception:
+            if self.drain is None or not self.drain.requested:
+                raise
 
     def setup_begin(self) -> None:
         """The built-in trainer (re-)enters: close what an interrupted incarnation left open and open
@@ -276,7 +286,7 @@ class Session:
         if self._gpu_events is not None:
             self._gpu_events.close()
         if self.monitor is not None:
-            self.monitor.close()
+            self._to_monitor(self.monitor.close)
         self.events.close()
 
 

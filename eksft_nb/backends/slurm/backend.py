@@ -24,11 +24,13 @@ from ...states import ACTIVE, JobState
 from ...tails import bounded, tail_lines
 from ..base import Backend, JobSummary, readable
 from ..folder import FolderJobs
-from . import cluster, engine_parts
-from .render import STOP_MARK, job_dir, new_job_uid
+from . import checks, cluster, engine_parts
+from .carried import RECORD
+from .notices import WAITING, waiting_detail
+from .render import NO_EKSFT, STOP_MARK, job_dir, new_job_uid
 
-RECORD = "slurm.json"
 SHARED_DIR_ENV = "EKSFT_SHARED_DIR"
+BATCH_LOG_BYTES = 64 << 10   # of the batch log's end read for why a job failed
 
 
 class SlurmBackend(FolderJobs, Backend):
@@ -72,13 +74,15 @@ class SlurmBackend(FolderJobs, Backend):
 
     # ---- launch -------------------------------------------------------------------------------
     def check(self, spec: JobSpec, launching: bool = True) -> JobSpec:
-        """No script or spares yet, and (``launching``) the shared folder mounted here."""
+        """No script or spares yet, GPUs and ranks that fit (:mod:`.checks`), and (``launching``) the shared
+        folder mounted here."""
         if spec.script:
             raise JobError("--script is not supported on Slurm yet",
                            "run the built-in trainer, or use --backend local")
         if spec.spare_nodes:
             raise JobError("--spare-nodes is not supported on Slurm yet (a lost node is a requeue there)",
                            "use --spare-nodes 0, or --backend local")
+        checks.check(spec, launching)
         shared = Path(str(spec.slurm.shared_dir))
         if launching and not shared.is_dir():
             raise JobError(f"the shared folder {shared} does not exist here",
@@ -139,8 +143,10 @@ class SlurmBackend(FolderJobs, Backend):
                               f"{by}: Slurm job {job_id} {job.slurm_state}")
         if job.state == JobState.FAILED:
             return JobSummary(name, self.name, JobState.FAILED, f"Slurm job {job_id} {job.slurm_state}"
-                              + (f" ({job.reason})" if job.reason not in ("", "None") else ""))
-        return JobSummary(name, self.name, job.state, f"Slurm job {job_id} on {job.nodes}")
+                              + (f" ({job.reason})" if job.reason not in ("", "None") else "")
+                              + _batch_reason(jd.logs / f"slurm-{job_id}.out"))
+        waiting = waiting_detail(jd.path / WAITING, job.restarts) if job.state == JobState.RUNNING else None
+        return JobSummary(name, self.name, job.state, waiting or f"Slurm job {job_id} on {job.nodes}")
 
     def logs(self, name: str, lines: int = 200, debug: bool = False) -> str:
         """The batch script's output, then each node's launcher log (``srun`` writes one per node)."""
@@ -182,6 +188,20 @@ class SlurmBackend(FolderJobs, Backend):
                            f"{name} --backend slurm`")
         shutil.rmtree(self._jd(name).path)
         (self.links / name).unlink(missing_ok=True)
+
+
+def _batch_reason(log: Path) -> str:
+    """Why the batch shell ended, from the end of its log (the job's to write: read bounded, shown
+    bounded): eksft's own last word there, or python's that it cannot import eksft_nb."""
+    try:
+        _, lines = tail_lines(log, BATCH_LOG_BYTES)
+    except OSError:
+        return ""
+    where = f" (in {log.parent.name}/{log.name})"
+    if any("No module named 'eksft_nb'" in line for line in lines):
+        return f": ModuleNotFoundError: No module named 'eksft_nb'{where}: {NO_EKSFT}"
+    said = [line.removeprefix("eksft: ") for line in lines if line.startswith("eksft: ")]
+    return f": {shown(said[-1], 300)[1:-1]}{where}" if said else ""
 
 
 def _waiting(job: cluster.SlurmJob) -> str:
