@@ -100,6 +100,8 @@ def find(name: str, backend: str | None = None) -> Backend:
     unanswered: list[str] = []
     missing: UnknownJobError | None = None
     for kind in BACKENDS:
+        if kind == "eks" and not (_path(kind, name).is_file() or _kubeconfig_here()):
+            continue   # not even imported: the Kubernetes client takes seconds to import
         probe = rebuilt(kind, name, **({"request_timeout": PROBE_TIMEOUT} if kind == "eks" else {}))
         if kind != "local" and not (probe.configured() or recorded(probe, name)):
             continue
@@ -125,6 +127,14 @@ def find(name: str, backend: str | None = None) -> Backend:
     elsewhere = f", nor on {_listed(searched[1:], 'or')}" if searched[1:] else ""
     raise UnknownJobError(f"{missing.problem}{elsewhere}" + "".join(f"; {u}" for u in unanswered),
                           missing.fix)
+
+
+def _kubeconfig_here() -> bool:
+    """Whether this machine may reach a cluster: a kubeconfig, a context named, or a pod's service account
+    (:meth:`EksBackend.configured` says it exactly, once the client is imported)."""
+    files = (os.environ.get("KUBECONFIG") or "~/.kube/config").split(os.pathsep)
+    return (any(f and Path(f).expanduser().is_file() for f in files)
+            or any(os.environ.get(v) for v in ("EKSFT_CONTEXT", "KUBERNETES_SERVICE_HOST")))
 
 
 def _listed(words: list[str], last: str) -> str:
