@@ -105,8 +105,10 @@ lab: demo
 	$(VENV)/bin/jupyter lab --port=$(LAB_PORT) $(if $(filter 0,$(shell id -u)),--allow-root,) \
 	  notebooks/01_quickstart.ipynb
 
+# two workers: the tests wait on real processes (timeouts, schedulers, browsers) as much as they compute;
+# tests/conftest.py keeps what shares one Slurm on one worker
 test: setup system-tools
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 bench: setup
 	$(PY) -m bench

@@ -11,8 +11,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from . import commands
-from .commands import CLI
+from . import arguments
+from .arguments import CLI
 from .dispatch import dispatch
 from .errors import EksftError, closest
 from .fault_registry import target_text
@@ -37,18 +37,18 @@ class _Parser(argparse.ArgumentParser):
         if "unrecognized arguments:" in message:
             unknown = next((w for w in message.split("unrecognized arguments:", 1)[1].split()
                             if w.startswith("-")), "")
-            verb = next((w for w in self.words if w in commands.ARGS), None)
+            verb = next((w for w in self.words if w in arguments.ARGS), None)
             if unknown:
-                known = commands.flags(CLI, [verb] if verb else None)
+                known = arguments.flags(CLI, [verb] if verb else None)
                 message += f" (did you mean {closest(unknown.split('=')[0], known)}?)"
         super().error(message)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The CLI's parser, built from :data:`commands.ARGS` (the magics build theirs from it too)."""
+    """The CLI's parser, built from :data:`arguments.ARGS` (the magics build theirs from it too)."""
     p = _Parser(prog="python -m eksft_nb", description="Fault-tolerant FSDP training jobs, "
                                 "launched, watched, broken on purpose and healed from the terminal.")
-    commands.add_verbs(p.add_subparsers(dest="command", required=True, metavar="COMMAND"), CLI)
+    arguments.add_verbs(p.add_subparsers(dest="command", required=True, metavar="COMMAND"), CLI)
     return p
 
 
@@ -69,9 +69,9 @@ class Terminal:
     prog = "python -m eksft_nb"
     inject_wait = 10.0   # a fault fired now is said fired, or queued
 
-    def spec(self, args: argparse.Namespace, verb: str) -> JobSpec:
-        base = JobSpec.load(args.spec_file) if args.spec_file else None
-        return commands.spec_from_args(args, base, validate=False)
+    def spec(self, args: argparse.Namespace, verb: str, base: JobSpec | None = None) -> JobSpec:
+        base = base or (JobSpec.load(args.spec_file) if args.spec_file else None)
+        return arguments.spec_from_args(args, base, validate=False)
 
     def job(self, args: argparse.Namespace) -> Job:
         return attach(args.name, args.backend)
@@ -88,6 +88,10 @@ class Terminal:
 
     def card_view(self) -> Callable[[dict[str, Any]], None]:
         return lambda card: None
+
+    def refused(self, lines: list[str]) -> None:
+        for line in lines:
+            print(f"eksft: error: {line}", file=sys.stderr)
 
 
 def follow(job: Job, as_json: bool = False) -> int:

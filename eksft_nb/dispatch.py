@@ -1,4 +1,4 @@
-"""The one dispatch under both front ends: from a command line parsed with :data:`commands.ARGS`
+"""The one dispatch under both front ends: from a command line parsed with :data:`arguments.ARGS`
 (``python -m eksft_nb VERB`` or ``%ftrain VERB``) to the command layer's call and what is printed of its
 answer. What differs is the :class:`Front`: which job a NAME left out means (the notebook's current job),
 how a job is followed (the terminal's progress to the end, the notebook's live dashboard), a spec's cell
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from . import commands, nvrx
+from . import commands, cost, nvrx
 from .engines.registry import engine_of
 from .errors import EksftError
 from .job import Job, attach
@@ -28,8 +28,9 @@ class Front(Protocol):
     prog: str            # how a user writes a command there ("python -m eksft_nb", "%ftrain")
     inject_wait: float   # seconds a fault injected now is waited for before the answer
 
-    def spec(self, args: argparse.Namespace, verb: str) -> JobSpec:
-        """The spec a command's options (and, in the notebook, its cell's code) describe, not validated."""
+    def spec(self, args: argparse.Namespace, verb: str, base: JobSpec | None = None) -> JobSpec:
+        """The spec a command's options (and, in the notebook, its cell's code) describe over ``base`` (else
+        its --spec file, else the defaults), not validated."""
 
     def job(self, args: argparse.Namespace) -> Job:
         """The job a command acts on: the one NAME names, or (the notebook) its current job."""
@@ -43,9 +44,13 @@ class Front(Protocol):
     def card_view(self) -> Callable[[dict[str, Any]], None]:
         """What redraws a resilience test's card after each case (and once at the end)."""
 
+    def refused(self, lines: list[str]) -> None:
+        """Say what a command of many refused, one line each (the notebook: as the cell's error)."""
+
 
 def dispatch(args: argparse.Namespace, front: Front) -> int:
-    """Do what ``args`` ask; the exit code (0, or 1 where a check or a test failed)."""
+    """Do what ``args`` ask; the exit code (0; 1 where a check or a test failed; 2 where ``rm`` refused a
+    job)."""
     return HANDLERS[args.command](args, front) or 0
 
 
@@ -73,11 +78,12 @@ def _list(args: argparse.Namespace, front: Front) -> int:
     return 0
 
 
-def _shown(call: Callable[[str, str], Any], text: Callable[[Any], str]) -> Callable[..., int]:
-    """The handler of a verb that shows what ``call`` answers of the job (as JSON with --json)."""
+def _shown(call: Callable[..., Any], text: Callable[[Any], str], priced: bool = False) -> Callable[..., int]:
+    """The handler of a verb that shows what ``call`` answers of the job (as JSON with --json); ``priced``:
+    it takes the cost options (--price, --for, --nodes, --failures-per-day)."""
     def handler(args: argparse.Namespace, front: Front) -> int:
         job = front.job(args)
-        show(call(job.name, job.backend.name), args.json, text)
+        show(call(job.name, job.backend.name, **(cost.options_of(args) if priced else {})), args.json, text)
         return 0
     return handler
 
@@ -125,27 +131,49 @@ def _stop(args: argparse.Namespace, front: Front) -> int:
 
 
 def _rm(args: argparse.Namespace, front: Front) -> int:
-    if not args.name:   # never the notebook's current job unless named
-        raise EksftError("rm takes the NAME of the job to delete", f"e.g. {front.prog} rm my-job")
-    commands.remove(args.name, args.backend)
-    print(f"removed {args.name}")
-    return 0
+    """``rm NAME...`` (each on whichever backend holds it, unless --backend) or ``rm --finished`` (the
+    backend's ended jobs; default local), never the notebook's current job unless named: each job removed or
+    refused on its own; 0 when every one went, 2 when one was refused."""
+    if bool(args.names) == args.finished:
+        raise EksftError("rm takes the NAME of each job to delete, or --finished (not both)",
+                         f"e.g. {front.prog} rm my-job other-job, or {front.prog} rm --finished")
+    if args.finished:
+        backend = args.backend or "local"
+        jobs = [(n, backend) for n in commands.finished_jobs(backend)]
+        if not jobs:
+            print(f"no ended job to remove on {backend}")
+            return 0
+    else:
+        jobs = [(n, args.backend) for n in args.names]
+    results = commands.remove_jobs(jobs)
+    for r in results:
+        if r["removed"]:
+            print(r["message"])
+    refused = [r["message"] for r in results if not r["removed"]]
+    if refused:
+        front.refused(refused)
+    return 2 if refused else 0
 
 
 def _test(args: argparse.Namespace, front: Front) -> int:
     """A resilience test: the narration as it runs (on stderr with --json), then the report card (and its
     JUnit XML with --junit); exit code 1 when a case failed."""
+    from .resilience import manifest as manifests
     from .resilience.card import junit, table
 
     junit_path = Path(args.junit).expanduser() if args.junit else None
     if junit_path is not None and not junit_path.parent.is_dir():   # found out now, not after the test's jobs
         raise EksftError(f"--junit {args.junit}: folder {junit_path.parent} does not exist",
                          "create it first")
-    spec = front.spec(args, "test").validate()
+    base, manifest = manifests.test_base(args)   # a --recheck's spec under the options given
+    spec = front.spec(args, "test", base).validate()
     say = (lambda text: print(text, file=sys.stderr, flush=True)) if args.json else print
     view = front.card_view()
     card = commands.resilience_test(spec, args.faults, args.expect, at_step=args.at_step,
-                                    loss_tolerance=args.loss_tol, say=say, on_row=view)
+                                    loss_tolerance=args.loss_tol, repeat=args.repeat,
+                                    plan_seed=args.plan_seed, manifest=args.manifest, recheck=manifest,
+                                    say=say, on_row=view,
+                                    **cost.options_of(args))
     view(card)
     if junit_path is not None:
         try:
@@ -158,12 +186,13 @@ def _test(args: argparse.Namespace, front: Front) -> int:
 
 
 def _whatif(args: argparse.Namespace, front: Front) -> int:
-    from .resilience.whatif import format_report
+    from .resilience.whatif_cost import text
 
     job = front.job(args)
     report = commands.whatif(job.name, ckpt_every=args.ckpt_every, inprocess=args.inprocess,
-                             ckpt_mode=args.ckpt_mode, spares=args.spares, backend=job.backend.name)
-    show(report, args.json, format_report)
+                             ckpt_mode=args.ckpt_mode, spares=args.spares, backend=job.backend.name,
+                             **cost.options_of(args))
+    show(report, args.json, text)
     if not args.json:
         front.figure(lambda: _whatif_figure(report))
     if args.apply:
@@ -211,7 +240,7 @@ def _metrics(args: argparse.Namespace, front: Front) -> int:
 # one handler per verb of the argument table (tests/test_commands.py holds them to it)
 HANDLERS: dict[str, Callable[[argparse.Namespace, Front], int]] = {
     "run": _run, "list": _list, "watch": _watch, "status": _shown(commands.status, format_status),
-    "summary": _shown(commands.summary, format_summary),
+    "summary": _shown(commands.summary, format_summary, priced=True),
     "ckpts": _shown(commands.checkpoints, format_checkpoints),
     "logs": _logs, "inject": _inject, "resume": _resume, "set": _set, "stop": _stop, "rm": _rm,
     "test": _test, "whatif": _whatif, "check": _check, "doctor": _doctor, "metrics": _metrics}

@@ -97,6 +97,7 @@ OPTIONAL: dict[str, dict[str, tuple[type, ...] | type]] = {
     # part); absent: all of the job's world_size
     "step": {"batches": int},
     "checkpoint": {"blocked_s": (*_num, type(None)), "background_s": (*_num, type(None)), "bytes": _opt_int,
+                   "copy_s": _num,
                    "path": _opt_str, "mode": str, "error": _opt_str, "reason": _opt_str},
     "fault": {"node": _opt_int, "path": _opt_str},
     "rank_end": {"digest": _opt_str},

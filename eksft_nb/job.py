@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from .backends import Backend, whereabouts
 from .checkpoint_folders import CheckpointInfo, resume_origin
@@ -16,7 +16,17 @@ from .goodput import Goodput, compute
 from .monitor import JobMonitor
 from .spec import JobSpec
 from .validation import check_fault, prepare
-from .states import BACKEND_OVERRIDES, CheckpointState, JobState
+from .states import BACKEND_OVERRIDES, CheckpointState, JobState, RestartLevel
+
+
+class Standing(NamedTuple):
+    """Where a job stands: its state, why (the backend's word, or the reason its events recorded), and
+    since when it has waited for what ``detail`` names (pods pending, queue admission, the rendezvous, a
+    restart); ``since`` is None where it is not waiting or nobody said since when."""
+
+    state: JobState
+    detail: str
+    since: float | None = None
 
 
 class Job:
@@ -45,20 +55,32 @@ class Job:
         return self.status()[0]
 
     def status(self) -> tuple[JobState, str]:
-        """The state and why: what the events say, unless the backend knows better (the job is gone,
-        stopped, failed outside the ranks, or not started yet). An ended job is reported ended once
-        nothing of it runs; until then (a moment) it is still running, ending."""
+        """The state and why (see :meth:`standing`)."""
+        state, detail, _ = self.standing()
+        return state, detail
+
+    def standing(self) -> Standing:
+        """The state, why, and since when it waits: what the events say, unless the backend knows better
+        (the job is gone, stopped, failed outside the ranks, or not started yet). An ended job is reported
+        ended once nothing of it runs; until then (a moment) it is still running, ending. A job whose
+        events say it recovers, of which the backend says nothing, waits for its restart since the failure
+        was detected."""
         mon = self.refresh()
         if mon.finished:
             if self.backend.settled(self.name):
-                return JobState(mon.state), mon.reason
-            return JobState.RUNNING, f"ending ({mon.state}: {mon.reason})"
+                return Standing(JobState(mon.state), mon.reason)
+            return Standing(JobState.RUNNING, f"ending ({mon.state}: {mon.reason})")
         backend = self.backend.state(self.name)
         if backend.orphaned:   # the one place a look at a job starts something: nothing else would
-            return JobState.RUNNING, self.backend.adopt(self.name)
+            return Standing(JobState.RUNNING, self.backend.adopt(self.name))
         if backend.state in BACKEND_OVERRIDES:
-            return JobState(backend.state), backend.detail
-        return JobState(mon.state), backend.detail
+            return Standing(JobState(backend.state), backend.detail, backend.since)
+        if mon.state == JobState.RECOVERING and mon.failures and not backend.detail:
+            failure = mon.failures[-1]   # its level and time were checked as the event was read
+            level = RestartLevel(failure["level"]).label
+            return Standing(JobState.RECOVERING, f"restarting ({level}) after: {failure['cause']}",
+                            failure["detected_at"])
+        return Standing(JobState(mon.state), backend.detail, backend.since)
 
     def inject(self, fault: str, rank: int | None = None, step: int | None = None, node: int = 0,
                after: float | None = None, **params: Any) -> FaultCommand:

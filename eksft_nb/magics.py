@@ -21,8 +21,8 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import MagicArgumentParser
 from IPython.display import display
 
-from . import commands
-from .commands import ARGS, MAGIC
+from . import arguments, commands
+from .arguments import ARGS, MAGIC
 from .dispatch import dispatch
 from .control import FaultCommand
 from .dashboard import Dashboard
@@ -39,14 +39,16 @@ LINE_USAGE = """\
 %ftrain ckpts [NAME] [--json]         checkpoints: committed, incomplete, rejected
 %ftrain resume [NAME] [--step S] [--as NEW] [--steps N]   a new job from a checkpoint, with its dashboard
 %ftrain logs [NAME] [-n LINES] [--debug]
-%ftrain summary [NAME] [--json]       restarts, goodput, final digest
+%ftrain summary [NAME] [--json] [--price p5.48xlarge] [--for 30d --nodes 16]
+                                      restarts, goodput, digest, and what faults and checkpoints cost
 %ftrain set [NAME] ckpt-every=25 keep-last=5   change live settings; every rank takes them at one step
 %ftrain stop [NAME]                   stop a job; nothing of it keeps running
-%ftrain rm NAME                       delete an ended job (its checkpoints too)
-%ftrain test [--faults K,K] [--expect "level<=injob, lost<=10"] [spec options]   a resilience report card
+%ftrain rm NAME... | --finished       delete ended jobs (their checkpoints too); each refusal is said
+%ftrain test [--faults K,K] [--expect "level<=injob, lost<=10"] [--repeat N] [--manifest F | --recheck F]
+             [spec options]           a resilience report card (n/N per kind with --repeat)
 %ftrain whatif [NAME] [--ckpt-every 5,10,20] [--no-inprocess] [--ckpt-mode sync] [--spares N] [--apply]
                                       the job's failures replayed under other settings (--apply: set
-                                      the recommended interval live)
+                                      the recommended interval live; --price, --for: in dollars)
 %ftrain check [spec options] [--from JOB]   every timeout acting on a job, and what contradicts
 %ftrain doctor [spec options]         versions here, what each supports, what a spec would be refused
 %%ftrain test [options] + code        resilience test of the cell's code
@@ -61,23 +63,23 @@ telemetry and fault commands; a script that knows nothing of eksft-nb runs too).
 
 
 def _line_parser() -> MagicArgumentParser:
-    """``%ftrain``'s parser, built from :data:`commands.ARGS` like the CLI's."""
+    """``%ftrain``'s parser, built from :data:`arguments.ARGS` like the CLI's."""
     p = MagicArgumentParser(prog="%ftrain", add_help=False)
-    commands.add_verbs(p.add_subparsers(dest="command", parser_class=MagicArgumentParser), MAGIC)
+    arguments.add_verbs(p.add_subparsers(dest="command", parser_class=MagicArgumentParser), MAGIC)
     return p
 
 
 def _cell_parser() -> MagicArgumentParser:
     """``%%ftrain``'s parser: the options of ``python -m eksft_nb run`` that a notebook takes."""
     p = MagicArgumentParser(prog="%ftrain", description=CELL_DOC)   # its help writes the cell magic's %%
-    commands.add_verb_arguments(p, "run", MAGIC)
+    arguments.add_verb_arguments(p, "run", MAGIC)
     return p
 
 
 def _test_parser() -> MagicArgumentParser:
     """``%ftrain test``'s and ``%%ftrain test``'s parser: the test verb's options and the spec's."""
     p = MagicArgumentParser(prog="%%ftrain test", add_help=False)
-    commands.add_verb_arguments(p, "test", MAGIC)
+    arguments.add_verb_arguments(p, "test", MAGIC)
     return p
 
 
@@ -139,8 +141,8 @@ class Notebook:
     def __init__(self, magics: FtrainMagics, cell: str) -> None:
         self.magics, self.cell = magics, cell
 
-    def spec(self, args: argparse.Namespace, verb: str) -> JobSpec:
-        return _cell_spec(args, self.cell, verb)
+    def spec(self, args: argparse.Namespace, verb: str, base: JobSpec | None = None) -> JobSpec:
+        return _cell_spec(args, self.cell, verb, base)
 
     def job(self, args: argparse.Namespace) -> Job:
         if args.name:
@@ -172,6 +174,9 @@ class Notebook:
             live.settle()   # a notebook saved now redraws the whole card, not the empty figure first shown
         return redraw
 
+    def refused(self, lines: list[str]) -> None:
+        raise UsageError("\n".join(lines))
+
 
 def parse_cell(line: str, cell: str, parser: MagicArgumentParser | None = None
                ) -> tuple[JobSpec, list[FaultCommand], bool]:
@@ -185,10 +190,11 @@ def parse_cell(line: str, cell: str, parser: MagicArgumentParser | None = None
     return spec, commands.faults_for(spec, args.fault), args.dry_run
 
 
-def _cell_spec(args: argparse.Namespace, cell: str, verb: str) -> JobSpec:
-    """The spec a cell's options describe, not yet validated; code in the cell becomes the job's script."""
-    base = JobSpec.load(args.spec_file) if args.spec_file else None
-    spec = commands.spec_from_args(args, base, validate=False)
+def _cell_spec(args: argparse.Namespace, cell: str, verb: str, base: JobSpec | None = None) -> JobSpec:
+    """The spec a cell's options describe (over ``base``: a test's --recheck manifest's spec; else its --spec
+    file), not yet validated; code in the cell becomes the job's script."""
+    base = base or (JobSpec.load(args.spec_file) if args.spec_file else None)
+    spec = arguments.spec_from_args(args, base, validate=False)
     if cell.strip():
         if spec.script:
             raise UsageError("the cell has code and --script names a script too\n"
@@ -217,11 +223,11 @@ def _parse(parser: MagicArgumentParser, line: str, prog: str) -> argparse.Namesp
             bad = message.split("unrecognized arguments:", 1)[1].split()
             unknown = next((b for b in bad if b.startswith("-")), bad[0] if bad else "")
             if unknown.startswith("-"):
-                hint = f"did you mean {closest(unknown.split('=')[0], commands.flags(MAGIC, verbs))}?"
+                hint = f"did you mean {closest(unknown.split('=')[0], arguments.flags(MAGIC, verbs))}?"
                 raise UsageError(f"{prog} does not understand {shown(unknown)}\n  → {hint} ({prog} --help "
                                  "lists every option)") from None
             if verb:
-                raise UsageError(f"{words[0]} takes {commands.positionals(verb, MAGIC)}, not "
+                raise UsageError(f"{words[0]} takes {arguments.positionals(verb, MAGIC)}, not "
                                  f"{shown(unknown)} too\n"
                                  f"  → quote values that contain spaces ({prog} --help lists every "
                                  "command)") from None

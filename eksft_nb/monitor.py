@@ -26,6 +26,8 @@ class CheckpointRecord:
     bytes: int | None = None
     path: str | None = None
     error: str | None = None
+    staged_bytes: int | None = None   # one rank's state, as it staged it (async)
+    copy_s: float | None = None       # the seconds its copies alone took (the stall's floor, see ckpt_floor)
 
 
 @dataclass
@@ -156,6 +158,7 @@ class JobMonitor:
             self.saves.append(rec)
         if phase == "staged":
             rec.t_staged, rec.blocked_s, rec.bytes = e.t, e.get("blocked_s"), e.get("bytes")
+            rec.staged_bytes, rec.copy_s = e.get("bytes"), e.get("copy_s")
             self.checkpoint_stall_s += rec.blocked_s or 0.0
         elif phase == "committed":
             # sync saves block for all of it; async ones only for staging plus any wait at the end

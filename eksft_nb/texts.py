@@ -1,5 +1,6 @@
-"""What the front ends print of the command layer's answers: a job's summary, the list, a status line,
-its checkpoints; as text, or as JSON with ``--json``. The terminal and the notebook print the same."""
+"""What the front ends print of the command layer's answers: a job's summary (with what its time cost and
+its checkpoint floor), the list, a status line (with why it failed or what it waits for), its
+checkpoints; as text, or as JSON with ``--json``. The terminal and the notebook print the same."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from . import cost, reasons
+from .ckpt_floor import floor_text
 from .commands import JobRow
 from .goodput import CATEGORIES
 from .incidents import phases_text
@@ -39,7 +42,10 @@ def format_summary(s: dict[str, Any]) -> str:
     for key in CATEGORIES:
         sec = g[f"{key}_s"]
         pct = 100 * sec / g["wall_s"] if g["wall_s"] else 0.0
-        lines.append(f"  {key.replace('_', ' '):<24}{sec:8.1f}s {pct:6.1f}%")
+        lines.append(f"  {key.replace('_', ' '):<24}{sec:8.1f}s {pct:6.1f}%"
+                     + (f"  {cost.text(s['cost']['terms'][key])}" if s.get("cost") else ""))
+    lines += cost.account_text(s["cost"]) if s.get("cost") else []
+    lines += floor_text(s["checkpoint_floor"]) if s.get("checkpoint_floor") else []
     return "\n".join(lines)
 
 
@@ -59,10 +65,11 @@ def format_list(rows: list[JobRow]) -> str:
 
 def format_status(r: JobRow) -> str:
     goodput = "-" if r["goodput"] is None else f"{100 * r['goodput']:.1f}%"
+    said = reasons.line(r) or r["detail"]   # why it failed, what it waits for and since when
     return (f"{r['name']}: {r['state']}  step {r['step']}/{r['total_steps'] or '-'}  restarts "
             f"{r['restarts']}  "
             f"last checkpoint {r['last_checkpoint']}  goodput {goodput}"
-            + (f"  ({r['detail']})" if r["detail"] else ""))
+            + (f"  ({said})" if said else ""))
 
 
 def format_checkpoints(infos: list[dict[str, Any]]) -> str:

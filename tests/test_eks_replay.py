@@ -18,6 +18,7 @@ import psutil
 import pytest
 from eks_kube import Controllers, Kube, replay_cluster
 
+from eksft_nb import commands
 from eksft_nb.backends.eks import EksBackend, names
 from eksft_nb.control import parse_fault
 from eksft_nb.events import decode_lines
@@ -75,6 +76,10 @@ def test_rendered_pods_train_survive_a_sigkill_and_resume(
     while job.refresh().last_step < 1 and time.time() < deadline:
         time.sleep(0.2)
     injected = job.inject("slow-rank", rank=0, delay=0.01, duration=1)   # at run time, exec'd into a pod
+    # a live setting, through the command layer as the CLI's `set --backend eks`: exec'd into a pod, taken by
+    # both ranks at one step, and in force after the in-job restart and in the resumed job
+    changed = commands.set_settings("replay", ["keep-last=5"], backend="eks", wait=120)
+    assert changed["applied"] and changed["changes"] == {"keep-last": [3, 5]}, changed
 
     assert job.wait(timeout=300, poll=0.5) == "succeeded", backend.logs("replay", debug=True)
     mon = job.monitor
@@ -109,6 +114,9 @@ def test_rendered_pods_train_survive_a_sigkill_and_resume(
     assert resumed.name == "replay-from-8" and resumed.monitor.resumes[0]["step"] == 8
     assert resumed.monitor.steps.step[0] == 9 and resumed.monitor.max_step == 16
     assert resumed.monitor.digest == mon.digest   # the same parameters, bit for bit
+    taken = mon.settings[changed["seq"]]
+    assert set(taken["ranks"]) == {0, 1} and len(set(taken["ranks"].values())) == 1, taken
+    assert resumed.spec.checkpoint.keep_last == 5
 
 
 def test_script_args_reach_the_ranks_literally(cluster: tuple[Kube, EksBackend, Controllers],

@@ -114,10 +114,10 @@ def test_a_hang_without_inprocess_is_an_injob_restart_blamed_on_the_hung_rank(re
     assert summary["digest"] == reference_digest
 
 
-def test_resume_skips_a_corrupt_checkpoint_and_says_why(reference_digest: str) -> None:
+def test_resume_skips_a_corrupt_checkpoint_and_says_why(reference_digest: str,
+                                                        corrupt_job: tuple[str, dict]) -> None:
     # sync saves: checkpoint 20 is committed when step 20 ends, so it is the one corrupted at step 25
-    summary = run_job("corrupt", "--ckpt-mode", "sync", "--fault", "corrupt-checkpoint@25", "--fault",
-                      "sigkill:1@27")
+    _, summary = corrupt_job
     assert summary["state"] == "succeeded", summary
     [fault] = [e for e in events("corrupt", "fault") if e["fault"] == "corrupt-checkpoint"]
     assert fault["checkpoint_step"] == 20
@@ -176,21 +176,12 @@ def test_restarts_that_make_no_progress_end_the_job_with_the_reason() -> None:
     assert_nothing_left("no-progress")
 
 
-def test_stop_leaves_no_process_of_the_job_alive() -> None:
-    proc = cli("run", "--name", "to-stop", "--model", "tiny", "--steps", "100000", "--detach")
-    assert proc.returncode == 0, proc.stderr
-    jd = JobDir.for_name("to-stop")
-    deadline = time.time() + 120
-    while time.time() < deadline and len(events("to-stop", "step")) < 5:
-        time.sleep(0.5)
-    assert len(events("to-stop", "step")) >= 5
-    sup = jd.supervisor()
-    pids = [sup["pid"]] + [l["pid"] for l in sup["launchers"]] + [
-        e["pid"] for e in events("to-stop", "rank_start")]
-    assert all(procs.alive(p) for p in pids)
-    assert cli("stop", "to-stop").returncode == 0
-    assert_nothing_left("to-stop", pids)
-    assert cli("status", "to-stop", "--json").stdout.count('"stopped"') >= 1
+def test_stop_leaves_no_process_of_the_job_alive(stopped_job: tuple[str, list[int], list[int], int]) -> None:
+    name, pids, alive, stopped = stopped_job   # the session's job stopped after 5 steps (test_procs reads it)
+    assert alive == pids   # its supervisor, launchers and ranks all ran until the stop
+    assert stopped == 0
+    assert_nothing_left(name, pids)
+    assert cli("status", name, "--json").stdout.count('"stopped"') >= 1
 
 
 def test_jobs_outlive_their_launcher_and_any_process_can_attach() -> None:

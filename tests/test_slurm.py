@@ -297,6 +297,20 @@ def test_the_magic_injects_into_resumes_and_stops_a_slurm_job(cluster: SlurmClus
         events = cluster.shared / "magic-from-30" / "events.jsonl"
         wait_for("a step after the resume", lambda: events.exists() and any(
             e.kind == "step" and e["step"] > 30 for e in read_all(events)), timeout=300)
+        # a live setting on the real Slurm (issue 32): both ranks take it at one step, and the saves follow it
+        ip.run_cell("%ftrain set ckpt-every=7 --wait 300 --json")
+        changed = json.loads(capsys.readouterr().out)
+        assert changed["applied"] and changed["changes"] == {"ckpt-every": [10, 7]}, changed
+        taken = {e.rank: e["step"] for e in read_all(events) if e.kind == "setting"}
+        assert set(taken) == {0, 1} and set(taken.values()) == {changed["step"]}, taken
+
+        def saved() -> list[int]:
+            return [e["step"] for e in read_all(events)
+                    if e.kind == "checkpoint" and e["phase"] == "committed"
+                    and e["step"] > changed["step"]]
+
+        wait_for("a save at the new interval", saved, timeout=300)
+        assert all(step % 7 == 0 for step in saved()), saved()
         ip.run_cell("%ftrain stop")
         assert "stopped magic-from-30" in capsys.readouterr().out
         row = status(cluster, "magic-from-30")

@@ -58,7 +58,8 @@ def test_an_eks_job_in_another_namespace_is_found_from_a_fresh_process(kube: Kub
     assert attach("far", "eks").backend.namespace == "other"
     stopped = commands.stop("far")
     assert stopped["state"] == "stopped" and workloads(kube, "other") == []
-    commands.remove("far")
+    assert commands.remove_jobs([("far", None)]) == [
+        {"name": "far", "backend": "eks", "removed": True, "message": "removed far"}]
     assert not (eksft_home() / "whereabouts" / "eks" / "far.json").exists()
     with pytest.raises(UnknownJobError, match="no job named 'far' under .*, nor on eks"):
         commands.status("far")

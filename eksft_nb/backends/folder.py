@@ -29,6 +29,10 @@ class FolderJobs:
     def state(self, name: str) -> JobSummary:
         """Where the job's processes stand (see :meth:`.base.Backend.state`)."""
 
+    def folder(self, name: str) -> JobDir:
+        """The folder of job ``name`` (an unknown name is an :class:`~eksft_nb.errors.UnknownJobError`)."""
+        return self._jd(name)
+
     def spec(self, name: str) -> JobSpec:
         return self._jd(name).spec()
 

@@ -14,6 +14,7 @@ import os
 import time
 import uuid
 from pathlib import Path, PurePosixPath
+from collections.abc import Mapping
 from typing import Any
 
 from kubernetes import client
@@ -29,7 +30,7 @@ from ...spec_checks import valid_name
 from ...states import ACTIVE, JobState
 from ...tails import bounded
 from ..base import Backend, JobSummary, readable
-from . import checks, engine_parts, names, schemas
+from . import checks, engine_parts, live, names, schemas
 from .cluster import ApiError, Cluster, explain, kubeconfig_files
 from .inpod import NOT_HERE
 from .pods import PodState, parse_time, pod_state
@@ -265,6 +266,13 @@ class EksBackend(Backend):
             raise JobError(f"queueing the fault in pod {pod} failed: {out.strip()[-300:]}",
                            "check that the image has the same eksft-nb version")
         return command
+
+    def set_settings(self, name: str, changes: Mapping[str, int]) -> dict[str, Any]:
+        """Queue checked live settings in the job folder, from inside a running pod (see :mod:`.live`)."""
+        return live.set_settings(self, name, changes)
+
+    def settings(self, name: str) -> dict[str, Any]:
+        return live.settings(self, name)
 
     def signal(self, name: str, rank: int, signame: str = "SIGKILL") -> str:
         """Signal a rank process directly (wherever it runs); returns its pod's name."""
