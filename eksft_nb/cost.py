@@ -183,7 +183,7 @@ def pricing(spec: Any, price: str | None = None, run_for: str | None = None, nod
 
 
 def options_of(args: Any) -> dict[str, Any]:
-    """The cost options of a parsed command line (``commands.COST``), for the operations that price."""
+    """The cost options of a parsed command line (``arguments.COST``), for the operations that price."""
     return {k: getattr(args, k, None) for k in ("price", "run_for", "nodes", "failures_per_day")}
 
 

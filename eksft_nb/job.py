@@ -7,7 +7,7 @@ import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .backends import Backend, get_backend
+from .backends import Backend, whereabouts
 from .checkpoint_folders import CheckpointInfo, resume_origin
 from . import settings
 from .control import FaultCommand
@@ -147,7 +147,7 @@ class Job:
                                     "resume": resume, "checkpoint.dir": None, **settings.spec_changes(live),
                                     **self._measured(), **changes})
         spec, _ = prepare(spec)
-        self.backend.launch(spec)
+        whereabouts.launch(self.backend, spec)
         new = Job(spec.name, self.backend)
         new.note = f"resuming {resume_origin(str(info.path), {'step': info.step, 'skipped': skipped})}"
         if live:
@@ -218,14 +218,16 @@ def launch(spec: JobSpec | None = None, faults: list[FaultCommand | str] | None 
     """Launch a job from a spec (or from spec fields, dotted for nested ones) and return its handle."""
     spec = (spec or JobSpec()).replace(**fields) if fields else (spec or JobSpec())
     spec, commands = prepare(spec, faults or [])
-    backend = get_backend(spec.backend)
-    backend.launch(spec, commands)
+    backend = whereabouts.of_spec(spec)
+    whereabouts.launch(backend, spec, commands)
     return Job(spec.name, backend)
 
 
-def attach(name: str, backend: str = "local") -> Job:
-    """A handle on an existing job (from any process, after a kernel restart too)."""
-    b = get_backend(backend)
+def attach(name: str, backend: str | None = None) -> Job:
+    """A handle on an existing job (from any process, after a kernel restart too), on its backend as it
+    was launched (an EKS job's namespace and context); ``backend``: where to look (default: every backend
+    that can hold it; two jobs of the name are refused, each named)."""
+    b = whereabouts.find(name, backend)
     b.spec(name)  # raises a clear error for an unknown name
     return Job(name, b)
 

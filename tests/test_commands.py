@@ -19,7 +19,7 @@ import pytest
 import eksft_nb
 from eksft_nb import commands
 from eksft_nb import procs, row_cache
-from eksft_nb.commands import ARGS, BOTH, CLI, MAGIC
+from eksft_nb.arguments import ARGS, BOTH, CLI, MAGIC
 from eksft_nb.control import FAULTS
 from eksft_nb.errors import ControlError, JobError, SpecError
 from eksft_nb.fault_registry import REGISTRY
@@ -135,7 +135,7 @@ def _verbs(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser
 
 
 def test_the_cli_and_the_magics_take_the_same_options_from_one_table() -> None:
-    from eksft_nb import cli, magics
+    from eksft_nb import cli, dispatch, magics
 
     fronts = {CLI: _verbs(cli.build_parser()),
               MAGIC: {**_verbs(magics._line_parser()), "run": magics._cell_parser()}}
@@ -158,6 +158,7 @@ def test_the_cli_and_the_magics_take_the_same_options_from_one_table() -> None:
     for verb in ARGS.values():
         if MAGIC in verb.fronts and verb.name != "run":
             assert f"%ftrain {verb.name_in(MAGIC)}" in magics.LINE_USAGE
+    assert set(dispatch.HANDLERS) == set(ARGS)   # both front ends go through the one dispatch
 
 
 def test_the_package_imports_have_no_cycle() -> None:

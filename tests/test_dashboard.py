@@ -315,7 +315,7 @@ def test_a_failed_jobs_reason_is_said_where_the_user_looks(ip: Any,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     """One line, why it failed and what to do, in CLI status (and the magic's), summary, the list and the
     dashboard's header (red); the lab panel's row is tests/test_lab_extension.py's."""
-    from eksft_nb import cli, commands
+    from eksft_nb import commands, texts
 
     reason = ("gave up after 3 in-job restarts: rank 1 raised ModuleNotFoundError: No module named 'mylib' "
               "(the script's own error, at every restart): install mylib where the ranks run, then resume")
@@ -326,14 +326,14 @@ def test_a_failed_jobs_reason_is_said_where_the_user_looks(ip: Any,
     atomic_write(job.dir.supervisor_path, json.dumps({"state": "failed", "reason": reason}))
     row = commands.status("broke")
     assert (row["state"], row["detail"]) == ("failed", reason)
-    assert cli.format_status(row).endswith(f"  ({reason})")
+    assert texts.format_status(row).endswith(f"  ({reason})")
     assert {r["name"]: r["detail"] for r in commands.list_jobs()}["broke"] == reason
     h = Dashboard(job.handle(), live=False).header
     assert (h.state, h.detail, h.detail_kind) == ("failed", reason, "error")
     assert f"style='color:#d62728'>{html.escape(reason)}</span>" in h._title.value
     capsys.readouterr()
     ip.run_line_magic("ftrain", "status broke")
-    assert capsys.readouterr().out.strip() == cli.format_status(row)
+    assert capsys.readouterr().out.strip() == texts.format_status(row)
     ip.run_line_magic("ftrain", "summary broke")
     assert capsys.readouterr().out.splitlines()[0] == f"job broke: failed ({reason})"
 

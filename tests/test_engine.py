@@ -12,7 +12,7 @@ import pytest
 from eksft_nb import nvrx
 from eksft_nb import procs
 from eksft_nb.checkpoint_folders import list_checkpoints
-from eksft_nb.cli import format_summary
+from eksft_nb.texts import format_summary
 from eksft_nb.jobdir import JobDir
 from eksft_nb.monitor import JobMonitor
 from eksft_nb.spec import JobSpec

@@ -110,6 +110,18 @@ class Backend(ABC):
     """The whole contract: every operation the command layer asks of a backend is here."""
 
     name: str
+    # the keywords of its constructor that a job's record may hold (see :meth:`locator`)
+    locator_keys: tuple[str, ...] = ()
+
+    def locator(self, spec: JobSpec) -> dict[str, str]:
+        """The settings (keywords of this backend's constructor, among :attr:`locator_keys`) with which a
+        backend finds the job ``spec`` launched, from any process; {}: a default backend does (see
+        :mod:`.whereabouts`)."""
+        return {}
+
+    def configured(self) -> bool:
+        """Whether this machine is set up to reach the backend's jobs: a name is looked for there."""
+        return True
 
     @property
     def refused_faults(self) -> frozenset[str]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import cost as costs
-from ..backends import get_backend
+from ..backends import whereabouts
 from ..engines.registry import engine_of
 from ..errors import EksftError, shown
 from ..goodput import compute
@@ -51,7 +51,7 @@ def run_test(launch: Callable[..., object], spec: JobSpec, kinds: Sequence[Fault
     if spec.checkpoint.dir:
         raise EksftError("a resilience test gives each case its own checkpoints, but --ckpt-dir names "
                          "one folder for all", "leave --ckpt-dir unset")
-    backend = get_backend(spec.backend)
+    backend = whereabouts.of_spec(spec)   # the job's own settings (an EKS namespace)
     refused = sorted(k.value for k in kinds or () if k.value in backend.refused_faults)
     if refused:   # known before any job runs (whether a script's saves are eksft's: after its reference)
         raise EksftError(f"the {spec.backend} backend cannot deliver {', '.join(refused)}",
@@ -208,7 +208,7 @@ def _run_case(launch: Callable[..., object], spec: JobSpec, case: Case, ref: Job
               checks: list[expectations.Expectation], wall: float, tolerance: float) -> cards.Row:
     launch(spec.replace(name=case.job), list(case.faults))
     budget = 3 * wall + 300.0 + resolved(spec).ft.heartbeat_timeout * len(case.faults)
-    backend = get_backend(spec.backend)
+    backend = whereabouts.of_spec(spec)
     mon, state, end = _follow(Job(case.job, backend), budget)
     # a torchft job's groups recover without a restart of the job: its events tell how, and each group's end
     events = backend.events(case.job).read() if engine_of(spec).heals_alone else None

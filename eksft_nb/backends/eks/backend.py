@@ -31,7 +31,7 @@ from ...states import ACTIVE, JobState
 from ...tails import bounded
 from ..base import Backend, JobSummary, readable
 from . import checks, engine_parts, live, names, schemas
-from .cluster import ApiError, Cluster, explain
+from .cluster import ApiError, Cluster, explain, kubeconfig_files
 from .inpod import NOT_HERE
 from .pods import PodState, parse_time, pod_state
 from .render import INPOD, Manifests, render
@@ -53,6 +53,7 @@ class EksBackend(Backend):
     """
 
     name = "eks"
+    locator_keys = ("namespace", "context")
 
     def __init__(self, namespace: str | None = None, context: str | None = None, *,
                  api_client: client.ApiClient | None = None, checkpoints_mount: str | None = None,
@@ -65,6 +66,15 @@ class EksBackend(Backend):
         self._clusters: dict[tuple[str | None, str | None], Cluster] = {}
         # jobs launched here: (context, namespace)
         self._where: dict[str, tuple[str | None, str | None]] = {}
+
+    def locator(self, spec: JobSpec) -> dict[str, str]:
+        context = {"context": spec.eks.context} if spec.eks.context else {}
+        return {"namespace": spec.eks.namespace, **context}
+
+    def configured(self) -> bool:
+        """A kubeconfig, or a pod's service account."""
+        return bool(self._api_client or self.context or kubeconfig_files()
+                    or os.environ.get("KUBERNETES_SERVICE_HOST"))
 
     def _cluster(self, context: str | None = None, namespace: str | None = None) -> Cluster:
         key = (context or self.context, namespace or self.namespace)

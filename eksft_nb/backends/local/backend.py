@@ -13,11 +13,10 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import psutil
 
@@ -37,7 +36,6 @@ from ...timeouts import derive, resolved
 from ... import procs
 from ..base import Backend, JobSummary, readable
 from ..folder import FolderJobs
-from ..inbox import queue_fault, queue_settings, settings_in_force
 from . import ending, engine_parts
 
 class LocalBackend(FolderJobs, Backend):
@@ -168,15 +166,6 @@ class LocalBackend(FolderJobs, Backend):
         return "\n".join([f"[eksft] {note}" for note in notes] + [bounded("\n".join(out[-lines:]))])
 
     # ---- control -------------------------------------------------------------------------------
-    def inject(self, name: str, command: FaultCommand) -> FaultCommand:
-        return queue_fault(self._jd(name), self.state(name).state, command)
-
-    def set_settings(self, name: str, changes: Mapping[str, int]) -> dict[str, Any]:
-        return queue_settings(self._jd(name), self.state(name).state, changes)
-
-    def settings(self, name: str) -> dict[str, Any]:
-        return settings_in_force(self._jd(name))
-
     def stop(self, name: str, timeout: float = 60.0) -> None:
         """Ask the supervisor (and its keeper) to end the job, then end whatever still carries the
         job's mark. Only processes whose recorded identity or mark matches are signalled; a head that

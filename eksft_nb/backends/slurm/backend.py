@@ -13,9 +13,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from ...control import FaultCommand, submit
 from ...errors import JobError, UnknownJobError, shown
@@ -26,7 +24,6 @@ from ...states import ACTIVE, JobState
 from ...tails import bounded, tail_lines
 from ..base import Backend, JobSummary, readable
 from ..folder import FolderJobs
-from ..inbox import queue_fault, queue_settings, settings_in_force
 from . import checks, cluster, engine_parts
 from .carried import RECORD
 from .notices import WAITING, waiting_detail
@@ -42,6 +39,7 @@ class SlurmBackend(FolderJobs, Backend):
     names its own folder (``--shared-dir``)."""
 
     name = "slurm"
+    locator_keys = ("shared_dir",)
 
     def __init__(self, shared_dir: str | Path | None = None) -> None:
         root = shared_dir or os.environ.get(SHARED_DIR_ENV)
@@ -59,6 +57,13 @@ class SlurmBackend(FolderJobs, Backend):
                               + (f" nor is one under {self.root}" if self.root else ""),
                               f"check the name, or set {SHARED_DIR_ENV} to the --shared-dir it was "
                               "launched with")
+
+    def locator(self, spec: JobSpec) -> dict[str, str]:
+        return {"shared_dir": str(spec.slurm.shared_dir)}
+
+    def configured(self) -> bool:
+        """A shared folder named, or jobs launched from here."""
+        return self.root is not None or self.links.is_dir()
 
     def _record(self, jd: JobDir) -> dict:
         try:
@@ -156,17 +161,6 @@ class SlurmBackend(FolderJobs, Backend):
         return "\n".join([f"[eksft] {note}" for note in notes] + [bounded("\n".join(out[-lines:]))])
 
     # ---- control -------------------------------------------------------------------------------
-    def inject(self, name: str, command: FaultCommand) -> FaultCommand:
-        """Queue the fault in the job folder on the shared disk (the ranks fire it)."""
-        assert command.fault not in self.refused_faults
-        return queue_fault(self._jd(name), self.state(name).state, command)
-
-    def set_settings(self, name: str, changes: Mapping[str, int]) -> dict[str, Any]:
-        return queue_settings(self._jd(name), self.state(name).state, changes)
-
-    def settings(self, name: str) -> dict[str, Any]:
-        return settings_in_force(self._jd(name))
-
     def stop(self, name: str, timeout: float = 60.0) -> None:
         """``scancel`` the job (marked as the user's stop first); returns once Slurm says it ended."""
         jd = self._jd(name)
