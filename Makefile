@@ -1,7 +1,7 @@
 # eksft-nb: every target sets up what it needs (a .venv in this folder, with the JupyterLab extension built
 # from nbext/) on a fresh machine.
 #   make lab    set up, run the headless terminal demo, then open JupyterLab on the quickstart
-#   make test   set up (venv, NVRx 0.6.0 beside it, Chromium for the browser test, Prometheus for the
+#   make test   set up (venv, NVRx 0.6.0 and 0.7.0 beside it, Chromium for the browser test, Prometheus for the
 #               dashboard test) and run the test suite
 #   make demo   set up and run the headless demo only
 #   make bench  set up and run the benchmarks, each run's JSON kept in bench/results/ (bench-quick: short)
@@ -26,20 +26,29 @@ $(VENV)/.installed: pyproject.toml
 	SKIP_JUPYTER_BUILDER=1 $(PY) -m pip install -q "$(TORCH_SPEC)" -e '.[dev]'
 	touch $@
 
-# A second NVRx for the tests, beside the one pip resolved (0.4.1 where glibc < 2.39): the engine's fault
-# matrix runs on both. Its wheel is tagged manylinux_2_39 but its only compiled part is the CUDA-only
-# CUPTI extension, so it is unpacked with --target; the tests put this folder first on PYTHONPATH.
-# Its gRPC/protobuf requirements go into the same folder (nothing else in the venv sees them); the rest
-# of what it requires (numpy, psutil>=6, pyyaml, packaging, httpx, defusedxml, nvidia-ml-py) the venv has.
-NVRX_TEST := 0.6.0
-NVRX_TEST_DIR := $(VENV)/nvrx-$(NVRX_TEST)
+# Two more NVRx releases for the tests, beside the one pip resolved (0.4.1 where glibc < 2.39): 0.7.0, what
+# GPU machines resolve (Python 3.12), runs the full NVRx matrix; 0.6.0 a smoke set (docs/nvrx-versions.md).
+# Their wheels are tagged manylinux_2_39 (0.7.0: cp312 only) but their one compiled file is the CUDA-only
+# CUPTI extension and their Python runs on 3.11, so each is unpacked with --target; a test puts its folder
+# first on PYTHONPATH. What they require beyond the venv goes into the same folder, --no-deps (nothing else
+# in the venv sees it, and nothing of the venv is shadowed): gRPC/protobuf; for 0.7.0 also its attribution
+# service's web stack (fastapi, pydantic-settings, slowapi, uvicorn: the venv has pydantic). The rest
+# (numpy, psutil>=6, pyyaml, packaging, httpx, defusedxml, nvidia-ml-py) the venv has.
+NVRX_RELEASES := 0.6.0 0.7.0
+NVRX_GRPC := "grpcio>=1.76,<2" "grpcio-tools>=1.76,<2" "protobuf>=4.22"
+NVRX_0.6.0_PY := 3.11
+NVRX_0.7.0_PY := 3.12
+NVRX_0.6.0_EXTRA :=
+NVRX_0.7.0_EXTRA := fastapi starlette annotated-doc pydantic-settings python-dotenv slowapi limits deprecated \
+  wrapt uvicorn
+NVRX_DIRS := $(foreach r,$(NVRX_RELEASES),$(VENV)/nvrx-$(r))
 
-$(NVRX_TEST_DIR)/.installed: $(VENV)/.installed
-	rm -rf $(NVRX_TEST_DIR)
+$(VENV)/nvrx-%/.installed: $(VENV)/.installed
+	rm -rf $(VENV)/nvrx-$*
 	$(PY) -m pip install -q --no-deps --only-binary=:all: --platform manylinux_2_39_x86_64 \
-	  --target $(NVRX_TEST_DIR) nvidia-resiliency-ext==$(NVRX_TEST)
-	$(PY) -m pip install -q --no-deps --only-binary=:all: --upgrade --target $(NVRX_TEST_DIR) \
-	  "grpcio>=1.76,<2" "grpcio-tools>=1.76,<2" "protobuf>=4.22"
+	  --python-version $(NVRX_$*_PY) --target $(VENV)/nvrx-$* nvidia-resiliency-ext==$*
+	$(PY) -m pip install -q --no-deps --only-binary=:all: --upgrade --target $(VENV)/nvrx-$* \
+	  $(NVRX_GRPC) $(NVRX_$*_EXTRA)
 	$(PY) -m pip install -q defusedxml httpx "nvidia-ml-py>=12.570.86" packaging "psutil>=6" pyyaml
 	touch $@
 
@@ -61,7 +70,7 @@ $(VENV)/.nbext-installed: $(NBEXT_SRC) $(VENV)/.installed
 	cp nbext/install.json $(LABEXT)/
 	touch $@
 
-setup: $(VENV)/.installed $(NVRX_TEST_DIR)/.installed $(VENV)/.nbext-installed
+setup: $(VENV)/.installed $(NVRX_DIRS:%=%/.installed) $(VENV)/.nbext-installed
 
 # The server extension behind the JupyterLab panel (eksft_nb.lab), enabled in the venv: an editable
 # install does not copy pyproject's data files.
@@ -105,8 +114,10 @@ lab: demo
 	$(VENV)/bin/jupyter lab --port=$(LAB_PORT) $(if $(filter 0,$(shell id -u)),--allow-root,) \
 	  notebooks/01_quickstart.ipynb
 
+# two workers: the tests wait on real processes (timeouts, schedulers, browsers) as much as they compute;
+# tests/conftest.py keeps what shares one Slurm on one worker
 test: setup system-tools
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 bench: setup
 	$(PY) -m bench

@@ -14,7 +14,7 @@ from typing import Any
 
 from .common import FULL, QUICK, RESULTS, SMOKE, machine, private_home
 
-PARTS = ("ckpt", "recovery", "goodput", "overhead", "dashboard", "scale", "whatif", "compare")
+PARTS = ("ckpt", "recovery", "goodput", "overhead", "dashboard", "scale", "whatif", "compare", "spares")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -184,12 +184,9 @@ class TimedStager:
         self.last_s = time.perf_counter() - t0
         return staged
 
-    @property
-    def staged_bytes(self) -> int:
-        return self.stager.staged_bytes
-
-    def checksum(self) -> None:
-        self.stager.checksum()
+    def __getattr__(self, name: str) -> Any:
+        """Everything else is the stager's own (what the manager reads of it: staged bytes, copy time...)."""
+        return getattr(self.stager, name)
 
 
 METHODS = (Memcpy, TorchSave, DcpSave, DcpAsyncSave, Eksft)

@@ -87,7 +87,11 @@ def run(size: str, order: str = "side-by-side") -> dict[str, Any]:
             raise EksftError(f"the what-if gave no figure for {label}: {row['why']}", "see the job's events")
         runs[label] = {"a": a, "b": b, "error_points": round(100 * (row["ettr"] - b["ettr"]), 2),
                        "predicted": {"ettr": row["ettr"], "terms": row["terms"], "saves": row["saves"],
-                                     "lost_steps": row["lost_steps"], "notes": row["notes"]}}
+                                     "lost_steps": row["lost_steps"], "notes": row["notes"],
+                                     # the terms A's events could not teach (in-process off: an exception's
+                                     # in-job restart, charged as A's in-job restarts of other causes)
+                                     "estimated": row["estimated"],
+                                     "gpu_h_lost": row["cost"]["lost"]["gpu_h"]}}
     noise = None
     if noise_floor:
         a, again = pair("whatif-a", base, "whatif-a-again", base, faults, order)
@@ -139,6 +143,7 @@ def measured(name: str, extra: dict[str, Any]) -> dict[str, Any]:
     # the terms the what-if predicts (goodput's skipped batches are torchft's: an NVRx job has none)
     terms = {k: round(v, 4) for k, v in gp.seconds().items() if k in TERMS}
     return {"name": name, "ettr": round(gp.goodput, 5), "terms": terms,
+            "gpu_h_lost": report["measured"]["cost"]["lost"]["gpu_h"],
             "wall_s": round(gp.wall_s, 3), "useful_steps": useful_steps(mon),
             "step_s": report["inputs"]["step_s"],
             "failures": [{**{k: f[k] for k in ("step", "level", "downtime_s", "lost", "committed")},
@@ -187,6 +192,8 @@ def report(result: dict[str, Any]) -> str:
     unscheduled = [f"{who}: {f['level']} at step {f['step'] + 1} ({f['cause']})" for who, r in runs
                    for f in r["failures"] if not f["cause"].startswith("injected")]
     own = [abs(r["a"]["as_run_predicted"] - r["a"]["ettr"]) * 100 for r in result["settings"].values()]
+    estimated = [f"{label}: {', '.join(r['predicted'].get('estimated') or [])}" for label, r in
+                 result["settings"].items() if r["predicted"].get("estimated")]
     return table(title, head, rows) + (
         f"  largest error {result['max_error_points']:.2f} points "
         f"(target <= {result['target_points']:.0f}) {met}; "
@@ -194,4 +201,6 @@ def report(result: dict[str, Any]) -> str:
         + (f"; A run twice {'side by side' if together else 'in a row'}: {noise['points']:+.2f} points apart"
            if noise else "") + "\n"
         + (f"  failures no fault was scheduled for (the what-if replays them at the step they hit): "
-           f"{'; '.join(unscheduled)}\n" if unscheduled else ""))
+           f"{'; '.join(unscheduled)}\n" if unscheduled else "")
+        + (f"  terms A's events could not teach, estimated (the what-if says so on the row): "
+           f"{'; '.join(estimated)}\n" if estimated else ""))

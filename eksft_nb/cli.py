@@ -1,4 +1,6 @@
-"""``python -m eksft_nb``: the headless twin of the notebook magic."""
+"""``python -m eksft_nb``: the headless twin of the notebook magic. Its commands go through the one
+dispatch (:mod:`.dispatch`); what is the terminal's own is here: the parser's "did you mean" and following
+a job's progress to its end."""
 
 from __future__ import annotations
 
@@ -9,16 +11,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from . import commands, nvrx
-from .commands import CLI
-from .engines.registry import engine_of
+from . import arguments
+from .arguments import CLI
+from .dispatch import dispatch
 from .errors import EksftError, closest
 from .fault_registry import target_text
-from .goodput import CATEGORIES
 from .incidents import phases_text
 from .job import Job, attach
 from .spec import JobSpec
 from .states import CheckpointState, JobState
+from .texts import format_summary
 
 
 class _Parser(argparse.ArgumentParser):
@@ -35,25 +37,25 @@ class _Parser(argparse.ArgumentParser):
         if "unrecognized arguments:" in message:
             unknown = next((w for w in message.split("unrecognized arguments:", 1)[1].split()
                             if w.startswith("-")), "")
-            verb = next((w for w in self.words if w in commands.ARGS), None)
+            verb = next((w for w in self.words if w in arguments.ARGS), None)
             if unknown:
-                known = commands.flags(CLI, [verb] if verb else None)
+                known = arguments.flags(CLI, [verb] if verb else None)
                 message += f" (did you mean {closest(unknown.split('=')[0], known)}?)"
         super().error(message)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The CLI's parser, built from :data:`commands.ARGS` (the magics build theirs from it too)."""
+    """The CLI's parser, built from :data:`arguments.ARGS` (the magics build theirs from it too)."""
     p = _Parser(prog="python -m eksft_nb", description="Fault-tolerant FSDP training jobs, "
                                 "launched, watched, broken on purpose and healed from the terminal.")
-    commands.add_verbs(p.add_subparsers(dest="command", required=True, metavar="COMMAND"), CLI)
+    arguments.add_verbs(p.add_subparsers(dest="command", required=True, metavar="COMMAND"), CLI)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return COMMANDS[args.command](args) or 0
+        return dispatch(args, Terminal())
     except EksftError as e:
         print(f"eksft: error: {e}", file=sys.stderr)
         return 2
@@ -61,29 +63,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-# ---- commands -----------------------------------------------------------------------------------
+class Terminal:
+    """The CLI's ways (see :class:`.dispatch.Front`)."""
 
-def cmd_run(args: argparse.Namespace) -> int:
-    base = JobSpec.load(args.spec_file) if args.spec_file else None
-    spec = commands.spec_from_args(args, base, validate=False)   # the launch (or dry run) validates it
-    if args.dry_run:
-        print(commands.dry_run(spec, queue_objects=args.kueue_objects, faults=args.fault))
-        return 0
-    row = commands.launch(spec, args.fault)
-    print(f"launched {row['name']}: {engine_of(spec).describe(spec)}")
-    for warning in row["warnings"]:
-        print(f"warning: {warning}")
-    if (spec.backend == "local" and spec.ft.inprocess and (here := nvrx.installed())
-            and (note := here.inprocess_note())):
-        print(f"note: {note}")  # on EKS the image's NVRx decides
-    if args.detach:
-        print(f"follow it with: python -m eksft_nb watch {spec.name}")
-        return 0
-    return follow(attach(spec.name, spec.backend), as_json=args.json)
+    prog = "python -m eksft_nb"
+    inject_wait = 10.0   # a fault fired now is said fired, or queued
 
+    def spec(self, args: argparse.Namespace, verb: str, base: JobSpec | None = None) -> JobSpec:
+        base = base or (JobSpec.load(args.spec_file) if args.spec_file else None)
+        return arguments.spec_from_args(args, base, validate=False)
 
-def cmd_watch(args: argparse.Namespace) -> int:
-    return follow(attach(args.name, args.backend))
+    def job(self, args: argparse.Namespace) -> Job:
+        return attach(args.name, args.backend)
+
+    def follow(self, job: Job, args: argparse.Namespace) -> int:
+        if getattr(args, "detach", False):
+            if args.command == "run":
+                print(f"follow it with: {self.prog} watch {job.name}")
+            return 0
+        return follow(job, as_json=getattr(args, "json", False) and args.command == "run")
+
+    def figure(self, make: Callable[[], Any]) -> None:
+        """A terminal draws no figure."""
+
+    def card_view(self) -> Callable[[dict[str, Any]], None]:
+        return lambda card: None
+
+    def refused(self, lines: list[str]) -> None:
+        for line in lines:
+            print(f"eksft: error: {line}", file=sys.stderr)
 
 
 def follow(job: Job, as_json: bool = False) -> int:
@@ -141,212 +149,3 @@ def follow(job: Job, as_json: bool = False) -> int:
     summary = job.summary()
     print(json.dumps(summary, indent=2) if as_json else format_summary(summary))
     return 0 if summary["state"] == JobState.SUCCEEDED else 1
-
-
-def format_summary(s: dict[str, Any]) -> str:
-    steps = (f"{s['steps_done']}/{s['total_steps']}" if s["total_steps"]
-             else f"{s['steps_done']} (optimizer steps seen)")
-    lines = [f"job {s['name']}: {s['state']}" + (f" ({s['reason']})" if s["reason"] else ""),
-             f"steps done: {steps}   final parameters digest: {s['digest'] or '-'}",
-             "restarts: " + ", ".join(f"{k} {v}" for k, v in s["restarts"].items())]
-    if s.get("resumed_from"):   # where it started, and each checkpoint refused before that one
-        lines.insert(1, f"resumed {s['resumed_from']}")
-    if s["restart_events"]:
-        lines.append(f"  {'level':<10}{'cause':<44}{'blamed':>7}{'detect':>8}{'downtime':>10}{'lost':>6}")
-        for r in s["restart_events"]:
-            blamed = "-" if r["blame_rank"] is None else str(r["blame_rank"])
-            lines.append(f"  {r['level']:<10}{r['cause'][:43]:<44}{blamed:>7}{r['detection_s']:>7.1f}s"
-                         f"{r['downtime_s']:>9.1f}s{r['rolled_back_steps']:>6}"
-                         + ("  failed before a step" if r.get("recovered") is False else ""))
-            if r.get("phases"):
-                lines.append(f"    phases: {phases_text(r['phases'])}")
-    for lost in s.get("events_lost", []):  # what the events file lacks: say so, never hide it
-        kinds = ", ".join(f"{n} {k}" for k, n in (lost["kinds"] or {}).items())
-        lines.append(f"events lost: {lost['count']} of rank {lost['rank']} ({kinds}): {lost['error']}")
-    lines += [f"warning: {w}" for w in s.get("warnings", [])]
-    g = s["goodput"]
-    lines.append(f"goodput: {100 * g['goodput']:.1f}% of {g['wall_s']:.1f}s wall time")
-    for key in CATEGORIES:
-        sec = g[f"{key}_s"]
-        pct = 100 * sec / g["wall_s"] if g["wall_s"] else 0.0
-        lines.append(f"  {key.replace('_', ' '):<24}{sec:8.1f}s {pct:6.1f}%")
-    return "\n".join(lines)
-
-
-def format_list(rows: list[commands.JobRow]) -> str:
-    if not rows:
-        return "no jobs yet: launch one with `python -m eksft_nb run`"
-    lines = []
-    for r in rows:
-        if r["backend"] != "local":  # a listing reads no remote job's logs: its state only
-            lines.append(f"{r['name']:<32}{r['state']:<11}{r['detail']}")
-        else:
-            lines.append(f"{r['name']:<32}{r['state']:<11}{r['step']:>7}/{r['total_steps'] or '-':<7}"
-                         f"restarts {sum(r['restarts'].values())}"
-                         + (f"  {r['detail']}" if r["detail"] else ""))
-    return "\n".join(lines)
-
-
-def format_status(r: commands.JobRow) -> str:
-    goodput = "-" if r["goodput"] is None else f"{100 * r['goodput']:.1f}%"
-    return (f"{r['name']}: {r['state']}  step {r['step']}/{r['total_steps'] or '-'}  restarts "
-            f"{r['restarts']}  "
-            f"last checkpoint {r['last_checkpoint']}  goodput {goodput}"
-            + (f"  ({r['detail']})" if r["detail"] else ""))
-
-
-def format_checkpoints(infos: list[dict[str, Any]]) -> str:
-    if not infos:
-        return "no checkpoints yet"
-    lines = []
-    for i in infos:
-        when = time.strftime("%H:%M:%S", time.localtime(i["time"])) if i["time"] else "-"
-        note = f"  ({i['reason']})" if i["reason"] else ""
-        lines.append(f"step {i['step']:>7}  {i['state']:<10} {i['bytes'] / 2**20:8.2f} MiB  {when}  "
-                     f"{i['path']}{note}")
-    return "\n".join(lines)
-
-
-def show(value: Any, as_json: bool, text: Callable[[Any], str]) -> None:
-    print(json.dumps(value, indent=2) if as_json else text(value))
-
-
-def cmd_list(args: argparse.Namespace) -> int:
-    show(commands.list_jobs(args.backend), args.json, format_list)
-    return 0
-
-
-def cmd_status(args: argparse.Namespace) -> int:
-    show(commands.status(args.name, args.backend), args.json, format_status)
-    return 0
-
-
-def cmd_summary(args: argparse.Namespace) -> int:
-    show(commands.summary(args.name, args.backend), args.json, format_summary)
-    return 0
-
-
-def cmd_ckpts(args: argparse.Namespace) -> int:
-    show(commands.checkpoints(args.name, args.backend), args.json, format_checkpoints)
-    return 0
-
-
-def cmd_logs(args: argparse.Namespace) -> int:
-    print(commands.logs(args.name, args.lines, args.debug, args.backend))
-    return 0
-
-
-def inject_params(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: v for k, v in (("delay", args.delay), ("duration", args.duration)) if v is not None}
-
-
-def cmd_inject(args: argparse.Namespace) -> int:
-    now = args.step is None and args.after is None
-    print(commands.inject(args.name, args.fault, rank=args.rank, step=args.step, after=args.after,
-                          node=args.node,
-                          params=inject_params(args), backend=args.backend,
-                          wait=10.0 if now else 0.0)["message"])
-    return 0
-
-
-def cmd_resume(args: argparse.Namespace) -> int:
-    row = commands.resume(args.name, step=args.step, new_name=args.new_name, steps=args.steps,
-                          backend=args.backend)
-    print(row["message"])
-    return 0 if args.detach else follow(attach(row["name"], args.backend))
-
-
-def cmd_set(args: argparse.Namespace) -> int:
-    result = commands.set_settings(args.name, args.assignments, backend=args.backend, wait=args.wait)
-    show(result, args.json, lambda r: r["message"])
-    return 0
-
-
-def cmd_stop(args: argparse.Namespace) -> int:
-    print(commands.stop(args.name, args.backend)["message"])
-    return 0
-
-
-def cmd_rm(args: argparse.Namespace) -> int:
-    commands.remove(args.name, args.backend)
-    print(f"removed {args.name}")
-    return 0
-
-
-def cmd_test(args: argparse.Namespace) -> int:
-    from .resilience.card import junit, table
-
-    from pathlib import Path
-
-    junit_path = Path(args.junit).expanduser() if args.junit else None
-    if junit_path is not None and not junit_path.parent.is_dir():   # found out now, not after the test's jobs
-        raise EksftError(f"--junit {args.junit}: folder {junit_path.parent} does not exist",
-                         "create it first")
-    base = JobSpec.load(args.spec_file) if args.spec_file else None
-    spec = commands.spec_from_args(args, base)
-    say = (lambda text: print(text, file=sys.stderr, flush=True)) if args.json else print
-    card = commands.resilience_test(spec, args.faults, args.expect, at_step=args.at_step,
-                                    loss_tolerance=args.loss_tol, say=say)
-    if junit_path is not None:
-        try:
-            junit_path.write_text(junit(card))   # type: ignore[arg-type]
-        except OSError as e:
-            raise EksftError(f"cannot write --junit {junit_path} ({e.strerror})",
-                             "pick a writable file") from None
-    show(card, args.json, table)
-    return 0 if card["passed"] else 1
-
-
-def cmd_whatif(args: argparse.Namespace) -> int:
-    from .resilience.whatif import format_report
-
-    report = commands.whatif(args.name, ckpt_every=args.ckpt_every, inprocess=args.inprocess,
-                             ckpt_mode=args.ckpt_mode, spares=args.spares, backend=args.backend)
-    show(report, args.json, format_report)
-    if args.apply:
-        print(commands.apply_whatif(args.name, backend=args.backend, wait=30.0)["message"])
-    return 0
-
-
-def cmd_check(args: argparse.Namespace) -> int:
-    base = JobSpec.load(args.spec_file) if args.spec_file else None
-    report = commands.check(commands.spec_from_args(args, base, validate=False), args.from_job,
-                            args.from_backend)
-    show(report, args.json, lambda r: r["message"])
-    return 1 if any(f["refuse"] for f in report["findings"]) else 0
-
-
-def cmd_doctor(args: argparse.Namespace) -> int:
-    base = JobSpec.load(args.spec_file) if args.spec_file else None
-    report = commands.doctor(commands.spec_from_args(args, base, validate=False), on_node=args.on_node)
-    refused = [f for f in report["findings"] if f["refuse"]]
-    if args.on_node and not args.json:   # a gate in a pod's or batch job's log: one line, why it stops
-        env = report["environment"]
-        for f in refused:
-            print(f"eksft: error: {f['problem']} → {f['fix']}", file=sys.stderr)
-        if not refused:
-            print(f"doctor: NVRx {env['nvrx']}, torch {env['torch']}, {env['gpus']} GPU(s): nothing refused")
-    else:
-        show(report, args.json, lambda r: r["message"])
-    return 1 if refused else 0
-
-
-def cmd_metrics(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from .backends.local import LocalBackend
-    from .metrics import serve
-
-    root = Path(args.root) if args.root else None
-    for name in args.names:
-        LocalBackend(root).spec(name)  # unknown names fail before anything listens
-    serve(args.names, args.port, args.addr, root)
-    return 0
-
-
-COMMANDS = {"run": cmd_run, "watch": cmd_watch, "list": cmd_list, "status": cmd_status,
-            "summary": cmd_summary,
-            "ckpts": cmd_ckpts, "logs": cmd_logs, "inject": cmd_inject, "resume": cmd_resume,
-            "stop": cmd_stop,
-            "rm": cmd_rm, "set": cmd_set, "metrics": cmd_metrics, "test": cmd_test, "whatif": cmd_whatif,
-            "check": cmd_check, "doctor": cmd_doctor}

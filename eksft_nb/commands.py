@@ -1,27 +1,25 @@
 """The one command layer under every front end (``python -m eksft_nb``, the magics, the JupyterLab
-server extension): typed operations that return JSON-ready models and print nothing, and :data:`ARGS`,
-the one table of their arguments from which the CLI's and the magics' parsers are built.
+server extension): typed operations that return JSON-ready models and print nothing. The table of their
+arguments, from which the CLI's and the magics' parsers are built, is :mod:`.arguments`.
 
 Bad input raises the :class:`~eksft_nb.errors.EksftError` the CLI shows (``str(e)`` is the one line),
 before anything is written.
-
-About 500 lines, one idea: every operation the front ends share, beside the table that parses them.
 """
 
 from __future__ import annotations
 
-import argparse
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypedDict
 
-from .backends import JobSummary, get_backend
-from .control import FAULTS, FaultCommand
+from . import ckpt_floor, cost, row_cache
+from .backends import Backend, JobSummary, get_backend, whereabouts
+from .backends.folder import FolderJobs
+from .control import FaultCommand
 from .errors import ControlError, EksftError, SpecError, closest, shown
 from .goodput import compute
 from .engines.registry import engine_of
-from .job import Job, attach
+from .job import Job, Standing, attach
 from .preflight import check as preflight
 from .preflight.check import CheckResult
 from .spec import JobSpec, spec_options
@@ -49,6 +47,18 @@ class JobRow(TypedDict):
     script: str | None
     ended: bool
     detail: str                 # the backend's reason (why it failed, what a pod waits for) or ""
+    started_at: float | None    # when it started (its first record); None before
+    ended_at: float | None      # when it ended (its end record, else its last event); None while it runs
+    waiting_since: float | None  # since when it waits for what ``detail`` names (see job.Standing), or None
+
+
+class Removal(TypedDict):
+    """One job of an ``rm`` of many: removed, or refused with the line that says what to do first."""
+
+    name: str
+    backend: str
+    removed: bool
+    message: str
 
 
 class InjectResult(TypedDict):
@@ -86,20 +96,24 @@ class LaunchResult(JobRow):
 
 # ---- the operations ---------------------------------------------------------------------------
 
-def job_row(job: Job, status: tuple[JobState, str] | None = None, spec: JobSpec | None = None) -> JobRow:
+def job_row(job: Job, status: Standing | tuple[JobState, str] | None = None,
+            spec: JobSpec | None = None) -> JobRow:
     """The row of a job whose events this process can read (any local job, an EKS job by name): what the
-    list, the status line, the side panel and the dashboard's header show. ``status``: the state and
-    detail of a job whose events the caller has just folded in (the dashboard: its thread alone feeds
-    its monitor); ``spec``: the job's, where the caller holds it (on EKS reading it is an API call)."""
+    list, the status line, the side panel and the dashboard's header show. ``status``: the standing of a
+    job whose events the caller has just folded in (the dashboard: its thread alone feeds its monitor);
+    ``spec``: the job's, where the caller holds it (on EKS reading it is an API call)."""
     mon = job.refresh() if status is None else job.monitor
-    state, detail = job.status() if status is None else status
+    status = job.standing() if status is None else status
+    state, detail, since = status[0], status[1], status[2] if len(status) > 2 else None
     spec = spec or job.spec
     committed = mon.last_committed
+    ended_at = (mon.t_end or mon.last_event_t) if state.ended else None
     return {"name": job.name, "backend": job.backend.name, "state": state.value, "step": mon.last_step,
             "total_steps": None if spec.script else (mon.total_steps or spec.steps),
             "restarts": mon.restarts_by_level(), "goodput": compute(mon).goodput if mon.t_start else None,
             "last_checkpoint": committed.step if committed else None, "script": spec.script,
-            "ended": state.ended, "detail": detail}
+            "ended": state.ended, "detail": detail, "started_at": mon.t_start, "ended_at": ended_at,
+            "waiting_since": since}
 
 
 def list_jobs(backend: str = "local") -> list[JobRow]:
@@ -109,7 +123,7 @@ def list_jobs(backend: str = "local") -> list[JobRow]:
     rows: list[JobRow] = []
     for j in b.jobs():
         try:
-            rows.append(job_row(Job(j.name, b)) if backend in ("local", "slurm")
+            rows.append(row_cache.row_of(Job(j.name, b), job_row, JobRow) if isinstance(b, FolderJobs)
                         else summary_row(j, j.detail))
         except EksftError as e:   # one unreadable job folder hides no other job
             rows.append(summary_row(j, str(e)))
@@ -121,10 +135,11 @@ def summary_row(j: JobSummary, detail: str) -> JobRow:
     state = JobState(j.state) if j.state in set(JobState) else JobState.FAILED
     return {"name": j.name, "backend": j.backend, "state": state.value, "step": 0, "total_steps": None,
             "restarts": {level.value: 0 for level in RestartLevel}, "goodput": None, "last_checkpoint": None,
-            "script": None, "ended": state.ended, "detail": detail}
+            "script": None, "ended": state.ended, "detail": detail, "started_at": None, "ended_at": None,
+            "waiting_since": j.since}
 
 
-def status(name: str, backend: str = "local") -> JobRow:
+def status(name: str, backend: str | None = None) -> JobRow:
     return job_row(attach(name, backend))
 
 
@@ -132,12 +147,12 @@ def launch(spec: JobSpec, faults: Sequence[str | FaultCommand] = ()) -> LaunchRe
     """Validate the spec and the faults (a contradiction of its timeouts that guarantees failure is
     refused), start the job detached, return its first row and the pre-flight's warnings."""
     spec, commands = prepare(spec, faults)
-    b = get_backend(spec.backend)
-    b.launch(spec, commands)
+    b = whereabouts.of_spec(spec)
+    whereabouts.launch(b, spec, commands)
     return {**job_row(Job(spec.name, b)), "warnings": preflight.check(spec).warnings}
 
 
-def check(spec: JobSpec, from_job: str | None = None, backend: str = "local") -> CheckResult:
+def check(spec: JobSpec, from_job: str | None = None, backend: str | None = None) -> CheckResult:
     """The pre-flight of ``spec``: every timeout acting on it, and each contradiction (see
     :mod:`.preflight.check`). ``from_job``: a job whose events measured a step and a save."""
     spec = spec.validate()
@@ -171,14 +186,14 @@ def dry_run(spec: JobSpec, queue_objects: bool = False, faults: Sequence[str | F
 
 def inject(name: str, fault: str, *, rank: int | None = None, step: int | None = None,
            after: float | None = None,
-           node: int = 0, params: dict[str, Any] | None = None, backend: str = "local",
+           node: int = 0, params: dict[str, Any] | None = None, backend: str | None = None,
            wait: float = 0.0) -> InjectResult:
     """Queue a fault into a running job; wait up to ``wait`` seconds for a rank to fire it."""
     command = FaultCommand(fault, rank=rank, step=step, after=after, node=node, params=dict(params or {}))
     return inject_command(name, command, backend=backend, wait=wait)
 
 
-def inject_command(name: str, command: FaultCommand, *, backend: str = "local",
+def inject_command(name: str, command: FaultCommand, *, backend: str | None = None,
                    wait: float = 0.0) -> InjectResult:
     """:func:`inject` of a command already built (the server reads one from a request body)."""
     job = attach(name, backend)
@@ -197,7 +212,7 @@ def inject_command(name: str, command: FaultCommand, *, backend: str = "local",
             "message": f"{message}; id {cmd.id}"}
 
 
-def set_settings(name: str, values: Sequence[str] | Mapping[str, Any], backend: str = "local",
+def set_settings(name: str, values: Sequence[str] | Mapping[str, Any], backend: str | None = None,
                  wait: float = 0.0) -> SettingsResult:
     """Change live settings of a running job (``["ckpt-every=25"]`` or ``{"ckpt-every": 25}``): every
     rank takes them at the same step; wait up to ``wait`` seconds for that step (see :mod:`.settings`)."""
@@ -229,19 +244,21 @@ def set_settings(name: str, values: Sequence[str] | Mapping[str, Any], backend: 
         time.sleep(0.2)
 
 
-def settings_in_force(name: str, backend: str = "local") -> dict[str, Any]:
+def settings_in_force(name: str, backend: str | None = None) -> dict[str, Any]:
     """The live settings a job runs with: seq, values, and the step they took effect at (None: the spec's)."""
     job = attach(name, backend)
     record = job.backend.settings(job.name)
     if record is None:
-        raise ControlError(f"the {backend} backend keeps no live settings",
+        raise ControlError(f"the {job.backend.name} backend keeps no live settings",
                            "read the job's spec (status, summary)")
     return {"job": job.name, **record}
 
 
-def apply_whatif(name: str, backend: str = "local", wait: float = 0.0) -> SettingsResult:
+def apply_whatif(name: str, backend: str | None = None, wait: float = 0.0) -> SettingsResult:
     """Set the checkpoint interval the what-if recommends for ``name``, live."""
-    check_settings(attach(name, backend).spec)   # before the what-if's work
+    job = attach(name, backend)
+    check_settings(job.spec)   # before the what-if's work
+    backend = job.backend.name
     rec = whatif(name, backend=backend)["recommendation"]
     if rec["every"] is None:
         raise ControlError(f"the what-if recommends no interval ({rec['text']})",
@@ -249,19 +266,19 @@ def apply_whatif(name: str, backend: str = "local", wait: float = 0.0) -> Settin
     return set_settings(name, {"ckpt-every": rec["every"]}, backend=backend, wait=wait)
 
 
-def stop(name: str, backend: str = "local") -> StopResult:
+def stop(name: str, backend: str | None = None) -> StopResult:
     """End the job; when this returns nothing of it runs."""
     job = attach(name, backend)
     job.stop()
     return {**job_row(job), "message": f"stopped {job.name}; nothing of it keeps running"}
 
 
-def checkpoints(name: str, backend: str = "local") -> list[dict[str, Any]]:
+def checkpoints(name: str, backend: str | None = None) -> list[dict[str, Any]]:
     return [i.to_dict() for i in attach(name, backend).checkpoints()]
 
 
 def resume(name: str, *, step: int | None = None, new_name: str | None = None, steps: int | None = None,
-           backend: str = "local") -> ResumeResult:
+           backend: str | None = None) -> ResumeResult:
     """Start a new job from a committed checkpoint of ``name`` (``step``, or the newest the loader
     accepts, each newer one refused said in ``message``); the new job's row."""
     changes = {"steps": steps} if steps else {}
@@ -269,45 +286,75 @@ def resume(name: str, *, step: int | None = None, new_name: str | None = None, s
     return {**job_row(new), "message": f"launched {new.name}, {new.note}"}
 
 
-def summary(name: str, backend: str = "local") -> dict[str, Any]:
-    """Steps, restarts (each with cause and downtime), checkpoints, goodput, final digest."""
-    return attach(name, backend).summary()
+def summary(name: str, backend: str | None = None, **cost_options: Any) -> dict[str, Any]:
+    """Steps, restarts (each with cause and downtime), checkpoints, goodput, final digest, and what its time
+    cost (``cost_options``: price, run_for, nodes, failures_per_day; see :mod:`.cost`)."""
+    job = attach(name, backend)
+    out = job.summary()
+    p = cost.pricing(job.spec, **cost_options)
+    seconds = {k[:-2]: v for k, v in out["goodput"].items() if k.endswith("_s") and k != "wall_s"}
+    out["cost"] = cost.account(seconds, len(out["restart_events"]), job.spec.world_size, job.spec.nnodes, p)
+    out["checkpoint_floor"] = ckpt_floor.floor(job.monitor, job.spec.world_size)
+    return out
 
 
-def logs(name: str, lines: int = 200, debug: bool = False, backend: str = "local") -> str:
+def logs(name: str, lines: int = 200, debug: bool = False, backend: str | None = None) -> str:
     return attach(name, backend).logs(lines, debug)
 
 
-def remove(name: str, backend: str = "local") -> None:
-    """Delete an ended job (its folder or workload, checkpoints included)."""
-    get_backend(backend).remove(name)
+def finished_jobs(backend: str = "local") -> list[str]:
+    """The names of the backend's ended jobs (what ``rm --finished`` removes)."""
+    return [r["name"] for r in list_jobs(backend) if r["ended"]]
 
 
-def resilience_test(spec: JobSpec, faults: str | None = None, expect: str | None = None, *,
-                    at_step: int | None = None, loss_tolerance: float | None = None,
-                    say: Callable[[str], object] = lambda text: None,
-                    on_row: Callable[[Any], object] = lambda card: None) -> dict[str, Any]:
-    """Run ``spec`` fault-free, then once per fault kind that applies (``faults``: "sigkill,hang"),
-    and check each case against ``expect``; the report card (see :mod:`.resilience.card`)."""
-    from .resilience import card, plan, run
+def remove_jobs(jobs: Sequence[tuple[str, str | None]]) -> list[Removal]:
+    """``rm`` of many (name, backend) pairs, each job on the backend that holds it as it was launched (no
+    backend: whichever holds it, see :mod:`.backends.whereabouts`): each removed or refused on its own (one
+    unknown, still running, or a running resume loads from), a refusal stopping none of the others. A job
+    removed leaves no record of where it lived."""
+    jobs = list(dict.fromkeys(jobs))   # a job named twice is removed once
+    said: dict[tuple[str, str | None], tuple[str, EksftError | None]] = {}
+    found: dict[tuple[object, ...], tuple[Backend, list[tuple[str, str | None]]]] = {}
+    for name, kind in jobs:
+        try:
+            b = whereabouts.find(name, kind)
+        except EksftError as e:
+            said[name, kind] = (kind or "local", e)
+            continue
+        where = (b.name, *sorted(whereabouts.recorded(b, name).items()))   # its backend's settings
+        found.setdefault(where, (b, []))[1].append((name, kind))
+    for b, group in found.values():   # one call per backend: it may look across its jobs once for many
+        for (name, kind), error in zip(group, b.remove_many([n for n, _ in group])):
+            said[name, kind] = (b.name, error)
+            if error is None:
+                whereabouts.forget(b.name, name)
+    return [{"name": n, "backend": said[n, k][0], "removed": said[n, k][1] is None,
+             "message": f"removed {n}" if said[n, k][1] is None else str(said[n, k][1])} for n, k in jobs]
 
-    tolerance = card.LOSS_TOLERANCE if loss_tolerance is None else loss_tolerance
-    if not (isinstance(tolerance, (int, float)) and 0 < tolerance < 1):
-        raise EksftError(f"--loss-tol {shown(loss_tolerance)} is not a fraction",
-                         "use e.g. --loss-tol 0.02 (2 %)")
-    return dict(run.run_test(launch, spec, plan.parse_kinds(faults), expect, at_step=at_step, say=say,
-                             on_row=on_row, tolerance=tolerance))
+
+def resilience_test(spec: JobSpec, faults: str | None = None, expect: str | None = None,
+                    **options: Any) -> dict[str, Any]:
+    """Run ``spec`` fault-free, then ``repeat`` times per fault kind that applies (``faults``:
+    "sigkill,hang"), and check each trial against ``expect``; the report card (see :mod:`.resilience.card`).
+    ``options``: those of :func:`.resilience.run.campaign` (repeat, manifest, recheck, price...)."""
+    from .resilience import run
+
+    return dict(run.campaign(launch, spec, faults, expect, **options))
 
 
 def whatif(name: str, *, ckpt_every: str | Sequence[int] | None = None, inprocess: bool | None = None,
-           ckpt_mode: str | None = None, spares: int | None = None, backend: str = "local") -> dict[str, Any]:
+           ckpt_mode: str | None = None, spares: int | None = None, backend: str | None = None,
+           **cost_options: Any) -> dict[str, Any]:
     """The ETTR and time breakdown a job would have had under other settings, replayed from its
-    events, with a recommended checkpoint interval (see :mod:`.resilience.whatif`)."""
+    events, with a recommended checkpoint interval (see :mod:`.resilience.whatif`), each setting priced
+    (``cost_options``: price, run_for, nodes, failures_per_day; see :mod:`.cost`)."""
     from .resilience import whatif as model
+    from .resilience import whatif_cost
 
     job = attach(name, backend)
     settings = model.parse_settings(ckpt_every, inprocess, ckpt_mode, spares)
-    return model.replay(job.refresh(), job.spec, settings).to_dict()
+    p = cost.pricing(job.spec, **cost_options)
+    return whatif_cost.priced(model.replay(job.refresh(), job.spec, settings), job.spec, p)
 
 
 def spec_from_options(values: Mapping[str, Any], base: JobSpec | None = None,
@@ -325,239 +372,3 @@ def spec_from_options(values: Mapping[str, Any], base: JobSpec | None = None,
     spec = base or JobSpec()
     spec = spec.replace(**changes) if changes else spec
     return spec.validate() if validate else spec
-
-
-# ---- the argument table -----------------------------------------------------------------------
-
-CLI, MAGIC = "cli", "magic"
-BOTH = frozenset({CLI, MAGIC})
-
-
-@dataclass(frozen=True)
-class Arg:
-    """One argument: argparse's names and keywords, the front ends that take it, and what differs in
-    the magics (there a job NAME may be left out: the notebook's current job is meant)."""
-
-    names: tuple[str, ...]
-    kwargs: Mapping[str, Any]
-    fronts: frozenset[str] = BOTH
-    magic: Mapping[str, Any] = field(default_factory=dict)
-
-    @property
-    def flags(self) -> list[str]:
-        return [n for n in self.names if n.startswith("-")]
-
-    def add_to(self, parser: argparse.ArgumentParser | Any, front: str) -> None:
-        parser.add_argument(*self.names, **{**self.kwargs, **(self.magic if front == MAGIC else {})})
-
-
-def arg(*names: str, fronts: frozenset[str] = BOTH, magic: Mapping[str, Any] | None = None,
-        **kwargs: Any) -> Arg:
-    return Arg(names, kwargs, fronts, magic or {})
-
-
-@dataclass(frozen=True)
-class Verb:
-    """A command: ``python -m eksft_nb NAME`` and ``%ftrain NAME`` (``magic_name`` where the notebook
-    says it otherwise); ``run`` is the cell magic ``%%ftrain``, and also takes every spec field."""
-
-    name: str
-    help: str
-    args: tuple[Arg, ...]
-    fronts: frozenset[str] = BOTH
-    magic_name: str | None = None
-
-    def name_in(self, front: str) -> str:
-        return self.magic_name or self.name if front == MAGIC else self.name
-
-    def args_in(self, front: str) -> list[Arg]:
-        return [a for a in self.args if front in a.fronts]
-
-
-NAME = arg("name", help="the job",
-           magic={"nargs": "?", "help": "the job (default: this notebook's current job)"})
-BACKEND = arg("--backend", choices=("local", "eks", "slurm"), default="local",
-              help="where the job runs (eks: the kubeconfig's current context and namespace; slurm: the jobs "
-                   "under $EKSFT_SHARED_DIR)",
-              magic={"default": None, "help": "where the job runs (default: local, or the current job's)"})
-JSON = arg("--json", action="store_true", help="print JSON instead of text")
-FAULT_KINDS = ", ".join(FAULTS)
-
-ARGS: dict[str, Verb] = {v.name: v for v in (
-    Verb("run", "launch a job (and follow it)", (
-        arg("--spec", dest="spec_file", help="a YAML or JSON job spec; the spec options override it"),
-        arg("--fault", action="append", default=[], metavar="KIND[:RANK][@STEP]",
-            help=f"schedule a fault, e.g. sigkill:1@30 (kinds: {FAULT_KINDS})"),
-        arg("--detach", action="store_true", fronts=frozenset({CLI}),
-            help="return at once; the job keeps running"),
-        arg("--dry-run", action="store_true",
-            help="show what would run (EKS: the manifests); launch nothing"),
-        arg("--kueue-objects", action="store_true",
-            help="with --dry-run --queue NAME: also print a Kueue LocalQueue, "
-            "ClusterQueue and ResourceFlavors (p5/p4d) for it, for an admin to adapt and apply"),
-        arg("--json", action="store_true", fronts=frozenset({CLI}), help="print the final summary as JSON"),
-    )),
-    Verb("list", "jobs and their state", (BACKEND, JSON)),
-    Verb("status", "state and progress of a job", (NAME, BACKEND, JSON)),
-    Verb("watch",
-         "follow a job: the CLI its progress, the notebook its dashboard (its whole history, then live)",
-         (NAME, BACKEND), magic_name="attach"),
-    Verb("summary", "steps, restarts, goodput, digest", (NAME, BACKEND, JSON)),
-    Verb("ckpts", "checkpoints of a job: committed, incomplete, rejected", (NAME, BACKEND, JSON)),
-    Verb("logs", "the job's log (library noise filtered unless --debug)", (
-        NAME, BACKEND,
-        arg("-n", "--lines", type=int, default=200, help="how many lines (the last ones)"),
-        arg("--debug", action="store_true", help="show everything, launcher and library lines included"))),
-    Verb("inject", "inject a fault into a running job", (
-        NAME,
-        arg("fault", help=f"one of: {FAULT_KINDS}"),
-        BACKEND,
-        arg("--rank", type=int, help="target rank (rank faults; default 0)"),
-        arg("--step", type=int,
-            help="fire at the start of this step (a script's: optimizer step; default: now)"),
-        arg("--after", type=float, metavar="SECONDS", help="fire this many seconds from now"),
-        arg("--node", type=int, default=0, help="target node (kill-launcher)"),
-        arg("--delay", type=float, help="slow-rank, slow-storage: seconds added per step or write"),
-        arg("--duration", type=int, help="slow-rank, disk-full, slow-storage: for this many steps"))),
-    Verb("resume", "start a new job from a checkpoint of this one", (
-        NAME, BACKEND,
-        arg("--step", type=int,
-            help="checkpoint step (default: the newest that loads; each newer one refused is said)"),
-        arg("--as", dest="new_name", help="name of the new job (default: NAME-from-STEP)"),
-        arg("--steps", type=int, help="train to this many steps in total"),
-        arg("--detach", action="store_true", fronts=frozenset({CLI}),
-            help="return at once; the job keeps running"))),
-    Verb("set", "change live settings of a running job; every rank takes them at the same step, and they "
-         "hold across restarts (live: ckpt-every, keep-last)", (
-        NAME,
-        arg("assignments", nargs="+", metavar="SETTING=VALUE", help="e.g. ckpt-every=25 keep-last=5"),
-        BACKEND,
-        arg("--wait", type=float, default=30.0, metavar="SECONDS",
-            help="wait this long for every rank to take it (default 30; 0: return once queued)"),
-        JSON)),
-    Verb("stop", "stop a job; nothing of it keeps running", (NAME, BACKEND)),
-    Verb("rm", "delete an ended job (its folder or workload; checkpoints included)", (NAME, BACKEND)),
-    Verb("test", "prove a job survives each fault: a fault-free reference run, then one job per fault kind, "
-         "checked against expectations; a report card (exit code 1 when a case fails)", (
-        arg("--spec", dest="spec_file", help="a YAML or JSON job spec; the spec options override it"),
-        arg("--faults", metavar="KIND[,KIND...]", help="the fault kinds to test (default: every kind that "
-            f"applies to the job; kinds: {FAULT_KINDS})"),
-        arg("--expect", metavar="CLAUSES", help="what each case must show, e.g. \"level<=injob, downtime<5s, "
-            "lost<=10, state=reference\" (default: state=reference)"),
-        arg("--at-step", type=int, metavar="STEP", help="fire every fault at this step (default: the "
-            "first step after the reference run's first committed checkpoint; a script whose saves eksft "
-            "cannot see needs it)"),
-        arg("--loss-tol", type=float, metavar="FRACTION", help="a job without a final digest: each step's "
-            "loss within this fraction of the reference's (default 0.02)"),
-        arg("--junit", metavar="FILE", help="also write the card as JUnit XML to FILE"),
-        JSON)),
-    Verb("whatif", "replay a job's failures under other settings: ETTR and time breakdown per setting, and a "
-         "recommended checkpoint interval", (
-        NAME, BACKEND,
-        arg("--ckpt-every", metavar="N[,N...]", help="checkpoint intervals to compare, in steps (default: "
-            "the job's, half and double it, and the recommendation)"),
-        arg("--inprocess", action=argparse.BooleanOptionalAction, default=None,
-            help="with or without in-process restart (default: as the job ran)"),
-        arg("--ckpt-mode", choices=("async", "sync"), help="checkpoint mode (default: as the job ran)"),
-        arg("--spares", type=int, metavar="N", help="hot spare nodes (default: as the job ran)"),
-        arg("--apply", action="store_true", help="set the recommended checkpoint interval on the running "
-            "job, live (as `set NAME ckpt-every=N`)"),
-        JSON)),
-    Verb("check", "pre-flight of a job's fault-tolerance settings: every timeout acting on it and each "
-         "contradiction between them (exit code 1 when run would refuse the spec)", (
-        arg("--spec", dest="spec_file", help="a YAML or JSON job spec; the spec options override it"),
-        arg("--from", dest="from_job", metavar="JOB", help="size the step and save times from this job's "
-            "events (what it measured)"),
-        arg("--from-backend", dest="from_backend", choices=("local", "eks", "slurm"), default="local",
-            help="where --from's job ran (default: local)"),
-        JSON)),
-    Verb("doctor", "the versions found here (Python, torch, CUDA, NCCL, NVRx, torchft, EFA), what each "
-         "supports, and what a spec would be refused (exit code 1 when something is)", (
-        arg("--spec", dest="spec_file", help="a YAML or JSON job spec; the spec options override it"),
-        arg("--on-node", action="store_true",
-            help="the ranks run here (an EKS pod, a Slurm node): refuse what this node cannot run"),
-        JSON)),
-    Verb("metrics", "serve Prometheus metrics of jobs (all, or the ones named)", (
-        arg("names", nargs="*", metavar="NAME", help="the jobs (default: all)"),
-        arg("--port", type=int, default=9400),
-        arg("--addr", default="127.0.0.1", help="address to listen on (default: loopback only)"),
-        arg("--root", help="the jobs folder (default: $EKSFT_HOME/jobs; in an EKS pod: the shared volume)")),
-        fronts=frozenset({CLI})),
-)}
-
-# the verbs that take every spec field as an option
-SPEC_VERBS = frozenset({"run", "test", "check", "doctor"})
-
-# the sections of the spec options, as their help groups them
-SPEC_GROUPS = {"": "job", "model.": "model", "checkpoint.": "checkpoints", "ft.": "fault tolerance",
-               "eks.": "EKS",
-               "slurm.": "Slurm"}
-
-
-def _section(path: str) -> str:
-    return path.rsplit(".", 1)[0] + "." if "." in path else ""
-
-
-def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
-    """One option per spec field, grouped by section. No defaults are set: only the options given
-    override the spec (the defaults, or a --spec file)."""
-    groups: dict[str, Any] = {}
-    for opt in sorted(spec_options(), key=lambda o: list(SPEC_GROUPS).index(_section(o.path))):
-        title = SPEC_GROUPS[_section(opt.path)]
-        group = groups.get(title) or groups.setdefault(
-            title, parser.add_argument_group(f"{title} (job spec fields)"))
-        if opt.type is bool:
-            group.add_argument(opt.flag, dest=opt.path, action=argparse.BooleanOptionalAction,
-                               default=argparse.SUPPRESS, help=f"{opt.help} (default: {opt.default})")
-        else:
-            choices = f" {{{','.join(opt.choices)}}}" if opt.choices else ""
-            group.add_argument(opt.flag, dest=opt.path, default=argparse.SUPPRESS,
-                               metavar=opt.flag[2:].upper(),
-                               help=f"{opt.help}{choices} (default: {opt.default})")
-
-
-def add_verb_arguments(parser: argparse.ArgumentParser, verb: str, front: str) -> None:
-    """The arguments of ``verb`` that ``front`` takes (``run``: the spec options too)."""
-    for a in ARGS[verb].args_in(front):
-        a.add_to(parser, front)
-    if verb in SPEC_VERBS:
-        add_spec_arguments(parser)
-
-
-def add_verbs(subparsers: Any, front: str, **kwargs: Any) -> None:
-    """One sub-parser per verb ``front`` takes, but ``run`` (the cell magic is a parser of its own)."""
-    for verb in ARGS.values():
-        if front in verb.fronts and (front == CLI or verb.name != "run"):
-            add_verb_arguments(subparsers.add_parser(verb.name_in(front), help=verb.help, **kwargs),
-                               verb.name, front)
-
-
-def flags(front: str, verbs: Iterable[str] | None = None) -> list[str]:
-    """Every option flag ``front`` takes (of ``verbs``; default: all), for "did you mean"."""
-    chosen = [ARGS[v] for v in verbs] if verbs is not None else list(ARGS.values())
-    out = ["-h", "--help"]
-    for verb in chosen:
-        if front in verb.fronts:
-            out += [f for a in verb.args_in(front) for f in a.flags]
-            if verb.name in SPEC_VERBS:
-                out += [o.flag for o in spec_options()] + [f"--no-{o.flag[2:]}"
-                                                           for o in spec_options() if o.type is bool]
-    return list(dict.fromkeys(out))
-
-
-def positionals(verb: str, front: str) -> str:
-    """The words a verb takes, as its usage line writes them: ``[NAME] FAULT``."""
-    words = []
-    for a in ARGS[verb].args_in(front):
-        if not a.flags:
-            kw = {**a.kwargs, **(a.magic if front == MAGIC else {})}
-            word = kw.get("metavar") or a.names[0].upper()
-            words.append(f"[{word}]" if kw.get("nargs") in ("?", "*") else word)
-    return " ".join(words)
-
-
-def spec_from_args(args: argparse.Namespace, base: JobSpec | None = None, validate: bool = True) -> JobSpec:
-    """Apply the spec options present in ``args`` (parsed with :func:`add_spec_arguments`) to ``base``."""
-    return spec_from_options({o.path: getattr(args, o.path) for o in spec_options() if hasattr(args, o.path)},
-                             base,
-                             validate)

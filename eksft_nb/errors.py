@@ -37,6 +37,7 @@ class ControlError(EksftError):
 # ---- what a message echoes of a value ------------------------------------------------------------
 
 SHOWN_CHARS = 80   # the most of a value a one-line message echoes
+PATH_CHARS = 1024  # a path the user gave is echoed whole up to this: a deep folder is still one line
 
 
 def shown(value: Any, limit: int = SHOWN_CHARS) -> str:

@@ -97,6 +97,7 @@ OPTIONAL: dict[str, dict[str, tuple[type, ...] | type]] = {
     # part); absent: all of the job's world_size
     "step": {"batches": int},
     "checkpoint": {"blocked_s": (*_num, type(None)), "background_s": (*_num, type(None)), "bytes": _opt_int,
+                   "copy_s": _num,
                    "path": _opt_str, "mode": str, "error": _opt_str, "reason": _opt_str},
     "fault": {"node": _opt_int, "path": _opt_str},
     "rank_end": {"digest": _opt_str},
@@ -117,6 +118,8 @@ OPTIONAL: dict[str, dict[str, tuple[type, ...] | type]] = {
     "restart": {"phases": dict, "restored_from": _opt_str, "recovered": bool},
     "gpu_health": {"note": _opt_str, "interval_s": _num},
     "gpu_fault": {"xid": _opt_int, "count": _opt_int, "throttle": _opt_int},
+    # NVRx's record of the cycle (eksft_nb.nvrx_cycles): the nodes that trained, the hot spares that waited
+    "nvrx_cycle": {"active_nodes": str, "standby_nodes": str, "active_ranks": str},
     "intruder": {"claimed": _opt_str},   # the replica id it gave, if any
 }
 

@@ -195,8 +195,10 @@ class Incidents:
     def hang(self, at: float, timeout_s: float | None = None, hint: int | None = None, node: Hashable = None,
              which: str = "") -> None:
         """ft_launcher's heartbeat or section timeout fired (``which``: "step section", "subsequent
-        heartbeat", "out-of-section"); ``hint``: who looked stuck to the caller."""
-        if not self._new_failure(node, at):
+        heartbeat", "out-of-section"); ``hint``: who looked stuck to the caller. The rank fell silent
+        ``timeout_s`` before ``at``: a peer's monitor may log the same hang just after the group's restart
+        began (NVRx 0.6+ runs one monitor per rank), and that line is still of the incarnation it ended."""
+        if not self._new_failure(node, at, since=at - timeout_s if timeout_s else at):
             return
         blame = self.blame(hint)
         over = f" for over {timeout_s:g}s" if timeout_s else ""
@@ -211,14 +213,15 @@ class Incidents:
             cause = f"hang: no heartbeat from rank {blame}{waited} (ft_launcher timeout)"
         self.open(Incident(RestartLevel.INJOB, cause, blame, self.fault_time(), at, self.mon.last_step))
 
-    def _new_failure(self, node: Hashable, at: float) -> bool:
-        """Whether a failure seen at ``at`` opens an incident: none is open, or the open one's restart
-        already began on that node, so this is its new incarnation failing (that restart ends as one
-        that failed, and counts); a failure of the incarnation the open incident is about is part of it."""
+    def _new_failure(self, node: Hashable, at: float, since: float | None = None) -> bool:
+        """Whether a failure seen at ``at`` (of what went wrong at ``since``, default ``at``) opens an
+        incident: none is open, or the open one's restart already began on that node, so this is its new
+        incarnation failing (that restart ends as one that failed, and counts); a failure of the
+        incarnation the open incident is about is part of it."""
         i = self.incident
         if i is None:
             return True
-        if not i.retried_before(node, at):
+        if not i.retried_before(node, at if since is None else since):
             return False
         self._restart_failed(at, min(i.restarted.values()))
         return True

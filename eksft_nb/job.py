@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from .backends import Backend, get_backend
+from .backends import Backend, whereabouts
 from .checkpoint_folders import CheckpointInfo, resume_origin
 from . import settings
 from .control import FaultCommand
@@ -16,7 +16,17 @@ from .goodput import Goodput, compute
 from .monitor import JobMonitor
 from .spec import JobSpec
 from .validation import check_fault, prepare
-from .states import BACKEND_OVERRIDES, CheckpointState, JobState
+from .states import BACKEND_OVERRIDES, CheckpointState, JobState, RestartLevel
+
+
+class Standing(NamedTuple):
+    """Where a job stands: its state, why (the backend's word, or the reason its events recorded), and
+    since when it has waited for what ``detail`` names (pods pending, queue admission, the rendezvous, a
+    restart); ``since`` is None where it is not waiting or nobody said since when."""
+
+    state: JobState
+    detail: str
+    since: float | None = None
 
 
 class Job:
@@ -45,20 +55,32 @@ class Job:
         return self.status()[0]
 
     def status(self) -> tuple[JobState, str]:
-        """The state and why: what the events say, unless the backend knows better (the job is gone,
-        stopped, failed outside the ranks, or not started yet). An ended job is reported ended once
-        nothing of it runs; until then (a moment) it is still running, ending."""
+        """The state and why (see :meth:`standing`)."""
+        state, detail, _ = self.standing()
+        return state, detail
+
+    def standing(self) -> Standing:
+        """The state, why, and since when it waits: what the events say, unless the backend knows better
+        (the job is gone, stopped, failed outside the ranks, or not started yet). An ended job is reported
+        ended once nothing of it runs; until then (a moment) it is still running, ending. A job whose
+        events say it recovers, of which the backend says nothing, waits for its restart since the failure
+        was detected."""
         mon = self.refresh()
         if mon.finished:
             if self.backend.settled(self.name):
-                return JobState(mon.state), mon.reason
-            return JobState.RUNNING, f"ending ({mon.state}: {mon.reason})"
+                return Standing(JobState(mon.state), mon.reason)
+            return Standing(JobState.RUNNING, f"ending ({mon.state}: {mon.reason})")
         backend = self.backend.state(self.name)
         if backend.orphaned:   # the one place a look at a job starts something: nothing else would
-            return JobState.RUNNING, self.backend.adopt(self.name)
+            return Standing(JobState.RUNNING, self.backend.adopt(self.name))
         if backend.state in BACKEND_OVERRIDES:
-            return JobState(backend.state), backend.detail
-        return JobState(mon.state), backend.detail
+            return Standing(JobState(backend.state), backend.detail, backend.since)
+        if mon.state == JobState.RECOVERING and mon.failures and not backend.detail:
+            failure = mon.failures[-1]   # its level and time were checked as the event was read
+            level = RestartLevel(failure["level"]).label
+            return Standing(JobState.RECOVERING, f"restarting ({level}) after: {failure['cause']}",
+                            failure["detected_at"])
+        return Standing(JobState(mon.state), backend.detail, backend.since)
 
     def inject(self, fault: str, rank: int | None = None, step: int | None = None, node: int = 0,
                after: float | None = None, **params: Any) -> FaultCommand:
@@ -125,7 +147,7 @@ class Job:
                                     "resume": resume, "checkpoint.dir": None, **settings.spec_changes(live),
                                     **self._measured(), **changes})
         spec, _ = prepare(spec)
-        self.backend.launch(spec)
+        whereabouts.launch(self.backend, spec)
         new = Job(spec.name, self.backend)
         new.note = f"resuming {resume_origin(str(info.path), {'step': info.step, 'skipped': skipped})}"
         if live:
@@ -169,8 +191,11 @@ class Job:
     def summary(self) -> dict[str, Any]:
         mon = self.refresh()
         gp = compute(mon)
+        state, detail = self.status()
         return {
-            "name": self.name, "backend": self.backend.name, "state": self.state, "reason": mon.reason,
+            "name": self.name, "backend": self.backend.name, "state": state,
+            # an end the events never recorded (a Slurm batch shell that could not start eksft): the backend's
+            "reason": mon.reason or (detail if state.ended else ""),
             "steps_done": mon.max_step, "total_steps": mon.total_steps,
             "restarts": mon.restarts_by_level(),
             "restart_events": [{k: r[k] for k in ("level", "cause", "blame_rank", "downtime_s", "detection_s",
@@ -193,14 +218,16 @@ def launch(spec: JobSpec | None = None, faults: list[FaultCommand | str] | None 
     """Launch a job from a spec (or from spec fields, dotted for nested ones) and return its handle."""
     spec = (spec or JobSpec()).replace(**fields) if fields else (spec or JobSpec())
     spec, commands = prepare(spec, faults or [])
-    backend = get_backend(spec.backend)
-    backend.launch(spec, commands)
+    backend = whereabouts.of_spec(spec)
+    whereabouts.launch(backend, spec, commands)
     return Job(spec.name, backend)
 
 
-def attach(name: str, backend: str = "local") -> Job:
-    """A handle on an existing job (from any process, after a kernel restart too)."""
-    b = get_backend(backend)
+def attach(name: str, backend: str | None = None) -> Job:
+    """A handle on an existing job (from any process, after a kernel restart too), on its backend as it
+    was launched (an EKS job's namespace and context); ``backend``: where to look (default: every backend
+    that can hold it; two jobs of the name are refused, each named)."""
+    b = whereabouts.find(name, backend)
     b.spec(name)  # raises a clear error for an unknown name
     return Job(name, b)
 

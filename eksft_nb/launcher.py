@@ -37,7 +37,7 @@ class Ports:
 def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports: Ports, rdzv_id: str,
                   log_dir: str | None = None, nvrx: NVRx | None = None, cycle_dir: str | None = None,
                   store_elsewhere: bool = False, warm_python: str | None = None,
-                  rdzv_conf: dict[str, str] | None = None) -> list[str]:
+                  rdzv_conf: dict[str, str] | None = None, gpu: bool | None = None) -> list[str]:
     """``ft_launcher ...`` for one node (argv[0] is the bare command name).
 
     ``node_rank`` may be a Kubernetes reference such as ``"$(EKSFT_NODE_RANK)"``, which the kubelet
@@ -46,20 +46,23 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
     Without ``nvrx`` the line uses only flags every supported NVRx (0.4.1 on) takes: a pod's image
     may carry another release than the machine that renders it. With it, that release's own flags
     are added (see :meth:`NVRx.launcher_flags`; ``cycle_dir`` receives its per-cycle records).
-    ``store_elsewhere``: no launcher hosts the rendezvous store (the local supervisor does, so that
-    any node, the first included, can be lost while a hot spare takes its place).
+    ``store_elsewhere``: no launcher hosts the rendezvous store (the local supervisor, or the
+    ``nvrx-control`` it starts, does, so that any node, the first included, can be lost while a hot
+    spare takes its place).
     ``rdzv_conf``: more of the rendezvous' settings (``--rdzv-conf``), e.g. its ``join_timeout``.
     ``warm_python``: each worker is :mod:`.runtime.warm_shim` run by that interpreter, which turns it
     into a rank forked from the node's zygote (:mod:`.runtime.zygote`) when there is one.
+    ``gpu``: the timeouts for GPU (or CPU) nodes whatever the spec says (a Slurm job without ``--gres``
+    renders both lines and picks one where it runs); None: as the spec's backend derives them.
     A loopback ``rdzv_host`` means every node is this machine: it is then each node's address too, so
     the ranks' ``MASTER_ADDR`` is loopback and the stores rank 0 hosts listen there alone (see
     :mod:`.loopback`), not on the address the host name resolves to.
     """
-    ft = resolved(spec).ft   # the timeouts as the backend derives them where the spec leaves them unset
-    term = term_timeout(spec)
+    ft = resolved(spec, gpu).ft   # the timeouts as the backend derives them where the spec leaves them unset
+    term = term_timeout(spec, gpu)
     argv = [
         "ft_launcher",
-        f"--nnodes={spec.nnodes}", f"--nproc-per-node={spec.nproc_per_node}", f"--node-rank={node_rank}",
+        nnodes_flag(spec, nvrx), f"--nproc-per-node={spec.nproc_per_node}", f"--node-rank={node_rank}",
         "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_host}:{ports.rdzv}", f"--rdzv-id={rdzv_id}",
         # how often the launcher polls its workers: a dead rank is noticed within it (NVRx 0.6's default)
         f"--max-restarts={ft.max_injob_restarts}", "--monitor-interval=0.3",
@@ -68,7 +71,7 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
         f"--ft-rank-heartbeat-timeout={ft.heartbeat_timeout:g}",
         "--ft-workload-check-interval=1", "--ft-enable-nic-monitor=false",
     ]
-    argv += section_flags(spec)
+    argv += section_flags(spec, gpu)
     conf = {**({"is_host": "false"} if store_elsewhere else {}), **(rdzv_conf or {})}
     if conf:
         argv.append("--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()))
@@ -87,19 +90,47 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
     return argv
 
 
-def term_timeout(spec: JobSpec) -> float:
+def nnodes_flag(spec: JobSpec, nvrx: NVRx | None = None) -> str:
+    """``--nnodes``: the job's nodes, or ``N:N+S`` where hot spares are NVRx's own standby nodes (0.6+: the
+    first N to join train, the others wait for a lost node's place). Without ``nvrx`` (a cluster's launch
+    line: the NVRx there is checked where it runs, see :meth:`NVRx.cannot_run`) spares are standby
+    nodes; NVRx 0.4's are in its legacy rendezvous's redundancy list, with ``--nnodes=N``."""
+    if spec.spare_nodes and (nvrx is None or nvrx.spares == "standby"):
+        return f"--nnodes={spec.nnodes}:{spec.nnodes + spec.spare_nodes}"
+    return f"--nnodes={spec.nnodes}"
+
+
+def control_argv(spec: JobSpec, *, rdzv_host: str, ports: Ports, rdzv_id: str, cycle_dir: str | None = None,
+                 cycle_job: str = "") -> list[str]:
+    """``nvrx-control ...`` (NVRx 0.6+): the rendezvous's store host outside the launchers, for a job with
+    hot spares, so that any node can be lost while a spare takes its place. It closes every rendezvous
+    round (choosing the active nodes) and writes the cycle records into ``cycle_dir`` as
+    ``cycle_info.<cycle_job>.0.<cycle>``; the launchers then run with ``store_elsewhere``."""
+    argv = ["nvrx-control", f"--nnodes={spec.nnodes}:{spec.nnodes + spec.spare_nodes}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={rdzv_host}:{ports.rdzv}", f"--rdzv-id={rdzv_id}",
+            "--ft-enable-log-server=false"]
+    if loopback_address(rdzv_host):
+        argv.append(f"--local-addr={rdzv_host}")
+    if cycle_dir:
+        argv += [f"--ft-cycle-info-dir={cycle_dir}", f"--ft-cycle-info-job-id={cycle_job or rdzv_id}"]
+    return argv
+
+
+def term_timeout(spec: JobSpec, gpu: bool | None = None) -> float:
     """ft_launcher's ``--term-timeout``. SIGTERM to the launcher (a drain, a preemption) reaches the ranks,
     which save before they exit: on GPUs it waits the grace period for that before SIGKILL (a restart's
-    stop has its own timeout); so does an EKS pod's on CPUs, where SIGTERM only ever means a drain."""
-    t = derive(spec)
+    stop has its own timeout); so does an EKS pod's on CPUs, where SIGTERM only ever means a drain.
+    ``gpu`` as in :func:`launcher_argv`."""
+    t = derive(spec, gpu)
     return t.grace.seconds if t.gpu or spec.backend == "eks" else 5.0
 
 
-def section_flags(spec: JobSpec) -> list[str]:
+def section_flags(spec: JobSpec, gpu: bool | None = None) -> list[str]:
     """ft_launcher's section flags (one name in NVRx 0.4.1 to 0.7): the built-in trainer's sections and a
     script's own (see :mod:`.timeouts`), over those of the ``--ft-cfg-path`` file where it reads here (a
-    section list on the command line replaces the file's whole list); none unbounded."""
-    t = derive(spec)
+    section list on the command line replaces the file's whole list); none unbounded. ``gpu`` as in
+    :func:`launcher_argv`."""
+    t = derive(spec, gpu)
     flags = [f"--ft-cfg-path={spec.ft.cfg_path}"] if spec.ft.cfg_path else []
     sections: dict[str, float | None] = dict(t.sections())
     if sections and spec.ft.cfg_path:
@@ -114,7 +145,7 @@ def section_flags(spec: JobSpec) -> list[str]:
 
 def warm_worker(python: str) -> list[str]:
     """The flags that make ft_launcher's worker the warm shim run by ``python`` (this installation's
-    shim: an EKS pod computes them in the container, see ``eks.inpod.launch``)."""
+    shim: an EKS pod computes them in the container, see ``eks.pod_entry.launch``)."""
     # the launcher substitutes $ in workers' args
     return ["--no-python", python, "-S", WARM_SHIM.replace("$", "$$")]
 

@@ -13,6 +13,7 @@ import hashlib
 import re
 import shlex
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -20,8 +21,9 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import MagicArgumentParser
 from IPython.display import display
 
-from . import cli, commands
-from .commands import ARGS, MAGIC
+from . import arguments, commands
+from .arguments import ARGS, MAGIC
+from .dispatch import dispatch
 from .control import FaultCommand
 from .dashboard import Dashboard
 from .errors import EksftError, closest, shown
@@ -31,25 +33,27 @@ from .spec import JobSpec
 
 LINE_USAGE = """\
 %ftrain list [--json]                 jobs and their state
-%ftrain attach NAME [--backend eks]   show the dashboard of a job (its whole history, then live)
+%ftrain attach NAME [--backend B]     show the dashboard of a job (its whole history, then live)
 %ftrain status [NAME] [--json]        state, step, restarts, newest checkpoint, goodput
 %ftrain inject [NAME] FAULT [--rank R] [--step S | --after SECONDS] [--node N] [--delay D] [--duration N]
 %ftrain ckpts [NAME] [--json]         checkpoints: committed, incomplete, rejected
 %ftrain resume [NAME] [--step S] [--as NEW] [--steps N]   a new job from a checkpoint, with its dashboard
 %ftrain logs [NAME] [-n LINES] [--debug]
-%ftrain summary [NAME] [--json]       restarts, goodput, final digest
+%ftrain summary [NAME] [--json] [--price p5.48xlarge] [--for 30d --nodes 16]
+                                      restarts, goodput, digest, and what faults and checkpoints cost
 %ftrain set [NAME] ckpt-every=25 keep-last=5   change live settings; every rank takes them at one step
 %ftrain stop [NAME]                   stop a job; nothing of it keeps running
-%ftrain rm NAME                       delete an ended job (its checkpoints too)
-%ftrain test [--faults K,K] [--expect "level<=injob, lost<=10"] [spec options]   a resilience report card
+%ftrain rm NAME... | --finished       delete ended jobs (their checkpoints too); each refusal is said
+%ftrain test [--faults K,K] [--expect "level<=injob, lost<=10"] [--repeat N] [--manifest F | --recheck F]
+             [spec options]           a resilience report card (n/N per kind with --repeat)
 %ftrain whatif [NAME] [--ckpt-every 5,10,20] [--no-inprocess] [--ckpt-mode sync] [--spares N] [--apply]
                                       the job's failures replayed under other settings (--apply: set
-                                      the recommended interval live)
+                                      the recommended interval live; --price, --for: in dollars)
 %ftrain check [spec options] [--from JOB]   every timeout acting on a job, and what contradicts
 %ftrain doctor [spec options]         versions here, what each supports, what a spec would be refused
 %%ftrain test [options] + code        resilience test of the cell's code
-NAME defaults to the job this notebook launched, attached or resumed last; --backend eks (any command)
-reaches jobs on the cluster of the kubeconfig's current context."""
+NAME defaults to the job this notebook launched, attached or resumed last; a NAME finds its job on
+whichever backend holds it (local, Slurm, EKS where a kubeconfig is set); --backend picks one."""
 
 CELL_DOC = """Launch a fault-tolerant training job and show its live dashboard (the cell returns at once).
 
@@ -59,23 +63,23 @@ telemetry and fault commands; a script that knows nothing of eksft-nb runs too).
 
 
 def _line_parser() -> MagicArgumentParser:
-    """``%ftrain``'s parser, built from :data:`commands.ARGS` like the CLI's."""
+    """``%ftrain``'s parser, built from :data:`arguments.ARGS` like the CLI's."""
     p = MagicArgumentParser(prog="%ftrain", add_help=False)
-    commands.add_verbs(p.add_subparsers(dest="command", parser_class=MagicArgumentParser), MAGIC)
+    arguments.add_verbs(p.add_subparsers(dest="command", parser_class=MagicArgumentParser), MAGIC)
     return p
 
 
 def _cell_parser() -> MagicArgumentParser:
     """``%%ftrain``'s parser: the options of ``python -m eksft_nb run`` that a notebook takes."""
     p = MagicArgumentParser(prog="%ftrain", description=CELL_DOC)   # its help writes the cell magic's %%
-    commands.add_verb_arguments(p, "run", MAGIC)
+    arguments.add_verb_arguments(p, "run", MAGIC)
     return p
 
 
 def _test_parser() -> MagicArgumentParser:
     """``%ftrain test``'s and ``%%ftrain test``'s parser: the test verb's options and the spec's."""
     p = MagicArgumentParser(prog="%%ftrain test", add_help=False)
-    commands.add_verb_arguments(p, "test", MAGIC)
+    arguments.add_verb_arguments(p, "test", MAGIC)
     return p
 
 
@@ -103,21 +107,16 @@ class FtrainMagics(Magics):
     # ---- %%ftrain ----------------------------------------------------------------------------
     def _cell(self, line: str, cell: str) -> None:
         if line.split()[:1] == ["test"]:
-            self._test(_parse(self.test_parser, line.split(None, 1)[1] if len(line.split()) > 1 else "",
-                              "%%ftrain test"), cell)
-            return
-        if {"-h", "--help"} & set(line.split()):
+            args = _parse(self.test_parser, line.split(None, 1)[1] if len(line.split()) > 1 else "",
+                          "%%ftrain test")
+            args.command = "test"
+        elif {"-h", "--help"} & set(line.split()):
             print(self.cell_parser.format_help())
             return
-        args = _parse(self.cell_parser, line, "%%ftrain")
-        spec = _cell_spec(args, cell, "run")   # validated once, with the faults, by the launch (or dry run)
-        if args.dry_run:
-            print(commands.dry_run(spec, faults=args.fault))
-            return
-        row = commands.launch(spec, args.fault)
-        for warning in row["warnings"]:
-            print(f"warning: {warning}")
-        self._show(attach(row["name"], spec.backend))
+        else:
+            args = _parse(self.cell_parser, line, "%%ftrain")
+            args.command = "run"
+        dispatch(args, Notebook(self, cell))
 
     # ---- %ftrain -----------------------------------------------------------------------------
     def _line(self, line: str) -> None:
@@ -128,103 +127,55 @@ class FtrainMagics(Magics):
         args = _parse(self.line_parser, line, "%ftrain")
         if args.command is None:
             raise UsageError(f"unknown command {shown(tokens[0])}\n{LINE_USAGE}")
-        cmd = args.command
-        if cmd == "test":   # its --backend is the job spec's
-            self._test(args, "")
-            return
-        if cmd == "check":
-            report = commands.check(_cell_spec(args, "", "check"), args.from_job, args.from_backend)
-            cli.show(report, args.json, lambda r: r["message"])
-            return
-        if cmd == "doctor":
-            report = commands.doctor(_cell_spec(args, "", "doctor"), on_node=args.on_node)
-            cli.show(report, args.json, lambda r: r["message"])
-            return
-        backend = args.backend or "local"
-        if cmd == "list":
-            cli.show(commands.list_jobs(backend), args.json, cli.format_list)
-            return
-        if cmd == "rm":
-            if not args.name:   # never the notebook's job unless named
-                raise UsageError("rm takes the NAME of the job to delete\n  → e.g. %ftrain rm my-job")
-            commands.remove(args.name, backend)
-            print(f"removed {args.name}")
-            return
-        if cmd == "set" and args.name and "=" in args.name:   # no NAME: the first word is a setting
-            args.assignments, args.name = [args.name, *args.assignments], None
-        job = self._job(args.name, args.backend)
-        name, backend = job.name, job.backend.name
-        if cmd == "attach":
-            self._show(job)
-        elif cmd == "inject":
-            print(commands.inject(name, args.fault, rank=args.rank, step=args.step, after=args.after,
-                                  node=args.node,
-                                  params=cli.inject_params(args), backend=backend)["message"])
-        elif cmd == "resume":
-            row = commands.resume(name, step=args.step, new_name=args.new_name, steps=args.steps,
-                                  backend=backend)
-            print(row["message"])
-            self._show(attach(row["name"], backend))
-        elif cmd == "set":
-            result = commands.set_settings(name, args.assignments, backend=backend, wait=args.wait)
-            cli.show(result, args.json, lambda r: r["message"])
-        elif cmd == "stop":
-            print(commands.stop(name, backend)["message"])
-        elif cmd == "logs":
-            print(commands.logs(name, args.lines, args.debug, backend))
-        elif cmd == "status":
-            cli.show(commands.status(name, backend), args.json, cli.format_status)
-        elif cmd == "whatif":
-            from .resilience.figures import whatif_figure
-            from .resilience.whatif import format_report
+        args.command = next(v.name for v in ARGS.values() if v.name_in(MAGIC) == args.command)
+        dispatch(args, Notebook(self, ""))
 
-            report = commands.whatif(name, ckpt_every=args.ckpt_every, inprocess=args.inprocess,
-                                     ckpt_mode=args.ckpt_mode, spares=args.spares, backend=backend)
-            cli.show(report, args.json, format_report)
-            if not args.json:
-                display(whatif_figure(report))
-            if args.apply:
-                print(commands.apply_whatif(name, backend=backend, wait=30.0)["message"])
-        elif cmd == "summary":
-            cli.show(commands.summary(name, backend), args.json, cli.format_summary)
-        else:
-            cli.show(commands.checkpoints(name, backend), args.json, cli.format_checkpoints)
 
-    def _test(self, args: argparse.Namespace, cell: str) -> None:
-        """``%ftrain test`` (the job its options describe) or ``%%ftrain test`` (the cell's code): the
-        narration as it runs, then the report card (and its JUnit XML with --junit)."""
-        from .dashboard.figure import FigureWidget
-        from .resilience.card import junit, table
-        from .resilience.figures import card_figure
+class Notebook:
+    """The notebook's ways (see :class:`.dispatch.Front`): a NAME left out means the notebook's current
+    job, the one it launched, attached or resumed last; a job followed is shown in its dashboard."""
 
-        junit_path = Path(args.junit).expanduser() if args.junit else None
-        if junit_path is not None and not junit_path.parent.is_dir():
-            raise UsageError(f"--junit {args.junit}: folder {junit_path.parent} does not exist\n"
-                             "  → create it first")
-        spec = _cell_spec(args, cell, "test").validate()
-        live = FigureWidget()   # the card's figure, redrawn after each case (its JavaScript by reference)
-        display(live)
-        card = commands.resilience_test(spec, args.faults, args.expect, at_step=args.at_step,
-                                        loss_tolerance=args.loss_tol, say=print,
-                                        on_row=lambda c: card_figure(c, live))
-        card_figure(card, live)
-        live.settle()   # a notebook saved now redraws the whole card, not the empty figure first shown
-        if junit_path is not None:
-            atomic_write(junit_path, junit(card))  # type: ignore[arg-type]
-        cli.show(card, args.json, table)
+    prog = "%ftrain"
+    inject_wait = 0.0   # a cell returns at once: the dashboard shows the fault once it fired
 
-    def _show(self, job: Job) -> None:
-        """Make ``job`` the notebook's current job and display its dashboard."""
-        self.job = job
-        display(Dashboard(job))
+    def __init__(self, magics: FtrainMagics, cell: str) -> None:
+        self.magics, self.cell = magics, cell
 
-    def _job(self, name: str | None, backend: str | None = None) -> Job:
-        if name:
-            return attach(name, backend or "local")
-        if self.job is None:
+    def spec(self, args: argparse.Namespace, verb: str, base: JobSpec | None = None) -> JobSpec:
+        return _cell_spec(args, self.cell, verb, base)
+
+    def job(self, args: argparse.Namespace) -> Job:
+        if args.name:
+            return attach(args.name, args.backend)
+        if self.magics.job is None:
             raise UsageError("no job yet in this notebook\n  → launch one with %%ftrain, or name it: "
                              "%ftrain attach NAME")
-        return self.job
+        return self.magics.job
+
+    def follow(self, job: Job, args: argparse.Namespace) -> int:
+        """Make ``job`` the notebook's current job and display its dashboard."""
+        self.magics.job = job
+        display(Dashboard(job))
+        return 0
+
+    def figure(self, make: Callable[[], Any]) -> None:
+        display(make())
+
+    def card_view(self) -> Callable[[dict[str, Any]], None]:
+        """The card's figure, shown now and redrawn after each case (its JavaScript by reference)."""
+        from .dashboard.figure import FigureWidget
+        from .resilience.figures import card_figure
+
+        live = FigureWidget()
+        display(live)
+
+        def redraw(card: dict[str, Any]) -> None:
+            card_figure(card, live)
+            live.settle()   # a notebook saved now redraws the whole card, not the empty figure first shown
+        return redraw
+
+    def refused(self, lines: list[str]) -> None:
+        raise UsageError("\n".join(lines))
 
 
 def parse_cell(line: str, cell: str, parser: MagicArgumentParser | None = None
@@ -239,10 +190,11 @@ def parse_cell(line: str, cell: str, parser: MagicArgumentParser | None = None
     return spec, commands.faults_for(spec, args.fault), args.dry_run
 
 
-def _cell_spec(args: argparse.Namespace, cell: str, verb: str) -> JobSpec:
-    """The spec a cell's options describe, not yet validated; code in the cell becomes the job's script."""
-    base = JobSpec.load(args.spec_file) if args.spec_file else None
-    spec = commands.spec_from_args(args, base, validate=False)
+def _cell_spec(args: argparse.Namespace, cell: str, verb: str, base: JobSpec | None = None) -> JobSpec:
+    """The spec a cell's options describe (over ``base``: a test's --recheck manifest's spec; else its --spec
+    file), not yet validated; code in the cell becomes the job's script."""
+    base = base or (JobSpec.load(args.spec_file) if args.spec_file else None)
+    spec = arguments.spec_from_args(args, base, validate=False)
     if cell.strip():
         if spec.script:
             raise UsageError("the cell has code and --script names a script too\n"
@@ -271,11 +223,11 @@ def _parse(parser: MagicArgumentParser, line: str, prog: str) -> argparse.Namesp
             bad = message.split("unrecognized arguments:", 1)[1].split()
             unknown = next((b for b in bad if b.startswith("-")), bad[0] if bad else "")
             if unknown.startswith("-"):
-                hint = f"did you mean {closest(unknown.split('=')[0], commands.flags(MAGIC, verbs))}?"
+                hint = f"did you mean {closest(unknown.split('=')[0], arguments.flags(MAGIC, verbs))}?"
                 raise UsageError(f"{prog} does not understand {shown(unknown)}\n  → {hint} ({prog} --help "
                                  "lists every option)") from None
             if verb:
-                raise UsageError(f"{words[0]} takes {commands.positionals(verb, MAGIC)}, not "
+                raise UsageError(f"{words[0]} takes {arguments.positionals(verb, MAGIC)}, not "
                                  f"{shown(unknown)} too\n"
                                  f"  → quote values that contain spaces ({prog} --help lists every "
                                  "command)") from None

@@ -26,6 +26,8 @@ class CheckpointRecord:
     bytes: int | None = None
     path: str | None = None
     error: str | None = None
+    staged_bytes: int | None = None   # one rank's state, as it staged it (async)
+    copy_s: float | None = None       # the seconds its copies alone took (the stall's floor, see ckpt_floor)
 
 
 @dataclass
@@ -156,6 +158,7 @@ class JobMonitor:
             self.saves.append(rec)
         if phase == "staged":
             rec.t_staged, rec.blocked_s, rec.bytes = e.t, e.get("blocked_s"), e.get("bytes")
+            rec.staged_bytes, rec.copy_s = e.get("bytes"), e.get("copy_s")
             self.checkpoint_stall_s += rec.blocked_s or 0.0
         elif phase == "committed":
             # sync saves block for all of it; async ones only for staging plus any wait at the end
@@ -183,15 +186,26 @@ class JobMonitor:
 
     def _on_restart(self, e: Event) -> None:
         restart = {"t": e.t, **e.data}
-        # NVRx 0.6+: the worker-group cycle this restart began
+        # NVRx 0.6+: the worker-group cycle this restart began, and the nodes NVRx's record names for it
         if restart["level"] in (RestartLevel.INJOB, RestartLevel.JOB):
             began = [k for k, c in self.nvrx_cycles.items() if restart["fault_time"] <= c["start"] <= e.t]
             if began:
-                restart["nvrx_cycle"] = max(began, key=lambda k: self.nvrx_cycles[k]["start"])[1]
+                self._name_cycle(restart, max(began, key=lambda k: self.nvrx_cycles[k]["start"]))
         self.restarts.append(restart)
 
+    def _name_cycle(self, restart: dict[str, Any], key: tuple[int, int]) -> None:
+        cycle = self.nvrx_cycles[key]
+        restart["nvrx_cycle"] = key[1]
+        restart["nvrx_nodes"] = {k: cycle[k] for k in ("active_nodes", "standby_nodes", "active_ranks")
+                                 if cycle.get(k)}
+
     def _on_nvrx_cycle(self, e: Event) -> None:
-        self.nvrx_cycles[(e["attempt"], e["cycle"])] = dict(e.data)
+        key = (e["attempt"], e["cycle"])
+        self.nvrx_cycles[key] = dict(e.data)
+        for restart in self.restarts:   # a record read after the restart it began (a pod's rank relays it)
+            if ("nvrx_cycle" not in restart and restart["level"] in (RestartLevel.INJOB, RestartLevel.JOB)
+                    and restart["fault_time"] <= e["start"] <= restart["t"]):
+                self._name_cycle(restart, key)
 
     def _on_resume(self, e: Event) -> None:
         self.resumes.append({"t": e.t, **e.data})

@@ -1,6 +1,9 @@
-"""NCCL's environment on GPU nodes, as every cluster backend sets it (EKS pods, Slurm jobs)."""
+"""NCCL's environment on GPU nodes, as every cluster backend sets it (EKS pods, Slurm jobs), and the
+network NCCL's log says it took."""
 
 from __future__ import annotations
+
+import re
 
 
 def nccl_env(gpus_per_node: int, efa: bool, inprocess: bool, rdma_read: bool,
@@ -28,3 +31,22 @@ def nccl_env(gpus_per_node: int, efa: bool, inprocess: bool, rdma_read: bool,
         if require_efa:
             env["NCCL_NET"] = "AWS Libfabric"
     return env
+
+
+# what NCCL_DEBUG=INFO (subsystems INIT,NET) says of the network it took: "NCCL INFO Using network AWS
+# Libfabric" (aws-ofi-nccl loaded), "... Using network Socket" (TCP), and aws-ofi-nccl's own "NET/OFI
+# Selected Provider is efa" (or tcp: libfabric without EFA)
+_NETWORK = re.compile(r"NCCL INFO (?:Using network (?P<net>[\w ]+?)\s*$|NET/OFI Selected [Pp]rovider is "
+                      r"(?P<provider>\w+))")
+
+
+def network_of(line: str) -> str | None:
+    """The network one NCCL log line says a rank uses: ``"efa"``, ``"socket"`` (a fall back to TCP),
+    another transport's name (``"ib"``), or None for any other line."""
+    m = _NETWORK.search(line)
+    if m is None:
+        return None
+    if m.group("provider"):
+        return "efa" if m.group("provider").lower() == "efa" else "socket"
+    net = m.group("net").lower()
+    return "socket" if net == "socket" else "efa" if ("libfabric" in net or "ofi" in net) else net

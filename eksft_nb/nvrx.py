@@ -1,18 +1,24 @@
 """Which NVRx (nvidia-resiliency-ext) this environment has, and what that release can do.
 
 eksft supports NVRx 0.4.1 and later. The releases differ in ways the launch line, the in-process
-tier and the restart timeline have to follow; this module is the one place that knows how:
+tier, hot spares and the restart timeline have to follow; this module is the one place that knows how:
 
 - 0.5: barrier rendezvous (the default from then on), async checkpoint writer without fork;
-- 0.6: ``inprocess.Wrapper`` deprecated in favour of in-job restart; per-cycle records
-  (``NVRxCycleInfo`` files under ``--ft-cycle-info-dir``); progress-based early termination
+- 0.6: ``inprocess.Wrapper`` deprecated in favour of in-job restart; hot spares of its own (standby
+  nodes: ``--nnodes MIN:MAX``, the first MIN to join active, the rest waiting for a lost node's place)
+  and ``nvrx-control``, a store host outside the launchers; per-cycle records (``NVRxCycleInfo`` files
+  under ``--ft-cycle-info-dir``, see :mod:`.nvrx_cycles`); progress-based early termination
   (``--ft-max-no-progress-cycles``); ``--ft-restart-policy`` a no-op;
-- 0.7 (Python >= 3.12 only): legacy rendezvous and ``--ft-restart-policy`` gone.
+- 0.7 (wheels for Python 3.12 and 3.14 only; its sources run on 3.11): legacy rendezvous and
+  ``--ft-restart-policy`` gone.
 
 Every release takes the same section flags (``--ft-rank-section-timeouts``,
 ``--ft-rank-out-of-section-timeout``); a section without a timeout fails its rank in 0.4.x and goes
 unbounded from 0.5. Capabilities follow the version, except the in-process tier, which is looked up
 as a module: a release that drops ``nvidia_resiliency_ext.inprocess`` loses it whatever its number says.
+
+What a release cannot run of a spec is decided here, once (:meth:`NVRx.cannot_run`): a local launch asks
+it, and so does ``doctor``, the gate of an EKS pod's prepare step and of a Slurm allocation's watcher.
 """
 
 from __future__ import annotations
@@ -20,16 +26,18 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import importlib.util
-import json
 import re
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import JobError
 
+if TYPE_CHECKING:
+    from .spec import JobSpec
+
 DIST = "nvidia-resiliency-ext"
 OLDEST = (0, 4, 1)
+OWN_SPARES = (0, 6, 0)   # standby nodes (--nnodes MIN:MAX) and nvrx-control: NVRx's own hot spares
 
 
 @dataclass(frozen=True)
@@ -70,15 +78,45 @@ class NVRx:
         return self.release >= (0, 6, 0)
 
     @property
+    def spares(self) -> str | None:
+        """How a hot spare takes a lost node's place with this release: ``standby`` (0.6+: NVRx's own
+        standby nodes, ``--nnodes MIN:MAX``), ``handover`` (0.4: the legacy rendezvous keeps spares in a
+        redundancy list; a local job's supervisor hands the lost node's place over at once, see
+        ``backends.local.handover``), or None (0.5: its barrier rendezvous counts a spare against
+        ``--nnodes`` and closes the job when it joins, and its standby nodes count in the world size)."""
+        if self.release >= OWN_SPARES:
+            return "standby"
+        return "handover" if self.rendezvous == "legacy" else None
+
+    @property
     def spares_refused(self) -> str | None:
-        """Why hot spares cannot work with this release as eksft launches them; None where they do.
-        The barrier rendezvous (0.5 on) counts a spare against ``--nnodes`` and closes the job ("Maximum
-        number of nodes exceeded"): seen with 0.6.0. The legacy one (0.4) keeps spares in its redundancy
-        list, and eksft's supervisor hands a lost node's place over at once (see ``local.handover``)."""
-        if self.rendezvous == "legacy":
+        """Why a local job's hot spares cannot work with this release; None where they do."""
+        if self.spares is not None:
             return None
         return (f"NVRx {self.version}'s {self.rendezvous} rendezvous counts a hot spare against --nnodes and "
                 "closes the job when it joins, so a spare never takes a lost node's place")
+
+    def cannot_run(self, spec: JobSpec) -> JobError | None:
+        """Why this release cannot run ``spec`` as rendered for its backend (one line: what, then the fix),
+        else None. A cluster's launch line gives spares NVRx's own standby nodes (``--nnodes N:N+S``),
+        which only 0.6+ reads so (0.4 would train on every spare); locally 0.4's spares work through the
+        supervisor's handover, 0.5's nowhere."""
+        if not spec.spare_nodes or (spec.backend == "local" and self.spares == "handover"):
+            return None
+        if self.spares == "standby":
+            if spec.nnodes > 1:
+                return None
+            # a lost node's survivors open the rendezvous's next round, which a standby node joins
+            return JobError(f"--spare-nodes {spec.spare_nodes} with --nnodes 1: NVRx {self.version}'s "
+                            "standby nodes take a lost node's place when the nodes that survived it restart, "
+                            "and one node leaves none", "use --nnodes 2 or more, or --spare-nodes 0 (a lost "
+                            "node is then a job restart)")
+        why = (f"NVRx {self.version} takes --nnodes {spec.nnodes}:{spec.nnodes + spec.spare_nodes} as an "
+               "elastic range and would train on every spare" if self.spares == "handover"
+               else self.spares_refused)
+        return JobError(f"--spare-nodes {spec.spare_nodes}: {why}",
+                        "use NVRx >= 0.6 (pip install 'nvidia-resiliency-ext>=0.6'; Python 3.12 resolves "
+                        "0.7), or --spare-nodes 0 (a lost node is then a job restart)")
 
     @property
     def unknown_section_fails(self) -> bool:
@@ -134,6 +172,12 @@ def parse_version(text: str) -> tuple[int, int, int]:
     return tuple(int(g or 0) for g in m.groups())  # type: ignore[return-value]
 
 
+def supports_own_spares(version: str) -> bool:
+    """Whether NVRx ``version`` has hot spares of its own (standby nodes, ``--nnodes MIN:MAX``): what a
+    cluster's launch line asks of the NVRx where the job runs."""
+    return NVRx(version).spares == "standby"
+
+
 def require() -> NVRx:
     """The installed NVRx, if eksft supports it; else a JobError saying how to get one."""
     from .preflight import platforms
@@ -161,61 +205,3 @@ def installed() -> NVRx | None:
     except (ImportError, ValueError):
         has_inprocess = False
     return NVRx(version, has_inprocess)
-
-
-@dataclass(frozen=True)
-class CycleRecord:
-    """One ``NVRxCycleInfo`` file (NVRx 0.6+): a restart cycle of one ft_launcher's worker group."""
-
-    cycle: int
-    start: float                # epoch seconds
-    end: float | None           # None while the cycle runs
-    active_ranks: str = ""      # e.g. "0-1"
-
-
-def _epoch(text: object) -> float | None:
-    """``2026-05-01T12:00:00.123456Z`` -> epoch seconds; anything else -> None."""
-    if not isinstance(text, str) or not text:
-        return None
-    try:
-        when = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp()
-
-
-def parse_cycle_record(text: str) -> CycleRecord | None:
-    """A cycle record from a file's text; None for anything that is not one (never raises: the
-    file is written by another process and may be partial or foreign)."""
-    try:
-        data = json.loads(text)
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(data, dict):
-        return None
-    cycle, start = data.get("cycle_number", 0), _epoch(data.get("cycle_start_time"))
-    if isinstance(cycle, str) and cycle.isdigit():  # protobuf JSON may write integers as strings
-        cycle = int(cycle)
-    if not isinstance(cycle, int) or isinstance(cycle, bool) or cycle < 0 or start is None:
-        return None
-    ranks = data.get("active_ranks", "")
-    return CycleRecord(cycle, start, _epoch(data.get("cycle_end_time")),
-                       ranks if isinstance(ranks, str) else "")
-
-
-def read_cycle_records(folder: Path) -> list[CycleRecord]:
-    """The cycle records ft_launcher wrote under ``folder`` (``--ft-cycle-info-dir``), by cycle."""
-    records = {}
-    try:
-        paths = [p for p in folder.iterdir() if p.name.startswith("cycle_info.") and not p.is_symlink()
-                 and p.suffix != ".tmp"]
-    except OSError:
-        return []
-    for path in paths:
-        try:
-            record = parse_cycle_record(path.read_text(errors="replace")[:65536])
-        except OSError:
-            continue
-        if record is not None:
-            records[record.cycle] = record
-    return [records[c] for c in sorted(records)]

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import yaml
 
-from .errors import SHOWN_CHARS, SpecError, closest, shown
+from .errors import PATH_CHARS, SpecError, closest, shown
 from . import spec_checks
 from .spec_fields import SpecOption, opt, options_of
 from .spec_sections import CheckpointConfig, EksConfig, FaultToleranceConfig, ModelConfig, SlurmConfig
@@ -130,7 +130,7 @@ class JobSpec:
     @classmethod
     def load(cls, path: str | Path) -> JobSpec:
         p = Path(path)
-        said = str(p) if len(str(p)) <= SHOWN_CHARS else shown(str(p))
+        said = str(p) if len(str(p)) <= PATH_CHARS and str(p).isprintable() else shown(str(p), PATH_CHARS)
         try:
             if not p.is_file():
                 raise SpecError(f"spec file {said} does not exist", "check the path")

@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 from .errors import SpecError, closest, shown
+from .shellquote import control_char
 from .spec_fields import SpecOption, flag_of, options_of
 from .spec_sections import MODEL_PRESETS, FaultToleranceConfig, SlurmConfig
 from .states import EngineName
@@ -154,11 +155,20 @@ def _validate_slurm(spec: Any) -> None:
     if s.port > 65533:
         raise SpecError(f"slurm.port {s.port} leaves no room for the two ports after it",
                         "use e.g. --slurm-port 29500")
-    for fname in ("partition", "account", "qos", "time", "gres", "constraint"):
+    if s.cpus_per_task is not None:
+        _require_int(s, "cpus_per_task", 1, prefix="slurm.")
+    for fname, pattern, example in _SLURM_VALUES:
         value = getattr(s, fname)
-        if value is not None and not re.fullmatch(r"[\w:.,|&*!=\[\]()+-]+", value):
+        if value is not None and not re.fullmatch(pattern, value):
             raise SpecError(f"slurm.{fname} {shown(value)} holds characters sbatch does not take there",
-                            f"use {flag_of(SlurmConfig, fname)} with letters, digits and :.,-_ only")
+                            f"use {flag_of(SlurmConfig, fname)} {example}")
+    image = s.container_image
+    if image is not None and (not image or any(c.isspace() for c in image)):
+        raise SpecError(f"--container-image {shown(s.container_image)} is not an image name",
+                        "use e.g. --container-image nvcr.io#nvidia/pytorch:25.01-py3, or a .sqsh file's path")
+    if (s.container_mounts or s.container_env) and not s.container_image:
+        raise SpecError("--container-mounts and --container-env need --container-image",
+                        "add --container-image IMAGE, or drop them")
     if spec.backend == "slurm":
         if not s.shared_dir:
             raise SpecError("a Slurm job needs a folder every node shares (its job folder and "
@@ -167,6 +177,22 @@ def _validate_slurm(spec: Any) -> None:
         if not s.shared_dir.startswith("/"):
             raise SpecError(f"--shared-dir {shown(s.shared_dir)} is not an absolute path",
                             "use the path every node mounts, e.g. --shared-dir /fsx/eksft")
+        if "\\" in s.shared_dir:
+            raise SpecError(f"--shared-dir {shown(s.shared_dir)} holds a backslash, which turns off the job "
+                            "id in Slurm's log file names (--output)", "use a path without one")
+        if s.container_image and any(c in s.shared_dir for c in ":,"):
+            raise SpecError(f"--shared-dir {shown(s.shared_dir)} holds a ':' or ',', which pyxis reads as "
+                            "the end of a mount (--container-mounts)", "use a path without them")
+
+
+# field, what sbatch (or pyxis) takes there, an example
+_SLURM_VALUES = (
+    *((f, r"[\w:.,|&*!=\[\]()+-]+", "with letters, digits and :.,-_ only")
+      for f in ("partition", "account", "qos", "time", "gres", "constraint")),
+    ("mem", r"\d+[KMGT]?", "1800G (a number, then K, M, G or T)"),
+    ("instance_type", r"[a-z0-9][a-z0-9.-]*", "p5.48xlarge"),
+    ("container_env", r"[A-Za-z_][A-Za-z0-9_]*(,[A-Za-z_][A-Za-z0-9_]*)*", "NCCL_DEBUG,HF_HOME"),
+)
 
 
 def valid_name(name: Any) -> bool:
@@ -176,7 +202,9 @@ def valid_name(name: Any) -> bool:
 
 def _require_type(spec: Any, option: SpecOption) -> None:
     """Every field has its declared type (a spec file may hold anything YAML can express): integers
-    that are not booleans, finite numbers, strings and lists of strings without NUL characters."""
+    that are not booleans, finite numbers, strings and lists of strings. A string holds no control
+    character: every path and text reaches a script or a manifest (a newline in an ``#SBATCH`` line runs
+    what follows it as a shell line, whatever the quoting)."""
     value: Any = spec
     for part in option.path.split("."):
         value = getattr(value, part)
@@ -191,16 +219,20 @@ def _require_type(spec: Any, option: SpecOption) -> None:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         what = "a finite number"
     elif t is list:
-        ok, what = isinstance(value, list) and all(isinstance(a, str) and "\0" not in a for a in value), \
-            "a list of strings"
+        ok, what = isinstance(value, list) and all(isinstance(a, str) for a in value), "a list of strings"
     else:
-        ok, what = isinstance(value, str) and "\0" not in value, "a string"
+        ok, what = isinstance(value, str), "a string"
     if not ok:
         example = option.default if option.default not in (None, "",
                                                            []) else ("1" if t in (int, float) else "VALUE")
         raise SpecError(f"{option.path} must be {what}"
                         + (" or null" if option.optional else "") + f", got {shown(value)}",
                         f"use e.g. {option.flag} {example}")
+    for text in value if t is list else [value] if t is str else []:
+        if (bad := control_char(text)) is not None:
+            raise SpecError(f"{option.path} holds a control character ({bad}) in {shown(text)}: a path or "
+                            "text field may hold none (it reaches a script or a manifest)",
+                            f"remove it from {option.flag}")
 
 
 def _require_int(obj: Any, fname: str, minimum: int, prefix: str = "", why: str = "") -> None:

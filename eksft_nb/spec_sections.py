@@ -224,17 +224,40 @@ class SlurmConfig:
     account: str | None = opt(None, "--account", "Slurm account to charge (sbatch --account)")
     qos: str | None = opt(None, "--qos", "Slurm quality of service (sbatch --qos)")
     time: str | None = opt(None, "--time", "Slurm time limit, e.g. 4:00:00 (sbatch --time)")
-    gres: str | None = opt(None, "--gres", "generic resources per node, e.g. gpu:8 (sbatch --gres)")
-    exclusive: bool = opt(False, "--exclusive",
-                          "Slurm: whole nodes, shared with no other job (sbatch --exclusive)")
+    gres: str | None = opt(None, "--gres",
+                           "generic resources per node, e.g. gpu:8 (sbatch --gres); without it the GPUs are "
+                           "counted on the node where the job runs")
+    exclusive: bool = opt(True, "--exclusive",
+                          "Slurm: whole nodes, shared with no other job (sbatch --exclusive; "
+                          "--no-exclusive to share them)")
+    cpus_per_task: int | None = opt(None, "--cpus-per-task",
+                                    "Slurm: CPUs of each node's launcher and its ranks (sbatch and srun "
+                                    "--cpus-per-task; default: the node's allocated CPUs)")
+    mem: str | None = opt(None, "--mem", "Slurm: memory per node, e.g. 1800G (sbatch --mem; default: all "
+                          "of it with --exclusive)")
     constraint: str | None = opt(None, "--constraint", "Slurm node features, e.g. p5 (sbatch --constraint)")
-    efa: bool = opt(False, "--efa", "Slurm: set the EFA (libfabric) environment for NCCL, as on p4d/p5 nodes")
+    instance_type: str | None = opt(None, "--slurm-instance-type",
+                                    "Slurm: the nodes' EC2 instance type, e.g. p5.48xlarge: EFA by default "
+                                    "where it has EFA, device RDMA where its EFA reads RDMA")
+    efa: bool | None = opt(None, "--efa",
+                           "Slurm: set the EFA (libfabric) environment for NCCL (default: on for an "
+                           "--slurm-instance-type with EFA)")
+    container_image: str | None = opt(None, "--container-image",
+                                      "Slurm with pyxis: run each node's launcher and ranks in this image "
+                                      "(srun --container-image; eksft-nb and NVRx installed in it)")
+    container_mounts: str | None = opt(None, "--container-mounts",
+                                       "Slurm with pyxis: SRC:DST[,SRC:DST...] (srun --container-mounts; the "
+                                       "--shared-dir is always mounted at its own path)")
+    container_env: str | None = opt(None, "--container-env",
+                                    "Slurm with pyxis: NAME[,NAME...] whose host values win over the "
+                                    "image's (srun --container-env; the job's own environment always does)")
     port: int = opt(29500, "--slurm-port", "Slurm: the rendezvous port on the allocation's first node "
                     "(the trainer's stores use the next two)")
 
     @property
     def gpus_per_node(self) -> int:
-        """From ``--gres gpu:N`` (or ``gpu:TYPE:N``); 0 without GPUs."""
+        """From ``--gres gpu:N`` (or ``gpu:TYPE:N``); 0 without them (the node's are counted where the job
+        runs: see :mod:`eksft_nb.backends.slurm.gpus`)."""
         for item in (self.gres or "").split(","):
             parts = item.split(":")
             if parts[0] == "gpu":

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,9 @@ GPU_FLOORS = {"soft": 300.0, "hard": 600.0, "heartbeat": 900.0, "initial": 1200.
 # what the CPU demo and the tests run with (the local backend without CUDA)
 CPU_VALUES = {"soft": 4.0, "hard": 8.0, "heartbeat": 15.0, "initial": 120.0, "collective": 3.0,
               "checkpoint_group": 600.0, "grace": 60.0}
+# a Slurm job without ``--gres gpu:N``: the GPUs its batch shell counted on the node (see
+# eksft_nb.backends.slurm.gpus), for the watcher and every rank there
+NODE_GPUS_ENV = "EKSFT_NODE_GPUS"
 # NVRx's own Slurm deployment (examples/fault_tolerance/deployment/slurm): each phase bounded apart
 SECTION_FLOORS = {"setup": 900.0, "step": 60.0, "checkpointing": 300.0, "out_of_section": 90.0}
 STEP_FACTOR = 5.0   # a step's bound: this many times its measured time (NVRx's own safety factor)
@@ -105,16 +109,24 @@ def state_bytes(spec: JobSpec) -> int:
 
 
 def on_gpu(spec: JobSpec) -> bool:
-    """Whether the job's ranks run on GPUs: EKS pods or Slurm nodes (``--gres gpu:N``) that request them,
-    or a local job on CUDA (a cheap probe of the driver, so the command line need not import torch)."""
+    """Whether the job's ranks run on GPUs: EKS pods or Slurm nodes (``--gres gpu:N``, or without it the
+    GPUs counted on the node, :data:`NODE_GPUS_ENV`) that request them, or a local job on CUDA (a cheap
+    probe of the driver, so the command line need not import torch)."""
     if spec.backend == "eks":
         return spec.eks.gpus_per_node > 0
     if spec.backend == "slurm":
-        return spec.slurm.gpus_per_node > 0
+        counted = os.environ.get(NODE_GPUS_ENV, "")
+        return spec.slurm.gpus_per_node > 0 or (counted.isdigit() and int(counted) > 0)
     if spec.device != "auto":
         return spec.device == "cuda"
     gpus = Path("/proc/driver/nvidia/gpus")
     return gpus.is_dir() and any(gpus.iterdir())
+
+
+def counted_where_it_runs(spec: JobSpec) -> bool:
+    """A Slurm job without ``--gres`` seen off its nodes: whether its ranks have GPUs is known only where
+    they run (its batch shell counts them there, :data:`NODE_GPUS_ENV`)."""
+    return spec.backend == "slurm" and not spec.slurm.gpus_per_node and NODE_GPUS_ENV not in os.environ
 
 
 def derive(spec: JobSpec, gpu: bool | None = None) -> Timeouts:

@@ -29,6 +29,22 @@ settings.register_profile("ci", derandomize=True, database=None)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
+# `make test` runs the tests on two workers (pytest-xdist, --dist loadgroup). The files that use a real Slurm
+# (two at once would run jobs of the same ids on the same node names, and a test that ends a node's
+# processes by job id could end the other cluster's) or the notebooks' runs (bench part 8 reads notebook
+# 07's, tests/notebook_runs.py) run on one worker; the rest on either.
+ONE_WORKER = ("slurm_cluster", "notebook_runs")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    shares: dict[Path, bool] = {}
+    for item in items:
+        if item.path not in shares:
+            text = item.path.read_text()
+            shares[item.path] = any(f"from {m} import" in text or f"import {m}" in text for m in ONE_WORKER)
+        if shares[item.path]:
+            item.add_marker(pytest.mark.xdist_group("one-worker"))
+
 
 @pytest.fixture(scope="session", autouse=True)
 def eksft_home() -> Path:
@@ -66,6 +82,39 @@ def reference_digest(eksft_home: Path) -> str:
     losses = [e["loss"] for e in events("reference", "step")]
     assert losses[-1] < losses[0] - 2.0, "the built-in data must be learnable: the loss has to fall"
     return summary["digest"]
+
+
+@pytest.fixture(scope="session")
+def corrupt_job(eksft_home: Path) -> tuple[str, dict]:
+    """``jobs.BASE`` with sync saves whose checkpoint 20 (committed when step 20 ends) is corrupted at step
+    25, then rank 1 killed at step 27 (run once a session): (its name, its summary). test_engine checks what
+    the user is told and that nothing is lost, test_engine_storage which rank found the bad shard."""
+    from jobs import run_job
+
+    name = "corrupt"
+    return name, run_job(name, "--ckpt-mode", "sync", "--fault", "corrupt-checkpoint@25", "--fault",
+                         "sigkill:1@27")
+
+
+@pytest.fixture(scope="session")
+def stopped_job(eksft_home: Path) -> tuple[str, list[int], list[int], int]:
+    """An endless job launched detached from the CLI and stopped with ``stop`` once it ran 5 steps (run once a
+    session): (its name, the pids of its supervisor, launchers and ranks just before the stop, those of them
+    alive then, the stop's exit status). test_engine checks that nothing of it is left, test_procs what its
+    logs say."""
+    from eksft_nb import procs
+    from eksft_nb.jobdir import JobDir
+    from jobs import cli, events, wait_for
+
+    name = "to-stop"
+    proc = cli("run", "--name", name, "--model", "tiny", "--steps", "100000", "--detach")
+    assert proc.returncode == 0, proc.stderr
+    wait_for("5 steps", lambda: len(events(name, "step")) >= 5, timeout=120)
+    sup = JobDir.for_name(name).supervisor()
+    pids = [sup["pid"]] + [launcher["pid"] for launcher in sup["launchers"]] + [
+        e["pid"] for e in events(name, "rank_start")]
+    alive = [p for p in pids if procs.alive(p)]
+    return name, pids, alive, cli("stop", name).returncode
 
 
 @pytest.fixture

@@ -98,8 +98,12 @@ class LocalPod:
         base = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                 "HOME": str(self.root), "LANG": os.environ.get("LANG", "C.UTF-8"),
                 "EKSFT_TERMINATION_LOG": str(self.termination_log(container)),
-                # the eksft-nb under test, and the test's holds on its ranks (engines/torchft/hold.py)
-                **{k: os.environ[k] for k in ("PYTHONPATH", "LD_LIBRARY_PATH", HOLD_ENV) if k in os.environ}}
+                # the eksft-nb under test (and the NVRx the test chose: pods on one machine share an address,
+                # which NVRx 0.7 allows only when told it is a simulation), and the test's holds on its ranks
+                # (engines/torchft/hold.py)
+                **{k: os.environ[k] for k in ("PYTHONPATH", "LD_LIBRARY_PATH",
+                                              "NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE", HOLD_ENV)
+                   if k in os.environ}}
         return {**base, **self.env(container)}
 
     def termination_log(self, container: str) -> Path:

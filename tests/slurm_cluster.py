@@ -1,5 +1,6 @@
-"""A real two-node Slurm on this machine: Debian's slurm-wlm controller and two node daemons (`make
-test` installs it), each on a free port, every file in a temporary folder, stopped by pid afterwards.
+"""A real Slurm on this machine: Debian's slurm-wlm controller and two node daemons (`make test` installs
+it), each on a free port, every file in a temporary folder, stopped by pid afterwards; a third node with two
+fake GPUs in its gres.conf stands alone in a partition of its own.
 
 No munge (``auth/none``), both "nodes" this host: the job folder on ``shared/`` is a shared disk for
 free, and the first node of an allocation is found the cluster way (``scontrol show hostnames``).
@@ -22,15 +23,15 @@ from pathlib import Path
 import psutil
 
 
-def node_names() -> tuple[str, str] | None:
+def node_names(count: int = 2) -> tuple[str, ...] | None:
     """The nodes' names: the first node of an allocation is reached by its name, so the first is this
-    host's name (containers and CI runners resolve it to loopback), the second sorts after it."""
+    host's name (containers and CI runners resolve it to loopback), the others sort after it."""
     host = socket.gethostname()
     try:
         ok = host != "localhost" and socket.gethostbyname(host).startswith("127.")
     except OSError:
         ok = False
-    return (host, f"{host}-2") if ok else None
+    return (host, *(f"{host}-{i}" for i in range(2, count + 1))) if ok else None
 
 
 @dataclass
@@ -88,13 +89,22 @@ def free_base() -> int:
     raise AssertionError("no three free consecutive ports")
 
 
-def config(d: Path, ports: list[int], names: tuple[str, str]) -> str:
+GPU_NODE = "localhost"   # a third node, with two fake GPUs in gres.conf, alone in partition GPU_PARTITION
+GPU_PARTITION = "gpus"
+SECOND_PARTITION = "second"   # the second node alone: its name need not resolve (an allocation's first node)
+
+
+def config(d: Path, ports: list[int], names: tuple[str, ...]) -> str:
     """A requeued job may start ``cred_expire`` s after its requeue (Slurm's rule), and only the main
     scheduler's periodic pass starts it then (the backfill's skips a pass when no job or node changed): that
-    pass runs every second, not every 60 s (which added up to a minute to each requeue of the tests)."""
+    pass runs every second, not every 60 s (which added up to a minute to each requeue of the tests).
+    KillWait is low (SIGKILL 5 s after SIGTERM), so a save that does not start before the end is killed."""
     ctld, slurmd, *node_ports = ports
-    nodes = "\n".join(f"NodeName={n} NodeHostname=localhost Port={p} CPUs=2 RealMemory=4000 State=UNKNOWN"
-                      for n, p in zip(names, node_ports))
+    # the GPU node is named localhost (a name every host resolves: the rendezvous of its jobs is there), and
+    # slurmctld refuses a node name that is another node's host name: each node's host name is its own name
+    nodes = "\n".join(f"NodeName={n} NodeHostname={n} NodeAddr=127.0.0.1 Port={p} CPUs=2 RealMemory=4000 "
+                      "State=UNKNOWN" + (" Gres=gpu:2" if n == GPU_NODE else "")
+                      for n, p in zip((*names, GPU_NODE), node_ports))
     return f"""ClusterName=eksft
 SlurmctldHost=localhost
 AuthType=auth/none
@@ -119,28 +129,40 @@ MpiDefault=none
 KillWait=5
 MinJobAge=600
 AuthInfo=cred_expire=10
+GresTypes=gpu
 {nodes}
 PartitionName=gpu Nodes={','.join(names)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+PartitionName={GPU_PARTITION} Nodes={GPU_NODE} MaxTime=INFINITE State=UP OverSubscribe=NO
+PartitionName={SECOND_PARTITION} Nodes={names[1]} MaxTime=INFINITE State=UP OverSubscribe=NO
 """
 
 
+def gres(d: Path) -> str:
+    """The GPU node's two GPUs: files that stand for devices (slurmd 22.05 logs that they are no character
+    devices, and counts them)."""
+    for i in range(2):
+        (d / f"fake-gpu{i}").touch()
+    return f"AutoDetect=off\nNodeName={GPU_NODE} Name=gpu File={d}/fake-gpu[0-1]\n"
+
+
 @contextmanager
-def slurm_cluster(base: Path) -> Iterator[SlurmCluster]:
-    """Start slurmctld and two slurmd in ``base``; on exit cancel every job, wait for them to end and
+def slurm_cluster(base: Path, nodes: int = 2) -> Iterator[SlurmCluster]:
+    """Start slurmctld and ``nodes`` slurmd in ``base``; on exit cancel every job, wait for them to end and
     stop the daemons by pid."""
     import pytest
 
     if shutil.which("slurmctld") is None or os.geteuid() != 0:
         pytest.skip("needs Debian's slurm-wlm (`make slurm`) and root (the daemons run as root, "
                     "without munge)")
-    names = node_names()
+    names = node_names(nodes)
     if names is None:
         pytest.skip("needs a host name that resolves to loopback (the second node's name; see /etc/hosts)")
     d = base / "slurm"
     for sub in ("state", "log"):
         (d / sub).mkdir(parents=True)
     conf = d / "slurm.conf"
-    conf.write_text(config(d, _free_ports(4), names))
+    conf.write_text(config(d, _free_ports(3 + len(names)), names))   # slurmctld, slurmd, GPU node, nodes
+    (d / "gres.conf").write_text(gres(d))
     shared = base / "shared"
     shared.mkdir()
     bin_dir = str(Path(sys.executable).parent)
@@ -149,11 +171,11 @@ def slurm_cluster(base: Path) -> Iterator[SlurmCluster]:
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     cluster = SlurmCluster(d, shared, env)
     try:
-        for node in names:
+        for node in (*names, GPU_NODE):
             daemons.append(subprocess.Popen(["slurmd", "-D", "-N", node, "-f", str(conf)], env=env,
                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         deadline = time.time() + 60
-        while cluster.idle_nodes() < len(names):
+        while cluster.idle_nodes() < len(names) + 1:
             dead = [p.args[0] for p in daemons if p.poll() is not None]
             assert not dead and time.time() < deadline, \
                 f"Slurm did not come up ({dead} exited); see {d / 'log'}"

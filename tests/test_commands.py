@@ -5,25 +5,32 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import eksft_nb
 from eksft_nb import commands
-from eksft_nb import procs
-from eksft_nb.commands import ARGS, BOTH, CLI, MAGIC
+from eksft_nb import procs, row_cache
+from eksft_nb.arguments import ARGS, BOTH, CLI, MAGIC
 from eksft_nb.control import FAULTS
 from eksft_nb.errors import ControlError, JobError, SpecError
 from eksft_nb.fault_registry import REGISTRY
-from eksft_nb.jobdir import JobDir, jobs_root
+from eksft_nb.jobdir import JobDir, atomic_write, jobs_root
 from eksft_nb.spec import JobSpec, spec_options
 from eksft_nb.states import ENDED, FaultKind, FaultScope, JobState, RestartLevel
 from jobs import wait_for
 
 ROW_KEYS = {"name", "backend", "state", "step", "total_steps", "restarts", "goodput", "last_checkpoint",
             "script",
-            "ended", "detail"}
+            "ended", "detail", "started_at", "ended_at", "waiting_since"}
 
 
 def test_states_are_their_strings() -> None:
@@ -128,7 +135,7 @@ def _verbs(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser
 
 
 def test_the_cli_and_the_magics_take_the_same_options_from_one_table() -> None:
-    from eksft_nb import cli, magics
+    from eksft_nb import cli, dispatch, magics
 
     fronts = {CLI: _verbs(cli.build_parser()),
               MAGIC: {**_verbs(magics._line_parser()), "run": magics._cell_parser()}}
@@ -151,6 +158,7 @@ def test_the_cli_and_the_magics_take_the_same_options_from_one_table() -> None:
     for verb in ARGS.values():
         if MAGIC in verb.fronts and verb.name != "run":
             assert f"%ftrain {verb.name_in(MAGIC)}" in magics.LINE_USAGE
+    assert set(dispatch.HANDLERS) == set(ARGS)   # both front ends go through the one dispatch
 
 
 def test_the_package_imports_have_no_cycle() -> None:
@@ -192,3 +200,110 @@ def test_the_package_imports_have_no_cycle() -> None:
                     if name.startswith("eksft_nb.runtime") and dep.startswith("eksft_nb.backends"))
     assert not upward, f"runtime imports a backend: {upward}"
     assert "eksft_nb.procs" in graph["eksft_nb.runtime.session"]   # lazy imports inside functions count
+
+
+# ---- listing many jobs, and the rm of many ------------------------------------------------------
+
+@contextmanager
+def supervised(name: str, **record: Any) -> Iterator[None]:
+    """A process standing in for a job's supervisor (marked as the job's, its identity recorded in
+    ``supervisor.json`` with ``record``), so the local backend sees the job run, for as long as it lives."""
+    uid = f"{name}-uid"
+    head = subprocess.Popen(["sleep", "300"], env={**os.environ, procs.JOB_UID_ENV: uid})
+    try:
+        wait_for("its environment", lambda: procs.marked(uid), timeout=30, every=0.05)
+        atomic_write(JobDir.for_name(name).supervisor_path,
+                     json.dumps({"state": "running", "job_uid": uid, "supervisor": procs.identity(head.pid),
+                                 **record}))
+        yield
+    finally:
+        head.kill()
+        head.wait()
+
+
+def test_a_listing_folds_an_ended_job_once_then_reads_the_row_its_folder_keeps(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from job_history import done_and_live
+    from test_dashboard import T0
+
+    done, _, folded = done_and_live(tmp_path, monkeypatch)
+    first = {r["name"]: r for r in commands.list_jobs()}
+    assert set(folded) == {"done", "live"} and set(first["done"]) == ROW_KEYS
+    assert (first["done"]["state"], first["done"]["step"], first["done"]["ended"]) == ("succeeded", 5, True)
+    assert first["done"]["started_at"] == T0 and first["done"]["ended_at"] == done.t   # its job_end's time
+    assert first["live"]["ended_at"] is None and first["live"]["waiting_since"] is None
+
+    folded.clear()
+    assert {r["name"]: r for r in commands.list_jobs()} == first   # the same rows, and the ended one's ...
+    assert set(folded) == {"live"}                                 # ... events were not read again
+    assert commands.status("done") == first["done"]                # what `status` folds is what was kept
+
+    kept = JobDir.for_name("done").path / row_cache.FILE
+    record = json.loads(kept.read_text())
+    for forged in ({**record, "row": {**record["row"], "step": "many"}},       # a field of another type
+                   {**record, "row": {**record["row"], "goodput": 1e400}},     # not a finite number
+                   {**record, "row": {**record["row"], "state": "running"}},   # not an end
+                   {**record, "key": [0, 0, 0, 0]}):                            # another folder's files
+        kept.write_text(json.dumps(forged).replace("Infinity", "1e400"))
+        folded.clear()
+        assert {r["name"]: r for r in commands.list_jobs()}["done"] == first["done"] and "done" in folded
+    done.emit("warning", rank=0, what="late", message="a record after the end")   # the events changed
+    folded.clear()
+    assert "done" in {r["name"] for r in commands.list_jobs()} and "done" in folded
+
+
+def test_a_recovering_job_says_what_it_waits_for_and_since_when(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from eksft_nb import reasons
+    from test_dashboard import FakeJob
+
+    monkeypatch.setenv("EKSFT_HOME", str(tmp_path))
+    job = FakeJob("waits")
+    job.steps(1, 3)
+    detected = job.t + 0.25
+    job.emit("failure", dt=0.5, level="injob", cause="hang: no heartbeat from rank 1", blame_rank=1,
+             fault_time=job.t, detected_at=detected)
+    with supervised("waits"):
+        row = commands.status("waits")
+        assert (row["state"], row["waiting_since"]) == ("recovering", detected), row
+        assert row["detail"] == "restarting (in-job) after: hang: no heartbeat from rank 1"
+        assert reasons.line(row, now=detected + 192) == (
+            f"waiting 3 min 12 s (since {time.strftime('%H:%M:%S', time.localtime(detected))}): "
+            "restarting (in-job) after: hang: no heartbeat from rank 1")
+        job.steps(4, 4)                                          # its ranks are back: no wait to say
+        row = commands.status("waits")
+        assert (row["state"], row["waiting_since"], row["detail"]) == ("running", None, "")
+
+
+def test_rm_of_many_removes_each_ended_job_and_says_each_refusal(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from test_dashboard import FakeJob
+
+    monkeypatch.setenv("EKSFT_HOME", str(tmp_path))
+    for name in ("old-1", "old-2", "source"):
+        FakeJob(name).end()
+    FakeJob("runs")
+    FakeJob("resumed", resume=str(JobDir.for_name("source").path / "ckpt"))
+    with supervised("runs"), supervised("resumed"):
+        said = commands.remove_jobs([(n, "local") for n in ("old-1", "runs", "source", "nope", "old-2")])
+    assert [(r["name"], r["removed"]) for r in said] == [("old-1", True), ("runs", False), ("source", False),
+                                                         ("nope", False), ("old-2", True)]
+    assert said[0]["message"] == "removed old-1"
+    assert said[1]["message"] == "job 'runs' is still running: stop it first: `python -m eksft_nb stop runs`"
+    assert said[2]["message"].startswith("job 'resumed' (running) resumes from ") and \
+        "in job 'source''s folder" in said[2]["message"] and "stop resumed" in said[2]["message"]
+    assert said[3]["message"].startswith("no job named 'nope'")
+    assert sorted(p.name for p in jobs_root().iterdir()) == ["resumed", "runs", "source"]
+    # the CLI: a line each, and a refusal's exit code; --finished takes every ended job (those whose
+    # supervisor is gone are lost now)
+    FakeJob("old-3").end()
+    env = {**os.environ, "EKSFT_HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-m", "eksft_nb", "rm", "old-3", "nope"], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert (out.returncode, out.stdout) == (2, "removed old-3\n") and \
+        out.stderr.startswith("eksft: error: no job named 'nope'"), out
+    out = subprocess.run([sys.executable, "-m", "eksft_nb", "rm", "--finished"], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert out.returncode == 0 and sorted(out.stdout.splitlines()) == [
+        "removed resumed", "removed runs", "removed source"], out
+    assert not any(jobs_root().iterdir())

@@ -311,6 +311,33 @@ def test_the_header_is_the_command_layers_row(monkeypatch: pytest.MonkeyPatch) -
         h.state, h.step, h.restarts, h.last_checkpoint)
 
 
+def test_a_failed_jobs_reason_is_said_where_the_user_looks(ip: Any,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """One line, why it failed and what to do, in CLI status (and the magic's), summary, the list and the
+    dashboard's header (red); the lab panel's row is tests/test_lab_extension.py's."""
+    from eksft_nb import commands, texts
+
+    reason = ("gave up after 3 in-job restarts: rank 1 raised ModuleNotFoundError: No module named 'mylib' "
+              "(the script's own error, at every restart): install mylib where the ranks run, then resume")
+    job = FakeJob("broke")
+    job.steps(1, 3)
+    job.emit("job_end", dt=0.1, state="failed", reason=reason, final_step=3)
+    job.dir.write_end("failed", reason)
+    atomic_write(job.dir.supervisor_path, json.dumps({"state": "failed", "reason": reason}))
+    row = commands.status("broke")
+    assert (row["state"], row["detail"]) == ("failed", reason)
+    assert texts.format_status(row).endswith(f"  ({reason})")
+    assert {r["name"]: r["detail"] for r in commands.list_jobs()}["broke"] == reason
+    h = Dashboard(job.handle(), live=False).header
+    assert (h.state, h.detail, h.detail_kind) == ("failed", reason, "error")
+    assert f"style='color:#d62728'>{html.escape(reason)}</span>" in h._title.value
+    capsys.readouterr()
+    ip.run_line_magic("ftrain", "status broke")
+    assert capsys.readouterr().out.strip() == texts.format_status(row)
+    ip.run_line_magic("ftrain", "summary broke")
+    assert capsys.readouterr().out.splitlines()[0] == f"job broke: failed ({reason})"
+
+
 def test_inject_controls_write_the_command_the_job_reads(tmp_path: Path) -> None:
     job = FakeJob("inject")
     job.steps(1, 5)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from eksft_nb import commands
+from eksft_nb import arguments
 from eksft_nb.fault_registry import REGISTRY
 from eksft_nb.spec import fsx_specs, spec_options
 from eksft_nb.timeouts import fsx_table
@@ -70,7 +70,7 @@ def test_cli_reference_is_the_argument_table(site: Path) -> None:
     """Every command, each of its flags and every job-spec option, as the code defines them today."""
     cli = page(site, "cli.html")
     text = plain(cli.text)
-    for verb in commands.ARGS.values():
+    for verb in arguments.ARGS.values():
         assert verb.name in cli.ids, f"no section for the {verb.name} command"
         assert plain(verb.help) in text, f"the help of {verb.name} is not in the CLI reference"
         for arg in verb.args:

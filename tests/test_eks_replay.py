@@ -21,6 +21,9 @@ import psutil
 import pytest
 from eks_kube import Controllers, Kube, replay_cluster
 
+import nvrx_releases as releases
+
+from eksft_nb import commands
 from eksft_nb.backends.eks import EksBackend, names
 from eksft_nb.control import FaultCommand, parse_fault
 from eksft_nb.runtime.drain import DRAIN_EXIT
@@ -60,6 +63,8 @@ def pods_processes(root: Path, job: str) -> list[str]:
 @pytest.fixture
 def cluster(tmp_path: Path,
             monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Kube, EksBackend, Controllers]]:
+    releases.use(releases.NEWEST, monkeypatch)   # the pods' image has the newest NVRx (nvrx_releases)
+    monkeypatch.setenv("NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE", "1")
     with replay_cluster(tmp_path, monkeypatch, mount_checkpoints=True) as made:
         yield made
 
@@ -81,6 +86,10 @@ def test_rendered_pods_train_survive_a_sigkill_and_a_drain_and_resume(
     while job.refresh().last_step < 1 and time.time() < deadline:
         time.sleep(0.2)
     injected = job.inject("slow-rank", rank=0, delay=0.01, duration=1)   # at run time, exec'd into a pod
+    # a live setting, through the command layer as the CLI's `set --backend eks`: exec'd into a pod, taken by
+    # both ranks at one step, and in force after the in-job restart and in the resumed job
+    changed = commands.set_settings("replay", ["keep-last=5"], backend="eks", wait=120)
+    assert changed["applied"] and changed["changes"] == {"keep-last": [3, 5]}, changed
 
     # a node drain: the kubelet's SIGTERM to pod 1's container, once the in-job restart has recovered
     first = sorted(ctl.pods)
@@ -117,6 +126,13 @@ def test_rendered_pods_train_survive_a_sigkill_and_a_drain_and_resume(
     assert drain["cause"].startswith(f"drained on SIGTERM at step {step} (saved and committed): pod "), drain
     assert [r["path"] for r in mon.resumes[-2:]] == [   # as the pods see them
         "/checkpoints/replay/ckpt/step_00000008", f"/checkpoints/replay/ckpt/step_{step:08d}"]
+    # the pods' NVRx wrote its cycle records into the job folder (the flags their image's NVRx takes, added
+    # in the pod), one folder per incarnation, and rank 0 relayed them through its log: the restart names
+    # the cycle NVRx began; the drain's pods began their own cycle 0, under their attempt (2: the drain and
+    # its index's ignored failure, as their ranks count it below)
+    assert sorted(mon.nvrx_cycles) == [(0, 0), (0, 1), (2, 0)] and restart["nvrx_cycle"] == 1, mon.nvrx_cycles
+    records = ctl.root / "volumes" / "fsx-claim" / "replay" / "logs" / "nvrx"   # the job folder's, here
+    assert sorted(p.name for p in records.iterdir()) == ["attempt-0", "attempt-2"]
     # warm ranks: each pod's entry started its zygote, and every rank it ran, the in-job restart's
     # included, was forked by that pod's zygote (pods are told apart by their log files)
     for pod in sorted(ctl.root.glob("replay-[0-9]-*.log")):
@@ -143,6 +159,9 @@ def test_rendered_pods_train_survive_a_sigkill_and_a_drain_and_resume(
     assert resumed.name == "replay-from-8" and resumed.monitor.resumes[0]["step"] == 8
     assert resumed.monitor.steps.step[0] == 9 and resumed.monitor.max_step == 16
     assert resumed.monitor.digest == mon.digest   # the same parameters, bit for bit
+    taken = mon.settings[changed["seq"]]
+    assert set(taken["ranks"]) == {0, 1} and len(set(taken["ranks"].values())) == 1, taken
+    assert resumed.spec.checkpoint.keep_last == 5
 
 
 def test_script_args_reach_the_ranks_literally(cluster: tuple[Kube, EksBackend, Controllers],

@@ -12,28 +12,28 @@ import pytest
 from eksft_nb import nvrx
 from eksft_nb import procs
 from eksft_nb.checkpoint_folders import list_checkpoints
-from eksft_nb.cli import format_summary
+from eksft_nb.texts import format_summary
 from eksft_nb.jobdir import JobDir
 from eksft_nb.monitor import JobMonitor
 from eksft_nb.spec import JobSpec
 from eksft_nb.timeouts import resolved
+import nvrx_releases as releases
 from jobs import cli, events, job_dir, run_job
 
 pytestmark = pytest.mark.slow
 
-# NVRx 0.6.0 beside the environment's own (0.4.1 on this kind of machine): `make setup` installs
-# it with `pip install --target` (its wheel needs glibc 2.39 by tag only), see the Makefile
-NVRX_06 = Path(__file__).resolve().parents[1] / ".venv" / "nvrx-0.6.0"
 
-
-@pytest.fixture(params=["installed", "0.6.0"], ids=lambda v: f"nvrx-{v}")
+@pytest.fixture(params=[releases.NEWEST], ids=lambda v: f"nvrx-{v}")
 def nvrx_release(request: pytest.FixtureRequest) -> tuple[str, Path | None]:
-    """(the NVRx version a job must run with, the folder to put first on PYTHONPATH for it)."""
-    if request.param == "installed":
-        return nvrx.installed().version, None
-    if not (NVRX_06 / "nvidia_resiliency_ext").is_dir():
-        pytest.skip(f"NVRx 0.6.0 is not installed in {NVRX_06} (`make setup` installs it)")
-    return "0.6.0", NVRX_06
+    """(the NVRx version a job must run with, the folder to put first on PYTHONPATH for it): the full
+    matrix's release (see nvrx_releases)."""
+    return releases.version(request.param), releases.folder(request.param)
+
+
+@pytest.fixture(params=[*releases.SMOKE, releases.NEWEST], ids=lambda v: f"nvrx-{v}")
+def any_nvrx_release(request: pytest.FixtureRequest) -> tuple[str, Path | None]:
+    """As :func:`nvrx_release`, for the smoke set: every release the tests have."""
+    return releases.version(request.param), releases.folder(request.param)
 
 
 def ran_with(name: str, version: str) -> None:
@@ -101,8 +101,10 @@ def test_faults_at_every_level_heal_and_lose_nothing(reference_digest: str, nvrx
 
 
 def test_a_hang_without_inprocess_is_an_injob_restart_blamed_on_the_hung_rank(reference_digest: str,
-                                                                              nvrx_release) -> None:
-    version, folder = nvrx_release
+                                                                              any_nvrx_release) -> None:
+    """The smoke set of every release: a hang found by ft_launcher's heartbeats, the group restarted in-job,
+    the right rank blamed, nothing lost."""
+    version, folder = any_nvrx_release
     name = f"hang-injob-{version.replace('.', '-')}"
     summary = run_job(name, "--no-inprocess", "--heartbeat-timeout", "6", "--fault", "hang:1@20", nvrx=folder)
     assert summary["state"] == "succeeded", summary
@@ -114,10 +116,35 @@ def test_a_hang_without_inprocess_is_an_injob_restart_blamed_on_the_hung_rank(re
     assert summary["digest"] == reference_digest
 
 
-def test_resume_skips_a_corrupt_checkpoint_and_says_why(reference_digest: str) -> None:
+@pytest.mark.parametrize("how", ["absent", "broken"])
+def test_without_nvrx_s_wrapper_an_exception_restarts_in_job_and_the_job_says_so(
+        reference_digest: str, how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process restart is deprecated since NVRx 0.6: where a release has no Wrapper (absent: the
+    supervisor finds out; broken: found, but the ranks cannot import it, as in a pod whose NVRx the render
+    could not know), the job asked for it trains without it, says so once, and an exception restarts the
+    group in-job; nothing is lost. NVRx's module is hidden by tests/data/no_inprocess/sitecustomize.py."""
+    monkeypatch.setenv("EKSFT_TEST_NO_INPROCESS", how)
+    name = f"no-wrapper-{how}"
+    summary = run_job(name, "--fault", "exception:0@15", nvrx=Path(__file__).parent / "data" / "no_inprocess")
+    assert summary["state"] == "succeeded", summary
+    [restart] = summary["restart_events"]
+    assert (restart["level"], restart["blame_rank"]) == ("injob", 0), restart
+    assert summary["digest"] == reference_digest
+    [said] = [w for w in summary["warnings"] if "in-process" in w]
+    if how == "absent":
+        assert ("has no in-process restart (inprocess.Wrapper): exceptions and hangs restart the worker "
+                "group in-job instead") in said, said
+    else:
+        assert said.startswith("in-process restart is off: this NVRx has no inprocess.Wrapper that imports "
+                               "(ImportError: nvidia_resiliency_ext.inprocess is broken here"), said
+        assert said.endswith("restart the worker group in-job instead"), said
+    assert not events(name, "inprocess_wrapper")   # no rank ran under the Wrapper
+
+
+def test_resume_skips_a_corrupt_checkpoint_and_says_why(reference_digest: str,
+                                                        corrupt_job: tuple[str, dict]) -> None:
     # sync saves: checkpoint 20 is committed when step 20 ends, so it is the one corrupted at step 25
-    summary = run_job("corrupt", "--ckpt-mode", "sync", "--fault", "corrupt-checkpoint@25", "--fault",
-                      "sigkill:1@27")
+    _, summary = corrupt_job
     assert summary["state"] == "succeeded", summary
     [fault] = [e for e in events("corrupt", "fault") if e["fault"] == "corrupt-checkpoint"]
     assert fault["checkpoint_step"] == 20
@@ -176,21 +203,12 @@ def test_restarts_that_make_no_progress_end_the_job_with_the_reason() -> None:
     assert_nothing_left("no-progress")
 
 
-def test_stop_leaves_no_process_of_the_job_alive() -> None:
-    proc = cli("run", "--name", "to-stop", "--model", "tiny", "--steps", "100000", "--detach")
-    assert proc.returncode == 0, proc.stderr
-    jd = JobDir.for_name("to-stop")
-    deadline = time.time() + 120
-    while time.time() < deadline and len(events("to-stop", "step")) < 5:
-        time.sleep(0.5)
-    assert len(events("to-stop", "step")) >= 5
-    sup = jd.supervisor()
-    pids = [sup["pid"]] + [l["pid"] for l in sup["launchers"]] + [
-        e["pid"] for e in events("to-stop", "rank_start")]
-    assert all(procs.alive(p) for p in pids)
-    assert cli("stop", "to-stop").returncode == 0
-    assert_nothing_left("to-stop", pids)
-    assert cli("status", "to-stop", "--json").stdout.count('"stopped"') >= 1
+def test_stop_leaves_no_process_of_the_job_alive(stopped_job: tuple[str, list[int], list[int], int]) -> None:
+    name, pids, alive, stopped = stopped_job   # the session's job stopped after 5 steps (test_procs reads it)
+    assert alive == pids   # its supervisor, launchers and ranks all ran until the stop
+    assert stopped == 0
+    assert_nothing_left(name, pids)
+    assert cli("status", name, "--json").stdout.count('"stopped"') >= 1
 
 
 def test_jobs_outlive_their_launcher_and_any_process_can_attach() -> None:
@@ -254,24 +272,43 @@ def test_a_killed_supervisor_is_replaced_by_one_that_adopts_the_job(reference_di
     assert_nothing_left("kill-sup")
 
 
-def test_a_hot_spare_takes_a_lost_nodes_place_without_a_job_restart(reference_digest: str) -> None:
+@pytest.mark.parametrize("release", ["installed", releases.NEWEST], ids=lambda v: f"nvrx-{v}")
+def test_a_hot_spare_takes_a_lost_nodes_place_without_a_job_restart(reference_digest: str,
+                                                                    release: str) -> None:
     """Three launchers of one rank each, two active and one spare in the rendezvous: losing an active
-    node (its launcher and ranks) is an in-job restart with the spare, and loses nothing."""
-    summary = run_job("spare", "--nnodes", "2", "--nproc-per-node", "1", "--spare-nodes", "1",
-                      "--fault", "kill-launcher:1@40")
+    node (its launcher and ranks) is an in-job restart with the spare, and loses nothing. On NVRx 0.4 the
+    supervisor hands the lost node's place over in the legacy rendezvous it hosts; on 0.6+ the spare is
+    NVRx's own standby node (--nnodes 2:3), the store host NVRx's nvrx-control, and NVRx's cycle records
+    show the node it trained on."""
+    version = releases.version(release)
+    name = f"spare-{version.replace('.', '-')}"
+    summary = run_job(name, "--nnodes", "2", "--nproc-per-node", "1", "--spare-nodes", "1",
+                      "--fault", "kill-launcher:1@40", nvrx=releases.folder(release))
     assert summary["state"] == "succeeded", summary
     assert summary["steps_done"] == 80
     (restart,) = summary["restart_events"]
     assert restart["level"] == "injob" and restart["cause"].startswith("injected kill-launcher on node 1: ")
     assert restart["cause"].endswith("a hot spare took its place")
     assert summary["digest"] == reference_digest  # the same as the fault-free 2-rank run
-    log = (job_dir("spare") / "logs" / "supervisor.log").read_text()
+    log = (job_dir(name) / "logs" / "supervisor.log").read_text()
     assert "started ft_launcher on 3 node(s)" in log and "attempt 1" not in log
-    # the supervisor handed the lost node's place over at once, not after NVRx's keep-alive expiry
-    assert "handed the spare over: expired launcher " in log, log
+    if nvrx.NVRx(version).spares == "handover":
+        # the supervisor handed the lost node's place over at once, not after NVRx's keep-alive expiry
+        assert "handed the spare over: expired launcher " in log, log
+    else:
+        assert "handed the spare over" not in log   # nothing of NVRx's state was touched
+        control = (job_dir(name) / "logs" / "nvrx-control-0.log").read_text(errors="replace")
+        assert "nnodes=2:3" in control, control[-2000:]
+        cycles = {c["cycle"]: c for c in events(name, "nvrx_cycle")}   # the last word on each
+        assert sorted(cycles) == [0, 1] and cycles[0]["end"] is not None, cycles
+        [recovered] = events(name, "restart")   # NVRx began cycle 1 for the spare between fault and recovery
+        assert recovered["fault_time"] <= cycles[1]["start"] <= recovered.t, (cycles, recovered.data)
+        mon = JobMonitor()
+        mon.update(events(name))
+        assert [r.get("nvrx_cycle") for r in mon.restarts] == [1]
     # it resumed from a checkpoint committed before the fault, and its downtime is split into phases
-    [fault] = events("spare", "fault")
-    committed = {e["step"] for e in events("spare", "checkpoint") if e["phase"] == "committed"
+    [fault] = events(name, "fault")
+    committed = {e["step"] for e in events(name, "checkpoint") if e["phase"] == "committed"
                  and e.t < fault.t}
     assert restart["resumed_step"] == max(committed), (restart, committed)
     assert list(restart["phases"]) == ["detection", "teardown", "reformation", "restore",

@@ -59,20 +59,20 @@ def test_a_restart_never_jumps_to_a_newer_checkpoint_of_another_run(tmp_path) ->
     assert second["digest"] == first["digest"]  # the same seed from step 10: the same parameters
 
 
-def test_each_rank_verifies_its_own_share_and_all_skip_a_corrupt_checkpoint_together() -> None:
-    # sync saves: checkpoint 20 is committed when step 20 ends, so it is the one corrupted at step 25
-    summary = run_job("corrupt-share", "--steps", "30", "--ckpt-mode", "sync", "--fault",
-                      "corrupt-checkpoint@25",
-                      "--fault", "sigkill:1@27")
+def test_each_rank_verifies_its_own_share_and_all_skip_a_corrupt_checkpoint_together(
+        corrupt_job: tuple[str, dict]) -> None:
+    # sync saves: checkpoint 20 is committed when step 20 ends, so it is the one corrupted at step 25 (the
+    # run test_engine checks too)
+    name, summary = corrupt_job
     assert summary["state"] == "succeeded", summary
-    [fault] = [e for e in events("corrupt-share", "fault") if e["fault"] == "corrupt-checkpoint"]
+    [fault] = [e for e in events(name, "fault") if e["fault"] == "corrupt-checkpoint"]
     victim = fault["path"].rsplit("/", 1)[1]
     names = sorted([".metadata", "__0_0.distcp", "__1_0.distcp"])
     finder = next(r for r in (0, 1) if victim in names[r::2])  # the rank whose share holds the shard
-    [rejected] = [e for e in events("corrupt-share", "checkpoint") if e["phase"] == "rejected"]
+    [rejected] = [e for e in events(name, "checkpoint") if e["phase"] == "rejected"]
     assert rejected.rank == finder and rejected["step"] == 20 and victim in rejected["reason"]
-    resume = events("corrupt-share", "resume")[0]
+    resume = events(name, "resume")[0]
     assert resume["step"] == 10 and resume["skipped"] == [
-        {"step": 20, "path": str(job_dir("corrupt-share") / "ckpt" / "step_00000020"),
+        {"step": 20, "path": str(job_dir(name) / "ckpt" / "step_00000020"),
          "reason": rejected["reason"], "rank": finder}]
     assert resume["verified_files"] == [2, 1]  # every rank hashed its own share of checkpoint 10

@@ -43,7 +43,7 @@ from eksft_nb.lab.manager import JobsManager
 from jobs import cli, events, stop_server, wait_for
 
 JOB = "lab-job"
-ROUTES = [("GET", "jobs"), ("POST", "jobs"), ("POST", "check"), ("GET", f"jobs/{JOB}"),
+ROUTES = [("GET", "jobs"), ("POST", "jobs"), ("POST", "rm"), ("POST", "check"), ("GET", f"jobs/{JOB}"),
           ("POST", f"jobs/{JOB}/inject"), ("GET", f"jobs/{JOB}/settings"), ("POST", f"jobs/{JOB}/settings"),
           ("POST", f"jobs/{JOB}/stop"), ("POST", f"jobs/{JOB}/resume"), ("GET", f"jobs/{JOB}/checkpoints"),
           ("GET", f"jobs/{JOB}/summary"), ("GET", f"jobs/{JOB}/logs"), ("GET", f"jobs/{JOB}/figure"),
@@ -149,6 +149,30 @@ def test_the_manager_folds_each_job_once_for_every_client(tmp_path: Path,
     with pytest.raises(EksftError, match="no job named 'nope'"):
         asyncio.run(manager.figure("nope"))
     manager.close()
+
+
+def test_a_restarted_server_lists_ended_jobs_from_the_rows_their_folders_keep(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GET /eksft/jobs is the manager's folds after a tick: an ended job is folded by the first server
+    that lists it, and by no later one (its row is kept in its folder), a running one incrementally."""
+    from job_history import done_and_live
+
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "none"))
+    _, live, folded = done_and_live(tmp_path, monkeypatch)
+    first = JobsManager()
+    listed = asyncio.run(first.listing())
+    assert [(r["name"], r["state"], r["step"]) for r in listed["jobs"]] == [("done", "succeeded", 5),
+                                                                           ("live", "starting", 3)]
+    assert listed["backends"] == {"local": {"ok": True}}
+    asyncio.run(first.listing())
+    assert first.folds["done"].done and (JobDir.for_name("done").path / "row.json").is_file()
+    first.close()
+    folded.clear()
+    again = JobsManager()                     # the server restarted: the ended job is not folded again
+    assert asyncio.run(again.listing()) == listed and set(folded) == {"live"}
+    live.steps(4, 4)
+    assert [r["step"] for r in asyncio.run(again.listing())["jobs"]] == [5, 4]
+    again.close()
 
 
 # ---- a real Jupyter server ---------------------------------------------------------------------
@@ -430,6 +454,15 @@ def test_a_job_from_a_terminal_in_the_api(server: Server) -> None:
             status, reply = server.request("POST", f"jobs/{JOB}/inject", body)
             assert status == 400 and reply["problem"] and "\n" not in reply["error"], (body, reply)
         assert server.request("POST", "jobs/no-such-job/inject", {"fault": "sigkill"})[0] == 404
+        # the rm of many: each job's own answer (a running one refused with the CLI's line)
+        status, reply = server.request("POST", "rm", {"jobs": [{"name": JOB}, {"name": "no-such-job",
+                                                                                "backend": "local"}]})
+        assert status == 200 and [(r["name"], r["removed"]) for r in reply["results"]] == [
+            (JOB, False), ("no-such-job", False)], reply
+        assert reply["results"][0]["message"] == cli_error("rm", JOB), reply
+        for body in ({"jobs": "all"}, {"jobs": [{"name": 1}]}, {"jobs": [{"name": "a", "colour": 1}]}, {}):
+            status, reply = server.request("POST", "rm", body)
+            assert status == 400 and reply["problem"] and "\n" not in reply["error"], (body, reply)
         for body in ({"values": {}}, {"values": {"ckpt-every": 5}, "whatif": True}, {"values": [5]}):
             status, reply = server.request("POST", f"jobs/{JOB}/settings", body)
             assert status == 400 and reply["problem"] and "\n" not in reply["error"], (body, reply)

@@ -317,3 +317,37 @@ def test_apply_whatif_without_a_recommendation_is_refused_in_one_line() -> None:
         commands.apply_whatif("live-no-failure")
     assert str(e.value).startswith("the what-if recommends no interval (no failure observed")
     assert "\n" not in str(e.value) and not settings.request_path(job.dir).exists()
+
+
+def test_an_eks_jobs_settings_are_refused_before_any_pod_is_asked_and_a_pods_refusal_is_one_line() -> None:
+    """The EKS side of `set` (its real path: tests/test_eks_replay.py): a script's job and an ended one are
+    refused as on the other backends, a pod's refusal comes back as its one line, anything else is said."""
+    from types import SimpleNamespace
+
+    from eksft_nb.backends.eks import live
+    from eksft_nb.errors import JobError
+    from eksft_nb.states import JobState
+
+    answers: list[tuple[int, str]] = []
+    cluster = SimpleNamespace(exec=lambda pod, container, argv: answers.pop(0))
+
+    def backend(spec: JobSpec, state: JobState) -> SimpleNamespace:
+        return SimpleNamespace(_job=lambda name: (cluster, spec, {}),
+                               state=lambda name: SimpleNamespace(state=state),
+                               _running_pods=lambda c, s, why: ["pod-0"], mount=None)
+
+    running = backend(JobSpec(name="e", backend="eks"), JobState.RUNNING)
+    with pytest.raises(ControlError, match="runs a script"):
+        live.set_settings(backend(JobSpec(name="e", backend="eks", script="x.py"), JobState.RUNNING), "e", {})
+    with pytest.raises(JobError, match="has already ended"):
+        live.set_settings(backend(JobSpec(name="e", backend="eks"), JobState.SUCCEEDED), "e",
+                          {"keep-last": 4})
+    answers.append((0, 'noise\n{"seq": 2, "before": {"keep-last": 3}, "values": {"keep-last": 4}}\n'))
+    assert live.set_settings(running, "e", {"keep-last": 4})["seq"] == 2
+    answers.append((2, "eksft: error: keep-last=1 is out of range: use an integer from 2 to 1000000\n"))
+    with pytest.raises(ControlError) as e:
+        live.set_settings(running, "e", {"keep-last": 4})
+    assert str(e.value) == "keep-last=1 is out of range: use an integer from 2 to 1000000"
+    answers.append((1, "Traceback: no module named eksft_nb"))
+    with pytest.raises(JobError, match="same eksft-nb version"):
+        live.settings(running, "e")

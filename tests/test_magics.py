@@ -27,9 +27,13 @@ SAMPLES = {"name": "opt-test", "backend": "eks", "resume": "none", "model.preset
            "ft.heartbeat_timeout": "20", "eks.k8s_version": "1.32", "eks.namespace": "ml",
            "eks.image": "repo/img:1",
            "eks.gpus_per_node": "4", "eks.instance_type": "p5.48xlarge", "eks.storage_size": "100Gi",
-           "eks.shm_size": "1Gi", "eks.cpu": "4", "eks.memory": "8Gi", "eks.topology": "required:2"}
-REQUIRES = {"eks.priority": "--queue team-a", "eks.topology": "--queue team-a"}   # options that only mean
-# something beside another
+           "eks.shm_size": "1Gi", "eks.cpu": "4", "eks.memory": "8Gi", "eks.topology": "required:2",
+           "slurm.mem": "1800G", "slurm.container_mounts": "/data:/data,/models:/models",
+           "slurm.container_env": "NCCL_DEBUG,HF_HOME"}
+IMAGE = "--container-image nvcr.io#nvidia/pytorch:25.01-py3"
+# options that only mean something beside another
+REQUIRES = {"eks.priority": "--queue team-a", "eks.topology": "--queue team-a",
+            "slurm.container_mounts": IMAGE, "slurm.container_env": IMAGE}
 
 
 def current(ip: Any) -> eksft_nb.Job | None:

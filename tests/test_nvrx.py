@@ -1,5 +1,5 @@
 """NVRx releases: version detection, what each can do, the launch line each gets, and reading the
-logs and records that NVRx 0.4.1 and 0.6 write (lines below are copied from real launcher logs)."""
+logs and records that NVRx 0.4.1, 0.6 and 0.7 write (lines and records below are copied from real runs)."""
 
 from __future__ import annotations
 
@@ -15,17 +15,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import nvrx_releases as releases
 from eksft_nb import nvrx
 from eksft_nb.backends.base import quiet_lines
 from eksft_nb.backends.launcher_log import parse_launcher_line
 from eksft_nb.dashboard.figure import restart_hover
 from eksft_nb.errors import JobError
 from eksft_nb.events import Event, make
-from eksft_nb.launcher import Ports, launcher_argv, rank_env
+from eksft_nb.launcher import Ports, control_argv, launcher_argv, rank_env
 from eksft_nb.monitor import JobMonitor
+from eksft_nb.nvrx_cycles import MAX_TEXT, current_records, parse_cycle_record, read_cycle_records
 from eksft_nb.spec import JobSpec
-
-NVRX_06 = Path(__file__).resolve().parents[1] / ".venv" / "nvrx-0.6.0"  # `make setup` puts it there
 
 
 def test_what_each_release_can_do() -> None:
@@ -35,6 +35,8 @@ def test_what_each_release_can_do() -> None:
     assert (old.rendezvous, v6.rendezvous, v7.rendezvous) == ("legacy", "barrier", "barrier only")
     assert not old.cycle_records and v6.cycle_records
     assert not old.progress_termination and v6.progress_termination
+    assert (old.spares, nvrx.NVRx("0.5.0").spares, v6.spares, v7.spares) == ("handover", None, "standby",
+                                                                             "standby")
     assert old.inprocess_note() is None
     assert "deprecates in-process restart" in v6.inprocess_note()
     assert "in-job" in nvrx.NVRx("0.9.0", inprocess_module=False).inprocess_note()
@@ -50,17 +52,14 @@ def test_versions_parse(text: str, release: tuple[int, int, int]) -> None:
 def test_the_installed_release_is_the_one_python_imports() -> None:
     here = nvrx.installed()
     assert here is not None and here.version == importlib.metadata.version("nvidia-resiliency-ext")
-    if not (NVRX_06 / "nvidia_resiliency_ext").is_dir():
-        pytest.skip(f"NVRx 0.6.0 is not installed in {NVRX_06} (`make setup` installs it)")
-    env = {**os.environ,
-           "PYTHONPATH": os.pathsep.join(p for p in (str(NVRX_06), os.environ.get("PYTHONPATH")) if p)}
     code = ("from eksft_nb import nvrx; import nvidia_resiliency_ext as m; "
             "print(nvrx.installed().describe(), m.__file__)")
+    env = releases.env(releases.NEWEST)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("NVRx 0.6.0 (restart tiers: in-process (deprecated), in-job, job; "
-                                 "barrier rendezvous)")
-    assert str(NVRX_06) in out.stdout
+    assert out.stdout.startswith(f"NVRx {releases.NEWEST} (restart tiers: in-process (deprecated), in-job, "
+                                 "job; barrier only rendezvous)")
+    assert str(releases.folder(releases.NEWEST)) in out.stdout
 
 
 def test_an_unsupported_or_missing_nvrx_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -97,24 +96,34 @@ print(args.ft_max_no_progress_cycles if hasattr(args, "ft_max_no_progress_cycles
 """
 
 
-@pytest.mark.parametrize("release", ["installed", "0.6.0"])
+_CONTROL_ACCEPTS = """
+import sys
+from nvidia_resiliency_ext.fault_tolerance.control_plane import get_args_parser
+print(get_args_parser().parse_args(sys.argv[1:]).nnodes)
+"""
+
+
+@pytest.mark.parametrize("release", [*releases.SMOKE, releases.NEWEST])
 def test_each_release_accepts_its_launch_line(release: str, tmp_path: Path) -> None:
-    """ft_launcher's own argument parser takes every flag eksft gives that release."""
-    env = dict(os.environ)
-    if release == "0.6.0":
-        if not (NVRX_06 / "nvidia_resiliency_ext").is_dir():
-            pytest.skip(f"NVRx 0.6.0 is not installed in {NVRX_06} (`make setup` installs it)")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(NVRX_06), env.get("PYTHONPATH")) if p)
-        which = nvrx.NVRx("0.6.0")
-    else:
-        which = nvrx.installed()
-    spec = JobSpec(name="j").replace(**{"ft.step_timeout": 30.0}).validate()
+    """ft_launcher's own argument parser takes every flag eksft gives that release, hot spares' included;
+    and, where spares are NVRx's standby nodes (0.6+), nvrx-control's parser takes its line."""
+    env = releases.env(release)
+    which = nvrx.NVRx(releases.version(release))
+    spec = JobSpec(name="j", nnodes=2, spare_nodes=1).replace(**{"ft.step_timeout": 30.0}).validate()
     argv = launcher_argv(spec, node_rank=0, rdzv_host="127.0.0.1", ports=Ports.from_base(29500), rdzv_id="r",
-                         log_dir=str(tmp_path), nvrx=which, cycle_dir=str(tmp_path / "nvrx"))
+                         log_dir=str(tmp_path), nvrx=which, cycle_dir=str(tmp_path / "nvrx"),
+                         store_elsewhere=True)
     out = subprocess.run([sys.executable, "-c", _ACCEPTS, *argv[1:]], env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-1] == ("0" if which.progress_termination else "-")
+    if which.spares != "standby":
+        return
+    control = control_argv(spec, rdzv_host="127.0.0.1", ports=Ports.from_base(29500), rdzv_id="r",
+                           cycle_dir=str(tmp_path / "nvrx"), cycle_job="j")
+    out = subprocess.run([sys.executable, "-c", _CONTROL_ACCEPTS, *control[1:]], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.split()[-1] == "2:3", out.stderr[-2000:]
 
 
 # ---- ft_launcher's log, both formats ---------------------------------------------------------
@@ -145,9 +154,21 @@ LINES_060 = {
 }
 
 
-@pytest.mark.parametrize("line, want", [*LINES_041.items(), *LINES_060.items()])
-def test_launcher_lines_of_both_releases_are_read(line: str, want: tuple) -> None:
-    now = time.mktime((2026, 12, 1, 0, 0, 0, 0, 0, -1))
+LINES_070 = {
+    "E1204 14:45:33.545000 29218 .venv/lib/python3.11/site-packages/torch/distributed/elastic/"
+    "multiprocessing/api.py:1002] failed (exitcode: -9) local_rank: 0 (pid: 29498) of binary: "
+    "/work/wt/nvrx07/.venv/bin/python":
+        ("worker_failed", -9, 0, 29498),
+    "2026-12-04 14:45:33,546 [INFO] [vm] [workload:?(?) infra:?(?)] launcher.py:636 [default] Worker group "
+    "FAILED. 3/3 attempts left; will restart worker group": ("restarting", (3, 3)),
+    "2026-12-04 14:42:39,352 [WARNING] [vm] [workload:?(0) infra:?(?)] rank_monitor_server.py:497 [Cycle 0] "
+    "Did not get subsequent heartbeat. Waited 15.00 seconds.": ("hang",),
+}
+
+
+@pytest.mark.parametrize("line, want", [*LINES_041.items(), *LINES_060.items(), *LINES_070.items()])
+def test_launcher_lines_of_every_release_are_read(line: str, want: tuple) -> None:
+    now = time.mktime((2026, 12, 5, 0, 0, 0, 0, 0, -1))
     seen = parse_launcher_line(line, now=now)
     assert seen is not None and seen.kind == want[0]
     if seen.kind == "worker_failed":
@@ -156,12 +177,14 @@ def test_launcher_lines_of_both_releases_are_read(line: str, want: tuple) -> Non
         assert seen.left == want[1]
     # the launcher's own timestamp, not the time the supervisor read the line
     logged = time.localtime(seen.at)
-    assert (logged.tm_year, logged.tm_mon, logged.tm_mday) == (2026, 11, 30) and seen.at < now
+    assert (logged.tm_year, logged.tm_mon) == (2026, 12 if line in LINES_070 else 11) and seen.at < now
 
 
 @pytest.mark.parametrize("line", [
     "2026-11-30 18:51:06,934 [INFO] [vm] [workload:?(?) infra:?(?)] profiling.py:90   - Cycle: 0 Event: "
     "rendezvous_completed Node: localhost_5514_0 Rank: None Time: 2026-11-30 18:51:06.934 UTC",
+    "2026-12-04 14:45:35,724 [INFO] [vm] [workload:?(?) infra:?(?)] ft_rendezvous_barrier.py:2752 Assigned "
+    "active rank 0 (round=1)",
     "[2026-11-30 18:56:18,853] [INFO] [ft_launcher10346@vm] The node 'localhost_10346_0' has "
     "joined round 0 of "
     "the rendezvous 'ks-0-7d72af' as rank 0 in a world of size 1.",
@@ -198,16 +221,21 @@ def test_library_noise_of_both_releases_is_hidden_but_the_users_lines_are_not() 
     assert quiet_lines(log) == ["loss went down", "[rank1]: injected exception on rank 1 at step 12"]
 
 
-# ---- NVRx 0.6's per-cycle records -------------------------------------------------------------
+# ---- NVRx's per-cycle records (0.6+) -----------------------------------------------------------
 
-RECORD = {  # cycle_info..0.0 as NVRx 0.6.0 wrote it
+RECORD = {  # cycle_info..0.0 as NVRx 0.6.0 wrote it (a launcher hosting the store: no job id outside Slurm)
     "cycle_start_time": "2026-11-30T19:02:26.298283Z", "cycle_end_time": "2026-11-30T19:02:41.420399Z",
     "active_nodes": "localhost", "generation": "1", "active_ranks": "0", "job_id": "", "attempt_index": 0,
     "cycle_number": 0, "cycle_log_file": "", "standby_nodes": "",
 }
+RECORD_07 = {  # cycle_info.sp1.0.1 as NVRx 0.7.0's nvrx-control wrote it (--ft-cycle-info-job-id sp1)
+    "job_id": "sp1", "cycle_number": 1, "cycle_start_time": "2026-12-04T14:45:35.626198Z",
+    "cycle_end_time": "2026-12-04T14:45:48.637719Z", "active_nodes": "node[1,3]", "generation": "1",
+    "active_ranks": "0-1", "attempt_index": 0, "cycle_log_file": "", "standby_nodes": "node2",
+}
 
 
-def test_cycle_records_are_read_from_the_folder_ft_launcher_writes(tmp_path: Path) -> None:
+def test_cycle_records_are_read_from_the_folder_nvrx_writes(tmp_path: Path) -> None:
     (tmp_path / "cycle_info..0.0").write_text(json.dumps(RECORD, indent=2))
     running = {**RECORD, "cycle_number": 1, "cycle_start_time": "2026-11-30T19:02:41.420449Z",
                "cycle_end_time": ""}
@@ -215,12 +243,50 @@ def test_cycle_records_are_read_from_the_folder_ft_launcher_writes(tmp_path: Pat
     (tmp_path / "cycle_info..current").symlink_to("cycle_info..0.1")
     (tmp_path / "cycle_info..0.2.tmp").write_text("{")  # a write in progress
     (tmp_path / "cycle_info..0.3").write_text('{"cycle_number": -1, "cycle_start_time": "x"}')
-    records = nvrx.read_cycle_records(tmp_path)
+    (tmp_path / "cycle_info..0.4").write_text(json.dumps({**RECORD, "cycle_number": 5}))   # not its name's
+    (tmp_path / "cycle_info..0.6").symlink_to("/etc/hostname")   # a link is never followed
+    os.mkfifo(tmp_path / "cycle_info..0.7")   # nor a FIFO opened (it would block)
+    (tmp_path / "cycle_info..0.8").write_text(json.dumps({**RECORD, "cycle_number": 8}) + " " * 70000)
+    records = read_cycle_records(tmp_path)
     assert [(r.cycle, r.end is not None) for r in records] == [(0, True), (1, False)]
     first = records[0]
     assert first.end - first.start == pytest.approx(15.122116) and first.active_ranks == "0"
     assert records[1].start == pytest.approx(first.end, abs=1e-3)
-    assert nvrx.read_cycle_records(tmp_path / "absent") == []
+    assert read_cycle_records(tmp_path / "absent") == []
+
+
+def test_nvrx_control_s_records_name_the_standby_nodes_and_a_shared_folder_is_read_per_job(
+        tmp_path: Path) -> None:
+    (tmp_path / "cycle_info.sp1.0.1").write_text(json.dumps(RECORD_07, indent=2))
+    (tmp_path / "cycle_info.other.0.1").write_text(json.dumps({**RECORD_07, "job_id": "other"}))
+    (tmp_path / "cycle_info.sp1.1.0").write_text(json.dumps({**RECORD_07, "attempt_index": 1,
+                                                             "cycle_number": 0}))   # a Slurm requeue's
+    [one, requeued] = read_cycle_records(tmp_path, job_id="sp1")
+    assert (one.attempt, one.cycle, requeued.attempt, requeued.cycle) == (0, 1, 1, 0)
+    assert one.fields() == {"cycle": 1, "start": one.start, "end": one.end, "active_nodes": "node[1,3]",
+                            "standby_nodes": "node2", "active_ranks": "0-1"}
+    assert len(read_cycle_records(tmp_path)) == 3
+    make("nvrx_cycle", "sp1", None, attempt=0, **one.fields())   # the event schema takes them
+    # a field that is not text, an end before the start, a huge or unprintable node list
+    odd = parse_cycle_record(json.dumps({**RECORD_07, "active_nodes": ["x"], "standby_nodes": "a\x1b[2Jb"
+                                         + "n" * 5000, "cycle_end_time": "2026-12-04T14:45:35Z"}))
+    assert odd.active_nodes == "" and odd.end is None
+    assert odd.standby_nodes.startswith("a?[2Jb") and len(odd.standby_nodes) == MAX_TEXT + 3
+
+
+def test_a_rank_reads_its_cycle_and_the_one_before_through_the_link_nvrx_gives_it(tmp_path: Path) -> None:
+    """NVRX_CURRENT_CYCLE_INFO names ``cycle_info.<job>.current``: read, never followed, so a link set to
+    anything but a record beside it (another file, another folder) gives nothing."""
+    for cycle in (0, 1):
+        (tmp_path / f"cycle_info.sp1.0.{cycle}").write_text(json.dumps({**RECORD_07, "cycle_number": cycle}))
+    link = tmp_path / "cycle_info.sp1.current"
+    link.symlink_to("cycle_info.sp1.0.1")
+    assert [r.cycle for r in current_records(str(link))] == [0, 1]
+    for elsewhere in ("/etc/hostname", "../cycle_info.sp1.0.1", "cycle_info.other.0.1", "spec.json"):
+        link.unlink()
+        link.symlink_to(elsewhere)
+        assert current_records(str(link)) == [], elsewhere
+    assert current_records(None) == [] and current_records(str(tmp_path / "absent")) == []
 
 
 _JSONISH = st.recursive(
@@ -229,14 +295,44 @@ _JSONISH = st.recursive(
                                               max_size=4) | st.dictionaries(
                                                   st.text(max_size=20), kids, max_size=6),
                         max_leaves=20)
+_FIELD = st.one_of(_JSONISH, st.sampled_from(["", "0", "12", "-1", "99999999999", "2026-12-04T14:45:35Z",
+                                                "2026-12-04T14:45:35", "9999-12-31T23:59:59Z", "0001-01-01"]))
 
 
 @settings(max_examples=150, deadline=None)
 @given(st.one_of(st.text(max_size=400), _JSONISH.map(json.dumps),
-                 st.dictionaries(st.sampled_from(sorted(RECORD)), _JSONISH, max_size=10).map(json.dumps)))
+                 st.dictionaries(st.sampled_from(sorted(RECORD)), _FIELD, max_size=10).map(json.dumps)))
 def test_no_record_breaks_the_reader(text: str) -> None:
-    record = nvrx.parse_cycle_record(text)
-    assert record is None or (record.cycle >= 0 and isinstance(record.start, float))
+    record = parse_cycle_record(text)
+    assert record is None or (record.cycle >= 0 and record.attempt >= 0 and isinstance(record.start, float))
+    if record is not None:
+        assert record.end is None or record.end >= record.start
+        assert all(isinstance(v, str) and len(v) <= MAX_TEXT + 3 for v in (
+            record.job_id, record.active_nodes, record.standby_nodes, record.active_ranks))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.one_of(st.from_regex(r"cycle_info\.[a-z]{0,3}\.[0-9]{1,3}\.[0-9]{1,3}",
+                                                   fullmatch=True), st.text(min_size=1, max_size=20)),
+                          st.one_of(st.text(max_size=200), st.dictionaries(st.sampled_from(sorted(RECORD)),
+                                                                           _FIELD).map(json.dumps))),
+                max_size=8))
+def test_no_folder_of_records_breaks_the_reader(files: list[tuple[str, str]]) -> None:
+    """Whatever a folder holds (names and contents a process on a shared disk chose), the reader returns
+    records whose names agree with them, in order, and never raises."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        for name, text in files:
+            if "/" in name or "\0" in name or name in (".", ".."):
+                continue
+            try:
+                (Path(d) / name).write_text(text, errors="replace")
+            except OSError:
+                continue
+        records = read_cycle_records(Path(d))
+    keys = [(r.attempt, r.cycle, r.job_id) for r in records]
+    assert keys == sorted(set(keys))
 
 
 def test_the_restart_timeline_names_the_cycle_nvrx_began() -> None:
@@ -244,13 +340,18 @@ def test_the_restart_timeline_names_the_cycle_nvrx_began() -> None:
         return make("restart", "j", None, t=t, level=level, cause="c", blame_rank=1, fault_time=fault_time,
                     detection_s=0.5, downtime_s=t - fault_time, rolled_back_steps=0, resumed_step=10)
 
-    def cycle(attempt: int, number: int, start: float, end: float | None = None) -> Event:
+    def cycle(attempt: int, number: int, start: float, end: float | None = None, **nodes: str) -> Event:
         return make("nvrx_cycle", "j", None, t=start + 0.1, attempt=attempt, cycle=number, start=start,
-                    end=end)
+                    end=end, **nodes)
 
     mon = JobMonitor()
     mon.update([cycle(0, 0, 100.0), restart("inprocess", 110.0, 114.0), cycle(0, 0, 100.0, 121.0),
-                cycle(0, 1, 121.0), restart("injob", 120.0, 130.0), cycle(1, 0, 141.0),
-                restart("job", 140.0, 150.0)])
-    assert [r.get("nvrx_cycle") for r in mon.restarts] == [None, 1, 0]
+                cycle(0, 1, 121.0, active_nodes="n[1,3]", standby_nodes="<b>n2</b>", active_ranks=""),
+                restart("injob", 120.0, 130.0), cycle(1, 0, 141.0),
+                restart("job", 140.0, 150.0),
+                restart("injob", 160.0, 170.0), cycle(1, 1, 165.0)])   # its record read after it (a pod's)
+    assert [r.get("nvrx_cycle") for r in mon.restarts] == [None, 1, 0, 1]
     assert "NVRx cycle 1" in restart_hover(mon.restarts[1]) and "NVRx" not in restart_hover(mon.restarts[0])
+    # the nodes NVRx's record names (a spare that waited through the cycle), as text, never markup
+    assert mon.restarts[1]["nvrx_nodes"] == {"active_nodes": "n[1,3]", "standby_nodes": "<b>n2</b>"}
+    assert "active nodes: n[1,3]<br>standby nodes: &lt;b&gt;n2&lt;/b&gt;" in restart_hover(mon.restarts[1])

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ipaddress
 import json
-import os
 import re
 import socket
 import subprocess
@@ -22,6 +21,7 @@ import pytest
 
 from eksft_nb import procs
 from eksft_nb.jobdir import JobDir
+import nvrx_releases as releases
 from jobs import BASE, story, wait_for
 
 
@@ -75,7 +75,6 @@ class Listeners:
         return ports.pop() if len(ports) == 1 else None
 
 
-NVRX_06 = Path(__file__).resolve().parents[1] / ".venv" / "nvrx-0.6.0"   # as test_engine.py's
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 RUNS = {
     # the built-in trainer: rank 0 hosts its process group's store and inprocess.Wrapper's
@@ -87,21 +86,16 @@ RUNS = {
 }
 
 
-# (what runs, the NVRx release, hot spares): with a spare the supervisor hosts the rendezvous store,
-# without one the first launcher does (NVRx 0.6.0's barrier rendezvous refuses a third node as "more
-# than max_nodes" on main too: its runs have no spare)
-@pytest.fixture(scope="module", params=[("trainer", "installed", 1), ("trainer", "0.6.0", 0),
+# (what runs, the NVRx release, hot spares): with a spare the supervisor (NVRx 0.4) or the nvrx-control it
+# starts (0.6+) hosts the rendezvous store, without one the first launcher does
+@pytest.fixture(scope="module", params=[("trainer", "installed", 1), ("trainer", releases.NEWEST, 1),
                                         ("script", "installed", 1)],
                 ids=lambda p: f"{p[0]}-nvrx-{p[1]}-spares-{p[2]}")
 def job(request: pytest.FixtureRequest) -> Iterator[tuple[subprocess.Popen, Listeners]]:
     """A running job with warm ranks, which will go through an in-process restart (an exception) and an
     in-job one (a rank killed), its listeners sampled until it ends."""
     what, release, spares = request.param
-    env = dict(os.environ)
-    if release != "installed":
-        if not (NVRX_06 / "nvidia_resiliency_ext").is_dir():
-            pytest.skip(f"NVRx 0.6.0 is not installed in {NVRX_06} (`make setup` installs it)")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(NVRX_06), env.get("PYTHONPATH")) if p)
+    env = releases.env(release)
     name = f"ports-{what}-{release.replace('.', '-')}"
     proc = subprocess.Popen([sys.executable, "-m", "eksft_nb", "run", "--name", name, *RUNS[what], "--nnodes",
                              "2",

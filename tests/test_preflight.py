@@ -414,21 +414,49 @@ def env_of(**changes: Any) -> Environment:
             "need 0.4.1+ → no NVRx can be installed here (Python 3.13, glibc 2.36)",
         ),
         ({"nvrx": nvrx.NVRx("0.3.0")}, {}, "NVRx 0.3.0 is older than 0.4.1"),
-        ({"nvrx": nvrx.NVRx("0.6.0")}, {"spare_nodes": 1}, "--spare-nodes 1: "),
+        (
+            {"nvrx": nvrx.NVRx("0.5.0")},
+            {"nnodes": 2, "spare_nodes": 1},
+            "--spare-nodes 1: NVRx 0.5.0's barrier rendezvous",
+        ),
+        ({"nvrx": nvrx.NVRx("0.7.0")}, {"spare_nodes": 1}, "--spare-nodes 1 with --nnodes 1: NVRx 0.7.0's"),
         (
             {},
             {"backend": "eks", "eks.image": "i:1", "eks.queue": "q"},
             "the spec asks for GPUs but torch sees none here",
         ),
+        (   # a Slurm node's GPUs counted there (no --gres) are none of the ranks' business with --device cpu
+            {},
+            {"backend": "slurm", "slurm.shared_dir": "/fsx", "slurm.gres": "gpu:2", "device": "cpu"},
+            None,
+        ),
         ({"torchft": None}, {"engine": "torchft", "nproc_per_node": 1}, "--engine torchft needs torchft"),
     ],
 )
-def test_doctor_refuses_what_the_node_cannot_run(changes: dict, fields: dict, line: str) -> None:
+def test_doctor_refuses_what_the_node_cannot_run(changes: dict, fields: dict, line: str | None) -> None:
     diagnosis = diagnose(spec_of(**fields), on_node=True, env=env_of(**changes))
     refused = [f"{f.problem} → {f.fix}" for f in diagnosis.refusals]
-    if fields.get("spare_nodes") and changes["nvrx"].spares_refused is None:
-        pytest.skip("this NVRx takes hot spares (NVRx's own --nnodes MIN:MAX)")
+    if line is None:
+        assert refused == [], refused
+        return
     assert any(r.startswith(line) for r in refused), refused
+
+
+@pytest.mark.parametrize("version", ["0.4.1", "0.5.0", "0.6.0", "0.7.0"])
+@pytest.mark.parametrize("backend", ["local", "eks", "slurm"])
+def test_doctor_refuses_the_spares_a_release_cannot_run_as_nvrx_decides(version: str, backend: str,
+                                                                         tmp_path: Path) -> None:
+    """One place decides what a release cannot run (NVRx.cannot_run): a node's doctor says exactly that
+    (0.4's spares run locally only, 0.5's nowhere, 0.6+'s standby nodes everywhere)."""
+    fields = {"local": {}, "eks": {"eks.image": "i:1", "eks.queue": "q", "eks.gpus_per_node": 0},
+              "slurm": {"slurm.shared_dir": str(tmp_path)}}[backend]
+    spec = spec_of(backend=backend, nnodes=2, spare_nodes=1, **fields)
+    release = nvrx.NVRx(version)
+    said = [f for f in diagnose(spec, on_node=True, env=env_of(nvrx=release)).refusals
+            if "spare" in f.problem]
+    refused = release.cannot_run(spec)
+    assert [(f.problem, f.fix) for f in said] == ([(refused.problem, refused.fix)] if refused else [])
+    assert (refused is None) == (version >= "0.6" or (version == "0.4.1" and backend == "local"))
 
 
 def test_doctor_says_what_each_release_supports_and_warns_of_nccl() -> None:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 from IPython.core.error import UsageError
+from hypothesis import given
+from hypothesis import strategies as st
 
 from eksft_nb.engines.torchft.checks import FAULTS as TORCHFT_FAULTS
 from eksft_nb.engines.torchft.hold import restart_point
@@ -20,9 +22,10 @@ from eksft_nb.events import make
 from eksft_nb.goodput import missing_batches
 from eksft_nb.monitor import JobMonitor
 from eksft_nb.resilience import expect, plan
-from eksft_nb.resilience.card import Row, junit, state_check, table
+from eksft_nb.resilience.card import Row, inprocess_note, junit, state_check, table
 from eksft_nb.spec import JobSpec
 from eksft_nb.states import FaultKind
+import nvrx_releases as releases
 from jobs import cli, events, job_dir, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -204,6 +207,14 @@ def test_bad_input_is_refused_before_any_job_runs(ip: object, tmp_path: Path) ->
     assert proc.returncode == 2 and "the torchft engine cannot fire: segfault" in proc.stderr, proc.stderr
     proc = cli("test", "--name", "bad", "--junit", str(tmp_path / "no" / "card.xml"))
     assert proc.returncode == 2 and "does not exist" in proc.stderr, proc.stderr
+    proc = cli("test", "--name", "bad", "--repeat", "0", "--manifest", str(tmp_path / "m.json"))
+    assert proc.returncode == 2 and "--repeat 0 is not a number of trials" in proc.stderr, proc.stderr
+    proc = cli("test", "--name", "bad", "--price", "p9.huge")
+    assert proc.returncode == 2 and "neither a price nor an instance type" in proc.stderr, proc.stderr
+    (tmp_path / "bad.json").write_text('{"format": "eksft-campaign", "version": 7}')
+    proc = cli("test", "--name", "bad", "--recheck", str(tmp_path / "bad.json"))
+    assert proc.returncode == 2 and "bad.json: not a version-1 eksft-campaign" in proc.stderr, proc.stderr
+    assert not (tmp_path / "m.json").exists()
     with pytest.raises(UsageError, match="unknown expectation"):
         ip.run_line_magic("ftrain", 'test --name bad --expect "lvl<3"')
     with pytest.raises(UsageError, match="--script names a script too"):
@@ -226,35 +237,81 @@ def run_test(name: str, *args: str, tmp: Path,
     return proc.returncode, json.loads(proc.stdout), proc.stderr, validate_junit(xml.read_text())
 
 
-def test_the_built_in_trainer_heals_each_fault_and_the_card_says_at_which_level(tmp_path: Path) -> None:
+def test_the_built_in_trainer_heals_every_trial_of_each_fault_and_the_card_scores_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one real campaign of the suite (CI time): 2 kinds x 2 seeded trials, a manifest and a price."""
+    from eksft_nb.resilience import manifest
+
+    releases.use(releases.NEWEST, monkeypatch)   # the card's jobs run on the newest NVRx (nvrx_releases)
+    kept = tmp_path / "campaign.json"
     rc, card, narration, failures = run_test(
-        "rt", "--steps", "40", "--ckpt-every", "5", "--faults", "sigkill,exception",
+        "rt", "--steps", "40", "--ckpt-every", "5", "--faults", "sigkill,exception", "--repeat", "2",
+        "--plan-seed", "3", "--manifest", str(kept), "--price", "p5.48xlarge",
         "--expect", "level<=inprocess, lost<=10, state=reference", tmp=tmp_path)
-    rows = {r["case"]: r for r in card["rows"]}
-    # the expected total is said before the first case runs
-    assert narration.index("expect about") < narration.index("case sigkill"), narration
+    trials = {(r["case"], r["trial"]): r for r in card["rows"]}
+    assert set(trials) == {(k, n) for k in ("sigkill", "exception") for n in (1, 2)}, narration[-3000:]
+    # the expected total is said before the first trial runs
+    assert narration.index("expect about") < narration.index("case sigkill #1"), narration
     assert card["reference"]["state"] == "succeeded" and card["reference"]["digest"]
-    for r in rows.values():
+    for r in trials.values():
         assert r["fired"] and r["state_check"] == "match", r   # the final digest is the reference's
         assert r["at_step"] > 5 and r["lost"] <= 10 and r["downtime_s"] > 0
-        # each case is a real job in its own folder: its events hold the fault it fired
-        assert [e["fault"] for e in events(r["job"], "fault")] == [r["fault"]]
-    assert rows["exception"]["level"] == "inprocess" and rows["exception"]["passed"], rows["exception"]
-    # a lost rank process is healed in-job: not what this card asked for, so the case and the test fail
-    s = rows["sigkill"]
-    assert s["level"] == "injob" and not s["passed"]
-    assert s["why"] == ["healed at level injob, expected level<=inprocess"]
-    assert sum(s["phases"].values()) == pytest.approx(s["downtime_s"], abs=0.01)
+        # each trial is a real job in its own folder: its events hold the fault it fired, where planned
+        fired = events(r["job"], "fault")
+        assert [(e["fault"], e["at_step"]) for e in fired] == [(r["fault"], r["at_step"])]
+        assert r["fired_step"] == r["at_step"] and r["fired_t"] == fired[0].t
+        # its cost: downtime and recomputed steps on both ranks, at p5.48xlarge's price per GPU-hour
+        assert r["lost_gpu_s"] >= 2 * r["downtime_s"] > 0
+        assert r["cost"]["usd"] == pytest.approx(r["lost_gpu_s"] / 3600 * 55.04 / 8, abs=1e-4)
+    for kind in ("sigkill", "exception"):   # a kind's two trials at two steps
+        assert trials[(kind, 1)]["at_step"] != trials[(kind, 2)]["at_step"]
+    for n in (1, 2):
+        x, s = trials[("exception", n)], trials[("sigkill", n)]
+        assert x["level"] == "inprocess" and x["passed"], x
+        # a lost rank process is healed in-job: not what this card asked for, so every sigkill trial fails
+        assert s["level"] == "injob" and not s["passed"]
+        assert s["why"] == ["healed at level injob, expected level<=inprocess"]
+        assert sum(s["phases"].values()) == pytest.approx(s["downtime_s"], abs=0.01)
+    kinds = {k["kind"]: k for k in card["kinds"]}
+    assert (kinds["exception"]["passed"], kinds["exception"]["ok"]) == (2, True)
+    assert (kinds["sigkill"]["passed"], kinds["sigkill"]["ok"], kinds["sigkill"]["levels"]) == (0, False,
+                                                                                                {"injob": 2})
+    assert all(k["trials"] == 2 and k["downtime_s"]["n"] == 2 and k["cost"]["usd"] > 0
+               for k in kinds.values())
     assert rc == 1 and not card["passed"]
-    assert failures == {"sigkill": ["healed at level injob, expected level<=inprocess"], "exception": []}
+    why = ["healed at level injob, expected level<=inprocess"]
+    assert failures == {"sigkill #1": why, "sigkill #2": why, "exception #1": [], "exception #2": []}
+    # the campaign's manifest: read back whole, the ground truth of each trial beside what it showed
+    m = manifest.read(kept)
+    assert m.plan_id == card["plan"]["plan_id"] and m.seed == 3 and m.repeat == 2
+    for t in m.trials:
+        r = trials[(t.kind, t.trial)]
+        assert (t.injections[0].step, t.injections[0].rank, t.job) == \
+            (r["at_step"], int(r["target"][5:]), r["job"])
+        assert t.observed["level"] == r["level"] and t.observed["fired_t"] == r["fired_t"]
+        assert t.expected_level == {"sigkill": "injob", "exception": "inprocess"}[t.kind]
+    redrawn = plan.draw(m.spec, "rt", [FaultKind(k) for k in m.kinds], m.window, m.repeat, m.seed)
+    assert [(c.kind.value, c.step, c.faults[0].rank) for c in redrawn] == \
+        [(t.kind, t.injections[0].step, t.injections[0].rank) for t in m.trials]
+    # in-process restart on an NVRx that deprecates it: what in-job restart, its way forward, cost here
+    mean = {k: sum(trials[(k, n)]["downtime_s"] for n in (1, 2)) / 2 for k in ("sigkill", "exception")}
+    assert card["note"] == (f"NVRx {releases.NEWEST} deprecates in-process restart (inprocess.Wrapper): an "
+                            f"in-job restart took {mean['sigkill']:.2f}s here, an in-process one "
+                            f"{mean['exception']:.2f}s (--no-inprocess: every recovery in-job)")
+    assert card["note"] in narration
 
 
 def test_a_job_that_never_checkpoints_fails_the_card_with_the_reason(tmp_path: Path) -> None:
     rc, card, _, failures = run_test("nockpt", "--steps", "12", "--ckpt-every", "0", tmp=tmp_path)
     assert rc == 1 and not card["passed"] and card["rows"] == []
     assert "never committed a checkpoint" in card["problem"], card
+    # no manifest asked for, yet the card names its plan (what a --manifest run of it would record)
+    assert len(card["plan"]["plan_id"]) == 16 and int(card["plan"]["plan_id"], 16) >= 0, card["plan"]
     assert list(failures) == ["plan"] and "never committed a checkpoint" in failures["plan"][0]
     assert job_dir("nockpt-ref").is_dir() and not job_dir("nockpt-sigkill").exists()   # no case ran
+    # every kind that applies fails its row with the reason (the storage kinds too: it saved its last step)
+    assert [k["kind"] for k in card["kinds"]] == [k.value for k in FaultKind]
+    assert all((k["passed"], k["ok"], k["why"]) == (0, False, [card["problem"]]) for k in card["kinds"])
 
 
 def test_a_users_script_is_checked_by_its_loss_curve(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -285,10 +342,11 @@ NVRX_EXAMPLES = os.environ.get("EKSFT_NVRX_EXAMPLES")
 
 @pytest.mark.slow
 @pytest.mark.timeout(3600)   # nine real jobs, each about a minute on 2 busy cores
-@pytest.mark.skipif(not NVRX_EXAMPLES, reason="set EKSFT_NVRX_EXAMPLES to the examples/ folder of the "
-                    "installed NVRx release (not shipped here; see README)")
+@pytest.mark.skipif(not NVRX_EXAMPLES, reason="set EKSFT_NVRX_EXAMPLES to the examples/ folder of NVRx "
+                    "0.7.0's repository (not in its wheel, not shipped here; see docs/nvrx-versions.md)")
 def test_nvrx_heartbeats_example_unmodified_passes_every_applicable_fault(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    releases.use(releases.NEWEST, monkeypatch)
     # NVRx's own example, as its release ships it: it saves checkpoint.pt into --output_dir at each epoch's
     # end (100 steps of 2 ranks x batch 8) and resumes from it, and reports neither loss nor digest
     script = Path(str(NVRX_EXAMPLES)) / "fault_tolerance" / "train_ddp_heartbeats_api.py"
@@ -315,6 +373,23 @@ def test_nvrx_heartbeats_example_unmodified_passes_every_applicable_fault(
     assert rc == 0 and card["passed"] and card["problem"] == ""
     assert failures == {k: [] for k in applicable}   # the JUnit XML: every case a testcase, none failed
     assert (tmp_path / "nvhb-ref" / "out" / "checkpoint.pt").is_file()
+
+
+def test_the_card_says_what_in_job_restart_costs_where_nvrx_deprecates_in_process() -> None:
+    def row(case: str, level: str, downtime: float) -> dict:
+        return {"case": case, "level": level, "downtime_s": downtime}
+
+    both = [row("exception", "inprocess", 1.0), row("sigkill", "injob", 6.0), row("hang", "injob", 8.0)]
+    assert inprocess_note("0.4.1", True, both) == "" and inprocess_note(None, True, both) == ""
+    assert inprocess_note("0.7.0", False, both) == ""   # in-process restart was off: nothing to say
+    assert inprocess_note("0.6.0", True, both) == (
+        "NVRx 0.6.0 deprecates in-process restart (inprocess.Wrapper): an in-job restart took 7.00s here, an "
+        "in-process one 1.00s (--no-inprocess: every recovery in-job)")
+    assert inprocess_note("0.7.0", True, both[:1]).endswith(
+        "what an in-job restart costs instead was not measured here (a sigkill case measures it)")
+    card = {"job": "j", "expect": [], "reference": {}, "rows": [], "skipped": {}, "problem": "",
+            "passed": False, "note": inprocess_note("0.7.0", True, both)}
+    assert table(card).splitlines()[-1] == f"  note: {card['note']}"
 
 
 def test_the_cards_figure_stacks_each_cases_downtime_by_phase() -> None:
@@ -489,3 +564,260 @@ def test_torchft_groups_heal_each_fault_and_the_card_reads_how(tmp_path: Path) -
     assert s["state_check"] == "consistent" and digest != ref_digest, s
     assert s["state_detail"].startswith(f"every replica group ended with digest {digest} (not the "), s
     assert rc == 0 and card["passed"] and failures == {"exception": [], "sigkill": []}
+
+
+# ---- repeated trials, scoring, the campaign manifest ------------------------------------------------
+
+KINDS = [FaultKind.SIGKILL, FaultKind.EXCEPTION]
+
+
+def shape(p: plan.Plan) -> list[tuple]:
+    return [(c.job, c.kind.value, c.trial, c.step, c.faults[0].rank, c.expected) for c in p.cases]
+
+
+def test_a_seeded_plan_draws_each_kinds_trials_at_distinct_steps_and_ranks() -> None:
+    spec = JobSpec(name="t", nproc_per_node=4)
+    ref = reference(steps=30)
+    p = plan.build(spec, ref, "t", KINDS, repeat=3, seed=7)
+    assert p.window == (10, 28) and p.repeat == 3 and p.seed == 7 and p.kinds == ["sigkill", "exception"]
+    assert shape(p) == shape(plan.build(spec, ref, "t", KINDS, repeat=3, seed=7))   # the seed is the plan
+    assert shape(p) != shape(plan.build(spec, ref, "t", KINDS, repeat=3, seed=8))
+    # a kind's draw does not move with the kinds asked for
+    alone = plan.build(spec, ref, "t", [FaultKind.EXCEPTION], repeat=3, seed=7)
+    assert shape(alone) == [s for s in shape(p) if s[1] == "exception"]
+    for kind in ("sigkill", "exception"):
+        trials = [c for c in p.cases if c.kind.value == kind]
+        assert [c.job for c in trials] == [f"t-{kind}-1", f"t-{kind}-2", f"t-{kind}-3"]
+        # the first trial is the single run's case: the first step after the first checkpoint, the last rank
+        assert (trials[0].step, trials[0].faults[0].rank) == (10, 3)
+        steps = [c.step for c in trials]
+        assert len(set(steps)) == 3 and all(10 <= s <= 28 for s in steps)
+        assert all(0 <= c.faults[0].rank < 4 for c in trials)
+    assert {c.expected for c in p.cases if c.kind == FaultKind.SIGKILL} == {"injob"}
+    assert {c.expected for c in p.cases if c.kind == FaultKind.EXCEPTION} == {"inprocess"}
+    assert {c.expected for c in plan.build(spec.replace(**{"ft.inprocess": False}), ref, "t", KINDS).cases
+            if c.kind == FaultKind.EXCEPTION} == {"injob"}
+    # drawn over many seeds, the later trials reach every rank and the window's ends
+    drawn = [c for s in range(40)
+             for c in plan.build(spec, ref, "t", [FaultKind.SIGKILL], repeat=3, seed=s).cases if c.trial > 1]
+    assert {c.faults[0].rank for c in drawn} == {0, 1, 2, 3} and {11, 28} <= {c.step for c in drawn}
+    # a fault that lasts steps ends before the job does (a full disk 10 steps, a straggler 20, of 30)
+    lasting = plan.build(spec, ref, "t", [FaultKind.DISK_FULL, FaultKind.SLOW_RANK], repeat=3, seed=7)
+    assert all(10 <= c.step <= 20 for c in lasting.cases if c.kind == FaultKind.DISK_FULL)
+    assert {c.step for c in lasting.cases if c.kind == FaultKind.SLOW_RANK} == {10}
+    # one run a kind is the card as it always was; a long name keeps its trial's suffix
+    assert [c.job for c in plan.build(spec, ref, "t", KINDS).cases] == ["t-sigkill", "t-exception"]
+    assert plan.job_name("x" * 70, FaultKind.CORRUPT_CHECKPOINT, 12).endswith("x-corrupt-checkpoint-12")
+    assert len(plan.job_name("x" * 70, FaultKind.CORRUPT_CHECKPOINT, 12)) == 63
+
+
+def test_a_torchft_plan_draws_its_trials_on_the_first_rank_of_a_group_but_the_first() -> None:
+    spec = JobSpec(name="t", engine="torchft", nnodes=3, nproc_per_node=2)
+    p = plan.build(spec, reference(steps=30), "t", [FaultKind.SIGKILL], repeat=5, seed=1)
+    assert {c.faults[0].rank for c in p.cases} <= {2, 4} and {c.expected for c in p.cases} == {"job"}
+
+
+def trial_row(case: plan.Case, level: str = "injob", downtime: float = 4.0, lost: int = 4,
+              detection: float = 0.5) -> Row:
+    """The card's row of ``case`` run against :func:`reference`: its fault fired, then healed at ``level``."""
+    from eksft_nb.resilience.card import row
+
+    ref = reference()
+    ref.digest = "d1"
+    mon = reference()
+    fault = case.faults[0]
+    t = T0 + case.step - 0.5
+    mon.update([make("fault", "t", rank=fault.rank, t=t, fault=fault.fault, id=fault.id,
+                     target_rank=fault.rank, at_step=case.step),
+                make("restart", "t", t=t + downtime, level=level, cause=f"injected {fault.fault}",
+                     blame_rank=fault.rank, fault_time=t, detection_s=detection, downtime_s=downtime,
+                     rolled_back_steps=lost, resumed_step=case.step - lost),
+                make("job_end", "t", t=T0 + 30, state="succeeded", reason="", final_step=20, digest="d1")])
+    return row(case, mon, ref, expect.parse("lost<=4, state=reference"), "")
+
+
+def test_trials_are_scored_per_kind_with_their_spread_and_what_they_cost() -> None:
+    from eksft_nb import cost
+    from eksft_nb.resilience import scoring
+
+    p = plan.build(JobSpec(name="t"), reference(), "t", [FaultKind.SIGKILL], repeat=3, seed=2)
+    rows = [trial_row(p.cases[0], downtime=4.0, lost=2, detection=0.5),
+            trial_row(p.cases[1], level="job", downtime=9.0, lost=3, detection=0.25),
+            trial_row(p.cases[2], downtime=5.0, lost=6, detection=1.0)]
+    pricing = cost.pricing(JobSpec(name="t"), "p5.48xlarge", "30d", 16)
+    for r in rows:
+        scoring.price_trial(r, 1.0, 2, pricing)   # a clean step of 1 s, 2 ranks
+    assert [r["passed"] for r in rows] == [True, False, False]
+    # a failed trial names what differed from the ground truth and from the expectations
+    c1, c2 = p.cases[1], p.cases[2]
+    assert rows[1]["why"] == ["healed at level job, where the plan expects injob"]
+    assert rows[2]["why"] == ["lost 6 steps, expected lost<=4"]
+    assert rows[0]["lost_gpu_s"] == (4.0 + 2 * 1.0) * 2
+    assert rows[0]["cost"]["usd"] == pytest.approx(12 / 3600 * 6.88, abs=1e-4)
+    assert rows[0]["fired_step"] == p.cases[0].step and rows[0]["trial"] == 1
+    [k] = scoring.score(rows, ["sigkill"], 3, {"sigkill": "injob"}, "", pricing, 2)
+    assert (k["passed"], k["trials"], k["ok"], k["levels"]) == (1, 3, False, {"injob": 2, "job": 1})
+    assert k["downtime_s"] == {"n": 3, "min": 4.0, "median": 5.0, "max": 9.0}
+    assert k["detection_s"] == {"n": 3, "min": 0.25, "median": 0.5, "max": 1.0}
+    assert k["lost"] == {"n": 3, "min": 2.0, "median": 3.0, "max": 6.0}
+    per = (12 + 24 + 22) / 3   # the mean GPU-seconds a fault cost
+    assert k["cost"]["gpu_h"] == pytest.approx(per / 3600, abs=1e-6)
+    # at the named scale, the mean fault stops all 128 GPUs for its seconds of the job
+    assert k["cost_at_scale"]["gpu_h"] == pytest.approx(per / 2 * 128 / 3600, abs=1e-6)
+    assert k["why"] == [f"trial 2 ({c1.target}, step {c1.step}): healed at level job, where the plan expects "
+                        "injob",
+                        f"trial 3 ({c2.target}, step {c2.step}): lost 6 steps, expected lost<=4"]
+    card = {"job": "t", "expect": ["lost<=4"], "reference": {}, "rows": rows, "skipped": {}, "problem": "",
+            "passed": False, "kinds": [k], "plan": {"repeat": 3, "seed": 2, "plan_id": "x"}}
+    text = table(card)
+    assert "sigkill               1/3" in text and "5.00s [4.00s-9.00s]" in text and "injob x2, job" in text
+    assert "sigkill #2" in text
+    recheck = table({**card, "plan": {**card["plan"], "recheck": "m1"}})
+    assert "FAILED (3 trials per kind, seed 2, plan x, a re-check of plan m1)" in recheck, recheck
+    assert validate_junit(junit(card))["sigkill #3"] == ["lost 6 steps, expected lost<=4"]
+
+
+def test_a_card_that_ran_no_trial_fails_every_kind_with_its_reason() -> None:
+    from eksft_nb import cost
+    from eksft_nb.resilience import scoring
+
+    why = "the job never committed a checkpoint before its last step"
+    kinds = scoring.score([], ["sigkill", "exception"], 3, {}, why, cost.Pricing(), 2)
+    assert [(k["kind"], k["passed"], k["trials"], k["ok"], k["why"]) for k in kinds] == [
+        ("sigkill", 0, 3, False, [why]), ("exception", 0, 3, False, [why])]
+
+
+def campaign(tmp_path: Path) -> tuple[plan.Plan, dict, Path]:
+    from eksft_nb.resilience import manifest
+
+    spec = JobSpec(name="t")
+    p = plan.build(spec, reference(), "t", [FaultKind.SIGKILL], repeat=3, seed=2)
+    rows = [trial_row(c) for c in p.cases[:2]]   # the third did not run yet
+    card = {"job": "t", "expect": ["lost<=4"], "reference": {"job": "t-ref", "digest": "d1"}, "rows": rows,
+            "skipped": {}, "problem": "", "passed": False}
+    m = manifest.build(card, spec, p.cases, p.seed, p.repeat, p.window, p.kinds, 0.02)
+    path = tmp_path / "m.json"
+    manifest.write(path, m)
+    return p, m, path
+
+
+def test_a_manifest_holds_the_ground_truth_beside_what_was_observed_and_reproduces_its_plan(
+        tmp_path: Path) -> None:
+    from eksft_nb.resilience import manifest
+
+    p, m, path = campaign(tmp_path)
+    assert (m["format"], m["version"], m["plan"]["seed"]) == ("eksft-campaign", 1, 2)
+    assert m["plan"]["window"] == [10, 18]
+    first = m["trials"][0]
+    assert first["injections"] == [{"fault": "sigkill", "rank": 1, "step": p.cases[0].step}]
+    assert first["expected_level"] == "injob" and first["observed"]["level"] == "injob"
+    assert first["observed"]["fired_step"] == p.cases[0].step and first["observed"]["passed"] is True
+    assert m["trials"][2]["observed"] is None   # planned, not run yet
+    back = manifest.read(path)
+    assert back.plan_id == m["plan_id"] and back.seed == 2 and back.window == (10, 18)
+    # a re-check runs the same injections under new names
+    again = manifest.cases(back, "u")
+    assert [(c.job, c.step, c.faults[0].fault, c.faults[0].rank, c.expected) for c in again] == \
+        [(f"u-sigkill-{c.trial}", c.step, "sigkill", c.faults[0].rank, c.expected) for c in p.cases]
+    # and the seed it records draws the same plan again
+    redrawn = plan.draw(back.spec, "t", [FaultKind(k) for k in back.kinds], back.window, back.repeat,
+                        back.seed)
+    assert [manifest.injection(f) for c in redrawn for f in c.faults] == \
+        [i for t in m["trials"] for i in t["injections"]]
+    # what was observed never changes the plan's id
+    assert manifest.plan_id(m["plan"], m["trials"]) == manifest.plan_id(
+        m["plan"], [{**t, "observed": None} for t in m["trials"]])
+
+
+def test_a_recheck_names_what_moved_and_fails_on_a_regression() -> None:
+    from eksft_nb.resilience import manifest
+
+    then = {"level": "injob", "passed": True, "downtime_s": 2.0, "detection_s": 0.5, "lost": 3,
+            "state_check": "match"}
+    assert manifest.differences(then, dict(then)) == [] and manifest.changes(then, dict(then)) == []
+    now = {**then, "level": "job", "passed": False, "downtime_s": 9.0, "lost": 5}
+    assert manifest.differences(then, now) == ["healed at level job, the manifest's run at injob",
+                                               "passed in the manifest's run, fails now"]
+    assert manifest.changes(then, now) == ["downtime 9.00s, 2.00s in the manifest's run",
+                                           "lost 5 steps, 3 in the manifest's run"]
+
+
+def _mutate(m: dict, path: tuple, value: object) -> dict:
+    import copy
+
+    out = copy.deepcopy(m)
+    node = out
+    for key in path[:-1]:
+        node = node[key]
+    if value is KeyError:
+        del node[path[-1]]
+    else:
+        node[path[-1]] = value
+    return out
+
+
+@pytest.mark.parametrize(("path", "value", "said"), [
+    (("version",), 2, "not a version-1 eksft-campaign manifest"),
+    (("plan", "seed"), "7", "plan.seed '7' is not a whole number"),
+    (("plan", "repeat"), 0, "plan.repeat 0 is not a whole number from 1"),
+    (("plan", "window"), [18, 10], "plan.window ends before it begins"),
+    (("trials", 0, "kind"), "sigkil", "a trial's kind 'sigkil' is not a fault kind"),
+    (("trials", 0, "injections", 0, "rank"), 9, "rank 9"),
+    (("trials", 0, "injections", 0, "step"), KeyError, "has no step"),
+    (("trials", 0, "injections", 0, "fault"), "hang", "does not inject sigkill first"),
+    (("trials", 0, "expected_level"), "warm", "expected_level 'warm' is not one of"),
+    (("trials", 0, "observed", "downtime_s"), "fast", "observed downtime_s 'fast' is not a number"),
+    (("trials", 1, "trial"), 1, "a trial is listed twice"),
+    (("trials", 0, "surprise"), 1, "a trial has unknown field(s) 'surprise'"),
+    (("spec", "nnodes"), -1, "nnodes"),
+    (("trials",), [], "it holds no trial")])
+def test_a_bad_manifest_is_refused_in_one_line(tmp_path: Path, path: tuple, value: object, said: str) -> None:
+    from eksft_nb.resilience import manifest
+
+    _, m, _ = campaign(tmp_path)
+    with pytest.raises(EksftError) as e:
+        manifest.parse(json.dumps(_mutate(m, path, value)), "m.json")
+    line = str(e.value)
+    assert said in line and "\n" not in line and line.startswith("m.json"), line
+    for raw in (b"\xff\xfe", b"[]", b'{"version": NaN}', b"1" * 10):
+        with pytest.raises(EksftError):
+            manifest.parse(raw)
+    big = tmp_path / "big.json"
+    big.write_bytes(b" " * (manifest.MAX_BYTES + 1))
+    with pytest.raises(EksftError, match="over 8 MiB"):
+        manifest.read(big)
+
+
+JSON_VALUES = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
+                           | st.text(max_size=10), lambda inner: st.lists(inner, max_size=3)
+                           | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=8)
+
+
+@given(st.binary(max_size=200) | JSON_VALUES.map(lambda v: json.dumps(v).encode()))
+def test_any_bytes_are_a_manifest_or_one_line(raw: bytes) -> None:
+    from eksft_nb.resilience import manifest
+
+    try:
+        manifest.parse(raw)
+    except EksftError as e:
+        assert "\n" not in str(e)
+
+
+@given(st.data())
+def test_any_edit_of_a_manifest_is_read_whole_or_refused_in_one_line(tmp_path_factory: pytest.TempPathFactory,
+                                                                     data: st.DataObject) -> None:
+    from eksft_nb.resilience import manifest
+
+    _, m, _ = campaign(tmp_path_factory.mktemp("m"))
+    paths = [("version",), ("job",), ("plan", "seed"), ("plan", "repeat"), ("plan", "window"),
+             ("plan", "kinds"),
+             ("trials", 0, "injections", 0, "rank"), ("trials", 0, "injections", 0, "step"),
+             ("trials", 1, "observed", "level"), ("trials", 1, "observed", "lost"), ("trials", 2, "trial"),
+             ("spec", "steps"), ("reference",), ("trials", 0, "injections")]
+    edited = _mutate(m, data.draw(st.sampled_from(paths)), data.draw(JSON_VALUES | st.just(KeyError)))
+    try:
+        back = manifest.parse(json.dumps(edited))
+    except EksftError as e:
+        assert "\n" not in str(e)
+    else:
+        assert back.trials and all(t.injections[0].fault == t.kind for t in back.trials)

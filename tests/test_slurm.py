@@ -7,17 +7,24 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import psutil
 import pytest
 from jobs import wait_for
-from slurm_cluster import SlurmCluster, free_base, slurm_cluster
+from slurm_cluster import (GPU_NODE, GPU_PARTITION, SECOND_PARTITION, SlurmCluster, free_base,
+                           slurm_cluster)
+
+import nvrx_releases as releases
 
 from eksft_nb import commands
+from pathlib import Path
+
 from eksft_nb.backends.eks.render import nccl_env as eks_nccl_env
 from eksft_nb.backends.slurm.backend import SlurmBackend
 from eksft_nb.errors import SpecError
@@ -40,7 +47,7 @@ def test_the_dry_run_is_an_sbatch_script_with_one_ft_launcher_per_node() -> None
     spec = slurm_spec(**{"slurm.partition": "gpu", "slurm.account": "ml", "slurm.qos": "high",
                          "slurm.time": "4:00:00",
                          "slurm.gres": "gpu:8", "slurm.exclusive": True, "slurm.constraint": "p5",
-                         "slurm.efa": True,
+                         "slurm.efa": True, "slurm.instance_type": "p5.48xlarge",
                          "slurm.port": 31000})
     script = commands.dry_run(spec)
     lines = script.splitlines()
@@ -50,11 +57,14 @@ def test_the_dry_run_is_an_sbatch_script_with_one_ft_launcher_per_node() -> None
                       "--output=/fsx/eksft/ftrain/logs/slurm-%j.out"):
         assert f"#SBATCH {directive}" in lines, directive
     # the rendezvous at the allocation's first node, found the cluster way, with no sleep or poll
-    assert 'RDZV_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)' in lines
+    assert 'export RDZV_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)' in lines
     assert '"--rdzv-endpoint=${RDZV_HOST}:31000"' in script and "sleep" not in script
-    srun = script[script.index("srun"):]
-    assert srun.split()[
-        1] == "--ntasks-per-node=1" and "ft_launcher" in srun and '--node-rank="$SLURM_NODEID"' in srun
+    # --gres gpu:8: one launch line, with the GPU values; srun runs it on every node with its node rank
+    [launch] = [line for line in lines if line.startswith("LAUNCH=(")]
+    assert launch.startswith("LAUNCH=(ft_launcher ") and "--ft-rank-heartbeat-timeout=900" in launch
+    srun = script[script.index("srun"):script.index("<<'EKSFT_SPEC'")]
+    assert srun.split()[1] == "--ntasks-per-node=1" and '--node-rank="$SLURM_NODEID"' in srun
+    assert srun.rstrip().endswith('"${LAUNCH[@]}"')
     assert "export EKSFT_JOB_DIR=/fsx/eksft/ftrain" in lines and "export EKSFT_STORE_PORT=31001" in lines
     # the NCCL/EFA environment of a p5 node, as an EKS pod with the same GPUs and EFA gets it
     eks = eks_nccl_env(JobSpec().replace(**{"eks.gpus_per_node": 8, "eks.efa_per_node": 32,
@@ -90,6 +100,11 @@ def test_a_slurm_spec_needs_a_shared_folder_and_plain_sbatch_values() -> None:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     with slurm_cluster(tmp_path_factory.mktemp("slurm")) as c:
+        # the Slurm matrix runs on the newest NVRx (nvrx_releases): the jobs' environment (sbatch passes the
+        # submitter's on) imports it; two "nodes" on one machine share an address, which NVRx 0.7 allows only
+        # when told it is a simulation
+        c.env.update(releases.env(releases.NEWEST, {"PYTHONPATH": c.env.get("PYTHONPATH", "")}))
+        c.env["NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE"] = "1"
         yield c
 
 
@@ -143,7 +158,12 @@ def test_a_job_runs_on_two_slurm_nodes_and_reads_as_a_local_one(cluster: SlurmCl
     events = read_all(folder / "events.jsonl")
     starts = [e for e in events if e.kind == "rank_start"]
     assert sorted(e.rank for e in starts) == [0, 1]
-    assert [e.kind for e in events if e.rank is None] == ["job_start", "job_end"]
+    # the watcher's own events: the job's start and end, and NVRx's record of its one worker-group cycle
+    assert [e.kind for e in events if e.rank is None and e.kind not in ("warning", "nvrx_cycle")] == \
+        ["job_start", "job_end"]
+    assert {e["cycle"] for e in events if e.kind == "nvrx_cycle"} == {0}
+    # the one warning: the test cluster's KillWait (5 s) is shorter than a drain's save may take
+    assert [e["what"] for e in events if e.kind == "warning"] == ["slurm-killwait"]
     row = status(cluster, "reference")
     assert (row["state"], row["step"], row["last_checkpoint"]) == ("succeeded", 30, 30)
     listed = json.loads(cli(cluster, "list", "--backend", "slurm", "--json").stdout)
@@ -161,8 +181,9 @@ def test_a_job_runs_on_two_slurm_nodes_and_reads_as_a_local_one(cluster: SlurmCl
 
 
 def _kernel_sees(cluster: SlurmCluster, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernel (this process) talks to the test's cluster: its slurm.conf and commands."""
-    for key in ("SLURM_CONF", "PATH"):
+    """The kernel (this process) talks to the test's cluster: its slurm.conf and commands; the jobs it
+    submits run on the cluster's NVRx."""
+    for key in ("SLURM_CONF", "PATH", "PYTHONPATH", "NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE"):
         monkeypatch.setenv(key, cluster.env[key])
 
 
@@ -287,6 +308,20 @@ def test_the_magic_injects_into_resumes_and_stops_a_slurm_job(cluster: SlurmClus
         events = cluster.shared / "magic-from-30" / "events.jsonl"
         wait_for("a step after the resume", lambda: events.exists() and any(
             e.kind == "step" and e["step"] > 30 for e in read_all(events)), timeout=300)
+        # a live setting on the real Slurm (issue 32): both ranks take it at one step, and the saves follow it
+        ip.run_cell("%ftrain set ckpt-every=7 --wait 300 --json")
+        changed = json.loads(capsys.readouterr().out)
+        assert changed["applied"] and changed["changes"] == {"ckpt-every": [10, 7]}, changed
+        taken = {e.rank: e["step"] for e in read_all(events) if e.kind == "setting"}
+        assert set(taken) == {0, 1} and set(taken.values()) == {changed["step"]}, taken
+
+        def saved() -> list[int]:
+            return [e["step"] for e in read_all(events)
+                    if e.kind == "checkpoint" and e["phase"] == "committed"
+                    and e["step"] > changed["step"]]
+
+        wait_for("a save at the new interval", saved, timeout=300)
+        assert all(step % 7 == 0 for step in saved()), saved()
         ip.run_cell("%ftrain stop")
         assert "stopped magic-from-30" in capsys.readouterr().out
         row = status(cluster, "magic-from-30")
@@ -324,7 +359,7 @@ def test_a_pending_job_says_why_and_a_stop_or_a_scancel_ends_it(cluster: SlurmCl
 @pytest.mark.slow
 def test_a_lost_node_is_a_job_restart_that_resumes_from_the_newest_checkpoint(cluster: SlurmCluster,
                                                                               reference: dict) -> None:
-    node = cluster.run("sinfo", "-h", "-N", "-o", "%N").stdout.split()[-1]
+    node = cluster.run("sinfo", "-h", "-N", "-p", "gpu", "-o", "%N").stdout.split()[-1]
     run(cluster, "node-lost", detach=True)
     events = cluster.shared / "node-lost" / "events.jsonl"
     wait_for("checkpoint 10", lambda: events.exists() and any(
@@ -391,6 +426,10 @@ def test_a_killed_launcher_ends_the_step_and_the_job_is_requeued_from_its_checkp
     assert summary["digest"] == reference["digest"]
     logs = cluster.shared / "launcher-lost" / "logs"   # the requeued run is attempt 1, with its own logs
     assert (logs / "launcher-1-0.log").is_file() and (logs / "launcher-1-1.log").is_file()
+    # the node whose launcher died is kept off the requeued run only where the partition has nodes enough
+    [batch_log] = logs.glob("slurm-*.out")
+    assert re.search(r"eksft: node \S+ failed; not kept off the requeued run: partition gpu has no 2 nodes "
+                     "without it", batch_log.read_text()), batch_log.read_text()[-3000:]
 
 
 def test_a_slurm_jobs_huge_log_line_is_answered_bounded(tmp_path: Any) -> None:
@@ -406,3 +445,183 @@ def test_a_slurm_jobs_huge_log_line_is_answered_bounded(tmp_path: Any) -> None:
     answer = SlurmBackend(shared_dir=tmp_path).logs("big", debug=True)
     assert len(answer) < 2 * MAX_LOG_BYTES and answer.endswith("the last line")
     assert f"only its last {MAX_LOG_BYTES} of" in answer.splitlines()[0]
+
+
+# ---- what a cluster does on day one: drains, GPUs, failures said where users look ----------------------
+
+def slurm_events(folder: Path, kind: str | None = None) -> list:
+    path = folder / "events.jsonl"
+    return [e for e in (read_all(path) if path.exists() else []) if kind is None or e.kind == kind]
+
+
+@pytest.mark.slow
+def test_a_drain_and_the_time_limit_requeue_the_job_which_resumes_from_each_drains_save(
+        cluster: SlurmCluster, reference: dict) -> None:
+    """SIGTERM to the job's steps (``scancel --signal=TERM``, as a preemption's grace period sends it), then
+    Slurm's warning before the time limit (``--signal=B:USR1``, the limit shortened with KillWait at 5 s):
+    each time the ranks save and commit a step, the job is requeued and resumes from that save, and it is
+    never said to have succeeded short of its last step. The job's folder is a path with spaces, quotes, a
+    ``$`` and a ``%`` (every script value goes through one quoting helper)."""
+    shared = cluster.shared / "odd dir's \"$HOME\" %j"
+    shared.mkdir()
+    name, folder = "drained", shared / "drained"
+    # a straggler paces steps 3-22 (half a second each), so that the drain lands mid-run; the timeouts fit
+    # steps of seconds (the requeued run's are slowed to 3 s below)
+    proc = cli(cluster, "run", "--backend", "slurm", "--shared-dir", str(shared), "--name", name, *BASE,
+               "--slurm-port", str(free_base()), "--fault", "slow-rank:1@3", "--soft-timeout", "8",
+               "--hard-timeout", "16", "--heartbeat-timeout", "40", "--collective-timeout", "12", "--detach")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    job_id = json.loads((folder / "slurm.json").read_text())["job_id"]
+
+    def stepped(n: int, run: int) -> bool:   # step n reached by the run that attempt ``run`` started
+        starts = [e.t for e in slurm_events(folder, "rank_start") if e["job_attempt"] == run]
+        steps = slurm_events(folder, "step")
+        return bool(starts) and any(e["step"] >= n and e.t > min(starts) for e in steps)
+
+    wait_for("step 4", lambda: stepped(4, 0), timeout=300, every=0.1)
+    cluster.run("scancel", "--signal=TERM", job_id)
+    [first] = wait_for("the drain's requeue", lambda: slurm_events(folder, "failure"), timeout=120)
+    [drain] = slurm_events(folder, "drain")
+    assert drain["committed"] and 4 <= drain["step"] < 30, drain.data
+    said = f"drained at step {drain['step']} (saved and committed) on SIGTERM to the job's steps"
+    assert said in first["cause"], first.data
+    row = status(cluster, name)
+    assert row["state"] in ("starting", "recovering"), row   # requeued: never an end
+    # the requeued run, slowed again (3 s a step from two steps after the drain's), has its time limit
+    # shortened to come within the grace period the script asked Slurm to warn it at (--signal=B:USR1@GRACE)
+    grace = int(re.search(r"#SBATCH --signal=B:USR1@(\d+)", commands.dry_run(
+        JobSpec().replace(backend="slurm", **{"slurm.shared_dir": str(shared)}))).group(1))
+    for rank in ("0", "1"):
+        assert cli(cluster, "inject", name, "slow-rank", "--rank", rank, "--step", str(drain["step"] + 2),
+                   "--delay", "3", "--duration", "30", "--backend", "slurm").returncode == 0
+    wait_for("the requeued run's slow steps", lambda: stepped(drain["step"] + 3, 1), timeout=300)
+    shown = cluster.run("scontrol", "show", "job", job_id).stdout
+    m = re.search(r"RunTime=(?:(\d+)-)?(\d+):(\d+):(\d+)", shown)
+    run_s = ((int(m.group(1) or 0) * 24 + int(m.group(2))) * 60 + int(m.group(3))) * 60 + int(m.group(4))
+    cluster.run("scontrol", "update", f"JobId={job_id}", f"TimeLimit={-(-(run_s + grace + 1) // 60)}")
+    wait_for("the time limit's drain", lambda: len(slurm_events(folder, "failure")) == 2, timeout=150)
+    cluster.run("scontrol", "update", f"JobId={job_id}", "TimeLimit=UNLIMITED")   # pending: the last run ends
+    [warned] = [e for e in slurm_events(folder, "warning") if e["what"] == "slurm-time-limit"]
+    second = slurm_events(folder, "drain")[-1]
+    assert second["committed"] and second.t - warned.t < grace, (warned.data, second.data)
+    row = status(cluster, name)
+    assert row["state"] in ("starting", "recovering"), row
+    final = wait_for("the end", lambda: (r := status(cluster, name))["ended"] and r, timeout=300)
+    assert final["state"] == "succeeded" and final["step"] == 30, story(cluster, name)
+    # one end recorded, the last run's: no run that stopped short of the last step said it succeeded
+    assert [(e["state"], e["final_step"]) for e in slurm_events(folder, "job_end")] == [("succeeded", 30)]
+    summary = json.loads(cli(cluster, "summary", name, "--backend", "slurm", "--json").stdout)
+    drains = [e["step"] for e in slurm_events(folder, "drain")]
+    assert [(r["level"], r["resumed_step"], r["rolled_back_steps"]) for r in summary["restart_events"]] == [
+        ("job", drains[0], 0), ("job", drains[1], 0)], summary["restart_events"]
+    assert "Slurm's warning before the time limit" in summary["restart_events"][1]["cause"]
+    assert {e["step"] for e in slurm_events(folder, "resume")} == set(drains)
+    assert summary["digest"] == reference["digest"]   # bit-identical to the run that was never drained
+    assert (folder / "logs" / f"slurm-{job_id}.out").is_file()   # % and $ in the path: the log where asked
+
+
+@pytest.mark.slow
+def test_without_gres_a_dry_runs_script_submitted_by_hand_counts_the_nodes_gpus_where_it_runs(
+        cluster: SlurmCluster, tmp_path: Path) -> None:
+    """A node with two (fake) GPUs in its gres.conf, a job without --gres: the batch shell counts them there
+    and takes the GPU values (timeouts, NCCL environment); the dry run's script runs as submitted by hand
+    (after the one command it says to run first), doctor's gate included (``--device cpu``: torch sees none
+    of the fake GPUs). Ranks that outnumber the node's GPUs are refused there, in one line, within
+    seconds; so is a job that would use them (``--device auto``) where torch sees none (the gate)."""
+    env = {**cluster.env, "EKSFT_SHARED_DIR": str(cluster.shared)}
+    dry = cli(cluster, "run", "--dry-run", "--backend", "slurm", "--shared-dir", str(cluster.shared),
+              "--name", "by-hand", *BASE, "--nnodes", "1", "--partition", GPU_PARTITION, "--slurm-port",
+              str(free_base()), "--fault", "slow-rank:0@2", "--device", "cpu")   # the GPUs are fake
+    assert dry.returncode == 0, dry.stderr
+    script = dry.stdout[dry.stdout.index("#!/bin/bash"):]
+    (tmp_path / "by-hand.sbatch").write_text(script)
+    [prepare] = re.findall(r"# submitted by hand, it needs the folder of its log first: (.*) && sbatch",
+                           script)
+    assert subprocess.run(["bash", "-c", prepare], env=env).returncode == 0
+    job_id = cluster.run("sbatch", "--parsable", str(tmp_path / "by-hand.sbatch")).stdout.strip()
+    folder = cluster.shared / "by-hand"
+    wait_for("the ranks", lambda: slurm_events(folder, "rank_start"), timeout=300)
+    [start] = slurm_events(folder, "job_start")
+    # a whole node (--exclusive, the default) is granted all its GPUs
+    assert (start["gpus_per_node"], start["gpus_from"]) == (
+        2, f"Slurm's allocation on {GPU_NODE}: SLURM_GPUS_ON_NODE=2"), start.data
+    launcher = next(p for p in cluster.job_processes(job_id, GPU_NODE)
+                    if "ft_launcher" in " ".join(p.cmdline()))
+    assert "--ft-rank-heartbeat-timeout=900" in launcher.cmdline()   # GPU-scale, not the CPU's 15 s
+    assert launcher.environ()["NCCL_DEBUG"] == "INFO" and launcher.environ()["EKSFT_NODE_GPUS"] == "2"
+    row = wait_for("the end", lambda: (r := json.loads(subprocess.run(
+        [sys.executable, "-m", "eksft_nb", "status", "by-hand", "--backend", "slurm", "--json"],
+        capture_output=True, text=True, env=env, timeout=120).stdout))["ended"] and r, timeout=300)
+    assert (row["state"], row["step"]) == ("succeeded", 30), row
+    # more ranks than the node has GPUs; a shared node is granted none, and Slurm's record of it counts
+    run(cluster, "too-many", "--nnodes", "1", "--nproc-per-node", "3", "--partition", GPU_PARTITION,
+        "--no-exclusive", "--cpus-per-task", "2", detach=True)
+    # GPUs on the node that torch does not see, and a job that would use them: doctor's gate stops it
+    run(cluster, "no-cuda", "--nnodes", "1", "--partition", GPU_PARTITION, detach=True)
+    row = wait_for("the refusal", lambda: (r := status(cluster, "too-many"))["ended"] and r, timeout=120)
+    assert row["state"] == "failed" and row["detail"].startswith(
+        f"3 ranks per node but the node has 2 GPUs (Slurm's record of node {GPU_NODE} (Gres=gpu:2"), row
+    assert "use --nproc-per-node 2" in row["detail"] and not slurm_events(cluster.shared / "too-many",
+                                                                          "rank_start")
+    row = wait_for("the gate", lambda: (r := status(cluster, "no-cuda"))["ended"] and r, timeout=120)
+    assert row["state"] == "failed" and row["detail"].startswith(
+        f"doctor on {GPU_NODE}: the spec asks for GPUs but torch sees none here"), row
+    assert "--device cpu" in row["detail"] and not slurm_events(cluster.shared / "no-cuda", "rank_start")
+
+
+@pytest.mark.slow
+def test_a_batch_shell_whose_python_has_no_eksft_says_why_and_the_fix(cluster: SlurmCluster,
+                                                                      tmp_path: Path) -> None:
+    """The nodes' python is not the environment's: the job fails at once, and status and summary say why
+    (python's own error, from the batch log) and what to do."""
+    bare = Path(sys.base_prefix) / "bin" / "python3"   # this interpreter without this environment
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "python").symlink_to(bare)
+    assert subprocess.run([str(tmp_path / "bin" / "python"), "-c", "import eksft_nb"], capture_output=True,
+                          env={"PATH": "/usr/bin:/bin"}, cwd=tmp_path).returncode != 0
+    # sbatch gives the batch shell this PATH and nothing else of this environment
+    env = {**{k: v for k, v in cluster.env.items() if k != "EKSFT_SHARED_DIR"},
+           "SBATCH_EXPORT": "SLURM_CONF,HOME,PATH", "PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"}
+    launched = subprocess.run(
+        [sys.executable, "-m", "eksft_nb", "run", "--backend", "slurm", "--shared-dir", str(cluster.shared),
+         "--name", "no-eksft", *BASE, "--slurm-port", str(free_base()), "--detach"],
+        capture_output=True, text=True, timeout=120, env=env)
+    assert launched.returncode == 0, launched.stderr
+    t0 = time.time()
+    row = wait_for("the failure", lambda: (r := status(cluster, "no-eksft"))["ended"] and r, timeout=120)
+    assert time.time() - t0 < 60
+    assert row["state"] == "failed", row
+    assert "ModuleNotFoundError: No module named 'eksft_nb'" in row["detail"], row
+    assert row["detail"].endswith("the nodes' python has no eksft_nb: put the shared environment first on "
+                                  "PATH"), row
+    summary = json.loads(cli(cluster, "summary", "no-eksft", "--backend", "slurm", "--json").stdout)
+    assert summary["state"] == "failed" and summary["reason"] == row["detail"], summary
+
+
+@pytest.mark.slow
+def test_a_first_node_whose_name_does_not_resolve_is_said_within_seconds(cluster: SlurmCluster) -> None:
+    """The launchers would wait for the rendezvous their whole join timeout: status says what they wait for,
+    why and since when, within seconds."""
+    node = cluster.run("sinfo", "-h", "-N", "-p", SECOND_PARTITION, "-o", "%N").stdout.split()[0]
+    with pytest.raises(OSError):
+        socket.getaddrinfo(node, None)   # the test's premise: a host name that does not exist
+    run(cluster, "nowhere", "--nnodes", "1", "--partition", SECOND_PARTITION, detach=True)
+    t0 = time.time()
+    row = wait_for("the wait said", lambda: "does not resolve" in (r := status(cluster, "nowhere"))["detail"]
+                   and r, timeout=120)
+    assert time.time() - t0 < 60, row
+    port = json.loads((cluster.shared / "nowhere" / "spec.json").read_text())["slurm"]["port"]
+    assert re.fullmatch(rf"waiting since \d\d:\d\d:\d\d \(\d+ s\) for the rendezvous at {node}:{port}: its "
+                        r"name does not resolve on \S+ \(.*\) \(the launchers wait for it until their join "
+                        r"timeout: fix the nodes' name resolution, DNS or /etc/hosts\)", row["detail"]), row
+    [warning] = [e for e in slurm_events(cluster.shared / "nowhere", "warning") if e["what"] == "rendezvous"]
+    assert f"{node}:{port}" in warning["message"]
+    assert cli(cluster, "stop", "nowhere", "--backend", "slurm").returncode == 0
+
+
+def test_container_options_are_refused_in_one_line_where_pyxis_is_absent(cluster: SlurmCluster) -> None:
+    proc = cli(cluster, "run", "--backend", "slurm", "--shared-dir", str(cluster.shared), "--name", "pyxis",
+               *BASE, "--container-image", "nvcr.io#nvidia/pytorch:25.01-py3", "--detach")
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert "--container-image needs pyxis, which this cluster does not have" in proc.stderr, proc.stderr
+    assert not (cluster.shared / "pyxis").exists()

@@ -1,19 +1,25 @@
-"""Hot spares (``--spare-nodes``): the extra launchers and pods a job gets, as rendered. The spare
-taking a lost node's place in a real job is tested in test_engine.py."""
+"""Hot spares (``--spare-nodes``): the extra launchers and pods a job gets, as rendered, and which NVRx
+release can run them where. The spare taking a lost node's place in a real job is tested in
+test_engine.py (locally) and test_slurm_spares.py."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
+from eks_pods import LocalPod
+from test_eks_gpu_cluster import pod_of
 from test_eks_render import eks_spec
 
-from eksft_nb import commands
-from eksft_nb.backends.eks import EksBackend, schemas
+import nvrx_releases as releases
+from eksft_nb import commands, nvrx
+from eksft_nb.backends.eks import EksBackend, names, schemas
+from eksft_nb.backends.eks.failures import CONFIG_ERROR
 from eksft_nb.backends.local import LocalBackend
-from eksft_nb.errors import SpecError
+from eksft_nb.errors import JobError, SpecError
+from eksft_nb.launcher import Ports, launcher_argv
 from eksft_nb.spec import JobSpec
-from jobs import cli
-from test_engine import NVRX_06
 
 
 @pytest.mark.parametrize("kind", ["job", "jobset"])
@@ -26,7 +32,28 @@ def test_eks_workloads_get_the_spare_pods_and_the_rendezvous_keeps_its_size(kind
     job = workload["spec"] if kind == "job" else workload["spec"]["replicatedJobs"][0]["template"]["spec"]
     assert job["completions"] == job["parallelism"] == 3
     args = job["template"]["spec"]["containers"][0]["args"]
-    assert "--nnodes=2" in args   # the third pod waits in the rendezvous's redundancy list
+    assert "--nnodes=2:3" in args   # NVRx's standby nodes: 2 train, the third waits for a lost one's place
+
+
+@pytest.mark.parametrize("release", ["installed", releases.NEWEST])
+def test_an_eks_pod_whose_nvrx_cannot_run_the_spares_stops_before_training(
+        release: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The render cannot know the image's NVRx: the pod's init container (`prepare`, run here with the
+    pod's environment: its doctor gate) refuses spares its NVRx cannot run, in one line with the
+    configuration-error exit that fails the job; with NVRx 0.6+ it goes on."""
+    releases.use(release, monkeypatch)
+    m = EksBackend().manifests(eks_spec(name="sparepod", nnodes=2, spare_nodes=1))
+    pod = LocalPod(pod_of(m.workload()), "sparepod-0", tmp_path, m.job[0]["data"],
+                   {names.COMPLETION_INDEX: "0", names.INDEX_FAILURES: "0"})
+    done = pod.run("prepare", timeout=120)
+    if nvrx.supports_own_spares(releases.version(release)):
+        assert done.returncode == 0, done.stderr
+        return
+    assert done.returncode == CONFIG_ERROR, done.stderr
+    [line] = done.stderr.strip().splitlines()
+    version = releases.version(release)
+    assert line.startswith(f"eksft: error: --spare-nodes 1: NVRx {version} takes --nnodes 2:3 as an elastic "
+                           "range and would train on every spare → use NVRx >= 0.6"), line
 
 
 def test_pytorchjobs_refuse_spares_in_one_line() -> None:
@@ -36,27 +63,64 @@ def test_pytorchjobs_refuse_spares_in_one_line() -> None:
     assert "\n" not in str(err.value) and "use --kind job (or jobset) for hot spares" in str(err.value)
 
 
-def test_local_jobs_start_a_launcher_per_spare_and_refuse_a_negative_count() -> None:
-    text = LocalBackend().render(JobSpec(name="spares", nnodes=2, nproc_per_node=1, spare_nodes=1))
-    assert text.count("ft_launcher ") == 3 and text.count("--nnodes=2 ") == 3
+def test_local_jobs_start_a_launcher_per_spare_and_refuse_a_negative_count(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = JobSpec(name="spares", nnodes=2, nproc_per_node=1, spare_nodes=1)
+    monkeypatch.setattr(nvrx, "installed", lambda: nvrx.NVRx("0.4.1"))
+    text = LocalBackend().render(spec)   # the legacy rendezvous: spares in its redundancy list
+    assert text.count("ft_launcher ") == 3 and text.count("--nnodes=2 ") == 3 and "nvrx-control" not in text
+    monkeypatch.setattr(nvrx, "installed", lambda: nvrx.NVRx("0.7.0"))
+    text = LocalBackend().render(spec)   # NVRx's own standby nodes, its store host outside the launchers
+    assert text.count("ft_launcher ") == 3 and text.count("nvrx-control ") == 1
+    assert text.count("--nnodes=2:3 ") == 4 and text.count("--rdzv-conf=is_host=false") == 3
     with pytest.raises(SpecError, match="spare_nodes"):
         JobSpec(name="spares", spare_nodes=-1).validate()
 
 
-def test_a_local_job_with_spares_is_refused_in_one_line_where_nvrx_has_the_barrier_rendezvous() -> None:
-    """NVRx 0.6's barrier rendezvous counts a spare against --nnodes and closes the job when it joins (the
-    job then fails after its restarts): refused before anything starts, with what to do instead."""
-    if not (NVRX_06 / "nvidia_resiliency_ext").is_dir():
-        pytest.skip(f"NVRx 0.6.0 is not installed in {NVRX_06} (`make setup` installs it)")
-    proc = cli("run", "--name", "spare-barrier", "--nnodes", "2", "--nproc-per-node", "1", "--spare-nodes",
-               "1",
-               nvrx=NVRX_06)
-    assert proc.returncode != 0
-    [line] = proc.stderr.strip().splitlines()
-    assert ("--spare-nodes 1: NVRx 0.6.0's barrier rendezvous counts a hot spare against --nnodes"
-            in line), line
-    assert "use --spare-nodes 0" in line, line
-    assert "spare-barrier" not in cli("list").stdout   # nothing was started or saved
+@pytest.mark.parametrize("version, local, cluster", [
+    ("0.4.1", None, "takes --nnodes 2:3 as an elastic range and would train on every spare"),
+    ("0.5.0", "barrier rendezvous counts a hot spare against --nnodes", "counts a hot spare against"),
+    ("0.6.0", None, None), ("0.7.0", None, None), ("0.7.0rc1", None, None)])
+def test_each_release_runs_spares_where_it_can_and_a_spec_it_cannot_is_refused_in_one_line(
+        version: str, local: str | None, cluster: str | None) -> None:
+    """NVRx 0.4's spares work locally through the supervisor's handover; 0.6+ has its own standby nodes
+    everywhere; 0.5's barrier rendezvous closes the job when a spare joins. The check a pod or a Slurm node
+    runs (doctor) asks the same."""
+    found = nvrx.NVRx(version)
+    assert nvrx.supports_own_spares(version) == (nvrx.parse_version(version) >= (0, 6, 0))
+    for backend, want in (("local", local), ("eks", cluster), ("slurm", cluster)):
+        spec = JobSpec(name="s", backend=backend, nnodes=2, spare_nodes=1)
+        refused = found.cannot_run(spec)
+        assert (refused is None) == (want is None), (backend, refused)
+        if refused is not None:
+            line = str(refused)
+            assert "\n" not in line and f"--spare-nodes 1: NVRx {version}" in line and want in line, line
+            assert line.endswith("or --spare-nodes 0 (a lost node is then a job restart)"), line
+            assert "nvidia-resiliency-ext>=0.6" in refused.fix
+        assert found.cannot_run(spec.replace(spare_nodes=0)) is None
+    if found.spares == "standby":   # the survivors of a lost node let the spare in: one node has none
+        line = str(found.cannot_run(JobSpec(name="s", nnodes=1, spare_nodes=1)))
+        assert line.startswith(f"--spare-nodes 1 with --nnodes 1: NVRx {version}'s standby nodes"), line
+        assert line.endswith("use --nnodes 2 or more, or --spare-nodes 0 (a lost node is then a job restart)")
+
+
+def test_a_local_job_with_spares_is_refused_before_anything_starts_where_nvrx_cannot_run_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nvrx, "installed", lambda: nvrx.NVRx("0.5.0"))
+    spec = JobSpec(name="spare-barrier", nnodes=2, nproc_per_node=1, spare_nodes=1).validate()
+    with pytest.raises(JobError, match=r"^--spare-nodes 1: NVRx 0.5.0's barrier rendezvous") as e:
+        LocalBackend().check(spec)
+    assert "use NVRx >= 0.6" in e.value.fix
+    assert not LocalBackend().jobs() or "spare-barrier" not in {j.name for j in LocalBackend().jobs()}
+
+
+def test_the_launch_line_gives_spares_to_nvrx_s_standby_nodes_where_the_release_has_them() -> None:
+    spec = JobSpec(name="j", nnodes=2, spare_nodes=2).validate()
+    args = dict(node_rank=0, rdzv_host="h", ports=Ports.from_base(29500), rdzv_id="r")
+    assert "--nnodes=2:4" in launcher_argv(spec, **args)   # a cluster's: checked where it runs
+    assert "--nnodes=2:4" in launcher_argv(spec, **args, nvrx=nvrx.NVRx("0.7.0"))
+    assert "--nnodes=2" in launcher_argv(spec, **args, nvrx=nvrx.NVRx("0.4.1"))
+    assert "--nnodes=2" in launcher_argv(spec.replace(spare_nodes=0), **args)
 
 
 def _rendezvous(store, rdzv_id: str, state) -> None:

@@ -13,6 +13,7 @@ import pytest
 
 import eksft_nb
 from eksft_nb.dashboard import Dashboard
+import nvrx_releases as releases
 from jobs import cli, events, job_dir, run_job, story, wait_for
 
 pytestmark = pytest.mark.slow
@@ -20,6 +21,13 @@ SCRIPTS = Path(__file__).parent / "scripts"
 # scripts of our own run with --no-inprocess (that is the built-in trainer's tier) and a short heartbeat
 # timeout
 FAST = ["--no-inprocess", "--heartbeat-timeout", "8"]
+
+
+@pytest.fixture
+def newest_nvrx(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Scripts written against NVRx's API run on the newest release (the full NVRx matrix, see
+    nvrx_releases); the others on the environment's own."""
+    releases.use(releases.NEWEST, monkeypatch)
 
 
 def steps_after(name: str, t: float) -> list[Any]:
@@ -72,7 +80,8 @@ def test_plain_ddp_steps_and_faults_without_a_line_of_eksft() -> None:
     break_twice("ddp", launched("ddp", "ddp.py", f"--steps {STEPS} --sleep 0.1"))
 
 
-def test_nvrx_heartbeats_script_with_a_module_beside_it_keeps_its_own_connection(tmp_path: Path) -> None:
+def test_nvrx_heartbeats_script_with_a_module_beside_it_keeps_its_own_connection(tmp_path: Path,
+                                                                                 newest_nvrx: None) -> None:
     break_twice("hb", launched("hb", "heartbeats.py", f"--steps {STEPS} --sleep 0.1 --ckpt {tmp_path}"))
     starts = [e for e in events("hb", "rank_start")]
     assert {e["injob_restart"] for e in starts} == {0, 1, 2}
@@ -84,7 +93,7 @@ def test_nvrx_heartbeats_script_with_a_module_beside_it_keeps_its_own_connection
 
 
 def test_nvrx_sections_script_as_a_notebook_cell_gets_its_sections_and_takes_the_dashboards_faults(
-        ip: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        ip: Any, monkeypatch: pytest.MonkeyPatch, newest_nvrx: None) -> None:
     """The sections script as a notebook cell (its code the cell's, importing a module beside the notebook),
     broken from the cell's own live dashboard: its steps are the optimizer's, its sections the spec's."""
     monkeypatch.chdir(SCRIPTS)  # the notebook's folder: a cell imports the modules beside it
@@ -101,7 +110,7 @@ def test_nvrx_sections_script_as_a_notebook_cell_gets_its_sections_and_takes_the
     assert spec.ft.sections() == {"init": 60.0, "step": 20.0}
 
 
-def test_a_users_own_inprocess_wrapper_restarts_in_place_and_is_recorded() -> None:
+def test_a_users_own_inprocess_wrapper_restarts_in_place_and_is_recorded(newest_nvrx: None) -> None:
     launched = cli("run", "--name", "wrapped", "--script", str(SCRIPTS / "wrapped.py"), "--script-args",
                    "120 0.1",
                    "--no-inprocess", "--heartbeat-timeout", "20", "--detach")
@@ -174,7 +183,8 @@ NVRX_EXAMPLES = os.environ.get("EKSFT_NVRX_EXAMPLES")
 
 
 @pytest.mark.skipif(not NVRX_EXAMPLES,
-                    reason="set EKSFT_NVRX_EXAMPLES to an NVRx examples folder (not shipped here)")
+                    reason="set EKSFT_NVRX_EXAMPLES to the examples/ folder of NVRx 0.7.0's repository "
+                    "(not in its wheel, not shipped here)")
 @pytest.mark.parametrize("script, args, extra", [
     ("fault_tolerance/train_ddp_heartbeats_api.py",
      "--device cpu --hidden 64 --train_dataset_size 8000 --val_dataset_size 200 --epochs 3 --batch 8 "
@@ -187,8 +197,8 @@ NVRX_EXAMPLES = os.environ.get("EKSFT_NVRX_EXAMPLES")
     ("inprocess/basic_example.py", "--device cpu --total-iterations 3000 --fault-prob 0 --path out", []),
 ], ids=["heartbeats", "sections", "inprocess"])
 def test_nvrx_own_examples_run_unmodified_and_recover(script: str, args: str, extra: list[str],
-                                                      tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+                                                      tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      newest_nvrx: None) -> None:
     (tmp_path / "out").mkdir()
     monkeypatch.chdir(tmp_path)
     name = "nvrx-" + Path(script).stem.replace("_", "-")

@@ -106,7 +106,8 @@ def test_the_inputs_are_what_the_events_measured() -> None:
     inp = measure(stream(), spec())
     # 20 steps of 1 s; saves at 5, 10, 15, 20 blocking 0.5 s; the fault at step 13's start lost 11 and 12
     assert (inp.steps, inp.step_s, inp.saves, inp.stall_per_save_s) == (20, 1.0, 4, 0.5)
-    assert inp.failures == [{"step": 12, "level": "injob", "downtime_s": 4.0, "detection_s": 1.0, "lost": 2,
+    assert inp.failures == [{"step": 12, "level": "injob", "cause": "injected sigkill on rank 1",
+                             "downtime_s": 4.0, "detection_s": 1.0, "lost": 2,
                              "node_loss": False, "phases": {}, "wrapper_s": None, "committed": 10}]
     assert inp.wall_s == pytest.approx(2 + 22 + 2.0 + 4.0)   # startup + steps run + stall + downtime
     assert (inp.mtbf_s, inp.recovery_s, inp.detection_s) == (pytest.approx(30.0), 4.0, 1.0)
@@ -199,15 +200,16 @@ def test_young_daly_from_the_measured_costs() -> None:
     assert rec["text"] == f"every 6 steps: {rec['gain_points']:+.1f} points ETTR (now every 5)"
 
 
-@pytest.mark.parametrize("version, pays", [("0.4.1", True), ("0.6.0", False)])
+@pytest.mark.parametrize("version, pays", [("0.4.1", True), ("0.5.0", False), ("0.7.0", True)])
 def test_spares_get_no_figure_where_the_jobs_nvrx_cannot_hand_a_node_over(version: str, pays: bool) -> None:
-    """NVRx 0.5+'s barrier rendezvous closes the job when a spare joins: a row with spares says so and has
-    no ETTR, whether the job ran with a spare or not; the recommendation never carries one."""
+    """NVRx 0.5's barrier rendezvous closes the job when a spare joins (0.4 hands a node over through
+    eksft's supervisor, 0.6+ through its own standby nodes): a row with spares says so and has no ETTR,
+    whether the job ran with a spare or not; the recommendation never carries one."""
     for as_run in (0, 1):
         report = replay(stream(nvrx=version), spec(spares=as_run), Settings((5, 10), spares=1)).to_dict()
         for row in report["rows"]:
             assert (row["ettr"] is not None) == pays, row
-            assert ("hot spares do not pay off with this job's NVRx: NVRx 0.6.0" in row["why"]) == (
+            assert ("hot spares do not pay off with this job's NVRx: NVRx 0.5.0" in row["why"]) == (
                 not pays), row
         assert "spare" not in report["recommendation"]["text"]
     if not pays:
@@ -413,6 +415,65 @@ def faulted_job() -> str:
     return "whatif-real"
 
 
+def test_every_setting_and_the_summary_carry_gpu_hours_and_dollars(faulted_job: str) -> None:
+    """The real job's what-if and summary priced at p5.48xlarge and scaled to 30 days on 16 nodes."""
+    from eksft_nb import cost
+    from eksft_nb.goodput import compute
+    from eksft_nb.job import attach
+    from eksft_nb.resilience.whatif_cost import text
+
+    scale = {"price": "p5.48xlarge", "run_for": "30d", "nodes": 16, "failures_per_day": 2.0}
+    report = commands.whatif(faulted_job, ckpt_every="5,10", **scale)
+    m = report["measured"]
+    lost_s = sum(v for k, v in m["terms"].items() if k != "productive")
+    assert m["cost"]["lost"]["gpu_h"] == pytest.approx(lost_s * 2 / 3600, abs=1e-5)
+    assert m["cost"]["lost"]["usd"] == pytest.approx(m["cost"]["lost"]["gpu_h"] * 6.88, abs=1e-3)
+    for row in [m["predicted_as_run"], *report["rows"]]:
+        assert row["cost"]["lost"]["gpu_h"] > 0 and row["cost"]["lost"]["usd"] > 0, row
+        proj = row["projection"]
+        assert proj["gpus"] == 128 and proj["failures_expected"] == 60.0 and proj["lost"]["usd"] > 0
+        assert "2 failures a day (given)" in proj["assumes"]
+    [five, ten] = report["rows"]
+    assert five["vs_as_run"]["gpu_h"] == pytest.approx(0.0, abs=1e-6)   # the job's own interval
+    assert ten["vs_as_run"]["gpu_h"] == pytest.approx(ten["projection"]["lost"]["gpu_h"]
+                                                     - five["projection"]["lost"]["gpu_h"], abs=1e-3)
+    saving = report["cost"]["saving"]
+    assert "over 30d at 16 x p5.48xlarge (a model" in saving, saving
+    assert "every 10 steps instead of 5 saves ~$" in saving or "own settings" in saving, saving
+    shown = text(report)
+    assert "at scale: " in shown and "assumes:" in shown and "$" in shown
+    summary = commands.summary(faulted_job, **scale)
+    gp = compute(attach(faulted_job).refresh())
+    a = summary["cost"]
+    faults_s = gp.restart_downtime_s + gp.recomputed_s
+    assert a["faults"]["gpu_h"] == pytest.approx(faults_s * 2 / 3600, abs=1e-5)
+    assert a["checkpoints"]["usd"] == pytest.approx(
+        (gp.checkpoint_stall_s + gp.checkpoint_interference_s) * 2 / 3600 * 6.88, abs=1e-3)
+    assert a["projection"]["failures_expected"] == 60.0 and cost.PRICES_AS_OF in a["pricing"]["price"]
+    # its saves against their floor: the ranks measured their copies while staging
+    f = summary["checkpoint_floor"]
+    assert f["saves"] >= 5 and f["copy_bps"] > 0 and 0 < f["stall_floor_s"] <= f["stall_s"], f
+    assert 0 < f["write_floor_s"] <= f["write_s"], f
+
+
+def test_the_dashboard_prices_the_goodput_bar_and_shows_the_saves_floor(faulted_job: str) -> None:
+    """The widget dashboard on the same real job (no run of its own): the goodput bar's cost line at the
+    price asked for, and the checkpoint table's line of the stall against its floor."""
+    from eksft_nb.dashboard import Dashboard
+    from eksft_nb.job import attach
+
+    dash = Dashboard(attach(faulted_job), live=False, price="p5.48xlarge")
+    try:
+        dash.update()
+        bar = dash.goodput.value
+        assert "on 2 GPU(s): lost " in bar and "(faults " in bar and "$" in bar, bar
+        assert "p5.48xlarge" in bar and "GPU-hours only" not in bar, bar
+        floor = dash.checkpoints.floor
+        assert floor.startswith("checkpoint stall ") and "x its floor" in floor and "GB/s" in floor, floor
+    finally:
+        dash.close()
+
+
 def test_the_magic_shows_the_table_and_the_plot(faulted_job: str, ip: object,
                                                 capsys: pytest.CaptureFixture) -> None:
     ip.run_line_magic("ftrain", f"whatif {faulted_job} --ckpt-every 5,10 --no-inprocess")
@@ -423,9 +484,60 @@ def test_the_magic_shows_the_table_and_the_plot(faulted_job: str, ip: object,
     assert list(line.x) == [5, 10] and all(0 < y < 100 for y in line.y)   # ETTR in percent, per interval
 
 
+def test_an_exception_healed_in_process_is_charged_as_the_jobs_own_in_job_restarts_of_its_cause() -> None:
+    """In-process restart off: an exception healed in-process becomes an in-job restart; its downtime is
+    learned from the job's in-job restarts caused by exceptions, else charged as those of other causes and
+    the term said to be estimated (an exception's rank ends its process first, which a kill skips)."""
+    from dataclasses import replace
+
+    from eksft_nb.resilience.whatif import cause_kind
+
+    s = spec()
+    inp = measure(stream(level="inprocess", downtime=0.5), s)
+    healed = {**inp.failures[0], "cause": "injected exception on rank 0"}
+    injob = {**healed, "level": "injob", "step": 17, "wrapper_s": None}
+    off = Setting(5, False, "sync", 0)
+    killed = predict(replace(inp, failures=[healed, {**injob, "cause": "injected sigkill on rank 1",
+                                                     "downtime_s": 3.0}]), as_run(s), off)
+    assert killed.estimated == ["restart_downtime"] and killed.terms["restart_downtime"] == pytest.approx(6.0)
+    said = "estimated: the inprocess recovery at step 12 becomes injob"
+    assert any(n.startswith(said) for n in killed.notes), killed.notes
+    kill = {**injob, "cause": "injected sigkill on rank 1", "downtime_s": 3.0}
+    raised = predict(replace(inp, failures=[healed, {**injob, "downtime_s": 5.0}, kill]), as_run(s), off)
+    assert raised.estimated == [] and raised.terms["restart_downtime"] == pytest.approx(5.0 + 5.0 + 3.0)
+    assert any("the mean of the job's 1 exception-caused injob ones" in n for n in raised.notes), raised.notes
+    assert raised.to_dict()["estimated"] == [] and killed.to_dict()["estimated"] == ["restart_downtime"]
+    causes = ("injected exception on rank 0", "injected hang on rank 1", "injected segfault on rank 0",
+              "rank 1 failed: ValueError: x", "hang: no heartbeat from rank 0 for 30s",
+              "rank 0 killed by SIGKILL")
+    assert [cause_kind(c) for c in causes] == ["exception", "hang", "loss", "exception", "hang", "loss"]
+
+
 def test_the_plot_leaves_out_what_cannot_be_estimated() -> None:
     from eksft_nb.resilience.figures import whatif_figure
 
     report = replay(stream(level="inprocess"), spec(), Settings((5, 10), inprocess=False)).to_dict()
     fig = whatif_figure(report)
     assert list(fig.data[0].x) == [] and "2 setting(s) cannot be estimated" in fig.layout.title.text
+
+
+@pytest.mark.parametrize("version", ["0.4.1", "0.7.0", None])
+def test_in_process_restart_on_an_nvrx_that_deprecates_it_is_priced_as_in_job(version: str | None) -> None:
+    """NVRx 0.6+ deprecates in-process restart: a job that used it gets one line on what in-job restart,
+    NVRx's way forward, would have cost it (its measured in-job recovery); on 0.4.1 or an unknown NVRx,
+    nothing."""
+    mon = stream(level="inprocess", downtime=0.5, wrapper=(1.5, 0.6, 1.2), nvrx=version)
+    mon.update([make("restart", "j", t=mon.t_end - 1, level="injob", cause="x", blame_rank=0,
+                     fault_time=mon.t_end - 5, detection_s=1.0, downtime_s=4.0, rolled_back_steps=2,
+                     resumed_step=15)])
+    report = replay(mon, spec(), Settings((5,))).to_dict()
+    text = format_report(report)
+    off = report["measured"].get("without_inprocess")
+    if version != "0.7.0":
+        assert off is None and "deprecates in-process" not in text
+        return
+    assert off["setting"]["inprocess"] is False and off["ettr"] is not None and off["nvrx"] == "0.7.0"
+    assert off["terms"]["restart_downtime"] == pytest.approx(4.0 + 4.0)   # both recoveries at in-job's cost
+    points = 100 * (off["ettr"] - report["measured"]["predicted_as_run"]["ettr"])
+    assert (f"NVRx 0.7.0 deprecates in-process restart; in-job restart instead (--no-inprocess): "
+            f"{100 * off['ettr']:.1f}% ETTR ({points:+.1f} points)") in text.splitlines()

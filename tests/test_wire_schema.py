@@ -10,7 +10,7 @@ import typing
 from typing import Any
 
 from conftest import REPO
-from eksft_nb.commands import JobRow, ResumeResult, SettingsResult, StopResult
+from eksft_nb.commands import JobRow, Removal, ResumeResult, SettingsResult, StopResult
 from eksft_nb.lab import wire
 from eksft_nb.settings import LIVE
 from eksft_nb.states import FAILED_ENDS, JobState, RestartLevel
@@ -23,7 +23,7 @@ MODELS: dict[str, Any] = {
     "ISettingsResult": SettingsResult, "IFaultKindInfo": wire.FaultKindInfo, "ILiveSetting": wire.LiveSetting,
     "IBackendStatus": wire.BackendStatus, "IJobsReply": wire.JobsReply,
     "ISettingsInForce": wire.SettingsInForce, "ICheckpointRow": wire.CheckpointRow,
-    "ICheckpointsReply": wire.CheckpointsReply,
+    "ICheckpointsReply": wire.CheckpointsReply, "IRemoval": Removal, "IRemovalsReply": wire.RemovalsReply,
     "IFigure": wire.Figure, "IWhatIfView": wire.WhatIfView}
 NAMES = {model: name for name, model in MODELS.items()}
 
@@ -78,6 +78,7 @@ def test_the_words_are_served_not_copied() -> None:
     assert reply["levels"] == {level.value: level.label for level in RestartLevel}
     assert list(reply["levels"]) == [level.value for level in RestartLevel]   # the rows' order of levels
     assert set(reply["failed"]) == {s.value for s in FAILED_ENDS}
+    assert reply["states"] == [s.value for s in JobState]   # the order the panel counts them in
     assert [s["name"] for s in reply["settings"]] == list(LIVE)
     assert set(reply) == set(wire.JobsReply.__annotations__)
     words = ({s.value for s in JobState} | {level.label for level in RestartLevel} | set(LIVE)

@@ -4,10 +4,10 @@ A page marks the place with an HTML comment on a line of its own, ``<!-- eksft:g
 (invisible where the Markdown is read as is, e.g. on GitHub); when Sphinx reads the page the line is
 replaced by the Markdown that :data:`GENERATORS` ``[NAME]`` returns:
 
-- ``cli``: every command of :data:`eksft_nb.commands.ARGS` (the table the CLI's and the magics' parsers are
+- ``cli``: every command of :data:`eksft_nb.arguments.ARGS` (the table the CLI's and the magics' parsers are
   built from) with its arguments;
 - ``spec-options``: every job-spec option (:func:`eksft_nb.spec.spec_options`: each field's flag, help and
-  default), grouped as ``run --help`` groups them (:data:`eksft_nb.commands.SPEC_GROUPS`);
+  default), grouped as ``run --help`` groups them (:data:`eksft_nb.arguments.SPEC_GROUPS`);
 - ``faults``: the fault kinds of :data:`eksft_nb.fault_registry.REGISTRY`;
 - ``expect-keys``: what a resilience test's ``--expect`` checks (:data:`eksft_nb.resilience.expect.KEYS`);
 - ``fsx-table``: a checkpoint's save and restore time per model preset and FSx throughput
@@ -90,27 +90,27 @@ def _default(value: Any) -> str:
 
 
 def cli() -> str:
-    from eksft_nb import commands
+    from eksft_nb import arguments
 
     out = []
-    verbs = list(commands.ARGS.values())
+    verbs = list(arguments.ARGS.values())
     rows = []
     for v in verbs:
         magic = ("`%%ftrain` (a cell)" if v.name == "run" else
-                 code(f"{MAGIC_PROG} {v.name_in(commands.MAGIC)}") if commands.MAGIC in v.fronts
+                 code(f"{MAGIC_PROG} {v.name_in(arguments.MAGIC)}") if arguments.MAGIC in v.fronts
                  else "terminal only")
         rows.append((f"[{code(v.name)}](#{v.name})", text(v.help), magic))
     out.append(table(("command", "what it does", "in a notebook"), rows))
     for v in verbs:
         out.append(f"### `{v.name}`\n\n{text(v.help)[0].upper()}{text(v.help)[1:]}.")
-        words = commands.positionals(v.name, commands.CLI)
+        words = arguments.positionals(v.name, arguments.CLI)
         usage = f"{PROG} {v.name}" + (f" {words}" if words else "") + " [options]"
         lines = [f"```text\n{usage}\n```"]
-        if commands.MAGIC in v.fronts:
-            mwords = commands.positionals(v.name, commands.MAGIC)
+        if arguments.MAGIC in v.fronts:
+            mwords = arguments.positionals(v.name, arguments.MAGIC)
             notebook = ("%%ftrain [options]\n<the cell: empty for the built-in trainer, or your script>"
                         if v.name == "run" else
-                        f"{MAGIC_PROG} {v.name_in(commands.MAGIC)}" + (f" {mwords}" if mwords else "")
+                        f"{MAGIC_PROG} {v.name_in(arguments.MAGIC)}" + (f" {mwords}" if mwords else "")
                         + " [options]")
             lines.append(f"In a notebook:\n\n```text\n{notebook}\n```")
         else:
@@ -120,12 +120,12 @@ def cli() -> str:
         for a in v.args:
             kw = dict(a.kwargs)
             help_ = text(kw.get("help", ""))
-            if commands.MAGIC in v.fronts and commands.MAGIC not in a.fronts:
+            if arguments.MAGIC in v.fronts and arguments.MAGIC not in a.fronts:
                 help_ += " *(terminal only)*"
-            if a.magic.get("help") and commands.MAGIC in a.fronts:
+            if a.magic.get("help") and arguments.MAGIC in a.fronts:
                 help_ += f" *(in a notebook: {text(a.magic['help'])})*"
             rows.append((_argument(a, kw), _default(kw.get("default")), help_))
-        if v.name in commands.SPEC_VERBS:
+        if v.name in arguments.SPEC_VERBS:
             rows.append(("every [job-spec option](#job-spec-options)", "", "the job to run"))
         if rows:
             out.append(table(("argument", "default", "what it does"), rows))
@@ -143,20 +143,20 @@ def _spec_default(value: Any) -> str:
 
 
 def spec_options() -> str:
-    from eksft_nb import commands
+    from eksft_nb import arguments
     from eksft_nb.spec import spec_options as options
 
-    groups: dict[str, list[tuple[str, ...]]] = {title: [] for title in commands.SPEC_GROUPS.values()}
+    groups: dict[str, list[tuple[str, ...]]] = {title: [] for title in arguments.SPEC_GROUPS.values()}
     for o in options():
         section = o.path.rsplit(".", 1)[0] + "." if "." in o.path else ""
-        if section not in commands.SPEC_GROUPS:
-            logger.warning(f"spec field {o.path} is in no section of commands.SPEC_GROUPS",
+        if section not in arguments.SPEC_GROUPS:
+            logger.warning(f"spec field {o.path} is in no section of arguments.SPEC_GROUPS",
                            type="eksft", subtype="generate")
             continue
         flag = (f"{code(o.flag)}, {code('--no-' + o.flag[2:])}" if o.type is bool
                 else code(f"{o.flag} {o.flag[2:].upper()}"))
         help_ = text(o.help) + (f" (one of {', '.join(code(c) for c in o.choices)})" if o.choices else "")
-        groups[commands.SPEC_GROUPS[section]].append((flag, code(o.path), _spec_default(o.default), help_))
+        groups[arguments.SPEC_GROUPS[section]].append((flag, code(o.path), _spec_default(o.default), help_))
     out = []
     for title, rows in groups.items():
         if rows:
@@ -197,8 +197,43 @@ def fsx_table() -> str:
     return table_of(fsx_specs())
 
 
+# ---- what GPU time costs, and what heals each fault ----------------------------------------------------
+
+def prices() -> str:
+    from eksft_nb import cost
+
+    rows = [(code(name), i.gpu, str(i.gpus), f"${i.usd_per_hour:,.4f}", f"${i.usd_per_hour / i.gpus:,.4f}")
+            for name, i in cost.PRICES.items()]
+    return (f"On-demand, Linux, {cost.PRICES_REGION}, as of {cost.PRICES_AS_OF}:\n\n"
+            + table(("--price", "GPU", "GPUs", "USD per instance-hour", "USD per GPU-hour"), rows))
+
+
+def expected_levels() -> str:
+    from eksft_nb.engines.registry import ENGINES
+    from eksft_nb.spec import JobSpec
+    from eksft_nb.states import EngineName, FaultKind
+
+    off = JobSpec().replace(**{"ft.inprocess": False})
+    columns = [(EngineName.NVRX, "NVRx, in-process on", JobSpec()),
+               (EngineName.NVRX, "NVRx, in-process off", off),
+               (EngineName.NVRX, "NVRx, a script", JobSpec(script="train.py")),
+               (EngineName.TORCHFT, "torchft", JobSpec(engine="torchft", nnodes=2, nproc_per_node=1)),
+               (EngineName.TORCHFT, "torchft, a script",
+                JobSpec(engine="torchft", nnodes=2, nproc_per_node=1, script="train.py"))]
+    rows = []
+    for kind in FaultKind:
+        cells = []
+        for engine, _, spec in columns:
+            level = ENGINES[engine].expected_level(kind.value, spec)
+            fired = kind.value in ENGINES[engine].fires(spec)
+            cells.append("(not fired)" if not fired else code(level) if level else "not said")
+        rows.append((code(kind.value), *cells))
+    return table(("fault", *(label for _, label, _ in columns)), rows)
+
+
 GENERATORS: dict[str, Callable[[], str]] = {"cli": cli, "spec-options": spec_options, "faults": faults,
-                                            "expect-keys": expect_keys, "fsx-table": fsx_table}
+                                            "expect-keys": expect_keys, "fsx-table": fsx_table,
+                                            "prices": prices, "expected-levels": expected_levels}
 
 
 # ---- Sphinx --------------------------------------------------------------------------------------

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..checkpoint_folders import CheckpointInfo
 from ..control import FaultCommand
-from ..errors import ControlError, JobError
+from ..errors import ControlError, EksftError, JobError
 from ..events import Event
 from ..fault_registry import refused
 from ..spec import JobSpec
@@ -101,12 +101,27 @@ class JobSummary:
     state: JobState
     detail: str = ""
     orphaned: bool = False   # its processes run and nothing supervises them: :meth:`Backend.adopt` starts one
+    # when the wait ``detail`` names began (pods pending, queue admission, the rendezvous), where the
+    # backend knows it: every front end then says since when, and the lab panel counts it up live
+    since: float | None = None
 
 
 class Backend(ABC):
     """The whole contract: every operation the command layer asks of a backend is here."""
 
     name: str
+    # the keywords of its constructor that a job's record may hold (see :meth:`locator`)
+    locator_keys: tuple[str, ...] = ()
+
+    def locator(self, spec: JobSpec) -> dict[str, str]:
+        """The settings (keywords of this backend's constructor, among :attr:`locator_keys`) with which a
+        backend finds the job ``spec`` launched, from any process; {}: a default backend does (see
+        :mod:`.whereabouts`)."""
+        return {}
+
+    def configured(self) -> bool:
+        """Whether this machine is set up to reach the backend's jobs: a name is looked for there."""
+        return True
 
     @property
     def refused_faults(self) -> frozenset[str]:
@@ -182,6 +197,19 @@ class Backend(ABC):
     @abstractmethod
     def remove(self, name: str) -> None:
         """Delete an ended job (its folder or workload); refuse one that still runs."""
+
+    def remove_many(self, names: Sequence[str]) -> list[EksftError | None]:
+        """:meth:`remove` of each of ``names``: None where it was removed, else why not (one refusal stops
+        none of the others). A backend whose refusals look across jobs may look once for many."""
+        out: list[EksftError | None] = []
+        for name in names:
+            try:
+                self.remove(name)
+            except EksftError as e:
+                out.append(e)
+            else:
+                out.append(None)
+        return out
 
     def signal(self, name: str, rank: int, signame: str = "SIGKILL") -> str:
         """Signal a rank process directly, from outside the job; where it ran. A backend that cannot

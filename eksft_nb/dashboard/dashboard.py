@@ -15,12 +15,12 @@ from typing import Any
 
 import ipywidgets as w
 
-from .. import commands, settings
+from .. import ckpt_floor, commands, cost, reasons, settings
 from ..checkpoint_folders import CheckpointInfo, resume_origin
 from ..errors import EksftError
 from ..goodput import compute
-from ..job import Job, attach
-from ..states import FAILED_ENDS, CheckpointState, JobState
+from ..job import Job, Standing, attach
+from ..states import FAILED_ENDS, CheckpointState
 from .figure import TrainingFigure
 from .parts import CheckpointTable, FaultControls, GoodputBar, Header, LogTail, SettingsControls
 from .series import Throttle
@@ -34,11 +34,13 @@ class Dashboard(w.VBox):
     ``interval``: seconds between refreshes (the throttle); ``slow_interval``: seconds between the
     costlier refreshes (goodput, checkpoint listing, log); ``tail``/``budget``: points per series
     kept in full / at most before older history is thinned; ``live=False``: no thread (call
-    :meth:`update` yourself).
+    :meth:`update` yourself); ``price``: what the goodput bar prices GPU time at (``--price``'s words;
+    default: an EKS job's instance type, else GPU-hours only).
     """
 
     def __init__(self, job: Job, *, interval: float = 0.5, slow_interval: float = 2.0, tail: int = 500,
-                 budget: int = 3000, log_lines: int = 40, live: bool = True) -> None:
+                 budget: int = 3000, log_lines: int = 40, live: bool = True,
+                 price: str | None = None) -> None:
         self.job = Job(job.name, job.backend)   # a handle of our own: its monitor is fed by our thread only
         self.slow_interval = slow_interval
         self._options = {"interval": interval, "slow_interval": slow_interval, "tail": tail, "budget": budget,
@@ -56,7 +58,9 @@ class Dashboard(w.VBox):
                              origin=_origin(spec.resume, None))
         self._resume = spec.resume
         self.figure = TrainingFigure(tail=tail, budget=budget)
-        self.goodput = GoodputBar()
+        pricing = cost.pricing(spec, price)
+        self.goodput = GoodputBar(gpus=spec.world_size, usd_per_gpu_hour=pricing.usd_per_gpu_hour,
+                                  price=pricing.said)
         self.controls = FaultControls(world_size=spec.world_size, nnodes=spec.nnodes)
         self.settings = SettingsControls(values=settings.of_spec(spec))
         self.settings.layout.display = "none" if spec.script else None   # a script's own loop saves
@@ -108,9 +112,9 @@ class Dashboard(w.VBox):
                 self._say(f"dashboard update failed: {type(e).__name__}: {e}", error=True)
                 self._halt.wait(self.slow_interval)
 
-    def _fold(self) -> tuple[JobState, str]:
+    def _fold(self) -> Standing:
         mon = self.job.refresh()
-        status = self.job.status()
+        status = self.job.standing()
         self.figure.ingest(mon)
         return status
 
@@ -118,14 +122,15 @@ class Dashboard(w.VBox):
         """Fold in the new events and refresh what changed; True once the job has ended."""
         with self._lock:
             self.updates += 1
-            state, detail = self._fold()
+            standing = self._fold()
+            state, detail = standing.state, standing.detail
             mon = self.job.monitor
             ended = state.ended
             self.figure.push()
             h = self.header
-            row = commands.job_row(self.job, (state, detail), self._spec)   # the CLI's and the panel's row
+            row = commands.job_row(self.job, standing, self._spec)   # the CLI's and the panel's row
             h.state, h.step, h.total = row["state"], row["step"], row["total_steps"]
-            h.detail = row["detail"] if state == JobState.STARTING else ""
+            h.detail, h.detail_kind = reasons.line(row), reasons.kind(row)
             h.restarts, h.last_checkpoint, h.goodput = row["restarts"], row["last_checkpoint"], row["goodput"]
             if len(mon.warnings) > self.warnings_said:   # the newest warning, in one line
                 self.warnings_said = len(mon.warnings)
@@ -171,6 +176,8 @@ class Dashboard(w.VBox):
                          "background": rec.background_s if timed else None,
                          "note": info.reason})
         self.checkpoints.rows = rows
+        floor = ckpt_floor.floor(self.job.monitor, self._spec.world_size)
+        self.checkpoints.floor = "; ".join(x.strip() for x in ckpt_floor.floor_text(floor)) if floor else ""
 
     def _refresh_whatif(self) -> None:
         if self.tabs.selected_index == 1:

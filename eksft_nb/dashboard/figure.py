@@ -9,6 +9,8 @@ one message.
 
 from __future__ import annotations
 
+import html
+
 from copy import deepcopy
 from typing import Any
 
@@ -313,4 +315,6 @@ def restart_hover(r: dict[str, Any]) -> str:
             f"detected after {r['detection_s']:.1f}s, down {r['downtime_s']:.1f}s<br>"
             + (f"phases: {phases_text(r['phases'])}<br>" if r.get("phases") else "")
             + f"resumed from step {r['resumed_step']}, {r['rolled_back_steps']} steps rolled back"
-            + (f"<br>NVRx cycle {r['nvrx_cycle']}" if "nvrx_cycle" in r else ""))
+            + (f"<br>NVRx cycle {r['nvrx_cycle']}" if "nvrx_cycle" in r else "")
+            + "".join(f"<br>{k.replace('_', ' ')}: {html.escape(str(v))}"
+                      for k, v in (r.get("nvrx_nodes") or {}).items()))

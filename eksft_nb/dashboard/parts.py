@@ -12,6 +12,7 @@ from typing import Any
 import ipywidgets as w
 from traitlets import Dict, Float, Int, List, Unicode, observe
 
+from .. import cost, reasons
 from ..control import FAULTS, WHEN_FIX, parse_when
 from ..errors import ControlError
 from ..goodput import CATEGORIES
@@ -34,8 +35,10 @@ class Header(w.VBox):
     backend = Unicode()
     origin = Unicode()                       # "resumed from <job> step N", or ""
     state = Unicode("pending")
-    # the backend's word on a starting job ("queued: ...", "admitted")
+    # the line beside the job (eksft_nb.reasons): why it failed, what it waits for and since when ("queued:
+    # ...", "admitted"), the backend's note on a running job
     detail = Unicode("")
+    detail_kind = Unicode("")                # reasons.ERROR, WAITING, NOTE
     step = Int(0)
     total = Int(1, allow_none=True)          # None: a user script's own loop (no known end)
     restarts = Dict()
@@ -53,13 +56,15 @@ class Header(w.VBox):
         self.add_class("eksft-header")
         self._render()
 
-    @observe("job", "backend", "origin", "state", "detail", "step", "total", "restarts", "last_checkpoint",
-             "goodput")
+    @observe("job", "backend", "origin", "state", "detail", "detail_kind", "step", "total", "restarts",
+             "last_checkpoint", "goodput")
     def _render(self, _change: Any = None) -> None:
         color = STATE_COLORS.get(self.state, "#7f7f7f")
         origin = f" · <i>{html.escape(self.origin)}</i>" if self.origin else ""
         if self.detail:
-            origin += f" · <span class='eksft-detail'>{html.escape(self.detail)}</span>"
+            red = " style='color:#d62728'" if self.detail_kind == reasons.ERROR else ""
+            origin += (f" · <span class='eksft-detail' data-kind='{html.escape(self.detail_kind)}'{red}>"
+                       f"{html.escape(self.detail)}</span>")
         self._title.value = (f"<b style='font-size:15px'>{html.escape(self.job)}</b> · "
                              f"{html.escape(self.backend)}"
                              " · <span class='eksft-state' "
@@ -82,18 +87,24 @@ class Header(w.VBox):
 
 
 class GoodputBar(w.HTML):
-    """Where the wall time went, as one stacked bar with a legend (see :mod:`eksft_nb.goodput`)."""
+    """Where the wall time went, as one stacked bar with a legend (see :mod:`eksft_nb.goodput`), and what
+    it cost: each term's GPU-hours on the job's ``gpus`` (one per rank) in its tooltip, and a line with what
+    the faults and checkpoints cost (dollars where the dashboard has a price, see :mod:`eksft_nb.cost`)."""
 
     seconds = Dict()
+    gpus = Int(1)
+    usd_per_gpu_hour = Float(None, allow_none=True)
+    price = Unicode("")     # where the price came from, as the line says it
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.add_class("eksft-goodput-bar")
         self._render()
 
-    @observe("seconds")
+    @observe("seconds", "gpus", "usd_per_gpu_hour", "price")
     def _render(self, _change: Any = None) -> None:
         total = sum(self.seconds.values())
+        pricing = cost.Pricing(self.usd_per_gpu_hour, self.price)
         if total <= 0:
             self.value = "<div style='color:#777'>goodput: waiting for the first step</div>"
             return
@@ -102,14 +113,21 @@ class GoodputBar(w.HTML):
             sec = self.seconds.get(cat, 0.0)
             pct = 100 * sec / total
             label = cat.replace("_", " ")
-            bar.append(f"<div title='{label}: {sec:.1f}s ({pct:.1f}%)' style='width:{pct:.3f}%;"
+            spent = cost.text(pricing.cost(sec, self.gpus))
+            bar.append(f"<div title='{label}: {sec:.1f}s ({pct:.1f}%), {spent}' style='width:{pct:.3f}%;"
                        f"background:{GOODPUT_COLORS[cat]}'></div>")
             legend.append(f"<span class='eksft-gp-{cat}'><span style='color:{GOODPUT_COLORS[cat]}'>■</span> "
                           f"{label} {sec:.1f}s ({pct:.0f}%)</span>")
+        a = cost.account(self.seconds, 0, self.gpus, 1, pricing)
+        price = html.escape(self.price) if self.price else "GPU-hours only: no price"
+        spent = (f"<div class='eksft-gp-cost' style='font-size:12px;margin-top:2px'><b>cost</b> "
+                 f"{cost.text(a['wall'])} on {self.gpus} GPU(s): lost {cost.text(a['lost'])} (faults "
+                 f"{cost.text(a['faults'])}, checkpoints {cost.text(a['checkpoints'])}) "
+                 f"<span style='color:#777'>({price})</span></div>")
         self.value = ("<div style='font-size:12px'><b>wall time</b> " + f"{total:.1f}s:&nbsp; "
                       + " &nbsp;".join(legend)
                       + "</div><div style='display:flex;height:12px;border-radius:3px;overflow:hidden;"
-                      "margin-top:3px'>" + "".join(bar) + "</div>")
+                      "margin-top:3px'>" + "".join(bar) + "</div>" + spent)
 
 
 class FaultControls(w.HBox):
@@ -193,6 +211,7 @@ class CheckpointTable(w.VBox):
     thousands of times creates no new widgets."""
 
     rows = List()            # dicts: step, state, mib, time, blocked, background, note
+    floor = Unicode("")      # the saves against their physical floor (see eksft_nb.ckpt_floor), one line
 
     def __init__(self, on_resume: Callable[[int], None], max_rows: int = 20, **kwargs: Any) -> None:
         self.on_resume = on_resume
@@ -200,15 +219,18 @@ class CheckpointTable(w.VBox):
         self._more = w.HTML()
         head = w.HTML("<div style='font-size:12px;color:#555'><b>checkpoints</b> (newest first; a job "
                       "resumed from one starts at the step after it)</div>")
-        super().__init__([head, *self._slots, self._more], **kwargs)
+        self._floor = w.HTML().add_class("eksft-ckpt-floor")
+        super().__init__([head, self._floor, *self._slots, self._more], **kwargs)
         self.add_class("eksft-ckpt-table")
         self._render()
 
     def _clicked(self, step: int) -> None:
         self.on_resume(step)
 
-    @observe("rows")
+    @observe("rows", "floor")
     def _render(self, _change: Any = None) -> None:
+        self._floor.value = (f"<div style='font-size:12px;color:#555'>{html.escape(self.floor)}</div>"
+                             if self.floor else "")
         shown = sorted(self.rows, key=lambda r: -r["step"])[: len(self._slots)]
         for slot, row in zip(self._slots, shown + [None] * (len(self._slots) - len(shown))):
             slot.show(row)

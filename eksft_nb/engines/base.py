@@ -67,6 +67,15 @@ class Engine(abc.ABC):
         """The rank a resilience test's rank fault targets: the last one."""
         return spec.world_size - 1
 
+    def trial_ranks(self, spec: JobSpec) -> Sequence[int]:
+        """The ranks a repeated test's trials may target (drawn with its seed): any."""
+        return range(spec.world_size)
+
+    def expected_level(self, kind: str, spec: JobSpec) -> str | None:
+        """The level that should heal ``kind`` in ``spec``'s job (``none``: absorbed without a restart), the
+        ground truth a test's trial is scored against; None where the engine does not say."""
+        return None
+
     def group_losses(self, emit: Callable[..., Any]) -> LostGroups | None:
         """What folds its lost nodes and their heals into ``failure``/``restart`` events where a backend
         watches the job from outside (EKS: pod states), ``emit`` publishing them; None: the job's incidents

@@ -5,8 +5,16 @@ rest of the package is built around it; this is what it is to the engine contrac
 from __future__ import annotations
 
 from ..spec import JobSpec
-from ..states import FaultKind
+from ..states import FaultKind, RestartLevel
 from .base import Engine, EngineName
+
+# what heals each kind in the built-in trainer: a lost rank process is restarted in-job by ft_launcher, a lost
+# launcher restarts the job, a straggler or a failed save is absorbed ("none"); an exception or a hang is
+# caught in-process where the Wrapper runs, else restarts the ranks in-job
+ABSORBED = frozenset({FaultKind.SLOW_RANK, FaultKind.SAVE_FAILURE, FaultKind.DISK_FULL,
+                      FaultKind.SLOW_STORAGE})
+RANK_LOST = frozenset({FaultKind.SIGKILL, FaultKind.SEGFAULT, FaultKind.CORRUPT_CHECKPOINT})
+CAUGHT = frozenset({FaultKind.EXCEPTION, FaultKind.HANG})
 
 
 class NvrxEngine(Engine):
@@ -18,6 +26,19 @@ class NvrxEngine(Engine):
 
     def check(self, spec: JobSpec, launching: bool = False) -> None:
         """Nothing: the spec's options are NVRx's (what a backend cannot run, the backend refuses)."""
+
+    def expected_level(self, kind: str, spec: JobSpec) -> str | None:
+        """Said for the built-in trainer's kinds whose path is fixed (a script's own loop decides how an
+        exception or a hang ends; a launcher lost beside a spare, SIGTERM and a lost supervisor: not said)."""
+        if kind in RANK_LOST:
+            return RestartLevel.INJOB.value
+        if kind == FaultKind.KILL_LAUNCHER and not spec.spare_nodes:
+            return RestartLevel.JOB.value
+        if kind in ABSORBED and not spec.script:
+            return "none"
+        if kind in CAUGHT and not spec.script:
+            return (RestartLevel.INPROCESS if spec.ft.inprocess else RestartLevel.INJOB).value
+        return None
 
     def describe(self, spec: JobSpec) -> str:
         ranks = f"{spec.world_size} ranks ({spec.nnodes}x{spec.nproc_per_node})"

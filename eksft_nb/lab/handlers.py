@@ -23,7 +23,7 @@ from tornado.iostream import StreamClosedError
 from .. import commands, plotly_bundle
 from ..errors import ControlError, EksftError, UnknownJobError
 from . import requests, wire
-from .manager import CLUSTERS, JobsManager, describe_error
+from .manager import JobsManager
 
 KEEPALIVE_S = 15.0
 SETTINGS_WAIT_S = 10.0   # a change answers once every rank took it, or as queued after this long
@@ -63,25 +63,28 @@ class JobsHandler(Base):
     @web.authenticated
     @refusing
     async def get(self) -> None:
-        """Every local job, and those of each cluster set up here (EKS: a kubeconfig; Slurm: a shared
-        folder, or a job launched here); a failing cluster is reported, never fails the list."""
-        jobs = await self.call(commands.list_jobs, "local")
-        backends: dict[str, Any] = {"local": {"ok": True}}
-        for name, configured in CLUSTERS.items():
-            if not await self.call(configured):
-                continue
-            try:
-                jobs += await self.call(commands.list_jobs, name)
-                backends[name] = {"ok": True, "error": None}
-            except Exception as e:
-                backends[name] = {"ok": False, "error": describe_error(e)}
-        self.finish(json.dumps(wire.jobs_reply(jobs, backends)))
+        """Every local job (from the manager's folds), and those of each cluster set up here (EKS: a
+        kubeconfig; Slurm: a shared folder, or a job launched here); a failing cluster is reported, never
+        fails the list."""
+        listed = await self.manager.listing()
+        self.finish(json.dumps(wire.jobs_reply(listed["jobs"], listed["backends"])))
 
     @web.authenticated
     @refusing
     async def post(self) -> None:
         spec, faults = requests.launch_args(requests.body(self.request.body, requests.LAUNCH))
         await self.reply(commands.launch, spec, faults)
+
+
+class RemoveHandler(Base):
+    @web.authenticated
+    @refusing
+    async def post(self) -> None:
+        """``{"jobs": [{"name": "a", "backend": "local"}, ...]}``: the ``rm`` of each (the panel's "clear
+        finished"), each removed or refused with its own line (commands.remove_jobs)."""
+        jobs = requests.remove_args(requests.body(self.request.body, requests.REMOVE))
+        results = await self.call(commands.remove_jobs, jobs)
+        self.finish(json.dumps(wire.removals_reply(results)))
 
 
 class CheckHandler(Base):
@@ -247,6 +250,7 @@ class BundleHandler(AuthenticatedFileHandler):
 
 ROUTES: list[tuple[str, type[Base]]] = [
     ("jobs", JobsHandler),
+    ("rm", RemoveHandler),
     ("check", CheckHandler),
     ("jobs/([^/]+)", JobHandler),
     ("jobs/([^/]+)/inject", InjectHandler),

@@ -3,8 +3,11 @@
 While at least one client listens to the stream, a task in the server's event loop ticks every
 ``interval`` seconds. Each tick runs in one worker thread (so the folds are only ever touched by
 it): it lists the local jobs folder, folds the new events of every job still running (an ended
-job is folded once more, then left alone), and returns what changed; the loop then pushes a
-``jobs`` event, and a ``restart`` or ``failure`` event per new record, to every client. The jobs of a
+job is folded once more, then left alone, and its row kept in its folder: a job found ended with
+its row kept there is never folded, see :mod:`eksft_nb.row_cache`), and returns what changed; the
+loop then pushes a ``jobs`` event, and a ``restart`` or ``failure`` event per new record, to every
+client. ``GET /eksft/jobs`` is answered from the same folds, after a tick of its own: a listing
+costs the events that arrived since the last one, not every job's whole history. The jobs of a
 cluster (EKS where a kubeconfig is set, Slurm where a shared folder is set or this machine launched
 one) are listed by a slower task per cluster, so a slow or failing cluster never delays the local
 list: its error shows in ``backends.<name>.error``.
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from .. import commands
+from .. import commands, row_cache
 from ..backends import get_backend
 from ..errors import EksftError
 from ..job import Job, attach
@@ -66,6 +69,7 @@ class Fold:
     failures: int | None = None
     final_ticks: int = 0                # ticks since it ended (one more fold catches the last events)
     figure: Any = None                  # its TrainingFigure, made when a client first asks for it
+    folded_from: row_cache.Key | None = None   # its files as they were before the last fold
 
     @property
     def done(self) -> bool:
@@ -115,15 +119,20 @@ class JobsManager:
         for name in sorted(names - set(self.folds)):
             try:
                 order = (root / name / "spec.json").stat().st_mtime
-                self.folds[name] = Fold(Job(name, self.local), order)
+                fold = self.folds[name] = Fold(Job(name, self.local), order)
             except (EksftError, OSError):
                 continue    # not a job folder, or one still being created
+            kept = row_cache.read(self.local.folder(name), commands.JobRow)
+            if kept is not None:   # ended before: its row, and nothing of its history to announce
+                fold.row, fold.final_ticks = {"name": name, "backend": self.local.name, **kept}, 2
             added = True
         if added:
             self.folds = dict(sorted(self.folds.items(), key=lambda kv: kv[1].order))
         return added or bool(gone)
 
     def _refresh(self, fold: Fold, quiet: bool, news: list[Message]) -> bool:
+        folder = self.local.folder(fold.job.name)
+        before = row_cache.key(folder)
         try:
             row = commands.job_row(fold.job)
         except EksftError as e:   # a folder that cannot be read is listed with its problem, as by `list`
@@ -143,6 +152,8 @@ class JobsManager:
         fold.restarts, fold.failures = len(mon.restarts), len(mon.failures)
         if row["ended"]:
             fold.final_ticks += 1
+            if fold.done and mon.finished:
+                row_cache.write(folder, row, before)
         changed, fold.row = row != fold.row, row
         return changed
 
@@ -161,11 +172,36 @@ class JobsManager:
         fold.figure.ingest(fold.job.refresh())
         return fold.figure.figure().to_json()
 
-    def rows(self) -> dict[str, Any]:
-        """The ``jobs`` event's data: every job's row, and how each backend's listing went."""
+    async def listing(self) -> dict[str, Any]:
+        """``GET /eksft/jobs``: :meth:`rows` after a tick (in the worker thread, as the stream's; what it
+        finds new goes to the stream's clients), with each cluster's jobs as the stream has them, or, with
+        no stream running, listed now."""
+        loop = asyncio.get_running_loop()
+        streaming = bool(self._tasks)
+        changed, news = await loop.run_in_executor(self._pool, self.tick, not streaming)
+        if streaming:
+            if changed:
+                self._publish("jobs", self.rows())
+            for kind, data in news:
+                self._publish(kind, data)
+            return self.rows()
+        listed = self.rows(clusters=False)
+        for name, configured in CLUSTERS.items():
+            if not await loop.run_in_executor(None, configured):
+                continue
+            try:
+                listed["jobs"] += await loop.run_in_executor(None, commands.list_jobs, name)
+                listed["backends"][name] = {"ok": True, "error": None}
+            except Exception as e:   # unreachable cluster, expired credentials: shown, never fatal
+                listed["backends"][name] = {"ok": False, "error": describe_error(e)}
+        return listed
+
+    def rows(self, clusters: bool = True) -> dict[str, Any]:
+        """The ``jobs`` event's data: every job's row, and how each backend's listing went (``clusters``:
+        with the clusters' jobs as their tasks last listed them)."""
         jobs = [f.row for f in self.folds.values() if f.row is not None]
         backends: dict[str, Any] = {"local": {"ok": True}}
-        for name, listed in self.clusters.items():
+        for name, listed in self.clusters.items() if clusters else ():
             jobs += listed["jobs"]
             backends[name] = {"ok": listed["ok"], "error": listed["error"]}
         return {"jobs": jobs, "backends": backends}

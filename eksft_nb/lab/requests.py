@@ -20,6 +20,7 @@ from ..spec import JobSpec
 MAX_BODY = 64 * 1024      # bytes: a spec and a few faults fit many times over
 MAX_FAULTS = 64
 MAX_LOG_LINES = 100_000
+MAX_REMOVALS = 1000       # jobs in one rm of many (the panel's "clear finished")
 
 Check = tuple[Callable[[Any], bool], str]
 
@@ -45,6 +46,11 @@ SETTINGS: dict[str, Check] = {
     "values": (lambda v: isinstance(v, dict), 'an object of live settings, e.g. {"ckpt-every": 25}'),
     "whatif": (lambda v: isinstance(v, bool), "true to apply the what-if's recommended interval"),
     "backend": _BACKEND}
+REMOVE: dict[str, Check] = {
+    "jobs": (lambda v: isinstance(v, list) and len(v) <= MAX_REMOVALS
+             and all(isinstance(j, dict) and set(j) <= {"name", "backend"} and isinstance(j.get("name"), str)
+                     and isinstance(j.get("backend", "local"), str) for j in v),
+             f'a list of at most {MAX_REMOVALS} jobs like {{"name": "a", "backend": "local"}}')}
 LAUNCH: dict[str, Check] = {
     "spec": (lambda v: isinstance(v, dict),
              'an object of spec fields, e.g. {"steps": 80, "model.preset": "tiny"}'),
@@ -98,6 +104,14 @@ def launch_args(data: dict[str, Any]) -> tuple[JobSpec, list[FaultCommand]]:
     faults."""
     return commands.prepare(commands.spec_from_options(data.get("spec", {}), validate=False),
                             data.get("faults", []))
+
+
+def remove_args(data: dict[str, Any]) -> list[tuple[str, str]]:
+    """The (name, backend) pairs of ``commands.remove_jobs``, each named once."""
+    if "jobs" not in data:
+        raise ControlError("the request lacks its jobs",
+                           'send e.g. {"jobs": [{"name": "a", "backend": "local"}]}')
+    return list(dict.fromkeys((j["name"], j.get("backend", "local")) for j in data["jobs"]))
 
 
 def check_args(data: dict[str, Any]) -> tuple[JobSpec, str | None, str]:

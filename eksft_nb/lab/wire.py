@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, TypedDict, cast
 
-from ..commands import JobRow
+from ..commands import JobRow, Removal
 from ..fault_registry import REGISTRY
 from ..settings import LIVE, MAX_VALUE
 from ..states import FAILED_ENDS, CheckpointState, FaultScope, JobState, RestartLevel
@@ -34,6 +34,12 @@ class CheckpointRow(TypedDict):
 
 class CheckpointsReply(TypedDict):
     checkpoints: list[CheckpointRow]
+
+
+class RemovalsReply(TypedDict):
+    """``POST /eksft/rm``: each job's ``rm``, in the order asked (commands.remove_jobs)."""
+
+    results: list[Removal]
 
 
 class LiveSetting(TypedDict):
@@ -63,6 +69,7 @@ class JobsReply(TypedDict):
     faults: list[FaultKindInfo]     # in the registry's order
     levels: dict[str, str]          # RestartLevel value -> its label, in the levels' order
     failed: list[str]               # the JobState values of an end that is a failure
+    states: list[str]               # every JobState value, in the order the panel counts them
     settings: list[LiveSetting]
 
 
@@ -102,6 +109,7 @@ def jobs_reply(jobs: list[JobRow], backends: dict[str, BackendStatus]) -> JobsRe
                        for k, d in REGISTRY.items()],
             "levels": {level.value: level.label for level in RestartLevel},
             "failed": [s.value for s in JobState if s in FAILED_ENDS],
+            "states": [s.value for s in JobState],
             "settings": [LiveSetting(name=name, low=live.low, high=MAX_VALUE, help=live.help)
                          for name, live in LIVE.items()]}
 
@@ -111,6 +119,10 @@ def whatif_reply(shown: dict[str, Any]) -> WhatIfView:
     as commands.apply_whatif sets it; empty where none is recommended."""
     every = shown["every"]
     return cast(WhatIfView, {**shown, "settings": {} if every is None else {"ckpt-every": every}})
+
+
+def removals_reply(results: list[Removal]) -> RemovalsReply:
+    return {"results": results}
 
 
 def checkpoints_reply(rows: list[dict[str, Any]]) -> CheckpointsReply:

@@ -17,7 +17,8 @@ from ..engines.registry import engine_of
 from ..launcher import term_timeout
 from ..nvrx import NVRx, installed
 from ..spec import JobSpec
-from ..timeouts import PROCESS_GROUP_S, Timeout, Timeouts, derive, on_gpu, wrapper_barrier
+from ..timeouts import (PROCESS_GROUP_S, Timeout, Timeouts, counted_where_it_runs, derive, on_gpu,
+                        wrapper_barrier)
 from . import facts
 from .sections import missing, read_ft_config, script_sections
 
@@ -100,7 +101,9 @@ def check(
     default: read it for a Slurm job). ``step_time``: a measured step, where the spec has none."""
     if step_time and not spec.ft.step_time:
         spec = spec.replace(**{"ft.step_time": float(step_time)})
-    gpu = on_gpu(spec)
+    # a Slurm job without --gres takes the GPU values on GPU nodes: those are checked here (doctor's gate
+    # checks the values the node takes, where it runs)
+    gpu = on_gpu(spec) or (counted_where_it_runs(spec) and spec.device != "cpu")
     t = derive(spec, gpu)
     if release is None and spec.backend == "local":
         release = installed()
@@ -207,7 +210,7 @@ def _launcher_rows(spec: JobSpec, t: Timeouts, rows: list[RowDict]) -> None:
     _row(
         rows,
         "launcher term",
-        term_timeout(spec),
+        term_timeout(spec, t.gpu),
         "ft_launcher's SIGTERM to SIGKILL of its ranks",
         "the grace period" if t.gpu or spec.backend == "eks" else "CPU",
     )
@@ -395,11 +398,12 @@ def _scheduler(spec: JobSpec, t: Timeouts, rows: list[RowDict], found: list[Find
                 )
             )
     elif spec.backend == "slurm":
-        from ..backends.slurm.render import directives
+        from ..backends.slurm import engine_parts
 
         config = facts.slurm_config() if config == "read" else config
         kill = facts.kill_wait(config)
-        lead = facts.signal_lead(directives(spec))
+        script = engine_parts.of(spec).render(spec)   # its engine's own script: the --signal it asks for
+        lead = facts.signal_lead([line for line in script.splitlines() if line.startswith("#SBATCH")])
         _row(
             rows,
             "Slurm KillWait",

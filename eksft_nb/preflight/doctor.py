@@ -76,11 +76,11 @@ def supports(env: Environment) -> dict[str, str]:
     if x is None:
         out["NVRx"] = "none: local jobs cannot run here"
         return out
-    out["hot spares"] = (
-        f"no: {x.spares_refused}"
-        if x.spares_refused
-        else "yes (a spare takes a lost node's place in NVRx's rendezvous)"
-    )
+    out["hot spares"] = {
+        "standby": "yes, NVRx's own standby nodes (--nnodes N:N+S) on every backend, with 2 nodes or more",
+        "handover": "local jobs only (eksft's handover in the legacy rendezvous); EKS and Slurm need 0.6+",
+        None: f"no: {x.spares_refused}",
+    }[x.spares]
     out["in-process restart"] = {
         "available": "yes (inprocess.Wrapper)",
         "deprecated": "yes, deprecated since NVRx 0.6 (in-job restart is its way forward)",
@@ -110,7 +110,7 @@ def diagnose(
     spec = spec or JobSpec()
     here = on_node or spec.backend == "local"
     if env is None:  # a gate on a CPU pod or node skips torch's import (seconds): what it tells needs GPUs
-        env = probe(import_torch=not on_node or on_gpu(spec))
+        env = probe(import_torch=not on_node or (on_gpu(spec) and spec.device != "cpu"))
     found: list[Finding] = []
     if here:
         found += _refusals(spec, env)
@@ -121,7 +121,7 @@ def diagnose(
                 False,
                 f"the {spec.backend} job's ranks run the NVRx of their "
                 f"{'image' if spec.backend == 'eks' else 'nodes'}, not this machine's",
-                "its prepare step (EKS) or batch shell (Slurm) runs doctor there and stops the job "
+                "its prepare step (EKS) or Slurm watcher runs doctor there and stops the job "
                 "if it cannot run; `check` says what its settings contradict",
             )
         )
@@ -167,17 +167,11 @@ def _refusals(spec: JobSpec, env: Environment) -> list[Finding]:
         )
         found.append(Finding(True, problem, fix))
         return found
-    if spec.spare_nodes and x.spares_refused:
-        found.append(
-            Finding(
-                True,
-                f"--spare-nodes {spec.spare_nodes}: {x.spares_refused}",
-                "drop --spare-nodes (a lost node then restarts the job), or run NVRx 0.4.1",
-            )
-        )
+    if (refused := x.cannot_run(spec)) is not None:  # the one check of what a release cannot run
+        found.append(Finding(True, refused.problem, refused.fix))
     if spec.ft.inprocess and x.inprocess == "missing":
         found.append(Finding(False, x.inprocess_note() or "", "--no-inprocess says so in the spec"))
-    if on_gpu(spec) and env.gpus == 0 and env.torch is not None:
+    if on_gpu(spec) and spec.device != "cpu" and env.gpus == 0 and env.torch is not None:
         found.append(
             Finding(
                 True,
@@ -192,6 +186,6 @@ def _refusals(spec: JobSpec, env: Environment) -> list[Finding]:
 
 def refusal(spec: JobSpec) -> str | None:
     """The first thing this node cannot run of ``spec``, in one line with its fix (the gate of an EKS pod's
-    prepare step and a Slurm batch shell); None when it can."""
+    prepare step and of a Slurm allocation's watcher); None when it can."""
     found = diagnose(spec, on_node=True).refusals
     return f"{found[0].problem} → {found[0].fix}" if found else None

@@ -1,5 +1,6 @@
-"""The report card of a resilience test: one row per case, built from the case job's events and the
-reference run's, shown as a table, JSON, and JUnit XML (a CI gates on its failures)."""
+"""The report card of a resilience test: one row per trial, built from the trial job's events and the
+reference run's, scored per fault kind (:mod:`.scoring`), shown as a table, JSON, and JUnit XML (a CI gates
+on its failures)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,17 @@ import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from typing import Any, TypedDict
 
+from .. import cost as costs
 from ..events import RESTART_PHASES, Event
 from ..goodput import missing_batches
 from ..incidents import phases_text
 from ..monitor import JobMonitor
+from ..nvrx import NVRx
 from ..states import JobState
 from .expect import LEVELS, Expectation
 from .ledger import final_loss, recovery
 from .plan import Case
+from .scoring import kinds_text
 
 LOSS_TOLERANCE = 0.02   # a job without a digest: each step's loss within 2 % of the reference's
 
@@ -40,9 +44,15 @@ class Row(TypedDict):
     passed: bool
     why: list[str]
     note: str
+    trial: int                 # its number among its kind's trials
+    expected_level: str | None  # the ground truth: the level that should heal it (None: not said)
+    fired_t: float | None      # when the fault fired (its event's time)
+    fired_step: int | None     # the step it fired at
+    lost_gpu_s: float | None   # what it cost the job in GPU-seconds (see scoring.price_trial)
+    cost: dict[str, float | None]   # gpu_h, usd (None without a price)
 
 
-class Card(TypedDict):
+class Card(TypedDict, total=False):
     job: str
     expect: list[str]
     reference: dict[str, Any]
@@ -50,6 +60,29 @@ class Card(TypedDict):
     skipped: dict[str, str]
     problem: str
     passed: bool
+    kinds: list[Any]           # scoring.KindRow per kind that applies
+    plan: dict[str, Any]       # seed, repeat, window, plan_id, manifest
+    cost: dict[str, Any]       # the pricing, the reference's checkpoints, the scaled model
+    note: str   # about the whole card: what in-job restart costs where NVRx deprecates in-process ("": none)
+
+
+def inprocess_note(nvrx_version: str | None, inprocess: bool, rows: Sequence[Row]) -> str:
+    """Where the job used in-process restart on an NVRx that deprecates it (0.6+): what in-job restart,
+    NVRx's way forward, costs instead, as this card measured it (its cases healed in-job)."""
+    if not inprocess or not nvrx_version or NVRx(nvrx_version).inprocess != "deprecated":
+        return ""
+
+    def mean(level: str) -> float | None:
+        took = [r["downtime_s"] for r in rows if r["level"] == level and r["downtime_s"] is not None]
+        return sum(took) / len(took) if took else None
+
+    injob, inprocess_s = mean("injob"), mean("inprocess")
+    said = f"NVRx {nvrx_version} deprecates in-process restart (inprocess.Wrapper): "
+    if injob is None:
+        return said + ("what an in-job restart costs instead was not measured here (a sigkill case "
+                       "measures it)")
+    also = f", an in-process one {inprocess_s:.2f}s" if inprocess_s is not None else ""
+    return said + f"an in-job restart took {injob:.2f}s here{also} (--no-inprocess: every recovery in-job)"
 
 
 def state_check(case: JobMonitor, reference: JobMonitor,
@@ -117,13 +150,17 @@ def row(case: Case, mon: JobMonitor, reference: JobMonitor, expect: Sequence[Exp
     else:
         check, detail = groups_state_check(mon, reference, events, case.step, tolerance)
     note = "; ".join(n for n in (case.note, outcome.pop("note", "")) if n)
+    first = min(fired, key=lambda f: f["t"], default=None)
     out: Row = {"case": case.kind.value, "job": case.job, "fault": case.kind.value, "target": case.target,
                 "at_step": case.step, "fired": len(fired) == len(case.faults), "level": outcome["level"],
                 "detection_s": outcome["detection_s"], "downtime_s": outcome["downtime_s"],
                 "phases": outcome["phases"], "lost": outcome["lost"],
                 "restored_from": outcome["restored_from"],
                 "skipped_batches": missing_batches(mon), "state_check": check, "state_detail": detail,
-                "passed": False, "why": [], "note": note}
+                "passed": False, "why": [], "note": note, "trial": case.trial,
+                "expected_level": case.expected,
+                "fired_t": first["t"] if first else None, "fired_step": first["step"] if first else None,
+                "lost_gpu_s": None, "cost": {"gpu_h": None, "usd": None}}
     why = ([end] if end else []) + why
     if len(fired) < len(case.faults):
         why.append(f"the fault never fired (scheduled at step {case.step}; the job reached step "
@@ -132,7 +169,9 @@ def row(case: Case, mon: JobMonitor, reference: JobMonitor, expect: Sequence[Exp
         why.append(f"the job did not heal: it ended {state.value}"
                    + (f" ({mon.reason})" if mon.reason else ""))
     if not why:
-        why = [w for w in (e.check(out) for e in expect) if w]
+        if case.expected is not None and out["level"] != case.expected:
+            why.append(f"healed at level {out['level']}, where the plan expects {case.expected}")
+        why += [w for w in (e.check(out) for e in expect) if w]
     out["why"], out["passed"] = why, not why
     return out
 
@@ -230,19 +269,27 @@ def _g(v: float | None) -> str:
 
 def table(card: Card) -> str:
     """The card as text: one line per case, its phases and why it failed under it."""
-    lines = [f"resilience test of {card['job']}: " + ("PASSED" if card["passed"] else "FAILED"),
+    plan = card.get("plan") or {}
+    repeat = plan.get("repeat", 1)
+    lines = [f"resilience test of {card['job']}: " + ("PASSED" if card["passed"] else "FAILED")
+             + (f" ({repeat} trials per kind, seed {plan.get('seed', 0)}, plan {plan.get('plan_id')}"
+                + (f", a re-check of plan {plan['recheck']})" if plan.get("recheck") else ")")
+                if repeat > 1 or plan.get("recheck") else ""),
              f"expect: {', '.join(card['expect'])}"]
     if card["problem"]:
         lines.append(f"  FAIL  {card['problem']}")
+    lines += kinds_text(card)
     head = f"  {'fault':<20}{'target':<9}{'step':>5}  {'level':<10}{'detect':>8}{'downtime':>10}" \
            f"{'lost':>6}  " \
-           f"{'state':<12}result"
+           f"{'state':<12}{'cost':<24}result"
     if card["rows"]:
         lines.append(head)
     for r in card["rows"]:
-        lines.append(f"  {r['fault']:<20}{r['target']:<9}{r['at_step'] or '-':>5}  {r['level'] or '-':<10}"
+        name = r["fault"] if repeat == 1 else f"{r['fault']} #{r.get('trial', 1)}"
+        lines.append(f"  {name:<20}{r['target']:<9}{r['at_step'] or '-':>5}  {r['level'] or '-':<10}"
                      f"{_s(r['detection_s']):>8}{_s(r['downtime_s']):>10}{_n(r['lost']):>6}  "
-                     f"{r['state_check']:<12}{'pass' if r['passed'] else 'FAIL'}")
+                     f"{r['state_check']:<12}{costs.text(r.get('cost') or {}):<24}"
+                     f"{'pass' if r['passed'] else 'FAIL'}")
         if r["phases"]:
             lines.append(f"      phases: {phases_text(r['phases'])}")
         if r["restored_from"] or r["skipped_batches"]:
@@ -254,7 +301,26 @@ def table(card: Card) -> str:
             lines.append(f"      note: {r['note']}")
         lines += [f"      why: {w}" for w in r["why"]]
     lines += [f"  skipped {k}: {why}" for k, why in card["skipped"].items()]
+    lines += cost_lines(card)
+    if card.get("note"):
+        lines.append(f"  note: {card['note']}")
     return "\n".join(lines)
+
+
+def cost_lines(card: Card) -> list[str]:
+    """The price the card used, what the reference's checkpoints cost, and the scaled model if asked."""
+    c = card.get("cost")
+    if not c:
+        return []
+    lines = [f"  cost: {c['gpus']} GPU(s) (one per rank); "
+             + (f"priced at {c['pricing']['price']}" if c["pricing"]["price"] else
+                "GPU-hours only (give --price INSTANCE or USD/h for dollars)")]
+    if c.get("checkpoints"):
+        lines.append(f"  the reference's checkpoints cost {costs.text(c['checkpoints'])} "
+                     f"({100 * c['ckpt_share']:.1f}% of its steady training time)")
+    if c.get("projection"):
+        lines += ["  " + line for line in costs.projection_text(c["projection"])]
+    return lines
 
 
 def _s(v: float | None) -> str:
@@ -285,8 +351,9 @@ def junit(card: Card) -> str:
     :func:`xml_text` (a failure's text may hold a rank's colour codes or a NUL)."""
     rows = card["rows"]
     cases: list[tuple[str, str, list[str], str]] = [
-        (r["case"], r["job"], r["why"], f"level {r['level'] or '-'}, downtime {_s(r['downtime_s'])}, "
-                                          f"lost {_n(r['lost'])}, state {r['state_check']}") for r in rows]
+        (r["case"] if (card.get("plan") or {}).get("repeat", 1) == 1 else f"{r['case']} #{r.get('trial', 1)}",
+         r["job"], r["why"], f"level {r['level'] or '-'}, downtime {_s(r['downtime_s'])}, "
+                             f"lost {_n(r['lost'])}, state {r['state_check']}") for r in rows]
     if card["problem"]:
         cases.append(("plan", card["job"], [card["problem"]], ""))
     suite_name = xml_text(f"resilience.{card['job']}")

@@ -23,7 +23,9 @@ def card_figure(card: dict[str, Any], widget: go.FigureWidget | None = None) -> 
     """One horizontal bar per case, its downtime stacked by phase, labelled pass or FAIL and the level
     that healed it. Given ``widget`` (a live view), redraws that one in place."""
     rows = card["rows"]
-    names = [f"{r['case']} ({'pass' if r['passed'] else 'FAIL'}, {r['level'] or '-'})" for r in rows]
+    repeated = (card.get("plan") or {}).get("repeat", 1) > 1   # each trial its own bar
+    names = [(f"{r['case']} #{r.get('trial', 1)}" if repeated else r["case"])
+             + f" ({'pass' if r['passed'] else 'FAIL'}, {r['level'] or '-'})" for r in rows]
     fig = widget if widget is not None else go.Figure()
     traces = [
         go.Bar(

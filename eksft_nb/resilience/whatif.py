@@ -29,7 +29,7 @@ The model, term by term (``N`` useful steps, ``t`` clean step time, ``k`` the in
 
 A setting whose effect needs a recovery or a save this job never showed gets no figure, and the
 reason instead; so does one that cannot pay off with the job's NVRx (hot spares where its barrier
-rendezvous closes the job when a spare joins, see :attr:`eksft_nb.nvrx.NVRx.spares_refused`). The
+rendezvous closes the job when a spare joins, NVRx 0.5: see :attr:`eksft_nb.nvrx.NVRx.spares_refused`). The
 recommended interval is Young/Daly's, tau = sqrt(2 C (M + R)) - C (C: the cost of a save, M: the mean time
 between failures, R: a recovery's downtime), never shorter than the detection latency.
 
@@ -121,11 +121,13 @@ class Row:
     lost_steps: int | None = None
     why: str = ""          # why there is no figure
     notes: list[str] = field(default_factory=list)
+    estimated: list[str] = field(default_factory=list)   # terms not learned from the job's own events
 
     def to_dict(self) -> dict[str, Any]:
         return {"setting": asdict(self.setting), "label": self.setting.label, "ettr": self.ettr,
                 "terms": self.terms, "wall_s": round(sum(self.terms.values()), 3) if self.terms else None,
-                "saves": self.saves, "lost_steps": self.lost_steps, "why": self.why, "notes": self.notes}
+                "saves": self.saves, "lost_steps": self.lost_steps, "why": self.why, "notes": self.notes,
+                "estimated": sorted(set(self.estimated))}
 
 
 @dataclass
@@ -189,6 +191,7 @@ def measure(mon: JobMonitor, spec: JobSpec, now: float | None = None) -> Inputs:
     failures = []
     for r in mon.restarts:
         failures.append({"step": r["resumed_step"] + r["rolled_back_steps"], "level": r["level"],
+                         "cause": r["cause"],
                          "downtime_s": r["downtime_s"], "detection_s": r["detection_s"],
                          "lost": r["rolled_back_steps"], "node_loss": _node_loss(r, spec),
                          "phases": r.get("phases") or {},
@@ -308,15 +311,27 @@ def predict(inp: Inputs, as_run: Setting, s: Setting) -> Row:
         if level == f["level"]:
             downtimes.append(cost(f))
             continue
-        seen = [cost(g) for g in inp.failures if g["level"] == level]
+        seen = [g for g in inp.failures if g["level"] == level]
         if not seen:
             now_, then = RestartLevel(f["level"]).label, RestartLevel(level).label
             row.why = (f"the {now_} recovery at step {f['step']} would become {then}, and this job shows no "
                        f"{then} recovery to take its downtime from")
             return row
-        downtimes.append(statistics.fmean(seen))
-        row.notes.append(f"the {f['level']} recovery at step {f['step']} becomes {level} "
-                         f"({downtimes[-1]:.2f}s, the mean of the job's {len(seen)} observed)")
+        # learned from the job's own recoveries at that level of the same cause (an exception's rank must
+        # end its process first; a killed one is gone at once), else estimated from those of other causes
+        alike = [g for g in seen if cause_kind(g.get("cause", "")) == cause_kind(f.get("cause", ""))]
+        downtimes.append(statistics.fmean(cost(g) for g in alike or seen))
+        what = f"{cause_kind(f.get('cause', ''))}-caused"
+        if alike:
+            row.notes.append(f"the {f['level']} recovery at step {f['step']} becomes {level} "
+                             f"({downtimes[-1]:.2f}s, the mean of the job's {len(alike)} {what} {level} "
+                             "ones)")
+        else:
+            row.estimated.append("restart_downtime")
+            row.notes.append(f"estimated: the {f['level']} recovery at step {f['step']} becomes {level}, and "
+                             f"the job shows no {what} {level} recovery: charged as its {len(seen)} of other "
+                             f"causes ({downtimes[-1]:.2f}s); an exception's rank ends its process first, "
+                             "which a kill skips")
     made, made_then = _made(inp, s), _made(inp, as_run)
     if made.ckpt_every != s.ckpt_every:
         row.notes.append(f"a save due every {s.ckpt_every} step(s) waits for the write before it "
@@ -356,6 +371,34 @@ def predict(inp: Inputs, as_run: Setting, s: Setting) -> Row:
     row.ettr = round(row.terms["productive"] / wall, 5) if wall > 0 else None
     row.saves, row.lost_steps = saves, sum(lost)
     return row
+
+
+def cause_kind(cause: str) -> str:
+    """What ended a rank, from a failure's cause (:meth:`eksft_nb.incidents.Incidents.cause_from_exit`'s
+    words): ``exception`` (raised, or exited with an error: the process ends itself), ``hang`` (no
+    progress: stopped on a timeout) or ``loss`` (the process or its node gone at once)."""
+    words = cause.lower()
+    injected = re.match(r"injected ([a-z-]+)", words)
+    if injected:
+        return {"exception": "exception", "hang": "hang"}.get(injected.group(1), "loss")
+    if words.startswith("hang") or "heartbeat" in words:
+        return "hang"
+    return "exception" if " failed: " in words or "exited with code" in words else "loss"
+
+
+def expected_lost(inp: Inputs, as_run: Setting, s: Setting) -> float | None:
+    """The steps a failure at a uniformly random step loses under ``s``, over the levels of the job's own
+    failures (None: it showed none, or one cannot be replayed): the newest save is ``s mod k`` steps back,
+    the one before it while an async save is still being written (``lag`` steps, from storage)."""
+    k = _made(inp, s).ckpt_every
+    levels = [_level_under(f, as_run, s) for f in inp.failures]
+    if not levels or any(why for _, why in levels):
+        return None
+    if k <= 0:
+        return inp.steps / 2
+    lag = inp.commit_lag_steps if s.ckpt_mode == "async" else 0
+    return statistics.fmean((k - 1) / 2 + (min(lag, k) if level != RestartLevel.INPROCESS else 0)
+                            for level, _ in levels)
 
 
 def _made(inp: Inputs, s: Setting) -> Setting:
@@ -482,6 +525,10 @@ def replay(mon: JobMonitor, spec: JobSpec, settings: Settings = Settings(),
     measured = {"ettr": round(gp.goodput, 5),
                 "terms": {c: round(v, 4) for c, v in gp.seconds().items() if c in TERMS},
                 "wall_s": round(gp.wall_s, 3), "predicted_as_run": base.to_dict()}
+    if as_run.inprocess and inp.nvrx and NVRx(inp.nvrx).inprocess == "deprecated":
+        # in-process restart on an NVRx that deprecates it: what in-job restart, its way forward, costs
+        measured["without_inprocess"] = {"nvrx": inp.nvrx,
+                                         **predict(inp, as_run, replace(as_run, inprocess=False)).to_dict()}
     return Report(mon.name or spec.name, as_run, measured, inp, rows, rec)
 
 
@@ -508,6 +555,12 @@ def format_report(report: dict[str, Any]) -> str:
             lines.append(_row_line(r["label"], r["ettr"], r["wall_s"], r["terms"])
                          + f"   ({r['saves']} saves, {r['lost_steps']} steps lost)")
         lines += [f"      {n}" for n in r["notes"]]
+    if off := m.get("without_inprocess"):
+        known = off["ettr"] is not None and as_run["ettr"] is not None
+        cost = (f"{100 * off['ettr']:.1f}% ETTR ({100 * (off['ettr'] - as_run['ettr']):+.1f} points)" if known
+                else f"cannot estimate: {off['why']}")
+        lines.append(f"NVRx {off['nvrx']} deprecates in-process restart; in-job restart instead "
+                     f"(--no-inprocess): {cost}")
     rec = report["recommendation"]
     lines.append(f"recommended: {rec['text']}")
     if rec.get("formula"):

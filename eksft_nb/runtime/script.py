@@ -228,6 +228,11 @@ class ScriptProbe:
             init(wrapper, *args, initialize=Entered(initialize), finalize=Failed(finalize),
                  abort=abort_chain(abort),
                  **kwargs)
+            if hasattr(wrapper, "restart_health_check") and not _has_cuda():
+                # NVRx 0.6+ chains its GPU, NVLink and NIC checks after the script's own before every
+                # in-process restart; with no GPU they can only fail, turning each restart into an exit
+                # (as the built-in trainer's Wrapper, see trainer_main): the script's own check stays
+                wrapper.restart_health_check = getattr(wrapper, "health_check", None)
 
         inprocess.Wrapper.__init__ = __init__
 
@@ -299,6 +304,12 @@ class _ThenCall(importlib.abc.Loader):
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 if __name__ == "__main__":

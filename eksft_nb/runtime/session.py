@@ -33,6 +33,7 @@ from ..errors import ControlError, JobError
 from ..events import EventWriter
 from ..gpuhealth.sampler import start as start_gpu_health
 from ..jobdir import JobDir
+from ..nvrx_cycles import current_records
 from ..rank_errors import raised_at
 from ..spec import JobSpec
 from ..timeouts import derive, resolved
@@ -180,6 +181,16 @@ class Session:
                   injob_restart=self.info.injob_restart, inprocess_iteration=self.inprocess_iteration,
                   world_size=self.info.world_size, start_step=start_step,
                   t_enter=t_enter if t_enter is not None else _process_start(), **extra)
+        if self.inprocess_iteration == 0:
+            self.relay_nvrx_cycles()
+
+    def relay_nvrx_cycles(self) -> None:
+        """In a pod nothing else of eksft reads the job folder: rank 0 relays NVRx's record of its cycle
+        and of the one before (see ``nvrx_cycles.current_records``), when it starts and when it ends (its
+        cycle's record may be written just after its start)."""
+        if self.rank == 0 and self.events.to_stdout:
+            for record in current_records(os.environ.get("NVRX_CURRENT_CYCLE_INFO")):
+                self.emit("nvrx_cycle", attempt=self.info.job_attempt, **record.fields())
 
     def rank_error(self, e: BaseException, fatal: bool = False) -> None:
         """Report the exception this rank is failing with (see :func:`error_text`), and whose it is (see
@@ -190,11 +201,21 @@ class Session:
 
     def heartbeat(self) -> None:
         if self.monitor is not None:
-            self.monitor.beat()
+            self._to_monitor(self.monitor.beat)
 
     def section(self, name: str, open_: bool) -> None:
         if self.monitor is not None:
-            self.monitor.section(name, open_)
+            self._to_monitor(lambda: self.monitor.section(name, open_))
+
+    def _to_monitor(self, send: Any) -> None:
+        """Tell ft_launcher's rank monitor; once a drain is asked for, a monitor that is gone is no error:
+        a scheduler that signals every process of the job (Slurm's ``scancel --signal``, a preemption's
+        grace period) ends the monitor with the same SIGTERM, and the rank still saves and stops."""
+        try:
+            send()
+        except Exception:
+            if self.drain is None or not self.drain.requested:
+                raise
 
     def setup_begin(self) -> None:
         """The built-in trainer (re-)enters: close what an interrupted incarnation left open and open
@@ -269,6 +290,7 @@ class Session:
             raise InjectedFault(message)
 
     def close(self) -> None:
+        self.relay_nvrx_cycles()
         if self._beacon is not None:
             self._beacon.stop()
         if self._gpu is not None:
@@ -276,7 +298,7 @@ class Session:
         if self._gpu_events is not None:
             self._gpu_events.close()
         if self.monitor is not None:
-            self.monitor.close()
+            self._to_monitor(self.monitor.close)
         self.events.close()
 
 

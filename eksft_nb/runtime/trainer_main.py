@@ -18,6 +18,8 @@ from __future__ import annotations
 import gc
 import os
 import time
+from types import ModuleType
+from typing import Any
 
 from .quiet import quiet_process
 
@@ -40,10 +42,9 @@ def main() -> None:
             # spawning the writer's processes blocks this thread for seconds on a busy machine:
             # do it before the in-process Wrapper starts timing progress
             s.checkpointing().writer.start()
-        if s.spec.ft.inprocess and "EKSFT_WRAPPER_PORT" in os.environ:
+        inprocess = wrapper_module(s) if s.spec.ft.inprocess and "EKSFT_WRAPPER_PORT" in os.environ else None
+        if inprocess is not None:
             s.t_wrapper_setup = time.time()   # reported at the wrapped function's first call
-            import nvidia_resiliency_ext.inprocess as inprocess
-
             from .peers import track
 
             track()
@@ -69,6 +70,22 @@ def main() -> None:
     finally:
         s.close()
     exit_cleanly()
+
+
+def wrapper_module(s: Any) -> ModuleType | None:
+    """NVRx's ``inprocess`` module, or None where this NVRx has none that imports (deprecated since 0.6,
+    to be removed): the rank then trains without the Wrapper, its exceptions and hangs restart the worker
+    group in-job, and rank 0 says so once, as a warning the job's summary carries. The render of a pod
+    or a Slurm node cannot know the NVRx there: this is where it is found out."""
+    try:
+        import nvidia_resiliency_ext.inprocess as inprocess
+    except ImportError as e:
+        if s.rank == 0 and not (s.info.injob_restart or s.info.job_attempt):
+            s.warn("inprocess_missing", f"in-process restart is off: this NVRx has no inprocess.Wrapper that "
+                   f"imports ({type(e).__name__}: {e}); exceptions and hangs restart the worker group in-job "
+                   "instead")
+        return None
+    return inprocess
 
 
 def exit_cleanly() -> None:

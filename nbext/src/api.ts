@@ -18,6 +18,9 @@ export interface IJobRow {
   script: string | null;
   ended: boolean;
   detail: string;
+  started_at: number | null;
+  ended_at: number | null;
+  waiting_since: number | null;
 }
 
 /** A fault the server can inject, from its one table of fault kinds (lab/wire.py FaultKindInfo). */
@@ -49,7 +52,21 @@ export interface IJobsReply {
   faults: IFaultKindInfo[];
   levels: { [level: string]: string };
   failed: string[];
+  states: string[];
   settings: ILiveSetting[];
+}
+
+/** One job of an rm of many (commands.Removal): removed, or refused with the line that says what to do. */
+export interface IRemoval {
+  name: string;
+  backend: string;
+  removed: boolean;
+  message: string;
+}
+
+/** POST rm (lab/wire.py RemovalsReply): each job's rm, in the order asked. */
+export interface IRemovalsReply {
+  results: IRemoval[];
 }
 
 /** POST stop (commands.StopResult): the row, and the command layer's line. */

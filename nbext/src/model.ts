@@ -28,10 +28,11 @@ export class JobsModel {
   /** Jobs in the server's order. */
   jobs: IJobRow[] = [];
   /** The words learnt from the server (GET jobs), none copied here: fault kinds, restart level labels, the
-   * failed ends, the live settings. */
+   * failed ends, every state in its order, the live settings. */
   faults: IFaultKindInfo[] = [];
   levels: { [level: string]: string } = {};
   failed = new Set<string>();
+  states: string[] = [];
   settings: ILiveSetting[] = [];
   /** The stream is open and has sent the list at least once. */
   live = false;
@@ -40,6 +41,7 @@ export class JobsModel {
   /** Backends the server could not list (e.g. eks without a reachable cluster): name -> one line. */
   backendErrors: { [name: string]: string } = {};
 
+  private _byName = new Map<string, IJobRow>();
   private _changed = new Signal<this, Set<string>>(this);
   private _incident = new Signal<this, IIncident>(this);
   private _abort = new AbortController();
@@ -55,7 +57,7 @@ export class JobsModel {
   }
 
   get(name: string): IJobRow | undefined {
-    return this.jobs.find(j => j.name === name);
+    return this._byName.get(name);
   }
 
   get running(): number {
@@ -69,6 +71,7 @@ export class JobsModel {
       this.faults = reply.faults || []; // a server extension older than this panel sends fewer words
       this.levels = reply.levels || {};
       this.failed = new Set(reply.failed || []);
+      this.states = reply.states || [];
       this.settings = reply.settings || [];
       this._setBackends(reply);
       this._setJobs(reply.jobs);
@@ -147,6 +150,7 @@ export class JobsModel {
     }
     before.forEach((_, name) => changed.add(name));
     this.jobs = jobs;
+    this._byName = new Map(jobs.map(j => [j.name, j]));
     if (changed.size || always) {
       this._changed.emit(changed);
     }
@@ -160,5 +164,17 @@ export class JobsModel {
 
 /** What the panel shows of a row: a change in any of it is a change of the job. */
 function key(j: IJobRow): string {
-  return JSON.stringify([j.state, j.step, j.total_steps, j.restarts, j.goodput, j.last_checkpoint, j.detail]);
+  return JSON.stringify([
+    j.backend,
+    j.state,
+    j.step,
+    j.total_steps,
+    j.restarts,
+    j.goodput,
+    j.last_checkpoint,
+    j.detail,
+    j.started_at,
+    j.ended_at,
+    j.waiting_since
+  ]);
 }

@@ -1,22 +1,40 @@
 /**
- * The left side panel: every job (state, step/steps, restarts by level, goodput, newest checkpoint), live
- * from the model, with per-job actions (dashboard, inject, stop, resume from a checkpoint, attach).
+ * The left side panel: every job, live from the model. Jobs that run or wait come first (newest first), then
+ * the ended ones, newest end first; at the top a count per state (each filters the list by its state), a
+ * filter by state, backend and name, and "clear finished" (the rm of the ended jobs shown, each refusal said
+ * in its row). A row is built once and updated only when its job changes; rows are moved only where the
+ * order changed, so focus, an open select and a row's last message survive every update.
  */
+import { Dialog, showDialog } from '@jupyterlab/apputils';
 import { Message } from '@lumino/messaging';
 import { Widget } from '@lumino/widgets';
 
-import { ICheckpointsReply, IFaultKindInfo, IJobRow, IResumeResult, IStopResult, jobPath, post, request } from './api';
+import { IJobRow, IRemovalsReply, post } from './api';
+import { IPanelActions, JobRowView } from './jobrow';
 import { JobsModel } from './model';
-import { button, el, JobSummary } from './rows';
+import { button, el } from './rows';
 
-/** What the panel asks of the application (opening a dashboard, writing into a notebook). */
-export interface IPanelActions {
-  openDashboard(name: string): void;
-  /** Insert `code` as a new cell in the active notebook; return a line to show, or throw. */
-  insertCell(code: string): string;
-  /** The panel came into view (the status bar's badge is then seen). */
-  panelShown(): void;
+/** Running and waiting jobs first, newest start first (one not started yet on top), then the ended ones,
+ * newest end first (one whose end time is unknown last). */
+export function panelOrder(a: IJobRow, b: IJobRow): number {
+  if (a.ended !== b.ended) {
+    return a.ended ? 1 : -1;
+  }
+  const at = a.ended ? a.ended_at : a.started_at;
+  const bt = b.ended ? b.ended_at : b.started_at;
+  if (at === bt) {
+    return 0;
+  }
+  if (at === null || at === undefined) {
+    return a.ended ? 1 : -1;
+  }
+  if (bt === null || bt === undefined) {
+    return b.ended ? -1 : 1;
+  }
+  return bt - at;
 }
+
+const ALL = '';
 
 export class JobsPanel extends Widget {
   constructor(private model: JobsModel, private actions: IPanelActions) {
@@ -25,12 +43,30 @@ export class JobsPanel extends Widget {
     this.addClass('eksft-panel');
     this.title.caption = 'Training jobs (eksft)';
     const head = el('div', 'eksft-title');
-    head.append(el('h2', 'eksft-heading', 'Training jobs'), this._count);
+    head.append(el('h2', 'eksft-heading', 'Training jobs'), this._count, this._counts);
+    this._counts.setAttribute('aria-label', 'jobs by state');
+    this._state.setAttribute('aria-label', 'show the jobs in this state');
+    this._backend.setAttribute('aria-label', 'show the jobs of this backend');
+    this._name.type = 'search';
+    this._name.placeholder = 'name';
+    this._name.setAttribute('aria-label', 'show the jobs whose name holds this');
+    for (const select of [this._state, this._backend]) {
+      select.addEventListener('change', () => this._render());
+    }
+    this._name.addEventListener('input', () => this._render());
+    const filters = el('div', 'eksft-filters');
+    filters.append(this._state, this._backend, this._name, this._clear);
+    this._said.setAttribute('aria-live', 'polite');
     this._error.setAttribute('role', 'alert');
-    this.node.append(head, this._error, this._empty, this._list);
+    this.node.append(head, filters, this._said, this._error, this._empty, this._list);
     this._list.setAttribute('aria-label', 'training jobs');
-    model.changed.connect(this._render, this);
+    model.changed.connect(this._onChanged, this);
     this._render();
+  }
+
+  dispose(): void {
+    window.clearInterval(this._clock);
+    super.dispose();
   }
 
   /** Shown after the panel itself was hidden (not its whole host, as a theme change does): seen again. */
@@ -47,9 +83,13 @@ export class JobsPanel extends Widget {
     this._closed = this._closed || this.isHidden;
   }
 
-  private _render(): void {
+  private _onChanged(_: JobsModel, changed: Set<string>): void {
+    this._render(changed);
+  }
+
+  /** Update the rows of the jobs in `changed` (all when not given), then the counts, filters and order. */
+  private _render(changed?: Set<string>): void {
     const seen = new Set<string>();
-    let previous: HTMLElement | null = null;
     for (const job of this.model.jobs) {
       const key = `${job.backend}/${job.name}`; // a local job and an EKS job may share a name
       seen.add(key);
@@ -57,14 +97,10 @@ export class JobsPanel extends Widget {
       if (!row) {
         row = new JobRowView(job.name, this.model, this.actions);
         this._rows.set(key, row);
+        row.update(job);
+      } else if (!changed || changed.has(job.name)) {
+        row.update(job);
       }
-      row.update(job);
-      // keep the server's order, moving only what moved (focus and open selects survive an update)
-      const want: ChildNode | null = previous ? previous.nextSibling : this._list.firstChild;
-      if (want !== row.node) {
-        this._list.insertBefore(row.node, want);
-      }
-      previous = row.node;
     }
     for (const [key, row] of this._rows) {
       if (!seen.has(key)) {
@@ -72,19 +108,155 @@ export class JobsPanel extends Widget {
         this._rows.delete(key);
       }
     }
+    this._fillFilters();
+    const shown = this.model.jobs.filter(j => this._matches(j)).sort(panelOrder);
+    // keep this order, moving only what moved (focus and open selects survive an update)
+    let previous: HTMLElement | null = null;
+    const kept = new Set<HTMLElement>();
+    for (const job of shown) {
+      const node = this._rows.get(`${job.backend}/${job.name}`)!.node;
+      kept.add(node);
+      const want: ChildNode | null = previous ? previous.nextSibling : this._list.firstChild;
+      if (want !== node) {
+        this._list.insertBefore(node, want);
+      }
+      previous = node;
+    }
+    for (const node of [...this._list.children]) {
+      if (!kept.has(node as HTMLElement)) {
+        node.remove(); // filtered out: its view stays, with what it last said
+      }
+    }
+    this._shown = shown;
+    const finished = shown.filter(j => j.ended).length;
+    this._clear.textContent = `Clear finished (${finished})`;
+    this._clear.disabled = finished === 0 || this._clearing;
     const errors = Object.entries(this.model.backendErrors).map(([b, e]) => `${b}: ${e}`);
     this._error.textContent = [this.model.error, ...errors].filter(Boolean).join(' · ');
     this._error.hidden = !this._error.textContent;
     this._empty.hidden = this.model.jobs.length > 0;
     this.node.dataset.live = String(this.model.live);
-    const running = this.model.running;
-    this._count.textContent = `${running} running · ${this.model.jobs.length} in all`;
+    this.node.dataset.shown = String(shown.length);
+    const all = this.model.jobs.length;
+    this._count.textContent = shown.length === all ? `${all} jobs` : `${shown.length} of ${all} jobs shown`;
+    const waiting = shown.some(j => !j.ended && j.waiting_since !== null && j.waiting_since !== undefined);
+    if (waiting && !this._clock) {
+      this._clock = window.setInterval(() => this._tick(), 1000);
+    } else if (!waiting && this._clock) {
+      window.clearInterval(this._clock);
+      this._clock = 0;
+    }
+  }
+
+  private _tick(): void {
+    const now = Date.now() / 1000;
+    for (const job of this._shown) {
+      this._rows.get(`${job.backend}/${job.name}`)?.tick(now);
+    }
+  }
+
+  private _matches(job: IJobRow): boolean {
+    const name = this._name.value.trim().toLowerCase();
+    return (
+      (this._state.value === ALL || job.state === this._state.value) &&
+      (this._backend.value === ALL || job.backend === this._backend.value) &&
+      (!name || job.name.toLowerCase().includes(name))
+    );
+  }
+
+  /** The counts per state (in the server's order of states), and the filters' choices with them. */
+  private _fillFilters(): void {
+    const counts = new Map<string, number>();
+    const backends = new Set<string>(Object.keys(this.model.backendErrors));
+    for (const job of this.model.jobs) {
+      counts.set(job.state, (counts.get(job.state) ?? 0) + 1);
+      backends.add(job.backend);
+    }
+    const order = [...this.model.states, ...[...counts.keys()].filter(s => !this.model.states.includes(s))];
+    const present = order.filter(s => counts.get(s));
+    const countsKey = JSON.stringify(present.map(s => [s, counts.get(s)]));
+    if (countsKey !== this._countsKey) {
+      this._countsKey = countsKey;
+      this._counts.replaceChildren(
+        ...present.map(state => {
+          const b = button('eksft-state-count', `${state} ${counts.get(state)}`, `Show only the ${state} jobs`, () => {
+            this._state.value = this._state.value === state ? ALL : state;
+            this._render();
+          });
+          b.dataset.state = state;
+          b.dataset.count = String(counts.get(state));
+          return b;
+        })
+      );
+      fill(this._state, 'every state', present, s => `${s} (${counts.get(s)})`);
+    }
+    for (const b of this._counts.children) {
+      (b as HTMLElement).setAttribute('aria-pressed', String((b as HTMLElement).dataset.state === this._state.value));
+    }
+    const backendsKey = [...backends].sort().join(',');
+    if (backendsKey !== this._backendsKey) {
+      this._backendsKey = backendsKey;
+      fill(this._backend, 'every backend', [...backends].sort(), b => b);
+    }
+  }
+
+  /** Remove the ended jobs shown, once the user agreed; each refusal is said in its job's row. */
+  private async _clearFinished(): Promise<void> {
+    const doomed = this._shown.filter(j => j.ended);
+    if (!doomed.length) {
+      return;
+    }
+    const answer = await showDialog({
+      title: `Remove ${doomed.length} finished job${doomed.length === 1 ? '' : 's'}?`,
+      body: 'Their folders go, checkpoints and logs included (as `rm` does). A job that a running job resumes from is kept.',
+      buttons: [Dialog.cancelButton(), Dialog.warnButton({ label: 'Remove' })]
+    });
+    if (!answer.button.accept) {
+      return;
+    }
+    this._clearing = true;
+    this._clear.disabled = true;
+    this._say(`removing ${doomed.length} jobs…`);
+    try {
+      const reply = await post<IRemovalsReply>('rm', { jobs: doomed.map(j => ({ name: j.name, backend: j.backend })) });
+      const refused = reply.results.filter(r => !r.removed);
+      for (const r of refused) {
+        this._rows.get(`${r.backend}/${r.name}`)?.say(r.message, true);
+      }
+      const removed = reply.results.length - refused.length;
+      this._say(
+        `removed ${removed} job${removed === 1 ? '' : 's'}` +
+          (refused.length ? `; ${refused.length} refused (${refused.map(r => r.name).join(', ')}): each row says why` : ''),
+        refused.length > 0
+      );
+    } catch (e) {
+      this._say((e as Error).message, true);
+    } finally {
+      this._clearing = false;
+      this._render();
+    }
+  }
+
+  private _say(line: string, error = false): void {
+    this._said.textContent = line;
+    this._said.classList.toggle('eksft-error', error);
   }
 
   private _closed = true;
+  private _clearing = false;
+  private _clock = 0;
+  private _shown: IJobRow[] = [];
   private _rows = new Map<string, JobRowView>();
+  private _countsKey = '';
+  private _backendsKey = '';
   private _list = el('ul', 'eksft-jobs');
   private _count = el('span', 'eksft-count');
+  private _counts = el('div', 'eksft-counts');
+  private _state = el('select', 'eksft-filter-state');
+  private _backend = el('select', 'eksft-filter-backend');
+  private _name = el('input', 'eksft-filter-name');
+  private _clear = button('eksft-clear', 'Clear finished', 'Remove the finished jobs shown (rm)', () => void this._clearFinished());
+  private _said = el('div', 'eksft-message eksft-panel-message');
   private _error = el('div', 'eksft-error eksft-panel-error');
   private _empty = el(
     'p',
@@ -93,211 +265,9 @@ export class JobsPanel extends Widget {
   );
 }
 
-/** One job's row: built once, then updated in place. */
-class JobRowView {
-  readonly node = el('li', 'eksft-job');
-
-  constructor(private name: string, private model: JobsModel, private actions: IPanelActions) {
-    this.node.dataset.job = name;
-    const head = el('div', 'eksft-job-head');
-    const open = button('eksft-open', name, `Open the dashboard of ${name}`, () => actions.openDashboard(name));
-    this._toggle = button('eksft-toggle', 'Actions', `Show the actions for ${name}`, () =>
-      this._setExpanded(this._controls.hidden)
-    );
-    this._toggle.setAttribute('aria-expanded', 'false');
-    head.append(open, this._backend, this._summary.state, this._toggle);
-
-    const stats = el('div', 'eksft-stats');
-    stats.append(this._summary.step, this._summary.goodput, this._summary.ckpt);
-    this._message.setAttribute('aria-live', 'polite');
-
-    this._fault.setAttribute('aria-label', 'fault to inject');
-    this._fault.addEventListener('change', () => this._scopeChanged());
-    this._rank.type = 'number';
-    this._rank.min = '0';
-    this._rank.value = '0';
-    this._target.hidden = true; // until the server's fault kinds say what the chosen one targets
-    this._target.append(this._targetLabel, this._rank);
-    const injectRow = el('div', 'eksft-control eksft-inject-row');
-    injectRow.append(
-      this._fault,
-      this._target,
-      button('eksft-inject', 'Inject', `Inject the chosen fault into ${name} now`, () => void this._inject())
-    );
-    this._ckpts.setAttribute('aria-label', 'checkpoint to resume from');
-    const resumeRow = el('div', 'eksft-control eksft-resume-row');
-    resumeRow.append(
-      this._ckpts,
-      button('eksft-resume', 'Resume', `Start a new job from the chosen checkpoint of ${name}`, () => void this._resume())
-    );
-    const jobRow = el('div', 'eksft-control');
-    jobRow.append(
-      button('eksft-stop', 'Stop', `Stop ${name} (every rank, the launcher and the supervisor)`, () => void this._stop()),
-      button('eksft-attach', 'Attach in notebook', `Insert %ftrain attach ${name} into the active notebook`, () =>
-        this._attach()
-      )
-    );
-    this._injectRow = injectRow;
-    this._stopButton = jobRow.querySelector('.eksft-stop') as HTMLButtonElement;
-    this._controls.append(injectRow, resumeRow, jobRow);
-    this._controls.hidden = true;
-    this.node.append(head, stats, this._summary.restarts, this._controls, this._message);
-  }
-
-  update(row: IJobRow): void {
-    this._row = row;
-    this._summary.show(this.node, row, this.model.levels);
-    this.node.dataset.backend = row.backend;
-    this._backend.textContent = row.backend;
-    this._backend.hidden = row.backend === 'local';
-    this._injectRow.hidden = row.ended;
-    this._stopButton.disabled = row.ended;
-    if (this._faultsShown !== this.model.faults) {
-      this._fillFaults(this.model.faults);
-    }
-    if (!this._controls.hidden && row.last_checkpoint !== this._ckptsFor) {
-      void this._loadCheckpoints();
-    }
-  }
-
-  private _setExpanded(open: boolean): void {
-    this._controls.hidden = !open;
-    this._toggle.setAttribute('aria-expanded', String(open));
-    if (open) {
-      void this._loadCheckpoints();
-    }
-  }
-
-  private _fillFaults(faults: IFaultKindInfo[]): void {
-    const chosen = this._fault.value;
-    this._fault.replaceChildren(
-      ...faults.map(f => {
-        const option = el('option', '', f.kind, { value: f.kind });
-        option.title = f.help || '';
-        option.dataset.scope = f.scope;
-        option.dataset.target = f.target ?? '';
-        return option;
-      })
-    );
-    if (faults.some(f => f.kind === chosen)) {
-      this._fault.value = chosen;
-    }
-    this._faultsShown = faults;
-    this._scopeChanged();
-  }
-
-  /** The server names what a fault targets (a rank, a node) or null (the job): the box follows it. */
-  private _scopeChanged(): void {
-    const target = this._targetOf(this._fault.value);
-    this._target.hidden = target === null;
-    this._targetLabel.textContent = target ?? '';
-    this._rank.setAttribute('aria-label', target ?? '');
-  }
-
-  private _targetOf(kind: string): string | null {
-    const found = this.model.faults.find(f => f.kind === kind);
-    return found ? found.target : null;
-  }
-
-  private async _loadCheckpoints(): Promise<void> {
-    const wanted = this._row?.last_checkpoint ?? null;
-    this._ckptsFor = wanted;
-    try {
-      const reply = await request<ICheckpointsReply>(this._path('checkpoints'));
-      const committed = reply.checkpoints.filter(c => c.resumable).sort((a, b) => b.step - a.step);
-      const chosen = this._ckpts.value;
-      this._ckpts.replaceChildren(
-        ...committed.map(c => el('option', '', `step ${c.step}`, { value: String(c.step) })),
-        el('option', '', 'newest', { value: '' })
-      );
-      if ([...this._ckpts.options].some(o => o.value === chosen)) {
-        this._ckpts.value = chosen;
-      }
-    } catch (e) {
-      this._ckptsFor = undefined;
-      this._say((e as Error).message, true);
-    }
-  }
-
-  private async _inject(): Promise<void> {
-    const fault = this._fault.value;
-    if (!fault) {
-      this._say('no fault kinds from the server: is the eksft_nb server extension up to date?', true);
-      return;
-    }
-    const field = this._targetOf(fault);
-    const body: { [k: string]: unknown } = { fault, backend: this._row?.backend };
-    const target = this._rank.value.trim();
-    if (target && field !== null) {
-      const n = Number(target);
-      // a rank the server cannot read is its to refuse, with the CLI's line: send what was typed
-      body[field] = Number.isInteger(n) ? n : target;
-    }
-    await this._act(() => post<{ message: string }>(this._path('inject'), body), r => r.message);
-  }
-
-  private async _stop(): Promise<void> {
-    await this._act(
-      () => post<IStopResult>(this._path('stop'), { backend: this._row?.backend }),
-      r => r.message
-    );
-  }
-
-  private async _resume(): Promise<void> {
-    const body: { [k: string]: unknown } = { backend: this._row?.backend };
-    if (this._ckpts.value) {
-      body.step = Number(this._ckpts.value);
-    }
-    await this._act(
-      () => post<IResumeResult>(this._path('resume'), body),
-      r => r.message
-    );
-  }
-
-  private _attach(): void {
-    try {
-      this._say(this.actions.insertCell(`%ftrain attach ${this.name}`));
-    } catch (e) {
-      this._say((e as Error).message, true);
-    }
-  }
-
-  /** Run one request; show its one line (the server's error line on a refusal). */
-  private async _act<T>(call: () => Promise<T>, line: (reply: T) => string): Promise<void> {
-    this.node.classList.add('eksft-busy');
-    try {
-      this._say(line(await call()));
-    } catch (e) {
-      this._say((e as Error).message, true);
-    } finally {
-      this.node.classList.remove('eksft-busy');
-    }
-  }
-
-  private _say(line: string, error = false): void {
-    this._message.textContent = line;
-    this._message.classList.toggle('eksft-error', error);
-  }
-
-  private _path(what: string): string {
-    const path = jobPath(this.name, what);
-    const backend = this._row?.backend;
-    return backend && backend !== 'local' && what === 'checkpoints' ? `${path}?backend=${backend}` : path;
-  }
-
-  private _row: IJobRow | undefined;
-  private _toggle: HTMLButtonElement;
-  private _summary = new JobSummary();
-  private _backend = el('span', 'eksft-backend');
-  private _controls = el('div', 'eksft-controls');
-  private _injectRow: HTMLElement;
-  private _stopButton: HTMLButtonElement;
-  private _fault = el('select', 'eksft-fault');
-  private _target = el('label', 'eksft-target');
-  private _targetLabel = el('span', '');
-  private _rank = el('input', 'eksft-rank');
-  private _ckpts = el('select', 'eksft-ckpts');
-  private _faultsShown: IFaultKindInfo[] | null = null;
-  private _ckptsFor: number | null | undefined = undefined;
-  private _message = el('div', 'eksft-message');
+/** A select's options: "every ..." first, then `values`; the choice is kept where it is still offered. */
+function fill(select: HTMLSelectElement, every: string, values: string[], label: (v: string) => string): void {
+  const chosen = select.value;
+  select.replaceChildren(el('option', '', every, { value: ALL }), ...values.map(v => el('option', '', label(v), { value: v })));
+  select.value = values.includes(chosen) ? chosen : ALL;
 }

@@ -74,3 +74,20 @@ export class JobSummary {
     this.restarts.textContent = restartsText(row, labels);
   }
 }
+
+/** A wait's length in words: "45 s", "3 min 12 s", "2 h 05 min". */
+export function waited(seconds: number): string {
+  const s = Math.max(0, Math.floor(seconds));
+  if (s < 60) {
+    return `${s} s`;
+  }
+  if (s < 3600) {
+    return `${Math.floor(s / 60)} min ${String(s % 60).padStart(2, '0')} s`;
+  }
+  return `${Math.floor(s / 3600)} h ${String(Math.floor((s % 3600) / 60)).padStart(2, '0')} min`;
+}
+
+/** A Unix time as the local clock says it (HH:MM:SS). */
+export function clock(t: number): string {
+  return new Date(t * 1000).toLocaleTimeString([], { hour12: false });
+}

@@ -14,6 +14,7 @@ import os
 import time
 import uuid
 from pathlib import Path, PurePosixPath
+from collections.abc import Mapping
 from typing import Any
 
 from kubernetes import client
@@ -29,8 +30,8 @@ from ...spec_checks import valid_name
 from ...states import ACTIVE, JobState
 from ...tails import bounded
 from ..base import Backend, JobSummary, readable
-from . import checks, engine_parts, names, schemas
-from .cluster import ApiError, Cluster, explain
+from . import checks, engine_parts, live, names, schemas
+from .cluster import ApiError, Cluster, explain, kubeconfig_files
 from .inpod import NOT_HERE
 from .pods import PodState, hung_reason, parse_time, pod_state
 from .render import INPOD, Manifests, render
@@ -53,6 +54,7 @@ class EksBackend(Backend):
     """
 
     name = "eks"
+    locator_keys = ("namespace", "context")
 
     def __init__(self, namespace: str | None = None, context: str | None = None, *,
                  api_client: client.ApiClient | None = None, checkpoints_mount: str | None = None,
@@ -65,6 +67,15 @@ class EksBackend(Backend):
         self._clusters: dict[tuple[str | None, str | None], Cluster] = {}
         # jobs launched here: (context, namespace)
         self._where: dict[str, tuple[str | None, str | None]] = {}
+
+    def locator(self, spec: JobSpec) -> dict[str, str]:
+        context = {"context": spec.eks.context} if spec.eks.context else {}
+        return {"namespace": spec.eks.namespace, **context}
+
+    def configured(self) -> bool:
+        """A kubeconfig, or a pod's service account."""
+        return bool(self._api_client or self.context or kubeconfig_files()
+                    or os.environ.get("KUBERNETES_SERVICE_HOST"))
 
     def _cluster(self, context: str | None = None, namespace: str | None = None) -> Cluster:
         key = (context or self.context, namespace or self.namespace)
@@ -268,6 +279,13 @@ class EksBackend(Backend):
             raise JobError(f"queueing the fault in pod {pod} failed: {out.strip()[-300:]}",
                            "check that the image has the same eksft-nb version")
         return command
+
+    def set_settings(self, name: str, changes: Mapping[str, int]) -> dict[str, Any]:
+        """Queue checked live settings in the job folder, from inside a running pod (see :mod:`.live`)."""
+        return live.set_settings(self, name, changes)
+
+    def settings(self, name: str) -> dict[str, Any]:
+        return live.settings(self, name)
 
     def signal(self, name: str, rank: int, signame: str = "SIGKILL") -> str:
         """Signal a rank process directly (wherever it runs); returns its pod's name."""

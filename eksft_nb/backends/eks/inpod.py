@@ -5,14 +5,17 @@
 - ``prepare``: the init container. Creates the job folder on the shared volume (as a local job's
   folder) and queues the faults scheduled at launch; refuses a folder left by a different job of
   the same name, so checkpoints never mix, and, on an EFA pod, an image without the EFA provider or
-  aws-ofi-nccl (see :mod:`.efa`), and an image whose NVRx, torch or GPUs cannot run the spec
-  (:mod:`eksft_nb.preflight.doctor`). A refusal exits with ``failures.CONFIG_ERROR``, which fails the job.
+  aws-ofi-nccl (see :mod:`.efa`), and an image whose NVRx, torch or GPUs cannot run the spec as rendered
+  (:mod:`eksft_nb.preflight.doctor`; hot spares are NVRx 0.6+'s standby nodes: ``NVRx.cannot_run``). A
+  refusal exits with ``failures.CONFIG_ERROR``, which fails the job.
 - ``inject JSON``: queue a fault command (the control plane execs this).
 - ``ckpts``: the job's checkpoints, as JSON.
 - ``signal RANK SIGNAL``: signal a rank, if it runs in this pod (exit 3 if it does not).
+- ``set JSON``: queue a live settings change for the ranks (``settings``: print the ones in force).
 - ``launch ft_launcher ARGS...``: the trainer container's command: starts the pod's zygote when the spec
   keeps warm ranks (the warm shim, as installed in this image, is then ft_launcher's worker), runs
-  ft_launcher and ends as the pod's ranks did, a drain included (see :mod:`.pod_entry`).
+  ft_launcher with the flags only this image's NVRx takes (its cycle records into the job folder) and
+  ends as the pod's ranks did, a drain included (see :mod:`.pod_entry`).
 
 A refusal is also the container's termination message, which ``status`` shows.
 """
@@ -28,11 +31,14 @@ from pathlib import Path
 
 from ...checkpoint_folders import list_checkpoints
 from ...control import FaultCommand, submit
+from ... import settings
 from ...errors import ControlError, EksftError
 from ...jobdir import JobDir, atomic_write
 from ...spec import JobSpec
 from ...preflight.doctor import refusal
 from ...procs import start_ticks
+from ...states import JobState
+from ..inbox import queue_settings, settings_in_force
 from . import efa, names, pod_entry
 from .failures import CONFIG_ERROR
 
@@ -119,6 +125,34 @@ def inject(text: str) -> int:
     return 0
 
 
+def set_settings(text: str) -> int:
+    """Queue a live settings change (JSON: name -> value) for the job's ranks, after the checks the local
+    and Slurm backends make (anyone who may exec into the pod can call this); print the request's record."""
+    spec, jd = _job()
+    try:
+        changes = settings.check_values(json.loads(text))
+        record = queue_settings(jd, JobState.RUNNING, changes)   # this pod runs: the job does
+    except (ValueError, RecursionError):
+        print("eksft: error: the settings are not valid JSON", file=sys.stderr)
+        return 2
+    except EksftError as e:
+        print(f"eksft: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(record))
+    return 0
+
+
+def settings_now() -> int:
+    """Print the live settings in force (the spec's until a change) and the step they took effect at."""
+    _, jd = _job()
+    try:
+        print(json.dumps(settings_in_force(jd)))
+    except EksftError as e:
+        print(f"eksft: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def ckpts() -> int:
     spec, jd = _job()
     print(json.dumps([i.to_dict() for i in list_checkpoints(jd.ckpt_dir(spec))]))
@@ -155,11 +189,12 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["launch"]:
         return pod_entry.launch(argv[1:])
     commands = {"prepare": (0, prepare), "inject": (1, lambda: inject(argv[1])), "ckpts": (0, ckpts),
-                "signal": (2, lambda: send_signal(int(argv[1]), argv[2]))}
+                "signal": (2, lambda: send_signal(int(argv[1]), argv[2])),
+                "set": (1, lambda: set_settings(argv[1])), "settings": (0, settings_now)}
     if not argv or argv[0] not in commands or len(argv) != 1 + commands[argv[0]][0] or \
             (argv[0] == "signal" and not argv[1].isdigit()):
         print("usage: python -m eksft_nb.backends.eks.inpod {prepare | inject JSON | ckpts | signal "
-              "RANK SIGNAL | "
+              "RANK SIGNAL | set JSON | settings | "
               "launch ft_launcher ARGS...}",
               file=sys.stderr)
         return 2

@@ -22,6 +22,8 @@ the spec keeps warm ranks (:mod:`eksft_nb.runtime.zygote`), then ft_launcher, an
 - A drain is recorded in the job folder (``drains/<job uid>-N``): the pods of the next incarnation count
   it into ``EKSFT_JOB_ATTEMPT``, so their ranks restart (from this launch's newest checkpoint, the drain's,
   whatever ``--resume`` named) rather than start.
+- ft_launcher runs with the flags only this image's NVRx takes (its cycle records go into the job folder,
+  for the restart timeline), which the render, not knowing the image's release, leaves out.
 - On an EFA pod, what NCCL will load as its network plugin is checked first (:func:`.efa.nccl_plugin`):
   a plugin NCCL cannot load fails the pod (a configuration error) instead of training over TCP.
 - The pod's termination message (``/dev/termination-log``, what ``status`` shows) says how it ended.
@@ -43,6 +45,7 @@ from typing import Any
 
 import psutil
 
+from ... import nvrx
 from ...jobdir import atomic_write
 from ...launcher import ZYGOTE_MODULE, warm_worker, worker_index
 from ...procs import JOB_UID_ENV
@@ -158,10 +161,16 @@ def launch(argv: list[str]) -> int:
             print(f"eksft: {key}={value}: the image's aws-ofi-nccl installs only that name", file=sys.stderr)
         env.update(fix)
     zygote = None
+    worker: list[str] = []   # ft_launcher's worker: the warm shim, or the launch line's own
     if spec is None or spec.ft.warm_ranks:   # without a spec (a Slurm step, a test): warm, as it was rendered
         zygote = _start_zygote()
         env[SOCKET_ENV], env[ZYGOTE_ENV] = os.environ[SOCKET_ENV], os.environ[ZYGOTE_ENV]
-        argv = [*argv[:at], *warm_worker(sys.executable), *argv[at:]]
+        worker = warm_worker(sys.executable)
+    # NVRx's cycle records, one folder per incarnation as on the other backends: NVRx names them by Slurm's
+    # restart count (0 in a pod), so a later incarnation's would replace an earlier one's
+    cycle_dir = Path(env["EKSFT_JOB_DIR"]) / "logs" / "nvrx" / f"attempt-{env['EKSFT_JOB_ATTEMPT']}" \
+        if env.get("EKSFT_JOB_DIR") else None
+    argv = [*argv[:at], *_release_flags(argv, cycle_dir), *worker, *argv[at:]]
     if stopping:   # stopped before its ranks started: nothing to save, and not the job's failure
         if zygote is not None:
             zygote.kill()
@@ -179,6 +188,17 @@ def launch(argv: list[str]) -> int:
     if zygote is not None:
         zygote.kill()
     return _outcome(code, marks(env[MARK_ENV]), ranks, bool(stopping), bool(spec and spec.script), drains)
+
+
+def _release_flags(argv: list[str], cycle_dir: Path | None) -> list[str]:
+    """The flags only this image's NVRx takes (see ``NVRx.launcher_flags``: its cycle records go into
+    ``cycle_dir``, relayed by rank 0, see ``Session.rank_start``), unless the launch line has them (a
+    Slurm node's: its watcher added them). The render cannot add them: the image's NVRx is known only here."""
+    found = nvrx.installed()
+    if found is None or any(a.startswith(("--ft-cycle-info-dir", "--ft-max-no-progress-cycles"))
+                            for a in argv):
+        return []
+    return found.launcher_flags(str(cycle_dir) if cycle_dir else None)
 
 
 def _wait(launcher: subprocess.Popen[bytes], folder: str, ranks: int, stopping: list[float]) -> int:

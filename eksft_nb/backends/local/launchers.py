@@ -28,7 +28,7 @@ import psutil
 from ... import loopback, nvrx, procs
 from ...events import EventWriter
 from ...jobdir import JobDir
-from ...launcher import ZYGOTE_MODULE, Ports, launcher_argv, rank_env
+from ...launcher import ZYGOTE_MODULE, Ports, control_argv, launcher_argv, rank_env
 from ...runtime.keepalive import keepalive
 from ...runtime.quiet import quiet_env
 from ...runtime.warm_shim import SOCKET_ENV as WARM_SOCKET
@@ -39,6 +39,9 @@ from .beat import Heart
 
 STANDBY_MODULE = "eksft_nb.backends.local.standby"   # a local job's ft_launcher (see its module)
 UNKNOWN_EXIT = -256    # an adopted launcher ended (not our child: its exit status is unknown)
+# a local job's nodes are launchers on one machine: NVRx 0.7's rendezvous host otherwise takes two
+# participants with one address for a misconfiguration and closes the rendezvous (its documented switch)
+ONE_MACHINE = {"NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE": "1"}
 STORE_START_S = 120.0  # the most the rendezvous store's start (torch's import) is given to beat for
 
 
@@ -81,6 +84,7 @@ class Launchers:
     standby: dict[int, subprocess.Popen]   # node -> a warm ft_launcher for the next attempt
     zygotes: dict[str, subprocess.Popen]   # node tag -> its warm-rank zygote (this attempt's, the next's)
     store: Any                             # the rendezvous store, when the supervisor hosts it (hot spares)
+    control: subprocess.Popen | None = None   # NVRx's nvrx-control, the store host for standby spares (0.6+)
     rdzv_id: str                           # this attempt's rendezvous id
     t_launch: float
     ranks_started: dict[int, float]
@@ -95,11 +99,15 @@ class Launchers:
         self.nodes = []
         self.t_launch = time.time()
         self.ranks_started, self.ranks_done = {}, set()
-        # with hot spares the rendezvous store lives here: a launcher that hosted it could not be lost
+        # with hot spares the rendezvous store lives outside the launchers (a launcher that hosted it could
+        # not be lost): here for NVRx 0.4's handover, in NVRx's own nvrx-control (0.6+) for its standby nodes
+        spares = self.spec.spare_nodes and self.nvrx is not None and self.nvrx.spares
         self.store = None
-        if self.spec.spare_nodes:
+        if spares == "handover":
             with keepalive(self.heart.beat, budget=STORE_START_S):   # importing torch takes a while
                 self.store = _rendezvous_store(ports.rdzv)
+        elif spares == "standby":
+            self._start_control(ports, rdzv_id)
         warm = []
         for node in range(self.spec.nnodes + self.spec.spare_nodes):   # spares wait in the rendezvous
             tag = f"{self.attempt}.{node}"
@@ -107,13 +115,14 @@ class Launchers:
             argv = launcher_argv(self.spec, node_rank=node, rdzv_host="127.0.0.1", ports=ports,
                                  rdzv_id=rdzv_id,
                                  nvrx=self.nvrx, cycle_dir=str(self._cycle_dir(self.attempt)),
-                                 store_elsewhere=self.store is not None,
+                                 store_elsewhere=bool(spares),
                                  warm_python=zygote and sys.executable)
             env = quiet_env({**os.environ,
                              **rank_env(self.spec, ports=ports, job_attempt=self.attempt,
                                         job_dir=str(self.jd.path),
                                         nvrx=self.nvrx),
-                             **loopback.env(), procs.JOB_UID_ENV: self.job_uid, procs.NODE_MARK: tag,
+                             **loopback.env(), **ONE_MACHINE, procs.JOB_UID_ENV: self.job_uid,
+                             procs.NODE_MARK: tag,
                              **({WARM_SOCKET: zygote, WARM_ZYGOTE: str(self.zygotes[tag].pid)}
                                 if zygote else {})})
             log = self._launcher_log(self.attempt, node)
@@ -137,6 +146,18 @@ class Launchers:
         self.say(f"attempt {self.attempt}: started ft_launcher on {len(self.nodes)} node(s), "
                  f"pids {', '.join(str(n.pid) for n in self.nodes)}" + (" (warm standby)" if warm else ""))
         self._write_state(JobState.RUNNING)
+
+    def _start_control(self, ports: Ports, rdzv_id: str) -> None:
+        """Start this attempt's ``nvrx-control`` (see :func:`eksft_nb.launcher.control_argv`), marked as
+        the job's; it ends with the rendezvous (or with the attempt's other processes)."""
+        argv = control_argv(self.spec, rdzv_host="127.0.0.1", ports=ports, rdzv_id=rdzv_id,
+                            cycle_dir=str(self._cycle_dir(self.attempt)), cycle_job=self.spec.name)
+        env = quiet_env({**os.environ, **loopback.env(), **ONE_MACHINE, procs.JOB_UID_ENV: self.job_uid,
+                         procs.NODE_MARK: f"{self.attempt}.control"})
+        with open(self.jd.logs / f"nvrx-control-{self.attempt}.log", "ab") as out:
+            self.control = subprocess.Popen([sys.executable, "-m", STANDBY_MODULE, *argv], env=env,
+                                            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            cwd=self.jd.path, start_new_session=True)
 
     def _launcher_log(self, attempt: int, node: int) -> Path:
         return self.jd.logs / f"launcher-{attempt}-{node}.log"
@@ -222,6 +243,9 @@ class Launchers:
         for node in self.nodes:
             if node.popen is not None:
                 node.popen.wait()
+        if self.control is not None:
+            self.control.wait()
+            self.control = None
             try:
                 for seen in self._launcher_lines(node):
                     self._on_launcher_line(node, seen)

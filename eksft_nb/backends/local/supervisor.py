@@ -33,6 +33,7 @@ mark ``EKSFT_JOB_UID`` in the environment.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -46,10 +47,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import psutil
 
 from ...events import EventTail, EventWriter
 from ...jobdir import JobDir, atomic_write
 from ... import nvrx
+from ...nvrx_cycles import CycleRecord, read_cycle_records
 from ...incidents import ANY_NODE, Incidents
 from ...monitor import JobMonitor
 from ...runtime.keepalive import keepalive
@@ -64,6 +67,9 @@ from .handover import HandoverError, expire
 from .launchers import UNKNOWN_EXIT, Launchers, Node
 
 POLL_S = 0.2
+# what a launcher logs once it trains in a round, not only waits as a spare: NVRx 0.4's legacy rendezvous,
+# 0.6+'s barrier rendezvous (a standby node logs it when it takes a lost node's place)
+JOINED = ("has joined round", "Assigned active rank")
 UNRECORDED = 3         # the supervisor's exit status when the job ended but writing that down failed
 FULL = "the job folder's disk is full"
 FULL_BELOW = 1 << 20   # bytes free (to users) under which the job folder's disk counts as full
@@ -95,6 +101,7 @@ class Supervisor(Launchers):
         # node tag -> its warm-rank zygote (this attempt's, the next's)
         self.zygotes: dict[str, subprocess.Popen] = {}
         self.store: Any = None   # the rendezvous store, when the supervisor hosts it (hot spares)
+        self.control: subprocess.Popen | None = None   # nvrx-control, the store host of NVRx's standby spares
         self.rdzv_id = ""         # this attempt's rendezvous id
         self.t_launch = 0.0
         self.ranks_started: dict[int, float] = {}  # rank -> its newest rank_start of the current attempt
@@ -106,7 +113,7 @@ class Supervisor(Launchers):
                                    steps_expected=not self.spec.script)
         self.folder_inode = os.stat(self.jd.path).st_ino
         self.nvrx = nvrx.installed()
-        self.cycles_seen: dict[tuple[int, int], nvrx.CycleRecord] = {}  # (attempt, cycle) -> as last emitted
+        self.cycles_seen: dict[tuple[int, int], CycleRecord] = {}  # (attempt, cycle) -> as last emitted
         self.heart = Heart()
         self.full_since: float | None = None   # since when the job folder's disk is full
         self.room_since: float | None = None   # ... and since when it has room again
@@ -125,12 +132,15 @@ class Supervisor(Launchers):
                 what = f"script {self.spec.script}" if self.spec.script else f"{self.spec.steps} steps"
                 self.say(f"supervising job {self.spec.name} ({self.spec.world_size} ranks, {what}) "
                          f"with {self.nvrx.describe() if self.nvrx else 'no NVRx installed'}")
-                if self.nvrx and self.spec.ft.inprocess and (note := self.nvrx.inprocess_note()):
+                note = self.nvrx.inprocess_note() if self.nvrx and self.spec.ft.inprocess else None
+                if note:
                     self.say(note)
                 self.events.emit("job_start", spec_digest=self.spec.digest(), world_size=self.spec.world_size,
                                  steps=None if self.spec.script else self.spec.steps, backend="local",
                                  host=socket.gethostname(), pid=os.getpid(),
                                  nvrx=self.nvrx.version if self.nvrx else None)
+                if note and self.nvrx.inprocess == "missing":   # the job runs without the tier it asked for
+                    self.events.emit("warning", what="inprocess_missing", message=note)
                 self._launch()
                 outcome = self._watch()
             while outcome is None:
@@ -323,7 +333,21 @@ class Supervisor(Launchers):
         cause = f"its ft_launcher (launcher {node.index}) was lost ({how}); a hot spare took its place"
         self.say(f"{cause} ({len(alive) - self.spec.nnodes} spare(s) left)")
         self.incidents.node_failed(cause, detected, level=RestartLevel.INJOB)
+        if self.nvrx is not None and self.nvrx.spares == "standby":
+            self._restart_survivors()
         return True
+
+    def _restart_survivors(self) -> None:
+        """NVRx 0.6+'s standby node takes the lost node's place once the survivors' launchers restart
+        their workers: each then opens the rendezvous's next round, which the spare joins, and the store
+        host picks the active nodes. Their ranks, blocked on the lost peer (an in-process restart waits
+        for it), would only fail at the heartbeat timeout: they are ended now, as any failed worker ends
+        ft_launcher's group (an in-job restart restarts every rank anyway)."""
+        ranks = set(self.mon.rank_pids.values())
+        for proc in procs.marked(self.job_uid):
+            if proc.pid in ranks:
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
 
     def _hand_spare_over(self, node: Node) -> None:
         """NVRx's legacy rendezvous (0.4.x) lets the spare in once the lost launcher's keep-alive expires
@@ -374,16 +398,15 @@ class Supervisor(Launchers):
     def _read_cycle_records(self) -> None:
         """Fold NVRx's own per-cycle records (0.6+) into the events: one ``nvrx_cycle`` event when a
         worker-group cycle starts and one when NVRx marks it ended, so the restart timeline carries
-        NVRx's account of each in-job restart next to eksft's."""
+        NVRx's account of each in-job restart (and the spares that waited) next to eksft's."""
         if self.nvrx is None or not self.nvrx.cycle_records:
             return
-        for record in nvrx.read_cycle_records(self._cycle_dir(self.attempt)):
+        for record in read_cycle_records(self._cycle_dir(self.attempt)):
             key = (self.attempt, record.cycle)
             if self.cycles_seen.get(key) == record:
                 continue
             self.cycles_seen[key] = record
-            self.events.emit("nvrx_cycle", attempt=self.attempt, cycle=record.cycle, start=record.start,
-                             end=record.end, active_ranks=record.active_ranks)
+            self.events.emit("nvrx_cycle", attempt=self.attempt, **record.fields())
 
     def _read_events(self) -> None:
         """Fold in the ranks' new events and the launchers' new log lines, by time. The events are
@@ -436,7 +459,7 @@ class Supervisor(Launchers):
             return []
         node.offset += end + 1
         lines = chunk[: end + 1].decode(errors="replace").splitlines()
-        node.joined = node.joined or any("has joined round" in line for line in lines)
+        node.joined = node.joined or any(said in line for line in lines for said in JOINED)
         seen = [line for line in map(parse_launcher_line, lines) if line is not None]
         if seen:
             self._write_state(JobState.RUNNING)  # a successor reads on from here, not twice

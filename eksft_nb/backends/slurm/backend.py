@@ -13,9 +13,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from ...control import FaultCommand, submit
 from ...errors import JobError, UnknownJobError, shown
@@ -26,12 +24,13 @@ from ...states import ACTIVE, JobState
 from ...tails import bounded, tail_lines
 from ..base import Backend, JobSummary, readable
 from ..folder import FolderJobs
-from ..inbox import queue_fault, queue_settings, settings_in_force
-from . import cluster, engine_parts
-from .render import STOP_MARK, job_dir, new_job_uid
+from . import checks, cluster, engine_parts
+from .carried import RECORD
+from .notices import WAITING, waiting_detail
+from .render import NO_EKSFT, STOP_MARK, job_dir, new_job_uid
 
-RECORD = "slurm.json"
 SHARED_DIR_ENV = "EKSFT_SHARED_DIR"
+BATCH_LOG_BYTES = 64 << 10   # of the batch log's end read for why a job failed
 
 
 class SlurmBackend(FolderJobs, Backend):
@@ -40,6 +39,7 @@ class SlurmBackend(FolderJobs, Backend):
     names its own folder (``--shared-dir``)."""
 
     name = "slurm"
+    locator_keys = ("shared_dir",)
 
     def __init__(self, shared_dir: str | Path | None = None) -> None:
         root = shared_dir or os.environ.get(SHARED_DIR_ENV)
@@ -58,6 +58,13 @@ class SlurmBackend(FolderJobs, Backend):
                               f"check the name, or set {SHARED_DIR_ENV} to the --shared-dir it was "
                               "launched with")
 
+    def locator(self, spec: JobSpec) -> dict[str, str]:
+        return {"shared_dir": str(spec.slurm.shared_dir)}
+
+    def configured(self) -> bool:
+        """A shared folder named, or jobs launched from here."""
+        return self.root is not None or self.links.is_dir()
+
     def _record(self, jd: JobDir) -> dict:
         try:
             record = json.loads((jd.path / RECORD).read_text())
@@ -67,13 +74,13 @@ class SlurmBackend(FolderJobs, Backend):
 
     # ---- launch -------------------------------------------------------------------------------
     def check(self, spec: JobSpec, launching: bool = True) -> JobSpec:
-        """No script or spares yet, and (``launching``) the shared folder mounted here."""
+        """No script yet, GPUs and ranks that fit (:mod:`.checks`), and (``launching``) the shared folder
+        mounted here. Hot spares are NVRx's standby nodes: the NVRx on the nodes is checked where it runs (the
+        watcher's doctor gate, see ``allocation``)."""
         if spec.script:
             raise JobError("--script is not supported on Slurm yet",
                            "run the built-in trainer, or use --backend local")
-        if spec.spare_nodes:
-            raise JobError("--spare-nodes is not supported on Slurm yet (a lost node is a requeue there)",
-                           "use --spare-nodes 0, or --backend local")
+        checks.check(spec, launching)
         shared = Path(str(spec.slurm.shared_dir))
         if launching and not shared.is_dir():
             raise JobError(f"the shared folder {shared} does not exist here",
@@ -86,7 +93,7 @@ class SlurmBackend(FolderJobs, Backend):
         return engine_parts.of(spec).render(spec)
 
     def launch(self, spec: JobSpec, faults: list[FaultCommand] | None = None) -> None:
-        assert spec.backend == self.name and not spec.script and not spec.spare_nodes
+        assert spec.backend == self.name and not spec.script
         jd = job_dir(spec)
         job_uid = new_job_uid()
         script = engine_parts.of(spec).render(spec, job_uid)
@@ -134,8 +141,10 @@ class SlurmBackend(FolderJobs, Backend):
                               f"{by}: Slurm job {job_id} {job.slurm_state}")
         if job.state == JobState.FAILED:
             return JobSummary(name, self.name, JobState.FAILED, f"Slurm job {job_id} {job.slurm_state}"
-                              + (f" ({job.reason})" if job.reason not in ("", "None") else ""))
-        return JobSummary(name, self.name, job.state, f"Slurm job {job_id} on {job.nodes}")
+                              + (f" ({job.reason})" if job.reason not in ("", "None") else "")
+                              + _batch_reason(jd.logs / f"slurm-{job_id}.out"))
+        waiting = waiting_detail(jd.path / WAITING, job.restarts) if job.state == JobState.RUNNING else None
+        return JobSummary(name, self.name, job.state, waiting or f"Slurm job {job_id} on {job.nodes}")
 
     def logs(self, name: str, lines: int = 200, debug: bool = False) -> str:
         """The batch script's output, then each node's launcher log (``srun`` writes one per node)."""
@@ -152,17 +161,6 @@ class SlurmBackend(FolderJobs, Backend):
         return "\n".join([f"[eksft] {note}" for note in notes] + [bounded("\n".join(out[-lines:]))])
 
     # ---- control -------------------------------------------------------------------------------
-    def inject(self, name: str, command: FaultCommand) -> FaultCommand:
-        """Queue the fault in the job folder on the shared disk (the ranks fire it)."""
-        assert command.fault not in self.refused_faults
-        return queue_fault(self._jd(name), self.state(name).state, command)
-
-    def set_settings(self, name: str, changes: Mapping[str, int]) -> dict[str, Any]:
-        return queue_settings(self._jd(name), self.state(name).state, changes)
-
-    def settings(self, name: str) -> dict[str, Any]:
-        return settings_in_force(self._jd(name))
-
     def stop(self, name: str, timeout: float = 60.0) -> None:
         """``scancel`` the job (marked as the user's stop first); returns once Slurm says it ended."""
         jd = self._jd(name)
@@ -188,6 +186,20 @@ class SlurmBackend(FolderJobs, Backend):
                            f"{name} --backend slurm`")
         shutil.rmtree(self._jd(name).path)
         (self.links / name).unlink(missing_ok=True)
+
+
+def _batch_reason(log: Path) -> str:
+    """Why the batch shell ended, from the end of its log (the job's to write: read bounded, shown
+    bounded): eksft's own last word there, or python's that it cannot import eksft_nb."""
+    try:
+        _, lines = tail_lines(log, BATCH_LOG_BYTES)
+    except OSError:
+        return ""
+    where = f" (in {log.parent.name}/{log.name})"
+    if any("No module named 'eksft_nb'" in line for line in lines):
+        return f": ModuleNotFoundError: No module named 'eksft_nb'{where}: {NO_EKSFT}"
+    said = [line.removeprefix("eksft: ") for line in lines if line.startswith("eksft: ")]
+    return f": {shown(said[-1], 300)[1:-1]}{where}" if said else ""
 
 
 def _waiting(job: cluster.SlurmJob) -> str:

@@ -40,6 +40,7 @@ class SlurmJob:
     partition: str
     nodes: str              # the allocation's node list, e.g. n[1-2]
     restarts: int           # times it was requeued
+    excluded: str = ""      # the nodes it may not run on (ExcNodeList), e.g. n3
 
     @property
     def state(self) -> JobState:
@@ -85,7 +86,8 @@ def show_job(job_id: str) -> SlurmJob | None:
         f = dict(_FIELD.findall(done.stdout.splitlines()[0]))
         if f.get("JobId") == job_id:
             return SlurmJob(job_id, f.get("JobState", ""), f.get("Reason", ""), f.get("Partition", ""),
-                            f.get("NodeList", ""), _int(f.get("Restarts", "0")))
+                            f.get("NodeList", ""), _int(f.get("Restarts", "0")),
+                            "" if f.get("ExcNodeList") in (None, "(null)") else f["ExcNodeList"])
     if shutil.which("sacct") is None:
         return None
     done = run(["sacct", "-n", "-P", "-X", "-j", job_id, "-o", "JobID,State,Partition,NodeList"],
@@ -103,6 +105,42 @@ def scancel(job_id: str) -> None:
 
 def requeue(job_id: str) -> None:
     subprocess_checked(["scontrol", "requeue", job_id], f"requeue job {job_id}")
+
+
+def exclude(job_id: str, nodes: list[str]) -> None:
+    """Keep a requeued (pending) job off ``nodes`` (Slurm takes the change only while it is pending)."""
+    subprocess_checked(["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(nodes)}"],
+                       f"keep job {job_id} off {','.join(nodes)}")
+
+
+def signal_steps(job_id: str, signame: str) -> None:
+    """Send ``signame`` to every process of the job's steps (not its batch shell), as a preemption's grace
+    period or ``scancel --signal`` does."""
+    subprocess_checked(["scancel", f"--signal={signame}", job_id], f"signal job {job_id}'s steps")
+
+
+def config() -> dict[str, str]:
+    """The cluster's configuration (``scontrol show config``: ``KillWait = 30 sec``), values as written."""
+    done = run(["scontrol", "show", "config"], "read the cluster's configuration")
+    return dict(re.findall(r"^(\w+)\s*=\s*(.*?)\s*$", done.stdout if done.returncode == 0 else "", re.M))
+
+
+def seconds(value: str | None) -> int | None:
+    """``"30 sec"`` (or ``"30"``) as 30; None for anything else."""
+    m = re.fullmatch(r"(\d+)(?: sec)?", (value or "").strip())
+    return int(m.group(1)) if m else None
+
+
+def partition(name: str) -> dict[str, str]:
+    """``scontrol show partition NAME``'s fields ({} when it cannot say)."""
+    done = run(["scontrol", "show", "partition", name, "-o"], f"read partition {name}")
+    return dict(_FIELD.findall(done.stdout)) if done.returncode == 0 else {}
+
+
+def hostnames(nodelist: str) -> list[str]:
+    """A node list (``n[1-3]``) as names."""
+    done = run(["scontrol", "show", "hostnames", nodelist], "expand a node list")
+    return done.stdout.split() if done.returncode == 0 else []
 
 
 def _int(text: str) -> int:

@@ -16,7 +16,6 @@ host name resolves to; none binds every interface.
 from __future__ import annotations
 
 import os
-import shlex
 import signal
 import subprocess
 import sys
@@ -32,6 +31,7 @@ from ...events import EventTail, EventWriter
 from ...jobdir import JobDir
 from ...monitor import JobMonitor
 from ...runtime.quiet import quiet_env
+from ...shellquote import export, word
 from ...spec import JobSpec
 from .render import WATCHER, directives, job_dir, new_job_uid, uid_line
 
@@ -52,7 +52,7 @@ def render(spec: JobSpec, job_uid: str | None = None) -> str:
              "on the shared disk",
              "set -u",
              "# the environment of every replica group",
-             *(f"export {k}={shlex.quote(v)}" for k, v in env.items()),
+             *(export(k, v) for k, v in env.items()),
              'export EKSFT_JOB_ATTEMPT="${SLURM_RESTART_COUNT:-0}"',
              uid_line(job_uid or new_job_uid()),
              "# the Lighthouse is on the allocation's first node (this script runs there), port "
@@ -61,8 +61,8 @@ def render(spec: JobSpec, job_uid: str | None = None) -> str:
              f'export TORCHFT_LIGHTHOUSE="http://$FIRST_NODE:{port}"',
              "# the watcher records the job's start and end; its step starts the Lighthouse and one job step",
              "# per replica group, and starts a lost group again alone",
-             f"python -m {WATCHER} {shlex.quote(str(jd.path))} -- python -m {RUNNER} "
-             f'{shlex.quote(str(jd.path))} "$FIRST_NODE"',
+             f"python -m {WATCHER} {word(str(jd.path))} -- python -m {RUNNER} "
+             f'{word(str(jd.path))} "$FIRST_NODE"',
              'exit "$?"']
     return "\n".join(lines) + "\n"
 

@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ...spec import JobSpec
+from ...states import RestartLevel
 from ..base import Engine, EngineName
 from . import checks
 from .losses import LostGroups
@@ -31,6 +32,16 @@ class TorchftEngine(Engine):
     def target_rank(self, spec: JobSpec) -> int:
         """The last replica group's first rank: it reports the group's thrown-away step and its heal."""
         return (spec.nnodes - 1) * spec.nproc_per_node
+
+    def trial_ranks(self, spec: JobSpec) -> Sequence[int]:
+        """The first rank of each replica group but the first (the one that reports its group's thrown-away
+        step and heal; the first group's rank 0 also reports the job's committed steps)."""
+        return range(spec.nproc_per_node, spec.world_size, spec.nproc_per_node)
+
+    def expected_level(self, kind: str, spec: JobSpec) -> str | None:
+        """A lost group is restarted by the backend (``job``) and heals from a peer; an exception throws the
+        step away and heals it without a restart, a straggler is waited for (``none``)."""
+        return {"sigkill": RestartLevel.JOB.value, "exception": "none", "slow-rank": "none"}.get(kind)
 
     def group_losses(self, emit: Callable[..., Any]) -> LostGroups:
         return LostGroups(emit)

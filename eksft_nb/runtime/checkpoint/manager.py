@@ -214,7 +214,7 @@ class CheckpointManager:
         self.pending = self.writer.unfinished = _Pending(step, path, writer, (writer, metadata, None),
                                                          t_staged, t_staged - t0, save_id)
         self.emit("checkpoint", phase="staged", step=step, blocked_s=t_staged - t0,
-                  bytes=self.stager.staged_bytes)
+                  bytes=self.stager.staged_bytes, copy_s=self.stager.copy_s)
         self.stager.checksum()  # last: training goes on as it starts
 
     def _hand_over(self, path: Path, staged: Any, writer: Any, cache: PlanCache | None) -> tuple[str, Any]:

@@ -7,6 +7,7 @@ would read parameters that the next optimizer step is already changing.
 from __future__ import annotations
 
 import pickle
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,7 @@ class Stager:
         self._fits = True
         self.bytes = 0
         self.staged_bytes = 0
+        self.copy_s = 0.0   # the last staging's copies alone: the state over the machine's copy bandwidth
         self.shelf = memcopy.Shelf()
 
     def stage(self, state: Any) -> Any:
@@ -55,7 +57,7 @@ class Stager:
 
     def _walk(self, state: Any) -> Any:
         """Stage ``state`` into the buffers; None if they do not fit it (``_wanted`` says what would)."""
-        self.staged_bytes, self._fits, self._wanted, self._values = 0, True, {}, {}
+        self.staged_bytes, self.copy_s, self._fits, self._wanted, self._values = 0, 0.0, True, {}, {}
         staged = self._stage(state, "")
         return staged if self._fits and self._wanted.keys() == self._buffers.keys() else None
 
@@ -94,7 +96,9 @@ class Stager:
         if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
             self._fits = False
             return None
+        t0 = time.perf_counter()
         buf.copy_(src.detach())
+        self.copy_s += time.perf_counter() - t0
         self.staged_bytes += buf.numel() * buf.element_size()
         return buf
 
