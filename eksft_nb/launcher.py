@@ -37,7 +37,7 @@ class Ports:
 def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports: Ports, rdzv_id: str,
                   log_dir: str | None = None, nvrx: NVRx | None = None, cycle_dir: str | None = None,
                   store_elsewhere: bool = False, warm_python: str | None = None,
-                  gpu: bool | None = None) -> list[str]:
+                  rdzv_conf: dict[str, str] | None = None, gpu: bool | None = None) -> list[str]:
     """``ft_launcher ...`` for one node (argv[0] is the bare command name).
 
     ``node_rank`` may be a Kubernetes reference such as ``"$(EKSFT_NODE_RANK)"``, which the kubelet
@@ -49,6 +49,7 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
     ``store_elsewhere``: no launcher hosts the rendezvous store (the local supervisor, or the
     ``nvrx-control`` it starts, does, so that any node, the first included, can be lost while a hot
     spare takes its place).
+    ``rdzv_conf``: more of the rendezvous' settings (``--rdzv-conf``), e.g. its ``join_timeout``.
     ``warm_python``: each worker is :mod:`.runtime.warm_shim` run by that interpreter, which turns it
     into a rank forked from the node's zygote (:mod:`.runtime.zygote`) when there is one.
     ``gpu``: the timeouts for GPU (or CPU) nodes whatever the spec says (a Slurm job without ``--gres``
@@ -71,8 +72,9 @@ def launcher_argv(spec: JobSpec, *, node_rank: int | str, rdzv_host: str, ports:
         "--ft-workload-check-interval=1", "--ft-enable-nic-monitor=false",
     ]
     argv += section_flags(spec, gpu)
-    if store_elsewhere:
-        argv.append("--rdzv-conf=is_host=false")
+    conf = {**({"is_host": "false"} if store_elsewhere else {}), **(rdzv_conf or {})}
+    if conf:
+        argv.append("--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()))
     if loopback_address(rdzv_host):
         argv.append(f"--local-addr={rdzv_host}")
     if log_dir:
@@ -117,9 +119,10 @@ def control_argv(spec: JobSpec, *, rdzv_host: str, ports: Ports, rdzv_id: str, c
 def term_timeout(spec: JobSpec, gpu: bool | None = None) -> float:
     """ft_launcher's ``--term-timeout``. SIGTERM to the launcher (a drain, a preemption) reaches the ranks,
     which save before they exit: on GPUs it waits the grace period for that before SIGKILL (a restart's
-    stop has its own timeout). ``gpu`` as in :func:`launcher_argv`."""
+    stop has its own timeout); so does an EKS pod's on CPUs, where SIGTERM only ever means a drain.
+    ``gpu`` as in :func:`launcher_argv`."""
     t = derive(spec, gpu)
-    return t.grace.seconds if t.gpu else 5.0
+    return t.grace.seconds if t.gpu or spec.backend == "eks" else 5.0
 
 
 def section_flags(spec: JobSpec, gpu: bool | None = None) -> list[str]:
@@ -142,7 +145,7 @@ def section_flags(spec: JobSpec, gpu: bool | None = None) -> list[str]:
 
 def warm_worker(python: str) -> list[str]:
     """The flags that make ft_launcher's worker the warm shim run by ``python`` (this installation's
-    shim: an EKS pod computes them in the container, see ``eks.inpod.launch``)."""
+    shim: an EKS pod computes them in the container, see ``eks.pod_entry.launch``)."""
     # the launcher substitutes $ in workers' args
     return ["--no-python", python, "-S", WARM_SHIM.replace("$", "$$")]
 

@@ -6,14 +6,18 @@ from __future__ import annotations
 import re
 
 
-def nccl_env(gpus_per_node: int, efa: bool, inprocess: bool, rdma_read: bool) -> dict[str, str]:
+def nccl_env(gpus_per_node: int, efa: bool, inprocess: bool, rdma_read: bool,
+             require_efa: bool = False) -> dict[str, str]:
     """For ranks on GPUs: no loopback or container interfaces for NCCL's sockets, and NCCL's network
     choice logged at INFO for the INIT and NET subsystems only (one "NET/OFI ..." or "NET/Socket ..."
-    line per rank), so a fall back to TCP shows in the log. With EFA, as AWS's EFA cheatsheet has it:
-    libfabric's provider, its own fork-safety (NVRx's restarts fork ranks; never rdma-core's
-    ``RDMAV_FORK_SAFE``, which breaks newer kernels), no huge pages (a forking data loader fails on
-    them); device RDMA only where the EFA has RDMA read (``rdma_read``: p4d, p5...; elsewhere libfabric
-    aborts)."""
+    line per rank), so a fall back to TCP shows in the log. With EFA: libfabric's provider and the
+    fork-safety NVRx's restarts need (they fork ranks); huge pages off for libfabric's buffers (AWS's
+    current guidance: with them a fork, a data loader's or a restart's, can fail with "Cannot allocate
+    memory" once the node's huge pages run out); no ``RDMAV_FORK_SAFE``, which rdma-core no longer needs
+    (the kernel copies registered memory on fork) and which costs every registration; device RDMA only
+    where the EFA has RDMA read (``rdma_read``: p4d, p5...; elsewhere libfabric aborts). ``require_efa``
+    (the user asked for EFA): NCCL may use aws-ofi-nccl's network only (``NCCL_NET``, the name it answers
+    to in every release), so that a fall back to TCP sockets fails the job instead of slowing it down."""
     if not gpus_per_node:
         return {}
     env = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET", "NCCL_SOCKET_IFNAME": "^docker,lo,veth"}
@@ -24,6 +28,8 @@ def nccl_env(gpus_per_node: int, efa: bool, inprocess: bool, rdma_read: bool) ->
                     "FI_LOG_LEVEL": "warn"})
         if rdma_read:
             env["FI_EFA_USE_DEVICE_RDMA"] = "1"
+        if require_efa:
+            env["NCCL_NET"] = "AWS Libfabric"
     return env
 
 

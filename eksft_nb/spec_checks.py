@@ -120,7 +120,8 @@ def validate(spec: Any) -> None:
         raise SpecError(f"unknown EKS workload kind {shown(e.kind)}",
                         "use --kind job, jobset or pytorchjob")
     _require_int(e, "gpus_per_node", 0, prefix="eks.")
-    _require_int(e, "efa_per_node", 0, prefix="eks.")
+    if e.efa_per_node is not None:   # None: every EFA device of the instance type (backends/eks/efa.py)
+        _require_int(e, "efa_per_node", 0, prefix="eks.")
     _require_int(e, "port", 1024, prefix="eks.")
     for fname in ("queue", "priority"):
         value = getattr(e, fname)

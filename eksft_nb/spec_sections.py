@@ -155,7 +155,9 @@ class EksConfig:
                                                        "workload kind: job (Indexed Job), jobset "
                                                        "or pytorchjob")
     gpus_per_node: int = opt(8, "--gpus-per-node", "nvidia.com/gpu per pod (0: CPU pods)")
-    efa_per_node: int = opt(0, "--efa-per-node", "vpc.amazonaws.com/efa devices per pod (0: no EFA)")
+    efa_per_node: int | None = opt(None, "--efa-per-node",
+                                   "vpc.amazonaws.com/efa devices per pod (default: every EFA device a known "
+                                   "--instance-type has, on GPU pods; 0: no EFA)")
     instance_type: str | None = opt(None, "--instance-type",
                                     "node.kubernetes.io/instance-type to schedule on")
     checkpoint_pvc: str = opt("fsx-claim", "--pvc",
@@ -185,6 +187,26 @@ class EksConfig:
                                "preferred[:LAYER], all pods under one node of EKS's "
                                "topology.k8s.aws/network-node-layer-"
                                "LAYER (1 broadest .. 3 closest, the default)")
+    fsx_throughput: int | None = opt(None, "--fsx-throughput",
+                                     "FSx for Lustre throughput per TiB (MB/s/TiB: 125, 250, 500 or 1000) of "
+                                     "the file system --create-pvc provisions (default: the least that "
+                                     "delivers --storage-mbps at --storage-size)")
+    run_as_user: int = opt(1000, "--run-as-user",
+                           "UID (and group) the pods run as: non-root, so Pod Security \"restricted\" admits "
+                           "them; 0: the image's root, for images that need it (Pod Security \"baseline\")")
+    hyperpod: bool = opt(False, "--hyperpod",
+                         "SageMaker HyperPod nodes (implied by an ml.* --instance-type): schedule only on "
+                         "nodes HyperPod reports Schedulable")
+    join_timeout: int = opt(1800, "--rdzv-join-timeout",
+                            "seconds the pods wait in the rendezvous for all nodes: covers a pod's "
+                            "scheduling (a new GPU node takes minutes); without --queue (Kueue admits all "
+                            "pods at once) a pod that never schedules fails the others after it")
+    allow_latest: bool = opt(False, "--allow-latest-image",
+                             "accept an image tagged :latest (the pods of one job, and its replacements, "
+                             "could run different builds)")
+    prometheus_release: str = opt("kube-prometheus-stack", "--prometheus-release",
+                                  "the `release` label on the PodMonitor: what your Prometheus operator's "
+                                  "podMonitorSelector matches (kube-prometheus-stack: its Helm release name)")
     prometheus_namespace: str = opt("monitoring", "--prometheus-namespace",
                                     "namespace of the Prometheus that may "
                                     "scrape the pods' metrics port (the job's NetworkPolicy admits "

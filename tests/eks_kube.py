@@ -7,7 +7,9 @@ client needs it, plus the parts of the job controller and kubelet that the EKS b
   (the command really runs, in a :class:`eks_pods.LocalPod`), and failure injection that answers
   before any side effect (an injected 500 on create stores nothing).
 - :func:`running` serves it on 127.0.0.1 from a background thread, for the synchronous client.
-- :class:`Controllers` plays the Job controller and the kubelet through the real client.
+- :class:`Controllers` plays the kubelet through the real client (a pod's containers run as local
+  processes; SIGTERM, its grace period and SIGKILL; termination messages), and the Job and JobSet
+  controllers' failure handling (:mod:`eks_controllers`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import kmock
 import psutil
 from kubernetes import client
 
+from eks_controllers import JOBS, run_workload
 from eks_pods import LocalPod
 
 def now() -> str:
@@ -171,9 +174,10 @@ class KubeEmulator(kmock.KubernetesEmulator):
             -int(request.params.get("tailLines") or len(log.lines) or 1):]
         sent = 0
         while True:
-            for line in lines[sent:]:
-                await response.write(line.encode() + b"\n")
-            sent = len(lines)
+            # one at a time: the pod's controller thread appends lines while a write awaits
+            while sent < len(lines):
+                await response.write(lines[sent].encode() + b"\n")
+                sent += 1
             if not follow or (log.done and sent == len(log.lines)) or self.closing:
                 break
             await asyncio.sleep(0.02)
@@ -273,13 +277,19 @@ class Controllers:
         self.pods: dict[str, LocalPod] = {}
         self.procs: list[subprocess.Popen[bytes]] = []
         self.exit_codes: dict[str, int] = {}
+        self.running: dict[str, subprocess.Popen[bytes]] = {}   # pod -> its trainer's process
+        self.terminating: set[str] = set()                      # pods sent SIGTERM (or never to start)
+        self.outcomes: dict[str, Any] = {}                      # workload -> how its controller ended it
+        self._lock = threading.Lock()
         kube.emulator.exec_in = self._exec
 
     def create_pods(self, job: str, workload: tuple[str, str, str] = ("batch", "v1", "jobs"),
                     failures: int = 0, hosts: dict[str, str] | None = None,
-                    only: tuple[int, int] | None = None) -> list[str]:
+                    only: tuple[int, int] | None = None,
+                    annotations: dict[str, str] | None = None) -> list[str]:
         """The pods of an Indexed Job (or a JobSet's one child job), from its template, Pending; ``only``:
-        the one pod of (child Job number, completion index), as a child Job replaces a failed pod."""
+        the one pod of (child Job number, completion index), as a child Job replaces a failed pod;
+        ``annotations``: what its controllers add (failure counts, the JobSet's restart attempt)."""
         owner = self.custom.get_namespaced_custom_object(*workload[:2], self.ns, workload[2], job)
         spec = owner["spec"]
         jobset = "replicatedJobs" in spec
@@ -293,29 +303,35 @@ class Controllers:
         made = itertools.product(range(replicated["replicas"]), range(count))
         for number, index in [only] if only else made:
             name = f"{job}-{number * count + index}-{uuid.uuid4().hex[:5]}"
-            annotations = {**template["metadata"].get("annotations", {}),
-                           "batch.kubernetes.io/job-completion-index": str(index),
-                           **({"jobset.sigs.k8s.io/job-index": str(number)} if jobset else {}),
-                           "batch.kubernetes.io/job-index-failure-count": str(failures)}
+            added = {**template["metadata"].get("annotations", {}),
+                     "batch.kubernetes.io/job-completion-index": str(index),
+                     **({"jobset.sigs.k8s.io/job-index": str(number)} if jobset else {}),
+                     "batch.kubernetes.io/job-index-failure-count": str(failures), **(annotations or {})}
             pod = {"apiVersion": "v1", "kind": "Pod",
                    "metadata": {"name": name, "labels": {**template["metadata"]["labels"], "job-name": job},
-                                "annotations": annotations,
+                                "annotations": added,
                                 "ownerReferences": [{"apiVersion": owner["apiVersion"], "kind": owner["kind"],
                                                      "name": job, "uid": owner["metadata"]["uid"]}]},
                    "spec": {**template["spec"], "hostname": f"{job}-{index}"},
                    "status": {"phase": "Pending"}}
             self.core.create_namespaced_pod(self.ns, pod)
-            self.pods[name] = LocalPod(template, name, self.root, config, annotations, hosts or {},
-                                       secrets=secrets)
+            self.pods[name] = LocalPod(template, name, self.root, config, added, hosts or {}, secrets=secrets)
             names.append(name)
         return names
 
-    def status(self, pod: str, phase: str, container: dict[str, Any] | None = None, **extra: Any) -> None:
+    def status(self, pod: str, phase: str, container: dict[str, Any] | None = None, name: str = "trainer",
+               init: bool = False, **extra: Any) -> None:
         status: dict[str, Any] = {"phase": phase, **extra}
         if container is not None:
-            status["containerStatuses"] = [{"name": "trainer", "image": "img", "imageID": "img@sha256:0",
-                                            "restartCount": 0, "ready": True, "state": container}]
+            status["initContainerStatuses" if init else "containerStatuses"] = [
+                {"name": name, "image": "img", "imageID": "img@sha256:0", "restartCount": 0,
+                 "ready": not init, "state": container}]
         self.core.patch_namespaced_pod_status(pod, self.ns, {"status": status})
+
+    def pod_status(self, pod: str) -> dict[str, Any]:
+        """The pod's status as stored (conditions a disruption added included)."""
+        raw = self.core.read_namespaced_pod(pod, self.ns, _preload_content=False)
+        return json.loads(raw.data).get("status") or {}
 
     def run(self, pod: str) -> None:
         self.kube.emulator.logs.setdefault((self.ns, pod), PodLog())
@@ -324,10 +340,34 @@ class Controllers:
     def log(self, pod: str, *lines: str) -> None:
         self.kube.emulator.logs.setdefault((self.ns, pod), PodLog()).lines.extend(lines)
 
-    def exit(self, pod: str, code: int = 0, reason: str = "Completed") -> None:
+    def exit(self, pod: str, code: int = 0, reason: str = "Completed", message: str = "",
+             container: str = "trainer", init: bool = False) -> None:
         self.kube.emulator.logs.setdefault((self.ns, pod), PodLog()).done = True
-        self.status(pod, "Succeeded" if code == 0 else "Failed",
-                    {"terminated": {"exitCode": code, "reason": reason, "finishedAt": now()}})
+        terminated = {"exitCode": code, "reason": reason, "finishedAt": now(),
+                      **({"message": message} if message else {})}
+        self.status(pod, "Succeeded" if code == 0 else "Failed", {"terminated": terminated}, name=container,
+                    init=init)
+
+    def terminate(self, pod: str, evict: bool = False) -> None:
+        """What the kubelet does to a pod being deleted (and, ``evict``, what the Eviction API marks first:
+        the DisruptionTarget condition): SIGTERM to its container's main process, SIGKILL to all it runs
+        once the pod's grace period is over. A pod not started yet never starts."""
+        with self._lock:
+            if pod in self.terminating:
+                return
+            self.terminating.add(pod)
+            proc = self.running.get(pod)
+        if evict:
+            self.core.patch_namespaced_pod_status(pod, self.ns, {"status": {"conditions": [
+                {"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI",
+                 "message": "Eviction API: evicting", "lastTransitionTime": now()}]}})
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        grace = self.pods[pod].template["spec"].get("terminationGracePeriodSeconds", 30)
+        timer = threading.Timer(grace, lambda: proc.poll() is None and os.killpg(proc.pid, signal.SIGKILL))
+        timer.daemon = True
+        timer.start()
 
     def finish(self, job: str, condition: str = "Complete", reason: str = "", message: str = "",
                workload: tuple[str, str, str] = ("batch", "v1", "jobs")) -> None:
@@ -355,53 +395,41 @@ class Controllers:
         self.procs.append(proc)
         return proc
 
-    def start_job(self, job: str, hosts: dict[str, str],
-                  workload: tuple[str, str, str] = ("batch", "v1", "jobs"),
-                  retries: int = 0) -> threading.Thread:
-        """Run the job's pods as local processes: the init container, then the trainer. Their output
-        becomes the pod logs (paths as the pod sees them), their exit codes the pods' states, and the
-        Job (or JobSet) completes when every pod has succeeded. A failed pod is replaced by a new one of its
-        index, up to ``retries`` times (``backoffLimitPerIndex``). Returns the thread that finishes it."""
-        pods = self.create_pods(job, workload, hosts=hosts)
-        ended: dict[str, int] = {}
+    def start_job(self, job: str, hosts: dict[str, str], workload: tuple[str, str, str] = JOBS,
+                  retries: int | None = None) -> threading.Thread:
+        """Run the workload's pods as local processes, each its init container then its trainer, as its
+        controller does (:mod:`eks_controllers`: failure policies, retries, replacements, a JobSet's
+        restarts). Their output becomes the pod logs (paths as the pod sees them), their exit codes the pods'
+        states. ``retries``: the child Jobs' ``backoffLimitPerIndex``, where the test sets it. Returns the
+        thread that ends with the workload (its outcome then in ``outcomes[job]``)."""
+        def run() -> None:
+            self.outcomes[job] = run_workload(self, job, workload, hosts, retries)
 
-        def run(name: str) -> None:
-            first = name
-            for failures in itertools.count(1):
-                code = self._run_pod(name)
-                if code == 0 or failures > retries:
-                    ended[first] = code
-                    return
-                a = self.pods[name].annotations
-                where = (int(a.get("jobset.sigs.k8s.io/job-index", 0)),
-                         int(a["batch.kubernetes.io/job-completion-index"]))
-                [name] = self.create_pods(job, workload, failures, hosts, only=where)
-
-        threads = [threading.Thread(target=run, args=(name,), daemon=True) for name in pods]
-        for t in threads:
-            t.start()
-
-        def finish() -> None:
-            for t in threads:
-                t.join()
-            ok = all(ended.get(name) == 0 for name in pods)
-            self.finish(job, "Complete" if ok else "Failed", "" if ok else "FailedIndexes", workload=workload)
-
-        done = threading.Thread(target=finish, daemon=True)
+        done = threading.Thread(target=run, daemon=True)
         done.start()
         return done
 
-    def _run_pod(self, name: str) -> int:
+    def run_pod(self, name: str) -> int:
+        """Run a pod to its end as the kubelet does: ``prepare``, then the trainer; returns its exit code."""
         pod, log = self.pods[name], self.root / f"{name}.log"
+        if name in self.terminating:
+            return 143
         prepared = pod.run("prepare", timeout=120)
         if prepared.returncode:
-            self.log(name, *(prepared.stdout + prepared.stderr).splitlines())
+            text = prepared.stdout + prepared.stderr
+            self.log(name, *text.splitlines())
             self.exit_codes[name] = prepared.returncode
-            self.exit(name, prepared.returncode, "Error")
+            self.exit(name, prepared.returncode, "Error", self._message(name, "prepare", text),
+                      container="prepare", init=True)
             return prepared.returncode
         self.run(name)
-        proc = pod.start("trainer", log)
-        self.procs.append(proc)
+        with self._lock:
+            if name in self.terminating:   # deleted while it prepared: its trainer never starts
+                self.exit(name, 143, "Error")
+                return 143
+            proc = pod.start("trainer", log)
+            self.procs.append(proc)
+            self.running[name] = proc
         with open(log, "rb") as out:
             pending = b""
             while True:
@@ -414,9 +442,24 @@ class Controllers:
                     break
                 if not chunk:
                     time.sleep(0.05)
-        self.exit_codes[name] = proc.returncode
-        self.exit(name, proc.returncode, "Completed" if proc.returncode == 0 else "Error")
-        return proc.returncode
+        # the container's exit code: a shell's, 128 + the signal, for a process a signal ended
+        code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
+        self.exit_codes[name] = code
+        self.exit(name, code, "Completed" if code == 0 else "Error",
+                  self._message(name, "trainer", log.read_text(errors="replace")))
+        return code
+
+    def _message(self, pod: str, container: str, log: str) -> str:
+        """The container's termination message, as the kubelet reads it: the file it wrote (at most 4 KiB),
+        else, under FallbackToLogsOnError and a failure, the end of its log (80 lines, 2 KiB)."""
+        written = self.pods[pod].termination_log(container)
+        if written.exists() and written.read_text().strip():   # paths as the pod sees them
+            return self.pods[pod].to_pod_paths(written.read_text()[:4096])
+        policy = self.pods[pod].container(container).get("terminationMessagePolicy", "File")
+        code = self.exit_codes.get(pod)
+        if policy == "FallbackToLogsOnError" and code:
+            return self.pods[pod].to_pod_paths("\n".join(log.splitlines()[-80:])[-2048:])
+        return ""
 
     def close(self) -> None:
         """End every process the pods started (ranks and their helpers included)."""

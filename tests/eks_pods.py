@@ -93,9 +93,11 @@ class LocalPod:
         return [self._local(_expand(a, env)) for a in c.get("command", []) + c.get("args", [])]
 
     def process_env(self, container: str) -> dict[str, str]:
-        """The image's environment (this venv first on PATH) plus the container's."""
+        """The image's environment (this venv first on PATH) plus the container's; where the kubelet's
+        termination-message file is for this container (``/dev/termination-log`` in a pod)."""
         base = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
                 "HOME": str(self.root), "LANG": os.environ.get("LANG", "C.UTF-8"),
+                "EKSFT_TERMINATION_LOG": str(self.termination_log(container)),
                 # the eksft-nb under test (and the NVRx the test chose: pods on one machine share an address,
                 # which NVRx 0.7 allows only when told it is a simulation), and the test's holds on its ranks
                 # (engines/torchft/hold.py)
@@ -103,6 +105,13 @@ class LocalPod:
                                               "NVRX_ENABLE_MULTI_LAUNCHERS_PER_NODE", HOLD_ENV)
                    if k in os.environ}}
         return {**base, **self.env(container)}
+
+    def termination_log(self, container: str) -> Path:
+        """The file this container's termination message is read from (the kubelet mounts one per
+        container)."""
+        folder = self.root / "pods" / self.name
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder / f"{container}.termination-log"
 
     def run(self, container: str, argv: list[str] | None = None,
             **kw: Any) -> subprocess.CompletedProcess[str]:

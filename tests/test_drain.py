@@ -11,35 +11,46 @@ import signal
 import pytest
 
 from eksft_nb.checkpoint_folders import list_checkpoints, verify
+from eksft_nb.engines.torchft.hold import HOLD_ENV, step_point
 from jobs import BASE, cli, events, job_dir, story, wait_for
 
 pytestmark = pytest.mark.slow
 
 
 # warm ranks fork their checkpoint writer (it keeps the drain's handler); a cold rank's writer is spawned
-# and dies of the SIGTERM to the rank's process group, so that drain saves without it
-@pytest.mark.parametrize("extra", [(), ("--no-warm-ranks",)], ids=["warm", "cold"])
-def test_sigterm_to_every_rank_saves_commits_and_stops_then_resumes_bit_identical(reference_digest: str,
-                                                                                   extra: tuple) -> None:
+# and dies of the SIGTERM to the rank's process group, so that drain saves without it. Both ranks are held
+# before step 14 (engines/torchft/hold.py) while the signals land: the step that agrees counts exactly the
+# ranks signalled (both: a node drained; rank 0 alone: a peer's node drained, this one's ranks follow)
+@pytest.mark.parametrize("extra, signalled", [((), (0, 1)), (("--no-warm-ranks",), (0,))],
+                         ids=["warm-both", "cold-one"])
+def test_a_drain_saves_commits_and_stops_then_resumes_bit_identical(
+        reference_digest: str, extra: tuple, signalled: tuple, tmp_path, monkeypatch) -> None:
     name = "drained" + "-cold" * bool(extra)
+    holds = tmp_path / "holds"
+    holds.mkdir()
+    for rank in (0, 1):
+        (holds / step_point(rank, 14)).touch()
+    monkeypatch.setenv(HOLD_ENV, str(holds))
     proc = cli("run", "--name", name, *BASE, *extra, "--detach")
     assert proc.returncode == 0, proc.stderr
-    # mid checkpoint interval: after the save of step 10 is committed, a few steps into the next interval
+    # mid checkpoint interval: after the save of step 10 is committed, a few steps into the next interval;
+    # rank 0's step 13 is reported after the step's all-reduce, so neither rank has a say in step 14's yet
     wait_for("step 13", lambda: any(e["step"] >= 13 for e in events(name, "step")), timeout=300)
     ranks = {e.rank: e["pid"] for e in events(name, "rank_start")}
     assert sorted(ranks) == [0, 1]
     # to each rank's process group, as ft_launcher (and a warm rank's shim) sends it
-    for pid in ranks.values():
-        os.killpg(os.getpgid(pid), signal.SIGTERM)
+    for rank in signalled:
+        os.killpg(os.getpgid(ranks[rank]), signal.SIGTERM)
+    for rank in (0, 1):
+        (holds / step_point(rank, 14)).unlink()
     status = wait_for("the job to end",
                       lambda: (s := json.loads(cli("status", name, "--json").stdout))["state"]
                       not in ("starting", "running", "recovering") and s, timeout=300)
     assert status["state"] == "stopped", story(name)
     [drain] = events(name, "drain")
     step = drain["step"]
-    # the signals go to the two ranks one after the other: rank 1 may already have added its share to
-    # the step's all-reduce when its SIGTERM lands, so the step that agrees counts one or both
-    assert drain["committed"] and drain["ranks_asked"] in (1, 2) and 13 <= step < 80, drain
+    assert drain["committed"] and step == 14, drain
+    assert drain["ranks_asked"] == len(signalled), drain
     # the step it drained at is committed on disk, intact, and nothing after it was trained
     committed = {i.step: i for i in list_checkpoints(job_dir(name) / "ckpt") if i.state == "committed"}
     assert step in committed and verify(committed[step]) is None, committed
@@ -131,3 +142,76 @@ def test_a_sigtermed_rank_dies_of_it_unless_its_drain_is_agreed(how: str, dies: 
     finally:
         proc.kill()
     assert code == (-signal.SIGTERM if dies else 0), code
+
+
+@pytest.mark.parametrize("code, drained, sigterm, script, exit_code", [
+    (0, 2, False, False, 138),    # every rank here drained (a peer pod's SIGTERM): a drain, never 0
+    (1, 2, True, False, 138),     # drained, then ft_launcher died of the signal in its exit barrier
+    (0, 0, True, False, 0),       # SIGTERM as the last step ended: finished
+    (0, 0, True, True, 138),      # a script that stopped on SIGTERM: not known to be done
+    (1, 0, True, False, 138),     # stopped before the ranks could drain: the cluster's doing, not a failure
+    (1, 0, False, False, 1),      # a launcher that gave up: its own code
+    (-9, 0, False, False, 137),   # a launcher killed: as a shell says it
+])
+def test_the_pods_exit_code_says_a_drain(tmp_path, monkeypatch, code: int, drained: int, sigterm: bool,
+                                         script: bool, exit_code: int) -> None:
+    """What the process around ft_launcher exits with (eks.pod_entry), from ft_launcher's code, the marks of
+    this pod's 2 ranks, a SIGTERM to it and whether the job is a script; a drain is recorded for the next
+    incarnation (its attempt counts it) and said in the termination message."""
+    from eksft_nb.backends.eks.pod_entry import Drains, _outcome, attempt
+    from eksft_nb.runtime.drain import DRAIN_EXIT
+
+    monkeypatch.setenv("EKSFT_TERMINATION_LOG", str(tmp_path / "termination-log"))
+    marks = [{"rank": r, "step": 12, "committed": True} for r in range(drained)]
+    drains = Drains(str(tmp_path / "job"), "uid1")
+    assert _outcome(code, marks, 2, sigterm, script, drains) == exit_code
+    message = (tmp_path / "termination-log").read_text() if exit_code == DRAIN_EXIT else ""
+    assert message.startswith("drained on SIGTERM at step 12 (saved and committed)" if drained else
+                              "stopped by the cluster (SIGTERM)" if exit_code == DRAIN_EXIT else "")
+    monkeypatch.setenv("EKSFT_JOB_ATTEMPT", "1")
+    assert attempt(Drains(str(tmp_path / "job"), "uid1")) == 1 + (exit_code == DRAIN_EXIT)
+    assert attempt(Drains(str(tmp_path / "job"), "another-launch")) == 1
+
+
+STUCK_LAUNCHER = """
+import signal, subprocess, sys, time
+if sys.argv[1] == "ignores":   # as ft_launcher in its exit barrier: the store's wait outlasts the signal
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+monitor = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])   # its rank monitor
+print(monitor.pid, flush=True)
+time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("on_sigterm, code", [("ignores", -signal.SIGKILL), ("ends", -signal.SIGTERM)])
+def test_a_launcher_left_waiting_after_its_ranks_drained_is_ended(tmp_path, monkeypatch, on_sigterm: str,
+                                                                  code: int) -> None:
+    """A pod whose peer was drained: its ranks drained too, but its ft_launcher waits in torchelastic's exit
+    barrier for the peer that left (300 s), and SIGTERM does not end that wait. The pod's entry sends it
+    SIGTERM, then SIGKILL (to the processes under it as well), and the pod ends as a drain."""
+    import contextlib
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from eksft_nb.backends.eks import pod_entry
+
+    monkeypatch.setattr(pod_entry, "EXIT_GRACE_S", 0.5)
+    monkeypatch.setattr(pod_entry, "KILL_GRACE_S", 1.0)
+    launcher = subprocess.Popen([sys.executable, "-c", STUCK_LAUNCHER, on_sigterm],
+                                stdout=subprocess.PIPE, text=True)
+    monitor = psutil.Process(int(launcher.stdout.readline()))
+    try:
+        t0 = time.monotonic()
+        (tmp_path / "rank-0.json").write_text(json.dumps({"rank": 0, "step": 12, "committed": True}))
+        assert pod_entry._wait(launcher, str(tmp_path), 1, []) == code
+        assert time.monotonic() - t0 < 60
+        if code == -signal.SIGKILL:   # nothing of the pod outlives its launcher
+            gone, alive = psutil.wait_procs([monitor], timeout=10)
+            assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], alive
+    finally:
+        launcher.kill()
+        with contextlib.suppress(psutil.Error):
+            monitor.kill()

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 from eks_kube import Controllers, Kube
 from eks_pods import LocalPod
-from jobs import free_port, scrape
+from jobs import free_port, scrape, wait_for
 from kubernetes.client.rest import ApiException
 from test_eks_lifecycle import NS, backend, ctl, eks_spec, kube  # noqa: F401 (the fixtures)
+from test_eks_lifecycle import line, rank_start, steps
 
 from eksft_nb import cli, commands
 from eksft_nb.backends.eks import EksBackend, names
@@ -20,6 +21,7 @@ from eksft_nb.backends.eks.render import render
 from eksft_nb.errors import SpecError
 from eksft_nb.events import make
 from eksft_nb.job import Job
+from eksft_nb.runtime.drain import DRAIN_EXIT
 
 KUEUE = ("kueue.x-k8s.io", "v1beta1")
 GPU = {"eks.gpus_per_node": 8, "nproc_per_node": 8, "eks.efa_per_node": 32, "model.preset": "gpt-1b"}
@@ -222,6 +224,32 @@ def test_queued_then_admitted_in_the_cli_and_the_dashboard(kube: Kube, backend: 
                                "message": preempted}])
     ctl.custom.patch_namespaced_custom_object("batch", "v1", NS, "jobs", "demo", {"spec": {"suspend": True}})
     assert backend.state("demo").detail == f"queued: waiting for quota in gpus ({preempted})"
+    # its pods got SIGTERM: the ranks drained at step 3 and every pod exited 138, which is no failure to
+    # charge, and no end: the job waits in the queue, and resumes from that save once admitted again
+    ctl.log(pods[0], rank_start(0, 40), *steps(1, 3), line("drain", 0, step=3, committed=True))
+    ctl.log(pods[1], rank_start(1, 41))
+    wait_for("the drain event", lambda: handle.refresh().drain)   # written before the pods exit
+    for p in pods:
+        ctl.exit(p, DRAIN_EXIT, "Error", "drained on SIGTERM at step 3 (saved and committed)")
+    failure = wait_for("the drain", lambda: handle.refresh().failures and handle.monitor.failures[-1])
+    assert failure["level"] == "job" and failure["cause"].startswith(
+        "drained on SIGTERM at step 3 (saved and committed): pod demo-")
+    assert not handle.monitor.finished and handle.state == "starting"
+    assert backend.state("demo").detail == f"queued: waiting for quota in gpus ({preempted})"
+    kueue_workload(ctl, job,
+                   [{"type": "QuotaReserved", "status": "True", "reason": "QuotaReserved", "message": "ok"},
+                    {"type": "Admitted", "status": "True", "reason": "Admitted", "message": "ok"}])
+    ctl.custom.patch_namespaced_custom_object("batch", "v1", NS, "jobs", "demo", {"spec": {"suspend": False}})
+    again = ctl.create_pods("demo", annotations={"batch.kubernetes.io/job-index-ignored-failure-count": "1"})
+    for p in again:
+        ctl.run(p)
+    for rank, pod in ((1, again[1]), (0, again[0])):   # they count the drain: they restart, from its save
+        ctl.log(pod, line("rank_start", rank, pid=50 + rank, host=f"demo-{rank}", job_attempt=2,
+                          injob_restart=0, inprocess_iteration=0, world_size=2, start_step=3))
+    ctl.log(again[0], *steps(4, 5))
+    restart = wait_for("the resume", lambda: handle.refresh().restarts and handle.monitor.restarts[-1])
+    assert (restart["level"], restart["resumed_step"], restart["rolled_back_steps"]) == ("job", 3, 0)
+    assert handle.state == "running" and handle.monitor.last_step == 5
     backend.stop("demo", timeout=5)
     assert [r for r in kube.emulator.requests if r.method.value.upper() == "DELETE"
             and "podmonitors" in str(r.url.path)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from eksft_nb import commands
 from eksft_nb.backends.eks import EksBackend
 from eksft_nb.procs import start_ticks
 from eksft_nb.backends.eks.backend import CONFIGMAP
+from eksft_nb.backends.eks.pods import parse_time
 from eksft_nb.backends.eks.render import render
 from eksft_nb.checkpoint_folders import COMMIT, sha256_file, step_dir
 from eksft_nb.errors import ControlError, JobError, SpecError
@@ -124,11 +126,12 @@ def test_submit_creates_the_rendered_objects_and_is_idempotent(kube: Kube, backe
     # sent as validated
     assert job["spec"]["template"] == backend.manifests(spec).workload()["spec"]["template"]
     assert posts(kube) == ["persistentvolumeclaims", "configmaps", "networkpolicies", "podmonitors",
-                           "services",
+                           "poddisruptionbudgets", "services",
                            "jobs"]   # the claim: the fixture's
-    assert stored(kube, "networkpolicies") == ["demo"]
+    assert stored(kube, "networkpolicies") == stored(kube, "poddisruptionbudgets") == ["demo"]
     backend.launch(spec)   # again: every object exists with this spec, nothing changes
-    assert posts(kube)[6:] == ["configmaps", "networkpolicies", "podmonitors", "services", "jobs"]
+    assert posts(kube)[7:] == ["configmaps", "networkpolicies", "podmonitors", "poddisruptionbudgets",
+                               "services", "jobs"]
     assert stored(kube, "jobs") == ["demo"] and backend.spec("demo") == spec
 
 
@@ -233,13 +236,23 @@ def test_streamed_logs_feed_the_job_monitor(kube: Kube, backend: EksBackend, ctl
     job = Job("demo", backend)
     assert job.state == "starting" and "0 of 2 pods" in backend.state("demo").detail
     pods = ctl.create_pods("demo")
+    waiting_since = time.time() - 125
     ctl.status(pods[1], "Pending",
                conditions=[{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                                                "message": "0/3 nodes are available: 3 Insufficient "
-                                                "nvidia.com/gpu."}])
-    assert backend.state(
-        "demo").detail == f"pod {pods[1]} (node 1): not scheduled: 0/3 nodes are available: " \
-                                           "3 Insufficient nvidia.com/gpu."
+                            "lastTransitionTime": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                time.gmtime(waiting_since)),
+                            "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."}])
+    since = time.strftime("%H:%M:%S", time.localtime(int(waiting_since)))
+    # issue 35: what it waits for, and since when
+    assert re.fullmatch(re.escape(f"pod {pods[1]} (node 1): not scheduled: 0/3 nodes are available: 3 "
+                                  f"Insufficient nvidia.com/gpu. (since {since}, ") + r"2m0[4-9]s\)",
+                        backend.state("demo").detail), backend.state("demo").detail
+    # the stream says it too, once, with what it holds up
+    [warning] = wait_for("the pending pod's warning", lambda: job.refresh().warnings)
+    assert warning["what"] == "pod-pending" and warning["message"] == (
+        f"pod {pods[1]} (node 1) is not scheduled: 0/3 nodes are available: 3 Insufficient nvidia.com/gpu. "
+        f"(since {since}); the other pods wait for it in the rendezvous for up to 1800 s "
+        "(--rdzv-join-timeout), then fail")
     for p in pods:
         ctl.run(p)
     assert job.state == "running"
@@ -332,9 +345,39 @@ def test_a_pod_that_cannot_start_says_why(kube: Kube, backend: EksBackend, ctl: 
                                           "type": "Warning", "reason": "FailedMount",
                                           "lastTimestamp": "2026-01-01T00:00:00Z",
                                           "message": "MountVolume.SetUp failed for volume \"checkpoints\""})
-    assert backend.state(
-        "demo").detail == f"pod {pods[0]} (node 0): FailedMount: MountVolume.SetUp failed for volume " \
-                                           "\"checkpoints\""
+    # since when it waits: the pod's creation (the server's clock, to the second)
+    detail = backend.state("demo").detail
+    created = parse_time(raw(kube, "pods", pods[0])["metadata"]["creationTimestamp"])
+    assert detail == (f"pod {pods[0]} (node 0): FailedMount: MountVolume.SetUp failed for volume "
+                      f"\"checkpoints\" (since {time.strftime('%H:%M:%S', time.localtime(created))}, "
+                      f"{detail.rsplit(', ', 1)[1]}"), detail
+    assert re.fullmatch(r"\d+m\d\ds\)", detail.rsplit(", ", 1)[1]), detail
+
+
+def test_a_pod_that_fails_in_prepare_says_why_and_fails_the_job(kube: Kube, backend: EksBackend,
+                                                                 ctl: Controllers) -> None:
+    """Issue 35: the pods' ``prepare`` refuses the job folder another job left on the volume; its one line is
+    the init container's termination message, the pod failure policy fails the Job at once, and `status`
+    and the stream name the reason."""
+    spec = eks_spec(**{"eks.port": 29900})
+    other = ctl.root / "volumes" / "fsx-claim" / "demo"
+    other.mkdir(parents=True)
+    (other / "spec.json").write_text(eks_spec(steps=99).to_json())
+    backend.launch(spec)
+    job = Job("demo", backend)
+    ctl.start_job("demo", hosts={}).join(120)
+    outcome = ctl.outcomes["demo"]
+    assert (outcome.condition, outcome.reason) == ("Failed", "PodFailurePolicy")
+    assert "failed with exit code 78 matching FailJob rule at index 0" in outcome.message
+    why = "/checkpoints/demo holds a different job named demo: remove that folder from the volume"
+    status = backend.state("demo")
+    assert status.state == "failed" and why in status.detail, status.detail
+    assert job.wait(timeout=30, poll=0.1) == "failed"
+    wait_for("the stream's end", lambda: job.refresh().finished)   # the workload is polled every 2 s
+    assert why in job.monitor.reason and "PodFailurePolicy" in job.monitor.reason, job.monitor.reason
+    pod = next(p for p in ctl.exit_codes)
+    assert ctl.pod_status(pod)["initContainerStatuses"][0]["state"]["terminated"]["message"].startswith(
+        "/checkpoints/demo holds a different job named demo")
 
 
 # ---- inside the pods: inject, signal, checkpoints; stop and resume ------------------------------------

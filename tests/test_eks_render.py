@@ -15,6 +15,7 @@ from eksft_nb.errors import SpecError
 from eksft_nb.backends.eks.render import INPOD
 from eksft_nb.launcher import WARM_SHIM, Ports, launcher_argv
 from eksft_nb.spec import JobSpec
+from eksft_nb.timeouts import derive
 
 IMAGE = "123456789012.dkr.ecr.us-west-2.amazonaws.com/eksft-nb:0.1.0"
 
@@ -59,14 +60,19 @@ def test_matrix_renders_valid_manifests(kind: str, nnodes: int, gpus: int, efa: 
     env = {e["name"]: e.get("value", e.get("valueFrom")) for e in trainer["env"]}
     # the local launch line, with node 0's stable DNS name: no shell, no sleep, no DNS polling
     node_rank = "$(RANK)" if kind == "pytorchjob" else "$(EKSFT_NODE_RANK)"
+    # the rendezvous waits for pods that are still being scheduled (--rdzv-join-timeout); a SIGTERMed pod's
+    # launcher gives its ranks the grace period to save (a drain), on CPU pods too
+    grace = derive(spec).grace.seconds
     line = launcher_argv(spec, node_rank=node_rank, rdzv_host=names.rank0_host(spec),
-                         ports=Ports.from_base(29500), rdzv_id="demo")
-    # warm ranks (the default): the in-pod entry starts the pod's zygote, then runs that very line with the
-    # image's shim as its worker; the shim's path is the container's, so this machine's is nowhere
+                         ports=Ports.from_base(29500), rdzv_id="demo", rdzv_conf={"join_timeout": "1800"})
+    assert "--rdzv-conf=join_timeout=1800" in line and f"--term-timeout={grace:g}" in line
+    # the in-pod entry runs that very line and ends the pod as its ranks did (a drain is no success); with
+    # warm ranks (the default) it starts the pod's zygote first and makes the image's shim the launcher's
+    # worker: the shim's path is the container's, so this machine's is nowhere
     assert trainer["command"] == INPOD + ["launch"] and trainer["args"] == line and line[0] == "ft_launcher"
     assert WARM_SHIM not in text and "sleep" not in text and "getent" not in text
     cold = pod_template(EksBackend().manifests(spec.replace(**{"ft.warm_ranks": False})).workload())["spec"]
-    assert cold["containers"][0]["command"] == ["ft_launcher"] and cold["containers"][0]["args"] == line[1:]
+    assert cold["containers"][0]["command"] == INPOD + ["launch"] and cold["containers"][0]["args"] == line
     if kind != "pytorchjob":
         assert names.rank0_host(spec) == f"{names.pod_host(spec, 0)}.demo.default.svc.cluster.local"
         assert env["EKSFT_NODE_RANK"]["fieldRef"]["fieldPath"].endswith(
@@ -86,7 +92,7 @@ def test_matrix_renders_valid_manifests(kind: str, nnodes: int, gpus: int, efa: 
 
 def test_job_pods_find_node_0_through_the_headless_service() -> None:
     docs = EksBackend().manifests(eks_spec(nnodes=4, gpus=8, efa=4)).job
-    service, job = docs[-2], docs[-1]
+    service, job = next(d for d in docs if d["kind"] == "Service"), docs[-1]
     pod = job["spec"]["template"]
     assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
     assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
@@ -123,6 +129,7 @@ def test_control_plane_role_grants_only_what_it_calls() -> None:
         ("", "persistentvolumeclaims"): {"get"},
         ("monitoring.coreos.com", "podmonitors"): {"get", "create", "delete"},
         ("networking.k8s.io", "networkpolicies"): {"get", "create", "delete"},
+        ("policy", "poddisruptionbudgets"): {"get", "create", "delete"},
     }
     # a queued job's state reads Kueue's Workloads
     assert grants_for(eks_spec(kind="jobset", **{"eks.queue": "gpus"})) == {
@@ -137,6 +144,17 @@ def test_fsx_storage_class_and_claim() -> None:
     sc = next(d for d in m.admin if d["kind"] == "StorageClass")
     pvc = m.job[0]
     assert sc["provisioner"] == "fsx.csi.aws.com" and sc["parameters"]["subnetId"] == "subnet-0abc"
+    # the throughput the timeouts assume (--storage-mbps 300): the least tier that delivers it at the size
+    assert sc["parameters"]["perUnitStorageThroughput"] == "125"   # 2.4 TiB x 125 = 300 MB/s
+    tier = {(size, mbps): next(d for d in EksBackend().manifests(spec.replace(**{
+        "eks.storage_size": size, "checkpoint.storage_mbps": mbps})).admin
+        if d["kind"] == "StorageClass")["parameters"]["perUnitStorageThroughput"]
+        for size, mbps in (("1200Gi", 300.0), ("1200Gi", 301.0), ("1200Gi", 1200.0), ("4800Gi", 1200.0))}
+    assert tier == {("1200Gi", 300.0): "250", ("1200Gi", 301.0): "500", ("1200Gi", 1200.0): "1000",
+                    ("4800Gi", 1200.0): "250"}
+    chosen = EksBackend().manifests(spec.replace(**{"eks.fsx_throughput": 1000})).admin
+    assert next(d for d in chosen if d["kind"] == "StorageClass")["parameters"][
+        "perUnitStorageThroughput"] == "1000"
     assert pvc["kind"] == "PersistentVolumeClaim" and pvc["spec"]["accessModes"] == ["ReadWriteMany"]
     assert pvc["spec"]["storageClassName"] == "fsx-sc" and pvc["spec"]["resources"]["requests"][
         "storage"] == "2400Gi"
@@ -211,6 +229,21 @@ INVALID = [
     ({"eks.port": 70000}, "out of range", "--rdzv-port"),
     ({"name": "x" * 64}, "invalid job name", "--name"),
     ({"eks.kind": "deployment"}, "unknown EKS workload kind", "--kind job"),
+    ({"eks.instance_type": "trn1.32xlarge", "eks.gpus_per_node": 8, "nproc_per_node": 8},
+     "trn1.32xlarge has no NVIDIA GPUs", "p5.48xlarge"),
+    ({"eks.instance_type": "ml.trn2.48xlarge"}, "ml.trn2.48xlarge has no NVIDIA GPUs", "NVIDIA GPU instance"),
+    ({"eks.image": "repo/eksft:latest"}, "is tagged :latest", "--allow-latest-image"),
+    ({"eks.run_as_user": -1}, "--run-as-user -1 is not a user id", "--run-as-user 1000"),
+    ({"eks.join_timeout": 5}, "too short for a pod to be scheduled", "--rdzv-join-timeout 60"),
+    ({"eks.prometheus_release": "kube prometheus"}, "is not a label value", "--prometheus-release"),
+    ({"eks.create_pvc": True, "eks.fsx_subnet": "s", "eks.fsx_security_groups": "g",
+      "eks.fsx_throughput": 300},
+     "--fsx-throughput 300 is not an FSx for Lustre tier", "125 / 250 / 500 / 1000"),
+    ({"eks.create_pvc": True, "eks.fsx_subnet": "s", "eks.fsx_security_groups": "g",
+      "eks.fsx_throughput": 125},
+     "at 125 MB/s per TiB delivers 150 MB/s, less than the 300 MB/s", "--fsx-throughput 250"),
+    ({"eks.create_pvc": True, "eks.fsx_subnet": "s", "eks.fsx_security_groups": "g",
+      "checkpoint.storage_mbps": 5000.0}, "delivers at most 1200 MB/s", "--storage-size 7200Gi"),
 ]
 
 
@@ -229,9 +262,14 @@ def test_cli_dry_run_prints_the_manifests() -> None:
     assert done.returncode == 0, done.stderr
     docs = [d for d in yaml.safe_load_all(done.stdout) if d]
     assert [d["kind"] for d in docs] == ["ServiceAccount", "Role", "RoleBinding", "ConfigMap",
-                                         "NetworkPolicy", "PodMonitor",
+                                         "NetworkPolicy", "PodMonitor", "PodDisruptionBudget",
                                         "JobSet"]
     assert all(d["metadata"]["namespace"] == "training" for d in docs)
+    assert "# warning: image" not in done.stdout   # tagged
+    untagged = cli("run", "--backend", "eks", "--dry-run", "--name", "llm", "--image", "repo/eksft",
+                   "--gpus-per-node", "0", "--nproc-per-node", "1", timeout=120)
+    warned = "# warning: image repo/eksft has no tag, so the nodes pull :latest"
+    assert untagged.returncode == 0 and warned in untagged.stdout
     bad = cli("run", "--backend", "eks", "--dry-run", "--image", IMAGE, "--gpus-per-node", "12", timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith(
         "eksft: error: 12 GPUs per node") and bad.stdout == ""

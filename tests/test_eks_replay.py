@@ -1,9 +1,12 @@
 """Local replay: the pods of a job submitted through the EKS backend, run here as local processes
-with their rendered command, args and environment (rank 0's DNS name mapped to 127.0.0.1).
+with their rendered command, args and environment (rank 0's DNS name mapped to 127.0.0.1), under the
+Job controller's failure handling (:mod:`eks_controllers`).
 
 It proves the manifest's launch line trains (2 pods x 1 rank), survives a SIGKILL of a rank through
-ft_launcher with the restarted rank forked warm by its pod's zygote, and resumes from a checkpoint as a new
-job, with the dashboard's monitor fed by the streamed pod logs all along."""
+ft_launcher with the restarted rank forked warm by its pod's zygote, survives a drain (the kubelet's
+SIGTERM to one pod: every pod drains and exits 138, the Job is not Complete, its pods are recreated and
+resume from the drain's save), and resumes from a checkpoint as a new job, bit-identical, with the
+dashboard's monitor fed by the streamed pod logs all along."""
 
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ import nvrx_releases as releases
 
 from eksft_nb import commands
 from eksft_nb.backends.eks import EksBackend, names
-from eksft_nb.control import parse_fault
+from eksft_nb.control import FaultCommand, parse_fault
+from eksft_nb.runtime.drain import DRAIN_EXIT
 from eksft_nb.events import decode_lines
 from eksft_nb.job import Job
 from eksft_nb.spec import JobSpec
@@ -65,15 +69,17 @@ def cluster(tmp_path: Path,
         yield made
 
 
-def test_rendered_pods_train_survive_a_sigkill_and_resume(
+def test_rendered_pods_train_survive_a_sigkill_and_a_drain_and_resume(
     cluster: tuple[Kube, EksBackend, Controllers]) -> None:
     kube, backend, ctl = cluster
     # in-job restart only (in-process restart has its own tests), and checkpoints committed before the
     # next step (async ones commit a little later), so the step it resumes from is known
     spec = JobSpec(name="replay", backend="eks", nnodes=2, nproc_per_node=1, steps=16).replace(**{
-        "eks.image": "local", "eks.gpus_per_node": 0, "eks.port": free_port_base(), "model.preset": "tiny",
-        "checkpoint.every": 4, "checkpoint.mode": "sync", "ft.inprocess": False})
-    backend.launch(spec, faults=[parse_fault("sigkill:1@10")])
+        "eks.image": "local:test", "eks.gpus_per_node": 0, "eks.port": free_port_base(),
+        "model.preset": "tiny", "checkpoint.every": 4, "checkpoint.mode": "sync", "ft.inprocess": False})
+    # rank 0 a straggler from step 11 (1 s a step), so the drain below lands before the last step
+    pace = FaultCommand("slow-rank", rank=0, step=11, params={"delay": 1.0, "duration": 5})
+    backend.launch(spec, faults=[parse_fault("sigkill:1@10"), pace])
     ctl.start_job("replay", hosts={names.rank0_host(spec): "127.0.0.1"})
     job = Job("replay", backend)
     deadline = time.time() + 240
@@ -85,19 +91,48 @@ def test_rendered_pods_train_survive_a_sigkill_and_resume(
     changed = commands.set_settings("replay", ["keep-last=5"], backend="eks", wait=120)
     assert changed["applied"] and changed["changes"] == {"keep-last": [3, 5]}, changed
 
+    # a node drain: the kubelet's SIGTERM to pod 1's container, once the in-job restart has recovered
+    first = sorted(ctl.pods)
+    while not (job.refresh().restarts and job.monitor.last_step >= 11) and time.time() < deadline:
+        time.sleep(0.2)
+    drained = next(p for p in first if p.startswith("replay-1-"))
+    ctl.terminate(drained)
+    # every pod drained: its own exit code, so the Job is not Complete; the Job controller ignored the
+    # failures (podFailurePolicy) and recreated both pods, which resume from the drain's save
+    while not (job.refresh().drain and len(ctl.pods) == 4) and not job.monitor.finished \
+            and time.time() < deadline:
+        time.sleep(0.2)
+    assert {ctl.exit_codes.get(p) for p in first} == {DRAIN_EXIT}, (ctl.exit_codes,
+                                                                     backend.logs("replay", debug=True))
+    assert "replay" not in ctl.outcomes and len(ctl.pods) == 4   # not ended: replaced
+    step = job.monitor.drain["step"]
+    assert job.monitor.drain["committed"] and 11 < step < 16, job.monitor.drain
+
     assert job.wait(timeout=300, poll=0.5) == "succeeded", backend.logs("replay", debug=True)
+    assert ctl.outcomes["replay"].condition == "Complete"
+    replacements = [ctl.pods[p].annotations for p in sorted(set(ctl.pods) - set(first))]
+    assert [a.get("batch.kubernetes.io/job-index-ignored-failure-count") for a in replacements] == ["1", "1"]
+    assert [a["batch.kubernetes.io/job-index-failure-count"] for a in replacements] == ["0", "0"]
     mon = job.monitor
     assert mon.max_step == 16 and mon.digest and mon.state == "succeeded"
     assert {f["fault"] for f in mon.faults} == {"sigkill",
                                                 "slow-rank"} and injected.id in {f["id"] for f in mon.faults}
-    assert len(mon.restarts) == 1, mon.restarts
-    [restart] = mon.restarts
+    assert len(mon.restarts) == 2, mon.restarts
+    restart, drain = mon.restarts
     assert (restart["level"], restart["cause"], restart["blame_rank"], restart["resumed_step"]) == (
         "injob", "injected sigkill on rank 1", 1, 8)
-    assert mon.resumes[-1]["path"] == "/checkpoints/replay/ckpt/step_00000008"   # as the pods see it
+    # the drain: one job-level restart for both pods, nothing rolled back
+    assert (drain["level"], drain["resumed_step"], drain["rolled_back_steps"]) == ("job", step, 0), drain
+    assert drain["cause"].startswith(f"drained on SIGTERM at step {step} (saved and committed): pod "), drain
+    assert [r["path"] for r in mon.resumes[-2:]] == [   # as the pods see them
+        "/checkpoints/replay/ckpt/step_00000008", f"/checkpoints/replay/ckpt/step_{step:08d}"]
     # the pods' NVRx wrote its cycle records into the job folder (the flags their image's NVRx takes, added
-    # in the pod), and rank 0 relayed them through its log: the restart names the cycle NVRx began
-    assert sorted(mon.nvrx_cycles) == [(0, 0), (0, 1)] and restart["nvrx_cycle"] == 1, mon.nvrx_cycles
+    # in the pod), one folder per incarnation, and rank 0 relayed them through its log: the restart names
+    # the cycle NVRx began; the drain's pods began their own cycle 0, under their attempt (2: the drain and
+    # its index's ignored failure, as their ranks count it below)
+    assert sorted(mon.nvrx_cycles) == [(0, 0), (0, 1), (2, 0)] and restart["nvrx_cycle"] == 1, mon.nvrx_cycles
+    records = ctl.root / "volumes" / "fsx-claim" / "replay" / "logs" / "nvrx"   # the job folder's, here
+    assert sorted(p.name for p in records.iterdir()) == ["attempt-0", "attempt-2"]
     # warm ranks: each pod's entry started its zygote, and every rank it ran, the in-job restart's
     # included, was forked by that pod's zygote (pods are told apart by their log files)
     for pod in sorted(ctl.root.glob("replay-[0-9]-*.log")):
@@ -108,7 +143,10 @@ def test_rendered_pods_train_survive_a_sigkill_and_resume(
         assert "no warm rank" not in text
     rank1 = [e for p in ctl.root.glob("replay-[0-9]-*.log") for e in decode_lines(p.read_text().splitlines())
              if e.kind == "rank_start" and e.rank == 1]
-    assert len(rank1) == 2   # its first incarnation and the one ft_launcher restarted in its pod
+    # its first incarnation, the one ft_launcher restarted in its pod, and its replacement pod's, which
+    # counts the drain (and its index's ignored failure) into its attempt: it restarts, it does not start
+    assert [(e["job_attempt"], e["injob_restart"]) for e in sorted(rank1, key=lambda e: e.t)] == [
+        (0, 0), (0, 1), (2, 0)]
     # and the pods' zygotes ended with their ft_launchers: nothing of the job outlives its pods
     deadline = time.time() + 30
     while (left := pods_processes(ctl.root, "replay")) and time.time() < deadline:
@@ -137,7 +175,7 @@ def test_script_args_reach_the_ranks_literally(cluster: tuple[Kube, EksBackend, 
     script.write_text("import json, sys\nprint('ARGS ' + json.dumps(sys.argv[1:]), flush=True)\n")
     typed = ["$(EKSFT_JOB)", "$$", "cost$5", "$(EKSFT_NODE_RANK)", "$$(EKSFT_JOB)", "${local_rank}"]
     spec = JobSpec(name="literal", backend="eks", nnodes=1, nproc_per_node=1, script=str(script),
-                   script_args=typed).replace(**{"eks.image": "local", "eks.gpus_per_node": 0,
+                   script_args=typed).replace(**{"eks.image": "local:test", "eks.gpus_per_node": 0,
                                                  "eks.port": free_port_base(), "ft.inprocess": False})
     backend.launch(spec)
     ctl.start_job("literal", hosts={names.rank0_host(spec): "127.0.0.1"})

@@ -62,10 +62,23 @@ def pod(state: dict[str, Any] | None = None, *, name: str = "demo-1-abcde", node
     (pod(phase="Failed", reason="Evicted", message="The node was low on resource: ephemeral-storage."),
      "failed", True,
      False, "evicted: The node was low on resource: ephemeral-storage."),
+    # the prepare step's refusal: its termination message says why
+    (pod({"waiting": {"reason": "PodInitializing"}}, phase="Failed",
+         init={"terminated": {"exitCode": 78, "message": "this pod asks for EFA, but aws-ofi-nccl ..."}}),
+     "failed", True, False,
+     "the prepare step refused to run as configured (exit 78): this pod asks for EFA, but aws-ofi-nccl ..."),
+    # drained: not a failure (the workload recreates it), evicted (DisruptionTarget) or not
+    (pod({"terminated": {"exitCode": 138, "message": "drained on SIGTERM at step 12 (saved and committed): "
+                                                     "the workload recreates the pod"}}, phase="Failed",
+         conditions=[{"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI"}]),
+     "failed", False, False,
+     "ft_launcher drained on SIGTERM (exit 138): drained on SIGTERM at step 12 (saved and committed): the "
+     "workload recreates the pod"),
 ])
 def test_pod_states_in_words(status: dict, phase: str, failed: bool, stuck: bool, reason: str) -> None:
     ps = pod_state(status, "trainer")
     assert (ps.phase, ps.failed, ps.stuck, ps.reason) == (phase, failed, stuck, reason)
+    assert ps.drained == (ps.exit_code == 138)
 
 
 def test_pytorchjob_pods_are_numbered_master_first() -> None:
@@ -268,3 +281,117 @@ def test_many_restarts_keep_one_process_per_rank_and_blame_the_newest() -> None:
                                      "local_rank: 0 (pid: 4901) of binary: python"))
     [failure] = [e for e in tr.take() if e.kind == "failure" and e["blame_rank"] == 1]
     assert failure["cause"].startswith("rank 1")
+
+
+def drained_pod(name: str, node: int, t: float) -> dict[str, Any]:
+    return pod({"terminated": {"exitCode": 138, "finishedAt": stamp(t),
+                               "message": "drained on SIGTERM at step 4 (saved and committed)"}},
+               name=name, node=node, phase="Failed")
+
+
+def test_a_drain_is_one_job_restart_and_never_a_success_short_of_the_last_step() -> None:
+    """Every pod of a drained job exits 138: one job-level restart whose cause is the drain, closed by the
+    recreated pods' first step with nothing rolled back. A workload that ends Complete with the ranks
+    stopped short (an image whose eksft-nb exits 0 on a drain) ends stopped, with the drain."""
+    tr = tracker()
+    for rank in (0, 1):
+        tr.feed(("line", f"demo-{rank}-aaaaa", rank_start(rank, T0 + 1)))
+    for s in (1, 2, 3, 4):
+        tr.feed(("line", "demo-0-aaaaa", step(s, T0 + 1 + s)))
+    tr.feed(("line", "demo-0-aaaaa", line("drain", 0, T0 + 6, step=4, committed=True)))
+    tr.feed(("pod", "MODIFIED", drained_pod("demo-1-aaaaa", 1, T0 + 7), False))
+    tr.feed(("pod", "MODIFIED", drained_pod("demo-0-aaaaa", 0, T0 + 8), False))
+    tr.feed(("pod", "MODIFIED", drained_pod("demo-0-aaaaa", 0, T0 + 8), False))   # seen again
+    for rank in (0, 1):
+        tr.feed(("line", f"demo-{rank}-bbbbb", rank_start(rank, T0 + 30, attempt=2, start=4)))
+    tr.feed(("line", "demo-0-bbbbb", step(5, T0 + 31)))
+    events = tr.take()
+    [failure] = [e for e in events if e.kind == "failure"]
+    assert failure["level"] == "job" and failure["cause"] == (
+        "drained on SIGTERM at step 4 (saved and committed): pod demo-1-aaaaa (node 1) and the job's other "
+        "pods are recreated by the workload")
+    [restart] = [e for e in events if e.kind == "restart"]
+    assert (restart["resumed_step"], restart["rolled_back_steps"]) == (4, 0)
+
+    # Complete, stopped short: not succeeded
+    tr = tracker()
+    tr.feed(("line", "demo-0-aaaaa", step(3, T0 + 3)))
+    tr.feed(("line", "demo-0-aaaaa", line("drain", 0, T0 + 4, step=3, committed=True)))
+    tr.feed(outcome())
+    tr.finish(tr.outcome_at + LOG_DRAIN_S + 1)
+    end = tr.take()[-1]
+    assert (end.kind, end["state"], end["final_step"]) == ("job_end", "stopped", 3)
+    assert end["reason"].startswith("drained on SIGTERM at step 3 of 10 (saved and committed), and the "
+                                    "workload ended Complete")
+    tr = tracker()
+    tr.feed(("line", "demo-0-aaaaa", step(3, T0 + 3)))
+    tr.feed(outcome())
+    tr.finish(tr.outcome_at + LOG_DRAIN_S + 1)
+    end = tr.take()[-1]
+    assert (end["state"], end["reason"]) == ("failed", "the pods finished at step 3 of 10: the workload is "
+                                                       "Complete but training is not (see `logs --debug`)")
+
+
+def test_a_failed_job_says_the_pod_behind_it_and_nccl_over_sockets_is_a_warning() -> None:
+    spec = JobSpec(name="demo", backend="eks", nnodes=2, nproc_per_node=8).replace(**{
+        "eks.gpus_per_node": 8, "eks.instance_type": "p5.48xlarge"})   # EFA by default
+    tr = Tracker(spec, created=T0, server="https://eks.example")
+    for text in ("demo-0-aaaaa NCCL INFO Using network AWS Libfabric", "demo-1-aaaaa NCCL INFO Using network "
+                 "Socket", "demo-0-aaaaa NCCL INFO Using network Socket"):
+        tr.feed(("line", text.split()[0], text))
+    [warning] = [e for e in tr.take() if e.kind == "warning"]
+    assert warning["what"] == "nccl-socket" and warning["message"].startswith(
+        "NCCL in pod demo-1-aaaaa uses TCP sockets, not its 32 EFA devices (\"Using network Socket\")")
+    refused = pod({"waiting": {"reason": "PodInitializing"}}, name="demo-1-abcde", phase="Failed",
+                  init={"terminated": {"exitCode": 78, "message": "this pod asks for EFA, but aws-ofi-nccl "
+                                                                  "is missing: use an image with it"}})
+    tr.feed(("pod", "MODIFIED", refused, False))
+    failed = {"type": "Failed", "status": "True", "reason": "PodFailurePolicy",
+              "message": "Container prepare for pod default/demo-1-abcde failed with exit code 78 matching "
+                         "FailJob rule at index 0"}
+    tr.feed(("workload", {"status": {"conditions": [failed]}}))
+    tr.finish(tr.outcome_at + 1)
+    end = tr.take()[-1]
+    assert end["state"] == "failed" and end["reason"].startswith(
+        "pod demo-1-abcde (node 1): the prepare step refused to run as configured (exit 78): this pod asks "
+        "for EFA, but aws-ofi-nccl is missing: use an image with it (the workload failed (PodFailurePolicy: ")
+
+
+def test_a_pod_hung_on_a_lost_node_is_said_once_with_what_releases_it() -> None:
+    """Its node stopped answering: the pod stays Terminating past its grace period, and the Job will not
+    replace it (podReplacementPolicy: Failed) until it is gone."""
+    tr = tracker()
+    now = time.time()
+    hung = pod(name="demo-1-abcde")
+    hung["metadata"]["deletionTimestamp"] = stamp(now - 30)
+    tr.feed(("pod", "MODIFIED", hung, False))
+    tr.finish(now)
+    assert not [e for e in tr.take() if e.kind == "warning"]   # within its grace period: a pod ending
+    hung["metadata"]["deletionTimestamp"] = stamp(now - 3600)
+    tr.feed(("pod", "MODIFIED", hung, False))
+    tr.finish(now)
+    tr.finish(now + 1)
+    [warning] = [e for e in tr.take() if e.kind == "warning"]
+    assert warning["what"] == "pod-hung" and warning["message"].startswith(
+        "pod demo-1-abcde (node 1) has been terminating since ")
+    assert "node.kubernetes.io/out-of-service=nodeshutdown:NoExecute" in warning["message"]
+
+
+def test_a_drain_said_before_its_event_arrives_takes_its_words() -> None:
+    """The pods' states can arrive before rank 0's drain event (another stream): the failure says what the
+    pod's termination message says, and the restart the drain event's words."""
+    tr = tracker()
+    tr.feed(("line", "demo-0-aaaaa", rank_start(0, T0 + 1)))
+    tr.feed(("line", "demo-0-aaaaa", step(1, T0 + 2)))
+    bare = pod({"terminated": {"exitCode": 138, "finishedAt": stamp(T0 + 7)}}, name="demo-0-aaaaa", node=0,
+               phase="Failed")
+    tr.feed(("pod", "MODIFIED", bare, False))
+    tr.feed(("line", "demo-0-aaaaa", line("drain", 0, T0 + 6, step=1, committed=False)))
+    tr.feed(("line", "demo-0-bbbbb", rank_start(0, T0 + 30, attempt=1, start=1)))
+    tr.feed(("line", "demo-0-bbbbb", step(2, T0 + 31)))
+    events = tr.take()
+    [failure] = [e for e in events if e.kind == "failure"]
+    [restart] = [e for e in events if e.kind == "restart"]
+    assert failure["cause"].startswith("stopped on SIGTERM: pod demo-0-aaaaa (node 0)")
+    assert restart["cause"].startswith("drained on SIGTERM at step 1 (its save could NOT be committed): pod "
+                                       "demo-0-aaaaa (node 0)")

@@ -212,7 +212,7 @@ def _launcher_rows(spec: JobSpec, t: Timeouts, rows: list[RowDict]) -> None:
         "launcher term",
         term_timeout(spec, t.gpu),
         "ft_launcher's SIGTERM to SIGKILL of its ranks",
-        "the grace period" if t.gpu else "CPU",
+        "the grace period" if t.gpu or spec.backend == "eks" else "CPU",
     )
 
 

@@ -15,19 +15,34 @@ the signal arrives (Python's wakeup fd), since a main thread stuck in C runs no 
 whose training function has failed (an in-process restart waiting on a lost peer, say) reaches no step
 boundary before it re-enters: it dies of the signal at once, not after its patience, which would
 outlast ft_launcher's stop timeout (a hot spare's takeover waited for that).
+
+A drained rank exits 0 (a non-zero exit would make ft_launcher restart the worker group), so
+ft_launcher exits 0 as well ("All ranks exited gracefully"). What runs around ft_launcher on a cluster
+(an EKS pod's entry, a Slurm step) gives each rank a folder in :data:`MARK_ENV`; every rank that
+drained writes its mark there (:meth:`Drain.drained`), and the wrapper, finding a mark for each of
+its ranks (:func:`marks`), ends with :data:`DRAIN_EXIT` instead of 0: the workload is then recreated
+or requeued and resumes from the drain's save, never reported as having succeeded.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 PATIENCE_FLOOR = 15.0   # seconds a SIGTERMed rank waits at least for its drain to be agreed
 PATIENCE_STEPS = 3      # ... and at least this many of its recent step times
+# The exit code of a node (pod, launcher step) whose ranks drained: stopped by the cluster, its work saved,
+# to be recreated or requeued, not counted as a failure. 138 (128 + SIGUSR1) is the one code Kubeflow's
+# training operator retries as the user's own under restartPolicy ExitCode, so it serves the PyTorchJob
+# as well as a Job's or JobSet's podFailurePolicy (which matches any code) and Slurm's requeue
+DRAIN_EXIT = 138
+MARK_ENV = "EKSFT_DRAIN_MARK"   # the folder a rank that drained writes its mark in (see marks)
 
 
 class Drain:
@@ -77,6 +92,22 @@ class Drain:
         """Every rank drains at this step boundary: the save may take the whole grace period."""
         self._agreed.set()
 
+    def drained(self, step: int, committed: bool) -> None:
+        """This rank saved ``step`` and stops: its mark for the process around ft_launcher (if any gave it a
+        folder), written last, once the save is committed or known not to be."""
+        folder = os.environ.get(MARK_ENV)
+        if not folder:
+            return
+        mark = {"rank": int(os.environ.get("RANK", "0")), "step": step, "committed": committed,
+                "t": time.time()}
+        path = Path(folder, f"rank-{mark['rank']}.json")
+        try:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(mark))
+            os.replace(tmp, path)
+        except OSError:   # the wrapper then ends as ft_launcher did: the drain event still says what happened
+            pass
+
     @property
     def requested(self) -> bool:
         return self.requested_at is not None
@@ -104,3 +135,18 @@ def _forget_wakeup() -> None:
         signal.set_wakeup_fd(-1)
     except ValueError:   # forked from a thread other than the main one: nothing was set there
         pass
+
+
+def marks(folder: str | Path) -> list[dict[str, Any]]:
+    """The marks of the ranks that drained, written in ``folder`` (see :meth:`Drain.drained`); a mark that
+    does not read as one is left out."""
+    out = []
+    for path in sorted(Path(folder).glob("rank-*.json")):
+        try:
+            mark = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(mark, dict) and type(mark.get("step")) is int \
+                and isinstance(mark.get("committed"), bool):
+            out.append(mark)
+    return out

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..engines.torchft.hold import hold, step_point
 from ..timeouts import PROCESS_GROUP_S, derive, wrapper_barrier
 from .checkpoint import ModelState
 from .checkpoint.resume import NoStartPoint
@@ -67,17 +68,22 @@ class Trainer:
     def _save_without_writer(self) -> None:
         """A drain saves synchronously on every rank: a cold rank's async writer dies of the same SIGTERM
         (its process group's), at a moment no rank can agree on, so the save in flight is abandoned
-        (never committed) and the writer stopped."""
-        self.ckpt.writer.stop()
+        (never committed) and the writer stopped. A rank whose writer is alive (its peer was signalled, not
+        it) waits for the writer to end (up to 10 s): it beats meanwhile, so that is not taken for a hang."""
+        with keepalive(self._keepalive, budget=15.0):
+            self.ckpt.writer.stop()
         self.ckpt.pending, self.ckpt.mode = None, "sync"
 
     def _drained(self, step: int, asked: int, save_s: float) -> None:
-        """Every rank saved ``step`` (or it was committed already) and stops: rank 0 says so."""
+        """Every rank saved ``step`` (or it was committed already) and stops: rank 0 says so, and each rank
+        leaves its mark for the process around its launcher (see :mod:`.drain`)."""
+        committed = self.ckpt.last_committed == step
         if self.rank == 0:
-            committed = self.ckpt.last_committed == step
             self.s.emit("drain", step=step, committed=committed, ranks_asked=asked, save_s=save_s,
                         path=str(self.ckpt.root) if committed else None)
         dist.barrier(group=self.ckpt_group)
+        if self.s.drain is not None:
+            self.s.drain.drained(step, committed)
 
     def _restore_overrun(self, budget: float, took: float | None = None) -> None:
         """Warn that a restore outlasts the keepalive's budget: from then on the timeouts count it as a
@@ -138,6 +144,7 @@ class Trainer:
         tokens_per_step = spec.batch * spec.seq * self.world
         first, t_loop = self.step + 1, time.perf_counter()
         for step in range(first, spec.steps + 1):
+            hold(step_point(self.rank, step), self._keepalive)   # a test's (unset: a look at the environment)
             s.step_begin(step)
             t0 = time.perf_counter()
             tokens = self.data.next_batch().to(self.device)

@@ -33,13 +33,14 @@ from ..base import Backend, JobSummary, readable
 from . import checks, engine_parts, live, names, schemas
 from .cluster import ApiError, Cluster, explain, kubeconfig_files
 from .inpod import NOT_HERE
-from .pods import PodState, parse_time, pod_state
+from .pods import PodState, hung_reason, parse_time, pod_state
 from .render import INPOD, Manifests, render
-from .stream import EksEvents, workload_outcome
+from .stream import EksEvents, with_cause, workload_outcome
 
 CONFIGMAP, SERVICE, POD, PVC = (names.KINDS[k] for k in ("ConfigMap", "Service", "Pod",
                                                          "PersistentVolumeClaim"))
 PODMONITOR, NETPOL = names.KINDS["PodMonitor"], names.KINDS["NetworkPolicy"]
+PDB = names.KINDS["PodDisruptionBudget"]
 
 
 class EksBackend(Backend):
@@ -110,7 +111,12 @@ class EksBackend(Backend):
 
     def render(self, spec: JobSpec, queue_objects: bool = False) -> str:
         manifests = self.manifests(spec, queue_objects=queue_objects).to_yaml()
-        return "".join(f"# {line}\n" for line in derive(spec).lines()) + manifests
+        notes = derive(spec).lines()
+        if "@" not in spec.eks.image and checks.image_tag(spec.eks.image) is None:
+            notes.append(f"warning: image {spec.eks.image} has no tag, so the nodes pull :latest: the job's "
+                         "pods, and the pods that replace them, could run different builds (use an immutable "
+                         "tag)")
+        return "".join(f"# {line}\n" for line in notes) + manifests
 
     def launch(self, spec: JobSpec, faults: list[FaultCommand] | None = None) -> None:
         """Submit the job. Submitting the same spec again is a no-op (objects that exist with this
@@ -139,6 +145,10 @@ class EksBackend(Backend):
         if obj is None or obj["metadata"].get("deletionTimestamp"):
             return JobSummary(name, self.name, JobState.STOPPED, "stopped: its workload was deleted")
         outcome = workload_outcome(obj)
+        if outcome and outcome[0] == JobState.FAILED:   # said with the pod behind it, in its own words
+            pods = [pod_state(p, names.container(spec), names.process(spec))
+                    for p in cluster.list(POD, names.selector(name))]
+            return JobSummary(name, self.name, JobState.FAILED, with_cause(outcome[1], pods))
         if outcome:
             return JobSummary(name, self.name, *outcome)
         if spec.eks.queue and _suspended(obj):   # Kueue has not admitted it (or has evicted it) yet
@@ -155,12 +165,15 @@ class EksBackend(Backend):
                          # telling ones first
                          key=lambda p: p.reason in ("", "ContainerCreating", "PodInitializing"))
         if not pods or waiting or len(pods) < spec.nnodes:
-            detail = (f"{waiting[0].label}: {self._pending_reason(cluster, waiting[0])}" if waiting
-                      else f"{len(pods)} of {spec.nnodes} pods created")
+            detail = (f"{waiting[0].label}: {self._pending_reason(cluster, waiting[0])}{_since(waiting[0])}"
+                      if waiting else f"{len(pods)} of {spec.nnodes} pods created")
             # Kueue unsuspends only what it admitted
             return JobSummary(name, self.name, JobState.STARTING,
                               f"admitted; {detail}" if spec.eks.queue else detail)
-        failed = next((p for p in pods if p.failed), None)
+        hung = next((p for p in pods if p.hung(derive(spec).grace.seconds, time.time())), None)
+        if hung is not None:
+            return JobSummary(name, self.name, JobState.RUNNING, f"recovering: {hung_reason(hung)}")
+        failed = next((p for p in pods if p.failed or p.drained), None)
         return JobSummary(name, self.name, JobState.RUNNING,
                           f"recovering: {failed.label}: {failed.reason}" if failed else "")
 
@@ -317,6 +330,7 @@ class EksBackend(Backend):
         cluster, spec, _ = self._job(name)
         cluster.delete(names.workload(spec), name, propagation="Foreground")
         cluster.delete(SERVICE, name)
+        cluster.delete(PDB, name)
         beside = engine_parts.of(spec).beside(name)   # what its engine runs beside the workload
         for kind, other in beside:
             if kind != NETPOL:   # a NetworkPolicy goes with the job's, below
@@ -342,6 +356,7 @@ class EksBackend(Backend):
         if status.state in ACTIVE:
             raise JobError(f"job {name!r} is still {status.state}", "stop it first")
         cluster.delete(SERVICE, name)
+        cluster.delete(PDB, name)
         cluster.delete(NETPOL, name)
         for kind, other in engine_parts.of(spec).beside(name):   # what its engine runs beside the workload
             cluster.delete(kind, other)
@@ -378,6 +393,15 @@ def _check_claim(cluster: Cluster, spec: JobSpec) -> None:
                        "not ReadWriteMany: the pods of other nodes could not mount it",
                        "use an FSx for Lustre claim with accessModes [ReadWriteMany] (see the README), or "
                        "--create-pvc")
+
+
+def _since(pod: PodState) -> str:
+    """Since when a pending pod waits, in words."""
+    if pod.since is None:
+        return ""
+    waited = max(0, int(time.time() - pod.since))
+    since = time.strftime('%H:%M:%S', time.localtime(pod.since))
+    return f" (since {since}, {waited // 60}m{waited % 60:02d}s)"
 
 
 def _suspended(obj: dict[str, Any]) -> bool:

@@ -12,14 +12,24 @@ from kubernetes_validate.utils import all_versions
 from ...errors import SpecError, shown
 from ...spec import JobSpec
 from ...spec_checks import DNS1123_LABEL
-from . import engine_parts, names
-from .instances import lookup
+from . import engine_parts, fsx, names
+from .instances import NEURON_FAMILIES, efa_per_node, family, lookup
 from .sizing import GiB, gib, min_memory, quantity, rank_floor, shm_size
 
 MAX_GPUS_PER_NODE = 8      # no EC2 instance type has more NVIDIA GPUs
 MAX_EFA_PER_NODE = 32      # p5.48xlarge, the most EFA interfaces of any instance type
 CONFIGMAP_LIMIT = 1 << 20  # the API server's limit on a ConfigMap (spec + script)
 _DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+MIN_JOIN_TIMEOUT = 60   # seconds: a pod's start (image pull, prepare) takes at least this long
+
+
+def image_tag(image: str) -> str | None:
+    """The image's tag (None: untagged or pinned by digest)."""
+    if "@" in image:
+        return None
+    name = image.rsplit("/", 1)[-1]
+    return name.rpartition(":")[2] if ":" in name else None
 
 
 def check(spec: JobSpec) -> JobSpec:
@@ -28,6 +38,11 @@ def check(spec: JobSpec) -> JobSpec:
     if not e.image or any(c.isspace() for c in e.image):
         raise SpecError(f"container image {shown(e.image)} is missing or invalid",
                         "use --image REGISTRY/REPO:TAG, an image with eksft-nb installed (see the README)")
+    if image_tag(e.image) == "latest" and not e.allow_latest:
+        raise SpecError(f"container image {shown(e.image)} is tagged :latest: the job's pods, and the pods "
+                        "that replace them, could run different builds",
+                        "use an immutable tag or a digest (REPO:0.1.0, REPO@sha256:...), or "
+                        "--allow-latest-image")
     if not DNS1123_LABEL.match(e.namespace or "") or len(e.namespace) > 63:
         raise SpecError(f"namespace {shown(e.namespace)} is not a DNS-1123 label",
                         "use e.g. --namespace training")
@@ -51,6 +66,7 @@ def check(spec: JobSpec) -> JobSpec:
     engine_parts.of(spec).check(spec)   # what an EKS job of its engine may not be
     _check_devices(spec)
     _check_sizes(spec)
+    _check_pods(spec)
     if not 1024 <= e.port <= 65533:
         raise SpecError(f"rendezvous port {e.port} is out of range (it and the next two ports are used)",
                         "use --rdzv-port between 1024 and 65533, e.g. 29500")
@@ -81,7 +97,11 @@ def check(spec: JobSpec) -> JobSpec:
 
 def _check_devices(spec: JobSpec) -> None:
     e = spec.eks
-    gpus, efa = e.gpus_per_node, e.efa_per_node
+    gpus, efa = e.gpus_per_node, efa_per_node(spec)
+    if family(e.instance_type) in NEURON_FAMILIES:
+        raise SpecError(f"{e.instance_type} has no NVIDIA GPUs (its accelerators are AWS Neuron devices, "
+                        "aws.amazon.com/neuron): the pods would wait for nvidia.com/gpu forever",
+                        "use an NVIDIA GPU instance type (p5.48xlarge, p4d.24xlarge, g6e.48xlarge...)")
     known = lookup(e.instance_type)
     max_gpus, max_efa = (known.gpus, known.efa) if known else (MAX_GPUS_PER_NODE, MAX_EFA_PER_NODE)
     where = e.instance_type if known else "an EC2 instance"
@@ -149,6 +169,25 @@ def _check_sizes(spec: JobSpec) -> None:
         if not _DNS1123_SUBDOMAIN.match(e.storage_class):
             raise SpecError(f"StorageClass name {shown(e.storage_class)} is invalid",
                             "use e.g. --storage-class fsx-sc")
+        fsx.check(spec)
+
+
+def _check_pods(spec: JobSpec) -> None:
+    """What the pods run as and wait for."""
+    e = spec.eks
+    uid = e.run_as_user
+    if isinstance(uid, bool) or not isinstance(uid, int) or not 0 <= uid < 2**31:
+        raise SpecError(f"--run-as-user {shown(e.run_as_user)} is not a user id",
+                        "use --run-as-user 1000 (any non-root UID the image can run as), or 0 for root")
+    if isinstance(e.join_timeout, bool) or not isinstance(e.join_timeout, int) or \
+            e.join_timeout < MIN_JOIN_TIMEOUT:
+        raise SpecError(f"--rdzv-join-timeout {shown(e.join_timeout)} is too short for a pod to be scheduled "
+                        "and started", f"use --rdzv-join-timeout {MIN_JOIN_TIMEOUT} or more (default 1800)")
+    if not isinstance(e.prometheus_release, str) or not _LABEL_VALUE.match(e.prometheus_release) \
+            or len(e.prometheus_release) > 63:
+        raise SpecError(f"--prometheus-release {shown(e.prometheus_release)} is not a label value",
+                        "use your Prometheus operator's release name, e.g. --prometheus-release "
+                        "kube-prometheus-stack")
 
 
 def _minor(version: str) -> int:

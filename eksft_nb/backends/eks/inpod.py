@@ -12,39 +12,34 @@
 - ``ckpts``: the job's checkpoints, as JSON.
 - ``signal RANK SIGNAL``: signal a rank, if it runs in this pod (exit 3 if it does not).
 - ``set JSON``: queue a live settings change for the ranks (``settings``: print the ones in force).
-- ``launch ft_launcher ARGS...``: the trainer container's command when the spec keeps warm ranks
-  (``ft.warm_ranks``): starts the pod's zygote (:mod:`eksft_nb.runtime.zygote`), then becomes
-  ``ft_launcher ARGS...`` with the warm shim, as installed in this image, as its worker, and the flags
-  only this image's NVRx takes (its cycle records into the job folder).
+- ``launch ft_launcher ARGS...``: the trainer container's command: starts the pod's zygote when the spec
+  keeps warm ranks (the warm shim, as installed in this image, is then ft_launcher's worker), runs
+  ft_launcher with the flags only this image's NVRx takes (its cycle records into the job folder) and
+  ends as the pod's ranks did, a drain included (see :mod:`.pod_entry`).
+
+A refusal is also the container's termination message, which ``status`` shows.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-from ... import nvrx
 from ...checkpoint_folders import list_checkpoints
 from ...control import FaultCommand, submit
 from ... import settings
 from ...errors import ControlError, EksftError
 from ...jobdir import JobDir, atomic_write
-from ...launcher import ZYGOTE_MODULE, warm_worker, worker_index
-from ...runtime.warm_shim import SOCKET_ENV, ZYGOTE_ENV
 from ...spec import JobSpec
 from ...preflight.doctor import refusal
 from ...procs import start_ticks
 from ...states import JobState
 from ..inbox import queue_settings, settings_in_force
-from . import efa, names
+from . import efa, names, pod_entry
 from .failures import CONFIG_ERROR
 
 NOT_HERE = 3
@@ -55,24 +50,52 @@ def _job() -> tuple[JobSpec, JobDir]:
     return JobSpec.load(spec_path), JobDir(Path(os.environ["EKSFT_JOB_DIR"]))
 
 
+def refuse(problem: str) -> int:
+    """A configuration error: one line on stderr and as the container's termination message."""
+    print(f"eksft: error: {problem}", file=sys.stderr)
+    pod_entry.termination_message(problem)
+    return CONFIG_ERROR
+
+
+def unwritable(path: Path, error: OSError) -> str:
+    """Why this pod cannot write the job folder, with the fix: the shared volume's owner and mode (a root
+    squashed to nobody, a volume root only root may write, a folder an earlier job left as another user)."""
+    me = f"uid {os.getuid()} gid {os.getgid()}"
+    where = next((p for p in (path, *path.parents) if p.exists()), path)
+    try:
+        st = where.stat()
+        owner = f"{where} belongs to uid {st.st_uid} gid {st.st_gid}, mode {st.st_mode & 0o7777:o}"
+    except OSError:
+        owner = f"{where} cannot be read"
+    return (f"this pod ({me}) cannot write the job folder ({error.strerror or error}: {path}); {owner}: "
+            "let the pods' user write the shared volume (e.g. once, from a root pod: chown -R "
+            f"{os.getuid()}:{os.getgid()} {names.CKPT_MOUNT}), or launch with --run-as-user matching its "
+            "owner")
+
+
 def prepare() -> int:
     spec, jd = _job()
     if os.environ.get("FI_PROVIDER") == "efa" and (missing := efa.problem()):
-        print(f"eksft: error: this pod asks for EFA, but {missing}: use an image with the EFA installer and "
-              "aws-ofi-nccl (see the README), or --efa-per-node 0", file=sys.stderr)
-        return CONFIG_ERROR
+        return refuse(f"this pod asks for EFA, but {missing}: use an image with the EFA installer and "
+                      "aws-ofi-nccl (see the README), or --efa-per-node 0")
     if (refused := refusal(spec)) is not None:   # this image's NVRx, torch, GPUs cannot run the spec
-        print(f"eksft: error: {refused}", file=sys.stderr)
-        return CONFIG_ERROR
-    if jd.spec_path.exists() and JobSpec.from_json(jd.spec_path.read_text()).digest() != spec.digest():
-        print(f"eksft: error: {jd.path} holds a different job named {spec.name}: remove that folder from "
-              "the volume, "
-              "or launch with another --name", file=sys.stderr)
-        return CONFIG_ERROR
-    for folder in (jd.path, jd.logs, jd.pending, jd.fired, jd.progress, jd.ckpt_dir(spec)):
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-    if not jd.spec_path.exists():
-        atomic_write(jd.spec_path, spec.to_json())
+        return refuse(refused)
+    try:
+        other = jd.spec_path.exists() and \
+            JobSpec.from_json(jd.spec_path.read_text()).digest() != spec.digest()
+    except (OSError, ValueError, EksftError) as e:
+        return refuse(f"{jd.spec_path} cannot be read ({e}): remove that folder from the volume, or launch "
+                      "with another --name")
+    if other:
+        return refuse(f"{jd.path} holds a different job named {spec.name}: remove that folder from the "
+                      "volume, or launch with another --name")
+    try:
+        for folder in (jd.path, jd.logs, jd.pending, jd.fired, jd.progress, jd.ckpt_dir(spec)):
+            folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if not jd.spec_path.exists():
+            atomic_write(jd.spec_path, spec.to_json())
+    except OSError as e:
+        return refuse(unwritable(Path(e.filename or jd.path), e))
     faults = Path(os.environ["EKSFT_SPEC"]).with_name(names.FAULTS)
     try:
         scheduled = json.loads(faults.read_text()) if faults.exists() else []
@@ -81,8 +104,7 @@ def prepare() -> int:
                                "launch the job again with eksft-nb")
         commands = [FaultCommand.from_dict(data).validate(spec.world_size, spec.nnodes) for data in scheduled]
     except (ValueError, ControlError) as e:
-        print(f"eksft: error: the scheduled faults cannot be queued: {e}", file=sys.stderr)
-        return CONFIG_ERROR
+        return refuse(f"the scheduled faults cannot be queued: {e}")
     for command in commands:
         if not (jd.fired / command.id).exists():  # replacement pods must not re-arm a fault that fired
             submit(jd.pending, command)
@@ -163,64 +185,9 @@ def send_signal(rank: int, signame: str) -> int:
     return 0
 
 
-def launch(argv: list[str]) -> int:
-    """Start the pod's zygote, then exec the launch line ``argv`` with the warm shim as its worker.
-
-    The container's main process stays ft_launcher (exec: the kubelet's SIGTERM reaches it, the pause
-    container is PID 1 and reaps). The zygote inherits the container's environment, as the ranks do,
-    so its start-up variables match theirs, and its stdout is the pod log. It dies with ft_launcher
-    (the kernel's parent-death signal, kept across the exec), and a rank it forked dies with its shim
-    (see :mod:`eksft_nb.runtime.warm_shim`), so nothing outlives the launcher to hold the pod.
-    A replaced pod starts a new zygote: only the restarts inside a pod get warm ranks."""
-    at = worker_index(argv)
-    if at is None:
-        print("eksft: error: `launch` takes a launch line (ft_launcher ... -m eksft_nb.runtime.MODULE ...): "
-              "render the pod again with this eksft-nb", file=sys.stderr)
-        return CONFIG_ERROR
-    # a private folder (0700): no other user of the pod's node or network namespace can bind or reach it
-    name = os.path.join(tempfile.mkdtemp(prefix="eksft-warm-"), "zygote.sock")
-    launcher = os.getpid()
-
-    def die_with_launcher() -> None:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-        if os.getppid() != launcher:
-            os._exit(1)
-
-    zygote = subprocess.Popen([sys.executable, "-m", ZYGOTE_MODULE, name], stdin=subprocess.DEVNULL,
-                              preexec_fn=die_with_launcher)
-    _wait_listening(name, zygote)
-    os.environ[SOCKET_ENV], os.environ[ZYGOTE_ENV] = name, str(zygote.pid)
-    try:
-        os.execvp(argv[0], [*argv[:at], *_release_flags(argv), *warm_worker(sys.executable), *argv[at:]])
-    except OSError as e:   # the zygote dies with this process
-        print(f"eksft: error: cannot run {argv[0]} ({e.strerror}): the image needs it on PATH",
-              file=sys.stderr)
-    return CONFIG_ERROR
-
-
-def _release_flags(argv: list[str]) -> list[str]:
-    """The flags only this image's NVRx takes (see ``NVRx.launcher_flags``: its cycle records go into the
-    job folder, read back by rank 0, see ``Session.rank_start``), unless the launch line has them (a
-    Slurm node's: its watcher added them)."""
-    found = nvrx.installed()
-    if found is None or any(a.startswith(("--ft-cycle-info-dir", "--ft-max-no-progress-cycles"))
-                            for a in argv):
-        return []
-    return found.launcher_flags(str(Path(os.environ["EKSFT_JOB_DIR"]) / "logs" / "nvrx"))
-
-
-def _wait_listening(name: str, zygote: subprocess.Popen, timeout: float = 30.0) -> None:
-    """Until the zygote listens (the first thing it does, a fraction of a second: its socket appears
-    at ``name`` once it listens), so that the first workers find it; one that cannot start leaves
-    the ranks cold, as the shim then says."""
-    deadline = time.monotonic() + timeout
-    while zygote.poll() is None and time.monotonic() < deadline and not os.path.exists(name):
-        time.sleep(0.01)
-
-
 def main(argv: list[str]) -> int:
     if argv[:1] == ["launch"]:
-        return launch(argv[1:])
+        return pod_entry.launch(argv[1:])
     commands = {"prepare": (0, prepare), "inject": (1, lambda: inject(argv[1])), "ckpts": (0, ckpts),
                 "signal": (2, lambda: send_signal(int(argv[1]), argv[2])),
                 "set": (1, lambda: set_settings(argv[1])), "settings": (0, settings_now)}

@@ -20,6 +20,7 @@ FAULT_ANNOTATION = "eksft.io/fault"  # a node-loss note, on the pod as the strea
 FAULT_OF = "eksft.io/fault-of"      # label of the ConfigMap that holds a node-loss note (see fault_note)
 COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
 INDEX_FAILURES = "batch.kubernetes.io/job-index-failure-count"
+INDEX_IGNORED = "batch.kubernetes.io/job-index-ignored-failure-count"   # failures a podFailurePolicy ignored
 JOBSET_RESTARTS = "jobset.sigs.k8s.io/restart-attempt"
 JOB_INDEX = "jobset.sigs.k8s.io/job-index"   # a JobSet child Job's number in its replicated job, on its pods
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"          # Kueue: the LocalQueue a workload waits in
@@ -69,6 +70,7 @@ KINDS: dict[str, Kind] = {k.kind: k for k in (
     Kind("storage.k8s.io/v1", "StorageClass", "storageclasses", namespaced=False),
     Kind("monitoring.coreos.com/v1", "PodMonitor", "podmonitors"),
     Kind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
+    Kind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
     Kind("kueue.x-k8s.io/v1beta2", "Workload", "workloads"),
     Kind("kueue.x-k8s.io/v1beta2", "LocalQueue", "localqueues"),
     Kind("kueue.x-k8s.io/v1beta2", "ClusterQueue", "clusterqueues", namespaced=False),

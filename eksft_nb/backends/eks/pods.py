@@ -8,10 +8,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ...runtime.drain import DRAIN_EXIT
 from . import names
+from .failures import CONFIG_ERROR
 
 IMAGE_ERRORS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
 CONFIG_ERRORS = ("CreateContainerConfigError", "CreateContainerError", "RunContainerError")
+HUNG_AFTER_S = 60.0   # past the grace period: a deleted pod this much later is on a node that does not answer
 # a container that waits with one of these will not start until someone fixes something
 STUCK = ("ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull") + CONFIG_ERRORS
 
@@ -30,6 +33,14 @@ class PodState:
     ended_at: float | None = None   # when the container ended, or the pod's deletion began
     restarts: int = 0     # container restarts in place (PyTorchJob)...
     last_exit: str = ""   # ...and how the previous one ended
+    drained: bool = False   # its ranks drained on SIGTERM (saved, stopped): to be recreated, not a failure
+    since: float | None = None   # pending: since when it waits for what ``reason`` says
+
+    def hung(self, grace_s: float, now: float) -> bool:
+        """Still there well past its grace period after its deletion began: its node does not answer (a
+        pod of an unreachable node stays Terminating until the node is gone), and its index waits for it."""
+        return self.deleting and self.phase in ("running", "pending") and self.ended_at is not None \
+            and now - self.ended_at > grace_s + HUNG_AFTER_S
 
     @property
     def label(self) -> str:
@@ -49,6 +60,9 @@ def pod_state(pod: dict[str, Any], container: str, process: str = "ft_launcher")
                 ended_at=parse_time(terminated.get("finishedAt") or meta.get("deletionTimestamp")))
     disruption = next((c for c in status.get("conditions") or [] if c.get("type") == "DisruptionTarget"
                        and c.get("status") == "True"), None)
+    if terminated.get("exitCode") == DRAIN_EXIT:   # evicted or not: it saved, and is recreated
+        return PodState(**base, phase="failed", drained=True, exit_code=DRAIN_EXIT,
+                        reason=f"{process} {describe_exit(terminated)}")
     if status.get("reason") == "Evicted":
         return PodState(**base, phase="failed", failed=True,
                         reason=f"evicted: {status.get('message', '')}".strip())
@@ -71,10 +85,11 @@ def pod_state(pod: dict[str, Any], container: str, process: str = "ft_launcher")
         return PodState(**base, phase="succeeded", exit_code=0)
     scheduled = next((c for c in status.get("conditions") or [] if c.get("type") == "PodScheduled"), None)
     if scheduled and scheduled.get("status") == "False":
-        return PodState(**base, phase="pending",
+        return PodState(**base, phase="pending", since=parse_time(scheduled.get("lastTransitionTime")),
                         reason=f"not scheduled: {scheduled.get('message') or scheduled.get('reason')}")
     waiting = (main.get("state") or {}).get("waiting") or {}
-    return PodState(**base, phase="pending", reason=waiting.get("reason", ""))
+    return PodState(**base, phase="pending", reason=waiting.get("reason", ""),
+                    since=parse_time(meta.get("creationTimestamp")))
 
 
 def _container_problem(c: dict[str, Any], who: str) -> dict[str, Any] | None:
@@ -100,6 +115,10 @@ def describe_exit(terminated: dict[str, Any]) -> str:
     code, reason = terminated.get("exitCode"), terminated.get("reason", "")
     if reason == "OOMKilled":
         text = "was OOM-killed (the pod reached its memory limit: raise --memory)"
+    elif code == DRAIN_EXIT:
+        text = f"drained on SIGTERM (exit {code})"
+    elif code == CONFIG_ERROR:
+        text = f"refused to run as configured (exit {code})"
     elif isinstance(code, int) and code > 128 and code - 128 in signal.Signals._value2member_map_:
         text = f"was killed ({signal.Signals(code - 128).name}, exit {code})"
     else:
@@ -130,3 +149,11 @@ def node_index(pod: dict[str, Any]) -> int | None:
     if kind and index and index.isdigit():
         return int(index) + (0 if kind.lower() == "master" else 1)
     return None
+
+
+def hung_reason(pod: PodState) -> str:
+    """What a hung pod holds up, and how to release it."""
+    since = time.strftime("%H:%M:%S", time.localtime(pod.ended_at or time.time()))
+    return (f"{pod.label} has been terminating since {since}: its node does not answer, and the Job replaces "
+            "it only once it is gone (podReplacementPolicy: Failed); node auto-repair replaces the node, or "
+            "taint it node.kubernetes.io/out-of-service=nodeshutdown:NoExecute to release the pod now")

@@ -1,7 +1,8 @@
 """The Kubernetes manifests of a job, derived from its spec.
 
-Every pod runs the same ``ft_launcher`` line as a local launcher (``launch.launcher_argv``; with warm
-ranks through ``inpod launch``, which starts the pod's zygote first), with
+Every pod runs the same ``ft_launcher`` line as a local launcher (``launch.launcher_argv``) under
+``inpod launch`` (which starts the pod's zygote first with warm ranks, and ends the pod as its ranks
+did: a drain is not a success, see :mod:`.pod_entry`), with
 the rendezvous on node 0's stable DNS name: the pods of an Indexed Job (or JobSet) have host names
 ``<job>-<index>`` and a headless Service as their subdomain, so no pod sleeps or polls DNS to find
 node 0. Job folders and checkpoints live on an FSx for Lustre volume at ``/checkpoints``; the async
@@ -25,8 +26,10 @@ from ...runtime.quiet import quiet_env
 from ...spec import JobSpec
 from ...timeouts import derive
 from ...procs import JOB_UID_ENV
-from . import engine_parts, failures, kueue, names, sizing
-from .instances import lookup
+from . import disruption, engine_parts, failures, fsx, kueue, names, sizing
+from .instances import efa_per_node, lookup
+from .pod_entry import IGNORED_ENV
+from .security import container_security, pod_security
 from .network import network_policy
 from .pod_values import field_env, literal, pod_view, script_key
 
@@ -47,12 +50,13 @@ CONTROL_RULES: list[tuple[str, str, list[str]]] = [
     ("monitoring.coreos.com", "podmonitors", ["get", "create", "delete"]),   # Prometheus scrapes the pods
     # only the job's pods reach its ports
     ("networking.k8s.io", "networkpolicies", ["get", "create", "delete"]),
+    ("policy", "poddisruptionbudgets", ["get", "create", "delete"]),   # evictions take no node the job needs
 ]
 # a queued job (--queue): what Kueue says of its Workload, read to tell "queued" from "admitted"
 QUEUE_RULES: list[tuple[str, str, list[str]]] = [("kueue.x-k8s.io", "workloads", ["list"])]
 INPOD = ["python", "-m", "eksft_nb.backends.eks.inpod"]   # the in-pod commands (exec'd, and the pods' own)
-# the trainer's command with warm ranks; its args are the launch line (see inpod.launch)
-WARM_ENTRY = [*INPOD, "launch"]
+# the trainer's command; its args are the launch line (see pod_entry)
+ENTRY = [*INPOD, "launch"]
 
 
 @dataclass
@@ -124,6 +128,7 @@ def render(spec: JobSpec, faults: list[FaultCommand] | None = None, queue_object
     m.job.append(network_policy(spec, serves_metrics(spec)))   # before any pod exists
     if serves_metrics(spec):
         m.job.append(pod_monitor(spec))
+    m.job.append(disruption.pod_disruption_budget(spec))
     m.job += parts.objects(spec)
     if spec.eks.kind == "job":
         m.job.append(headless_service(spec))
@@ -204,11 +209,14 @@ def jobset(spec: JobSpec) -> dict[str, Any]:
 
 
 def pytorchjob(spec: JobSpec) -> dict[str, Any]:
-    """Master and workers restart in place on failure (the operator's OnFailure policy)."""
+    """Master and workers under the operator's ExitCode policy: a pod that drained (138, the code it retries
+    as the user's own), was killed (137) or terminated (143) is recreated, without limit; a configuration
+    error (78) or a launcher that gave up (1) fails the job (the job-level restart budget of ``--kind job``
+    and ``jobset`` has no equivalent here)."""
     template = pod_template(spec, node_rank="$(RANK)")
-    replicas = {"Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": template}}
+    replicas = {"Master": {"replicas": 1, "restartPolicy": "ExitCode", "template": template}}
     if spec.nnodes > 1:
-        replicas["Worker"] = {"replicas": spec.nnodes - 1, "restartPolicy": "OnFailure", "template": template}
+        replicas["Worker"] = {"replicas": spec.nnodes - 1, "restartPolicy": "ExitCode", "template": template}
     return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": _workload_meta(spec),
             "spec": {"nprocPerNode": str(spec.nproc_per_node),
                      "runPolicy": {"backoffLimit": spec.ft.max_job_restarts, "cleanPodPolicy": "Running",
@@ -229,12 +237,13 @@ def serves_metrics(spec: JobSpec) -> bool:
 
 def pod_monitor(spec: JobSpec) -> dict[str, Any]:
     """Prometheus (kube-prometheus-stack's operator) scrapes every pod of the job on its ``metrics``
-    port; ``honorLabels`` keeps the exporter's ``job`` label (the job's name). The ``release`` label is
-    what the chart's default PodMonitor selector looks for. Each series gets its pod's node as
-    ``Hostname``, dcgm-exporter's label for it, so the dashboard shows the GPUs of the job's nodes only
-    (the job's own GPU-health series, which name their node themselves, keep theirs)."""
+    port; ``honorLabels`` keeps the exporter's ``job`` label (the job's name). The ``release`` label
+    (``--prometheus-release``) is what the chart's default PodMonitor selector looks for. Each series
+    gets its pod's node as ``Hostname``, dcgm-exporter's label for it, so the dashboard shows the GPUs of
+    the job's nodes only (the job's own GPU-health series, which name their node themselves, keep
+    theirs)."""
     meta = _meta(spec, spec.name)
-    meta["labels"]["release"] = "kube-prometheus-stack"
+    meta["labels"]["release"] = spec.eks.prometheus_release
     return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": meta,
             "spec": {"selector": {"matchLabels": {names.JOB_LABEL: spec.name}},
                      "namespaceSelector": {"matchNames": [spec.eks.namespace]},
@@ -250,31 +259,33 @@ def pod_template(spec: JobSpec, *, subdomain: str | None = None, attempt_from: s
                  node_rank: str = "$(EKSFT_NODE_RANK)") -> dict[str, Any]:
     e = spec.eks
     view = pod_view(spec)
+    # the rendezvous waits for every pod to be scheduled, not only started (see --rdzv-join-timeout); a
+    # SIGTERM to a pod is a drain, whose save may take the grace period, on CPU pods too
     argv = [literal(a) for a in launcher_argv(view, node_rank=node_rank, rdzv_host=names.rank0_host(spec),
-                                              ports=Ports.from_base(e.port), rdzv_id=spec.name)]
+                                              ports=Ports.from_base(e.port), rdzv_id=spec.name,
+                                              rdzv_conf={"join_timeout": str(e.join_timeout)})]
     ours = next(i for i, a in enumerate(argv) if a.startswith("--node-rank="))   # before any user text
     argv[ours] = f"--node-rank={node_rank}"   # the one reference the kubelet fills in
     env = container_env(spec, attempt_from)
     mounts = [{"name": "checkpoints", "mountPath": names.CKPT_MOUNT},
               {"name": "config", "mountPath": names.CONFIG_MOUNT, "readOnly": True}]
-    # warm ranks: the in-pod entry starts the pod's zygote and then becomes this same ft_launcher line,
-    # its worker the shim of the image's eksft-nb (a path only the container knows)
-    command, args = (WARM_ENTRY, argv) if spec.ft.warm_ranks else (argv[:1], argv[1:])
+    # the in-pod entry runs this ft_launcher line and ends as the pod's ranks did; with warm ranks it starts
+    # the pod's zygote first and makes the shim of the image's eksft-nb (a path only the container knows)
+    # the launcher's worker
     trainer: dict[str, Any] = {
-        "name": names.container(spec), "image": e.image, "command": command, "args": args, "env": env,
+        "name": names.container(spec), "image": e.image, "command": ENTRY, "args": argv, "env": env,
         "ports": [{"name": n, "containerPort": p} for n, p in
                   zip(("rdzv", "store", "wrapper"), (e.port, e.port + 1, e.port + 2))],
         "volumeMounts": mounts + [{"name": "shm", "mountPath": names.SHM_MOUNT}],
     }
     trainer["resources"] = resources(spec)
-    # no IPC_LOCK (Pod Security "baseline" refuses it): EKS's GPU AMIs run containerd with an unlimited
-    # memlock limit, which is what EFA's memory registration needs
-    # a refusal's one line becomes the pod's status message (what `status` shows)
+    # a refusal's one line becomes the pod's termination message (what `status` shows): written by the step,
+    # else the end of its log
     prepare = {"name": "prepare", "image": e.image, "env": env, "volumeMounts": mounts,
                "command": [*INPOD, "prepare"], "terminationMessagePolicy": "FallbackToLogsOnError"}
     # the EFA devices, so that `prepare` can check them (the trainer reuses an init container's)
-    if e.efa_per_node:
-        efa = {"vpc.amazonaws.com/efa": str(e.efa_per_node)}
+    if efa_per_node(spec):
+        efa = {"vpc.amazonaws.com/efa": str(efa_per_node(spec))}
         prepare["resources"] = {"requests": dict(efa), "limits": dict(efa)}
     # the job's Prometheus metrics, from its folder on the shared volume, in a native sidecar (an init
     # container that keeps running, started after `prepare` and stopped once the trainer ends)
@@ -284,6 +295,8 @@ def pod_template(spec: JobSpec, *, subdomain: str | None = None, attempt_from: s
                "ports": [{"name": names.METRICS, "containerPort": names.METRICS_PORT}],
                "resources": {"requests": {"cpu": "50m", "memory": "128Mi"}},
                "volumeMounts": [{"name": "checkpoints", "mountPath": names.CKPT_MOUNT, "readOnly": True}]}
+    for container in (trainer, prepare, metrics):   # no capability, no privilege escalation (Pod Security)
+        container["securityContext"] = container_security(spec)
     pod: dict[str, Any] = {"restartPolicy": "Never"} if spec.eks.kind != "pytorchjob" else {}
     if subdomain:
         pod["subdomain"] = subdomain
@@ -291,6 +304,7 @@ def pod_template(spec: JobSpec, *, subdomain: str | None = None, attempt_from: s
         # the pods need no Kubernetes API; the pause container as PID 1 lets a node fault kill
         # ft_launcher (PID 1 ignores SIGKILL from inside its container) and reaps NVRx's helpers
         "automountServiceAccountToken": False, "enableServiceLinks": False, "shareProcessNamespace": True,
+        "securityContext": pod_security(spec),
         # SIGTERM (a drain, a preemption) saves and commits before the ranks exit: the grace period covers
         # it, and ft_launcher's wait for its ranks (--term-timeout, the same grace) with 30 s to spare
         "terminationGracePeriodSeconds": int(derive(spec).grace.seconds) + 30,
@@ -302,9 +316,9 @@ def pod_template(spec: JobSpec, *, subdomain: str | None = None, attempt_from: s
     if e.instance_type:   # as given: a HyperPod node's label is the ml. name
         pod["nodeSelector"] = {"node.kubernetes.io/instance-type": e.instance_type}
     pod["tolerations"] = failures.tolerations(spec)
-    pod["affinity"] = failures.zone_affinity(spec)
-    return {"metadata": {"labels": names.labels(spec), "annotations": {names.DIGEST: spec.digest()}},
-            "spec": pod}
+    pod["affinity"] = failures.affinity(spec)
+    annotations = {names.DIGEST: spec.digest(), **disruption.pod_annotations(spec)}
+    return {"metadata": {"labels": names.labels(spec), "annotations": annotations}, "spec": pod}
 
 
 def container_env(spec: JobSpec, attempt_from: str | None) -> list[dict[str, Any]]:
@@ -315,6 +329,8 @@ def container_env(spec: JobSpec, attempt_from: str | None) -> list[dict[str, Any
     if attempt_from:
         env.append(field_env("EKSFT_NODE_RANK", f"metadata.annotations['{names.COMPLETION_INDEX}']"))
         env.append(field_env("EKSFT_JOB_ATTEMPT", f"metadata.annotations['{attempt_from}']"))
+    if attempt_from == names.INDEX_FAILURES and failures.per_index(spec):   # drains and disruptions
+        env.append(field_env(IGNORED_ENV, f"metadata.annotations['{names.INDEX_IGNORED}']"))
     values = rank_env(pod_view(spec), ports=Ports.from_base(spec.eks.port), job_attempt=0,
                       job_dir=names.job_dir(spec), spec_path=f"{names.CONFIG_MOUNT}/{names.POD_SPEC}",
                       events_stdout=True)
@@ -332,17 +348,18 @@ def container_env(spec: JobSpec, attempt_from: str | None) -> list[dict[str, Any
 
 def nccl_env(spec: JobSpec) -> dict[str, str]:
     """NCCL and libfabric settings (:func:`eksft_nb.nccl.nccl_env`); device RDMA where the instance type's
-    EFA has RDMA read (an unknown type: libfabric decides from the device)."""
+    EFA has RDMA read (an unknown type: libfabric decides from the device); NCCL on EFA only where
+    ``--efa-per-node`` asked for it (by default, a fall back to sockets is the stream's warning)."""
     e = spec.eks
     known = lookup(e.instance_type)
-    return shared_nccl_env(e.gpus_per_node, bool(e.efa_per_node), spec.ft.inprocess,
-                           rdma_read=bool(known and known.rdma_read))
+    return shared_nccl_env(e.gpus_per_node, bool(efa_per_node(spec)), spec.ft.inprocess,
+                           rdma_read=bool(known and known.rdma_read), require_efa=bool(e.efa_per_node))
 
 
 def device_amounts(spec: JobSpec) -> dict[str, str]:
-    e = spec.eks
+    e, efa = spec.eks, efa_per_node(spec)
     return {**({"nvidia.com/gpu": str(e.gpus_per_node)} if e.gpus_per_node else {}),
-            **({"vpc.amazonaws.com/efa": str(e.efa_per_node)} if e.efa_per_node else {})}
+            **({"vpc.amazonaws.com/efa": str(efa)} if efa else {})}
 
 
 def resources(spec: JobSpec) -> dict[str, Any]:
@@ -365,13 +382,15 @@ def checkpoint_pvc(spec: JobSpec) -> dict[str, Any]:
 
 
 def storage_class(spec: JobSpec) -> dict[str, Any]:
-    """Dynamic FSx for Lustre provisioning through the FSx CSI driver."""
+    """Dynamic FSx for Lustre provisioning through the FSx CSI driver, at the throughput the timeouts
+    assume (see :mod:`.fsx`)."""
     e = spec.eks
     return {"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass",
             "metadata": {"name": e.storage_class, "labels": {names.MANAGED_BY: names.MANAGER}},
             "provisioner": "fsx.csi.aws.com",
             "parameters": {"subnetId": e.fsx_subnet or "", "securityGroupIds": e.fsx_security_groups or "",
-                           "deploymentType": "PERSISTENT_2", "perUnitStorageThroughput": "250"},
+                           "deploymentType": "PERSISTENT_2",
+                           "perUnitStorageThroughput": str(fsx.throughput_per_tib(spec))},
             "mountOptions": ["flock"], "reclaimPolicy": "Retain"}
 
 

@@ -7,7 +7,11 @@ Two sources, merged in arrival order:
 - what the local supervisor would report, derived here from the pods and the workload: ``job_start``,
   ``failure``/``restart`` (a pod OOM-killed, evicted, deleted or lost; ft_launcher restarting its
   ranks; in-process restarts; a torchft replica group's pod lost, then its replacement healed, as the
-  local supervisor's, :mod:`eksft_nb.engines.torchft.losses`) and ``job_end``.
+  local supervisor's, :mod:`eksft_nb.engines.torchft.losses`; the job's pods drained on SIGTERM and
+  recreated, one job-level restart whose cause is the drain) and ``job_end``, never "succeeded" for a
+  job whose ranks stopped short of their last step;
+- ``warning`` events for what the job waits on or loses: a pod not scheduled (what for, since when),
+  NCCL falling back to TCP sockets on pods that have EFA.
 
 Background threads only fetch (a pod watch, one log follower per container, a workload poll);
 :meth:`EksEvents.read` turns what they fetched into events in the caller's thread.
@@ -18,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import queue
+import re
 import threading
 import time
 from typing import Any
@@ -34,12 +39,16 @@ from ..launcher_log import parse_launcher_line
 from ...monitor import JobMonitor
 from ...spec import JobSpec
 from ...states import JobState
+from ...timeouts import derive
 from . import names
 from .cluster import ApiError, Cluster
-from .pods import PodState, pod_state
+from .instances import efa_per_node
+from .pods import PodState, hung_reason, pod_state
 
 CONFIGMAP = names.KINDS["ConfigMap"]
 
+DRAINED = re.compile(r"drained on SIGTERM at step \d+ \([^)]*\)")   # what a drained pod's message says
+NCCL_NETWORK = re.compile(r"NCCL INFO Using network (\S[^\r\n]*?)\s*$")   # NCCL's choice, at INFO for NET
 LOG_DRAIN_S = 15.0      # once the workload has ended, how long to wait for the last log lines
 FOLLOW_IDLE_S = 300.0   # a log stream with nothing new for this long is reopened
 
@@ -53,12 +62,23 @@ def workload_outcome(obj: dict[str, Any]) -> tuple[JobState, str] | None:
             return JobState.SUCCEEDED, "all pods finished"
         if c.get("type") == "Failed":
             reason = c.get("reason", "")
-            if reason in ("FailedIndexes", "BackoffLimitExceeded", "ReachedMaxRestarts"):
+            if reason in ("FailedIndexes", "MaxFailedIndexesExceeded", "BackoffLimitExceeded",
+                          "ReachedMaxRestarts"):
                 why = "a node failed more often than max_job_restarts allows"
             else:
                 why = "the workload failed"
             return JobState.FAILED, f"{why} ({reason}: {c.get('message', '')})".replace(": )", ")")
     return None
+
+
+def with_cause(reason: str, pods: list[PodState]) -> str:
+    """A failed workload's reason led by the pod behind it, in its own words (a prepare step's refusal, its
+    termination message): the pod the Job's failure message names, else the one that failed last."""
+    named = re.search(r"for pod [^/\s]+/(\S+)", reason)
+    failed = [p for p in pods if p.failed and p.reason]
+    pod = next((p for p in failed if named and p.name == named.group(1)), None) or \
+        max(failed, key=lambda p: p.ended_at or 0.0, default=None)
+    return f"{pod.label}: {pod.reason} ({reason})" if pod is not None else reason
 
 
 class Tracker:
@@ -88,6 +108,9 @@ class Tracker:
         self.pod_of: dict[int, str] = {}               # rank -> the pod of its latest start
         self.ended_ranks: set[int] = set()             # ranks whose latest start has ended (rank_end)
         self.lag: float | None = None                  # least (our clock - a rank event's t) seen
+        self.drain_incident: Any = None                # the incident a drain opened (one for all its pods)
+        self.said: set[str] = set()                    # warnings given once (pending pods, NCCL's network)
+        self.pods: dict[str, PodState] = {}            # pod uid -> its latest state
 
     # ---- output ------------------------------------------------------------------------------------
     def take(self) -> list[Event]:
@@ -147,6 +170,7 @@ class Tracker:
         uid = meta.get("uid", "")
         fault = _note((meta.get("annotations") or {}).get(names.FAULT_ANNOTATION))
         ps = pod_state(pod, self.container, names.process(self.spec))
+        self.pods[uid] = ps
         if fault and uid not in self.fault_seen:
             # the fault happened when the pod's deletion began (the cluster's clock)
             self.fault_seen.add(uid)
@@ -155,6 +179,15 @@ class Tracker:
         if ending or self.outcome is not None:
             return
         key = f"{uid}/{ps.restarts}"
+        if ps.drained:
+            if key not in self.counted:
+                self.counted.add(key)
+                self._drained(ps)
+            return
+        unscheduled = ps.phase == "pending" and ps.reason.startswith("not scheduled")
+        if unscheduled and f"pending/{uid}" not in self.said:
+            self.said.add(f"pending/{uid}")
+            self._emit("warning", what="pod-pending", message=self._pending(ps))
         lost = kind == "DELETED" or ps.deleting
         if (ps.failed or lost) and ps.phase != "succeeded" and key not in self.counted:
             self.counted.add(key)
@@ -173,6 +206,42 @@ class Tracker:
             # restarted in place (PyTorchJob) since the last look
             self.counted.add(f"{uid}/{ps.restarts - 1}")
             self._open_node_incident(ps, f"{ps.label}: ft_launcher {ps.last_exit}, restarted in place", None)
+
+    def _drained(self, ps: PodState) -> None:
+        """A pod whose ranks drained: the workload recreates it (and the others, which drained with it), and
+        they resume from the drain's save. One job-level restart for the drain, not one per pod."""
+        if self.drain_incident is not None and self.incidents.incident is self.drain_incident:
+            return
+        # the ranks' drain event, else the pod's termination message (its log may come after its state)
+        said = DRAINED.search(ps.reason)
+        what = self._drain_words() or (said.group(0) if said else "stopped on SIGTERM")
+        self._open_node_incident(ps, f"{what}: {ps.label} and the job's other pods are recreated by the "
+                                 "workload", ps.ended_at)
+        self.drain_incident = self.incidents.incident
+
+    def _drain_words(self) -> str | None:
+        d = self.mon.drain
+        if d is None:
+            return None
+        saved = "saved and committed" if d["committed"] else "its save could NOT be committed"
+        return f"drained on SIGTERM at step {d['step']} ({saved})"
+
+    def _pending(self, ps: PodState) -> str:
+        """What a pod that is not scheduled waits for, since when, and what that holds up."""
+        since = time.strftime("%H:%M:%S", time.localtime(ps.since)) if ps.since else "its creation"
+        waits = (f"the other pods wait for it in the rendezvous for up to {self.spec.eks.join_timeout} s "
+                 "(--rdzv-join-timeout), then fail") if self.spec.nnodes > 1 else "training waits for it"
+        return f"{ps.label} is {ps.reason} (since {since}); {waits}"
+
+    def _network(self, pod: str, network: str) -> None:
+        """NCCL's network, as a rank logs it: TCP sockets on a pod with EFA devices is a warning."""
+        efa = efa_per_node(self.spec)
+        if efa and "socket" in network.lower() and "nccl-socket" not in self.said:
+            self.said.add("nccl-socket")
+            self._emit("warning", what="nccl-socket",
+                       message=f"NCCL in pod {pod} uses TCP sockets, not its {efa} EFA devices (\"Using "
+                               f"network {network}\"): collectives run many times slower; the image's "
+                               "aws-ofi-nccl did not load (see `logs --debug`)")
 
     def _open_node_incident(self, ps: PodState, cause: str, ended_at: float | None) -> None:
         """A node (pod) failed: the job-level tier, as when the local supervisor relaunches. The
@@ -198,6 +267,8 @@ class Tracker:
         if seen is not None:
             seen = dataclasses.replace(seen, at=self.pod_now())
             self.incidents.launcher_line(pod, seen, self.rank_of.get((pod, seen.pid)))
+        elif m := NCCL_NETWORK.search(text):
+            self._network(pod, m.group(1))
 
     def finish(self, now: float) -> None:
         """``job_end`` once the workload has ended and its pods' logs are read (or stopped coming); a lost
@@ -206,6 +277,11 @@ class Tracker:
             if now - loss[4] > LOG_DRAIN_S:
                 del self.pending[key]
                 self._group_lost(*loss[:4])
+        grace = derive(self.spec).grace.seconds
+        for uid, ps in self.pods.items():
+            if self.outcome is None and f"hung/{uid}" not in self.said and ps.hung(grace, self.pod_now()):
+                self.said.add(f"hung/{uid}")
+                self._emit("warning", what="pod-hung", message=hung_reason(ps))
         if self.outcome is None or self.ended:
             return
         draining = self.open_logs or (self.outcome[0] == JobState.SUCCEEDED and self._ranks_to_hear())
@@ -214,11 +290,28 @@ class Tracker:
         self.ended = True
         state, reason = self.outcome
         self.incidents.end(now)
-        if state == JobState.FAILED:
-            reason = self.incidents.named(reason)
+        if state == JobState.SUCCEEDED and (short := self._stopped_short()) is not None:
+            state, reason = short
+        elif state == JobState.FAILED:
+            reason = self.incidents.named(with_cause(reason, list(self.pods.values())))
         self._emit("job_end", state=state, reason=reason, final_step=self.mon.last_step,
                    digest=self.mon.digest,
                    restarts=self.mon.restarts_by_level())
+
+    def _stopped_short(self) -> tuple[JobState, str] | None:
+        """A workload Complete while the built-in trainer's ranks stopped before their last step (pods whose
+        eksft-nb exits 0 on a drain, or a launcher that exited 0 early): not a success. A script's own loop
+        decides when it is done."""
+        mon, steps = self.mon, self.spec.steps
+        if self.spec.script or mon.digest is not None or mon.last_step >= steps:
+            return None
+        if (d := mon.drain) is not None:
+            saved = "saved and committed" if d["committed"] else "its save could NOT be committed"
+            return JobState.STOPPED, (f"drained on SIGTERM at step {d['step']} of {steps} ({saved}), and the "
+                                      "workload ended Complete: its image's eksft-nb predates drain exits; "
+                                      f"resume it with `python -m eksft_nb resume {self.spec.name}`")
+        return JobState.FAILED, (f"the pods finished at step {mon.last_step} of {steps}: the workload is "
+                                 "Complete but training is not (see `logs --debug`)")
 
     def _ranks_to_hear(self) -> list[int]:
         """Ranks whose end may still come: not ended since their start, and their pod's log still
@@ -241,6 +334,11 @@ class Tracker:
             self.ended_ranks.add(e.rank)
             self.pod_of.setdefault(e.rank, pod)
         self.incidents.observe(e)
+        if e.kind == "drain" and self.drain_incident is not None \
+                and self.incidents.incident is self.drain_incident:
+            # the drain's own words, for its restart, once its event arrives after the pods' states
+            rest = self.drain_incident.cause.split(": ", 1)[-1]
+            self.drain_incident.cause = f"{self._drain_words()}: {rest}"
         if self.groups is not None:
             for key in [k for k, loss in self.pending.items() if e.kind == "heal" and loss[0] == e.rank]:
                 self._group_lost(*self.pending.pop(key)[:4])   # its replacement healed before its log ended
