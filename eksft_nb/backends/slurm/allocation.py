@@ -78,6 +78,9 @@ class Watcher:
         self.drained: dict[str, Any] | None = None   # this run's drain event
         self.job_failures = self.drains = 0      # of the runs before, from their events
         self.lost_node: str | None = None        # the node srun said failed
+        self.node_failure_said: str | None = None   # srun's "Node failure on NODE"
+        self.nodelist = os.environ.get("SLURM_JOB_NODELIST", "")
+        self.node_lost = False                   # Slurm said a node of the allocation failed
         self.networks = Networks(efa_on(self.spec) and self._gpu_run())
         self.net_failure: str | None = None
         endpoint = next((a.split("=", 1)[1] for a in srun if a.startswith("--rdzv-endpoint=")), "")
@@ -177,6 +180,8 @@ class Watcher:
         try:
             cluster.requeue(self.job_id)
         except EksftError as e:
+            if self.node_lost:   # Slurm's own requeue of a lost node's job got there first
+                return 1
             if self.drained is not None:
                 return self._end(JobState.STOPPED, f"{self._drained_text()}; Slurm would not requeue the job "
                                                    f"({e.problem}): resume it from that checkpoint")
@@ -275,6 +280,12 @@ class Watcher:
         finished = self.mon.digest is not None or (not self.spec.script
                                                    and self.mon.last_step >= self.spec.steps)
         job = self._job() if self.signalled or self.drained else None
+        if (self.signalled or self.drained is not None) and not finished and job is None and self.job_id:
+            time.sleep(1)   # a busy controller: ask once more before deciding on no word from Slurm
+            job = self._job()
+        if ((self.signalled or self.drained is not None) and not finished
+                and (failed := self._node_failure(job)) is not None):
+            return self._node_lost(failed, job)
         if self.drained is not None and not finished:
             if job is not None and job.slurm_state == "CANCELLED":   # scancel: the ranks saved in KillWait
                 d = self.drained
@@ -288,7 +299,8 @@ class Watcher:
             cause = f"{self._drained_text()}: requeued, it resumes from that save"
             asked = self.warned_at or self.drained["t"]
             self.incidents.node_failed(cause, asked, ended_at=asked)
-            return cause
+            # Slurm requeued it itself (a preemption's requeue): a second requeue would be refused
+            return None if job is not None and job.restarts > self.attempt else cause
         if self.signalled:
             if job is None or job.slurm_state == "CANCELLED":
                 return JobState.STOPPED, ("cancelled by Slurm from outside eksft (scancel): resume it from "
@@ -326,11 +338,47 @@ class Watcher:
                                      f"(max_job_restarts={self.spec.ft.max_job_restarts})")
         return cause
 
+    def _node_failure(self, job: cluster.SlurmJob | None) -> str | None:
+        """What Slurm says of a node of the allocation that failed (the job's state, the nodes' states,
+        srun's word), or None. A lost node's step is cancelled with SIGTERM, as a drain's and a scancel's
+        are, and the ranks drain on it: which signal came first says nothing, Slurm's record does."""
+        if job is not None and job.slurm_state == "CANCELLED":
+            return None   # scancel: the user's stop
+        if job is not None and (job.slurm_state == "NODE_FAIL" or job.reason in ("NodeDown", "NODE_FAIL")):
+            return f"Slurm: job {job.slurm_state}, {job.reason}"
+        try:
+            down = cluster.lost_nodes(self.nodelist)
+        except EksftError as e:
+            print(f"eksft: {e}", file=sys.stderr)
+            down = []
+        if down:
+            self.lost_node = self.lost_node or down[0]
+            return f"Slurm holds node {','.join(down)} down"
+        if self.node_failure_said is not None:
+            return f"srun: node failure on {self.node_failure_said}"
+        return None
+
+    def _node_lost(self, failed: str, job: cluster.SlurmJob | None) -> tuple[JobState, str] | str | None:
+        """A node failure is a job restart (a requeue that resumes from the newest committed checkpoint),
+        whether or not the ranks drained on the step's SIGTERM."""
+        cause = f"a node of the allocation failed ({failed})"
+        self.node_lost = True
+        at = self.drained["t"] if self.drained is not None else time.time()
+        self.incidents.node_failed(cause, at, ended_at=at)
+        self.job_failures += 1
+        if self._restarts_used() > self.spec.ft.max_job_restarts:
+            return JobState.FAILED, (f"{cause}; no job restarts left "
+                                     f"(max_job_restarts={self.spec.ft.max_job_restarts})")
+        requeued = job is not None and (job.restarts > self.attempt or job.state == JobState.STARTING)
+        if requeued or self.signalled:   # Slurm ends the allocation and requeues the job (--requeue)
+            return None
+        return cause
+
     def _keep_off(self, job: cluster.SlurmJob | None) -> None:
         """A requeue after a lost node runs elsewhere where the partition has nodes enough without it
         (Slurm takes the change only while the job is pending: right after the requeue)."""
         node = self.lost_node
-        if node is None or job is None or self.drained is not None:
+        if node is None or job is None or (self.drained is not None and not self.node_lost):
             return
         try:
             excluded = sorted({*cluster.hostnames(job.excluded), node}) if job.excluded else [node]
@@ -407,6 +455,7 @@ class Watcher:
             sys.stderr.write(line)
             if self.lost_node is None and (m := _NODE_LOST.search(line)):
                 self.lost_node = m.group(1) or m.group(2)
+                self.node_failure_said = m.group(1)
 
     def _pump(self) -> None:
         """The ranks' new events and the launchers' new log lines, folded in by time (as the supervisor

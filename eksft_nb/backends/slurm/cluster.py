@@ -137,6 +137,20 @@ def partition(name: str) -> dict[str, str]:
     return dict(_FIELD.findall(done.stdout)) if done.returncode == 0 else {}
 
 
+def lost_nodes(nodelist: str) -> list[str]:
+    """The nodes of ``nodelist`` that Slurm holds lost (down, failed, not responding): a node failure, which
+    neither a user's ``scancel`` nor a drain makes."""
+    if not nodelist or nodelist == "(null)":
+        return []
+    done = run(["scontrol", "show", "node", "-o", nodelist], "read the nodes' states")
+    lost = []
+    for line in done.stdout.splitlines() if done.returncode == 0 else []:
+        f = dict(_FIELD.findall(line))
+        if set(re.split(r"[+*]", f.get("State", ""))) & {"DOWN", "FAIL", "FAILING", "NOT_RESPONDING"}:
+            lost.append(f.get("NodeName", ""))
+    return lost
+
+
 def hostnames(nodelist: str) -> list[str]:
     """A node list (``n[1-3]``) as names."""
     done = run(["scontrol", "show", "hostnames", nodelist], "expand a node list")
