@@ -1,6 +1,7 @@
-"""--backend slurm: the sbatch script it prints, and real jobs on a real two-node Slurm (slurmctld and
-two slurmd on this machine, see slurm_cluster.py): run, status, list, a pending job's reason, a stop,
-a scancel from outside, and a rank killed mid-run healed in-job with a bit-identical result."""
+"""--backend slurm on a real two-node Slurm (slurmctld and two slurmd on this machine, see
+slurm_cluster.py): run, status, list, a pending job's reason, a stop, a scancel from outside, a rank
+killed mid-run healed in-job with a bit-identical result, and what a cluster does on day one. The
+script alone, without a cluster: test_slurm_script.py."""
 
 from __future__ import annotations
 
@@ -25,9 +26,7 @@ import nvrx_releases as releases
 from eksft_nb import commands
 from pathlib import Path
 
-from eksft_nb.backends.eks.render import nccl_env as eks_nccl_env
 from eksft_nb.backends.slurm.backend import SlurmBackend
-from eksft_nb.errors import SpecError
 from eksft_nb.events import read_all
 from eksft_nb.spec import JobSpec
 from eksft_nb.states import JobState
@@ -35,64 +34,6 @@ from eksft_nb.states import JobState
 # a small job: 2 nodes of 1 rank, tiny model, 30 steps, checkpoints every 10
 BASE = ["--nnodes", "2", "--nproc-per-node", "1", "--model", "tiny", "--steps", "30", "--ckpt-every", "10",
         "--seed", "0"]
-
-
-def slurm_spec(**changes: object) -> JobSpec:
-    return JobSpec().replace(backend="slurm", nnodes=2, **{"slurm.shared_dir": "/fsx/eksft", **changes})
-
-
-# ---- the sbatch script (no cluster needed) ---------------------------------------------------------
-
-def test_the_dry_run_is_an_sbatch_script_with_one_ft_launcher_per_node() -> None:
-    spec = slurm_spec(**{"slurm.partition": "gpu", "slurm.account": "ml", "slurm.qos": "high",
-                         "slurm.time": "4:00:00",
-                         "slurm.gres": "gpu:8", "slurm.exclusive": True, "slurm.constraint": "p5",
-                         "slurm.efa": True, "slurm.instance_type": "p5.48xlarge",
-                         "slurm.port": 31000})
-    script = commands.dry_run(spec)
-    lines = script.splitlines()
-    assert lines[0] == "#!/bin/bash"
-    for directive in ("--nodes=2", "--ntasks-per-node=1", "--partition=gpu", "--account=ml", "--qos=high",
-                      "--time=4:00:00", "--gres=gpu:8", "--exclusive", "--constraint=p5", "--requeue",
-                      "--output=/fsx/eksft/ftrain/logs/slurm-%j.out"):
-        assert f"#SBATCH {directive}" in lines, directive
-    # the rendezvous at the allocation's first node, found the cluster way, with no sleep or poll
-    assert 'export RDZV_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)' in lines
-    assert '"--rdzv-endpoint=${RDZV_HOST}:31000"' in script and "sleep" not in script
-    # --gres gpu:8: one launch line, with the GPU values; srun runs it on every node with its node rank
-    [launch] = [line for line in lines if line.startswith("LAUNCH=(")]
-    assert launch.startswith("LAUNCH=(ft_launcher ") and "--ft-rank-heartbeat-timeout=900" in launch
-    srun = script[script.index("srun"):script.index("<<'EKSFT_SPEC'")]
-    assert srun.split()[1] == "--ntasks-per-node=1" and '--node-rank="$SLURM_NODEID"' in srun
-    assert srun.rstrip().endswith('"${LAUNCH[@]}"')
-    assert "export EKSFT_JOB_DIR=/fsx/eksft/ftrain" in lines and "export EKSFT_STORE_PORT=31001" in lines
-    # the NCCL/EFA environment of a p5 node, as an EKS pod with the same GPUs and EFA gets it
-    eks = eks_nccl_env(JobSpec().replace(**{"eks.gpus_per_node": 8, "eks.efa_per_node": 32,
-                                            "eks.instance_type": "p5.48xlarge"}))
-    assert eks["FI_PROVIDER"] == "efa"
-    for k, v in eks.items():
-        assert any(line in (f"export {k}={v}", f"export {k}='{v}'") for line in lines), k
-    # bash parses it
-    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
-
-
-def test_every_launch_of_a_slurm_job_has_its_own_id() -> None:
-    """A relaunch under the same name and spec (or a second sbatch of a printed script) commits under
-    another id, so it never takes an earlier launch's checkpoints for its own; a requeue keeps the id
-    (the Slurm job id is part of it)."""
-    marks = [[line for line in commands.dry_run(slurm_spec()).splitlines() if "EKSFT_JOB_UID" in line]
-             for _ in range(2)]
-    assert all(len(m) == 1 and m[0].endswith('-$SLURM_JOB_ID"') for m in marks), marks
-    assert marks[0] != marks[1]
-
-
-def test_a_slurm_spec_needs_a_shared_folder_and_plain_sbatch_values() -> None:
-    with pytest.raises(SpecError, match="--shared-dir"):
-        JobSpec().replace(backend="slurm").validate()
-    with pytest.raises(SpecError, match="absolute"):
-        slurm_spec(**{"slurm.shared_dir": "fsx"}).validate()
-    with pytest.raises(SpecError, match="slurm.partition"):
-        slurm_spec(**{"slurm.partition": "gpu; rm -rf /"}).validate()
 
 
 # ---- a real two-node Slurm ----------------------------------------------------------------------------
@@ -430,21 +371,6 @@ def test_a_killed_launcher_ends_the_step_and_the_job_is_requeued_from_its_checkp
     [batch_log] = logs.glob("slurm-*.out")
     assert re.search(r"eksft: node \S+ failed; not kept off the requeued run: partition gpu has no 2 nodes "
                      "without it", batch_log.read_text()), batch_log.read_text()[-3000:]
-
-
-def test_a_slurm_jobs_huge_log_line_is_answered_bounded(tmp_path: Any) -> None:
-    """The job folder on the shared disk is anyone-in-the-job's to grow: logs read only the end of each
-    file."""
-    from eksft_nb.backends.slurm.backend import SlurmBackend
-    from eksft_nb.tails import MAX_LOG_BYTES
-
-    job = tmp_path / "big"
-    (job / "logs").mkdir(parents=True)
-    (job / "spec.json").write_text(JobSpec(name="big").to_json())
-    (job / "logs" / "launcher-0.log").write_text("x" * (20 << 20) + "\nthe last line\n")
-    answer = SlurmBackend(shared_dir=tmp_path).logs("big", debug=True)
-    assert len(answer) < 2 * MAX_LOG_BYTES and answer.endswith("the last line")
-    assert f"only its last {MAX_LOG_BYTES} of" in answer.splitlines()[0]
 
 
 # ---- what a cluster does on day one: drains, GPUs, failures said where users look ----------------------

@@ -117,10 +117,11 @@ def environment(spec: JobSpec, gpu: bool | None = None) -> dict[str, str]:
 
 def gpu_environment(spec: JobSpec) -> dict[str, str]:
     """NCCL's (and EFA's) environment on the job's GPU nodes: device RDMA only where the instance type's
-    EFA reads RDMA (p4d, p5...; g5/g6 abort in libfabric with it)."""
+    EFA reads RDMA (p4d, p5...; g5/g6 abort in libfabric with it); NCCL on EFA only where ``--efa`` asked
+    for it, as an EKS pod's ``--efa-per-node`` does (by default, a fall back to sockets is a warning)."""
     known = lookup(spec.slurm.instance_type)
     return nccl_env(max(1, spec.slurm.gpus_per_node), efa_on(spec), spec.ft.inprocess,
-                    rdma_read=bool(known and known.rdma_read))
+                    rdma_read=bool(known and known.rdma_read), require_efa=spec.slurm.efa is True)
 
 
 def launch_words(spec: JobSpec, gpu: bool | None) -> list[str]:
