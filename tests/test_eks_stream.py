@@ -357,6 +357,33 @@ def test_a_failed_job_says_the_pod_behind_it_and_nccl_over_sockets_is_a_warning(
         "for EFA, but aws-ofi-nccl is missing: use an image with it (the workload failed (PodFailurePolicy: ")
 
 
+@pytest.mark.parametrize("pod_seen", [True, False])
+def test_a_failed_jobs_end_waits_for_the_pod_it_names_whichever_comes_first(pod_seen: bool) -> None:
+    """The workload's Failed condition may arrive before the state of the pod it names (two watches): the
+    job's end waits for that pod's own words, at most the log drain time, then says what it has."""
+    tr = tracker()
+    failed = {"type": "Failed", "status": "True", "reason": "PodFailurePolicy",
+              "message": "Container prepare for pod default/demo-0-abcde failed with exit code 78 matching "
+                         "FailJob rule at index 0"}
+    tr.feed(("workload", {"status": {"conditions": [failed]}}))
+    tr.finish(tr.outcome_at + 1)
+    assert not tr.ended and not [e for e in tr.take() if e.kind == "job_end"]
+    if pod_seen:
+        why = "/checkpoints/demo holds a different job named demo: remove that folder"
+        refused = pod({"waiting": {"reason": "PodInitializing"}}, name="demo-0-abcde", node=0, phase="Failed",
+                      init={"terminated": {"exitCode": 78, "message": why}})
+        tr.feed(("pod", "MODIFIED", refused, True))
+        tr.finish(tr.outcome_at + 2)
+    else:
+        tr.finish(tr.outcome_at + LOG_DRAIN_S + 1)
+    [end] = [e for e in tr.take() if e.kind == "job_end"]
+    assert end["state"] == "failed"
+    said = ("pod demo-0-abcde (node 0): the prepare step refused to run as configured (exit 78): "
+            "/checkpoints/demo holds a different job named demo") if pod_seen else \
+        "the workload failed (PodFailurePolicy: "
+    assert end["reason"].startswith(said), end
+
+
 def test_a_pod_hung_on_a_lost_node_is_said_once_with_what_releases_it() -> None:
     """Its node stopped answering: the pod stays Terminating past its grace period, and the Job will not
     replace it (podReplacementPolicy: Failed) until it is gone."""

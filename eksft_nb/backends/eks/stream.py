@@ -50,6 +50,7 @@ CONFIGMAP = names.KINDS["ConfigMap"]
 DRAINED = re.compile(r"drained on SIGTERM at step \d+ \([^)]*\)")   # what a drained pod's message says
 NCCL_NETWORK = re.compile(r"NCCL INFO Using network (\S[^\r\n]*?)\s*$")   # NCCL's choice, at INFO for NET
 LOG_DRAIN_S = 15.0      # once the workload has ended, how long to wait for the last log lines
+NAMED_POD = re.compile(r"for pod [^/\s]+/(\S+)")   # the pod a Job's failure message names
 FOLLOW_IDLE_S = 300.0   # a log stream with nothing new for this long is reopened
 
 
@@ -74,7 +75,7 @@ def workload_outcome(obj: dict[str, Any]) -> tuple[JobState, str] | None:
 def with_cause(reason: str, pods: list[PodState]) -> str:
     """A failed workload's reason led by the pod behind it, in its own words (a prepare step's refusal, its
     termination message): the pod the Job's failure message names, else the one that failed last."""
-    named = re.search(r"for pod [^/\s]+/(\S+)", reason)
+    named = NAMED_POD.search(reason)
     failed = [p for p in pods if p.failed and p.reason]
     pod = next((p for p in failed if named and p.name == named.group(1)), None) or \
         max(failed, key=lambda p: p.ended_at or 0.0, default=None)
@@ -270,6 +271,13 @@ class Tracker:
         elif m := NCCL_NETWORK.search(text):
             self._network(pod, m.group(1))
 
+    def _cause_to_hear(self) -> bool:
+        """Whether the pod a failed workload's message names is not yet seen failed: the pods' watch may bring
+        its state (its own words, a refusal of ``prepare``) after the workload's."""
+        named = NAMED_POD.search(self.outcome[1] if self.outcome else "")
+        return named is not None and not any(p.name == named.group(1) and p.failed and p.reason
+                                             for p in self.pods.values())
+
     def finish(self, now: float) -> None:
         """``job_end`` once the workload has ended and its pods' logs are read (or stopped coming); a lost
         group's failure whose pod's log stopped coming, without it."""
@@ -284,7 +292,8 @@ class Tracker:
                 self._emit("warning", what="pod-hung", message=hung_reason(ps))
         if self.outcome is None or self.ended:
             return
-        draining = self.open_logs or (self.outcome[0] == JobState.SUCCEEDED and self._ranks_to_hear())
+        draining = self.open_logs or (self.outcome[0] == JobState.SUCCEEDED and self._ranks_to_hear()) or \
+            (self.outcome[0] == JobState.FAILED and self._cause_to_hear())
         if draining and now - self.outcome_at < LOG_DRAIN_S and self.outcome[0] != JobState.STOPPED:
             return
         self.ended = True
