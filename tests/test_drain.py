@@ -215,3 +215,28 @@ def test_a_launcher_left_waiting_after_its_ranks_drained_is_ended(tmp_path, monk
         launcher.kill()
         with contextlib.suppress(psutil.Error):
             monitor.kill()
+
+
+def test_a_pod_after_a_drain_waits_for_every_pod_before_it_to_end(tmp_path) -> None:
+    """After a drain the workload replaces each pod as soon as that pod is gone; a replacement started while
+    another drained pod still waits in its exit barrier would join the old rendezvous and lose its store
+    (the replay found it). So each pod leaves a mark as it exits, and a pod of the next incarnation waits for
+    all of them, at most the pods' grace period, and not once it is stopped itself."""
+    import threading
+
+    from eksft_nb.backends.eks.pod_entry import Drains
+
+    job = str(tmp_path / "job")
+    old0, old1 = Drains(job, "uid1"), Drains(job, "uid1")
+    assert old0.wait_for_previous(2, 60.0, []) == []   # the first incarnation waits for nobody
+    old1.record({"step": 12, "committed": True, "t": 0.0, "sigterm": True})
+    old1.gone("1")
+    new1 = Drains(job, "uid1")
+    assert new1.before == 1 and new1.wait_for_previous(2, 0.2, []) == ["0"]   # pod 0 still in its barrier
+    ended = threading.Timer(0.3, old0.gone, args=("0",))
+    ended.start()
+    assert new1.wait_for_previous(2, 60.0, []) == []   # returns as pod 0 ends
+    ended.join()
+    assert Drains(job, "another-launch").wait_for_previous(2, 60.0, []) == []   # another launch's drains
+    new1.record({"step": 14, "committed": True, "t": 0.0, "sigterm": True})   # a second drain ...
+    assert Drains(job, "uid1").wait_for_previous(2, 60.0, [1.0]) == []   # ... and the pod is stopped itself

@@ -30,6 +30,7 @@ from typing import Any
 
 from ...runtime.drain import DRAIN_EXIT
 from ...spec import JobSpec
+from ...timeouts import derive
 from . import names
 from .instances import efa_per_node, hyperpod
 
@@ -37,6 +38,13 @@ CONFIG_ERROR = 78        # sysexits' EX_CONFIG: the exit code of a pod that cann
 EVICT_AFTER_S = 60       # tolerationSeconds for node.kubernetes.io/unreachable and not-ready
 ZONE = "topology.kubernetes.io/zone"
 HYPERPOD_HEALTH = "sagemaker.amazonaws.com/node-health-status"   # HyperPod's health agent labels its nodes
+
+
+def termination_grace_s(spec: JobSpec) -> int:
+    """The pod's grace period from the kubelet's SIGTERM to its SIGKILL: a drain saves and commits before
+    the ranks exit, and ft_launcher waits for its ranks (``--term-timeout``, the same grace), with 30 s to
+    spare."""
+    return int(derive(spec).grace.seconds) + 30
 
 
 def minor(spec: JobSpec) -> int:

@@ -22,6 +22,11 @@ the spec keeps warm ranks (:mod:`eksft_nb.runtime.zygote`), then ft_launcher, an
 - A drain is recorded in the job folder (``drains/<job uid>-N``): the pods of the next incarnation count
   it into ``EKSFT_JOB_ATTEMPT``, so their ranks restart (from this launch's newest checkpoint, the drain's,
   whatever ``--resume`` named) rather than start.
+- A pod of that next incarnation starts ft_launcher only once every pod of the one before has said it
+  ended (each leaves a mark there as it exits), or the kubelet's grace period for them is over: the
+  workload replaces each drained pod as soon as it is gone, and a replacement started beside a pod still
+  in its drain's exit barrier would join the old rendezvous, whose store then vanishes under it (a failure
+  charged to its index's retries).
 - ft_launcher runs with the flags only this image's NVRx takes (its cycle records go into the job folder,
   for the restart timeline), which the render, not knowing the image's release, leaves out.
 - On an EFA pod, what NCCL will load as its network plugin is checked first (:func:`.efa.nccl_plugin`):
@@ -52,7 +57,7 @@ from ...procs import JOB_UID_ENV
 from ...runtime.drain import DRAIN_EXIT, MARK_ENV, marks
 from ...runtime.warm_shim import SOCKET_ENV, ZYGOTE_ENV
 from ...spec import JobSpec
-from . import efa
+from . import efa, failures, names
 from .failures import CONFIG_ERROR
 
 EXIT_GRACE_S = 5.0        # after every rank of the pod drained, ft_launcher's time to exit on its own
@@ -121,6 +126,29 @@ class Drains:
             print(f"eksft: warning: cannot record the drain in {self.folder} ({e.strerror}): the next "
                   "incarnation starts as --resume says", file=sys.stderr, flush=True)
 
+    def _gone(self, incarnation: int, node: str) -> Path | None:
+        return self.folder / f"{self.uid}-{incarnation}.gone-{node}" if self.folder is not None else None
+
+    def gone(self, node: str | None) -> None:
+        """This pod of this incarnation ended: its ft_launcher and ranks are gone."""
+        mark = self._gone(self.before, node) if node is not None else None
+        if mark is not None:
+            with contextlib.suppress(OSError):
+                mark.parent.mkdir(parents=True, exist_ok=True)
+                mark.touch()
+
+    def wait_for_previous(self, pods: int, limit_s: float, stopping: list[float]) -> list[str]:
+        """Wait until every pod of the incarnation before this one has ended (after a drain: see above),
+        at most ``limit_s`` and not once this pod is ``stopping``; returns the pods that had not said so."""
+        if self.before == 0 or self.folder is None:
+            return []
+        marks = [(str(n), self._gone(self.before - 1, str(n))) for n in range(pods)]
+        deadline = time.monotonic() + limit_s
+        while (left := [n for n, m in marks if m is not None and not m.exists()]) \
+                and time.monotonic() < deadline and not stopping:
+            time.sleep(POLL_S)
+        return [] if stopping else left
+
 
 def attempt(drains: Drains) -> int:
     """This pod's incarnation: its index's failures (counted and not) or its JobSet's restarts, and the
@@ -147,6 +175,14 @@ def launch(argv: list[str]) -> int:
     spec_path = os.environ.get("EKSFT_SPEC")
     spec = JobSpec.load(Path(spec_path)) if spec_path else None
     drains = Drains(os.environ.get("EKSFT_JOB_DIR"), os.environ.get(JOB_UID_ENV))
+    node = next((a.split("=", 1)[1] for a in argv[:at] if a.startswith("--node-rank=")), None)
+    try:
+        return _launch(argv, at, spec, drains, stopping)
+    finally:
+        drains.gone(node)
+
+
+def _launch(argv: list[str], at: int, spec: JobSpec | None, drains: Drains, stopping: list[float]) -> int:
     env = dict(os.environ)
     env["EKSFT_JOB_ATTEMPT"] = str(attempt(drains))
     env[MARK_ENV] = tempfile.mkdtemp(prefix="eksft-drain-")
@@ -171,6 +207,12 @@ def launch(argv: list[str]) -> int:
     cycle_dir = Path(env["EKSFT_JOB_DIR"]) / "logs" / "nvrx" / f"attempt-{env['EKSFT_JOB_ATTEMPT']}" \
         if env.get("EKSFT_JOB_DIR") else None
     argv = [*argv[:at], *_release_flags(argv, cycle_dir), *worker, *argv[at:]]
+    if spec is not None:
+        limit = failures.termination_grace_s(spec)
+        if late := drains.wait_for_previous(names.pods(spec), limit, stopping):
+            print(f"eksft: warning: pod(s) {', '.join(late)} of the incarnation before this one had not said "
+                  f"they ended {limit} s after it drained (their node may be gone): starting anyway",
+                  file=sys.stderr, flush=True)
     if stopping:   # stopped before its ranks started: nothing to save, and not the job's failure
         if zygote is not None:
             zygote.kill()

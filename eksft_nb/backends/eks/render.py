@@ -24,7 +24,6 @@ from ...nccl import nccl_env as shared_nccl_env
 from ...launcher import Ports, launcher_argv, rank_env
 from ...runtime.quiet import quiet_env
 from ...spec import JobSpec
-from ...timeouts import derive
 from ...procs import JOB_UID_ENV
 from . import disruption, engine_parts, failures, fsx, kueue, names, sizing
 from .instances import efa_per_node, lookup
@@ -305,9 +304,7 @@ def pod_template(spec: JobSpec, *, subdomain: str | None = None, attempt_from: s
         # ft_launcher (PID 1 ignores SIGKILL from inside its container) and reaps NVRx's helpers
         "automountServiceAccountToken": False, "enableServiceLinks": False, "shareProcessNamespace": True,
         "securityContext": pod_security(spec),
-        # SIGTERM (a drain, a preemption) saves and commits before the ranks exit: the grace period covers
-        # it, and ft_launcher's wait for its ranks (--term-timeout, the same grace) with 30 s to spare
-        "terminationGracePeriodSeconds": int(derive(spec).grace.seconds) + 30,
+        "terminationGracePeriodSeconds": failures.termination_grace_s(spec),
         "initContainers": [prepare, metrics] if serves_metrics(spec) else [prepare], "containers": [trainer],
         "volumes": [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": e.checkpoint_pvc}},
                     {"name": "config", "configMap": {"name": spec.name}},
