@@ -117,7 +117,7 @@ lab: demo
 # two workers: the tests wait on real processes (timeouts, schedulers, browsers) as much as they compute;
 # tests/conftest.py keeps what shares one Slurm on one worker
 test: setup system-tools
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(PY) -m pytest -q -n 2
 
 bench: setup
 	$(PY) -m bench

@@ -29,21 +29,35 @@ settings.register_profile("ci", derandomize=True, database=None)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
-# `make test` runs the tests on two workers (pytest-xdist, --dist loadgroup). The files that use a real Slurm
-# (two at once would run jobs of the same ids on the same node names, and a test that ends a node's
-# processes by job id could end the other cluster's) or the notebooks' runs (bench part 8 reads notebook
-# 07's, tests/notebook_runs.py) run on one worker; the rest on either.
+# `make test` runs the tests on two workers (pytest-xdist). The files that use a real Slurm (two at once would
+# run jobs of the same ids on the same node names, and a test that ends a node's processes by job id could
+# end the other cluster's) or the notebooks' runs (bench part 8 reads notebook 07's, tests/notebook_runs.py;
+# test_bench's module fixture runs the benchmark once per worker it lands on) run on one worker, one after
+# the other; every other test goes to whichever worker is free. xdist's own `--dist loadgroup` cannot do it
+# here: it names an item's group by rewriting the item's node id, which pytest 9 no longer reads, so its
+# groups silently fall apart.
 ONE_WORKER = ("slurm_cluster", "notebook_runs")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    shares: dict[Path, bool] = {}
-    for item in items:
-        if item.path not in shares:
-            text = item.path.read_text()
-            shares[item.path] = any(f"from {m} import" in text or f"import {m}" in text for m in ONE_WORKER)
-        if shares[item.path]:
-            item.add_marker(pytest.mark.xdist_group("one-worker"))
+def shares_one_worker(path: Path) -> bool:
+    text = path.read_text()
+    return any(f"from {m} import" in text or f"import {m}" in text for m in ONE_WORKER)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Work units as ``--dist loadscope`` makes them: one for the files above, one for each other test."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    shares: dict[str, bool] = {}
+
+    class OneWorkerFiles(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            if file not in shares:
+                shares[file] = file.endswith(".py") and shares_one_worker(config.rootpath / file)
+            return "one-worker" if shares[file] else nodeid
+
+    return OneWorkerFiles(config, log)
 
 
 @pytest.fixture(scope="session", autouse=True)
