@@ -75,7 +75,13 @@ def status(c: SlurmCluster, name: str) -> dict:
 
 
 def story(c: SlurmCluster, name: str) -> str:
-    return cli(c, "logs", name, "--backend", "slurm", "--debug", "-n", "80").stdout
+    """The job's logs and what its watcher decided (its failures, restarts, drains and end): put in an
+    assertion's message, a failure says why the job ended as it did."""
+    events = c.shared / name / "events.jsonl"
+    decided = [f"{e.kind} {json.dumps(e.data)}" for e in (read_all(events) if events.exists() else [])
+               if e.kind in ("failure", "restart", "drain", "job_end")]
+    logs = cli(c, "logs", name, "--backend", "slurm", "--debug", "-n", "80").stdout
+    return "\n".join([logs, "--- the watcher's events", *decided])
 
 
 @pytest.fixture(scope="module")

@@ -53,8 +53,8 @@ from .render import DRAIN_SIGNAL, REQUEUE_EXIT, STOP_MARK, efa_on, grace_s
 POLL_S = 0.2
 CONTROL_MODULE = "nvidia_resiliency_ext.fault_tolerance.control_plane"   # nvrx-control (NVRx 0.6+)
 _LOG = re.compile(r"launcher-(\d+)-(\d+)\.log$")
-# srun's word on a task that did not exit on its own (the node failed, or its launcher was killed)
-_NODE_LOST = re.compile(r"srun: error: (?:Node failure on ([\w.-]+)|([\w.-]+): task \d+: (?!Exited)\w)")
+# srun's word on a task that did not exit on its own (the node failed, or its launcher was killed: "Killed")
+_NODE_LOST = re.compile(r"srun: error: (?:Node failure on ([\w.-]+)|([\w.-]+): task \d+: (?!Exited)(\w+))")
 
 
 class Watcher:
@@ -79,6 +79,9 @@ class Watcher:
         self.job_failures = self.drains = 0      # of the runs before, from their events
         self.lost_node: str | None = None        # the node srun said failed
         self.node_failure_said: str | None = None   # srun's "Node failure on NODE"
+        self.launcher_killed: str | None = None   # srun's "NODE: task N: Killed": its ft_launcher was lost
+        # the step is one ft_launcher per node (torchft's runner starts a lost group again itself)
+        self.ft_launchers = engine_parts.of(self.spec).gave_up is None
         self.nodelist = os.environ.get("SLURM_JOB_NODELIST", "")
         self.node_lost = False                   # Slurm said a node of the allocation failed
         self.networks = Networks(efa_on(self.spec) and self._gpu_run())
@@ -279,12 +282,12 @@ class Watcher:
             return JobState.FAILED, self.net_failure
         finished = self.mon.digest is not None or (not self.spec.script
                                                    and self.mon.last_step >= self.spec.steps)
-        job = self._job() if self.signalled or self.drained else None
-        if (self.signalled or self.drained is not None) and not finished and job is None and self.job_id:
+        lost = self.signalled or self.drained is not None or self.launcher_killed is not None
+        job = self._job() if lost else None
+        if lost and not finished and job is None and self.job_id:
             time.sleep(1)   # a busy controller: ask once more before deciding on no word from Slurm
             job = self._job()
-        if ((self.signalled or self.drained is not None) and not finished
-                and (failed := self._node_failure(job)) is not None):
+        if lost and not finished and (failed := self._node_failure(job)) is not None:
             return self._node_lost(failed, job)
         if self.drained is not None and not finished:
             if job is not None and job.slurm_state == "CANCELLED":   # scancel: the ranks saved in KillWait
@@ -341,10 +344,13 @@ class Watcher:
     def _node_failure(self, job: cluster.SlurmJob | None) -> str | None:
         """What Slurm says of a node of the allocation that failed (the job's state, the nodes' states,
         srun's word), or None. A lost node's step is cancelled with SIGTERM, as a drain's and a scancel's
-        are, and the ranks drain on it: which signal came first says nothing, Slurm's record does."""
+        are, and the ranks drain on it: which signal came first says nothing, Slurm's record does. A
+        launcher srun saw killed is a lost node too, though Slurm neither marks the node nor requeues the
+        job (only :attr:`node_lost` says Slurm did)."""
         if job is not None and job.slurm_state == "CANCELLED":
             return None   # scancel: the user's stop
         if job is not None and (job.slurm_state == "NODE_FAIL" or job.reason in ("NodeDown", "NODE_FAIL")):
+            self.node_lost = True
             return f"Slurm: job {job.slurm_state}, {job.reason}"
         try:
             down = cluster.lost_nodes(self.nodelist)
@@ -352,17 +358,19 @@ class Watcher:
             print(f"eksft: {e}", file=sys.stderr)
             down = []
         if down:
-            self.lost_node = self.lost_node or down[0]
+            self.lost_node, self.node_lost = self.lost_node or down[0], True
             return f"Slurm holds node {','.join(down)} down"
         if self.node_failure_said is not None:
+            self.node_lost = True
             return f"srun: node failure on {self.node_failure_said}"
+        if self.launcher_killed is not None:
+            return f"srun: the ft_launcher on {self.launcher_killed} was killed"
         return None
 
     def _node_lost(self, failed: str, job: cluster.SlurmJob | None) -> tuple[JobState, str] | str | None:
         """A node failure is a job restart (a requeue that resumes from the newest committed checkpoint),
         whether or not the ranks drained on the step's SIGTERM."""
         cause = f"a node of the allocation failed ({failed})"
-        self.node_lost = True
         at = self.drained["t"] if self.drained is not None else time.time()
         self.incidents.node_failed(cause, at, ended_at=at)
         self.job_failures += 1
@@ -378,7 +386,8 @@ class Watcher:
         """A requeue after a lost node runs elsewhere where the partition has nodes enough without it
         (Slurm takes the change only while the job is pending: right after the requeue)."""
         node = self.lost_node
-        if node is None or job is None or (self.drained is not None and not self.node_lost):
+        if node is None or job is None or (self.drained is not None and not self.node_lost
+                                           and self.launcher_killed is None):
             return
         try:
             excluded = sorted({*cluster.hostnames(job.excluded), node}) if job.excluded else [node]
@@ -450,12 +459,17 @@ class Watcher:
         print(f"eksft: {message}", file=sys.stderr)
 
     def _srun_errors(self, step: subprocess.Popen) -> None:
-        """srun's own lines, passed on to the batch log; the first node it says failed is kept."""
+        """srun's own lines, passed on to the batch log; the first node it says failed is kept. A task
+        Killed while the job was neither signalled nor draining is a lost launcher; after SIGTERM, Slurm
+        kills a launcher that outlives ``KillWait`` itself."""
         for line in step.stderr or ():
             sys.stderr.write(line)
             if self.lost_node is None and (m := _NODE_LOST.search(line)):
                 self.lost_node = m.group(1) or m.group(2)
                 self.node_failure_said = m.group(1)
+                stopping = self.signalled or self.warned_at is not None or self.drained is not None
+                if m.group(3) == "Killed" and self.ft_launchers and not stopping:
+                    self.launcher_killed = m.group(2)
 
     def _pump(self) -> None:
         """The ranks' new events and the launchers' new log lines, folded in by time (as the supervisor
@@ -515,6 +529,13 @@ class Watcher:
                 self._warn("nccl-socket", why)
 
     def _on_line(self, node: int, seen: LauncherLine) -> None:
+        node_fault = any(f.get("node") is not None and f["t"] >= self.t_launch
+                         and 0 <= seen.at - f["t"] < NODE_FAULT_WINDOW_S for f in self.mon.faults)
+        step_lost = node_fault or self.node_failure_said is not None or self.launcher_killed is not None
+        if step_lost and not self.spec.spare_nodes:
+            # a lost node ends the step: what the other launchers say as it ends (their ranks' lost peer, a
+            # group restart, Slurm's SIGTERM) is that one incident's, which the step's end records
+            return
         if seen.kind in ("restarting", "error"):
             self.incidents.launcher_line(node, seen)
             return
@@ -526,9 +547,7 @@ class Watcher:
                 and not any(f["fault"] == "sigterm" for f in self.incidents.recent_faults)):
             # Slurm ending the step (a lost node's peers, scancel) terminates the ranks: not an in-job failure
             return
-        node_lost = any(f.get("node") is not None and 0 <= seen.at - f["t"] < NODE_FAULT_WINDOW_S
-                        for f in self.mon.faults)
-        if seen.kind == "worker_failed" and self.spec.spare_nodes and node_lost:
+        if seen.kind == "worker_failed" and self.spec.spare_nodes and node_fault:
             # the survivors of a node lost on purpose restart in-job, and NVRx's standby node joins them
             # (their ranks' exits are that one incident's)
             if self.incidents.incident is None:
