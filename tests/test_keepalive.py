@@ -1,9 +1,15 @@
-"""The keepalive that beats for a rank during a long restore: while the body runs, within its budget."""
+"""A rank's liveness while it waits: the keepalive that beats for it during a long restore (while the body
+runs, within its budget), and a stop of its checkpoint writer that leaves its main thread running Python."""
 
 from __future__ import annotations
 
+import ctypes
+import multiprocessing
 import threading
+import types
+from typing import Any
 
+from eksft_nb.runtime.checkpoint.writer import AsyncWriter
 from eksft_nb.runtime.keepalive import keepalive
 
 
@@ -48,3 +54,40 @@ def test_a_beat_that_fails_ends_the_beats_not_the_body() -> None:
     with keepalive(beat, budget=600, interval=0.01):
         assert failed.wait(60)
     assert calls == [1]
+
+
+def _slow_writer(queue: Any, told: Any, release: Any) -> None:
+    """A writer process that ends only once told to and then released (as one still writing ends late)."""
+    assert queue.get() == "DONE"
+    told.set()
+    release.wait(60)
+
+
+def test_a_writer_slow_to_stop_leaves_the_main_thread_running_python() -> None:
+    """NVRx's progress watchdog is a pending call, which only the main thread runs, between bytecodes: a
+    stop blocked in one join for the writer's end (up to 5 s) read as a hang to the in-process soft timeout
+    (4 s on CPUs), and a drain was restarted. Here the writer ends only once a pending call ran meanwhile;
+    a stop that never let it run kills the writer at its timeout instead."""
+    ctx = multiprocessing.get_context("fork")
+    queue, told, release, ran = ctx.Queue(), ctx.Event(), ctx.Event(), threading.Event()
+    process = ctx.Process(target=_slow_writer, args=(queue, told, release))
+    process.start()
+    writer = AsyncWriter()
+    writer.caller = types.SimpleNamespace(process=process, queue=queue)
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+    def pending(_: Any) -> int:
+        ran.set()
+        return 0
+
+    def watchdog() -> None:   # as NVRx's, once the main thread waits in stop()
+        told.wait(60)
+        ctypes.pythonapi.Py_AddPendingCall(pending, None)
+        if ran.wait(4):
+            release.set()
+
+    thread = threading.Thread(target=watchdog)
+    thread.start()
+    writer.stop()
+    thread.join()
+    assert ran.is_set() and process.exitcode == 0, process.exitcode

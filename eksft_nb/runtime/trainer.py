@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import os
@@ -16,6 +17,7 @@ from ..engines.torchft.hold import hold, step_point
 from ..timeouts import PROCESS_GROUP_S, derive, wrapper_barrier
 from .checkpoint import ModelState
 from .checkpoint.resume import NoStartPoint
+from .checkpoint.writer import WAIT_SLICE_S
 from .data import SyntheticCorpus
 from .keepalive import keepalive
 from .live import LiveSettings
@@ -69,10 +71,22 @@ class Trainer:
         """A drain saves synchronously on every rank: a cold rank's async writer dies of the same SIGTERM
         (its process group's), at a moment no rank can agree on, so the save in flight is abandoned
         (never committed) and the writer stopped. A rank whose writer is alive (its peer was signalled, not
-        it) waits for the writer to end (up to 10 s): it beats meanwhile, so that is not taken for a hang."""
-        with keepalive(self._keepalive, budget=15.0):
-            self.ckpt.writer.stop()
+        it) waits for the writer to end (up to 10 s), and its peers for it before they save, in a polled
+        barrier: a blocking collective stalls NVRx's progress watchdog as a blocking join does (see
+        ``writer._join``), and the in-process soft timeout would take the waiting rank for hung."""
+        self.ckpt.writer.stop()
         self.ckpt.pending, self.ckpt.mode = None, "sync"
+        stopped = dist.barrier(group=self.ckpt_group, async_op=True)
+        while not stopped.is_completed():
+            time.sleep(WAIT_SLICE_S)
+        stopped.wait()   # raises what failed it
+
+    def _beat_through_drain(self) -> contextlib.AbstractContextManager[None]:
+        """Beat for this rank (heartbeats, in-process pings) from the drain's agreement to its end: every rank
+        waits there, for its writer to stop or for its peers', without stepping, and ft_launcher or the
+        in-process soft timeout would restart it mid-drain. Within the grace period only: a rank hung in its
+        drain is still caught."""
+        return keepalive(self._keepalive, budget=derive(self.spec).grace.seconds)
 
     def _drained(self, step: int, asked: int, save_s: float) -> None:
         """Every rank saved ``step`` (or it was committed already) and stops: rank 0 says so, and each rank
@@ -143,53 +157,57 @@ class Trainer:
                      settings=self.live.values)
         tokens_per_step = spec.batch * spec.seq * self.world
         first, t_loop = self.step + 1, time.perf_counter()
-        for step in range(first, spec.steps + 1):
-            hold(step_point(self.rank, step), self._keepalive)   # a test's (unset: a look at the environment)
-            s.step_begin(step)
-            t0 = time.perf_counter()
-            tokens = self.data.next_batch().to(self.device)
-            loss = loss_fn(self.model, tokens)
-            loss.backward()
-            self.optim.step()
-            self.optim.zero_grad(set_to_none=True)
-            # in one all-reduce: the loss summed over ranks, how many ranks were asked to drain (SIGTERM),
-            # and rank 0's live settings (the others add zeros)
-            drain = float(s.drain is not None and s.drain.requested)
-            mean = torch.cat([loss.detach().float().reshape(1),
-                              torch.tensor([drain, *self.live.proposal()], device=self.device)])
-            dist.all_reduce(mean)
-            total, draining, *proposed = mean.tolist()
-            if self.live.agree(proposed, step) is not None:
-                self._set_live(self.live.values)
-            if draining > 0 and self.ckpt.mode == "async":
-                self._save_without_writer()
-            step_s = time.perf_counter() - t0
-            s.step_end(step, total / self.world, tokens_per_step, step_s)
-            if s.drain is not None:
-                s.drain.step_s = step_s
-                if draining > 0:
-                    s.drain.agree()
-            if self.call_wrapper is not None:
-                self.call_wrapper.ping()
-            self.step = step
-            last = step == spec.steps or draining > 0   # a drain saves now, blocking, like the last step
-            # a due save, or an async one's commit (which may wait on its writer)
-            saving = self.ckpt.due(step, last=last) or self.ckpt.pending is not None
-            if saving and spec.ft.checkpoint_timeout is not None:
-                s.section("checkpointing", True)
-            t_save, deferred = time.perf_counter(), self.ckpt.deferred
-            self.ckpt.maybe_save(step, self.state, last=last)
-            self._check_save_pace(step, time.perf_counter() - t_save, deferred, time.perf_counter() - t_loop,
-                                  step - first + 1)
-            if saving:
-                if spec.ft.checkpoint_timeout is not None:
-                    s.section("checkpointing", False)
-                # a save that ended is progress: the next step's time is not added to the save's (the
-                # in-process soft timeout took a slow save followed by a slow step for a hang)
-                self._keepalive()
-            if draining > 0 and step < spec.steps:
-                self._drained(step, int(draining), time.perf_counter() - t_save)
-                return
+        with contextlib.ExitStack() as drain_beats:   # from a drain's agreement: see _beat_through_drain
+            for step in range(first, spec.steps + 1):
+                # a test's hold (unset: a look at the environment)
+                hold(step_point(self.rank, step), self._keepalive)
+                s.step_begin(step)
+                t0 = time.perf_counter()
+                tokens = self.data.next_batch().to(self.device)
+                loss = loss_fn(self.model, tokens)
+                loss.backward()
+                self.optim.step()
+                self.optim.zero_grad(set_to_none=True)
+                # in one all-reduce: the loss summed over ranks, how many ranks were asked to drain (SIGTERM),
+                # and rank 0's live settings (the others add zeros)
+                drain = float(s.drain is not None and s.drain.requested)
+                mean = torch.cat([loss.detach().float().reshape(1),
+                                  torch.tensor([drain, *self.live.proposal()], device=self.device)])
+                dist.all_reduce(mean)
+                total, draining, *proposed = mean.tolist()
+                if draining > 0:   # every rank drains at this step boundary
+                    drain_beats.enter_context(self._beat_through_drain())
+                    if s.drain is not None:
+                        s.drain.agree()
+                if self.live.agree(proposed, step) is not None:
+                    self._set_live(self.live.values)
+                if draining > 0 and self.ckpt.mode == "async":
+                    self._save_without_writer()
+                step_s = time.perf_counter() - t0
+                s.step_end(step, total / self.world, tokens_per_step, step_s)
+                if s.drain is not None:
+                    s.drain.step_s = step_s
+                if self.call_wrapper is not None:
+                    self.call_wrapper.ping()
+                self.step = step
+                last = step == spec.steps or draining > 0   # a drain saves now, blocking, like the last step
+                # a due save, or an async one's commit (which may wait on its writer)
+                saving = self.ckpt.due(step, last=last) or self.ckpt.pending is not None
+                if saving and spec.ft.checkpoint_timeout is not None:
+                    s.section("checkpointing", True)
+                t_save, deferred = time.perf_counter(), self.ckpt.deferred
+                self.ckpt.maybe_save(step, self.state, last=last)
+                self._check_save_pace(step, time.perf_counter() - t_save, deferred,
+                                      time.perf_counter() - t_loop, step - first + 1)
+                if saving:
+                    if spec.ft.checkpoint_timeout is not None:
+                        s.section("checkpointing", False)
+                    # a save that ended is progress: the next step's time is not added to the save's (the
+                    # in-process soft timeout took a slow save followed by a slow step for a hang)
+                    self._keepalive()
+                if draining > 0 and step < spec.steps:
+                    self._drained(step, int(draining), time.perf_counter() - t_save)
+                    return
         bounded = spec.ft.checkpoint_timeout is not None
         if bounded:   # the last save's wait, the digest's gather of the full weights, the last barrier
             s.section("checkpointing", True)

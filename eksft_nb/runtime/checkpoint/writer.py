@@ -197,10 +197,10 @@ class AsyncWriter:
             return
         if process.is_alive():
             caller.queue.put("DONE")
-            process.join(timeout=5)
+            _join(process, 5.0)
         if process.is_alive():
             process.kill()
-            process.join(timeout=5)
+            _join(process, 5.0)
         caller.process = None
 
     def done_locally(self, blocking: bool = False) -> bool:
@@ -236,6 +236,18 @@ class AsyncWriter:
         stays uncommitted."""
         if self.outstanding:
             self.done_locally(blocking=True)
+
+
+WAIT_SLICE_S = 0.05  # the longest a rank's main thread blocks at once in a wait that may be long (see _join)
+
+
+def _join(process: Any, timeout: float) -> None:
+    """Join ``process`` in slices of :data:`WAIT_SLICE_S`: a main thread blocked in one long join runs no
+    Python, so NVRx's progress watchdog (a pending call the main thread runs) stalls and the in-process
+    soft timeout takes the rank for hung; between slices it runs."""
+    deadline = time.monotonic() + timeout
+    while process.is_alive() and time.monotonic() < deadline:
+        process.join(WAIT_SLICE_S)
 
 
 def read_manifest(path: Path, rank: int) -> tuple[dict[str, Any], str | None]:
