@@ -126,25 +126,25 @@ class Drains:
             print(f"eksft: warning: cannot record the drain in {self.folder} ({e.strerror}): the next "
                   "incarnation starts as --resume says", file=sys.stderr, flush=True)
 
-    def _gone(self, incarnation: int, node: str) -> Path | None:
-        return self.folder / f"{self.uid}-{incarnation}.gone-{node}" if self.folder is not None else None
+    def _gone(self, folder: Path, incarnation: int, node: str) -> Path:
+        return folder / f"{self.uid}-{incarnation}.gone-{node}"
 
     def gone(self, node: str | None) -> None:
         """This pod of this incarnation ended: its ft_launcher and ranks are gone."""
-        mark = self._gone(self.before, node) if node is not None else None
-        if mark is not None:
-            with contextlib.suppress(OSError):
-                mark.parent.mkdir(parents=True, exist_ok=True)
-                mark.touch()
+        if node is None or self.folder is None:
+            return
+        with contextlib.suppress(OSError):
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._gone(self.folder, self.before, node).touch()
 
     def wait_for_previous(self, pods: int, limit_s: float, stopping: list[float]) -> list[str]:
         """Wait until every pod of the incarnation before this one has ended (after a drain: see above),
         at most ``limit_s`` and not once this pod is ``stopping``; returns the pods that had not said so."""
         if self.before == 0 or self.folder is None:
             return []
-        marks = [(str(n), self._gone(self.before - 1, str(n))) for n in range(pods)]
+        marks = [(str(n), self._gone(self.folder, self.before - 1, str(n))) for n in range(pods)]
         deadline = time.monotonic() + limit_s
-        while (left := [n for n, m in marks if m is not None and not m.exists()]) \
+        while (left := [n for n, m in marks if not m.exists()]) \
                 and time.monotonic() < deadline and not stopping:
             time.sleep(POLL_S)
         return [] if stopping else left
