@@ -17,8 +17,8 @@ from pathlib import Path, PurePosixPath
 from collections.abc import Mapping
 from typing import Any
 
+import urllib3
 from kubernetes import client
-from kubernetes.client.rest import ApiException
 
 from ...timeouts import derive
 from ...checkpoint_folders import CheckpointInfo, list_checkpoints
@@ -31,7 +31,7 @@ from ...states import ACTIVE, JobState
 from ...tails import bounded
 from ..base import Backend, JobSummary, readable
 from . import checks, engine_parts, live, names, schemas
-from .cluster import ApiError, Cluster, explain, kubeconfig_files
+from .cluster import ApiError, Cluster, kubeconfig_files, unreachable
 from .inpod import NOT_HERE
 from .pods import PodState, hung_reason, parse_time, pod_state
 from .render import INPOD, Manifests, render
@@ -253,16 +253,17 @@ class EksBackend(Backend):
         for pod in pods:
             state = pod_state(pod, names.container(spec), names.process(spec))
             try:
-                text = cluster.core.read_namespaced_pod_log(state.name, cluster.namespace,
-                                                            container=names.container(spec),
-                                                            tail_lines=lines,
-                                                            _request_timeout=cluster.timeout)
-            except ApiException as e:
+                text_lines = list(cluster.lines(f"{POD.path(cluster.namespace, state.name)}/log",
+                                                f"read the log of pod {state.name}",
+                                                {"container": names.container(spec), "tailLines": lines},
+                                                cluster.timeout))
+            except ApiError as e:
                 if e.status == 400:  # not started yet
                     continue
-                raise explain(e, f"read the log of pod {state.name}", cluster) from None
+                raise
+            except (urllib3.exceptions.HTTPError, OSError) as e:
+                raise unreachable(e, cluster) from None
             tag = f"[node {state.node}] " if state.node is not None else f"[{state.name}] "
-            text_lines = text.splitlines()
             out += [tag + line
                     for line in (text_lines if debug
                                  else readable([x for x in text_lines if LOG_PREFIX not in x]))]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import urllib3
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 from kubernetes.stream import stream as ws_stream
+from kubernetes.watch.watch import iter_resp_lines
 
 from ...errors import JobError
 from .names import KINDS, Kind
@@ -89,6 +91,33 @@ class Cluster:
             raise explain(e, what, self) from None
         except (urllib3.exceptions.HTTPError, OSError) as e:
             raise unreachable(e, self) from None
+
+    def lines(self, path: str, what: str, query: dict[str, Any], read_timeout: float) -> Iterator[str]:
+        """The lines of a streamed answer (a watch, a followed log) as they arrive.
+
+        It goes through the client's request path, as :meth:`request` does, and none of its generated API
+        methods: those validate their arguments in compiled code (pydantic-core), and a daemon thread waiting
+        for an answer inside compiled code aborts the whole process (SIGABRT) if the answer arrives while
+        Python shuts down. A refusal raises :class:`ApiError` with its status; a connection lost, or quiet
+        for ``read_timeout``, raises urllib3's own error: the caller tells a quiet stream from a lost one.
+        """
+        params = self.api.param_serialize("GET", path, query_params=list(query.items()),
+                                          header_params={"Accept": "*/*"}, auth_settings=["BearerToken"])
+        try:
+            answer = self.api.call_api(*params, _request_timeout=(min(5.0, self.timeout), read_timeout))
+        except ApiException as e:
+            raise explain(e, what, self) from None
+        try:
+            if not 200 <= answer.status <= 299:
+                answer.read()
+                try:
+                    self.api.response_deserialize(answer, {"2XX": "object"})
+                except ApiException as e:
+                    raise explain(e, what, self) from None
+            yield from iter_resp_lines(answer.response)
+        finally:
+            answer.response.close()
+            answer.response.release_conn()
 
     def create(self, obj: dict[str, Any]) -> dict[str, Any]:
         kind, meta = KINDS[obj["kind"]], obj["metadata"]

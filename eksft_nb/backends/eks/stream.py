@@ -28,8 +28,6 @@ import time
 from typing import Any
 
 import urllib3
-from kubernetes import watch
-from kubernetes.client.rest import ApiException
 
 from ...engines.registry import engine_of
 from ...engines.torchft.losses import fault_time
@@ -46,6 +44,7 @@ from .instances import efa_per_node
 from .pods import PodState, hung_reason, pod_state
 
 CONFIGMAP = names.KINDS["ConfigMap"]
+POD = names.KINDS["Pod"]
 
 DRAINED = re.compile(r"drained on SIGTERM at step \d+ \([^)]*\)")   # what a drained pod's message says
 NCCL_NETWORK = re.compile(r"NCCL INFO Using network (\S[^\r\n]*?)\s*$")   # NCCL's choice, at INFO for NET
@@ -429,15 +428,19 @@ class EksEvents:
             workload_outcome(obj) is not None
 
     def _watch_pods(self) -> None:
-        core, ns = self.cluster.core, self.cluster.namespace
+        """Each watch lasts 30 s (then it starts again at once, listing the pods anew); a failed one starts
+        again a second later."""
+        query = {"watch": "true", "labelSelector": names.selector(self.spec.name), "timeoutSeconds": 30}
         while not self._closed.is_set():
             try:
-                for ev in watch.Watch().stream(core.list_namespaced_pod, ns,
-                                               label_selector=names.selector(self.spec.name),
-                                               timeout_seconds=30, _request_timeout=(5, 60),
-                                               deserialize=False):
+                for line in self.cluster.lines(POD.path(self.cluster.namespace), "watch pods", query, 60.0):
                     if self._closed.is_set():
                         return
+                    if not line.strip():
+                        continue
+                    ev = json.loads(line)
+                    if ev.get("type") == "ERROR":   # expired (410) or failed
+                        raise ValueError(ev.get("object"))
                     pod = ev["object"]
                     ps = pod_state(pod, names.container(self.spec), names.process(self.spec))
                     gone = ev["type"] == "DELETED" or ps.deleting
@@ -446,7 +449,7 @@ class EksEvents:
                         self._attach_note(pod)
                     self._follow_logs(pod)
                     self._queue.put(("pod", ev["type"], pod, ending))
-            except (ApiException, urllib3.exceptions.HTTPError, OSError, ValueError):
+            except (ApiError, urllib3.exceptions.HTTPError, OSError, ValueError, KeyError, TypeError):
                 self._closed.wait(1.0)
 
     def _attach_note(self, pod: dict[str, Any]) -> None:
@@ -480,19 +483,18 @@ class EksEvents:
     def _follow(self, pod: str, key: tuple[str, int]) -> None:
         """Every line of one container's log, once, however often the stream has to be reopened."""
         seen, failures = 0, 0
+        path = f"{POD.path(self.cluster.namespace, pod)}/log"
+        query = {"container": names.container(self.spec), "follow": "true"}
         while not self._closed.is_set() and failures < 5:
             try:
                 n = 0
-                for line in watch.Watch().stream(self.cluster.core.read_namespaced_pod_log, pod,
-                                                 self.cluster.namespace,
-                                                 container=names.container(self.spec), follow=True,
-                                                 _request_timeout=(5, FOLLOW_IDLE_S)):
+                for line in self.cluster.lines(path, f"read the log of pod {pod}", query, FOLLOW_IDLE_S):
                     n += 1
                     if n > seen:
                         seen = n
                         self._queue.put(("line", pod, line))
                 break  # the container has ended and its log is read
-            except ApiException as e:
+            except ApiError as e:
                 if e.status in (400, 404):  # the pod is gone, or its container has not started
                     break
                 failures += 1
