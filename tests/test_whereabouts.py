@@ -112,3 +112,24 @@ def test_a_record_eksft_did_not_write_is_refused_and_a_silent_cluster_is_said(
     assert re.search(r", nor on eks( or slurm)?; eks did not answer \(cannot connect to the Kubernetes "
                      r"API at http://127\.0\.0\.1:\d+ ", str(missing.value)), str(missing.value)
     record.unlink()
+
+
+def test_slurm_is_searched_once_a_job_was_launched_here_and_the_panel_lists_it_alike(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from eksft_nb.backends.slurm.backend import SlurmBackend
+    from eksft_nb.lab.manager import slurm_configured
+
+    monkeypatch.setenv("EKSFT_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("EKSFT_SHARED_DIR", raising=False)
+    links = eksft_home() / "slurm"
+    links.mkdir(parents=True)   # what removing the last Slurm job launched here leaves
+    assert not SlurmBackend().configured() and not slurm_configured()
+    with pytest.raises(UnknownJobError) as missing:
+        whereabouts.find("nowhere")
+    assert ", nor on" not in str(missing.value), str(missing.value)
+    (links / "gone").symlink_to(tmp_path / "gone")
+    assert SlurmBackend().configured() and slurm_configured()
+    with pytest.raises(UnknownJobError) as missing:
+        whereabouts.find("nowhere")
+    assert str(missing.value).startswith("no job named 'nowhere' under ") and "nor on slurm" in str(
+        missing.value), str(missing.value)

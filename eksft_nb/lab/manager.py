@@ -42,11 +42,10 @@ def eks_configured() -> bool:
 
 
 def slurm_configured() -> bool:
-    """Whether Slurm jobs can be listed here: ``$EKSFT_SHARED_DIR`` is set, or this machine launched one."""
-    from ..backends.slurm.backend import SHARED_DIR_ENV
-    from ..jobdir import eksft_home
+    """Whether Slurm jobs can be listed here (the backend's own answer)."""
+    from ..backends.slurm.backend import SlurmBackend
 
-    return bool(os.environ.get(SHARED_DIR_ENV)) or any((eksft_home() / "slurm").glob("*"))
+    return SlurmBackend().configured()
 
 
 # each cluster is listed by a task of its own, once it is set up here

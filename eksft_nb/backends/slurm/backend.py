@@ -62,8 +62,8 @@ class SlurmBackend(FolderJobs, Backend):
         return {"shared_dir": str(spec.slurm.shared_dir)}
 
     def configured(self) -> bool:
-        """A shared folder named, or jobs launched from here."""
-        return self.root is not None or self.links.is_dir()
+        """A shared folder named, or a job launched from here (an empty links folder names none)."""
+        return self.root is not None or any(self.links.glob("*"))
 
     def _record(self, jd: JobDir) -> dict:
         try:
