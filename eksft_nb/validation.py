@@ -15,9 +15,14 @@ from .spec import JobSpec
 
 
 def check_fault(command: FaultCommand, spec: JobSpec, backend: Backend) -> FaultCommand:
-    """The one check of a fault command a front end sends: against the job's ranks and nodes, its engine,
-    and whether ``backend`` can deliver its kind (the fault registry's ``refused_by``)."""
+    """The one check of a fault command a front end sends: against the job's ranks, nodes and steps (one
+    for a step the built-in trainer never reaches would wait silently forever), its engine, and whether
+    ``backend`` can deliver its kind (the fault registry's ``refused_by``)."""
     command.validate(spec.world_size, spec.nnodes)
+    if command.step is not None and not spec.script and command.step > spec.steps:
+        raise ControlError(f"step {command.step} is past the last step of the job ({spec.steps}): "
+                           f"{command.fault} would never fire",
+                           f"use a step from 1 to {spec.steps}, or omit the step to inject now")
     engine_of(spec).check_faults(spec, [command])   # what the job's engine cannot fire
     if command.fault in backend.refused_faults:
         raise ControlError(f"{command.fault} is a local fault: on {backend.name} no eksft supervisor runs",

@@ -59,12 +59,15 @@ def story(name: str, lines: int = 40) -> str:
     return "\n".join(parts)
 
 
-def wait_for(what: str, probe: Callable[[], Any], timeout: float = 300, every: float = 0.3) -> Any:
-    """Poll ``probe`` until it returns something true; return that (fail after ``timeout`` seconds)."""
+def wait_for(what: str, probe: Callable[[], Any], timeout: float = 300, every: float = 0.3,
+             explain: Callable[[], str] | None = None) -> Any:
+    """Poll ``probe`` until it returns something true; return that (fail after ``timeout`` seconds, with
+    what ``explain`` says then: a job's story, so a CI failure tells what the job went through)."""
     deadline = time.time() + timeout
     while not (value := probe()):
         if time.time() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {value!r})")
+            said = f"\n{explain()}" if explain else ""
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {value!r}){said}")
         time.sleep(every)
     return value
 

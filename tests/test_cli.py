@@ -40,6 +40,8 @@ def assert_rejected(args: list[str], *expected: str, watch: Path | None = None) 
     (["run", "--name", "ok", "--fault", "explode:0@3"], ["unknown fault 'explode'", "did you mean"]),
     (["run", "--name", "ok", "--fault", "hang:5@3"], ["rank 5 is out of range for a job of 2 ranks"]),
     (["run", "--name", "ok", "--fault", "kill-launcher:3@3"], ["node 3 is out of range"]),
+    (["run", "--name", "ok", "--steps", "40", "--fault", "sigkill:1@41"],
+     ["step 41 is past the last step of the job (40): sigkill would never fire"]),
     (["run", "--name", "ok", "--fault", "sigkill@x"], ["cannot parse fault", "kind[:rank][@step]"]),
     (["run", "--name", "ok", "--resume", "step:40"], ["no checkpoint in", "ckpts"]),
     (["run", "--name", "ok", "--resume", "/nowhere/step_00000010"], ["no checkpoint at /nowhere"]),
@@ -94,6 +96,9 @@ def test_bad_fault_commands_for_a_running_job() -> None:
                         watch=control)
         assert_rejected(["inject", "running", "hang", "--step", "1"], "step 1 has already passed",
                         watch=control)
+        assert_rejected(["inject", "running", "hang", "--step", "100001"],
+                        "step 100001 is past the last step of the job (100000): hang would never fire",
+                        "use a step from 1 to 100000", watch=control)
         assert_rejected(["inject", "running", "slow-rank", "--delay", "-1"],
                         "slow-rank parameter delay is -1.0",
                         "seconds per step, > 0", watch=control)

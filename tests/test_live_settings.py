@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from eksft_nb import settings
+from eksft_nb import commands, settings
 from eksft_nb.errors import ControlError
 from eksft_nb.job import attach
 from eksft_nb.jobdir import JobDir
@@ -158,14 +158,20 @@ def _last_step(name: str) -> int:
     return max((e["step"] for e in events(name, "step")), default=0)
 
 
-def _inject_ahead(name: str, fault: str, *extra: str) -> None:
-    """Inject ``fault`` a few steps ahead of the job, so it lands after what came before. The job may pass
-    that step while the CLI starts (a quiet machine runs 12 tiny steps in under a second): then again."""
+def _queue_ahead(name: str, faults: list[tuple[str, int | None]]) -> None:
+    """Queue ``faults`` (kind, rank) 12 steps apart, the first 12 ahead of the job, in one go through the
+    command layer: they fire in that order whatever the machine's speed (a CLI call per fault, seconds
+    each, once let the job pass the end before the last was aimed). A job that passed the first step
+    while they were queued gets them again, further ahead."""
     for _ in range(10):
-        proc = cli("inject", name, fault, *extra, "--step", str(_last_step(name) + 12))
-        if "has already passed" not in proc.stderr:
-            break
-    assert proc.returncode == 0, proc.stderr
+        ahead = _last_step(name) + 12
+        try:
+            for i, (fault, rank) in enumerate(faults):
+                commands.inject(name, fault, rank=rank, step=ahead + 12 * i)
+            return
+        except ControlError as e:
+            assert "has already passed" in str(e) and i == 0, e
+    raise AssertionError(f"the job kept passing the steps the faults were aimed at: {_last_step(name)}")
 
 
 def test_a_live_interval_lands_on_every_rank_at_one_step_and_holds_across_restarts() -> None:
@@ -187,6 +193,9 @@ def test_a_live_interval_lands_on_every_rank_at_one_step_and_holds_across_restar
         "--detach",
     )
     assert proc.returncode == 0, proc.stderr
+    # paced (rank 0 straggles 0.3 s a step until its first restart), so that the job cannot reach its end
+    # while the CLI calls below start on a loaded machine (the faults are aimed ahead of the job by then)
+    commands.inject(name, "slow-rank", rank=0, params={"delay": 0.3, "duration": 150})
     wait_for("the first steps", lambda: _last_step(name) >= 3, timeout=300)
     proc = cli("set", name, "ckpt-every=6", "keep-last=4", "--wait", "300", "--json")
     assert proc.returncode == 0, proc.stderr
@@ -196,22 +205,23 @@ def test_a_live_interval_lands_on_every_rank_at_one_step_and_holds_across_restar
     assert f"taken by all 2 ranks at step {at}" in result["message"]
     taken = [e for e in events(name, "setting")]
     assert sorted((e.rank, e["step"], e["seq"]) for e in taken) == [(0, at, 1), (1, at, 1)], taken
+
+    # an in-process restart (exception), an in-job restart (sigkill), a job-level restart (kill-launcher)
+    faults = (("exception", 0, "inprocess"), ("sigkill", 1, "injob"), ("kill-launcher", None, "job"))
+    _queue_ahead(name, [(fault, rank) for fault, rank, _ in faults])
     # a setting that cannot change live is refused in one line, and changes nothing
     refused = cli("set", name, "ckpt-mode=async")
     assert refused.returncode != 0 and refused.stderr.strip().count("\n") == 0
     assert "ckpt-mode cannot change while the job runs" in refused.stderr
+    def explain() -> str:
+        return f"{story(name)}\nevents: {[(e.kind, e.rank, e.data) for e in events(name)][-30:]}"
 
-    # an in-process restart (exception), an in-job restart (sigkill), a job-level restart (kill-launcher)
-    for fault, args, level in (
-        ("exception", ("--rank", "0"), "inprocess"),
-        ("sigkill", ("--rank", "1"), "injob"),
-        ("kill-launcher", (), "job"),
-    ):
-        _inject_ahead(name, fault, *args)
+    for _, _, level in faults:
         wait_for(
             f"the {level} restart",
             lambda level=level: any(e["level"] == level for e in events(name, "restart")),
             timeout=400,
+            explain=explain,
         )
     state = attach(name).wait(timeout=600)
     assert state.value == "succeeded", story(name)
@@ -306,8 +316,6 @@ def test_the_dashboard_marks_a_change_on_the_timeline_and_shows_it_in_force() ->
 def test_apply_whatif_without_a_recommendation_is_refused_in_one_line() -> None:
     """A job that never failed gives no failure rate: no interval to apply, and nothing is written."""
     from test_dashboard import FakeJob
-
-    from eksft_nb import commands
 
     job = FakeJob("live-no-failure", steps=20)
     job.steps(1, 20)
