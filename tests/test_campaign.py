@@ -5,6 +5,7 @@ strictly, its re-check naming what moved."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -127,6 +128,11 @@ def test_trials_are_scored_per_kind_with_their_spread_and_what_they_cost() -> No
     text = table(card)
     assert "sigkill               1/3" in text and "5.00s [4.00s-9.00s]" in text and "injob x2, job" in text
     assert "sigkill #2" in text
+    # a kind's name longer than the column (corrupt-checkpoint #1) widens it: the columns stay apart, aligned
+    long = table({**card, "rows": [{**r, "fault": "corrupt-checkpoint"} for r in rows]}).splitlines()
+    trials = [ln for ln in long if ln.startswith("  corrupt-checkpoint #")]
+    assert len(trials) == 3 and all(re.match(r"  corrupt-checkpoint #\d {2,}\S", ln) for ln in trials), long
+    assert len({len(ln) for ln in trials}) == 1, long
     recheck = table({**card, "plan": {**card["plan"], "recheck": "m1"}})
     assert "FAILED (3 trials per kind, seed 2, plan x, a re-check of plan m1)" in recheck, recheck
     assert validate_junit(junit(card))["sigkill #3"] == ["lost 6 steps, expected lost<=4"]

@@ -279,16 +279,19 @@ def table(card: Card) -> str:
     if card["problem"]:
         lines.append(f"  FAIL  {card['problem']}")
     lines += kinds_text(card)
-    head = f"  {'fault':<20}{'target':<9}{'step':>5}  {'level':<10}{'detect':>8}{'downtime':>10}" \
+    names = [r["fault"] if repeat == 1 else f"{r['fault']} #{r.get('trial', 1)}" for r in card["rows"]]
+    cost_texts = [costs.text(r.get("cost") or {}) for r in card["rows"]]
+    wide = max([20, *(len(n) + 2 for n in names)])   # columns as wide as their longest entry, and a gap
+    cost_wide = max([24, *(len(c) + 2 for c in cost_texts)])
+    head = f"  {'fault':<{wide}}{'target':<9}{'step':>5}  {'level':<10}{'detect':>8}{'downtime':>10}" \
            f"{'lost':>6}  " \
-           f"{'state':<12}{'cost':<24}result"
+           f"{'state':<12}{'cost':<{cost_wide}}result"
     if card["rows"]:
         lines.append(head)
-    for r in card["rows"]:
-        name = r["fault"] if repeat == 1 else f"{r['fault']} #{r.get('trial', 1)}"
-        lines.append(f"  {name:<20}{r['target']:<9}{r['at_step'] or '-':>5}  {r['level'] or '-':<10}"
+    for r, name, cost in zip(card["rows"], names, cost_texts):
+        lines.append(f"  {name:<{wide}}{r['target']:<9}{r['at_step'] or '-':>5}  {r['level'] or '-':<10}"
                      f"{_s(r['detection_s']):>8}{_s(r['downtime_s']):>10}{_n(r['lost']):>6}  "
-                     f"{r['state_check']:<12}{costs.text(r.get('cost') or {}):<24}"
+                     f"{r['state_check']:<12}{cost:<{cost_wide}}"
                      f"{'pass' if r['passed'] else 'FAIL'}")
         if r["phases"]:
             lines.append(f"      phases: {phases_text(r['phases'])}")
