@@ -49,6 +49,11 @@ _RANKS = "eksft_nb.runtime.faults"
 _STEPS = Param(10, lambda v: integer(v) and 1 <= v <= 10**6, "steps, an integer >= 1")
 _NO_SUPERVISOR = frozenset({"eks", "slurm"})   # no eksft supervisor runs on the cluster or in the allocation
 
+# faults that last while training goes on (a straggler, a failing or slow disk): the cause of a restart only
+# where nothing that ends a rank was injected beside them
+LINGERING = frozenset({FaultKind.SLOW_RANK, FaultKind.SAVE_FAILURE, FaultKind.DISK_FULL,
+                       FaultKind.SLOW_STORAGE})
+
 REGISTRY: Mapping[FaultKind, FaultDef] = {d.kind: d for d in (
     FaultDef(FaultKind.EXCEPTION, FaultScope.RANK, "raise an exception in the training loop",
              f"{_RANKS}:exception"),

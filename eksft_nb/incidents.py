@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .events import RESTART_PHASES, Event
+from .fault_registry import LINGERING
 from .monitor import JobMonitor
 from .rank_errors import KEEP, RankError, fix_for
 from .states import RestartLevel
@@ -106,6 +107,7 @@ class Incidents:
         """A rank's event (call after the monitor has folded it in)."""
         if e.kind == "fault" and e["target_rank"] is not None:
             self.recent_faults.append({"t": e.t, "fault": e["fault"], "rank": e["target_rank"]})
+            self.recent_faults.sort(key=lambda f: f["fault"] in LINGERING)   # a sigkill beside a straggler
         elif e.kind == "gpu_fault" and e["fault"] in ("xid", "ecc"):
             self.recent_gpu.append({"t": e.t, **e.data})
             self._gpu_cause()   # it may arrive after the failure it caused was detected

@@ -230,6 +230,22 @@ def test_an_inprocess_restart_says_where_its_checkpoint_came_from() -> None:
             d in emitted if kind == "restart"] == [("inprocess", "memory")]
 
 
+def test_a_fault_that_ends_a_rank_is_the_cause_beside_a_straggler_that_fired_first() -> None:
+    """A slow-rank (or a storage fault) lasts while training goes on: a sigkill fired beside it is what ended
+    the rank (the EKS replay named the straggler when the two landed at one step)."""
+    mon = JobMonitor()
+    incidents = Incidents(mon, lambda kind, **data: None, 0.0)
+    for e in (make("fault", "j", 0, 3.0, fault="slow-rank", id="a", target_rank=0, at_step=8),
+              make("fault", "j", 1, 3.01, fault="sigkill", id="b", target_rank=1, at_step=8)):
+        mon.update([e])
+        incidents.observe(e)
+    assert incidents.cause_from_exit(1, -9) == "injected sigkill on rank 1"
+    assert incidents.blame() == 1 and incidents.fault_time() == 3.01
+    alone = Incidents(mon, lambda kind, **data: None, 0.0)   # a straggler alone still explains a restart
+    alone.observe(make("fault", "j", 0, 3.0, fault="slow-rank", id="a", target_rank=0, at_step=8))
+    assert alone.cause_from_ranks("x") == "injected slow-rank on rank 0"
+
+
 # ---- numbers out of range (issue 34) --------------------------------------------------------------
 
 STEP = {"step": 3, "loss": 1.0, "tokens": 8, "step_time": 0.5}

@@ -84,7 +84,8 @@ def test_a_scripts_own_error_in_every_restart_is_named_and_every_restart_counted
     # ft_launcher restarted the group three times: each restart is counted, each failed before a step
     assert summary["restarts"]["injob"] == 3, story("own-error")
     assert [r["recovered"] for r in summary["restart_events"]] == [False, False, False]
-    assert all("Unknown section: restore" in r["cause"] for r in summary["restart_events"][1:])
+    assert all("Unknown section: restore" in r["cause"] for r in summary["restart_events"][1:]), (
+        [r["cause"] for r in summary["restart_events"]], story("own-error"))
     # the reason names the error and the fix
     assert summary["reason"].startswith("ft_launcher on node 0 gave up"), summary["reason"]
     assert (

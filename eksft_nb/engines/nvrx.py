@@ -4,6 +4,7 @@ rest of the package is built around it; this is what it is to the engine contrac
 
 from __future__ import annotations
 
+from ..fault_registry import LINGERING
 from ..spec import JobSpec
 from ..states import FaultKind, RestartLevel
 from .base import Engine, EngineName
@@ -11,8 +12,7 @@ from .base import Engine, EngineName
 # what heals each kind in the built-in trainer: a lost rank process is restarted in-job by ft_launcher, a lost
 # launcher restarts the job, a straggler or a failed save is absorbed ("none"); an exception or a hang is
 # caught in-process where the Wrapper runs, else restarts the ranks in-job
-ABSORBED = frozenset({FaultKind.SLOW_RANK, FaultKind.SAVE_FAILURE, FaultKind.DISK_FULL,
-                      FaultKind.SLOW_STORAGE})
+ABSORBED = LINGERING
 RANK_LOST = frozenset({FaultKind.SIGKILL, FaultKind.SEGFAULT, FaultKind.CORRUPT_CHECKPOINT})
 CAUGHT = frozenset({FaultKind.EXCEPTION, FaultKind.HANG})
 
