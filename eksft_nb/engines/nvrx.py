@@ -12,7 +12,6 @@ from .base import Engine, EngineName
 # what heals each kind in the built-in trainer: a lost rank process is restarted in-job by ft_launcher, a lost
 # launcher restarts the job, a straggler or a failed save is absorbed ("none"); an exception or a hang is
 # caught in-process where the Wrapper runs, else restarts the ranks in-job
-ABSORBED = LINGERING
 RANK_LOST = frozenset({FaultKind.SIGKILL, FaultKind.SEGFAULT, FaultKind.CORRUPT_CHECKPOINT})
 CAUGHT = frozenset({FaultKind.EXCEPTION, FaultKind.HANG})
 
@@ -34,7 +33,7 @@ class NvrxEngine(Engine):
             return RestartLevel.INJOB.value
         if kind == FaultKind.KILL_LAUNCHER and not spec.spare_nodes:
             return RestartLevel.JOB.value
-        if kind in ABSORBED and not spec.script:
+        if kind in LINGERING and not spec.script:
             return "none"
         if kind in CAUGHT and not spec.script:
             return (RestartLevel.INPROCESS if spec.ft.inprocess else RestartLevel.INJOB).value
