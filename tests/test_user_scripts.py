@@ -118,7 +118,10 @@ def test_a_users_own_inprocess_wrapper_restarts_in_place_and_is_recorded(newest_
     job = eksft_nb.attach("wrapped")
     wait_for("the first steps", lambda: events("wrapped", "step")[2:])
     Dashboard(job, live=False).inject("exception", rank=1, step=events("wrapped", "step")[-1]["step"] + 10)
-    [restart] = wait_for("the in-process restart", lambda: events("wrapped", "restart"))
+    restarts = wait_for("the in-process restart", lambda: events("wrapped", "restart"),
+                        explain=lambda: story("wrapped"))
+    assert len(restarts) == 1, ([r.data for r in restarts], story("wrapped"))
+    [restart] = restarts
     assert (restart["level"], restart["blame_rank"]) == ("inprocess", 1), restart.data
     assert restart["cause"].startswith("injected exception on rank 1")
     iterations = {(e.rank, e["inprocess_iteration"]) for e in events("wrapped", "rank_start")}
