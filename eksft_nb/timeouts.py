@@ -103,21 +103,6 @@ def wrapper_barrier(hard: float) -> float:
     return max(hard + 60, 120.0)
 
 
-WRAPPER_POLL_S = (0.25, 1.0)   # the in-process Wrapper's loop period: (fastest, NVRx's default)
-WRAPPER_POLL_RANKS = 256       # ranks at which the period is back at NVRx's default
-
-
-def wrapper_poll(world_size: int, soft: float) -> float:
-    """How often the in-process Wrapper's monitors poll and its ranks heartbeat, in seconds.
-
-    NVRx polls every 1 s; on a small job that second is most of a restart's and an exit's latency
-    (a 12-step CPU job ends 1.5 s sooner at 0.25 s). Each heartbeat is a store write per rank, so
-    the period grows with the world back to NVRx's 1 s at 256 ranks, and stays under half the soft
-    timeout so a hang is seen within it."""
-    fastest, default = WRAPPER_POLL_S
-    return min(max(fastest, min(world_size / WRAPPER_POLL_RANKS, default)), soft / 2)
-
-
 def state_bytes(spec: JobSpec) -> int:
     """Bytes of one checkpoint of the built-in trainer's model: weights and optimizer state."""
     return spec.model.n_params() * BYTES_PER_PARAM

@@ -14,7 +14,7 @@ from jobs import cli
 from eksft_nb.backends.eks import EksBackend
 from eksft_nb.errors import SpecError
 from eksft_nb.spec import JobSpec, fsx_specs
-from eksft_nb.timeouts import GPU_FLOORS, derive, fsx_table, resolved, state_bytes, wrapper_poll
+from eksft_nb.timeouts import GPU_FLOORS, derive, fsx_table, resolved, state_bytes
 from test_eks_render import IMAGE, eks_spec, pod_template
 
 P5 = {"eks.instance_type": "p5.48xlarge", "eks.efa_per_node": 32, "model.preset": "gpt-8b"}
@@ -24,13 +24,6 @@ def test_the_cpu_backend_keeps_its_values() -> None:
     t = resolved(JobSpec(), gpu=False).ft
     assert (t.initial_heartbeat_timeout, t.heartbeat_timeout, t.soft_timeout, t.hard_timeout,
             t.collective_timeout) == (120, 15, 4, 8, 3)
-
-
-def test_the_wrapper_polls_fast_on_small_jobs_and_at_nvrx_default_on_large_ones() -> None:
-    # a CPU demo and a 64-GPU job poll at 0.25 s; 128 ranks at 0.5 s; 256 and more at NVRx's 1 s
-    assert [wrapper_poll(n, 300) for n in (2, 64, 128, 256, 4096)] == [0.25, 0.25, 0.5, 1.0, 1.0]
-    # never more than half the soft timeout, so a hang is seen within it
-    assert wrapper_poll(4096, 1.0) == 0.5
 
 
 def test_a_small_model_on_gpus_gets_the_aws_floors() -> None:

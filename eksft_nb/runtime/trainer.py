@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..engines.torchft.hold import hold, step_point
-from ..timeouts import PROCESS_GROUP_S, derive, wrapper_barrier, wrapper_poll
+from ..timeouts import PROCESS_GROUP_S, derive, wrapper_barrier
 from .checkpoint import ModelState
 from .checkpoint.resume import NoStartPoint
 from .checkpoint.writer import WAIT_SLICE_S
@@ -273,7 +273,6 @@ def wrapper_kwargs(s: Session) -> dict[str, Any]:
 
     ft = s.spec.ft
     td = datetime.timedelta
-    poll = td(seconds=wrapper_poll(s.spec.world_size, ft.soft_timeout))
     logdir = (s.job_dir.path / "logs") if s.job_dir else Path("/tmp")
     return dict(
         store_kwargs={"port": int(os.environ["EKSFT_WRAPPER_PORT"]), "timeout": td(seconds=300)},
@@ -287,6 +286,4 @@ def wrapper_kwargs(s: Session) -> dict[str, Any]:
         # how long the monitor threads wait, once a failure is recorded, for concurrent failures of
         # other ranks before they abort (NVRx: 1 s); a failure tells its peers at once (see .peers)
         last_call_wait=td(seconds=LAST_CALL_WAIT_S),
-        monitor_thread_interval=poll, monitor_process_interval=poll, progress_watchdog_interval=poll,
-        heartbeat_interval=poll,
     )
