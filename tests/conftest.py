@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -31,33 +32,39 @@ if os.environ.get("CI"):
 
 # `make test` runs the tests on two workers (pytest-xdist). The files that use a real Slurm (two at once would
 # run jobs of the same ids on the same node names, and a test that ends a node's processes by job id could
-# end the other cluster's) or the notebooks' runs (bench part 8 reads notebook 07's, tests/notebook_runs.py;
-# test_bench's module fixture runs the benchmark once per worker it lands on) run on one worker, one after
-# the other; every other test goes to whichever worker is free. xdist's own `--dist loadgroup` cannot do it
-# here: it names an item's group by rewriting the item's node id, which pytest 9 no longer reads, so its
-# groups silently fall apart.
+# end the other cluster's) or the notebooks' runs (bench part 8 reads notebook 07's, tests/notebook_runs.py)
+# run on one worker, one after the other. A file with a module- or class-scoped fixture (a job its tests
+# read: test_torchft's fault matrix, test_ports' jobs, test_bench's run) is one unit, so the fixture is set
+# up once, not once per worker its tests land on (CI ran test_torchft's 70 s matrix twice). Every other test
+# goes to whichever worker is free. xdist's own `--dist loadgroup` cannot do it here: it names an item's
+# group by rewriting the item's node id, which pytest 9 no longer reads, so its groups silently fall apart.
 ONE_WORKER = ("slurm_cluster", "notebook_runs")
+SHARED_FIXTURE = re.compile(r"""@pytest\.fixture\(.*?scope=["'](module|class|package)["']""", re.S)
 
 
-def shares_one_worker(path: Path) -> bool:
+def work_unit(path: Path) -> str | None:
+    """The unit all of a file's tests share ("one-worker", or the file itself), or None: each its own."""
     text = path.read_text()
-    return any(f"from {m} import" in text or f"import {m}" in text for m in ONE_WORKER)
+    if any(f"from {m} import" in text or f"import {m}" in text for m in ONE_WORKER):
+        return "one-worker"
+    return str(path) if SHARED_FIXTURE.search(text) else None
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Work units as ``--dist loadscope`` makes them: one for the files above, one for each other test."""
+    """Work units as ``--dist loadscope`` makes them: the one-worker files' one, one for each file with a
+    shared fixture, one for each other test."""
     from xdist.scheduler import LoadScopeScheduling
 
-    shares: dict[str, bool] = {}
+    units: dict[str, str | None] = {}
 
-    class OneWorkerFiles(LoadScopeScheduling):
+    class SharedWorkUnits(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             file = nodeid.split("::", 1)[0]
-            if file not in shares:
-                shares[file] = file.endswith(".py") and shares_one_worker(config.rootpath / file)
-            return "one-worker" if shares[file] else nodeid
+            if file not in units:
+                units[file] = work_unit(config.rootpath / file) if file.endswith(".py") else None
+            return units[file] or nodeid
 
-    return OneWorkerFiles(config, log)
+    return SharedWorkUnits(config, log)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -21,7 +21,7 @@ import pytest
 import eksft_nb
 from conftest import REPO, jupyterlab
 from test_browser import CHROMIUM, FLAGS
-from test_notebooks import executed
+from notebook_runs import executed
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow,
               pytest.mark.skipif(not CHROMIUM.exists(), reason="Chromium is not installed (make chromium)")]
