@@ -59,10 +59,12 @@ def main() -> None:
         hold(restart_point(int(os.environ["RANK"]), restart))
     session()  # names the group (RANK) before the script's environment below replaces it
     env = os.environ
-    # a replica group's store, as torchrun's agent hosts it (kept open while the script runs)
-    store = TCPStore("127.0.0.1", int(env["MASTER_PORT"]), is_master=True, wait_for_workers=False)
-    env.update(RANK="0", LOCAL_RANK="0", GROUP_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-               TORCHELASTIC_USE_AGENT_STORE="True")
+    # a replica group's store, as torchrun's agent hosts it (kept open while the script runs), on a port
+    # it takes itself: one the supervisor found free seconds before can be taken meanwhile (CI saw
+    # "Address already in use" restart a group); the script reads the one it took
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env.update(MASTER_PORT=str(store.port), RANK="0", LOCAL_RANK="0", GROUP_RANK="0", WORLD_SIZE="1",
+               LOCAL_WORLD_SIZE="1", TORCHELASTIC_USE_AGENT_STORE="True")
     try:
         run_script(TorchftProbe)
     finally:
