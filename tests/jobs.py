@@ -72,6 +72,18 @@ def wait_for(what: str, probe: Callable[[], Any], timeout: float = 300, every: f
     return value
 
 
+def marked_process(job_uid: str, **popen: Any) -> subprocess.Popen:
+    """A ``sleep`` carrying a job's mark, returned once its environment shows the mark: Popen returns when
+    the child's exec closed its descriptors, a moment before the kernel sets up the new environment (a
+    scan in that moment reads none)."""
+    from eksft_nb import procs
+
+    proc = subprocess.Popen(["sleep", "600"], env={**os.environ, procs.JOB_UID_ENV: job_uid}, **popen)
+    wait_for("its environment", lambda: proc.pid in {p.pid for p in procs.marked(job_uid)}, timeout=30,
+             every=0.05)
+    return proc
+
+
 def stop_server(proc: subprocess.Popen, log: Any) -> None:
     """End a server a fixture started (SIGTERM, then SIGKILL after 20 s) and close its log."""
     proc.terminate()

@@ -26,7 +26,7 @@ from eksft_nb.fault_registry import REGISTRY
 from eksft_nb.jobdir import JobDir, atomic_write, jobs_root
 from eksft_nb.spec import JobSpec, spec_options
 from eksft_nb.states import ENDED, FaultKind, FaultScope, JobState, RestartLevel
-from jobs import wait_for
+from jobs import marked_process, wait_for
 
 ROW_KEYS = {"name", "backend", "state", "step", "total_steps", "restarts", "goodput", "last_checkpoint",
             "script",
@@ -209,9 +209,8 @@ def supervised(name: str, **record: Any) -> Iterator[None]:
     """A process standing in for a job's supervisor (marked as the job's, its identity recorded in
     ``supervisor.json`` with ``record``), so the local backend sees the job run, for as long as it lives."""
     uid = f"{name}-uid"
-    head = subprocess.Popen(["sleep", "300"], env={**os.environ, procs.JOB_UID_ENV: uid})
+    head = marked_process(uid)
     try:
-        wait_for("its environment", lambda: procs.marked(uid), timeout=30, every=0.05)
         atomic_write(JobDir.for_name(name).supervisor_path,
                      json.dumps({"state": "running", "job_uid": uid, "supervisor": procs.identity(head.pid),
                                  **record}))

@@ -24,7 +24,7 @@ from eksft_nb.job import Job, attach
 from eksft_nb.jobdir import JobDir, atomic_write
 from eksft_nb.spec import JobSpec, ModelConfig
 from eksft_nb.states import JobState
-from jobs import cli, events, wait_for
+from jobs import cli, events, marked_process, wait_for
 
 # what NVRx's rank monitor prints when a stop cancels it (captured from a real stop), and a rank's own error
 MONITOR_CANCELLED = """\
@@ -95,8 +95,7 @@ def test_a_recorded_process_is_known_by_its_start_ticks_when_the_clock_steps(
 def test_rm_refuses_while_a_process_of_the_job_runs(tmp_path: Path) -> None:
     uid = "fedcba9876543210"
     backend = fake_job(tmp_path, {"job_uid": uid, "state": "failed", "reason": "gave up"})
-    rank = subprocess.Popen(["sleep", "600"], env={**os.environ, procs.JOB_UID_ENV: uid},
-                            start_new_session=True)
+    rank = marked_process(uid, start_new_session=True)
     try:
         with pytest.raises(JobError, match=f"processes \\[{rank.pid}\\] of job 'old' still run"):
             backend.remove("old")

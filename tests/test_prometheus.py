@@ -170,7 +170,6 @@ def test_every_panel_answers_with_the_jobs_values_from_a_real_prometheus(tmp_pat
 
     from eksft_nb.goodput import compute
     from eksft_nb.job import attach
-    from eksft_nb.states import JobState
 
     name = "prom"
     launched = cli("run", "--name", name, "--model", "tiny", "--steps", "200", "--ckpt-every", "10", "--seed",
@@ -191,7 +190,7 @@ def test_every_panel_answers_with_the_jobs_values_from_a_real_prometheus(tmp_pat
         injected = cli("inject", name, "sigkill", "--rank", "1")
         assert injected.returncode == 0, injected.stderr
         # ended, and nothing of it still runs (the end is recorded a moment before the last exit)
-        wait_for("the job to end", lambda: job.state != JobState.RUNNING, timeout=300)
+        wait_for("the job to end", lambda: job.state.ended, timeout=300)
         wait_for("a scrape after the job's end",
                  lambda: series(prom.query(f'max by (job) (eksft_running{{job="{name}"}})')) == {
                      (("job", name),): 0.0}, timeout=60)
