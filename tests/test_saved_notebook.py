@@ -41,6 +41,10 @@ SNAPSHOT_JS = """() => { const img = document.querySelector('.jp-RenderedSVG img
 LIVE_JS = """() => { const plot = document.querySelector('.eksft-job-quickstart .js-plotly-plot');
   return plot && plot.data ? plot.data.map(t => [t.name, (t.customdata || t.x || []).length]) : null; }"""
 
+# what each widget output of the page shows when it draws no figure ("Loading widget...", an error)
+WIDGET_TEXT_JS = """() => Array.from(document.querySelectorAll('.jp-OutputArea-output.jupyter-widgets'))
+  .map(n => n.textContent.slice(0, 200))"""
+
 
 def quickstart(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
     nb, saved = executed(QUICKSTART, tmp_path_factory.mktemp("notebooks"))
@@ -102,9 +106,13 @@ def test_reopened_in_jupyterlab_it_redraws_from_its_saved_state(
             page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
             page.goto(f"{lab['url']}/lab/tree/untrusted.ipynb?token={lab['token']}", timeout=120_000)
             page.get_by_text("to see it live, run the cell or trust the notebook").wait_for(timeout=120_000)
-            page.goto(f"{lab['url']}/lab/tree/trusted.ipynb?token={lab['token']}", timeout=120_000)
+            # reset: the workspace forgets the untrusted tab, so the trusted notebook opens alone, one kernel
+            # starting, not two notebooks and two kernels at once
+            page.goto(f"{lab['url']}/lab/tree/trusted.ipynb?reset&token={lab['token']}", timeout=120_000)
             try:
-                traces = wait_for("the saved figure to be drawn", lambda: page.evaluate(LIVE_JS), 120)
+                traces = wait_for("the saved figure to be drawn", lambda: page.evaluate(LIVE_JS), 120,
+                                  explain=lambda: f"widget outputs: {page.evaluate(WIDGET_TEXT_JS)}; "
+                                                  f"console errors: {errors}")
             finally:
                 page.screenshot(path=str(tmp_path / "reopened.png"), full_page=True)
             steps = sum(n for name, n in traces if name == "tokens/s")
