@@ -389,11 +389,15 @@ def test_a_dry_run_shows_the_lighthouse_on_loopback_and_one_process_per_group() 
     # the Lighthouse's gateway on loopback, the Lighthouse itself on a network of its own behind it
     assert "netns.py -- " in shown and "-m eksft_nb.engines.torchft.gateway --bind 127.0.0.1:" in shown, shown
     assert shown.count("-m eksft_nb.engines.torchft.trainer") == 3 and "NUM_REPLICA_GROUPS=3" in shown, shown
+    # a group of one rank binds any port for its store (none found free beforehand, to be taken meanwhile);
+    # the ranks of a group of two must know their rank 0's before it binds
+    assert shown.count("MASTER_PORT=0\n") == 3, shown
     hsdp = commands.dry_run(torchft_spec("tft-dry", nnodes=2, nproc_per_node=2))
     assert hsdp.count("-m eksft_nb.engines.torchft.trainer") == 4 and "RANK=3\n" in hsdp, hsdp
+    assert "MASTER_PORT=0\n" not in hsdp and hsdp.count("MASTER_PORT=29521\n") == 2, hsdp
 
 
-HSDP_STEPS = 60
+HSDP_STEPS = 20   # a save every 5: the last one sharded, as each before it
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,7 @@ from ... import loopback, procs
 from ...engines.torchft import lighthouse
 from ...engines.torchft.losses import LostGroups, fault_time
 from ...engines.torchft.outcome import outcome
-from ...engines.torchft.plan import group_argv, group_env
+from ...engines.torchft.plan import group_argv, group_env, store_port
 from ...engines.torchft.script import REFUSED_EXIT, refusal
 from ...incidents import Incident
 from ...jobdir import JobDir
@@ -113,7 +113,7 @@ class TorchftSupervisor(Supervisor):
         zygote = self.zygotes.get(tag) if not fresh else None
         # its socket's path (the zygote runs: nothing is started)
         sock = self._start_zygote(tag) if zygote is not None and zygote.poll() is None else None
-        store_port = loopback.free_ports(1)[0]   # the group's store, which its rank 0 hosts
+        port = store_port(self.spec, lambda: loopback.free_ports(1)[0])
         log = self.jd.logs / f"group-{group}-{self.attempt}.{restart}.log"   # every rank's output
         argv = group_argv(self.spec)
         ranks: list[subprocess.Popen] = []
@@ -128,7 +128,7 @@ class TorchftSupervisor(Supervisor):
                         group,
                         job_dir=str(self.jd.path),
                         lighthouse_port=self.lighthouse_port,
-                        store_port=store_port,
+                        store_port=port,   # the group's store, which its rank 0 hosts
                         restart=0 if fresh else restart,
                         last_step=last_step,
                         local_rank=local,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Callable
 
 from ... import loopback
 from ...spec import JobSpec
@@ -58,6 +59,14 @@ def job_env(spec: JobSpec, *, job_dir: str, lighthouse: str, host: str, store_po
     }
 
 
+def store_port(spec: JobSpec, free: Callable[[], int]) -> int:
+    """The port a local replica group's store is given: 0 for a group of one rank, whose store nobody else
+    of the group joins (it binds a port the kernel picks as it binds: none found free beforehand, which
+    another process can take meanwhile); one ``free()`` finds for a group of N ranks, whose other ranks
+    must know it before their rank 0 binds it."""
+    return 0 if spec.nproc_per_node == 1 else free()
+
+
 def group_argv(spec: JobSpec) -> list[str]:
     """A replica group's command: the built-in trainer, or the user's script under the torchft probe."""
     if spec.script:
@@ -70,13 +79,15 @@ def render(spec: JobSpec, job_dir: str) -> str:
     lines = [
         f"# job folder: {job_dir}",
         "# torchft: the Lighthouse (on a network of its own, behind a gateway that answers only the job's "
-        "processes), then each replica group's processes, one per rank (ports are picked free at launch)",
+        "processes), then each replica group's processes, one per rank (ports are picked free at launch; 0: "
+        "the group's rank 0 binds any)",
         " ".join(lighthouse.argv(29510)),
     ]
     argv = " ".join(group_argv(spec))
     for group in range(spec.nnodes):
+        port = store_port(spec, lambda: 29520 + group)  # noqa: B023 (called here, in this iteration)
         for local in range(spec.nproc_per_node):
-            env = group_env(spec, group, job_dir=job_dir, lighthouse_port=29510, store_port=29520 + group,
+            env = group_env(spec, group, job_dir=job_dir, lighthouse_port=29510, store_port=port,
                             local_rank=local)
             lines += [f"# replica group {group}, rank {local}", *(f"{k}={v}" for k, v in env.items()), argv]
     return "\n".join(lines)
