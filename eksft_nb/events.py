@@ -75,8 +75,8 @@ KINDS: dict[str, dict[str, tuple[type, ...] | type]] = {
     "setting": {"seq": int, "step": int, "changes": dict, "values": dict},
     # torchft (eksft_nb.engines.torchft), a replica group's rank 0: its quorum changed (participants: replica
     # groups in it, step: the quorum's step); it healed from a peer (from_step: its own step before, step: the
-    # peer's; skipped_batches: the batches it did not train, from_step+1..step); a step it threw away (its
-    # gradients were not applied: an error in the step, or the quorum did not commit)
+    # peer's; skipped_batches: its ranks' batches that no committed step holds, see engines.torchft.heal); a
+    # step it threw away (its gradients were not applied: an error in the step, or the quorum did not commit)
     "quorum": {"quorum_id": int, "participants": int, "step": int},
     "heal": {"from_step": int, "step": int, "skipped_batches": int, "heal_s": _num},
     "step_discarded": {"step": int, "reason": str},

@@ -23,6 +23,7 @@ import pytest
 from eksft_nb import commands
 from eksft_nb.checkpoint_folders import list_checkpoints
 from eksft_nb.control import FaultCommand
+from eksft_nb.engines.torchft.heal import skipped_batches
 from eksft_nb.engines.torchft.hold import HOLD_ENV, restart_point, step_point
 from eksft_nb.errors import EksftError
 from eksft_nb.goodput import compute, missing_batches
@@ -255,7 +256,8 @@ def test_an_exception_inside_backward_throws_the_step_away_and_the_group_heals_i
     thrown = of(name, "step_discarded", rank=0)[0]
     assert "injected exception" in thrown["reason"] and thrown.t > raised.t
     again = of(name, "heal", rank=0, after=thrown.t)[0]
-    assert again["skipped_batches"] == 1 and again["step"] == thrown["step"], again  # group 1 committed it
+    # group 1 committed it, with group 0's batch (below): group 0 skipped none
+    assert again["skipped_batches"] == 0 and again["step"] == thrown["step"], again
     # group 0 was first in that step's quorum: group 1, which committed the step, reported it, once, with
     # both groups' batches (group 0's gradients were all-reduced before it threw the step away)
     [step] = [e for e in of(name, "step") if e["step"] == thrown["step"]]
@@ -459,3 +461,19 @@ def test_hsdp_a_ranks_sigkill_restarts_its_group_which_heals_and_the_job_ends_id
     # every rank, its group's process group and stores included, on loopback only
     wide = {f"{ip}:{port}": w for (ip, port), w in listeners.seen.items() if not is_loopback(ip)}
     assert "eksft_nb.engines.torchft.trainer" in " ".join(listeners.seen.values()) and not wide, wide
+
+
+@pytest.mark.parametrize(("trained", "healed_to", "ranks", "shared", "async_quorum", "skipped"), [
+    (4, 8, 1, None, False, 4),    # steps 5-8 committed without it
+    (2, 2, 1, None, False, 0),    # back before its peer committed a step alone
+    (11, 12, 1, 12, False, 0),    # it threw step 12 away after its gradients went out: 12 holds its batch
+    (11, 12, 1, 12, True, 1),     # ... and healed in step 13, which its zeroed gradients took no part in
+    (2, 5, 1, None, True, 4),     # steps 3-5 alone, then step 6 healing
+    (4, 8, 2, None, False, 8),    # HSDP: each rank's batch
+    (4, 8, 1, 3, False, 4),       # a step it shared before: nothing to do with this heal
+])
+def test_a_heal_counts_its_groups_batches_that_no_committed_step_holds(
+        trained: int, healed_to: int, ranks: int, shared: int | None, async_quorum: bool,
+        skipped: int) -> None:
+    got = skipped_batches(trained, healed_to, ranks=ranks, shared=shared, async_quorum=async_quorum)
+    assert got == skipped

@@ -13,6 +13,8 @@ import pytest
 
 from eksft_nb import commands, magics
 from eksft_nb.control import FaultCommand
+from eksft_nb.goodput import missing_batches
+from eksft_nb.monitor import JobMonitor
 from eksft_nb.spec import JobSpec
 from eksft_nb.engines.torchft.hold import restart_point
 from jobs import events, story, wait_for
@@ -70,11 +72,13 @@ def test_a_users_torchft_script_heals_a_killed_group_throws_a_failed_step_away_a
     assert sizes[0] == 2 and 1 in sizes and sizes[-1] == 2, sizes  # both, group 0 alone, both again
     heal = of(name, "heal", rank=1)[0]
     # group 1 was killed entering step 3 (from_step: the job's last step when its loss was seen); group 0
-    # committed steps alone before it was back: the batches group 1 skipped
+    # committed steps alone before it was back, and the step group 1 healed in (torchft's async quorum, the
+    # example's: a healing group's gradients are zeroed): the batches group 1 skipped
     assert heal["step"] > heal["from_step"] >= 2, heal
-    assert heal["skipped_batches"] == heal["step"] - heal["from_step"], heal
-    alone_steps = [e for e in events(name, "step") if heal["from_step"] < e["step"] <= heal["step"]]
+    assert heal["skipped_batches"] == heal["step"] - heal["from_step"] + 1, heal
+    alone_steps = [e for e in events(name, "step") if heal["from_step"] < e["step"] <= heal["step"] + 1]
     assert {(e.rank, e["batches"]) for e in alone_steps} == {(0, 1)}, alone_steps
+    assert len(alone_steps) == heal["skipped_batches"], alone_steps
     restart = of(name, "restart")[0]
     assert restart["blame_rank"] == 1 and restart["restored_from"] == "peer", restart
     assert restart["fault_time"] == kill.t, restart
@@ -83,7 +87,14 @@ def test_a_users_torchft_script_heals_a_killed_group_throws_a_failed_step_away_a
     thrown = of(name, "step_discarded", rank=1, after=fault.t)[0]
     assert "injected exception" in thrown["reason"], thrown
     again = of(name, "heal", rank=1, after=thrown.t)[0]
-    assert again["skipped_batches"] == 1 and again["step"] == thrown["step"], again  # group 0 committed it
+    assert again["step"] == thrown["step"], again  # group 0 committed it
+    # with group 1's batch (its gradients went out before the vote); the step it healed in, without
+    by_step = {e["step"]: e["batches"] for e in events(name, "step")}
+    assert (by_step[thrown["step"]], by_step[thrown["step"] + 1]) == (2, 1), by_step
+    assert again["skipped_batches"] == 1, again
+    mon = JobMonitor()
+    mon.update(events(name))
+    assert sum(e["skipped_batches"] for e in of(name, "heal")) == missing_batches(mon), story(name)
     assert not of(name, "rank_error", rank=1, after=fault.t)  # thrown away, not a crash: nothing restarted
     assert [e["blame_rank"] for e in of(name, "failure")] == [1], story(name)
     who = " ".join(listeners.seen.values())

@@ -38,6 +38,7 @@ from ...errors import EksftError, JobError
 from ...runtime.quiet import quiet_process
 from ...runtime.script import ScriptProbe, when_imported
 from ...runtime.script import main as run_script
+from .heal import skipped_batches
 from .hold import hold, restart_point
 from .startup import all_groups_up
 from .steps import StepReport, StepReports
@@ -98,6 +99,7 @@ class TorchftProbe(ScriptProbe):
         self.last_step = int(os.environ.get(LAST_STEP_ENV) or 0)
         self.quorum: tuple[int, int] | None = None  # the last reported: its id, how many groups take part
         self.armed: BaseException | None = None  # an injected exception, for the next commit decision
+        self.shared: int | None = None  # a step it threw away after its gradients went out (.heal)
         signal.signal(FAULT_SIGNAL, self._arm)
         when_imported("torchft.manager", self._hook_manager)
 
@@ -185,9 +187,12 @@ class TorchftProbe(ScriptProbe):
             if manager is probe.manager and probe.armed is not None:
                 manager.report_error(probe.armed)
                 probe.armed = None
+            took_part = manager.is_participating()  # its gradients went out (a healing group's were zeroed)
             committed = commit(manager, *args, **kwargs)
             if manager is probe.manager and not committed:
                 error = manager.errored()
+                if took_part:
+                    probe.shared = manager.current_step() + 1
                 probe.s.emit("step_discarded", step=manager.current_step() + 1,
                              reason=str(error.original_exception)[:200] if error
                              else "the quorum did not commit the step")
@@ -215,8 +220,8 @@ class TorchftProbe(ScriptProbe):
                 "run the job again (from the script's own checkpoint, if it writes one)"))
         if manager._healing and now != before:
             trained = before or self.last_step  # a fresh process starts at 0: it trained up to last_step
-            s.emit("heal", from_step=trained, step=now, skipped_batches=max(0, now - trained),
-                   heal_s=quorum_s)
+            s.emit("heal", from_step=trained, step=now, heal_s=quorum_s, skipped_batches=skipped_batches(
+                trained, now, ranks=1, shared=self.shared, async_quorum=manager._use_async_quorum))
 
 
 if __name__ == "__main__":

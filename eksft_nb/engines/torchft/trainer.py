@@ -36,6 +36,7 @@ from ...errors import JobError
 from ...runtime.quiet import quiet_process
 from ...runtime.zygote import WARM_ENV
 from .startup import all_groups_up
+from .heal import skipped_batches
 from .hold import hold, restart_point, step_point
 from .hosts import group_host
 from .steps import StepReport, StepReports
@@ -107,6 +108,7 @@ class GroupTrainer:
         self.local_rank, size = s.info.local_rank, spec.nproc_per_node   # the rank within the group
         self.lead = self.local_rank == 0   # the group's rank 0: it reports for the group
         self.last_step = int(env.get(LAST_STEP_ENV) or 0)
+        self.shared: int | None = None   # a step it threw away after its gradients went out (.heal)
         if env.get(WARM_ENV) == "1" and spec.checkpoint.mode == "async":
             # forked from its zygote: its writer processes are forked too while no native thread runs yet
             # (the store's and the Manager's would make them spawn, importing torch again: checkpoint.writer)
@@ -225,15 +227,12 @@ class GroupTrainer:
                     self.ckpt.maybe_save(step, self.state, last=step == spec.steps)
                 else:
                     self.ckpt.settle()
-            elif self.lead:  # the group's vote: one rank's error throws the step away on every rank of it
-                error = manager.errored()
-                s.emit(
-                    "step_discarded",
-                    step=step,
-                    reason=str(error.original_exception)[:200]
-                    if error
-                    else "the quorum did not commit the step",
-                )
+            else:  # the group's vote: one rank's error throws the step away on every rank of it
+                self.shared = step  # its gradients went out: the peers that commit the step hold its batches
+                if self.lead:
+                    error = manager.errored()
+                    s.emit("step_discarded", step=step, reason=str(error.original_exception)[:200] if error
+                           else "the quorum did not commit the step")
         self.ckpt.finish()
         s.emit("rank_end", final_step=manager.current_step(), digest=self.digest(), replica_group=self.group)
         manager.shutdown(wait=False)
@@ -271,9 +270,9 @@ class GroupTrainer:
             )
         if now != before and self.lead:
             trained = before or self.last_step  # a fresh process starts at 0: it trained up to last_step
-            self.s.emit(
-                "heal", from_step=trained, step=now, skipped_batches=max(0, now - trained), heal_s=quorum_s
-            )
+            skipped = skipped_batches(trained, now, ranks=self.spec.nproc_per_node, shared=self.shared,
+                                      async_quorum=False)
+            self.s.emit("heal", from_step=trained, step=now, skipped_batches=skipped, heal_s=quorum_s)
 
     def _raise_in_backward(self, error: BaseException) -> None:
         """Raise ``error`` at the end of this step's backward, after every gradient went out to the other
