@@ -18,9 +18,13 @@ Then
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
+import random
 import socket
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -109,15 +113,36 @@ def env() -> dict[str, str]:
     return {"GLOO_SOCKET_IFNAME": name, "NCCL_SOCKET_IFNAME": name}
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct loopback ports free now (each held until all are found, so none repeats)."""
-    socks = []
+def free_ports(n: int, *, consecutive: bool = False) -> list[int]:
+    """``n`` distinct loopback ports free now (each held until all are found, so none repeats; with
+    ``consecutive``, ``n`` in a row), below the kernel's ephemeral range, where a cluster's fixed ports sit
+    (29500). They are bound seconds later, by other processes: one the kernel picks (bind to 0) is in the
+    ephemeral range, where any process's outgoing connection may take it meanwhile (measured in CI: a
+    Slurm job's store port held by another test's connection for a minute, EADDRINUSE, four restarts)."""
+    pick, low = random.SystemRandom(), _ephemeral_low()
+    top = low if low - n > PORTS_FROM else 65536   # a system whose every port is ephemeral: any
+    for _ in range(500):
+        if consecutive:
+            first = pick.randrange(PORTS_FROM, top - n)
+            wanted: Sequence[int] = range(first, first + n)
+        else:
+            wanted = pick.sample(range(PORTS_FROM, top), n)
+        try:
+            with contextlib.ExitStack() as held:
+                for port in wanted:
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            return list(wanted)
+        except OSError:   # one is in use
+            continue
+    raise OSError(f"no {n} free loopback ports between {PORTS_FROM} and {top}")
+
+
+PORTS_FROM = 10000   # above the registered services' most-used ports
+
+
+def _ephemeral_low() -> int:
+    """The first port of Linux's ephemeral range (32768 where it cannot be read: also below macOS's)."""
     try:
-        for _ in range(n):
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            socks.append(sock)
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
+from eksft_nb import loopback
 from eksft_nb.events import Event, read_all
 from eksft_nb.jobdir import JobDir
 
@@ -94,10 +94,9 @@ def stop_server(proc: subprocess.Popen, log: Any) -> None:
     log.close()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(count: int = 1) -> int:
+    """The first of ``count`` consecutive loopback ports free now, where the product picks its own."""
+    return loopback.free_ports(count, consecutive=True)[0]
 
 
 def scrape(port: int, server: subprocess.Popen, timeout: float = 60) -> dict[tuple[str, tuple], float]:

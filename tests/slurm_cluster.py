@@ -22,6 +22,8 @@ from pathlib import Path
 
 import psutil
 
+from jobs import free_port
+
 
 def node_names(count: int = 2) -> tuple[str, ...] | None:
     """The nodes' names: the first node of an allocation is reached by its name, so the first is this
@@ -75,18 +77,7 @@ def _free_ports(n: int) -> list[int]:
 
 def free_base() -> int:
     """A port free with the two after it (the rendezvous and the trainer's two stores)."""
-    for _ in range(200):
-        base = _free_ports(1)[0]
-        if base > 65533:
-            continue
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", base + 1))
-                b.bind(("127.0.0.1", base + 2))
-            return base
-        except OSError:
-            continue
-    raise AssertionError("no three free consecutive ports")
+    return free_port(3)
 
 
 GPU_NODE = "localhost"   # a third node, with two fake GPUs in gres.conf, alone in partition GPU_PARTITION

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +28,7 @@ from eksft_nb.control import FaultCommand, parse_fault
 from eksft_nb.runtime.drain import DRAIN_EXIT
 from eksft_nb.events import decode_lines
 from eksft_nb.job import Job
+from jobs import free_port
 from eksft_nb.spec import JobSpec
 
 pytestmark = pytest.mark.slow
@@ -36,17 +36,7 @@ pytestmark = pytest.mark.slow
 
 def free_port_base() -> int:
     """A port with the next two free as well (the rendezvous, store and in-process ports)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        try:
-            for port in (base + 1, base + 2):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
+    return free_port(3)
 
 
 def pods_processes(root: Path, job: str) -> list[str]:

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from eksft_nb import procs
+from eksft_nb import loopback, procs
 from eksft_nb.jobdir import JobDir
 import nvrx_releases as releases
 from jobs import BASE, story, wait_for
@@ -189,3 +189,31 @@ def test_a_store_hosted_for_a_loopback_endpoint_listens_there_alone(host: str) -
     assert done.returncode == 0, done.stderr[-3000:]
     listening = done.stdout.split()
     assert listening and all(is_loopback(ip) for ip in listening), listening
+
+
+def test_the_ports_a_job_is_given_lie_below_the_ephemeral_range_free_and_distinct(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ports handed to processes that bind them later: never where an outgoing connection may take them."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(20):
+        ports = loopback.free_ports(6)
+        run = loopback.free_ports(3, consecutive=True)
+        assert len(set(ports)) == 6 and run == list(range(run[0], run[0] + 3)), (ports, run)
+        assert all(loopback.PORTS_FROM <= p < low for p in ports + run), (ports, run, low)
+    busy, free = loopback.free_ports(2, consecutive=True)
+
+    class Picks:   # the port in use first, then the one after it
+        def __init__(self) -> None:
+            self.left = [busy, free]
+
+        def randrange(self, *_: int) -> int:
+            return self.left.pop(0)
+
+        def sample(self, _: range, n: int) -> list[int]:
+            return [self.left.pop(0) for _ in range(n)]
+
+    monkeypatch.setattr(loopback.random, "SystemRandom", Picks)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", busy))
+        taken.listen()
+        assert loopback.free_ports(1) == [free]
