@@ -86,3 +86,19 @@ def test_an_injected_exception_that_a_library_raised_again_is_still_the_fault() 
     assert error_text(wrapped(True)) == f"{fault} (raised again as ImportError)"
     assert error_text(InjectedFault("injected exception on rank 1")) == fault
     assert error_text(RuntimeError("the script's own")) == "RuntimeError: the script's own"
+
+
+def test_an_error_that_says_the_other_end_went_first_is_a_peers() -> None:
+    """Both ranks of a group may fail on one cause (a section ft_launcher has no timeout for): the rank whose
+    rank monitor was stopped first reads a broken pipe, the other the cause; the cause must be named."""
+    from eksft_nb.runtime.session import error_origin
+
+    class RankMonitorClientError(Exception):
+        pass
+
+    gone = RankMonitorClientError("RankMonitorClient could not send section update. Exception: [Errno 32] "
+                                  "Broken pipe")
+    said = RankMonitorClientError("RankMonitorClient could not send section update. Exception: Unknown "
+                                  "section: restore. Does it have an entry in the config?")
+    assert (error_origin(gone), error_origin(BrokenPipeError(32, "x")), error_origin(said)) == (
+        "peer", "peer", "exception")
