@@ -117,10 +117,11 @@ def free_ports(n: int, *, consecutive: bool = False) -> list[int]:
     """``n`` distinct loopback ports free now (each held until all are found, so none repeats; with
     ``consecutive``, ``n`` in a row), below the kernel's ephemeral range, where a cluster's fixed ports sit
     (29500). They are bound seconds later, by other processes: one the kernel picks (bind to 0) is in the
-    ephemeral range, where any process's outgoing connection may take it meanwhile (measured in CI: a
-    Slurm job's store port held by another test's connection for a minute, EADDRINUSE, four restarts)."""
+    ephemeral range, where any process's outgoing connection may take it meanwhile (in CI a Slurm test's
+    store port, taken from the kernel's pick, was held by another process for a minute: EADDRINUSE, six
+    restarts)."""
     pick, low = random.SystemRandom(), _ephemeral_low()
-    top = low if low - n > PORTS_FROM else 65536   # a system whose every port is ephemeral: any
+    top = low if low - n > PORTS_FROM else 65536   # where nearly every port is ephemeral: from them all
     for _ in range(500):
         if consecutive:
             first = pick.randrange(PORTS_FROM, top - n)

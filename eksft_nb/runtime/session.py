@@ -410,10 +410,10 @@ def error_text(e: BaseException) -> str:
 def error_origin(e: BaseException) -> str:
     """Whose failure it is: this rank's ("fault" injected, "exception" of its own), a peer's ("peer":
     a collective failed because another rank went away or stalled, or the other end of a connection went
-    away first: a broken pipe to ft_launcher's rank monitor, stopped for a peer's failure), or the in-process
-    monitor's ("interrupted": this rank or a peer stopped making progress). An injected fault that library
-    code caught and raised again as its own error (``raise ... from``, or while handling it) is still the
-    fault."""
+    away first: a broken pipe, e.g. to ft_launcher's rank monitor as the group is torn down), or the
+    in-process monitor's ("interrupted": this rank or a peer stopped making progress). An injected fault
+    that library code caught and raised again as its own error (``raise ... from``, or while handling it)
+    is still the fault."""
     if injected_fault(e) is not None:
         return "fault"
     name, text = type(e).__name__, str(e)
