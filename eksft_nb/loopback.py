@@ -113,6 +113,9 @@ def env() -> dict[str, str]:
     return {"GLOO_SOCKET_IFNAME": name, "NCCL_SOCKET_IFNAME": name}
 
 
+PORTS_FROM = 10000   # above the registered services' most-used ports
+
+
 def free_ports(n: int, *, consecutive: bool = False) -> list[int]:
     """``n`` distinct loopback ports free now (each held until all are found, so none repeats; with
     ``consecutive``, ``n`` in a row), below the kernel's ephemeral range, where a cluster's fixed ports sit
@@ -136,9 +139,6 @@ def free_ports(n: int, *, consecutive: bool = False) -> list[int]:
         except OSError:   # one is in use
             continue
     raise OSError(f"no {n} free loopback ports between {PORTS_FROM} and {top}")
-
-
-PORTS_FROM = 10000   # above the registered services' most-used ports
 
 
 def _ephemeral_low() -> int:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import psutil
 
+from eksft_nb import loopback
 from jobs import free_port
 
 
@@ -62,17 +63,6 @@ class SlurmCluster:
     def idle_nodes(self) -> int:
         out = self.run("sinfo", "-h", "-N", "-o", "%N %t", check=False).stdout.split()
         return sum(1 for state in out[1::2] if state == "idle")
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def free_base() -> int:
@@ -152,7 +142,8 @@ def slurm_cluster(base: Path, nodes: int = 2) -> Iterator[SlurmCluster]:
     for sub in ("state", "log"):
         (d / sub).mkdir(parents=True)
     conf = d / "slurm.conf"
-    conf.write_text(config(d, _free_ports(3 + len(names)), names))   # slurmctld, slurmd, GPU node, nodes
+    ports = loopback.free_ports(3 + len(names))   # slurmctld, slurmd, the GPU node, the nodes
+    conf.write_text(config(d, ports, names))
     (d / "gres.conf").write_text(gres(d))
     shared = base / "shared"
     shared.mkdir()

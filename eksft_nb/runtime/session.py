@@ -407,6 +407,10 @@ def error_text(e: BaseException) -> str:
     return f"InjectedFault: {fault}" + ("" if fault is e else f" (raised again as {type(e).__name__})")
 
 
+# what an error says when the other end went away first
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "timed out")
+
+
 def error_origin(e: BaseException) -> str:
     """Whose failure it is: this rank's ("fault" injected, "exception" of its own), a peer's ("peer":
     a collective failed because another rank went away or stalled, or the other end of a connection went
@@ -422,10 +426,6 @@ def error_origin(e: BaseException) -> str:
     if name in ("DistBackendError", "BrokenPipeError") or any(s in text for s in PEER_GONE):
         return "peer"
     return "exception"
-
-
-# what an error says when the other end went away first
-PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "timed out")
 
 
 def _process_start() -> float:

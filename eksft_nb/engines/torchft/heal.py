@@ -6,6 +6,10 @@ Three things make that more than the steps it was behind: a step it threw away a
 all-reduced is committed by its peers with its batch (nothing skipped there); under torchft's async quorum (a
 script's Manager by default) a healing group takes no part in the step it heals in (torchft zeroes its
 gradients), so that step lacks its batch too; and each rank of the group (HSDP) has a batch of its own.
+
+A restarted group knows the step it trained to only as the job's last step when its loss was seen (on EKS,
+its beacon's): steps a peer committed alone before that are in the job's total, not in this count. The
+tests pace the peer (seconds a step) so that none do; that case is reasoned, not measured.
 """
 
 from __future__ import annotations

@@ -187,9 +187,10 @@ class TorchftProbe(ScriptProbe):
             if manager is probe.manager and probe.armed is not None:
                 manager.report_error(probe.armed)
                 probe.armed = None
-            took_part = manager.is_participating()  # its gradients went out (a healing group's were zeroed)
+            ours = manager is probe.manager
+            took_part = ours and manager.is_participating()  # its gradients went out (not zeroed: healing)
             committed = commit(manager, *args, **kwargs)
-            if manager is probe.manager and not committed:
+            if ours and not committed:
                 error = manager.errored()
                 if took_part:
                     probe.shared = manager.current_step() + 1
