@@ -103,11 +103,18 @@ def signal_marked(job_uid: str, sig: int, node_tag: str | None = None,
 
 def kill_marked(job_uid: str, node_tag: str | None = None, timeout: float = 5.0,
                 keep: Sequence[int] = ()) -> int:
-    """SIGKILL every process carrying the job's mark but those in ``keep``; wait until they are gone.
-    Returns how many."""
-    victims = signal_marked(job_uid, signal.SIGKILL, node_tag, keep)
-    psutil.wait_procs(victims, timeout=timeout)
-    return len(victims)
+    """SIGKILL every process carrying the job's mark but those in ``keep``, until none is left or
+    ``timeout`` passes. One pass is not enough: a marked parent (a launcher starting its ranks) may
+    fork while the scan runs, and a child started after the scan reached it is not in the list.
+    Returns how many processes it signalled."""
+    deadline = time.monotonic() + timeout
+    killed: set[int] = set()
+    while victims := signal_marked(job_uid, signal.SIGKILL, node_tag, keep):
+        killed.update(p.pid for p in victims)
+        psutil.wait_procs(victims, timeout=max(0.0, deadline - time.monotonic()))
+        if time.monotonic() >= deadline:
+            break
+    return len(killed)
 
 
 def alive(pid: int) -> bool:

@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import psutil
@@ -105,6 +106,35 @@ def test_rm_refuses_while_a_process_of_the_job_runs(tmp_path: Path) -> None:
         rank.wait()
     backend.remove("old")
     assert not (tmp_path / "old").exists()
+
+
+# a launcher starting its ranks, at its busiest: child after child (300 at most), each living a minute
+FORKING = """
+import os, time
+for _ in range(300):
+    if os.fork() == 0:
+        time.sleep(60)
+        os._exit(0)
+time.sleep(60)
+"""
+
+
+def test_killing_a_jobs_processes_ends_the_children_a_parent_forks_while_they_are_killed() -> None:
+    """CI: a stop found two ranks of the job alive 10 s after killing every marked process; their
+    launcher had forked them after the scan for marked processes had passed it."""
+    uid = "0f0f0f0f0f0f0f0f"
+    parent = subprocess.Popen([sys.executable, "-c", FORKING], env={**os.environ, procs.JOB_UID_ENV: uid},
+                              start_new_session=True)
+    try:
+        wait_for("its first children", lambda: len(procs.marked(uid)) >= 3, timeout=30, every=0.05)
+        procs.kill_marked(uid, timeout=30)
+        assert procs.marked(uid) == []
+    finally:
+        try:
+            os.killpg(parent.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        parent.wait()
 
 
 def test_a_job_reads_ended_only_once_its_supervisor_and_keeper_are_gone(tmp_path: Path) -> None:
