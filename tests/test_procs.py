@@ -120,8 +120,8 @@ time.sleep(60)
 
 
 def test_killing_a_jobs_processes_ends_the_children_a_parent_forks_while_they_are_killed() -> None:
-    """CI: a stop found two ranks of the job alive 10 s after killing every marked process; their
-    launcher had forked them after the scan for marked processes had passed it."""
+    """CI: a stop, right after a job restart, found two of the job's processes alive 10 s after killing
+    every marked process it had listed: a process forked after the scan passed its parent is not listed."""
     uid = "0f0f0f0f0f0f0f0f"
     parent = subprocess.Popen([sys.executable, "-c", FORKING], env={**os.environ, procs.JOB_UID_ENV: uid},
                               start_new_session=True)

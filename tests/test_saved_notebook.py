@@ -53,10 +53,10 @@ def started_kernel(lab: dict[str, Any], path: str) -> str:
     on a running kernel, as a notebook reopened in a running JupyterLab does. Why: the widget manager
     (@jupyter-widgets/jupyterlab-manager, restoreWidgets) marks itself restored after any restore, and the
     one that a kernel connection's 'connected' starts, while no other is asking the kernel, loads the
-    kernel's widgets only, never the notebook's: a view it then renders reads "model not found" (CI, once
-    in about ten runs). The connection changes while the kernel starts; started here, it has settled before
-    the page restores. Reasoned from the manager's code: killing the kernel while the page restored (the
-    failure could not be caused on this machine in 50 openings under load) left it loading or redrew it."""
+    kernel's widgets only, never the notebook's: a view it then renders reads "model not found" (one clean
+    run of the last six). The connection changes while the kernel starts; started here, it has settled
+    before the page restores. Reasoned from the manager's code, not caused: 41 openings under load drew the
+    figure, and a kernel killed while the page restored left it loading or redrew it."""
     from jupyter_client import BlockingKernelClient
 
     from jobs import wait_for
