@@ -100,7 +100,7 @@ def kernels_of(lab: dict[str, Any], notebook: str) -> list[str]:
 def kernel_lines(lab: dict[str, Any]) -> list[str]:
     """What the server said about its kernels (a restart, a kernel that died)."""
     log = (lab["dir"] / "lab.log").read_text(errors="replace").splitlines()
-    return [line for line in log if "ernel" in line and "TCP without encryption" not in line][-20:]
+    return [line for line in log if "kernel" in line.lower() and "TCP without encryption" not in line][-20:]
 
 
 def quickstart(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
