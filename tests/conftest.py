@@ -196,7 +196,8 @@ def jupyterlab(tmp_path: Path, jupyter: Path, env: dict[str, str] | None = None)
                 raise RuntimeError(f"JupyterLab did not start; see {tmp_path / 'lab.log'}") from None
             time.sleep(0.3)
     try:
-        yield {"url": url, "token": token, "home": Path(env["EKSFT_HOME"]), "dir": tmp_path}
+        yield {"url": url, "token": token, "home": Path(env["EKSFT_HOME"]), "dir": tmp_path,
+               "runtime": Path(env["JUPYTER_RUNTIME_DIR"])}
     finally:
         stop_server(server, log)
         from eksft_nb.backends.local import LocalBackend

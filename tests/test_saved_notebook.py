@@ -54,7 +54,7 @@ def started_kernel(lab: dict[str, Any], path: str) -> str:
     (@jupyter-widgets/jupyterlab-manager, restoreWidgets) marks itself restored after any restore, and the
     one that a kernel connection's 'connected' starts, while no other is asking the kernel, loads the
     kernel's widgets only, never the notebook's: a view it then renders reads "model not found" (one clean
-    run of the last six). The connection changes while the kernel starts; started here, it has settled
+    run in eight). The connection changes while the kernel starts; started here, it has settled
     before the page restores. Reasoned from the manager's code, not caused: 41 openings under load drew the
     figure, and a kernel killed while the page restored left it loading or redrew it."""
     from jupyter_client import BlockingKernelClient
@@ -70,7 +70,7 @@ def started_kernel(lab: dict[str, Any], path: str) -> str:
 
     def idle() -> bool:
         """Whether the kernel answers (the server reads 'starting' until a client asks it something)."""
-        client = BlockingKernelClient(connection_file=str(lab["dir"] / "runtime" / f"kernel-{kernel}.json"))
+        client = BlockingKernelClient(connection_file=str(lab["runtime"] / f"kernel-{kernel}.json"))
         try:
             client.load_connection_file()   # again each time: a restarted kernel has new ports
         except (OSError, ValueError):       # being rewritten
